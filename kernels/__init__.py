@@ -1,0 +1,2 @@
+"""Reduction kernels for the collectives lab: Numba (``kernels.reduce``) and baselines
+(``kernels.python``). Imports nothing from ``lab``."""

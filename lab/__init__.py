@@ -1,0 +1,24 @@
+"""The collectives lab: allreduce, broadcast, allgather and reduce_scatter from scratch.
+
+    import lab, torch
+
+    def step(mesh, scale):                 # runs once in every rank's own process
+        x = torch.arange(8, dtype=torch.float32) * scale + mesh.rank
+        lab.allreduce(mesh, x, op="sum", algorithm="auto")   # in place; returns x
+        return x
+
+    outs = lab.spawn(step, world_size=4, args=(2.0,))         # one result per rank, rank order
+"""
+
+from lab.collectives import allgather, allreduce, broadcast, reduce_scatter
+from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError, RankError
+from lab.launch import Cluster, launch, spawn
+from lab.mesh import Mesh
+from lab.ops import ReduceOp
+from lab.reference import gloo_reference
+
+__all__ = [
+    "allreduce", "broadcast", "allgather", "reduce_scatter", "ReduceOp",
+    "spawn", "launch", "Cluster", "Mesh", "gloo_reference",
+    "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError",
+]

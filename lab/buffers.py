@@ -1,0 +1,86 @@
+"""Caller tensors <-> the flat, contiguous numpy buffers the algorithms and kernels work on.
+
+A torch tensor and its buffer share memory whenever the tensor is contiguous; otherwise the
+buffer is a contiguous copy and :meth:`Buffer.write_back` copies the result into the caller's
+tensor. bfloat16 (which numpy lacks) and float16 are handled as ``uint16`` bit patterns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lab.ops import DType, dtype_of
+
+
+def _flat_storage(tensor: Any, dtype: DType) -> np.ndarray:
+    """A 1-D numpy view of a contiguous tensor's elements, typed as ``dtype.storage``."""
+    if isinstance(tensor, torch.Tensor):
+        tensor = tensor.detach().reshape(-1)
+        if dtype.storage == np.uint16:
+            return tensor.view(torch.int16).numpy().view(np.uint16)
+        return tensor.numpy()
+    return tensor.reshape(-1).view(dtype.storage)
+
+
+@dataclass
+class Buffer:
+    """The caller's ``tensor``, its :class:`DType`, and ``flat``: the 1-D buffer collectives use."""
+
+    tensor: Any
+    dtype: DType
+    flat: np.ndarray
+    shared: bool  # flat aliases the caller's memory, so no write-back is needed
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
+
+    def write_back(self) -> None:
+        """Copy ``flat`` into the caller's tensor when they do not share memory."""
+        if self.shared:
+            return
+        if isinstance(self.tensor, torch.Tensor):
+            self.tensor.copy_(to_caller_type(self.flat, self.dtype, self.tensor.shape, like=self.tensor))
+        else:
+            self.tensor[...] = self.flat.view(self.tensor.dtype).reshape(self.tensor.shape)
+
+
+def check_tensor(tensor: Any, name: str = "tensor") -> DType:
+    """Validate a collective's tensor argument (type, dtype, device); return its :class:`DType`."""
+    dtype = dtype_of(tensor, name)
+    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor; got device {tensor.device}")
+    return dtype
+
+
+def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffer:
+    """Wrap a caller's tensor; ``ValueError``/``TypeError`` naming ``name`` if it is unusable.
+
+    ``writable``: the collective writes its result into the tensor (allreduce, broadcast).
+    """
+    dtype = check_tensor(tensor, name)
+    contiguous = tensor.is_contiguous() if isinstance(tensor, torch.Tensor) else tensor.flags.c_contiguous
+    if writable and isinstance(tensor, np.ndarray) and not tensor.flags.writeable:
+        raise ValueError(f"{name} is a read-only numpy array; collectives write their result into it")
+    if contiguous:
+        return Buffer(tensor, dtype, _flat_storage(tensor, dtype), shared=True)
+    copy = tensor.contiguous() if isinstance(tensor, torch.Tensor) else np.ascontiguousarray(tensor)
+    return Buffer(tensor, dtype, _flat_storage(copy, dtype), shared=False)
+
+
+def new_flat(numel: int, dtype: DType) -> np.ndarray:
+    """An uninitialised flat buffer for a collective's new output."""
+    return np.empty(numel, dtype=dtype.storage)
+
+
+def to_caller_type(flat: np.ndarray, dtype: DType, shape: tuple[int, ...], like: Any) -> Any:
+    """Wrap a flat buffer (no copy) as a tensor of ``like``'s kind (torch or numpy) and ``shape``."""
+    if isinstance(like, torch.Tensor):
+        if dtype.storage == np.uint16:
+            return torch.from_numpy(flat.view(np.int16)).view(dtype.torch_dtype).reshape(shape)
+        return torch.from_numpy(flat).reshape(shape)
+    return flat.view(like.dtype).reshape(shape)

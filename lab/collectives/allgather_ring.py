@@ -1,0 +1,31 @@
+"""Ring allgather: the second half of ring allreduce."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lab.mesh import Mesh
+
+
+def allgather_ring(mesh: Mesh, buf: np.ndarray, bounds: list[tuple[int, int]]) -> None:
+    """Given chunk ``mesh.rank`` of ``buf`` on every rank, fill in every other chunk.
+
+    N-1 steps round the ring: at step s rank r sends chunk (r-s) mod N to rank r+1 and receives
+    chunk (r-s-1) mod N from rank r-1, so each completed chunk travels once round the ring.
+
+    Cost: (N-1)·α + (N-1)/N·T·β for a T-byte result; each rank sends and receives (N-1)/N·T bytes.
+
+    Per rank, N=3, ``buf`` = [0, 0, 0] with ``buf[r] = 10 + r`` on rank r::
+
+        every rank -> buf == [10, 11, 12]
+    """
+    n, rank = mesh.world_size, mesh.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    def chunk(index: int) -> np.ndarray:
+        start, stop = bounds[index % n]
+        return buf[start:stop]
+
+    for step in range(n - 1):
+        # Forward the chunk completed most recently; take the next one from the left.
+        mesh.sendrecv_buffer(right, chunk(rank - step), left, chunk(rank - step - 1))

@@ -1,0 +1,328 @@
+"""Rank processes: ``lab.spawn`` for one call, ``lab.launch`` for a persistent pool.
+
+The parent builds the whole mesh (pipes or queues, shared-memory segments), starts one process
+per rank and talks to each over a private control pipe: it sends ``(fn, args)`` pickled, the rank
+answers with its result or its exception. Processes start from a forkserver that has already
+imported torch, numba and the compiled kernels, so a pool starts in well under a second and no
+rank compiles anything. Whatever happens, :meth:`Cluster.close` ends every process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+from lab.errors import LabError, RankError
+from lab.mesh import Mesh
+from lab.transport import queue as queue_transport
+from lab.transport import shm as shm_transport
+
+TRANSPORTS = ("shm", "queue")
+
+#: After one rank fails, how long the parent waits for the others to report before ending them.
+FAILURE_GRACE_S = 2.0
+#: How long the parent waits for a new pool's ranks to come up.
+STARTUP_TIMEOUT_S = 120.0
+_STOP = b""
+
+
+def _context() -> mp.context.BaseContext:
+    method = os.environ.get("LAB_START_METHOD", "forkserver")
+    context = mp.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(["lab"])
+    return context
+
+
+def _check_options(world_size: Any, transport: Any, recv_timeout_ms: Any) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1; got {world_size!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {transport!r}")
+    if recv_timeout_ms is not None and not (isinstance(recv_timeout_ms, (int, float)) and recv_timeout_ms > 0):
+        raise ValueError(f"recv_timeout_ms must be a positive number of milliseconds or None; got {recv_timeout_ms!r}")
+
+
+class Cluster:
+    """A pool of ``world_size`` rank processes with their mesh, created once, reused by ``run``.
+
+        with lab.launch(4) as cluster:
+            outs = cluster.run(step, 2.0)      # step(mesh, 2.0) in every rank; results in rank order
+
+    Use :func:`launch` to create one.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        transport: str = "shm",
+        recv_timeout_ms: float | None = None,
+        trace: str | None = None,
+        segment_bytes: int = shm_transport.DEFAULT_SEGMENT_BYTES,
+        slots: int = shm_transport.DEFAULT_SLOTS,
+    ) -> None:
+        _check_options(world_size, transport, recv_timeout_ms)
+        import torch.distributed as dist  # the rendezvous store for gloo (and tcp) lives here
+
+        self.world_size = world_size
+        self.transport = transport
+        self._processes: list[mp.process.BaseProcess] = []
+        self._controls: list[Any] = []
+        self._closed = False
+        context = _context()
+        if transport == "shm":
+            endpoints = shm_transport.create_endpoints(context, world_size, segment_bytes, slots)
+        else:
+            endpoints = queue_transport.create_endpoints(context, world_size)
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
+        )
+        options = {
+            "transport": transport,
+            "recv_timeout_ms": recv_timeout_ms,
+            "trace": trace,
+            "store": f"127.0.0.1:{self._store.port}",
+        }
+        try:
+            for rank in range(world_size):
+                control, child_control = context.Pipe()
+                process = context.Process(
+                    target=_rank_main,
+                    args=(endpoints[rank], child_control, options),
+                    name=f"lab-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                child_control.close()
+                self._processes.append(process)
+                self._controls.append(control)
+            for ep in endpoints:  # the ranks hold their own copies now
+                ep.close_in_parent()
+            self._collect(b"ready", STARTUP_TIMEOUT_S)
+        except BaseException:
+            for ep in endpoints:
+                ep.close_in_parent()
+            self.close()
+            raise
+
+    # -- running -------------------------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Call ``fn(mesh, *args)`` in every rank; return the results in rank order.
+
+        ``fn`` must be picklable (a module-level function). If a rank raises or dies, raises
+        :class:`lab.RankError` naming it; the pool stays usable only if every rank failed before
+        sending anything (for example the same bad argument everywhere), and is closed otherwise.
+        """
+        if self._closed:
+            raise LabError("this cluster is closed (a rank failed, or close() was called)")
+        try:
+            task = pickle.dumps((fn, args))
+        except Exception as exc:
+            raise TypeError(f"fn and args must be picklable (fn a module-level function): {exc}") from exc
+        for control in self._controls:
+            control.send_bytes(task)
+        return self._collect(None, None)
+
+    def _collect(self, expected: bytes | None, timeout_s: float | None) -> list[Any]:
+        """Wait for one reply per rank. ``expected``: a fixed reply (start-up) instead of results."""
+        results: list[Any] = [None] * self.world_size
+        failures: dict[int, tuple] = {}
+        waiting = set(range(self.world_size))
+        give_up = None if timeout_s is None else time.monotonic() + timeout_s
+        while waiting:
+            if failures and give_up is None:
+                give_up = time.monotonic() + FAILURE_GRACE_S
+            remaining = None if give_up is None else max(0.0, give_up - time.monotonic())
+            handles = {self._controls[r]: r for r in waiting}
+            handles.update({self._processes[r].sentinel: r for r in waiting})
+            ready = wait(list(handles), remaining)
+            if not ready:
+                break
+            for handle in ready:
+                rank = handles[handle]
+                if rank not in waiting:
+                    continue
+                control = self._controls[rank]
+                if handle is not control and control.poll(0):
+                    continue  # the rank answered, then exited: read the answer next round
+                waiting.discard(rank)
+                try:
+                    reply = control.recv_bytes()
+                except (EOFError, OSError):
+                    failures[rank] = _death(rank, self._processes[rank])
+                    continue
+                if reply == expected:
+                    continue
+                status, *rest = pickle.loads(reply)
+                if status == "ok":
+                    results[rank] = pickle.loads(rest[0])
+                else:
+                    failures[rank] = tuple(rest)
+        if failures or waiting:
+            self._fail(failures, waiting)
+        return results
+
+    def _fail(self, failures: dict[int, tuple], waiting: set[int]) -> None:
+        """Raise RankError for the first failure; close the pool unless it is still consistent."""
+        if not failures:  # start-up timed out
+            raise RankError(min(waiting), "TimeoutError", f"ranks {sorted(waiting)} did not start in time")
+        # failure tuples: (exc_type, message, traceback, monotonic_ns, mesh_clean)
+        first = min(failures, key=lambda r: (failures[r][0] == "PeerLostError", failures[r][3], r))
+        exc_type, message, remote_traceback, _, _ = failures[first]
+        lines = [f"rank {r}: {f[0]}: {f[1]}" for r, f in sorted(failures.items()) if r != first]
+        lines += [f"rank {r}: did not finish within {FAILURE_GRACE_S} s of rank {first}'s failure" for r in sorted(waiting)]
+        usable = not waiting and all(f[4] for f in failures.values())
+        if not usable:
+            self.close()
+        exitcode = self._processes[first].exitcode if exc_type == "ProcessDied" else None
+        raise RankError(first, exc_type, message, remote_traceback, exitcode, "\n".join(lines))
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End every rank process (politely, then by force) and release the mesh. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for control in self._controls:
+            try:
+                control.send_bytes(_STOP)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for process in self._processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+        for control in self._controls:
+            control.close()
+        for process in self._processes:
+            process.close()
+        self._store = None
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close()
+
+
+def _death(rank: int, process: mp.process.BaseProcess) -> tuple:
+    process.join(1.0)
+    code = process.exitcode
+    if code is not None and code < 0:
+        how = f"killed by signal {signal.Signals(-code).name}"
+    else:
+        how = f"exited with code {code}"
+    return ("ProcessDied", f"rank {rank}'s process {how}", "", time.monotonic_ns(), False)
+
+
+def launch(
+    world_size: int,
+    *,
+    transport: str = "shm",
+    recv_timeout_ms: float | None = None,
+    trace: str | None = None,
+    segment_bytes: int = shm_transport.DEFAULT_SEGMENT_BYTES,
+    slots: int = shm_transport.DEFAULT_SLOTS,
+) -> Cluster:
+    """Start a persistent pool of rank processes; use it as a context manager.
+
+    Same options as :func:`spawn`. ``segment_bytes`` and ``slots`` size the shm transport's
+    per-peer buffers (``slots`` buffers of ``segment_bytes`` per directed edge).
+    """
+    return Cluster(
+        world_size, transport=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
+        segment_bytes=segment_bytes, slots=slots,
+    )
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple = (),
+    transport: str = "shm",
+    recv_timeout_ms: float | None = None,
+    trace: str | None = None,
+    segment_bytes: int = shm_transport.DEFAULT_SEGMENT_BYTES,
+    slots: int = shm_transport.DEFAULT_SLOTS,
+) -> list[Any]:
+    """Run ``fn(mesh, *args)`` in ``world_size`` new processes; return their results in rank order.
+
+        def step(mesh, scale):
+            x = torch.arange(4.0) * scale + mesh.rank
+            return lab.allreduce(mesh, x)
+
+        lab.spawn(step, 2, args=(10.0,))      # [tensor([1., 21., 41., 61.])] * 2
+
+    Everything (processes, pipes, queues, shared memory) is torn down before it returns or raises.
+    """
+    with launch(
+        world_size, transport=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
+        segment_bytes=segment_bytes, slots=slots,
+    ) as cluster:
+        return cluster.run(fn, *args)
+
+
+# -- inside a rank's process ---------------------------------------------------------------------
+
+
+def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
+    """A rank's life: join the mesh, then run tasks from the parent until told to stop."""
+    import torch
+
+    torch.set_num_threads(1)  # ranks share the cores; intra-op threads would oversubscribe them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends us
+    rank, world_size = endpoints.rank, endpoints.world_size
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), LAB_STORE=options["store"])
+    try:
+        if options["transport"] == "shm":
+            transport = shm_transport.ShmTransport(endpoints)
+        else:
+            transport = queue_transport.QueueTransport(endpoints)
+        mesh = Mesh(transport, transport_name=options["transport"],
+                    recv_timeout_ms=options["recv_timeout_ms"], trace=options["trace"])
+    except BaseException as exc:
+        control.send_bytes(pickle.dumps(_failure(exc, clean=False)))
+        return
+    control.send_bytes(b"ready")
+    try:
+        while True:
+            try:
+                task = control.recv_bytes()
+            except (EOFError, OSError):  # the parent is gone
+                break
+            if task == _STOP:
+                break
+            try:
+                fn, args = pickle.loads(task)
+                reply = ("ok", pickle.dumps(fn(mesh, *args)))
+            except BaseException as exc:
+                reply = _failure(exc, mesh.clean)
+                if not mesh.clean:
+                    transport.close()  # peers blocked on us see end-of-file now, not at their deadline
+            control.send_bytes(pickle.dumps(reply))
+    finally:
+        transport.close()
+
+
+def _failure(exc: BaseException, clean: bool) -> tuple:
+    text = traceback.format_exc()
+    return ("error", type(exc).__name__, str(exc), text, time.monotonic_ns(), clean)

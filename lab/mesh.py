@@ -1,0 +1,258 @@
+"""``lab.Mesh``: one rank's handle on the mesh, what algorithms and users send and receive through.
+
+The mesh adds to a transport what is the same on every wire: payload byte counters, deadlines,
+the fingerprint that every message carries (so ranks in different collectives are caught at
+the first message), and the per-collective trace row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from lab.buffers import as_buffer, to_caller_type
+from lab.errors import CollectiveMismatchError
+from lab.ops import DTYPES_BY_CODE, DType
+from lab.transport.base import Combine, Recv, Send, TagMismatch, Transport
+
+#: A receive that waits longer than this raises DeadlineError (override with recv_timeout_ms).
+DEFAULT_RECV_TIMEOUT_MS = 300_000
+
+COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatter")
+ALGORITHMS = ("", "ring", "tree", "naive", "binomial")
+REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg")
+
+_MAX_P2P_DIMS = 16
+_P2P_HEADER_WORDS = 3 + _MAX_P2P_DIMS  # is_torch, dtype code, ndim, shape
+
+# seq, collective, algorithm, dtype code, reduce op, root (-1: none), element count
+_FINGERPRINT = struct.Struct("<QBBBBqq")
+
+
+def describe_fingerprint(tag: bytes) -> str:
+    """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag."""
+    if len(tag) != _FINGERPRINT.size:
+        return f"an unrecognised message ({len(tag)}-byte tag)"
+    seq, coll, algo, code, op, root, count = _FINGERPRINT.unpack(tag)
+    dtype = DTYPES_BY_CODE[code].name if code in DTYPES_BY_CODE else "meta"
+    text = f"{COLLECTIVES[coll]} #{seq} {dtype}[{count}]"
+    if op:
+        text += f" {REDUCE_OPS[op]}"
+    if root >= 0:
+        text += f" root={root}"
+    return text + (f" ({ALGORITHMS[algo]})" if algo else "")
+
+
+class _Position:
+    """Where a rank is, for error messages: ``allreduce #7 (ring) step 3``. Formatted lazily."""
+
+    __slots__ = ("collective", "seq", "algorithm", "step")
+
+    def __init__(self) -> None:
+        self.collective, self.seq, self.algorithm, self.step = "send/recv", 0, "", 0
+
+    def __str__(self) -> str:
+        algorithm = f" ({self.algorithm})" if self.algorithm else ""
+        return f"{self.collective} #{self.seq}{algorithm} step {self.step}"
+
+
+class Mesh:
+    """One rank's handle: ``rank``, ``world_size``, point-to-point ``send``/``recv``, ``stats``.
+
+    Created for you in every rank by :func:`lab.spawn` / :func:`lab.launch`.
+
+        def step(mesh):                       # runs in every rank's process
+            if mesh.rank == 0:
+                mesh.send(1, torch.arange(4.0))
+            elif mesh.rank == 1:
+                x = mesh.recv(0)              # tensor([0., 1., 2., 3.])
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        transport_name: str,
+        recv_timeout_ms: float | None = None,
+        trace: str | None = None,
+    ) -> None:
+        self._transport = transport
+        self.transport = transport_name
+        self.recv_timeout_ms = DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None else recv_timeout_ms
+        self._trace_path = trace or os.environ.get("LAB_TRACE") or None
+        self._seq = 0
+        self._p2p_sent = [0] * transport.world_size
+        self._p2p_received = [0] * transport.world_size
+        self._tag = b""
+        self._position = _Position()
+        self.clean = True  # False once a collective failed half-way: peers may hold its messages
+        self.reset_stats()
+
+    @property
+    def rank(self) -> int:
+        return self._transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._transport.world_size
+
+    # -- counters ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Payload bytes and messages since :meth:`reset_stats` (tensor data only, no headers).
+
+        A message is one logical send (a chunk), however many segments the transport cut it into.
+        """
+        return dict(self._stats)
+
+    def reset_stats(self) -> None:
+        self._stats = dict.fromkeys(
+            ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives"), 0
+        )
+
+    # -- what algorithms use -------------------------------------------------------------------
+
+    def send_buffer(self, dst: int, data: np.ndarray) -> None:
+        """Send a flat buffer to ``dst`` (returns once the data is in the channel)."""
+        self._exchange([Send(dst, data)], [])
+
+    def recv_buffer(self, src: int, out: np.ndarray, combine: Combine | None = None) -> None:
+        """Receive from ``src`` into ``out``: copy, or ``combine(out, incoming)`` to reduce."""
+        self._exchange([], [Recv(src, out, combine)])
+
+    def sendrecv_buffer(
+        self, dst: int, data: np.ndarray, src: int, out: np.ndarray, combine: Combine | None = None
+    ) -> None:
+        """Send to ``dst`` and receive from ``src`` at once (one ring step)."""
+        self._exchange([Send(dst, data)], [Recv(src, out, combine)])
+
+    def _exchange(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted=True):
+        self._position.step += 1
+        timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
+        deadline = time.monotonic() + timeout_ms / 1000
+        try:
+            self._transport.exchange(sends, recvs, self._tag, deadline, self._position)
+        except TagMismatch as mismatch:
+            raise CollectiveMismatchError(
+                f"rank {self.rank} is in {describe_fingerprint(mismatch.expected)}; "
+                f"rank {mismatch.src} sent {describe_fingerprint(mismatch.got)}"
+            ) from None
+        if counted:
+            stats = self._stats
+            for send in sends:
+                stats["bytes_sent"] += send.data.nbytes
+                stats["messages_sent"] += 1
+            for recv in recvs:
+                stats["bytes_received"] += recv.out.nbytes
+                stats["messages_received"] += 1
+
+    @contextlib.contextmanager
+    def collective(
+        self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1
+    ) -> Iterator[None]:
+        """Run one collective: number it, fingerprint its messages, trace it.
+
+        Every rank enters the same collectives in the same order, so ``seq`` agrees across ranks
+        and a message from a different collective is caught by its fingerprint.
+        """
+        self._seq += 1
+        self._tag = _FINGERPRINT.pack(
+            self._seq, COLLECTIVES.index(name), ALGORITHMS.index(algorithm), dtype.code,
+            REDUCE_OPS.index(op), root, count,
+        )
+        self._position.collective, self._position.seq = name, self._seq
+        self._position.algorithm, self._position.step = algorithm, 0
+        before = (self._stats["bytes_sent"], self._stats["bytes_received"])
+        start_ns = time.time_ns()
+        try:
+            yield
+        except BaseException:
+            if self._position.step:  # messages may be in flight: this mesh can't be reused
+                self.clean = False
+            raise
+        duration_ns = time.time_ns() - start_ns
+        self._stats["collectives"] += 1
+        if self._trace_path:
+            self._write_trace(
+                op=name, algorithm=algorithm, dtype=dtype.name, count=count,
+                nbytes=count * dtype.storage.itemsize, reduce_op=op or None, root=None if root < 0 else root,
+                bytes_sent=self._stats["bytes_sent"] - before[0],
+                bytes_received=self._stats["bytes_received"] - before[1],
+                start_ns=start_ns, duration_ns=duration_ns, seq=self._seq,
+            )
+
+    def _write_trace(self, **row: Any) -> None:
+        line = json.dumps({"rank": self.rank, "world_size": self.world_size, "transport": self.transport, **row})
+        fd = os.open(self._trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())  # one write per row: appends stay whole across ranks
+        finally:
+            os.close(fd)
+
+    # -- public point-to-point -----------------------------------------------------------------
+
+    def _check_peer(self, peer: int, name: str) -> None:
+        if not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(
+                f"{name} must be another rank in [0, {self.world_size}); got {peer!r} on rank {self.rank}"
+            )
+
+    def _p2p_tag(self, seq: int, dtype_code: int, count: int) -> bytes:
+        return _FINGERPRINT.pack(seq, 0, 0, dtype_code, 0, -1, count)
+
+    def send(self, dst: int, tensor: Any) -> None:
+        """Send ``tensor`` (torch or numpy, any shape) to rank ``dst``; ordered per pair of ranks.
+
+        Returns once the data is in the channel; a large tensor over ``"shm"`` waits until the
+        receiver has taken all but the last few segments (buffers are bounded).
+        """
+        self._check_peer(dst, "dst")
+        buffer = as_buffer(tensor)
+        shape = tuple(np.shape(tensor))
+        if len(shape) > _MAX_P2P_DIMS:
+            raise ValueError(f"tensor has {len(shape)} dimensions; send supports up to {_MAX_P2P_DIMS}")
+        self._p2p_sent[dst] += 1
+        seq = self._p2p_sent[dst]
+        # A fixed-size header (kind, dtype, shape) first, uncounted, then the payload.
+        header = np.zeros(_P2P_HEADER_WORDS, np.int64)
+        header[:3] = isinstance(tensor, torch.Tensor), buffer.dtype.code, len(shape)
+        header[3 : 3 + len(shape)] = shape
+        self._start_p2p("send", seq)
+        self._tag = self._p2p_tag(seq, 0, _P2P_HEADER_WORDS)
+        self._exchange([Send(dst, header)], [], counted=False)
+        self._tag = self._p2p_tag(seq, buffer.dtype.code, buffer.flat.size)
+        self._exchange([Send(dst, buffer.flat)], [])
+
+    def recv(self, src: int, timeout_ms: float | None = None) -> Any:
+        """Receive the next tensor rank ``src`` sent to this rank: same kind, dtype and shape.
+
+        Waits at most ``timeout_ms`` (default: the mesh's ``recv_timeout_ms``), then raises
+        :class:`lab.DeadlineError`.
+        """
+        self._check_peer(src, "src")
+        self._p2p_received[src] += 1
+        seq = self._p2p_received[src]
+        self._start_p2p("recv", seq)
+        header = np.empty(_P2P_HEADER_WORDS, np.int64)
+        self._tag = self._p2p_tag(seq, 0, _P2P_HEADER_WORDS)
+        self._exchange([], [Recv(src, header)], timeout_ms, counted=False)
+        is_torch, code, ndim = (int(v) for v in header[:3])
+        shape = tuple(int(v) for v in header[3 : 3 + ndim])
+        dtype = DTYPES_BY_CODE[code]
+        flat = np.empty(int(np.prod(shape)), dtype.storage)
+        self._tag = self._p2p_tag(seq, code, flat.size)
+        self._exchange([], [Recv(src, flat)], timeout_ms)
+        like = torch.empty(0, dtype=dtype.torch_dtype) if is_torch else np.empty(0, dtype.name)
+        return to_caller_type(flat, dtype, shape, like)
+
+    def _start_p2p(self, kind: str, seq: int) -> None:
+        position = self._position
+        position.collective, position.seq, position.algorithm, position.step = kind, seq, "", 0

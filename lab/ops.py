@@ -1,0 +1,107 @@
+"""Reduction ops and supported dtypes: the table that maps ``(op, dtype)`` to a Numba kernel."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from kernels.reduce import DIVIDE, KERNELS
+
+
+class ReduceOp(str, enum.Enum):
+    """Elementwise reductions. ``"avg"`` is a sum divided by the world size (floating dtypes)."""
+
+    SUM = "sum"
+    PROD = "prod"
+    MIN = "min"
+    MAX = "max"
+    AVG = "avg"
+
+
+_TORCH_OP_NAMES = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg"}
+
+
+def parse_op(op: Any) -> ReduceOp:
+    """``"sum"``, ``lab.ReduceOp.SUM`` or ``torch.distributed.ReduceOp.SUM`` -> ``ReduceOp.SUM``."""
+    if isinstance(op, ReduceOp):
+        return op
+    name = str(op).rsplit(".", 1)[-1]
+    name = _TORCH_OP_NAMES.get(name.upper(), name.lower())
+    try:
+        return ReduceOp(name)
+    except ValueError:
+        choices = ", ".join(repr(o.value) for o in ReduceOp)
+        raise ValueError(f"op must be one of {choices}; got {op!r}") from None
+
+
+@dataclass(frozen=True)
+class DType:
+    """A supported element type: how it is stored in buffers and which kernel family reduces it."""
+
+    name: str
+    torch_dtype: torch.dtype
+    storage: np.dtype  # numpy dtype of the flat buffers (uint16 bit patterns for half types)
+    family: str  # kernel family in kernels.reduce
+    code: int  # wire identifier, part of every message's fingerprint
+
+    @property
+    def is_floating(self) -> bool:
+        return self.torch_dtype.is_floating_point
+
+
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("float32", torch.float32, np.dtype(np.float32), "native", 1),
+        DType("float64", torch.float64, np.dtype(np.float64), "native", 2),
+        DType("int32", torch.int32, np.dtype(np.int32), "native", 3),
+        DType("int64", torch.int64, np.dtype(np.int64), "native", 4),
+        DType("float16", torch.float16, np.dtype(np.uint16), "float16", 5),
+        DType("bfloat16", torch.bfloat16, np.dtype(np.uint16), "bfloat16", 6),
+    )
+}
+DTYPES_BY_CODE = {d.code: d for d in DTYPES.values()}
+_BY_TORCH = {d.torch_dtype: d for d in DTYPES.values()}
+
+
+def dtype_of(tensor: Any, name: str = "tensor") -> DType:
+    """The :class:`DType` of a torch tensor or numpy array; ``TypeError`` listing the supported ones."""
+    if isinstance(tensor, torch.Tensor):
+        found = _BY_TORCH.get(tensor.dtype)
+        shown = str(tensor.dtype).removeprefix("torch.")
+    elif isinstance(tensor, np.ndarray):
+        found = DTYPES.get(tensor.dtype.name)
+        shown = tensor.dtype.name
+    else:
+        raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray; got {type(tensor).__name__}")
+    if found is None:
+        raise TypeError(f"{name} has dtype {shown}, which is not supported; supported: {', '.join(DTYPES)}")
+    return found
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """``combine(dst, src)`` does ``dst ⊕= src`` in place; ``finalize(buf, n)`` completes the op
+    once ``buf`` holds the reduction of all ``n`` ranks (divides for ``avg``, nothing otherwise)."""
+
+    op: ReduceOp
+    dtype: DType
+    combine: Callable[[np.ndarray, np.ndarray], None]
+    _divide: Callable[[np.ndarray, float], None] | None
+
+    def finalize(self, buf: np.ndarray, world_size: int) -> None:
+        if self._divide is not None and buf.size:
+            self._divide(buf, float(world_size))
+
+
+def reduction(op: ReduceOp, dtype: DType) -> Reduction:
+    """The kernels for ``op`` on ``dtype``. ``avg`` needs a floating dtype (as in gloo)."""
+    if op is ReduceOp.AVG and not dtype.is_floating:
+        raise TypeError(f"op 'avg' needs a floating dtype; tensor has dtype {dtype.name} (use 'sum')")
+    kernel_op = "sum" if op is ReduceOp.AVG else op.value
+    divide = DIVIDE[dtype.family] if op is ReduceOp.AVG else None
+    return Reduction(op, dtype, KERNELS[kernel_op, dtype.family], divide)

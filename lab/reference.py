@@ -1,0 +1,91 @@
+"""The reference: the same collectives through ``torch.distributed`` with the gloo backend."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lab.chunking import split_bounds
+from lab.mesh import Mesh
+from lab.ops import parse_op
+
+REFERENCE_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+_TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
+
+
+def ensure_gloo(mesh: Mesh) -> None:
+    """Join this rank's pool to a gloo process group (once per process) through the pool's store."""
+    if dist.is_initialized():
+        return
+    host, port = os.environ["LAB_STORE"].rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("gloo", store), rank=mesh.rank, world_size=mesh.world_size,
+        timeout=timedelta(milliseconds=mesh.recv_timeout_ms),
+    )
+
+
+def gloo_collective(mesh: Mesh, op: str, tensor: Any, **options: Any) -> Any:
+    """Run collective ``op`` on ``tensor`` through gloo inside a rank; same semantics as ``lab``.
+
+    Returns what the lab's collective returns (the tensor, reduced or broadcast in place, or a
+    new tensor), with the caller's type. ``options``: ``op=`` for reductions, ``src=`` for
+    broadcast (``algorithm=`` is accepted and ignored: gloo picks its own).
+    """
+    if op not in REFERENCE_OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, REFERENCE_OPS))}; got {op!r}")
+    ensure_gloo(mesh)
+    is_numpy = isinstance(tensor, np.ndarray)
+    t = torch.from_numpy(np.ascontiguousarray(tensor)) if is_numpy else tensor.contiguous()
+    reduce_op = getattr(dist.ReduceOp, _TORCH_REDUCE_OPS[parse_op(options.get("op", "sum")).value])
+    n = mesh.world_size
+    if op == "allreduce":
+        dist.all_reduce(t, op=reduce_op)
+        result = t
+    elif op == "broadcast":
+        dist.broadcast(t, src=options.get("src", 0))
+        result = t
+    elif op == "allgather":
+        flat = t.reshape(-1)
+        out = torch.empty(n * flat.numel(), dtype=t.dtype)
+        dist.all_gather_into_tensor(out, flat)
+        shape = tuple(t.shape) or (1,)
+        result = out.reshape(n * shape[0], *shape[1:])
+    else:
+        blocks = [t[a:b].contiguous() for a, b in split_bounds(t.shape[0], n)]
+        result = torch.empty_like(blocks[mesh.rank])
+        dist.reduce_scatter(result, blocks, op=reduce_op)
+    if is_numpy:
+        result = result.numpy()
+        if op in ("allreduce", "broadcast"):
+            tensor[...] = result
+            return tensor
+        return result
+    if op in ("allreduce", "broadcast") and result is not tensor:
+        tensor.copy_(result)
+        return tensor
+    return result
+
+
+def _gloo_rank(mesh: Mesh, op: str, inputs: list, options: dict[str, Any]) -> Any:
+    return gloo_collective(mesh, op, inputs[mesh.rank], **options)
+
+
+def gloo_reference(op: str, world_size: int, inputs: list, **options: Any) -> list:
+    """Run collective ``op`` through gloo on ``inputs`` (one tensor per rank); per-rank outputs.
+
+        >>> lab.gloo_reference("allreduce", 2, [torch.ones(3), torch.ones(3)])
+        [tensor([2., 2., 2.]), tensor([2., 2., 2.])]
+    """
+    from lab.launch import spawn
+
+    if op not in REFERENCE_OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, REFERENCE_OPS))}; got {op!r}")
+    if len(inputs) != world_size:
+        raise ValueError(f"inputs must hold one tensor per rank ({world_size}); got {len(inputs)}")
+    return spawn(_gloo_rank, world_size, args=(op, list(inputs), options))

@@ -1,0 +1,65 @@
+"""The interface between algorithms (through :class:`lab.Mesh`) and the wires that move bytes.
+
+A transport moves flat numpy buffers between ranks and knows nothing of collectives. Its single
+primitive is :meth:`Transport.exchange`: post some sends and some receives and return once all
+are complete, progressing them together so that a ring step (every rank sends and receives at
+once) cannot deadlock even when buffers are bounded. A receive either copies into its output or
+reduces into it with a kernel (``combine(out, incoming)``), straight from where the bytes landed.
+
+Every message carries a ``tag`` (the mesh's fingerprint of the current collective); a receive
+whose message has a different tag raises :class:`TagMismatch`, which the mesh turns into a
+:class:`lab.CollectiveMismatchError`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Combine = Callable[[np.ndarray, np.ndarray], None]
+
+
+@dataclass
+class Send:
+    dst: int
+    data: np.ndarray  # flat, contiguous; read-only to the transport
+
+
+@dataclass
+class Recv:
+    src: int
+    out: np.ndarray  # flat, contiguous, exactly the size the sender sends
+    combine: Combine | None = None  # None: copy; otherwise out ⊕= incoming
+
+
+class TagMismatch(Exception):
+    """A message from ``src`` carried ``got`` where the receiver expected ``expected``."""
+
+    def __init__(self, src: int, expected: bytes, got: bytes) -> None:
+        super().__init__(src, expected, got)
+        self.src, self.expected, self.got = src, expected, got
+
+
+class Transport(ABC):
+    """One rank's end of the mesh."""
+
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def exchange(
+        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, deadline: float, where: object
+    ) -> None:
+        """Complete every send and receive, or raise.
+
+        ``deadline`` is a ``time.monotonic()`` instant after which a wait raises
+        :class:`lab.DeadlineError`; ``where`` describes the caller's position (its ``str`` is
+        used only in error messages). A peer that is gone raises :class:`lab.PeerLostError`.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release this rank's resources. Idempotent."""

@@ -1,0 +1,245 @@
+"""The ``"shm"`` transport: descriptors through pipes, tensor bytes through shared memory.
+
+Layout. Rank ``i`` owns one shared-memory segment (an anonymous ``memfd``: it has no name in
+``/dev/shm``, so nothing can be left behind, and the kernel frees it when the last rank exits).
+The segment holds, for every destination ``j``, ``slots`` slots of ``segment_bytes`` each. A send
+copies the data into the next free slot and writes a small descriptor (slot, byte count, tag) to
+the pipe ``i -> j``; the receiver copies or reduces (Numba kernel) straight out of that slot and
+returns a one-byte credit on the pipe ``j -> i``. A sender with no credit waits, so a slot is never
+overwritten before its reader is done, and shared memory per rank is bounded by
+``(world_size - 1) * slots * segment_bytes`` whatever the tensor size: larger tensors flow
+through in segments, pipelined across the slots.
+
+Control plane. One ``multiprocessing.Pipe(duplex=False)`` per directed edge (single producer,
+single consumer), chosen over ``multiprocessing.Queue`` for its latency (see the README). The
+pipe never fills: a sender has at most ``slots`` descriptors and ``slots`` credits outstanding.
+A pipe whose writer died reads as end-of-file, which surfaces at once as PeerLostError.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing import reduction
+from multiprocessing.connection import Connection, wait
+
+import numpy as np
+
+from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
+from lab.transport.base import Recv, Send, TagMismatch, Transport
+
+DEFAULT_SEGMENT_BYTES = 256 * 1024
+DEFAULT_SLOTS = 4
+
+_DATA, _CREDIT = 1, 2
+_DATA_HEADER = struct.Struct("<BxxxIQ")  # kind, slot, nbytes; the tag follows
+_CREDIT_MESSAGE = bytes([_CREDIT])
+
+
+class SharedFd:
+    """A file descriptor that travels to a child process when the process starts."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _rebuild_shared_fd, (reduction.DupFd(self.fd),)
+
+
+def _rebuild_shared_fd(dup: reduction.DupFd) -> SharedFd:
+    return SharedFd(dup.detach())
+
+
+@dataclass
+class ShmEndpoints:
+    """What one rank needs to join the shm mesh; pickled into the rank's process at start."""
+
+    rank: int
+    world_size: int
+    segment_bytes: int
+    slots: int
+    inbox: dict[int, Connection]  # src -> read end of the pipe src -> rank
+    outbox: dict[int, Connection]  # dst -> write end of the pipe rank -> dst
+    segments: list[SharedFd] = field(default_factory=list)  # one per rank, empty for world_size 1
+
+    def close_in_parent(self) -> None:
+        """Close the parent's copies once the rank's process holds its own."""
+        for conn in (*self.inbox.values(), *self.outbox.values()):
+            conn.close()
+        for segment in self.segments:
+            if segment.fd >= 0:
+                os.close(segment.fd)
+                segment.fd = -1
+
+
+def create_endpoints(context, world_size: int, segment_bytes: int, slots: int) -> list[ShmEndpoints]:
+    """Build the full mesh in the parent: N(N-1) pipes and N segments."""
+    if segment_bytes < 64 or segment_bytes % 64:
+        raise ValueError(f"segment_bytes must be a positive multiple of 64; got {segment_bytes}")
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1; got {slots}")
+    endpoints = [ShmEndpoints(r, world_size, segment_bytes, slots, {}, {}) for r in range(world_size)]
+    for src in range(world_size):
+        for dst in range(world_size):
+            if src != dst:
+                reader, writer = context.Pipe(duplex=False)
+                endpoints[dst].inbox[src] = reader
+                endpoints[src].outbox[dst] = writer
+    if world_size > 1:
+        size = (world_size - 1) * slots * segment_bytes
+        segments = []
+        for rank in range(world_size):
+            fd = os.memfd_create(f"lab-rank{rank}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, size)
+            segments.append(SharedFd(fd))
+        for ep in endpoints:
+            ep.segments = segments  # shared: closing one endpoint's copy closes the parent's fd once
+    return endpoints
+
+
+class _Job:
+    """Progress of one send or receive through its segments."""
+
+    __slots__ = ("peer", "array", "bytes", "offset", "segments_left", "combine")
+
+    def __init__(self, peer: int, array: np.ndarray, segment_bytes: int, combine=None) -> None:
+        self.peer = peer
+        self.array = array
+        self.bytes = array.view(np.uint8)
+        self.offset = 0
+        self.segments_left = max(1, -(-array.nbytes // segment_bytes))
+        self.combine = combine
+
+
+class ShmTransport(Transport):
+    """A rank's end of the shm mesh (built inside the rank's process from its endpoints)."""
+
+    def __init__(self, endpoints: ShmEndpoints) -> None:
+        self.rank = endpoints.rank
+        self.world_size = endpoints.world_size
+        self.segment_bytes = endpoints.segment_bytes
+        self.slots = endpoints.slots
+        self._inbox = endpoints.inbox
+        self._outbox = endpoints.outbox
+        self._maps = []
+        for segment in endpoints.segments:
+            self._maps.append(mmap.mmap(segment.fd, os.fstat(segment.fd).st_size))
+            os.close(segment.fd)
+        self._memory = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        self._credits = {p: self.slots for p in peers}
+        self._next_slot = {p: 0 for p in peers}
+        self._arrived: dict[int, deque] = {p: deque() for p in peers}  # descriptors not yet consumed
+
+    # -- slots ---------------------------------------------------------------------------------
+
+    def _slot(self, owner: int, dst: int, slot: int) -> np.ndarray:
+        """Slot ``slot`` of the region in ``owner``'s segment that carries data to ``dst``."""
+        region = (dst - owner - 1) % self.world_size
+        start = (region * self.slots + slot) * self.segment_bytes
+        return self._memory[owner][start : start + self.segment_bytes]
+
+    # -- the exchange loop -------------------------------------------------------------------
+
+    def exchange(
+        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, deadline: float, where: object
+    ) -> None:
+        sending = [_Job(s.dst, s.data, self.segment_bytes) for s in sends]
+        receiving = [_Job(r.src, r.out, self.segment_bytes, r.combine) for r in recvs]
+        while sending or receiving:
+            progressed = False
+            for job in sending:
+                while job.segments_left and self._credits[job.peer]:
+                    self._push_segment(job, tag, where)
+                    progressed = True
+            for job in receiving:
+                while job.segments_left and self._has_data(job.peer, where):
+                    self._consume_segment(job, tag, where)
+                    progressed = True
+            sending = [job for job in sending if job.segments_left]
+            receiving = [job for job in receiving if job.segments_left]
+            if not progressed and (sending or receiving):
+                self._wait_for({job.peer for job in sending + receiving}, deadline, where)
+
+    def _push_segment(self, job: _Job, tag: bytes, where: object) -> None:
+        # Copy the next piece into our next free slot for this peer, then tell the peer where it is.
+        nbytes = min(self.segment_bytes, job.bytes.size - job.offset)
+        slot = self._next_slot[job.peer]
+        self._slot(self.rank, job.peer, slot)[:nbytes] = job.bytes[job.offset : job.offset + nbytes]
+        try:
+            self._outbox[job.peer].send_bytes(_DATA_HEADER.pack(_DATA, slot, nbytes) + tag)
+        except OSError:
+            raise PeerLostError(f"rank {self.rank}: rank {job.peer} is gone (sending in {where})") from None
+        self._credits[job.peer] -= 1
+        self._next_slot[job.peer] = (slot + 1) % self.slots
+        job.offset += nbytes
+        job.segments_left -= 1
+
+    def _consume_segment(self, job: _Job, tag: bytes, where: object) -> None:
+        # Copy or reduce straight out of the sender's slot, then hand the slot back.
+        slot, nbytes, got_tag = self._arrived[job.peer].popleft()
+        if got_tag != tag:
+            raise TagMismatch(job.peer, tag, got_tag)
+        expected = min(self.segment_bytes, job.bytes.size - job.offset)
+        if nbytes != expected:
+            raise CollectiveMismatchError(
+                f"rank {self.rank} expected {expected} bytes from rank {job.peer} in {where}, got {nbytes}"
+            )
+        incoming = self._slot(job.peer, self.rank, slot)[:nbytes].view(job.array.dtype)
+        itemsize = job.array.itemsize
+        target = job.array[job.offset // itemsize : (job.offset + nbytes) // itemsize]
+        if job.combine is None:
+            target[:] = incoming
+        else:
+            job.combine(target, incoming)
+        try:
+            self._outbox[job.peer].send_bytes(_CREDIT_MESSAGE)
+        except OSError:
+            raise PeerLostError(f"rank {self.rank}: rank {job.peer} is gone (receiving in {where})") from None
+        job.offset += nbytes
+        job.segments_left -= 1
+
+    # -- reading the pipes ---------------------------------------------------------------------
+
+    def _has_data(self, peer: int, where: object) -> bool:
+        """Whether a data descriptor from ``peer`` is ready, reading what has arrived (no wait)."""
+        while not self._arrived[peer] and self._inbox[peer].poll(0):
+            self._read_message(peer, where)
+        return bool(self._arrived[peer])
+
+    def _read_message(self, peer: int, where: object) -> None:
+        try:
+            message = self._inbox[peer].recv_bytes()
+        except (EOFError, OSError):
+            raise PeerLostError(
+                f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})"
+            ) from None
+        if message[0] == _CREDIT:
+            self._credits[peer] += 1
+        else:
+            _, slot, nbytes = _DATA_HEADER.unpack_from(message)
+            self._arrived[peer].append((slot, nbytes, message[_DATA_HEADER.size :]))
+
+    def _wait_for(self, peers: set[int], deadline: float, where: object) -> None:
+        """Block until a message arrives from one of ``peers``, and read it."""
+        timeout = deadline - time.monotonic()
+        ready = wait([self._inbox[p] for p in peers], max(timeout, 0.0)) if timeout > 0 else []
+        if not ready:
+            names = ", ".join(str(p) for p in sorted(peers))
+            raise DeadlineError(f"rank {self.rank} timed out waiting for rank {names} in {where}")
+        by_conn = {self._inbox[p]: p for p in peers}
+        for conn in ready:
+            self._read_message(by_conn[conn], where)
+
+    def close(self) -> None:
+        for conn in (*self._inbox.values(), *self._outbox.values()):
+            conn.close()
+        self._memory = []
+        for m in self._maps:
+            m.close()
+        self._maps = []
