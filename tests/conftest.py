@@ -1,0 +1,30 @@
+"""Shared fixtures: rank pools started once per test module, and a leak check after the session."""
+
+from __future__ import annotations
+
+import os
+
+import multiprocessing
+import pytest
+
+import lab
+
+
+def _shm_entries() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind():
+    """After all tests: no rank process alive and no new /dev/shm segment."""
+    before = _shm_entries()
+    yield
+    leaked = _shm_entries() - before
+    ranks = [p for p in multiprocessing.active_children() if p.name.startswith("lab-rank")]
+    assert not ranks, f"rank processes left running: {ranks}"
+    assert not leaked, f"/dev/shm segments left behind: {sorted(leaked)}"
+
+
+def pool(world_size: int, transport: str, **options) -> lab.Cluster:
+    """A rank pool for one test module (the caller closes it)."""
+    return lab.launch(world_size, transport=transport, recv_timeout_ms=60_000, **options)
