@@ -30,7 +30,7 @@ def ensure_gloo(mesh: Mesh) -> None:
     )
 
 
-def gloo_collective(mesh: Mesh, op: str, tensor: Any, **options: Any) -> Any:
+def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
     """Run collective ``op`` on ``tensor`` through gloo inside a rank; same semantics as ``lab``.
 
     Returns what the lab's collective returns (the tensor, reduced or broadcast in place, or a
@@ -76,8 +76,10 @@ def _gloo_rank(mesh: Mesh, op: str, inputs: list, options: dict[str, Any]) -> An
     return gloo_collective(mesh, op, inputs[mesh.rank], **options)
 
 
-def gloo_reference(op: str, world_size: int, inputs: list, **options: Any) -> list:
+def gloo_reference(op: str, world_size: int, inputs: list, /, **options: Any) -> list:
     """Run collective ``op`` through gloo on ``inputs`` (one tensor per rank); per-rank outputs.
+
+    ``op`` is positional, so the reduction can still be given as a keyword (``op="max"``).
 
         >>> lab.gloo_reference("allreduce", 2, [torch.ones(3), torch.ones(3)])
         [tensor([2., 2., 2.]), tensor([2., 2., 2.])]

@@ -1,0 +1,136 @@
+"""Every primitive against torch.distributed's gloo backend, on random data, in the same ranks.
+
+Floating-point results may differ from gloo's only by summation order: the bound used is
+2(N-1)·eps(dtype)·Σ|x| per element (each side's rounding error is at most (N-1)·eps·Σ|x|).
+Integer results, min and max must match exactly. Allreduce results must be bit-identical on
+every rank. The pools use the default shm segments, and one case is a 4 MB tensor (16 segments
+per rank and ring phase).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+import lab
+from conftest import pool
+from lab.reference import gloo_collective
+
+FLOATS = ["float32", "float64", "float16", "bfloat16"]
+INTS = ["int32", "int64"]
+EPS = {"float32": 2.0**-23, "float64": 2.0**-52, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+def random_stack(world_size: int, count: int, dtype: str, op: str, seed: int) -> torch.Tensor:
+    """(ranks, count) random inputs; rank r's row is reproducible from ``seed`` and r alone."""
+    rows = []
+    for rank in range(world_size):
+        rng = np.random.default_rng([seed, rank, count])
+        if dtype in INTS:
+            row = rng.integers(-3, 4, count) if op == "prod" else rng.integers(-1000, 1000, count)
+        else:
+            row = rng.uniform(0.5, 1.5, count) * rng.choice([-1, 1], count) if op == "prod" else rng.normal(0, 10, count)
+        rows.append(torch.tensor(row).to(getattr(torch, dtype)))
+    return torch.stack(rows)
+
+
+def tolerance(stack: torch.Tensor, op: str, dtype: str) -> torch.Tensor:
+    n = stack.shape[0]
+    if dtype in INTS or op in ("min", "max") or n == 1:
+        return torch.zeros(stack.shape[1:], dtype=torch.float64)
+    magnitude = stack.double().abs()
+    scale = magnitude.prod(0) if op == "prod" else magnitude.sum(0) / (n if op == "avg" else 1)
+    return 2 * (n - 1) * EPS[dtype] * scale + (EPS[dtype] if op == "avg" else 0) * scale
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+
+
+def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int) -> tuple[list[str], list[str]]:
+    """Run each primitive through the lab and through gloo; return (failures, allreduce digests)."""
+    failures, digests = [], []
+    n, rank = mesh.world_size, mesh.rank
+
+    def check(what: str, got: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor) -> None:
+        error = (got.double() - ref.double()).abs()
+        if got.shape != ref.shape or bool((error > tol).any()):
+            worst = float(error.max()) if error.numel() else 0.0
+            failures.append(f"rank {rank} {what}: max |lab - gloo| = {worst:.3g} over tolerance")
+
+    for count in sizes:
+        for dtype in FLOATS + INTS:
+            for op in ["sum", "prod", "min", "max"] + (["avg"] if dtype in FLOATS else []):
+                stack = random_stack(n, count, dtype, op, seed)
+                mine = stack[rank]
+                ref = gloo_collective(mesh, "allreduce", mine.clone(), op=op)
+                for algorithm in ["ring", "tree", "naive", "auto"]:
+                    got = lab.allreduce(mesh, mine.clone(), op=op, algorithm=algorithm)
+                    check(f"allreduce {algorithm} {op} {dtype}[{count}]", got, ref, tolerance(stack, op, dtype))
+                    digests.append(digest(got))
+                rows = stack.reshape(n, count, 1)[rank]
+                got = lab.reduce_scatter(mesh, rows, op=op)
+                ref = gloo_collective(mesh, "reduce_scatter", rows.clone(), op=op)
+                tol = torch.tensor_split(tolerance(stack, op, dtype).reshape(count, 1), n)[rank]
+                check(f"reduce_scatter {op} {dtype}[{count}]", got, ref, tol)
+            stack = random_stack(n, count, dtype, "sum", seed + 1)
+            for src in sorted({0, n - 1}):
+                got = lab.broadcast(mesh, stack[rank].clone(), src=src)
+                check(f"broadcast src={src} {dtype}[{count}]", got, gloo_collective(mesh, "broadcast", stack[rank].clone(), src=src), torch.zeros(count))
+            got = lab.allgather(mesh, stack[rank])
+            check(f"allgather {dtype}[{count}]", got, gloo_collective(mesh, "allgather", stack[rank]), torch.zeros(n * count))
+    return failures, digests
+
+
+def large_allreduce(mesh: lab.Mesh, count: int) -> tuple[list[str], list[str]]:
+    """A multi-segment float32 sum per algorithm, against gloo."""
+    failures, digests = [], []
+    stack = random_stack(mesh.world_size, count, "float32", "sum", 7)
+    ref = gloo_collective(mesh, "allreduce", stack[mesh.rank].clone())
+    tol = tolerance(stack, "sum", "float32")
+    for algorithm in ["ring", "tree", "naive"]:
+        got = lab.allreduce(mesh, stack[mesh.rank].clone(), algorithm=algorithm)
+        if bool(((got.double() - ref.double()).abs() > tol).any()):
+            failures.append(f"rank {mesh.rank} large allreduce {algorithm}")
+        digests.append(digest(got))
+    return failures, digests
+
+
+@pytest.fixture(scope="module", params=[(t, n) for t in ("shm", "queue") for n in (1, 2, 3, 4, 7)],
+                ids=lambda p: f"{p[0]}-N{p[1]}")
+def cluster(request):
+    transport, world_size = request.param
+    with pool(world_size, transport) as c:
+        yield c
+
+
+def assert_matches_and_identical(outputs: list[tuple[list[str], list[str]]]) -> None:
+    failures = [f for per_rank, _ in outputs for f in per_rank]
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:25])
+    digests = [d for _, d in outputs]
+    assert all(d == digests[0] for d in digests), "allreduce results differ between ranks"
+
+
+def test_every_primitive_matches_gloo_on_random_data(cluster):
+    n = cluster.world_size
+    assert_matches_and_identical(cluster.run(compare_with_gloo, [1, n + 1, 1000], 2026))
+
+
+def test_large_allreduce_matches_gloo_and_is_bit_identical(cluster):
+    assert_matches_and_identical(cluster.run(large_allreduce, (1 << 20) + 3))
+
+
+def test_gloo_reference_runs_on_its_own():
+    """The public reference: per-rank outputs of gloo for given inputs, in rank order."""
+    inputs = [torch.arange(6.0).reshape(3, 2) + r for r in range(3)]
+    outs = lab.gloo_reference("reduce_scatter", 3, inputs, op="max")
+    assert [o.tolist() for o in outs] == [[[2.0, 3.0]], [[4.0, 5.0]], [[6.0, 7.0]]]
+    outs = lab.gloo_reference("broadcast", 3, inputs, src=2)
+    assert all(torch.equal(o, inputs[2]) for o in outs)
+    with pytest.raises(ValueError, match="inputs"):
+        lab.gloo_reference("allreduce", 2, inputs)
+    with pytest.raises(ValueError, match="op"):
+        lab.gloo_reference("alltoall", 3, inputs)
