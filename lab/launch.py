@@ -175,21 +175,20 @@ class Cluster:
         """Raise RankError for the first failure; close the pool unless it is still consistent."""
         if not failures:  # start-up timed out
             raise RankError(min(waiting), "TimeoutError", f"ranks {sorted(waiting)} did not start in time")
-        # failure tuples: (exc_type, message, traceback, monotonic_ns, mesh_clean)
+        # failure tuples: (exc_type, message, traceback, monotonic_ns, mesh_clean, exitcode)
         first = min(failures, key=lambda r: (failures[r][0] == "PeerLostError", failures[r][3], r))
-        exc_type, message, remote_traceback, _, _ = failures[first]
+        exc_type, message, remote_traceback, _, _, exitcode = failures[first]
         lines = [f"rank {r}: {f[0]}: {f[1]}" for r, f in sorted(failures.items()) if r != first]
         lines += [f"rank {r}: did not finish within {FAILURE_GRACE_S} s of rank {first}'s failure" for r in sorted(waiting)]
         usable = not waiting and all(f[4] for f in failures.values())
         if not usable:
-            self.close()
-        exitcode = self._processes[first].exitcode if exc_type == "ProcessDied" else None
+            self.close(timeout_s=0.0)  # ranks still inside the failed collective are ended at once
         raise RankError(first, exc_type, message, remote_traceback, exitcode, "\n".join(lines))
 
     # -- teardown ------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """End every rank process (politely, then by force) and release the mesh. Idempotent."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """End every rank process (politely, then after ``timeout_s`` by force). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -198,7 +197,7 @@ class Cluster:
                 control.send_bytes(_STOP)
             except OSError:
                 pass
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + timeout_s
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))
         for process in self._processes:
@@ -229,7 +228,7 @@ def _death(rank: int, process: mp.process.BaseProcess) -> tuple:
         how = f"killed by signal {signal.Signals(-code).name}"
     else:
         how = f"exited with code {code}"
-    return ("ProcessDied", f"rank {rank}'s process {how}", "", time.monotonic_ns(), False)
+    return ("ProcessDied", f"rank {rank}'s process {how}", "", time.monotonic_ns(), False, code)
 
 
 def launch(
@@ -325,4 +324,4 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
 
 def _failure(exc: BaseException, clean: bool) -> tuple:
     text = traceback.format_exc()
-    return ("error", type(exc).__name__, str(exc), text, time.monotonic_ns(), clean)
+    return ("error", type(exc).__name__, str(exc), text, time.monotonic_ns(), clean, None)
