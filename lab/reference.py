@@ -15,6 +15,7 @@ from lab.mesh import Mesh
 from lab.ops import parse_op
 
 REFERENCE_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+_EPSILON = {torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 _TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
 
 
@@ -53,7 +54,7 @@ def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
     elif op == "allgather":
         flat = t.reshape(-1)
         out = torch.empty(n * flat.numel(), dtype=t.dtype)
-        dist.all_gather_into_tensor(out, flat)
+        dist.all_gather_single(out, flat)  # all_gather_into_tensor, renamed in torch 2.13
         shape = tuple(t.shape) or (1,)
         result = out.reshape(n * shape[0], *shape[1:])
     else:
@@ -70,6 +71,26 @@ def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
         tensor.copy_(result)
         return tensor
     return result
+
+
+def tolerance(stack: torch.Tensor, op: Any = "sum") -> torch.Tensor:
+    """Per-element bound on ``|lab - gloo|`` for a reduction of ``stack`` (ranks x elements).
+
+    Both sides add the same N values in different orders; each result is within
+    (N-1)·eps·Σ|x| of the exact sum, so they differ by at most 2(N-1)·eps·Σ|x| (relative to
+    Π|x| for prod, plus one rounding of the division for avg). Integers, min and max: exact.
+    """
+    n = stack.shape[0]
+    op = parse_op(op).value
+    if not stack.dtype.is_floating_point or op in ("min", "max") or n == 1:
+        return torch.zeros(stack.shape[1:], dtype=torch.float64)
+    eps = _EPSILON[stack.dtype]
+    magnitude = stack.double().abs()
+    if op == "prod":
+        return 2 * (n - 1) * eps * magnitude.prod(0)
+    if op == "avg":
+        return (2 * (n - 1) + 1) * eps * magnitude.sum(0) / n
+    return 2 * (n - 1) * eps * magnitude.sum(0)
 
 
 def _gloo_rank(mesh: Mesh, op: str, inputs: list, options: dict[str, Any]) -> Any:
