@@ -17,11 +17,10 @@ import torch
 
 import lab
 from conftest import pool
-from lab.reference import gloo_collective
+from lab.reference import gloo_collective, tolerance
 
 FLOATS = ["float32", "float64", "float16", "bfloat16"]
 INTS = ["int32", "int64"]
-EPS = {"float32": 2.0**-23, "float64": 2.0**-52, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
 def random_stack(world_size: int, count: int, dtype: str, op: str, seed: int) -> torch.Tensor:
@@ -35,15 +34,6 @@ def random_stack(world_size: int, count: int, dtype: str, op: str, seed: int) ->
             row = rng.uniform(0.5, 1.5, count) * rng.choice([-1, 1], count) if op == "prod" else rng.normal(0, 10, count)
         rows.append(torch.tensor(row).to(getattr(torch, dtype)))
     return torch.stack(rows)
-
-
-def tolerance(stack: torch.Tensor, op: str, dtype: str) -> torch.Tensor:
-    n = stack.shape[0]
-    if dtype in INTS or op in ("min", "max") or n == 1:
-        return torch.zeros(stack.shape[1:], dtype=torch.float64)
-    magnitude = stack.double().abs()
-    scale = magnitude.prod(0) if op == "prod" else magnitude.sum(0) / (n if op == "avg" else 1)
-    return 2 * (n - 1) * EPS[dtype] * scale + (EPS[dtype] if op == "avg" else 0) * scale
 
 
 def digest(t: torch.Tensor) -> str:
@@ -69,12 +59,12 @@ def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int) -> tuple[list
                 ref = gloo_collective(mesh, "allreduce", mine.clone(), op=op)
                 for algorithm in ["ring", "tree", "naive", "auto"]:
                     got = lab.allreduce(mesh, mine.clone(), op=op, algorithm=algorithm)
-                    check(f"allreduce {algorithm} {op} {dtype}[{count}]", got, ref, tolerance(stack, op, dtype))
+                    check(f"allreduce {algorithm} {op} {dtype}[{count}]", got, ref, tolerance(stack, op))
                     digests.append(digest(got))
                 rows = stack.reshape(n, count, 1)[rank]
                 got = lab.reduce_scatter(mesh, rows, op=op)
                 ref = gloo_collective(mesh, "reduce_scatter", rows.clone(), op=op)
-                tol = torch.tensor_split(tolerance(stack, op, dtype).reshape(count, 1), n)[rank]
+                tol = torch.tensor_split(tolerance(stack, op).reshape(count, 1), n)[rank]
                 check(f"reduce_scatter {op} {dtype}[{count}]", got, ref, tol)
             stack = random_stack(n, count, dtype, "sum", seed + 1)
             for src in sorted({0, n - 1}):
@@ -90,7 +80,7 @@ def large_allreduce(mesh: lab.Mesh, count: int) -> tuple[list[str], list[str]]:
     failures, digests = [], []
     stack = random_stack(mesh.world_size, count, "float32", "sum", 7)
     ref = gloo_collective(mesh, "allreduce", stack[mesh.rank].clone())
-    tol = tolerance(stack, "sum", "float32")
+    tol = tolerance(stack)
     for algorithm in ["ring", "tree", "naive"]:
         got = lab.allreduce(mesh, stack[mesh.rank].clone(), algorithm=algorithm)
         if bool(((got.double() - ref.double()).abs() > tol).any()):
