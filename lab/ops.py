@@ -74,6 +74,8 @@ def dtype_of(tensor: Any, name: str = "tensor") -> DType:
         found = _BY_TORCH.get(tensor.dtype)
         shown = str(tensor.dtype).removeprefix("torch.")
     elif isinstance(tensor, np.ndarray):
+        if not tensor.dtype.isnative:
+            raise TypeError(f"{name} has non-native byte order ({tensor.dtype.str}); convert it with .astype(dtype.newbyteorder('='))")
         found = DTYPES.get(tensor.dtype.name)
         shown = tensor.dtype.name
     else:

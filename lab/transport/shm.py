@@ -163,7 +163,9 @@ class ShmTransport(Transport):
                     progressed = True
             sending = [job for job in sending if job.segments_left]
             receiving = [job for job in receiving if job.segments_left]
-            if not progressed and (sending or receiving):
+            # Block only when nothing can move: reading a peer's pipe for data may also have
+            # delivered credits for a send to that same peer.
+            if not progressed and (sending or receiving) and not any(self._credits[j.peer] for j in sending):
                 self._wait_for({job.peer for job in sending + receiving}, deadline, where)
 
     def _push_segment(self, job: _Job, tag: bytes, where: object) -> None:
