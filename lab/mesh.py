@@ -39,9 +39,9 @@ _FINGERPRINT = struct.Struct("<QBBBBqq")
 
 def describe_fingerprint(tag: bytes) -> str:
     """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag."""
-    if len(tag) != _FINGERPRINT.size:
+    if len(tag) < _FINGERPRINT.size:
         return f"an unrecognised message ({len(tag)}-byte tag)"
-    seq, coll, algo, code, op, root, count = _FINGERPRINT.unpack(tag)
+    seq, coll, algo, code, op, root, count = _FINGERPRINT.unpack_from(tag)
     dtype = DTYPES_BY_CODE[code].name if code in DTYPES_BY_CODE else "meta"
     text = f"{COLLECTIVES[coll]} #{seq} {dtype}[{count}]"
     if op:

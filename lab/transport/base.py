@@ -21,6 +21,9 @@ import numpy as np
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
+#: The longest tag a message can carry (the mesh's fingerprint is shorter).
+TAG_BYTES = 32
+
 
 @dataclass
 class Send:

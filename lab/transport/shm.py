@@ -3,42 +3,45 @@
 Layout. Rank ``i`` owns one shared-memory segment (an anonymous ``memfd``: it has no name in
 ``/dev/shm``, so nothing can be left behind, and the kernel frees it when the last rank exits).
 The segment holds, for every destination ``j``, ``slots`` slots of ``segment_bytes`` each. A send
-copies the data into the next free slot and writes a small descriptor (slot, byte count, tag) to
-the pipe ``i -> j``; the receiver copies or reduces (Numba kernel) straight out of that slot and
-returns a one-byte credit on the pipe ``j -> i``. A sender with no credit waits, so a slot is never
+copies the data into the next free slot and writes a 48-byte descriptor (slot, byte count, tag)
+to the pipe ``i -> j``; the receiver copies or reduces (Numba kernel) straight out of that slot
+and returns a credit on the pipe ``j -> i``. A sender with no credit waits, so a slot is never
 overwritten before its reader is done, and shared memory per rank is bounded by
 ``(world_size - 1) * slots * segment_bytes`` whatever the tensor size: larger tensors flow
 through in segments, pipelined across the slots.
 
-Control plane. One ``multiprocessing.Pipe(duplex=False)`` per directed edge (single producer,
-single consumer), chosen over ``multiprocessing.Queue`` for its latency (see the README). The
-pipe never fills: a sender has at most ``slots`` descriptors and ``slots`` credits outstanding.
-A pipe whose writer died reads as end-of-file, which surfaces at once as PeerLostError.
+Control plane. One OS pipe per directed edge (single producer, single consumer), chosen over
+``multiprocessing.Queue`` for its latency (see the README), used raw: fixed-size messages, each
+written atomically with one ``write`` (smaller than ``PIPE_BUF``), and drained many at a time with
+one ``read``; one ``poll`` object watches every incoming pipe. The pipe never fills: a sender has
+at most ``slots`` descriptors and ``slots`` credits outstanding. A pipe whose writer died reads
+as end-of-file, which surfaces at once as PeerLostError.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import select
 import struct
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing import reduction
-from multiprocessing.connection import Connection, wait
 
 import numpy as np
 
 from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
-from lab.transport.base import Recv, Send, TagMismatch, Transport
+from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch, Transport
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024
 DEFAULT_SLOTS = 4
 
 _DATA, _CREDIT = 1, 2
-_DATA_HEADER = struct.Struct("<BxxxIQ")  # kind, slot, nbytes; the tag follows
-_CREDIT_MESSAGE = bytes([_CREDIT])
+_MESSAGE = struct.Struct(f"<BxxxIQ{TAG_BYTES}s")  # kind, slot, nbytes, tag: 48 bytes
+_CREDIT_MESSAGE = _MESSAGE.pack(_CREDIT, 0, 0, b"")
+_DRAIN_BYTES = _MESSAGE.size * 256  # a whole number of messages per read
 
 
 class SharedFd:
@@ -49,6 +52,12 @@ class SharedFd:
 
     def __reduce__(self):
         return _rebuild_shared_fd, (reduction.DupFd(self.fd),)
+
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _rebuild_shared_fd(dup: reduction.DupFd) -> SharedFd:
@@ -63,18 +72,14 @@ class ShmEndpoints:
     world_size: int
     segment_bytes: int
     slots: int
-    inbox: dict[int, Connection]  # src -> read end of the pipe src -> rank
-    outbox: dict[int, Connection]  # dst -> write end of the pipe rank -> dst
+    inbox: dict[int, SharedFd]  # src -> read end of the pipe src -> rank
+    outbox: dict[int, SharedFd]  # dst -> write end of the pipe rank -> dst
     segments: list[SharedFd] = field(default_factory=list)  # one per rank, empty for world_size 1
 
     def close_in_parent(self) -> None:
         """Close the parent's copies once the rank's process holds its own."""
-        for conn in (*self.inbox.values(), *self.outbox.values()):
-            conn.close()
-        for segment in self.segments:
-            if segment.fd >= 0:
-                os.close(segment.fd)
-                segment.fd = -1
+        for shared in (*self.inbox.values(), *self.outbox.values(), *self.segments):
+            shared.close()
 
 
 def create_endpoints(context, world_size: int, segment_bytes: int, slots: int) -> list[ShmEndpoints]:
@@ -87,9 +92,9 @@ def create_endpoints(context, world_size: int, segment_bytes: int, slots: int) -
     for src in range(world_size):
         for dst in range(world_size):
             if src != dst:
-                reader, writer = context.Pipe(duplex=False)
-                endpoints[dst].inbox[src] = reader
-                endpoints[src].outbox[dst] = writer
+                reader, writer = os.pipe()
+                endpoints[dst].inbox[src] = SharedFd(reader)
+                endpoints[src].outbox[dst] = SharedFd(writer)
     if world_size > 1:
         size = (world_size - 1) * slots * segment_bytes
         segments = []
@@ -124,17 +129,23 @@ class ShmTransport(Transport):
         self.world_size = endpoints.world_size
         self.segment_bytes = endpoints.segment_bytes
         self.slots = endpoints.slots
-        self._inbox = endpoints.inbox
-        self._outbox = endpoints.outbox
+        self._read_fd = {peer: shared.fd for peer, shared in endpoints.inbox.items()}
+        self._write_fd = {peer: shared.fd for peer, shared in endpoints.outbox.items()}
+        self._peer_of_fd = {fd: peer for peer, fd in self._read_fd.items()}
+        self._poller = select.poll()
+        for fd in self._read_fd.values():
+            os.set_blocking(fd, False)  # drains never block; waiting is the poller's job
+            self._poller.register(fd, select.POLLIN)
         self._maps = []
         for segment in endpoints.segments:
             self._maps.append(mmap.mmap(segment.fd, os.fstat(segment.fd).st_size))
-            os.close(segment.fd)
+            segment.close()
         self._memory = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
-        peers = [p for p in range(self.world_size) if p != self.rank]
+        peers = list(self._read_fd)
         self._credits = {p: self.slots for p in peers}
         self._next_slot = {p: 0 for p in peers}
         self._arrived: dict[int, deque] = {p: deque() for p in peers}  # descriptors not yet consumed
+        self._closed = False
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -149,24 +160,22 @@ class ShmTransport(Transport):
     def exchange(
         self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, deadline: float, where: object
     ) -> None:
+        tag = tag.ljust(TAG_BYTES, b"\0")
         sending = [_Job(s.dst, s.data, self.segment_bytes) for s in sends]
         receiving = [_Job(r.src, r.out, self.segment_bytes, r.combine) for r in recvs]
-        while sending or receiving:
-            progressed = False
+        while True:
             for job in sending:
                 while job.segments_left and self._credits[job.peer]:
                     self._push_segment(job, tag, where)
-                    progressed = True
             for job in receiving:
-                while job.segments_left and self._has_data(job.peer, where):
+                while job.segments_left and self._arrived[job.peer]:
                     self._consume_segment(job, tag, where)
-                    progressed = True
             sending = [job for job in sending if job.segments_left]
             receiving = [job for job in receiving if job.segments_left]
-            # Block only when nothing can move: reading a peer's pipe for data may also have
-            # delivered credits for a send to that same peer.
-            if not progressed and (sending or receiving) and not any(self._credits[j.peer] for j in sending):
-                self._wait_for({job.peer for job in sending + receiving}, deadline, where)
+            if not (sending or receiving):
+                return
+            if not any(self._credits[job.peer] for job in sending):
+                self._wait(deadline, where, {job.peer for job in sending + receiving})
 
     def _push_segment(self, job: _Job, tag: bytes, where: object) -> None:
         # Copy the next piece into our next free slot for this peer, then tell the peer where it is.
@@ -174,7 +183,7 @@ class ShmTransport(Transport):
         slot = self._next_slot[job.peer]
         self._slot(self.rank, job.peer, slot)[:nbytes] = job.bytes[job.offset : job.offset + nbytes]
         try:
-            self._outbox[job.peer].send_bytes(_DATA_HEADER.pack(_DATA, slot, nbytes) + tag)
+            os.write(self._write_fd[job.peer], _MESSAGE.pack(_DATA, slot, nbytes, tag))
         except OSError:
             raise PeerLostError(f"rank {self.rank}: rank {job.peer} is gone (sending in {where})") from None
         self._credits[job.peer] -= 1
@@ -200,7 +209,7 @@ class ShmTransport(Transport):
         else:
             job.combine(target, incoming)
         try:
-            self._outbox[job.peer].send_bytes(_CREDIT_MESSAGE)
+            os.write(self._write_fd[job.peer], _CREDIT_MESSAGE)
         except OSError:
             raise PeerLostError(f"rank {self.rank}: rank {job.peer} is gone (receiving in {where})") from None
         job.offset += nbytes
@@ -208,39 +217,36 @@ class ShmTransport(Transport):
 
     # -- reading the pipes ---------------------------------------------------------------------
 
-    def _has_data(self, peer: int, where: object) -> bool:
-        """Whether a data descriptor from ``peer`` is ready, reading what has arrived (no wait)."""
-        while not self._arrived[peer] and self._inbox[peer].poll(0):
-            self._read_message(peer, where)
-        return bool(self._arrived[peer])
-
-    def _read_message(self, peer: int, where: object) -> None:
-        try:
-            message = self._inbox[peer].recv_bytes()
-        except (EOFError, OSError):
-            raise PeerLostError(
-                f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})"
-            ) from None
-        if message[0] == _CREDIT:
-            self._credits[peer] += 1
-        else:
-            _, slot, nbytes = _DATA_HEADER.unpack_from(message)
-            self._arrived[peer].append((slot, nbytes, message[_DATA_HEADER.size :]))
-
-    def _wait_for(self, peers: set[int], deadline: float, where: object) -> None:
-        """Block until a message arrives from one of ``peers``, and read it."""
-        timeout = deadline - time.monotonic()
-        ready = wait([self._inbox[p] for p in peers], max(timeout, 0.0)) if timeout > 0 else []
-        if not ready:
+    def _wait(self, deadline: float, where: object, peers: set[int]) -> None:
+        """Block until a message arrives (from anyone), then take in everything that arrived."""
+        timeout_ms = (deadline - time.monotonic()) * 1000
+        events = self._poller.poll(max(timeout_ms, 0)) if timeout_ms > 0 else []
+        if not events:
             names = ", ".join(str(p) for p in sorted(peers))
             raise DeadlineError(f"rank {self.rank} timed out waiting for rank {names} in {where}")
-        by_conn = {self._inbox[p]: p for p in peers}
-        for conn in ready:
-            self._read_message(by_conn[conn], where)
+        for fd, _ in events:
+            self._drain(self._peer_of_fd[fd], where)
+
+    def _drain(self, peer: int, where: object) -> None:
+        """Read every message waiting in ``peer``'s pipe: credits count, descriptors queue."""
+        try:
+            data = os.read(self._read_fd[peer], _DRAIN_BYTES)
+        except BlockingIOError:
+            return
+        if not data:
+            raise PeerLostError(f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})")
+        for kind, slot, nbytes, tag in _MESSAGE.iter_unpack(data):
+            if kind == _CREDIT:
+                self._credits[peer] += 1
+            else:
+                self._arrived[peer].append((slot, nbytes, tag))
 
     def close(self) -> None:
-        for conn in (*self._inbox.values(), *self._outbox.values()):
-            conn.close()
+        if self._closed:
+            return
+        self._closed = True
+        for fd in (*self._read_fd.values(), *self._write_fd.values()):
+            os.close(fd)
         self._memory = []
         for m in self._maps:
             m.close()
