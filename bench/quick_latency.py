@@ -3,9 +3,10 @@
     python bench/quick_latency.py                       # ring, 1 KB and 16 MB, 4 ranks
     python bench/quick_latency.py --sizes 1024 1048576 --algorithms ring tree --ranks 4
 
-Timing is taken inside the ranks around each call, after a gloo barrier aligns the ranks and
-after warm-up calls (Numba, first touch of buffers); a call's time is the slowest rank's, and
-the median over calls is reported, with algbw and busbw (nccl-tests: busbw = algbw·2(N-1)/N).
+Timing is taken inside the ranks around each call of a back-to-back loop (the collective itself
+keeps the ranks in step; one barrier before the loop), after warm-up calls (Numba, first touch
+of buffers); a call's time is the slowest rank's, and the median over calls is reported, with
+algbw and busbw (nccl-tests: busbw = algbw·2(N-1)/N).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def time_allreduce(mesh: lab.Mesh, nbytes: int, algorithm: str, iterations: int,
     x = torch.randn(nbytes // 4)
     durations: dict[str, list[int]] = {"lab": [], "gloo": []}
     for impl in ("lab", "gloo"):
+        dist.barrier()
         for i in range(warmup + iterations):
-            dist.barrier()
             start = time.perf_counter_ns()
             if impl == "lab":
                 lab.allreduce(mesh, x, algorithm=algorithm)
