@@ -38,6 +38,7 @@ class RankError(LabError):
         remote_traceback: str = "",
         exitcode: int | None = None,
         others: str = "",
+        flight_records: dict | None = None,
     ) -> None:
         self.rank = rank
         self.exc_type = exc_type
@@ -45,15 +46,42 @@ class RankError(LabError):
         self.remote_traceback = remote_traceback
         self.exitcode = exitcode
         self.others = others
+        self.flight_records = flight_records or {}
         text = f"rank {rank} failed: {exc_type}: {exc_message}"
         if remote_traceback:
             text += f"\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}"
         if others:
             text += f"\n\n--- other ranks ---\n{others.rstrip()}"
+        if self.flight_records:
+            text += "\n\n--- last collectives per rank (flight recorder) ---\n"
+            text += format_flight_records(self.flight_records)
         super().__init__(text)
 
     def __reduce__(self):
         return (
             type(self),
-            (self.rank, self.exc_type, self.exc_message, self.remote_traceback, self.exitcode, self.others),
+            (self.rank, self.exc_type, self.exc_message, self.remote_traceback, self.exitcode, self.others,
+             self.flight_records),
         )
+
+
+def format_flight_records(records: dict, last: int = 8) -> str:
+    """The ranks' last collectives side by side, one row per sequence number, so the point where
+    ranks diverged (different collectives, or one rank stuck at a step) stands out.
+
+    ``records`` maps rank -> list of :class:`lab.mesh.FlightRecord`, or a note (a ``str``) when
+    the rank could not report (its process died, or it was still busy and was ended).
+    """
+    seqs = sorted({r.seq for recs in records.values() if not isinstance(recs, str) for r in recs})[-last:]
+    columns = {}
+    for rank, recs in sorted(records.items()):
+        if isinstance(recs, str):
+            columns[rank] = [f"({recs})"] * len(seqs)
+        else:
+            by_seq = {r.seq: r.cell() for r in recs}
+            columns[rank] = [by_seq.get(seq, "-") for seq in seqs]
+    width = max([len(f"rank {r}") for r in columns] + [len(c) for col in columns.values() for c in col]) + 2
+    lines = ["seq   " + "".join(f"rank {r}".ljust(width) for r in columns)]
+    for i, seq in enumerate(seqs):
+        lines.append(f"{seq:<6}" + "".join(col[i].ljust(width) for col in columns.values()))
+    return "\n".join(line.rstrip() for line in lines)

@@ -9,28 +9,31 @@ rank compiles anything. Whatever happens, :meth:`Cluster.close` ends every proce
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from lab.errors import LabError, RankError
-from lab.mesh import Mesh
+from lab.mesh import FlightRecord, Mesh
 from lab.transport import queue as queue_transport
 from lab.transport import shm as shm_transport
 
 TRANSPORTS = ("shm", "queue")
 
 #: After one rank fails, how long the parent waits for the others to report before ending them.
-FAILURE_GRACE_S = 2.0
+FAILURE_GRACE_S = 1.0
 #: How long the parent waits for a new pool's ranks to come up.
 STARTUP_TIMEOUT_S = 120.0
 _STOP = b""
+_PR_SET_PDEATHSIG = 1
 
 
 def _context() -> mp.context.BaseContext:
@@ -135,7 +138,7 @@ class Cluster:
     def _collect(self, expected: bytes | None, timeout_s: float | None) -> list[Any]:
         """Wait for one reply per rank. ``expected``: a fixed reply (start-up) instead of results."""
         results: list[Any] = [None] * self.world_size
-        failures: dict[int, tuple] = {}
+        failures: dict[int, RankFailure] = {}
         waiting = set(range(self.world_size))
         give_up = None if timeout_s is None else time.monotonic() + timeout_s
         while waiting:
@@ -162,28 +165,31 @@ class Cluster:
                     continue
                 if reply == expected:
                     continue
-                status, *rest = pickle.loads(reply)
+                status, payload = pickle.loads(reply)
                 if status == "ok":
-                    results[rank] = pickle.loads(rest[0])
+                    results[rank] = pickle.loads(payload)
                 else:
-                    failures[rank] = tuple(rest)
+                    failures[rank] = payload
         if failures or waiting:
             self._fail(failures, waiting)
         return results
 
-    def _fail(self, failures: dict[int, tuple], waiting: set[int]) -> None:
+    def _fail(self, failures: dict[int, RankFailure], waiting: set[int]) -> None:
         """Raise RankError for the first failure; close the pool unless it is still consistent."""
         if not failures:  # start-up timed out
             raise RankError(min(waiting), "TimeoutError", f"ranks {sorted(waiting)} did not start in time")
-        # failure tuples: (exc_type, message, traceback, monotonic_ns, mesh_clean, exitcode)
-        first = min(failures, key=lambda r: (failures[r][0] == "PeerLostError", failures[r][3], r))
-        exc_type, message, remote_traceback, _, _, exitcode = failures[first]
-        lines = [f"rank {r}: {f[0]}: {f[1]}" for r, f in sorted(failures.items()) if r != first]
-        lines += [f"rank {r}: did not finish within {FAILURE_GRACE_S} s of rank {first}'s failure" for r in sorted(waiting)]
-        usable = not waiting and all(f[4] for f in failures.values())
+        # The root cause is the earliest failure that is not a consequence of another rank's.
+        first = min(failures, key=lambda r: (failures[r].exc_type == "PeerLostError", failures[r].at_ns, r))
+        cause = failures[first]
+        lines = [f"rank {r}: {f.exc_type}: {f.message}" for r, f in sorted(failures.items()) if r != first]
+        lines += [f"rank {r}: still running {FAILURE_GRACE_S} s after rank {first} failed; ended" for r in sorted(waiting)]
+        records = {r: failures[r].records if r in failures else "still running, ended" for r in range(self.world_size)}
+        records.update({r: "process died" for r, f in failures.items() if f.records is None})
+        usable = not waiting and all(f.clean for f in failures.values())
         if not usable:
             self.close(timeout_s=0.0)  # ranks still inside the failed collective are ended at once
-        raise RankError(first, exc_type, message, remote_traceback, exitcode, "\n".join(lines))
+        raise RankError(first, cause.exc_type, cause.message, cause.traceback, cause.exitcode,
+                        "\n".join(lines), records)
 
     # -- teardown ------------------------------------------------------------------------------
 
@@ -221,14 +227,27 @@ class Cluster:
             self.close()
 
 
-def _death(rank: int, process: mp.process.BaseProcess) -> tuple:
+@dataclass
+class RankFailure:
+    """What a rank reports when ``fn`` raised (or what the parent saw when it died)."""
+
+    exc_type: str
+    message: str
+    traceback: str
+    at_ns: int  # time.monotonic_ns(), the same clock in every process
+    clean: bool  # the mesh holds no half-done transfer: the pool can go on
+    exitcode: int | None = None
+    records: list[FlightRecord] | None = None  # the rank's flight recorder
+
+
+def _death(rank: int, process: mp.process.BaseProcess) -> RankFailure:
     process.join(1.0)
     code = process.exitcode
     if code is not None and code < 0:
         how = f"killed by signal {signal.Signals(-code).name}"
     else:
         how = f"exited with code {code}"
-    return ("ProcessDied", f"rank {rank}'s process {how}", "", time.monotonic_ns(), False, code)
+    return RankFailure("ProcessDied", f"rank {rank}'s process {how}", "", time.monotonic_ns(), False, code)
 
 
 def launch(
@@ -288,6 +307,7 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)  # ranks share the cores; intra-op threads would oversubscribe them
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends us
+    _die_with_parent()
     rank, world_size = endpoints.rank, endpoints.world_size
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), LAB_STORE=options["store"])
@@ -299,7 +319,7 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
         mesh = Mesh(transport, transport_name=options["transport"],
                     recv_timeout_ms=options["recv_timeout_ms"], trace=options["trace"])
     except BaseException as exc:
-        control.send_bytes(pickle.dumps(_failure(exc, clean=False)))
+        control.send_bytes(pickle.dumps(("error", _failure(exc, None))))
         return
     control.send_bytes(b"ready")
     try:
@@ -314,7 +334,7 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
                 fn, args = pickle.loads(task)
                 reply = ("ok", pickle.dumps(fn(mesh, *args)))
             except BaseException as exc:
-                reply = _failure(exc, mesh.clean)
+                reply = ("error", _failure(exc, mesh))
                 if not mesh.clean:
                     transport.close()  # peers blocked on us see end-of-file now, not at their deadline
             control.send_bytes(pickle.dumps(reply))
@@ -322,6 +342,17 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
         transport.close()
 
 
-def _failure(exc: BaseException, clean: bool) -> tuple:
-    text = traceback.format_exc()
-    return ("error", type(exc).__name__, str(exc), text, time.monotonic_ns(), clean, None)
+def _failure(exc: BaseException, mesh: Mesh | None) -> RankFailure:
+    return RankFailure(
+        type(exc).__name__, str(exc), traceback.format_exc(), time.monotonic_ns(),
+        clean=mesh is not None and mesh.clean, records=mesh.flight_records() if mesh else None,
+    )
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when its parent dies (even by SIGKILL), so no rank outlives
+    its job. The parent is the forkserver, which exits when the user's process does."""
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before we asked
+        os._exit(1)

@@ -12,14 +12,16 @@ import json
 import os
 import struct
 import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from lab.buffers import as_buffer, to_caller_type
-from lab.errors import CollectiveMismatchError
+from lab.errors import CollectiveMismatchError, DeadlineError
 from lab.ops import DTYPES_BY_CODE, DType
 from lab.transport.base import Combine, Recv, Send, TagMismatch, Transport
 
@@ -64,6 +66,44 @@ class _Position:
         return f"{self.collective} #{self.seq}{algorithm} step {self.step}"
 
 
+@dataclass
+class FlightRecord:
+    """One collective as this rank saw it: kept for the last ``FLIGHT_RECORDER_SIZE`` collectives."""
+
+    seq: int
+    collective: str
+    algorithm: str
+    dtype: str
+    count: int
+    op: str
+    root: int
+    state: str = "running"  # running, done, or failed (ExceptionType)
+    step: int = 0  # transfers (sends/receives) started; the step a failure happened at
+
+    def cell(self) -> str:
+        """Compact, for a side-by-side table: ``allreduce float32[1000] sum ring FAILED@3 DeadlineError``."""
+        parts = [self.collective, f"{self.dtype}[{self.count}]", self.op, f"root={self.root}" if self.root >= 0 else "",
+                 self.algorithm]
+        if self.state == "done":
+            parts.append("ok")
+        elif self.state == "running":
+            parts.append(f"RUNNING@{self.step}")
+        else:
+            parts.append(f"FAILED@{self.step} {self.state.removeprefix('failed (').rstrip(')')}")
+        return " ".join(p for p in parts if p)
+
+    def __str__(self) -> str:
+        what = f"{self.collective} #{self.seq} {self.dtype}[{self.count}]"
+        what += f" {self.op}" if self.op else ""
+        what += f" root={self.root}" if self.root >= 0 else ""
+        what += f" ({self.algorithm})" if self.algorithm else ""
+        return f"{what}: {self.state}" + ("" if self.state == "done" else f" at step {self.step}")
+
+
+#: How many collectives each rank remembers for failure reports.
+FLIGHT_RECORDER_SIZE = 32
+
+
 class Mesh:
     """One rank's handle: ``rank``, ``world_size``, point-to-point ``send``/``recv``, ``stats``.
 
@@ -93,7 +133,8 @@ class Mesh:
         self._p2p_received = [0] * transport.world_size
         self._tag = b""
         self._position = _Position()
-        self.clean = True  # False once a collective failed half-way: peers may hold its messages
+        self.clean = True  # False once a transfer failed half-way: peers may hold its messages
+        self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
         self.reset_stats()
 
     @property
@@ -141,10 +182,17 @@ class Mesh:
         try:
             self._transport.exchange(sends, recvs, self._tag, deadline, self._position)
         except TagMismatch as mismatch:
+            self.clean = False
             raise CollectiveMismatchError(
                 f"rank {self.rank} is in {describe_fingerprint(mismatch.expected)}; "
                 f"rank {mismatch.src} sent {describe_fingerprint(mismatch.got)}"
             ) from None
+        except DeadlineError as late:
+            self.clean = False
+            raise DeadlineError(f"{late} (recv_timeout_ms={timeout_ms:g})") from None
+        except BaseException:
+            self.clean = False
+            raise
         if counted:
             stats = self._stats
             for send in sends:
@@ -170,15 +218,19 @@ class Mesh:
         )
         self._position.collective, self._position.seq = name, self._seq
         self._position.algorithm, self._position.step = algorithm, 0
+        record = FlightRecord(self._seq, name, algorithm, dtype.name, count, op, root)
+        self._records.append(record)
         before = (self._stats["bytes_sent"], self._stats["bytes_received"])
         start_ns = time.time_ns()
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
+            record.state, record.step = f"failed ({type(exc).__name__})", self._position.step
             if self._position.step:  # messages may be in flight: this mesh can't be reused
                 self.clean = False
             raise
         duration_ns = time.time_ns() - start_ns
+        record.state, record.step = "done", self._position.step
         self._stats["collectives"] += 1
         if self._trace_path:
             self._write_trace(
@@ -188,6 +240,12 @@ class Mesh:
                 bytes_received=self._stats["bytes_received"] - before[1],
                 start_ns=start_ns, duration_ns=duration_ns, seq=self._seq,
             )
+
+    def flight_records(self) -> list[FlightRecord]:
+        """This rank's last collectives, oldest first; a running one shows the step it reached."""
+        if self._records and self._records[-1].state == "running":
+            self._records[-1].step = self._position.step
+        return list(self._records)
 
     def _write_trace(self, **row: Any) -> None:
         line = json.dumps({"rank": self.rank, "world_size": self.world_size, "transport": self.transport, **row})

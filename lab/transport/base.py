@@ -13,9 +13,11 @@ whose message has a different tag raises :class:`TagMismatch`, which the mesh tu
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import reduction
 
 import numpy as np
 
@@ -66,3 +68,23 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release this rank's resources. Idempotent."""
+
+
+class SharedFd:
+    """A file descriptor that travels to a child process when the process starts."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _rebuild_shared_fd, (reduction.DupFd(self.fd),)
+
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _rebuild_shared_fd(dup: reduction.DupFd) -> SharedFd:
+    return SharedFd(dup.detach())

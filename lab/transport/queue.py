@@ -1,6 +1,9 @@
 """The ``"queue"`` transport: the lesson's baseline, the payload itself pickled through queues.
 
-One ``multiprocessing.Queue`` per directed edge. A send snapshots the bytes and puts
+One ``multiprocessing.Queue`` per directed edge, plus one "alive" pipe per rank whose write end
+only that rank holds: when it dies the pipe reads as end-of-file for everyone else, so a rank
+waiting on a queue learns within ``LIVENESS_CHECK_S`` that its peer is gone (a queue alone
+would wait for the deadline). A send snapshots the bytes and puts
 ``(tag, payload)``; the queue's feeder thread pickles it into a pipe in the background, so a send
 never blocks and a ring step cannot deadlock. A receive unpickles a copy and then copies or
 reduces it into the output. Every byte therefore crosses two extra copies and a pickle, which is
@@ -9,15 +12,20 @@ exactly the cost the ``"shm"`` transport exists to remove.
 
 from __future__ import annotations
 
+import os
 import queue
+import select
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from lab.errors import CollectiveMismatchError, DeadlineError
-from lab.transport.base import Recv, Send, TagMismatch, Transport
+from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
+from lab.transport.base import Recv, Send, SharedFd, TagMismatch, Transport
+
+#: How often a rank waiting on a queue checks that the peer is still alive.
+LIVENESS_CHECK_S = 0.1
 
 
 @dataclass
@@ -28,11 +36,15 @@ class QueueEndpoints:
     world_size: int
     inbox: dict[int, object]  # src -> multiprocessing.Queue src -> rank
     outbox: dict[int, object]  # dst -> multiprocessing.Queue rank -> dst
+    alive: SharedFd | None = None  # write end of this rank's alive pipe
+    peers_alive: dict[int, SharedFd] = field(default_factory=dict)  # read ends of the others'
 
     def close_in_parent(self) -> None:
         """The parent never uses the queues; drop its handles (it has no feeder thread to join)."""
         for q in self.inbox.values():
             q.close()
+        for shared in (self.alive, *self.peers_alive.values()):
+            shared.close()
 
 
 def create_endpoints(context, world_size: int) -> list[QueueEndpoints]:
@@ -44,6 +56,13 @@ def create_endpoints(context, world_size: int) -> list[QueueEndpoints]:
                 edge = context.Queue()
                 endpoints[dst].inbox[src] = edge
                 endpoints[src].outbox[dst] = edge
+    for ep in endpoints:
+        read_end, write_end = os.pipe()
+        ep.alive = SharedFd(write_end)
+        shared_read_end = SharedFd(read_end)
+        for other in endpoints:
+            if other is not ep:
+                other.peers_alive[ep.rank] = shared_read_end
     return endpoints
 
 
@@ -55,6 +74,13 @@ class QueueTransport(Transport):
         self.world_size = endpoints.world_size
         self._inbox = endpoints.inbox
         self._outbox = endpoints.outbox
+        self._alive_fd = endpoints.alive.fd
+        self._peer_alive_fd = {peer: shared.fd for peer, shared in endpoints.peers_alive.items()}
+        self._peer_of_fd = {fd: peer for peer, fd in self._peer_alive_fd.items()}
+        self._liveness = select.poll()
+        for fd in self._peer_alive_fd.values():
+            self._liveness.register(fd, select.POLLIN)
+        self._closed = False
 
     def exchange(
         self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, deadline: float, where: object
@@ -77,13 +103,27 @@ class QueueTransport(Transport):
                 recv.combine(recv.out, payload)
 
     def _get(self, src: int, deadline: float, where: object) -> tuple[bytes, np.ndarray]:
-        try:
-            return self._inbox[src].get(timeout=max(deadline - time.monotonic(), 0.0))
-        except queue.Empty:
-            raise DeadlineError(f"rank {self.rank} timed out waiting for rank {src} in {where}") from None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineError(f"rank {self.rank} timed out waiting for rank {src} in {where}")
+            try:
+                return self._inbox[src].get(timeout=min(remaining, LIVENESS_CHECK_S))
+            except queue.Empty:
+                self._check_peers_alive(where)
+
+    def _check_peers_alive(self, where: object) -> None:
+        for fd, _ in self._liveness.poll(0):  # only a closed alive pipe has an event: nobody writes
+            peer = self._peer_of_fd[fd]
+            raise PeerLostError(f"rank {self.rank}: rank {peer} is gone (waiting in {where})")
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         # Queued data nobody will read must not keep this process alive at exit.
         for q in (*self._inbox.values(), *self._outbox.values()):
             q.cancel_join_thread()
             q.close()
+        for fd in (self._alive_fd, *self._peer_alive_fd.values()):
+            os.close(fd)

@@ -28,12 +28,11 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing import reduction
 
 import numpy as np
 
 from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
-from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch, Transport
+from lab.transport.base import TAG_BYTES, Recv, Send, SharedFd, TagMismatch, Transport
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024
 DEFAULT_SLOTS = 4
@@ -42,26 +41,6 @@ _DATA, _CREDIT = 1, 2
 _MESSAGE = struct.Struct(f"<BxxxIQ{TAG_BYTES}s")  # kind, slot, nbytes, tag: 48 bytes
 _CREDIT_MESSAGE = _MESSAGE.pack(_CREDIT, 0, 0, b"")
 _DRAIN_BYTES = _MESSAGE.size * 256  # a whole number of messages per read
-
-
-class SharedFd:
-    """A file descriptor that travels to a child process when the process starts."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self):
-        return _rebuild_shared_fd, (reduction.DupFd(self.fd),)
-
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _rebuild_shared_fd(dup: reduction.DupFd) -> SharedFd:
-    return SharedFd(dup.detach())
 
 
 @dataclass
