@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+from multiprocessing import forkserver
 import os
 import pickle
 import signal
@@ -33,6 +34,7 @@ FAILURE_GRACE_S = 1.0
 #: How long the parent waits for a new pool's ranks to come up.
 STARTUP_TIMEOUT_S = 120.0
 _STOP = b""
+_CONSEQUENCES = ("CollectiveMismatchError", "DeadlineError", "PeerLostError")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -178,8 +180,10 @@ class Cluster:
         """Raise RankError for the first failure; close the pool unless it is still consistent."""
         if not failures:  # start-up timed out
             raise RankError(min(waiting), "TimeoutError", f"ranks {sorted(waiting)} did not start in time")
-        # The root cause is the earliest failure that is not a consequence of another rank's.
-        first = min(failures, key=lambda r: (failures[r].exc_type == "PeerLostError", failures[r].at_ns, r))
+        # The root cause: the most specific failure (a user exception or a dead process, then a
+        # mismatch, then a deadline, and a lost peer last: those are usually consequences), earliest first.
+        first = min(failures, key=lambda r: (_CONSEQUENCES.index(failures[r].exc_type) if failures[r].exc_type
+                                             in _CONSEQUENCES else -1, failures[r].at_ns, r))
         cause = failures[first]
         lines = [f"rank {r}: {f.exc_type}: {f.message}" for r, f in sorted(failures.items()) if r != first]
         lines += [f"rank {r}: still running {FAILURE_GRACE_S} s after rank {first} failed; ended" for r in sorted(waiting)]
@@ -219,8 +223,9 @@ class Cluster:
     def __enter__(self) -> Cluster:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        # Leaving on an exception (Ctrl-C included), ranks may be busy: end them at once.
+        self.close(timeout_s=0.0 if exc_type else 5.0)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
@@ -351,7 +356,14 @@ def _failure(exc: BaseException, mesh: Mesh | None) -> RankFailure:
 
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this rank when its parent dies (even by SIGKILL), so no rank outlives
-    its job. The parent is the forkserver, which exits when the user's process does."""
+    its job. The parent is the forkserver, which exits once every holder of its "alive" pipe is
+    gone: the user's process, and every process it forked, which inherit the pipe. A rank drops
+    its copy, so the forkserver (and then the rank) ends when the user's process does."""
+    server = getattr(forkserver, "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        os.close(alive_fd)
+        server._forkserver_alive_fd = None
     parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it died before we asked

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from lab.buffers import as_buffer, to_caller_type
-from lab.errors import CollectiveMismatchError, DeadlineError
+from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
 from lab.ops import DTYPES_BY_CODE, DType
 from lab.transport.base import Combine, Recv, Send, TagMismatch, Transport
 
@@ -189,7 +189,12 @@ class Mesh:
             ) from None
         except DeadlineError as late:
             self.clean = False
+            self._raise_if_mismatched()
             raise DeadlineError(f"{late} (recv_timeout_ms={timeout_ms:g})") from None
+        except PeerLostError:
+            self.clean = False
+            self._raise_if_mismatched()  # the peer may have given up because we disagree
+            raise
         except BaseException:
             self.clean = False
             raise
@@ -201,6 +206,23 @@ class Mesh:
             for recv in recvs:
                 stats["bytes_received"] += recv.out.nbytes
                 stats["messages_received"] += 1
+
+    def _raise_if_mismatched(self) -> None:
+        """After a deadline or a lost peer: did a peer send this collective's number with another
+        fingerprint?
+
+        Ranks that disagree on, say, the root of a broadcast may never receive from each other;
+        the message one of them sent is still waiting, unconsumed, and tells what happened.
+        """
+        seq = _FINGERPRINT.unpack_from(self._tag)[0]
+        for src, tags in self._transport.unconsumed_tags().items():
+            for tag in tags:
+                got_seq, coll = _FINGERPRINT.unpack_from(tag)[:2]
+                if got_seq == seq and coll and tag[: len(self._tag)] != self._tag:
+                    raise CollectiveMismatchError(
+                        f"rank {self.rank} is in {describe_fingerprint(self._tag)}; "
+                        f"rank {src} sent {describe_fingerprint(tag)}"
+                    ) from None
 
     @contextlib.contextmanager
     def collective(

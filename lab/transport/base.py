@@ -65,6 +65,12 @@ class Transport(ABC):
         used only in error messages). A peer that is gone raises :class:`lab.PeerLostError`.
         """
 
+    def unconsumed_tags(self) -> dict[int, list[bytes]]:
+        """Tags of messages that arrived but were not received yet, per sender (for diagnosis
+        after a deadline: a message from the same collective with another fingerprint means the
+        ranks disagree). Transports that cannot look without consuming return ``{}``."""
+        return {}
+
     @abstractmethod
     def close(self) -> None:
         """Release this rank's resources. Idempotent."""

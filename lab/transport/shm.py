@@ -20,6 +20,7 @@ as end-of-file, which surfaces at once as PeerLostError.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import select
@@ -219,6 +220,12 @@ class ShmTransport(Transport):
                 self._credits[peer] += 1
             else:
                 self._arrived[peer].append((slot, nbytes, tag))
+
+    def unconsumed_tags(self) -> dict[int, list[bytes]]:
+        for peer in self._arrived:
+            with contextlib.suppress(PeerLostError):
+                self._drain(peer, "diagnosis")
+        return {peer: [tag for _, _, tag in arrived] for peer, arrived in self._arrived.items() if arrived}
 
     def close(self) -> None:
         if self._closed:

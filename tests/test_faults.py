@@ -1,0 +1,250 @@
+"""Fault injection: killed, stalled and disagreeing ranks, an interrupted parent, a long soak.
+
+Every case must end with the right exception, naming the right rank, within the deadline plus
+two seconds, and leave no rank process and no /dev/shm segment behind (checked per case here,
+and for the whole session by conftest). Faults are injected from the test side only: a rank's
+transport is wrapped so that it dies or stalls at its k-th transfer (seeded, so a failing case
+can be replayed by its id).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import lab
+
+DEADLINE_MS = 1500
+COLLECTIVES = ["allreduce-ring", "allreduce-tree", "allreduce-naive", "broadcast", "allgather", "reduce_scatter"]
+
+
+def run_collective(mesh: lab.Mesh, which: str, numel: int) -> None:
+    x = torch.arange(numel, dtype=torch.float32) + mesh.rank
+    if which.startswith("allreduce"):
+        lab.allreduce(mesh, x, algorithm=which.split("-")[1])
+    elif which == "broadcast":
+        lab.broadcast(mesh, x, src=mesh.world_size - 1)
+    else:
+        getattr(lab, which)(mesh, x)
+
+
+def inject(mesh: lab.Mesh, victim: int, at_transfer: int, fault: str) -> None:
+    """Make rank ``victim`` die or stall at its ``at_transfer``-th transfer."""
+    if mesh.rank != victim:
+        return
+    transport = mesh._transport
+    original = transport.exchange
+    count = 0
+
+    def faulty_exchange(*args, **kwargs):
+        nonlocal count
+        count += 1
+        if count == at_transfer:
+            if fault == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault == "exit":
+                os._exit(3)
+            else:  # stall past everyone's deadline
+                time.sleep(DEADLINE_MS / 1000 * 3)
+        return original(*args, **kwargs)
+
+    transport.exchange = faulty_exchange
+
+
+def faulty_job(mesh: lab.Mesh, which: str, numel: int, victim: int, at_transfer: int, fault: str) -> None:
+    inject(mesh, victim, at_transfer, fault)
+    for _ in range(100):  # every rank transfers at least once per call: the fault always fires
+        run_collective(mesh, which, numel)
+
+
+def fault_case(seed: int) -> dict:
+    rng = random.Random(seed)
+    world_size = rng.randint(2, 5)
+    return {
+        "transport": rng.choice(["shm", "queue"]),
+        "world_size": world_size,
+        "which": rng.choice(COLLECTIVES),
+        "numel": rng.choice([1, 7, 1000, 300_001]),
+        "victim": rng.randrange(world_size),
+        "at_transfer": rng.randint(1, 12),
+    }
+
+
+def no_rank_left() -> None:
+    deadline = time.monotonic() + 5
+    while [p for p in multiprocessing.active_children() if p.name.startswith("lab-rank")]:
+        assert time.monotonic() < deadline, "rank processes left running"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def shm_unchanged():
+    before = set(os.listdir("/dev/shm"))
+    yield
+    assert set(os.listdir("/dev/shm")) - before == set(), "a /dev/shm segment was left behind"
+
+
+@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("fault", ["sigkill", "exit"])
+def test_a_rank_dying_at_a_random_step_is_named_promptly(seed, fault, shm_unchanged):
+    case = fault_case(seed)
+    started = time.monotonic()
+    with pytest.raises(lab.RankError) as info:
+        lab.spawn(faulty_job, case["world_size"], transport=case["transport"], recv_timeout_ms=DEADLINE_MS,
+                  args=(case["which"], case["numel"], case["victim"], case["at_transfer"], fault))
+    elapsed = time.monotonic() - started
+    error = info.value
+    assert error.rank == case["victim"] and error.exc_type == "ProcessDied", (case, str(error))
+    assert ("SIGKILL" if fault == "sigkill" else "exited with code 3") in error.exc_message
+    assert error.exitcode == (-signal.SIGKILL if fault == "sigkill" else 3)
+    # peers learn from the closed pipe (shm) or the alive pipe (queue), long before the deadline
+    assert elapsed < DEADLINE_MS / 1000 + 2, f"took {elapsed:.1f} s: {case}"
+    no_rank_left()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_stalled_rank_surfaces_as_a_deadline_error(seed, shm_unchanged):
+    case = fault_case(100 + seed)
+    if case["which"] == "broadcast":  # only the root's stall holds others up: nobody waits on a leaf
+        case["victim"] = case["world_size"] - 1
+    started = time.monotonic()
+    with pytest.raises(lab.RankError) as info:
+        lab.spawn(faulty_job, case["world_size"], transport=case["transport"], recv_timeout_ms=DEADLINE_MS,
+                  args=(case["which"], case["numel"], case["victim"], case["at_transfer"], "stall"))
+    elapsed = time.monotonic() - started
+    error = info.value
+    assert error.exc_type == "DeadlineError", (case, str(error))
+    assert f"rank {error.rank} timed out waiting for rank" in error.exc_message
+    assert f"recv_timeout_ms={DEADLINE_MS}" in error.exc_message
+    collective = case["which"].split("-")[0]
+    assert collective in error.exc_message and "step" in error.exc_message
+    assert "flight recorder" in str(error)
+    assert elapsed < DEADLINE_MS / 1000 + 2 + 1, f"took {elapsed:.1f} s: {case}"  # + pool start
+    no_rank_left()
+
+
+def disagree(mesh: lab.Mesh, how: str) -> None:
+    odd = mesh.rank == 1
+    x = torch.arange(1000, dtype=torch.float32) + mesh.rank
+    lab.allreduce(mesh, x.clone())  # one good collective first: the seq numbers agree
+    if how == "collective":
+        lab.allgather(mesh, x) if odd else lab.allreduce(mesh, x, algorithm="ring")
+    elif how == "dtype":
+        lab.allreduce(mesh, x.double() if odd else x, algorithm="ring")
+    elif how == "size":
+        lab.allreduce(mesh, x[:999] if odd else x, algorithm="ring")
+    elif how == "op":
+        lab.allreduce(mesh, x, op="max" if odd else "sum", algorithm="tree")
+    elif how == "root":
+        lab.broadcast(mesh, x, src=mesh.world_size - 1 if odd else 0)
+    lab.allreduce(mesh, x.clone())  # a disagreement that went unnoticed is caught here
+
+
+@pytest.mark.parametrize("transport", ["shm", "queue"])
+@pytest.mark.parametrize("how, world_size", [("collective", 3), ("dtype", 4), ("size", 3), ("op", 2), ("root", 3)])
+def test_disagreeing_ranks_raise_a_mismatch_naming_both_sides(how, world_size, transport, shm_unchanged):
+    if how == "root" and transport == "queue":
+        # A queue cannot be peeked after a deadline; with two ranks both "roots" send and nobody
+        # waits, and the stray message is caught by the next collective.
+        world_size = 2
+    started = time.monotonic()
+    with pytest.raises(lab.RankError) as info:
+        lab.spawn(disagree, world_size, args=(how,), transport=transport, recv_timeout_ms=DEADLINE_MS)
+    error = info.value
+    assert error.exc_type == "CollectiveMismatchError", str(error)
+    # "rank 0 is in allreduce #2 float32[1000] sum (ring); rank 1 sent allgather #2 float32[1000] (ring)"
+    assert " is in " in error.exc_message and " sent " in error.exc_message and "#2" in error.exc_message
+    assert time.monotonic() - started < DEADLINE_MS / 1000 + 3
+    no_rank_left()
+
+
+PARENT_SCRIPT = textwrap.dedent(r"""
+    import os, sys, time, torch, lab
+
+    def busy(mesh):
+        os.write(1, f"{os.getpid()}\n".encode())  # one write: ranks' lines never interleave
+        while True:
+            lab.allreduce(mesh, torch.ones(100_000))
+
+    if __name__ == "__main__":
+        lab.spawn(busy, 3, transport=sys.argv[1])
+""")
+
+
+@pytest.mark.parametrize("transport", ["shm", "queue"])
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_an_interrupted_parent_takes_its_ranks_with_it(how, transport, tmp_path, shm_unchanged):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    parent = subprocess.Popen([sys.executable, str(script), transport], stdout=subprocess.PIPE, env=env)
+    try:
+        output = b""
+        while output.count(b"\n") < 3:  # the ranks are running once each has printed its pid
+            ready, _, _ = select.select([parent.stdout], [], [], 30)
+            assert ready, "the ranks did not start within 30 s"
+            chunk = os.read(parent.stdout.fileno(), 4096)
+            assert chunk, "the parent exited before its ranks started"
+            output += chunk
+        pids = [int(line) for line in output.split()]
+        time.sleep(0.3)
+        parent.send_signal(how)
+        parent.wait(timeout=15)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 5
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}") and "Z" not in _state(pid)]
+    assert not alive, f"ranks {alive} outlived their parent"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def soak(mesh: lab.Mesh, collectives: int, seed: int) -> dict:
+    """Random collectives of random sizes; resource use after a warm-up and at the end."""
+    rng = random.Random(seed)  # the same sequence on every rank
+    fds = rss = None
+    for i in range(collectives):
+        if i == collectives // 10:
+            fds, rss = len(os.listdir("/proc/self/fd")), _rss_kib()
+        which = rng.choice(COLLECTIVES)
+        run_collective(mesh, which, rng.choice([0, 1, 3, 64, 1000, 4097, 65_536, 200_003]))
+    return {"fds": (fds, len(os.listdir("/proc/self/fd"))), "rss_kib": (rss, _rss_kib())}
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+
+
+SOAK_COLLECTIVES = int(os.environ.get("LAB_SOAK_COLLECTIVES", "1500"))
+
+
+@pytest.mark.parametrize("transport", ["shm", "queue"])
+def test_soak_resources_stay_flat(transport, shm_unchanged):
+    """A short soak in CI; LAB_SOAK_COLLECTIVES=100000 runs the long one."""
+    with lab.launch(4, transport=transport, segment_bytes=4096) as cluster:
+        per_rank = cluster.run(soak, SOAK_COLLECTIVES, 11)
+    for rank, usage in enumerate(per_rank):
+        assert usage["fds"][0] == usage["fds"][1], f"rank {rank} leaks file descriptors: {usage}"
+        assert usage["rss_kib"][1] - usage["rss_kib"][0] < 32 * 1024, f"rank {rank} memory grows: {usage}"
+    no_rank_left()
