@@ -318,6 +318,8 @@ class Mesh:
         :class:`lab.DeadlineError`.
         """
         self._check_peer(src, "src")
+        if timeout_ms is not None and not (isinstance(timeout_ms, (int, float)) and timeout_ms > 0):
+            raise ValueError(f"timeout_ms must be a positive number of milliseconds or None; got {timeout_ms!r}")
         self._p2p_received[src] += 1
         seq = self._p2p_received[src]
         self._start_p2p("recv", seq)

@@ -36,6 +36,11 @@ def bad_arguments(mesh: lab.Mesh) -> list[tuple[str, str]]:
         lambda: lab.reduce_scatter(mesh, torch.tensor(1.0)),
         lambda: lab.lesson.ring_allreduce(mesh, mesh.rank + 1, mesh.world_size, x),
         lambda: lab.lesson.broadcast(mesh, mesh.rank, mesh.world_size + 1, x, 0),
+        lambda: lab.allgather(mesh, torch.empty(3, device="meta")),
+        lambda: lab.reduce_scatter(mesh, x, op="median"),
+        lambda: mesh.send((mesh.rank + 1) % mesh.world_size, "not a tensor"),
+        lambda: mesh.recv((mesh.rank + 1) % mesh.world_size, timeout_ms=0),
+        lambda: lab.allreduce(mesh, x, algorithm="auto", op=None),
     ]
     seen = []
     for call in calls:
@@ -93,7 +98,9 @@ def test_a_raising_rank_is_named_with_its_exception_and_traceback():
 def test_bad_arguments_raise_before_communication_and_leave_the_mesh_usable(cluster):
     for per_rank in cluster.run(bad_arguments):
         *errors, result = per_rank
-        names = ["src", "src", "op", "algorithm", "complex64", "avg", "tensor", "uint8", "0-d", "rank", "world_size"]
+        names = ["src", "src", "op", "algorithm", "complex64", "avg", "tensor", "uint8", "0-d", "rank", "world_size",
+                 "CPU", "op", "tensor", "timeout_ms", "op"]
+        assert len(errors) == len(names)
         for (kind, message), name in zip(errors, names):
             assert kind in ("ValueError", "TypeError") and name in message, (kind, message, name)
         assert result == ("result", "[3.0, 6.0, 9.0]")
@@ -124,6 +131,17 @@ def test_a_killed_rank_is_reported_with_its_signal():
         lab.spawn(die, 3, recv_timeout_ms=30_000)
     assert info.value.rank == 1 and "SIGKILL" in info.value.exc_message
     assert time.monotonic() - started < 10, "peers must learn of the death from the closed pipe, not the deadline"
+
+
+def test_fn_must_be_picklable():
+    with pytest.raises(TypeError, match="picklable"):
+        lab.spawn(lambda mesh: None, 2)
+
+
+@pytest.mark.parametrize("options, name", [({"segment_bytes": 100}, "segment_bytes"), ({"slots": 0}, "slots")])
+def test_bad_buffer_options_name_the_parameter(options, name):
+    with pytest.raises(ValueError, match=name):
+        lab.launch(2, **options)
 
 
 def test_a_closed_cluster_refuses_work():

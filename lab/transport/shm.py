@@ -235,5 +235,8 @@ class ShmTransport(Transport):
             os.close(fd)
         self._memory = []
         for m in self._maps:
-            m.close()
+            # A failed transfer's traceback may still hold views of a slot; the mapping then goes
+            # when they do (and with the process), so there is nothing to force here.
+            with contextlib.suppress(BufferError):
+                m.close()
         self._maps = []
