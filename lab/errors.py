@@ -52,9 +52,9 @@ class RankError(LabError):
             text += f"\n\n--- traceback from rank {rank} ---\n{remote_traceback.rstrip()}"
         if others:
             text += f"\n\n--- other ranks ---\n{others.rstrip()}"
-        if self.flight_records:
-            text += "\n\n--- last collectives per rank (flight recorder) ---\n"
-            text += format_flight_records(self.flight_records)
+        table = format_flight_records(self.flight_records) if self.flight_records else ""
+        if table:
+            text += "\n\n--- last collectives per rank (flight recorder) ---\n" + table
         super().__init__(text)
 
     def __reduce__(self):
@@ -66,13 +66,15 @@ class RankError(LabError):
 
 
 def format_flight_records(records: dict, last: int = 8) -> str:
-    """The ranks' last collectives side by side, one row per sequence number, so the point where
+    """The ranks' last collectives side by side (empty if none ran), one row per sequence number, so the point where
     ranks diverged (different collectives, or one rank stuck at a step) stands out.
 
     ``records`` maps rank -> list of :class:`lab.mesh.FlightRecord`, or a note (a ``str``) when
     the rank could not report (its process died, or it was still busy and was ended).
     """
     seqs = sorted({r.seq for recs in records.values() if not isinstance(recs, str) for r in recs})[-last:]
+    if not seqs:
+        return ""
     columns = {}
     for rank, recs in sorted(records.items()):
         if isinstance(recs, str):
