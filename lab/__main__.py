@@ -1,9 +1,11 @@
 """``python -m lab``: the validation table (every primitive, lab vs gloo) and the byte counters.
 
-    python -m lab                              # shm and queue transports, 3 and 4 ranks
-    python -m lab --world-sizes 2 5 --transports shm
+    python -m lab                              # validate: shm and queue transports, 3 and 4 ranks
+    python -m lab validate --world-sizes 2 5 --transports shm
+    python -m lab results                      # regenerate results/ (sweeps, models, plots, report)
+    python -m lab kernels                      # Python vs numpy vs Numba reduction bandwidth
 
-Exits non-zero if any row fails.
+Exits non-zero if any validation row fails.
 """
 
 from __future__ import annotations
@@ -14,16 +16,9 @@ import time
 
 import pandas as pd
 
-from lab.validate import byte_table, validation_table
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__.splitlines()[0])
-    parser.add_argument("--transports", nargs="+", default=["shm", "queue"], choices=["shm", "queue"])
-    parser.add_argument("--world-sizes", nargs="+", type=int, default=[3, 4], metavar="N")
-    parser.add_argument("--elements", type=int, default=1001, help="elements per rank (default 1001: not divisible)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+def validate(args: argparse.Namespace) -> int:
+    from lab.validate import byte_table, validation_table
 
     started = time.monotonic()
     table = validation_table(args.transports, args.world_sizes, args.elements, args.seed)
@@ -40,6 +35,49 @@ def main(argv: list[str] | None = None) -> int:
     failed = int((table["result"] == "FAIL").sum() + (counters["result"] == "FAIL").sum())
     print(f"\n{len(table) + len(counters) - failed} passed, {failed} failed in {time.monotonic() - started:.1f} s")
     return 1 if failed else 0
+
+
+def results(args: argparse.Namespace) -> int:
+    from lab import results as results_module
+    from lab.benchmark import SIZES
+
+    sizes = [1 << 10, 1 << 20, 16 << 20] if args.quick else SIZES
+    return results_module.main(args.out, args.ranks, args.transports, sizes, update_tuning=not args.keep_tuning)
+
+
+def kernels(args: argparse.Namespace) -> int:
+    from lab.results import kernel_sweep
+
+    table = kernel_sweep()
+    pd.set_option("display.width", 200)
+    print(table.pivot_table(index="bytes", columns=["impl", "variant"], values="GBps").to_string(
+        float_format=lambda v: f"{v:.3g}"))
+    print("\nGB/s: bytes of all inputs read per second")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command")
+    check = commands.add_parser("validate", help="the validation table (the default)")
+    check.add_argument("--transports", nargs="+", default=["shm", "queue"], choices=["shm", "queue"])
+    check.add_argument("--world-sizes", nargs="+", type=int, default=[3, 4], metavar="N")
+    check.add_argument("--elements", type=int, default=1001, help="elements per rank (default 1001: not divisible)")
+    check.add_argument("--seed", type=int, default=0)
+    check.set_defaults(run=validate)
+    sweep = commands.add_parser("results", help="regenerate results/ and lab/tuning.json")
+    sweep.add_argument("--out", default="results")
+    sweep.add_argument("--ranks", type=int, default=4)
+    sweep.add_argument("--transports", nargs="+", default=["shm", "queue"], choices=["shm", "queue"])
+    sweep.add_argument("--quick", action="store_true", help="1 KB, 1 MB and 16 MB only")
+    sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
+    sweep.set_defaults(run=results)
+    kernel = commands.add_parser("kernels", help="Python vs numpy vs Numba reduction bandwidth")
+    kernel.set_defaults(run=kernels)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["validate", *(argv or sys.argv[1:])])
+    return args.run(args)
 
 
 if __name__ == "__main__":

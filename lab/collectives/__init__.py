@@ -21,21 +21,17 @@ from lab.collectives.allreduce_tree import allreduce_tree
 from lab.collectives.broadcast_binomial import broadcast_binomial
 from lab.collectives.reduce_scatter_ring import reduce_scatter_ring
 from lab.mesh import Mesh
+from lab import tuning
 from lab.ops import ReduceOp, parse_op, reduction
 
 ALLREDUCE_ALGORITHMS = {"ring": allreduce_ring, "tree": allreduce_tree, "naive": allreduce_naive}
 
-#: ``algorithm="auto"`` picks ring from this many bytes up, tree below (NCCL's rule of thumb,
-#: scaled to this lab's measured crossover; see the README).
-AUTO_RING_MIN_BYTES = 256 * 1024
-
-
-def choose_allreduce(nbytes: int, world_size: int) -> str:
-    """The algorithm ``"auto"`` runs for a tensor of ``nbytes`` (``LAB_ALGO`` overrides)."""
+def choose_allreduce(nbytes: int, world_size: int, transport: str) -> str:
+    """The algorithm ``"auto"`` runs (``LAB_ALGO`` overrides; see :mod:`lab.tuning`)."""
     forced = os.environ.get("LAB_ALGO")
     if forced:
         return _check_algorithm(forced, "LAB_ALGO", allow_auto=False)
-    return "ring" if nbytes >= AUTO_RING_MIN_BYTES else "tree"
+    return tuning.choose(nbytes, world_size, transport)
 
 
 def _check_algorithm(algorithm: Any, name: str = "algorithm", allow_auto: bool = True) -> str:
@@ -67,7 +63,7 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto")
     _check_algorithm(algorithm)
     buffer = as_buffer(tensor)
     kernels = reduction(reduce_op, buffer.dtype)
-    chosen = choose_allreduce(buffer.nbytes, mesh.world_size) if algorithm == "auto" else algorithm
+    chosen = choose_allreduce(buffer.nbytes, mesh.world_size, mesh.transport) if algorithm == "auto" else algorithm
     with mesh.collective("allreduce", chosen, buffer.dtype, buffer.flat.size, reduce_op.value):
         ALLREDUCE_ALGORITHMS[chosen](mesh, buffer.flat, kernels)
     buffer.write_back()

@@ -1,0 +1,152 @@
+"""The one timing harness behind ``bench/`` and ``python -m lab results`` (nccl-tests' rules).
+
+- Time inside the ranks, around each call of a back-to-back loop (the collective itself keeps
+  ranks in step; one gloo barrier aligns them before the loop), after warm-up calls that absorb
+  Numba dispatch and first touch of buffers. Process start and task dispatch are never timed.
+- A call's time is the slowest rank's; report the median (and p10, p90) over calls.
+- Sizes are the full tensor T, as nccl-tests counts them: allreduce and broadcast move a T-byte
+  tensor, allgather gathers T/N per rank into T, reduce_scatter reduces T into T/N per rank.
+- algbw = T / time; busbw = algbw × (allreduce 2(N-1)/N, allgather and reduce_scatter (N-1)/N,
+  broadcast 1), comparable with the link bandwidth whatever N is.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from lab import collectives
+from lab.mesh import Mesh
+from lab.reference import ensure_gloo, gloo_collective
+
+#: 1 KB to 16 MB in powers of 4, as the lesson's exercise asks.
+SIZES = [1 << k for k in range(10, 25, 2)]
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+
+
+def bus_factor(collective: str, world_size: int) -> float:
+    """nccl-tests' busbw / algbw ratio."""
+    n = world_size
+    return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "broadcast": 1.0}[collective]
+
+
+def iterations_for(nbytes: int) -> tuple[int, int]:
+    """(timed calls, warm-up calls) for a size: many for small sizes, enough for a stable median."""
+    if nbytes <= 64 << 10:
+        return 100, 10
+    if nbytes <= 1 << 20:
+        return 30, 5
+    return 10, 2
+
+
+def _input(collective: str, nbytes: int, world_size: int, rank: int) -> torch.Tensor:
+    numel = max(nbytes // 4, 1)
+    if collective == "allgather":
+        numel = max(numel // world_size, 1)
+    return torch.arange(numel, dtype=torch.float32).mul_(1e-6).add_(rank)
+
+
+def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorithm: str = "auto",
+                    iterations: int | None = None, warmup: int | None = None) -> list[int]:
+    """In one rank: the duration (ns) of each timed call of ``collective`` through ``impl``.
+
+    ``impl`` is ``"lab"`` or ``"gloo"``; ``algorithm`` applies to the lab's allreduce.
+    """
+    default_iterations, default_warmup = iterations_for(nbytes)
+    iterations = default_iterations if iterations is None else iterations
+    warmup = default_warmup if warmup is None else warmup
+    ensure_gloo(mesh)  # for the barrier, and for impl == "gloo"
+    x = _input(collective, nbytes, mesh.world_size, mesh.rank)
+    if impl == "gloo":
+        def call() -> Any:
+            return gloo_collective(mesh, collective, x)
+    elif collective == "allreduce":
+        def call() -> Any:
+            return collectives.allreduce(mesh, x, algorithm=algorithm)
+    else:
+        call = {"broadcast": lambda: collectives.broadcast(mesh, x, src=0),
+                "allgather": lambda: collectives.allgather(mesh, x),
+                "reduce_scatter": lambda: collectives.reduce_scatter(mesh, x)}[collective]
+    durations = []
+    dist.barrier()
+    for i in range(warmup + iterations):
+        start = time.perf_counter_ns()
+        call()
+        elapsed = time.perf_counter_ns() - start
+        if i >= warmup:
+            durations.append(elapsed)
+        if collective == "allreduce":
+            x.mul_(1.0 / mesh.world_size)  # keep sums bounded across calls
+    return durations
+
+
+def summarize(per_rank: list[list[int]], collective: str, nbytes: int, world_size: int) -> dict[str, float]:
+    """Per-call slowest rank -> median, p10, p90 in µs, algbw and busbw in GB/s of the median."""
+    slowest = np.max(np.array(per_rank, dtype=np.float64), axis=0) / 1e3
+    median = float(np.median(slowest))
+    algbw = nbytes / (median * 1e3)
+    return {
+        "median_us": median,
+        "p10_us": float(np.percentile(slowest, 10)),
+        "p90_us": float(np.percentile(slowest, 90)),
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * bus_factor(collective, world_size),
+        "calls": len(slowest),
+    }
+
+
+def measure(cluster: Any, collective: str, impl: str, nbytes: int, algorithm: str = "auto",
+            iterations: int | None = None) -> dict[str, Any]:
+    """Run one case on a pool (``lab.launch``) and summarize it: the unit every sweep is made of."""
+    per_rank = cluster.run(time_collective, collective, impl, nbytes, algorithm, iterations)
+    row = {"collective": collective, "impl": impl, "algorithm": algorithm if impl == "lab" else "gloo",
+           "transport": cluster.transport if impl == "lab" else "gloo", "world": cluster.world_size,
+           "bytes": nbytes}
+    return {**row, **summarize(per_rank, collective, nbytes, cluster.world_size)}
+
+
+# -- reduction kernels alone (in this process) -----------------------------------------------------
+
+
+def time_kernel(impl: str, nbytes: int, inputs: int = 2, repeats: int | None = None) -> dict[str, float]:
+    """Median time and GB/s (bytes of all inputs read per second) of one float32 sum reduction.
+
+    ``impl``: ``"python"`` (a loop), ``"numpy"`` (``np.add(..., out=)``, chained for more than two
+    inputs) or ``"numba"`` (``sum_into``; ``sum3_into`` fuses four inputs into one pass).
+    """
+    from kernels.python import NUMPY_KERNELS, PYTHON_KERNELS
+    from kernels.reduce import sum3_into, sum_into
+
+    numel = nbytes // 4
+    rng = np.random.default_rng(0)
+    dst, *srcs = (rng.random(numel, dtype=np.float32) for _ in range(inputs))
+    if impl == "python":
+        def call() -> None:
+            for src in srcs:
+                PYTHON_KERNELS["sum"](dst, src)
+    elif impl == "numpy":
+        def call() -> None:
+            for src in srcs:
+                NUMPY_KERNELS["sum"](dst, src)
+    elif inputs == 4:
+        def call() -> None:
+            sum3_into(dst, *srcs)
+    else:
+        def call() -> None:
+            for src in srcs:
+                sum_into(dst, src)
+    if repeats is None:
+        repeats = 3 if impl == "python" else max(5, min(200, (64 << 20) // max(nbytes, 1)))
+    call()  # warm-up: page faults, Numba dispatch
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        call()
+        times.append(time.perf_counter_ns() - start)
+    median_s = float(np.median(times)) / 1e9
+    return {"median_us": median_s * 1e6, "GBps": inputs * nbytes / median_s / 1e9}
