@@ -141,7 +141,7 @@ def time_kernel(impl: str, nbytes: int, inputs: int = 2, repeats: int | None = N
             for src in srcs:
                 sum_into(dst, src)
     if repeats is None:
-        repeats = 3 if impl == "python" else max(5, min(200, (64 << 20) // max(nbytes, 1)))
+        repeats = 3 if impl == "python" else max(20, min(200, (64 << 20) // max(nbytes, 1)))
     call()  # warm-up: page faults, Numba dispatch
     times = []
     for _ in range(repeats):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def split_bounds(length: int, parts: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of each of ``parts`` pieces of ``range(length)``, as ``numpy.array_split``.
@@ -31,3 +33,13 @@ def row_bounds(rows: int, row_elements: int, parts: int) -> list[tuple[int, int]
         [(0, 6), (6, 10)]
     """
     return [(a * row_elements, b * row_elements) for a, b in split_bounds(rows, parts)]
+
+
+def ring_chunk(buf: np.ndarray, bounds: list[tuple[int, int]], index: int) -> np.ndarray:
+    """Chunk ``index mod len(bounds)`` of ``buf`` (a view): ring algorithms count chunks modulo N.
+
+        >>> ring_chunk(np.arange(10), split_bounds(10, 4), -1)
+        array([8, 9])
+    """
+    start, stop = bounds[index % len(bounds)]
+    return buf[start:stop]

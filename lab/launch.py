@@ -255,24 +255,18 @@ def _death(rank: int, process: mp.process.BaseProcess) -> RankFailure:
     return RankFailure("ProcessDied", f"rank {rank}'s process {how}", "", time.monotonic_ns(), False, code)
 
 
-def launch(
-    world_size: int,
-    *,
-    transport: str = "shm",
-    recv_timeout_ms: float | None = None,
-    trace: str | None = None,
-    segment_bytes: int = shm_transport.DEFAULT_SEGMENT_BYTES,
-    slots: int = shm_transport.DEFAULT_SLOTS,
-) -> Cluster:
+def launch(world_size: int, **options: Any) -> Cluster:
     """Start a persistent pool of rank processes; use it as a context manager.
 
-    Same options as :func:`spawn`. ``segment_bytes`` and ``slots`` size the shm transport's
-    per-peer buffers (``slots`` buffers of ``segment_bytes`` per directed edge).
+    Same options as :func:`spawn` (``transport``, ``recv_timeout_ms``, ``trace``, ``segment_bytes``,
+    ``slots``); ``segment_bytes`` and ``slots`` size the shm transport's per-peer buffers
+    (``slots`` buffers of ``segment_bytes`` per directed edge).
+
+        with lab.launch(4, transport="queue") as cluster:
+            first = cluster.run(step, 1.0)
+            second = cluster.run(step, 2.0)   # same processes, same mesh
     """
-    return Cluster(
-        world_size, transport=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
-        segment_bytes=segment_bytes, slots=slots,
-    )
+    return Cluster(world_size, **options)
 
 
 def spawn(
@@ -296,7 +290,7 @@ def spawn(
 
     Everything (processes, pipes, queues, shared memory) is torn down before it returns or raises.
     """
-    with launch(
+    with Cluster(
         world_size, transport=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
         segment_bytes=segment_bytes, slots=slots,
     ) as cluster:

@@ -317,7 +317,11 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
     for transport in [t for t in model["transport"].unique() if t != "gloo"]:
         rows = model[model["transport"] == transport]
         measured, predicted = rows["crossover_measured_bytes"].iloc[0], rows["crossover_predicted_bytes"].iloc[0]
-        text = (f"- **{transport}**: ring first beats tree at **{size_label(int(measured))}** (measured)"
+        medians = allreduce[allreduce["transport"] == transport].pivot(index="bytes", columns="algorithm",
+                                                                      values="median_us")
+        ring_wins = [size_label(b) for b in medians.index if medians.loc[b, "ring"] < medians.loc[b, "tree"]]
+        text = (f"- **{transport}**: ring first beats tree at **{size_label(int(measured))}** (measured; ring is "
+                f"faster at {', '.join(ring_wins)})"
                 if not math.isnan(measured) else f"- **{transport}**: ring never beats tree from 1 KB to 16 MB")
         text += (f"; the fitted lines cross at {predicted / 1024:.0f} KB." if not math.isnan(predicted)
                  else "; the fitted lines do not cross (tree's per-byte cost is not above ring's here).")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lab.chunking import ring_chunk
 from lab.mesh import Mesh
 
 
@@ -21,11 +22,6 @@ def allgather_ring(mesh: Mesh, buf: np.ndarray, bounds: list[tuple[int, int]]) -
     """
     n, rank = mesh.world_size, mesh.rank
     right, left = (rank + 1) % n, (rank - 1) % n
-
-    def chunk(index: int) -> np.ndarray:
-        start, stop = bounds[index % n]
-        return buf[start:stop]
-
     for step in range(n - 1):
         # Forward the chunk completed most recently; take the next one from the left.
-        mesh.sendrecv_buffer(right, chunk(rank - step), left, chunk(rank - step - 1))
+        mesh.sendrecv_buffer(right, ring_chunk(buf, bounds, rank - step), left, ring_chunk(buf, bounds, rank - step - 1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lab.chunking import ring_chunk
 from lab.mesh import Mesh
 from lab.ops import Reduction
 
@@ -25,13 +26,9 @@ def reduce_scatter_ring(mesh: Mesh, buf: np.ndarray, reduction: Reduction, bound
     """
     n, rank = mesh.world_size, mesh.rank
     right, left = (rank + 1) % n, (rank - 1) % n
-
-    def chunk(index: int) -> np.ndarray:
-        start, stop = bounds[index % n]
-        return buf[start:stop]
-
     for step in range(n - 1):
         # Pass on the partial sum built last step; fold the left neighbour's partial into ours.
-        mesh.sendrecv_buffer(right, chunk(rank - step - 1), left, chunk(rank - step - 2), reduction.combine)
+        mesh.sendrecv_buffer(right, ring_chunk(buf, bounds, rank - step - 1),
+                             left, ring_chunk(buf, bounds, rank - step - 2), reduction.combine)
     # Chunk `rank` now holds every contribution: finish it here, once (avg divides).
-    reduction.finalize(chunk(rank), n)
+    reduction.finalize(ring_chunk(buf, bounds, rank), n)
