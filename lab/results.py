@@ -90,9 +90,11 @@ def latency_floor(max_world: int) -> pd.DataFrame:
 
 
 def kernel_sweep() -> pd.DataFrame:
-    cases = [(impl, 2, s) for impl in ("python", "numpy", "numba") for s in KERNEL_SIZES
+    # Size by size, the implementations back to back, so that drift of a shared machine's memory
+    # bandwidth hits the ones compared alike.
+    cases = [(impl, 2, s) for s in KERNEL_SIZES for impl in ("python", "numpy", "numba")
              if impl != "python" or s <= PYTHON_KERNEL_MAX_BYTES]
-    cases += [(impl, 4, s) for impl in ("numpy", "numba") for s in KERNEL_SIZES]
+    cases += [(impl, 4, s) for s in KERNEL_SIZES for impl in ("numpy", "numba")]
     progress = Progress(len(cases))
     rows = []
     for impl, inputs, nbytes in cases:
