@@ -84,13 +84,14 @@ class Cluster:
         self._closed = False
         context = _context()
         if transport == "shm":
-            endpoints = shm_transport.create_endpoints(context, world_size, segment_bytes, slots)
+            endpoints = shm_transport.create_endpoints(world_size, segment_bytes, slots)
         else:
             endpoints = queue_transport.create_endpoints(context, world_size)
         self._store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
         )
         options = {
+            "environment": dict(os.environ),  # the forkserver's is older: ranks get the caller's now
             "transport": transport,
             "recv_timeout_ms": recv_timeout_ms,
             "trace": trace,
@@ -308,6 +309,8 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it ends us
     _die_with_parent()
     rank, world_size = endpoints.rank, endpoints.world_size
+    os.environ.clear()
+    os.environ.update(options["environment"])
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), LAB_STORE=options["store"])
     try:

@@ -3,9 +3,9 @@
 One ``multiprocessing.Queue`` per directed edge, plus one "alive" pipe per rank whose write end
 only that rank holds: when it dies the pipe reads as end-of-file for everyone else, so a rank
 waiting on a queue learns within ``LIVENESS_CHECK_S`` that its peer is gone (a queue alone
-would wait for the deadline). A send snapshots the bytes and puts
-``(tag, payload)``; the queue's feeder thread pickles it into a pipe in the background, so a send
-never blocks and a ring step cannot deadlock. A receive unpickles a copy and then copies or
+would wait for the deadline). A send puts ``(tag, a copy of the array)``; the queue's feeder
+thread pickles it into a pipe in the background, so a send never blocks and a ring step cannot
+deadlock. A receive unpickles a copy and then copies or
 reduces it into the output. Every byte therefore crosses two extra copies and a pickle, which is
 exactly the cost the ``"shm"`` transport exists to remove.
 """

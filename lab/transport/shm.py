@@ -62,7 +62,7 @@ class ShmEndpoints:
             shared.close()
 
 
-def create_endpoints(context, world_size: int, segment_bytes: int, slots: int) -> list[ShmEndpoints]:
+def create_endpoints(world_size: int, segment_bytes: int, slots: int) -> list[ShmEndpoints]:
     """Build the full mesh in the parent: N(N-1) pipes and N segments."""
     if segment_bytes < 64 or segment_bytes % 64:
         raise ValueError(f"segment_bytes must be a positive multiple of 64; got {segment_bytes}")
