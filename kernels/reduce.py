@@ -1,7 +1,8 @@
 """Numba in-place reduction kernels: ``dst ⊕= src`` over flat, contiguous buffers.
 
 One kernel per op and storage family, compiled eagerly for its signatures (``cache=True``, so a
-process loads machine code from the on-disk cache instead of compiling). The table ``KERNELS``
+process loads machine code from the on-disk cache instead of compiling), releasing the GIL
+(``nogil=True``) so a rank's Python computation can run while its communication thread reduces. The table ``KERNELS``
 maps ``(op, family)`` to a kernel, as gloo's reduction functions are a table indexed by op.
 
 Families:
@@ -108,19 +109,19 @@ def float32_to_float16(f):
 # --- native kernels ---------------------------------------------------------------------------
 
 
-@njit(NATIVE_SIGNATURES, cache=True)
+@njit(NATIVE_SIGNATURES, cache=True, nogil=True)
 def sum_into(dst, src):
     for i in range(dst.size):
         dst[i] += src[i]
 
 
-@njit(NATIVE_SIGNATURES, cache=True)
+@njit(NATIVE_SIGNATURES, cache=True, nogil=True)
 def prod_into(dst, src):
     for i in range(dst.size):
         dst[i] *= src[i]
 
 
-@njit(NATIVE_SIGNATURES, cache=True)
+@njit(NATIVE_SIGNATURES, cache=True, nogil=True)
 def min_into(dst, src):
     for i in range(dst.size):
         s = src[i]
@@ -128,7 +129,7 @@ def min_into(dst, src):
             dst[i] = s
 
 
-@njit(NATIVE_SIGNATURES, cache=True)
+@njit(NATIVE_SIGNATURES, cache=True, nogil=True)
 def max_into(dst, src):
     for i in range(dst.size):
         s = src[i]
@@ -136,14 +137,14 @@ def max_into(dst, src):
             dst[i] = s
 
 
-@njit(NATIVE_SCALE_SIGNATURES, cache=True)
+@njit(NATIVE_SCALE_SIGNATURES, cache=True, nogil=True)
 def divide(dst, divisor):
     for i in range(dst.size):
         dst[i] = dst[i] / divisor
 
 
 @njit(["void(float32[::1], float32[::1], float32[::1], float32[::1])",
-       "void(float64[::1], float64[::1], float64[::1], float64[::1])"], cache=True)
+       "void(float64[::1], float64[::1], float64[::1], float64[::1])"], cache=True, nogil=True)
 def sum3_into(dst, a, b, c):
     """``dst += a + b + c`` in one pass: reads four buffers and writes one, where three chained
     two-input adds read and write ``dst`` three times (the K=4 fused reduce of the benchmarks)."""
@@ -154,19 +155,19 @@ def sum3_into(dst, a, b, c):
 # --- float16 kernels (uint16 bit patterns) ------------------------------------------------------
 
 
-@njit(HALF_SIGNATURE, cache=True)
+@njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_sum_into(dst, src):
     for i in range(dst.size):
         dst[i] = float32_to_float16(float16_to_float32(dst[i]) + float16_to_float32(src[i]))
 
 
-@njit(HALF_SIGNATURE, cache=True)
+@njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_prod_into(dst, src):
     for i in range(dst.size):
         dst[i] = float32_to_float16(float16_to_float32(dst[i]) * float16_to_float32(src[i]))
 
 
-@njit(HALF_SIGNATURE, cache=True)
+@njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_min_into(dst, src):
     for i in range(dst.size):
         s = float16_to_float32(src[i])
@@ -174,7 +175,7 @@ def float16_min_into(dst, src):
             dst[i] = src[i]
 
 
-@njit(HALF_SIGNATURE, cache=True)
+@njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_max_into(dst, src):
     for i in range(dst.size):
         s = float16_to_float32(src[i])
@@ -182,7 +183,7 @@ def float16_max_into(dst, src):
             dst[i] = src[i]
 
 
-@njit(HALF_SCALE_SIGNATURE, cache=True)
+@njit(HALF_SCALE_SIGNATURE, cache=True, nogil=True)
 def float16_divide(dst, divisor):
     for i in range(dst.size):
         dst[i] = float32_to_float16(float16_to_float32(dst[i]) / np.float32(divisor))
@@ -191,19 +192,19 @@ def float16_divide(dst, divisor):
 # --- bfloat16 kernels (uint16 bit patterns) -----------------------------------------------------
 
 
-@njit(HALF_SIGNATURE, cache=True)
+@njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_sum_into(dst, src):
     for i in range(dst.size):
         dst[i] = float32_to_bfloat16(bfloat16_to_float32(dst[i]) + bfloat16_to_float32(src[i]))
 
 
-@njit(HALF_SIGNATURE, cache=True)
+@njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_prod_into(dst, src):
     for i in range(dst.size):
         dst[i] = float32_to_bfloat16(bfloat16_to_float32(dst[i]) * bfloat16_to_float32(src[i]))
 
 
-@njit(HALF_SIGNATURE, cache=True)
+@njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_min_into(dst, src):
     for i in range(dst.size):
         s = bfloat16_to_float32(src[i])
@@ -211,7 +212,7 @@ def bfloat16_min_into(dst, src):
             dst[i] = src[i]
 
 
-@njit(HALF_SIGNATURE, cache=True)
+@njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_max_into(dst, src):
     for i in range(dst.size):
         s = bfloat16_to_float32(src[i])
@@ -219,7 +220,7 @@ def bfloat16_max_into(dst, src):
             dst[i] = src[i]
 
 
-@njit(HALF_SCALE_SIGNATURE, cache=True)
+@njit(HALF_SCALE_SIGNATURE, cache=True, nogil=True)
 def bfloat16_divide(dst, divisor):
     for i in range(dst.size):
         dst[i] = float32_to_bfloat16(bfloat16_to_float32(dst[i]) / np.float32(divisor))

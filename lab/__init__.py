@@ -13,12 +13,12 @@
 from lab.collectives import allgather, allreduce, broadcast, reduce_scatter
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError, RankError
 from lab.launch import Cluster, launch, spawn
-from lab.mesh import Mesh
+from lab.mesh import Mesh, Work
 from lab.ops import ReduceOp
 from lab.reference import gloo_reference
 
 __all__ = [
     "allreduce", "broadcast", "allgather", "reduce_scatter", "ReduceOp",
-    "spawn", "launch", "Cluster", "Mesh", "gloo_reference",
+    "spawn", "launch", "Cluster", "Mesh", "Work", "gloo_reference",
     "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError",
 ]

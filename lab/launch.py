@@ -334,14 +334,16 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
                 break
             try:
                 fn, args = pickle.loads(task)
-                reply = ("ok", pickle.dumps(fn(mesh, *args)))
+                result = fn(mesh, *args)
+                mesh.wait_all()  # a task ends when every collective it issued has completed
+                reply = ("ok", pickle.dumps(result))
             except BaseException as exc:
                 reply = ("error", _failure(exc, mesh))
                 if not mesh.clean:
-                    transport.close()  # peers blocked on us see end-of-file now, not at their deadline
+                    mesh.close()  # peers blocked on us see end-of-file now, not at their deadline
             control.send_bytes(pickle.dumps(reply))
     finally:
-        transport.close()
+        mesh.close()
 
 
 def _failure(exc: BaseException, mesh: Mesh | None) -> RankFailure:

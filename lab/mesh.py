@@ -13,7 +13,8 @@ import os
 import struct
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,30 @@ class FlightRecord:
         return f"{what}: {self.state}" + ("" if self.state == "done" else f" at step {self.step}")
 
 
+class Work:
+    """The handle of a collective issued with ``async_op=True`` (like ``torch.distributed.Work``).
+
+        work = lab.allreduce(mesh, grads, async_op=True)   # returns at once
+        ...                                                # compute meanwhile
+        work.wait()                                        # grads now hold the sum
+    """
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the collective completes; re-raise its error if it failed. Returns True."""
+        self._future.result(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        """What the synchronous call would have returned (waits first)."""
+        return self._future.result()
+
+
 #: How many collectives each rank remembers for failure reports.
 FLIGHT_RECORDER_SIZE = 32
 
@@ -135,6 +160,8 @@ class Mesh:
         self._position = _Position()
         self.clean = True  # False once a transfer failed half-way: peers may hold its messages
         self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
+        self._comm_thread: ThreadPoolExecutor | None = None
+        self._pending: list[Work] = []
         self.reset_stats()
 
     @property
@@ -158,6 +185,37 @@ class Mesh:
         self._stats = dict.fromkeys(
             ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives"), 0
         )
+
+    # -- issuing collectives, synchronously or not ----------------------------------------------
+
+    def issue(self, run: Callable[[], Any], async_op: bool) -> Any:
+        """Run a collective's communication now, or on this mesh's communication thread.
+
+        One thread, one queue: collectives complete in the order they were issued, and a
+        synchronous call first waits for the asynchronous ones before it.
+        """
+        if async_op:
+            if self._comm_thread is None:
+                self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lab-comm-{self.rank}")
+            work = Work(self._comm_thread.submit(run))
+            self._pending.append(work)
+            return work
+        self.wait_all()
+        return run()
+
+    def wait_all(self) -> None:
+        """Wait for every asynchronous collective issued so far; raise the first failure."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait()
+
+    def close(self) -> None:
+        """Release the transport, then stop the communication thread (a collective it is still
+        running fails at once on the closed channels; queued ones are cancelled)."""
+        self._transport.close()
+        if self._comm_thread is not None:
+            self._comm_thread.shutdown(wait=True, cancel_futures=True)
+            self._comm_thread = None
 
     # -- what algorithms use -------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The public collectives: validate at the boundary, then run one algorithm on a flat buffer.
 
-Every argument is checked before any message is sent, so a bad call raises the same error on
-every rank and leaves the mesh usable.
+Every argument is checked before any message is sent (in the caller, also with
+``async_op=True``), so a bad call raises the same error on every rank and leaves the mesh usable.
+``async_op=True`` returns a :class:`lab.Work` at once; collectives issued on one mesh, async or
+not, complete in issue order.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _check_root(mesh: Mesh, root: Any, name: str) -> int:
     return int(root)
 
 
-def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Any:
+def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
     """Reduce ``tensor`` elementwise across all ranks, in place; return ``tensor``.
 
     ``op``: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``. ``algorithm``: ``"ring"``,
@@ -64,13 +66,17 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto")
     buffer = as_buffer(tensor)
     kernels = reduction(reduce_op, buffer.dtype)
     chosen = choose_allreduce(buffer.nbytes, mesh.world_size, mesh.transport) if algorithm == "auto" else algorithm
-    with mesh.collective("allreduce", chosen, buffer.dtype, buffer.flat.size, reduce_op.value):
-        ALLREDUCE_ALGORITHMS[chosen](mesh, buffer.flat, kernels)
-    buffer.write_back()
-    return tensor
+
+    def run() -> Any:
+        with mesh.collective("allreduce", chosen, buffer.dtype, buffer.flat.size, reduce_op.value):
+            ALLREDUCE_ALGORITHMS[chosen](mesh, buffer.flat, kernels)
+        buffer.write_back()
+        return tensor
+
+    return mesh.issue(run, async_op)
 
 
-def broadcast(mesh: Mesh, tensor: Any, src: int = 0) -> Any:
+def broadcast(mesh: Mesh, tensor: Any, src: int = 0, async_op: bool = False) -> Any:
     """Overwrite ``tensor`` on every rank with rank ``src``'s, in place; return ``tensor``.
 
     Per rank, N=3, src=1::
@@ -80,13 +86,17 @@ def broadcast(mesh: Mesh, tensor: Any, src: int = 0) -> Any:
     """
     src = _check_root(mesh, src, "src")
     buffer = as_buffer(tensor)
-    with mesh.collective("broadcast", "binomial", buffer.dtype, buffer.flat.size, root=src):
-        broadcast_binomial(mesh, buffer.flat, src)
-    buffer.write_back()
-    return tensor
+
+    def run() -> Any:
+        with mesh.collective("broadcast", "binomial", buffer.dtype, buffer.flat.size, root=src):
+            broadcast_binomial(mesh, buffer.flat, src)
+        buffer.write_back()
+        return tensor
+
+    return mesh.issue(run, async_op)
 
 
-def allgather(mesh: Mesh, tensor: Any) -> Any:
+def allgather(mesh: Mesh, tensor: Any, async_op: bool = False) -> Any:
     """Concatenate every rank's ``tensor`` along dim 0, in rank order, into a new tensor.
 
     Like ``torch.distributed.all_gather_into_tensor``: every rank passes the same shape; a 0-d
@@ -104,12 +114,16 @@ def allgather(mesh: Mesh, tensor: Any) -> Any:
     bounds = split_bounds(out.size, mesh.world_size)  # equal blocks of numel
     start, stop = bounds[mesh.rank]
     out[start:stop] = as_buffer(tensor, writable=False).flat
-    with mesh.collective("allgather", "ring", dtype, numel):
-        allgather_ring(mesh, out, bounds)
-    return to_caller_type(out, dtype, out_shape, like=tensor)
+
+    def run() -> Any:
+        with mesh.collective("allgather", "ring", dtype, numel):
+            allgather_ring(mesh, out, bounds)
+        return to_caller_type(out, dtype, out_shape, like=tensor)
+
+    return mesh.issue(run, async_op)
 
 
-def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum") -> Any:
+def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", async_op: bool = False) -> Any:
     """Reduce ``tensor`` across ranks and return block ``rank`` of the result as a new tensor.
 
     Blocks are split along dim 0 as ``numpy.array_split`` does (equal when N divides dim 0, like
@@ -129,11 +143,15 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum") -> Any:
     kernels = reduction(reduce_op, dtype)
     work = as_buffer(tensor, writable=False).flat.copy()
     bounds = row_bounds(shape[0], math.prod(shape[1:]), mesh.world_size)
-    with mesh.collective("reduce_scatter", "ring", dtype, work.size, reduce_op.value):
-        reduce_scatter_ring(mesh, work, kernels, bounds)
-    start, stop = bounds[mesh.rank]
-    rows = split_bounds(shape[0], mesh.world_size)[mesh.rank]
-    return to_caller_type(work[start:stop].copy(), dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
+
+    def run() -> Any:
+        with mesh.collective("reduce_scatter", "ring", dtype, work.size, reduce_op.value):
+            reduce_scatter_ring(mesh, work, kernels, bounds)
+        start, stop = bounds[mesh.rank]
+        rows = split_bounds(shape[0], mesh.world_size)[mesh.rank]
+        return to_caller_type(work[start:stop].copy(), dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
+
+    return mesh.issue(run, async_op)
 
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "choose_allreduce", "ReduceOp"]
