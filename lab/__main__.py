@@ -4,6 +4,7 @@
     python -m lab validate --world-sizes 2 5 --transports shm
     python -m lab results                      # regenerate results/ (sweeps, models, plots, report)
     python -m lab kernels                      # Python vs numpy vs Numba reduction bandwidth
+    python -m lab timeline run.jsonl -o timeline.json --png timeline.png   # a trace, per rank
 
 Exits non-zero if any validation row fails.
 """
@@ -56,6 +57,21 @@ def kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def timeline(args: argparse.Namespace) -> int:
+    import json
+
+    from lab.timeline import plot_timeline, read_trace, to_chrome_trace
+
+    rows = read_trace(args.trace)
+    with open(args.output, "w") as out:
+        json.dump(to_chrome_trace(rows), out)
+    if args.png:
+        plot_timeline(rows, args.png)
+    print(f"{len(rows)} rows -> {args.output}" + (f" and {args.png}" if args.png else "")
+          + " (open the JSON in https://ui.perfetto.dev)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command")
@@ -74,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     sweep.set_defaults(run=results)
     kernel = commands.add_parser("kernels", help="Python vs numpy vs Numba reduction bandwidth")
     kernel.set_defaults(run=kernels)
+    trace = commands.add_parser("timeline", help="a JSONL trace as a Chrome/Perfetto timeline")
+    trace.add_argument("trace", help="the JSONL file written with trace= or LAB_TRACE")
+    trace.add_argument("-o", "--output", default="timeline.json")
+    trace.add_argument("--png", help="also draw it to this PNG")
+    trace.set_defaults(run=timeline)
     args = parser.parse_args(argv)
     if args.command is None:
         args = parser.parse_args(["validate", *(argv or sys.argv[1:])])

@@ -153,6 +153,7 @@ class Mesh:
         self.transport = transport_name
         self.recv_timeout_ms = DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None else recv_timeout_ms
         self._trace_path = trace or os.environ.get("LAB_TRACE") or None
+        self._trace_steps = bool(self._trace_path and os.environ.get("LAB_TRACE_STEPS"))
         self._seq = 0
         self._p2p_sent = [0] * transport.world_size
         self._p2p_received = [0] * transport.world_size
@@ -237,6 +238,7 @@ class Mesh:
         self._position.step += 1
         timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
         deadline = time.monotonic() + timeout_ms / 1000
+        start_ns = time.time_ns() if self._trace_steps else 0
         try:
             self._transport.exchange(sends, recvs, self._tag, deadline, self._position)
         except TagMismatch as mismatch:
@@ -256,6 +258,14 @@ class Mesh:
         except BaseException:
             self.clean = False
             raise
+        if self._trace_steps:
+            position = self._position
+            self._write_trace(
+                kind="step", op=position.collective, algorithm=position.algorithm, seq=position.seq,
+                step=position.step, sends=[[s.dst, s.data.nbytes] for s in sends],
+                recvs=[[r.src, r.out.nbytes] for r in recvs], start_ns=start_ns,
+                duration_ns=time.time_ns() - start_ns,
+            )
         if counted:
             stats = self._stats
             for send in sends:
@@ -314,7 +324,7 @@ class Mesh:
         self._stats["collectives"] += 1
         if self._trace_path:
             self._write_trace(
-                op=name, algorithm=algorithm, dtype=dtype.name, count=count,
+                kind="collective", op=name, algorithm=algorithm, dtype=dtype.name, count=count,
                 nbytes=count * dtype.storage.itemsize, reduce_op=op or None, root=None if root < 0 else root,
                 bytes_sent=self._stats["bytes_sent"] - before[0],
                 bytes_received=self._stats["bytes_received"] - before[1],

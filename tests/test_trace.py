@@ -8,6 +8,7 @@ import os
 import torch
 
 import lab
+from lab.timeline import plot_timeline, read_trace, to_chrome_trace
 
 REQUIRED = {"rank", "world_size", "op", "algorithm", "transport", "nbytes", "bytes_sent", "bytes_received",
             "start_ns", "duration_ns"}
@@ -54,3 +55,27 @@ def test_lab_trace_environment_variable(tmp_path, monkeypatch):
     rows = read_rows(path)
     assert len(rows) == 2 * 5 and {r["transport"] for r in rows} == {"queue"}
     assert os.path.getsize(path) > 0
+
+
+def test_step_rows_and_the_perfetto_timeline(tmp_path, monkeypatch):
+    """With LAB_TRACE_STEPS=1 each transfer is a row inside its collective; the converter makes one
+    track per rank with every row as a slice, and draws the PNG."""
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("LAB_TRACE_STEPS", "1")
+    lab.spawn(traced_work, 3, trace=str(path))
+    rows = read_trace(path)
+    steps = [r for r in rows if r["kind"] == "step"]
+    ring = [r for r in steps if r["rank"] == 0 and r["op"] == "allreduce" and r["algorithm"] == "ring"]
+    assert len(ring) == 2 * (3 - 1)  # reduce-scatter and allgather steps
+    assert all(r["sends"] == [[1, 16]] and r["recvs"] == [[2, 16]] for r in ring)  # right, left; 4 floats
+    collectives = {(r["rank"], r["seq"]): r for r in rows if r["kind"] == "collective"}
+    for step in steps:
+        outer = collectives[step["rank"], step["seq"]]
+        assert outer["start_ns"] <= step["start_ns"] <= outer["start_ns"] + outer["duration_ns"]
+    trace = to_chrome_trace(rows)
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert len(slices) == len(rows) and names == {"rank 0", "rank 1", "rank 2"}
+    assert min(e["ts"] for e in slices) == 0 and all(e["dur"] > 0 for e in slices)
+    plot_timeline(rows, tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000

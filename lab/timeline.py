@@ -1,0 +1,70 @@
+"""``python -m lab timeline run.jsonl -o timeline.json``: a trace as a Chrome/Perfetto timeline.
+
+One track per rank; each collective is a slice, and with ``LAB_TRACE_STEPS=1`` each of its
+transfers is a slice inside it (who it sent to and received from, how many bytes), so the ring's
+steps and who waited for whom are visible. Open the JSON in https://ui.perfetto.dev or
+chrome://tracing; ``--png`` also draws it with matplotlib.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """The rows of a JSONL trace (one JSON object per line)."""
+    with open(path) as trace:
+        return [json.loads(line) for line in trace if line.strip()]
+
+
+def _slice_name(row: dict) -> str:
+    if row.get("kind") == "step":
+        parts = [f"→{dst} {nbytes} B" for dst, nbytes in row["sends"]]
+        parts += [f"←{src} {nbytes} B" for src, nbytes in row["recvs"]]
+        return f"step {row['step']}: " + ", ".join(parts)
+    algorithm = f" ({row['algorithm']})" if row.get("algorithm") else ""
+    return f"{row['op']} #{row['seq']}{algorithm} {row['nbytes']} B"
+
+
+def to_chrome_trace(rows: list[dict]) -> dict:
+    """The Trace Event Format: complete ("X") events, one thread per rank, times in µs from the start."""
+    if not rows:
+        return {"traceEvents": []}
+    origin = min(row["start_ns"] for row in rows)
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
+              for rank in sorted({row["rank"] for row in rows})]
+    for row in rows:
+        args = {k: v for k, v in row.items() if k not in ("start_ns", "duration_ns")}
+        events.append({"ph": "X", "name": _slice_name(row), "cat": row.get("kind", "collective"), "pid": 0,
+                       "tid": row["rank"], "ts": (row["start_ns"] - origin) / 1e3,
+                       "dur": row["duration_ns"] / 1e3, "args": args})
+    return {"traceEvents": events, "displayTimeUnit": "ns"}
+
+
+def plot_timeline(rows: list[dict], path: str | Path) -> None:
+    """Collectives as wide bars and transfers as thin ones, one row per rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    origin = min(row["start_ns"] for row in rows)
+    ops = sorted({row["op"] for row in rows if row.get("kind", "collective") == "collective"})
+    colours = {op: plt.cm.tab10(i % 10) for i, op in enumerate(ops)}
+    ranks = sorted({row["rank"] for row in rows})
+    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * len(ranks)))
+    for row in rows:
+        start, width = (row["start_ns"] - origin) / 1e3, max(row["duration_ns"] / 1e3, 1e-3)
+        if row.get("kind") == "step":
+            ax.broken_barh([(start, width)], (row["rank"] - 0.1, 0.2), color="black", alpha=0.5)
+        else:
+            ax.broken_barh([(start, width)], (row["rank"] - 0.35, 0.7), color=colours[row["op"]], alpha=0.7)
+    for op, colour in colours.items():
+        ax.bar(0, 0, color=colour, label=op)
+    ax.set(yticks=ranks, yticklabels=[f"rank {r}" for r in ranks], xlabel="µs since the first event",
+           title="collectives per rank (black: transfers)")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
