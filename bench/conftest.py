@@ -61,16 +61,21 @@ def bench_collective(benchmark, cluster: lab.Cluster, collective: str, impl: str
                      algorithm: str = "auto") -> None:
     """Time one case in the ranks and hand the per-call times to pytest-benchmark."""
     per_rank = cluster.run(time_collective, collective, impl, nbytes, algorithm)
-    slowest = (np.max(np.array(per_rank, dtype=np.float64), axis=0) / 1e9).tolist()
-    replay = iter(slowest)
-
-    def one_call() -> None:
-        RANK_CLOCK.now += next(replay)
-
     benchmark.group = f"{collective} {size_id(nbytes)}"
     benchmark.extra_info.update(
         collective=collective, impl=impl, algorithm=algorithm if impl == "lab" else "gloo",
         transport=cluster.transport if impl == "lab" else "gloo", world=cluster.world_size, bytes=nbytes,
         **summarize(per_rank, collective, nbytes, cluster.world_size),
     )
+    replay(benchmark, per_rank)
+
+
+def replay(benchmark, per_rank: list[list[int]]) -> None:
+    """Feed pytest-benchmark the slowest rank's time of each call (ns per rank, per call)."""
+    slowest = (np.max(np.array(per_rank, dtype=np.float64), axis=0) / 1e9).tolist()
+    calls = iter(slowest)
+
+    def one_call() -> None:
+        RANK_CLOCK.now += next(calls)
+
     benchmark.pedantic(one_call, rounds=len(slowest), iterations=1)

@@ -150,3 +150,70 @@ def time_kernel(impl: str, nbytes: int, inputs: int = 2, repeats: int | None = N
         times.append(time.perf_counter_ns() - start)
     median_s = float(np.median(times)) / 1e9
     return {"median_us": median_s * 1e6, "GBps": inputs * nbytes / median_s / 1e9}
+
+
+# -- training patterns: bucketing and overlap --------------------------------------------------------
+
+
+def transformer_gradients(layers: int = 167, width: int = 64) -> list[torch.Tensor]:
+    """A transformer's parameter list, shape for shape: per layer QKV and output projections, two
+    LayerNorms and a 4x MLP, weights and biases (12 tensors a layer; 167 layers: 2,004 tensors)."""
+    d = width
+    shapes = [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,)]
+    return [torch.randn(shape) for _ in range(layers) for shape in shapes]
+
+
+def time_bucketing(mesh: Mesh, bucketed: bool, repeats: int = 3, bucket_bytes: int | None = None) -> list[int]:
+    """In one rank: ns per full gradient sync, one allreduce per tensor or one per bucket."""
+    from lab.bucketing import DEFAULT_BUCKET_BYTES, allreduce_coalesced
+
+    ensure_gloo(mesh)
+    grads = transformer_gradients()
+    durations = []
+    dist.barrier()
+    for i in range(repeats + 1):  # the first is warm-up
+        start = time.perf_counter_ns()
+        if bucketed:
+            allreduce_coalesced(mesh, grads, op="avg", bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+        else:
+            for grad in grads:
+                collectives.allreduce(mesh, grad, op="avg")
+        if i:
+            durations.append(time.perf_counter_ns() - start)
+    return durations
+
+
+def time_overlap(mesh: Mesh, mode: str, steps: int = 5, layers: int = 8, width: int = 512,
+                 batch: int = 64) -> list[int]:
+    """In one rank: ns per backward pass plus gradient averaging of an MLP.
+
+    ``mode``: ``"compute"`` (backward alone, no communication), ``"sequential"`` (backward, then one
+    allreduce per gradient) or ``"overlap"`` (each gradient's allreduce starts, asynchronously, the
+    moment backward has produced it, as DDP's bucket-ready hooks do; then wait for all).
+    """
+    ensure_gloo(mesh)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+                                  for _ in range(layers)])
+    works: list = []
+    if mode == "overlap":
+        for parameter in model.parameters():
+            parameter.register_post_accumulate_grad_hook(
+                lambda p: works.append(collectives.allreduce(mesh, p.grad, op="avg", async_op=True)))
+    x = torch.randn(batch, width)
+    durations = []
+    dist.barrier()
+    for i in range(steps + 1):  # the first is warm-up
+        model.zero_grad()
+        loss = model(x).square().mean()
+        start = time.perf_counter_ns()
+        loss.backward()
+        if mode == "sequential":
+            for parameter in model.parameters():
+                collectives.allreduce(mesh, parameter.grad, op="avg")
+        for work in works:
+            work.wait()
+        works.clear()
+        if i:
+            durations.append(time.perf_counter_ns() - start)
+    return durations

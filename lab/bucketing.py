@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lab.buffers import check_tensor
 from lab.collectives import _check_algorithm, allreduce
@@ -59,22 +60,26 @@ def allreduce_coalesced(mesh: Mesh, tensors: Sequence[Any], op: Any = "sum", alg
         raise ValueError(f"bucket_bytes must be positive; got {bucket_bytes!r}")
     reduce_op = parse_op(op)
     _check_algorithm(algorithm)
-    for i, tensor in enumerate(tensors):
-        reduction(reduce_op, check_tensor(tensor, f"tensors[{i}]"))  # every error before any message
+    checked: set = set()
+    for i, tensor in enumerate(tensors):  # every error before any message; each kind checked once
+        kind = (type(tensor), str(getattr(tensor, "dtype", None)), str(getattr(tensor, "device", "cpu")))
+        if kind not in checked:
+            reduction(reduce_op, check_tensor(tensor, f"tensors[{i}]"))
+            checked.add(kind)
     for bucket in plan_buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in bucket]
         if isinstance(members[0], torch.Tensor):
-            flat = torch.cat([t.detach().reshape(-1) for t in members])
+            # Pack and unpack in C++ (as DDP does): per-tensor Python here would cost more than the
+            # latency that bucketing saves.
+            members = [t.detach() for t in members]
+            flat = _flatten_dense_tensors(members)
+            allreduce(mesh, flat, op=reduce_op, algorithm=algorithm)
+            torch._foreach_copy_(members, list(_unflatten_dense_tensors(flat, members)))
         else:
             flat = np.concatenate([t.reshape(-1) for t in members])
-        allreduce(mesh, flat, op=reduce_op, algorithm=algorithm)
-        offset = 0
-        for tensor in members:
-            numel = tensor.numel() if isinstance(tensor, torch.Tensor) else tensor.size
-            part = flat[offset: offset + numel].reshape(tensor.shape)
-            if isinstance(tensor, torch.Tensor):
-                tensor.detach().copy_(part)
-            else:
-                tensor[...] = part
-            offset += numel
+            allreduce(mesh, flat, op=reduce_op, algorithm=algorithm)
+            offset = 0
+            for tensor in members:
+                tensor[...] = flat[offset: offset + tensor.size].reshape(tensor.shape)
+                offset += tensor.size
     return tensors
