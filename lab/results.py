@@ -175,6 +175,8 @@ def models(allreduce: pd.DataFrame) -> pd.DataFrame:
         mask = table["transport"] == transport
         table.loc[mask, "crossover_predicted_bytes"] = predicted
         table.loc[mask, "crossover_measured_bytes"] = measured
+    for column in ("crossover_predicted_bytes", "crossover_measured_bytes"):  # whole bytes, or empty
+        table[column] = table[column].round().astype("Int64")
     return table
 
 
@@ -289,8 +291,10 @@ def plots(out: Path, allreduce: pd.DataFrame, others: pd.DataFrame, kernels: pd.
 def markdown(frame: pd.DataFrame) -> str:
     """A pipe table (pandas' to_markdown needs the tabulate package)."""
     def cell(value: object) -> str:
+        if value is pd.NA:
+            return "–"
         if not isinstance(value, float):
-            return str(value)
+            return f"{value:,}" if isinstance(value, (int, np.integer)) and abs(value) >= 10_000 else str(value)
         if math.isnan(value):
             return "–"
         return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
@@ -357,7 +361,8 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
     lines += [markdown(shown), ""]
     for transport in [t for t in model["transport"].unique() if t != "gloo"]:
         rows = model[model["transport"] == transport]
-        measured, predicted = rows["crossover_measured_bytes"].iloc[0], rows["crossover_predicted_bytes"].iloc[0]
+        measured, predicted = (float(rows[c].iloc[0]) if pd.notna(rows[c].iloc[0]) else math.nan
+                               for c in ("crossover_measured_bytes", "crossover_predicted_bytes"))
         medians = allreduce[allreduce["transport"] == transport].pivot(index="bytes", columns="algorithm",
                                                                       values="median_us")
         ring_wins = [size_label(b) for b in medians.index if medians.loc[b, "ring"] < medians.loc[b, "tree"]]
