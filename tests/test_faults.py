@@ -87,6 +87,16 @@ def no_rank_left() -> None:
         time.sleep(0.05)
 
 
+def noop(mesh: lab.Mesh) -> None:
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forkserver_started():
+    """Start the forkserver (it imports torch once) before timing anything."""
+    lab.spawn(noop, 1)
+
+
 @pytest.fixture
 def shm_unchanged():
     before = set(os.listdir("/dev/shm"))
@@ -107,8 +117,9 @@ def test_a_rank_dying_at_a_random_step_is_named_promptly(seed, fault, shm_unchan
     assert error.rank == case["victim"] and error.exc_type == "ProcessDied", (case, str(error))
     assert ("SIGKILL" if fault == "sigkill" else "exited with code 3") in error.exc_message
     assert error.exitcode == (-signal.SIGKILL if fault == "sigkill" else 3)
-    # peers learn from the closed pipe (shm) or the alive pipe (queue), long before the deadline
-    assert elapsed < DEADLINE_MS / 1000 + 2, f"took {elapsed:.1f} s: {case}"
+    # peers learn from the closed pipe (shm) or the alive pipe (queue), long before the deadline:
+    # pool start, the fault, detection and teardown within 2 s in all
+    assert elapsed < 2.0, f"took {elapsed:.1f} s: {case}"
     no_rank_left()
 
 
