@@ -24,10 +24,12 @@ from typing import Any, Callable
 
 from lab.errors import LabError, RankError
 from lab.mesh import FlightRecord, Mesh
+from lab.rendezvous import pool_store
 from lab.transport import queue as queue_transport
 from lab.transport import shm as shm_transport
+from lab.transport import tcp as tcp_transport
 
-TRANSPORTS = ("shm", "queue")
+TRANSPORTS = ("shm", "queue", "tcp")
 
 #: After one rank fails, how long the parent waits for the others to report before ending them.
 FAILURE_GRACE_S = 1.0
@@ -85,8 +87,10 @@ class Cluster:
         context = _context()
         if transport == "shm":
             endpoints = shm_transport.create_endpoints(world_size, segment_bytes, slots)
-        else:
+        elif transport == "queue":
             endpoints = queue_transport.create_endpoints(context, world_size)
+        else:
+            endpoints = [tcp_transport.TcpEndpoints(rank, world_size) for rank in range(world_size)]
         self._store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S)
         )
@@ -316,8 +320,10 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
     try:
         if options["transport"] == "shm":
             transport = shm_transport.ShmTransport(endpoints)
-        else:
+        elif options["transport"] == "queue":
             transport = queue_transport.QueueTransport(endpoints)
+        else:
+            transport = tcp_transport.TcpTransport(rank, world_size, pool_store())
         mesh = Mesh(transport, transport_name=options["transport"],
                     recv_timeout_ms=options["recv_timeout_ms"], trace=options["trace"])
     except BaseException as exc:

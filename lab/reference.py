@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lab.chunking import split_bounds
 from lab.mesh import Mesh
 from lab.ops import parse_op
+from lab.rendezvous import env_store, pool_store
 
 REFERENCE_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 _EPSILON = {torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -20,11 +21,10 @@ _TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX"
 
 
 def ensure_gloo(mesh: Mesh) -> None:
-    """Join this rank's pool to a gloo process group (once per process) through the pool's store."""
+    """Join a gloo process group (once per process) through the pool's store, or torchrun's."""
     if dist.is_initialized():
         return
-    host, port = os.environ["LAB_STORE"].rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
+    store = pool_store() if "LAB_STORE" in os.environ else env_store()
     dist.init_process_group(
         "gloo", store=dist.PrefixStore("gloo", store), rank=mesh.rank, world_size=mesh.world_size,
         timeout=timedelta(milliseconds=mesh.recv_timeout_ms),

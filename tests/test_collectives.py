@@ -195,7 +195,7 @@ def byte_counts(mesh: lab.Mesh, numel: int) -> dict[str, dict[str, int]]:
 # -- the pools -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[(t, n) for t in ("shm", "queue") for n in range(1, 9)],
+@pytest.fixture(scope="module", params=[(t, n) for t in ("shm", "queue", "tcp") for n in range(1, 9)],
                 ids=lambda p: f"{p[0]}-N{p[1]}")
 def cluster(request):
     transport, world_size = request.param

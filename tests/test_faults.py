@@ -259,3 +259,24 @@ def test_soak_resources_stay_flat(transport, shm_unchanged):
         assert usage["fds"][0] == usage["fds"][1], f"rank {rank} leaks file descriptors: {usage}"
         assert usage["rss_kib"][1] - usage["rss_kib"][0] < 32 * 1024, f"rank {rank} memory grows: {usage}"
     no_rank_left()
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("fault", ["sigkill", "stall"])
+def test_tcp_ranks_dying_or_stalling(seed, fault, shm_unchanged):
+    """Over sockets: a dead peer is a closed connection (prompt PeerLost), a stall a deadline."""
+    case = {**fault_case(200 + seed), "transport": "tcp"}
+    if case["which"] == "broadcast":
+        case["victim"] = case["world_size"] - 1
+    started = time.monotonic()
+    with pytest.raises(lab.RankError) as info:
+        lab.spawn(faulty_job, case["world_size"], transport="tcp", recv_timeout_ms=DEADLINE_MS,
+                  args=(case["which"], case["numel"], case["victim"], case["at_transfer"], fault))
+    elapsed = time.monotonic() - started
+    if fault == "sigkill":
+        assert info.value.rank == case["victim"] and info.value.exc_type == "ProcessDied", str(info.value)
+        assert elapsed < 2.5, f"took {elapsed:.1f} s: {case}"
+    else:
+        assert info.value.exc_type == "DeadlineError", str(info.value)
+        assert elapsed < DEADLINE_MS / 1000 + 2 + 1, f"took {elapsed:.1f} s: {case}"
+    no_rank_left()

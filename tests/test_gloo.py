@@ -89,7 +89,7 @@ def large_allreduce(mesh: lab.Mesh, count: int) -> tuple[list[str], list[str]]:
     return failures, digests
 
 
-@pytest.fixture(scope="module", params=[(t, n) for t in ("shm", "queue") for n in (1, 2, 3, 4, 7)],
+@pytest.fixture(scope="module", params=[(t, n) for t in ("shm", "queue", "tcp") for n in (1, 2, 3, 4, 7)],
                 ids=lambda p: f"{p[0]}-N{p[1]}")
 def cluster(request):
     transport, world_size = request.param
