@@ -165,6 +165,28 @@ class Mesh:
         self._pending: list[Work] = []
         self.reset_stats()
 
+    @classmethod
+    def from_env(cls, *, recv_timeout_ms: float | None = None, trace: str | None = None) -> Mesh:
+        """This process's handle on a TCP mesh, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+        ``MASTER_PORT`` (as ``torchrun`` sets them), on one host or several.
+
+            # torchrun --nproc-per-node 4 train.py
+            mesh = lab.Mesh.from_env()
+            lab.allreduce(mesh, grads, op="avg")
+
+        Ranks meet through the launcher's TCPStore. Each listens on ``LAB_TCP_HOST`` (default
+        loopback: set it to this host's address when ranks span hosts) and proves it belongs to
+        the job with an HMAC of ``LAB_TCP_SECRET`` (or of a secret rank 0 puts in the store).
+        """
+        from lab.rendezvous import env_store
+        from lab.transport.tcp import TcpTransport
+
+        store = env_store()
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        host = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
+        return cls(TcpTransport(rank, world_size, store, host=host), transport_name="tcp",
+                   recv_timeout_ms=recv_timeout_ms, trace=trace)
+
     @property
     def rank(self) -> int:
         return self._transport.rank
