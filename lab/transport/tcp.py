@@ -156,9 +156,15 @@ class TcpTransport(Transport):
             raise LabError(f"rank {self.rank}: rejected a connection that is not a lab rank of this job")
         if expected_peer is not None and peer != expected_peer:
             raise LabError(f"rank {self.rank}: expected rank {expected_peer}, got rank {peer}")
-        sock.sendall(_proof(secret, theirs, self.rank))
+        # The connecting side proves itself first; the accepting side answers only a proven peer,
+        # so a stranger never obtains a proof it could replay elsewhere.
+        accepting = expected_peer is None
+        if not accepting:
+            sock.sendall(_proof(secret, theirs, self.rank))
         if not hmac.compare_digest(_recv_exactly(sock, 32), _proof(secret, mine, peer)):
             raise LabError(f"rank {self.rank}: a connection claiming rank {peer} failed authentication")
+        if accepting:
+            sock.sendall(_proof(secret, theirs, self.rank))
         sock.settimeout(None)
         return peer
 
