@@ -9,7 +9,7 @@ from conftest import BENCH_SIZES, RANK_CLOCK, bench_collective, size_id
 @pytest.mark.benchmark(timer=RANK_CLOCK)
 @pytest.mark.parametrize("nbytes", BENCH_SIZES, ids=size_id)
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "naive", "auto"])
-@pytest.mark.parametrize("transport", ["shm", "queue"])
+@pytest.mark.parametrize("transport", ["shm", "queue", "tcp"])
 def test_allreduce(benchmark, pools, transport, algorithm, nbytes):
     bench_collective(benchmark, pools(transport), "allreduce", "lab", nbytes, algorithm)
 

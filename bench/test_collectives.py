@@ -10,7 +10,7 @@ COLLECTIVES = ["broadcast", "allgather", "reduce_scatter"]
 
 @pytest.mark.benchmark(timer=RANK_CLOCK)
 @pytest.mark.parametrize("nbytes", BENCH_SIZES, ids=size_id)
-@pytest.mark.parametrize("transport", ["shm", "queue"])
+@pytest.mark.parametrize("transport", ["shm", "queue", "tcp"])
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_collective(benchmark, pools, collective, transport, nbytes):
     bench_collective(benchmark, pools(transport), collective, "lab", nbytes)

@@ -348,6 +348,12 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
                         for w, g in floor.groupby("world"))
             + f". One rank is the Python cost of a call; up to {info['cores']} ranks each has a core and a step "
             "costs a pipe wake-up; beyond that every step also waits for a core.",
+            *([f"- **tcp vs gloo** (both over loopback TCP, the like-for-like comparison): at {size_label(large)} "
+               f"the best tcp algorithm takes {median['tcp'][['ring', 'tree']].min(axis=1)[large] / 1e3:.1f} ms "
+               f"against gloo's {gloo[large] / 1e3:.1f} ms "
+               f"({gloo[large] / median['tcp'][['ring', 'tree']].min(axis=1)[large]:.2f}× gloo's speed); at "
+               f"{size_label(small)} {median['tcp'][['ring', 'tree']].min(axis=1)[small]:.0f} µs against "
+               f"{gloo[small]:.0f} µs."] if "tcp" in median.columns.get_level_values(0) else []),
             "- The queue transport pays two pickling copies and fresh allocations (page faults) per message; "
             "its large-message times swing with the allocator's state from one size to the next.", "",
         ]
@@ -440,7 +446,7 @@ def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | 
          sizes: list[int] | None = None, update_tuning: bool = True) -> int:
     from lab.validate import validation_table
 
-    transports = transports or ["shm", "queue"]
+    transports = transports or ["shm", "queue", "tcp"]
     sizes = sizes or SIZES
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
