@@ -73,7 +73,9 @@ def timeline(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lab",
+        description="The collectives lab. Without a command: the validation table (lab vs gloo) and byte counters.")
     commands = parser.add_subparsers(dest="command")
     check = commands.add_parser("validate", help="the validation table (the default)")
     check.add_argument("--transports", nargs="+", default=["shm", "queue"], choices=["shm", "queue", "tcp"])
@@ -95,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("-o", "--output", default="timeline.json")
     trace.add_argument("--png", help="also draw it to this PNG")
     trace.set_defaults(run=timeline)
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in (*commands.choices, "-h", "--help"):
+        argv = ["validate", *argv]  # the validation table is the default command
     args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["validate", *(argv or sys.argv[1:])])
     return args.run(args)
 
 

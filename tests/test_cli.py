@@ -1,0 +1,25 @@
+"""The command line a user runs first: the validation table, green, and its exit status."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def run_lab(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-m", "lab", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_validation_table_is_green():
+    done = run_lab("--world-sizes", "2", "3", "--transports", "shm", "queue")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.rstrip().endswith(("PASS", "FAIL"))]
+    assert len(rows) == 2 * 2 * 14 + 12 and all(row.rstrip().endswith("PASS") for row in rows)
+    assert "2T(N-1)/N" in done.stdout and ", 0 failed" in done.stdout
+
+
+def test_bad_option_is_refused():
+    done = run_lab("validate", "--transports", "pigeon")
+    assert done.returncode == 2 and "invalid choice" in done.stderr
