@@ -102,6 +102,7 @@ class TcpTransport(Transport):
         if world_size > 1:
             self._connect(store, host, secret, prefix)
         self._selector = selectors.DefaultSelector()
+        self._watched: dict[int, int] = {}  # peer -> selector events currently registered
         self._peer_of = {}
         for peer, sock in self._sockets.items():
             sock.setblocking(False)
@@ -191,10 +192,7 @@ class TcpTransport(Transport):
                     pending[peer] = pending.get(peer, 0) | selectors.EVENT_READ
             if not pending:
                 return
-            for fileobj in list(self._selector.get_map()):
-                self._selector.unregister(fileobj)
-            for peer, events in pending.items():
-                self._selector.register(self._sockets[peer], events)
+            self._watch(pending)
             timeout = deadline - time.monotonic()
             ready = self._selector.select(timeout) if timeout > 0 else []
             if not ready:
@@ -209,6 +207,18 @@ class TcpTransport(Transport):
                         self._recv_some(receiving[peer], tag, where)
                 except (ConnectionError, BrokenPipeError) as exc:
                     raise PeerLostError(f"rank {self.rank}: rank {peer} is gone ({exc}) in {where}") from None
+
+    def _watch(self, wanted: dict[int, int]) -> None:
+        """Make the selector watch exactly ``wanted`` (peer -> events), changing only what differs."""
+        for peer in [p for p in self._watched if p not in wanted]:
+            self._selector.unregister(self._sockets[peer])
+            del self._watched[peer]
+        for peer, events in wanted.items():
+            if peer not in self._watched:
+                self._selector.register(self._sockets[peer], events)
+            elif self._watched[peer] != events:
+                self._selector.modify(self._sockets[peer], events)
+            self._watched[peer] = events
 
     def _send_some(self, job: _Job) -> None:
         sock = self._sockets[job.peer]
