@@ -10,7 +10,7 @@
     outs = lab.spawn(step, world_size=4, args=(2.0,))         # one result per rank, rank order
 """
 
-from lab.collectives import allgather, allreduce, broadcast, reduce_scatter
+from lab.collectives import all_to_all, allgather, allreduce, barrier, broadcast, reduce, reduce_scatter
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError, RankError
 from lab.launch import Cluster, launch, spawn
 from lab.mesh import Mesh, Work
@@ -18,7 +18,7 @@ from lab.ops import ReduceOp
 from lab.reference import gloo_reference
 
 __all__ = [
-    "allreduce", "broadcast", "allgather", "reduce_scatter", "ReduceOp",
+    "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "ReduceOp",
     "spawn", "launch", "Cluster", "Mesh", "Work", "gloo_reference",
     "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError",
 ]

@@ -29,8 +29,10 @@ from lab.transport.base import Combine, Recv, Send, TagMismatch, Transport
 #: A receive that waits longer than this raises DeadlineError (override with recv_timeout_ms).
 DEFAULT_RECV_TIMEOUT_MS = 300_000
 
-COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatter")
-ALGORITHMS = ("", "ring", "tree", "naive", "binomial")
+COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all",
+               "barrier")
+ALGORITHMS = ("", "ring", "tree", "naive", "binomial", "recursive_doubling", "halving_doubling", "double_tree",
+              "recursive_halving", "scatter_allgather", "pairwise", "bruck", "dissemination")
 REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg")
 
 _MAX_P2P_DIMS = 16

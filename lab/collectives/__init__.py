@@ -10,37 +10,109 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from lab.buffers import as_buffer, check_tensor, new_flat, to_caller_type
 from lab.chunking import row_bounds, split_bounds
+from lab.collectives.all_to_all_bruck import all_to_all_bruck
+from lab.collectives.all_to_all_pairwise import all_to_all_pairwise
+from lab.collectives.allgather_recursive_doubling import allgather_recursive_doubling
 from lab.collectives.allgather_ring import allgather_ring
+from lab.collectives.allreduce_double_tree import SEGMENT_BYTES, allreduce_double_tree
+from lab.collectives.allreduce_halving_doubling import allreduce_halving_doubling
 from lab.collectives.allreduce_naive import allreduce_naive
+from lab.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling
 from lab.collectives.allreduce_ring import allreduce_ring
 from lab.collectives.allreduce_tree import allreduce_tree
+from lab.collectives.barrier_dissemination import barrier_dissemination
 from lab.collectives.broadcast_binomial import broadcast_binomial
+from lab.collectives.broadcast_scatter_allgather import broadcast_scatter_allgather
+from lab.collectives.reduce_binomial import reduce_binomial
+from lab.collectives.reduce_scatter_recursive_halving import reduce_scatter_recursive_halving
 from lab.collectives.reduce_scatter_ring import reduce_scatter_ring
 from lab.mesh import Mesh
 from lab import tuning
-from lab.ops import ReduceOp, parse_op, reduction
+from lab.ops import DTYPES, ReduceOp, parse_op, reduction
 
-ALLREDUCE_ALGORITHMS = {"ring": allreduce_ring, "tree": allreduce_tree, "naive": allreduce_naive}
+#: Every collective's algorithms, by name (``"auto"`` picks one of them; see :func:`choose`).
+ALGORITHMS: dict[str, dict[str, Callable[..., None]]] = {
+    "allreduce": {"ring": allreduce_ring, "tree": allreduce_tree, "naive": allreduce_naive,
+                  "recursive_doubling": allreduce_recursive_doubling,
+                  "halving_doubling": allreduce_halving_doubling, "double_tree": allreduce_double_tree},
+    "broadcast": {"binomial": broadcast_binomial, "scatter_allgather": broadcast_scatter_allgather},
+    "allgather": {"ring": allgather_ring, "recursive_doubling": allgather_recursive_doubling},
+    "reduce_scatter": {"ring": reduce_scatter_ring, "recursive_halving": reduce_scatter_recursive_halving},
+    "all_to_all": {"pairwise": all_to_all_pairwise, "bruck": all_to_all_bruck},
+}
+ALLREDUCE_ALGORITHMS = ALGORITHMS["allreduce"]
+
+
+def forced_algorithm(collective: str) -> str | None:
+    """The algorithm ``LAB_ALGO`` forces on ``collective``, or None (like ``NCCL_ALGO``).
+
+    ``LAB_ALGO`` is a comma-separated list of names, each either ``algorithm`` (applies to every
+    collective that has an algorithm of that name: ``ring`` forces allreduce, allgather and
+    reduce_scatter and leaves broadcast alone) or ``collective=algorithm`` (that collective
+    only; it wins over a bare name). A name no collective has is a ``ValueError`` naming
+    ``LAB_ALGO``, raised by every collective that consults it.
+
+        LAB_ALGO=ring                                   # ring wherever there is one
+        LAB_ALGO=allreduce=tree,broadcast=scatter_allgather
+    """
+    targeted, bare = {}, []
+    for entry in filter(None, (e.strip() for e in os.environ.get("LAB_ALGO", "").split(","))):
+        target, _, name = (part.strip() for part in entry.rpartition("="))
+        if target and name not in ALGORITHMS.get(target, {}):
+            expected = (", ".join(f"{target}={a}" for a in ALGORITHMS[target]) if target in ALGORITHMS
+                        else f"a collective among {', '.join(ALGORITHMS)}")
+            raise ValueError(f"LAB_ALGO entry {entry!r} is not valid; expected {expected}")
+        if not target and not any(name in algorithms for algorithms in ALGORITHMS.values()):
+            known = sorted({a for algorithms in ALGORITHMS.values() for a in algorithms})
+            raise ValueError(f"LAB_ALGO must name algorithms among {', '.join(known)}; got {name!r}")
+        if target:
+            targeted[target] = name
+        else:
+            bare.append(name)
+    if collective in targeted:
+        return targeted[collective]
+    return next((name for name in bare if name in ALGORITHMS[collective]), None)
+
+
+def choose(collective: str, nbytes: int, world_size: int, transport: str) -> str:
+    """The algorithm ``"auto"`` runs for ``collective`` on an ``nbytes`` tensor: ``LAB_ALGO``'s
+    if it names one of this collective's, else the fitted model's fastest (:mod:`lab.tuning`)."""
+    return forced_algorithm(collective) or tuning.choose(nbytes, world_size, transport, collective)
+
 
 def choose_allreduce(nbytes: int, world_size: int, transport: str) -> str:
-    """The algorithm ``"auto"`` runs (``LAB_ALGO`` overrides; see :mod:`lab.tuning`)."""
-    forced = os.environ.get("LAB_ALGO")
-    if forced:
-        return _check_algorithm(forced, "LAB_ALGO", allow_auto=False)
-    return tuning.choose(nbytes, world_size, transport)
+    """The algorithm allreduce's ``"auto"`` runs (``LAB_ALGO`` overrides; see :func:`choose`)."""
+    return choose("allreduce", nbytes, world_size, transport)
 
 
-def _check_algorithm(algorithm: Any, name: str = "algorithm", allow_auto: bool = True) -> str:
-    choices = [*ALLREDUCE_ALGORITHMS, "auto"] if allow_auto else list(ALLREDUCE_ALGORITHMS)
+def _check_algorithm(collective: str, algorithm: Any) -> str:
+    choices = [*ALGORITHMS[collective], "auto"]
     if algorithm not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {algorithm!r}")
+        raise ValueError(f"algorithm must be one of {', '.join(map(repr, choices))}; got {algorithm!r}")
     return algorithm
+
+
+def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
+    """Check ``algorithm`` (before any communication) and resolve ``"auto"``."""
+    _check_algorithm(collective, algorithm)
+    return choose(collective, nbytes, mesh.world_size, mesh.transport) if algorithm == "auto" else algorithm
+
+
+def _segment_bytes() -> int:
+    """Double tree's pipeline segment: ``LAB_SEGMENT_BYTES`` or 64 KiB (tests force many segments)."""
+    value = os.environ.get("LAB_SEGMENT_BYTES", "")
+    if not value:
+        return SEGMENT_BYTES
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LAB_SEGMENT_BYTES must be a positive number of bytes; got {value!r}")
+    return int(value)
 
 
 def _check_root(mesh: Mesh, root: Any, name: str) -> int:
@@ -53,8 +125,9 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
     """Reduce ``tensor`` elementwise across all ranks, in place; return ``tensor``.
 
     ``op``: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``. ``algorithm``: ``"ring"``,
-    ``"tree"``, ``"naive"`` or ``"auto"`` (ring or tree by message size). Every rank ends with
-    bit-identical values.
+    ``"tree"``, ``"naive"``, ``"recursive_doubling"``, ``"halving_doubling"`` (Rabenseifner),
+    ``"double_tree"`` (NCCL's two binary trees) or ``"auto"`` (the fitted model's fastest).
+    Every rank ends with bit-identical values.
 
     Per rank, N=2::
 
@@ -62,22 +135,25 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
         lab.allreduce(mesh, x)                     # both:   [3, 5]
     """
     reduce_op = parse_op(op)
-    _check_algorithm(algorithm)
     buffer = as_buffer(tensor)
     kernels = reduction(reduce_op, buffer.dtype)
-    chosen = choose_allreduce(buffer.nbytes, mesh.world_size, mesh.transport) if algorithm == "auto" else algorithm
+    chosen = _pick(mesh, "allreduce", algorithm, buffer.nbytes)
+    options = {"segment_bytes": _segment_bytes()} if chosen == "double_tree" else {}
 
     def run() -> Any:
         with mesh.collective("allreduce", chosen, buffer.dtype, buffer.flat.size, reduce_op.value):
-            ALLREDUCE_ALGORITHMS[chosen](mesh, buffer.flat, kernels)
+            ALLREDUCE_ALGORITHMS[chosen](mesh, buffer.flat, kernels, **options)
         buffer.write_back()
         return tensor
 
     return mesh.issue(run, async_op)
 
 
-def broadcast(mesh: Mesh, tensor: Any, src: int = 0, async_op: bool = False) -> Any:
+def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Overwrite ``tensor`` on every rank with rank ``src``'s, in place; return ``tensor``.
+
+    ``algorithm``: ``"binomial"`` (⌈log2 N⌉ whole-tensor steps), ``"scatter_allgather"`` (van de
+    Geijn: scatter, then ring allgather; for large tensors) or ``"auto"``.
 
     Per rank, N=3, src=1::
 
@@ -86,21 +162,23 @@ def broadcast(mesh: Mesh, tensor: Any, src: int = 0, async_op: bool = False) -> 
     """
     src = _check_root(mesh, src, "src")
     buffer = as_buffer(tensor)
+    chosen = _pick(mesh, "broadcast", algorithm, buffer.nbytes)
 
     def run() -> Any:
-        with mesh.collective("broadcast", "binomial", buffer.dtype, buffer.flat.size, root=src):
-            broadcast_binomial(mesh, buffer.flat, src)
+        with mesh.collective("broadcast", chosen, buffer.dtype, buffer.flat.size, root=src):
+            ALGORITHMS["broadcast"][chosen](mesh, buffer.flat, src)
         buffer.write_back()
         return tensor
 
     return mesh.issue(run, async_op)
 
 
-def allgather(mesh: Mesh, tensor: Any, async_op: bool = False) -> Any:
+def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Concatenate every rank's ``tensor`` along dim 0, in rank order, into a new tensor.
 
     Like ``torch.distributed.all_gather_into_tensor``: every rank passes the same shape; a 0-d
     tensor gathers into shape ``(N,)``. The result has the caller's type (torch or numpy).
+    ``algorithm``: ``"ring"``, ``"recursive_doubling"`` or ``"auto"``.
 
     Per rank, N=2::
 
@@ -111,24 +189,26 @@ def allgather(mesh: Mesh, tensor: Any, async_op: bool = False) -> Any:
     out_shape = (mesh.world_size * shape[0], *shape[1:])
     numel = math.prod(shape)
     out = new_flat(mesh.world_size * numel, dtype)
+    chosen = _pick(mesh, "allgather", algorithm, out.nbytes)
     bounds = split_bounds(out.size, mesh.world_size)  # equal blocks of numel
     start, stop = bounds[mesh.rank]
     out[start:stop] = as_buffer(tensor, writable=False).flat
 
     def run() -> Any:
-        with mesh.collective("allgather", "ring", dtype, numel):
-            allgather_ring(mesh, out, bounds)
+        with mesh.collective("allgather", chosen, dtype, numel):
+            ALGORITHMS["allgather"][chosen](mesh, out, bounds)
         return to_caller_type(out, dtype, out_shape, like=tensor)
 
     return mesh.issue(run, async_op)
 
 
-def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", async_op: bool = False) -> Any:
+def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
     """Reduce ``tensor`` across ranks and return block ``rank`` of the result as a new tensor.
 
     Blocks are split along dim 0 as ``numpy.array_split`` does (equal when N divides dim 0, like
     ``torch.distributed.reduce_scatter_tensor``; otherwise the first blocks get one extra row).
-    ``tensor`` itself is not modified.
+    ``tensor`` itself is not modified. ``algorithm``: ``"ring"``, ``"recursive_halving"`` or
+    ``"auto"``.
 
     Per rank, N=2, sum::
 
@@ -141,12 +221,13 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", async_op: bool = Fa
     if not shape:
         raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
     kernels = reduction(reduce_op, dtype)
+    chosen = _pick(mesh, "reduce_scatter", algorithm, math.prod(shape) * dtype.storage.itemsize)
     work = as_buffer(tensor, writable=False).flat.copy()
     bounds = row_bounds(shape[0], math.prod(shape[1:]), mesh.world_size)
 
     def run() -> Any:
-        with mesh.collective("reduce_scatter", "ring", dtype, work.size, reduce_op.value):
-            reduce_scatter_ring(mesh, work, kernels, bounds)
+        with mesh.collective("reduce_scatter", chosen, dtype, work.size, reduce_op.value):
+            ALGORITHMS["reduce_scatter"][chosen](mesh, work, kernels, bounds)
         start, stop = bounds[mesh.rank]
         rows = split_bounds(shape[0], mesh.world_size)[mesh.rank]
         return to_caller_type(work[start:stop].copy(), dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
@@ -154,4 +235,80 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", async_op: bool = Fa
     return mesh.issue(run, async_op)
 
 
-__all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "choose_allreduce", "ReduceOp"]
+def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: bool = False) -> Any:
+    """Reduce ``tensor`` elementwise across ranks into rank ``dst``'s ``tensor``, in place; return ``tensor``.
+
+    Every other rank's ``tensor`` is left unchanged (binomial tree, ⌈log2 N⌉ steps).
+
+    Per rank, N=3, dst=1, sum::
+
+        x = torch.tensor([1.0, 2.0]) + mesh.rank   # rank 0: [1, 2]  rank 1: [2, 3]  rank 2: [3, 4]
+        lab.reduce(mesh, x, dst=1)                 # rank 1: [6, 9]; ranks 0 and 2 unchanged
+    """
+    dst = _check_root(mesh, dst, "dst")
+    reduce_op = parse_op(op)
+    buffer = as_buffer(tensor)
+    kernels = reduction(reduce_op, buffer.dtype)
+
+    def run() -> Any:
+        with mesh.collective("reduce", "binomial", buffer.dtype, buffer.flat.size, reduce_op.value, root=dst):
+            reduce_binomial(mesh, buffer.flat, kernels, dst)
+        if mesh.rank == dst:
+            buffer.write_back()
+        return tensor
+
+    return mesh.issue(run, async_op)
+
+
+def all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool = False) -> Any:
+    """Exchange blocks: rank j gets block j of every rank's ``tensor``, concatenated in rank order.
+
+    Each ``tensor`` is split along dim 0 into N blocks as ``numpy.array_split`` does; the result
+    is a new tensor (like ``all_to_all_single`` without split sizes), of shape
+    ``(N * rows_j, ...)`` on rank j. ``tensor`` itself is not modified. ``algorithm``:
+    ``"pairwise"`` (N-1 direct exchanges), ``"bruck"`` (⌈log2 N⌉ steps) or ``"auto"``.
+
+    Per rank, N=2::
+
+        x = torch.tensor([10.0, 11.0]) + 10 * mesh.rank   # rank 0: [10, 11]  rank 1: [20, 21]
+        lab.all_to_all(mesh, x)                           # rank 0: [10, 20]  rank 1: [11, 21]
+    """
+    dtype = check_tensor(tensor)
+    shape = tuple(np.shape(tensor))
+    if not shape:
+        raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
+    n = mesh.world_size
+    chosen = _pick(mesh, "all_to_all", algorithm, math.prod(shape) * dtype.storage.itemsize)
+    send = as_buffer(tensor, writable=False).flat
+    row = math.prod(shape[1:])
+    send_bounds = row_bounds(shape[0], row, n)
+    rows = split_bounds(shape[0], n)[mesh.rank]
+    block = (rows[1] - rows[0]) * row  # every rank's block for us has our block's size
+    out = new_flat(n * block, dtype)
+    recv_bounds = [(i * block, (i + 1) * block) for i in range(n)]
+
+    def run() -> Any:
+        with mesh.collective("all_to_all", chosen, dtype, send.size):
+            ALGORITHMS["all_to_all"][chosen](mesh, send, out, send_bounds, recv_bounds)
+        return to_caller_type(out, dtype, (n * (rows[1] - rows[0]), *shape[1:]), like=tensor)
+
+    return mesh.issue(run, async_op)
+
+
+def barrier(mesh: Mesh, async_op: bool = False) -> Any:
+    """Return once every rank has entered the barrier (dissemination: ⌈log2 N⌉ rounds, no payload).
+
+    Per rank, N=2::
+
+        lab.barrier(mesh)   # neither rank returns before both have called it
+    """
+
+    def run() -> None:
+        with mesh.collective("barrier", "dissemination", DTYPES["float32"], 0):
+            barrier_dissemination(mesh)
+
+    return mesh.issue(run, async_op)
+
+
+__all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier",
+           "choose", "choose_allreduce", "forced_algorithm", "ALGORITHMS", "ReduceOp"]

@@ -1,0 +1,61 @@
+"""Halving-doubling allreduce (Rabenseifner): recursive-halving reduce-scatter, then
+recursive-doubling allgather (MPICH's choice for long tensors; gloo's halving_doubling)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lab.chunking import split_bounds
+from lab.collectives.allgather_recursive_doubling import double
+from lab.collectives.fold import Fold
+from lab.collectives.reduce_scatter_recursive_halving import halve
+from lab.mesh import Mesh
+from lab.ops import Reduction
+
+
+def allreduce_halving_doubling(mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> None:
+    """Reduce ``buf`` in place across all ranks in 2·log2 N rounds of halving, then doubling size.
+
+    The tensor is cut into p chunks (p = 2^⌊log2 N⌋). Reduce-scatter by recursive halving: in
+    round k rank v swaps half of what it still reduces with v XOR p/2^k (T/2, T/4, ... T/p
+    bytes), leaving the finished chunk v on v. Allgather by recursive doubling: the same
+    exchanges in reverse (T/p, ... T/2), until every rank has every chunk. Non-powers of two:
+    the standard fold (:mod:`lab.collectives.fold`): the even ranks below 2r hand their whole
+    tensor to the odd neighbour first and get the whole result back at the end.
+
+    Cost (N = 2^k): 2·log2 N·α + 2(N-1)/N·T·β: the ring's bandwidth term with log2 N steps
+    instead of N-1, so it beats the ring whenever α matters. Other N: (2·log2 p + 2)·α +
+    (2(p-1)/p + 2)·T·β on the folded pairs. Bit-identical on every rank: each chunk is reduced
+    once, on its owner, and then copied.
+
+    Bytes, exactly (T = bytes of ``buf``, chunk v = ``split_bounds(count, p)[v]``): every rank
+    that runs the rounds sends and receives 2(p-1)/p·T when p divides the element count (in
+    general: T - C_v + Σ_k G_k(v) each way, C_v its chunk, G_k(v) its aligned group of 2^k
+    chunks); the odd ranks below 2r also receive T (fold-in) and send T (fold-out); the even
+    ranks below 2r send T and receive T, nothing else.
+
+    Per rank, N=4, sum, ``buf`` = arange(8) + rank::
+
+        every rank -> buf == 4 * arange(8) + 6
+    """
+    n, rank = mesh.world_size, mesh.rank
+    fold = Fold(n, rank)
+    if fold.sits_out:
+        # Hand our tensor to the odd neighbour, then wait for the finished result.
+        mesh.send_buffer(rank + 1, buf)
+        mesh.recv_buffer(rank + 1, buf)
+        return
+    if fold.folded:
+        # Fold the even neighbour's tensor into ours: we now speak for both.
+        mesh.recv_buffer(rank - 1, buf, reduction.combine)
+    chunks = split_bounds(buf.size, fold.p)
+    # Reduce-scatter by recursive halving: chunk v ends fully reduced on virtual rank v.
+    halve(mesh, buf, reduction, fold, chunks)
+    # Finish our chunk once, here (avg divides), so every rank gets these bits.
+    start, stop = chunks[fold.vrank]
+    reduction.finalize(buf[start:stop], n)
+    # Allgather by recursive doubling: every virtual rank ends with every chunk.
+    double(mesh, buf, fold, chunks)
+    if fold.folded:
+        # Give the even neighbour the result.
+        mesh.send_buffer(rank - 1, buf)

@@ -1,0 +1,45 @@
+"""Binomial-tree reduce to one rank (the first half of tree allreduce, to any root)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lab.mesh import Mesh
+from lab.ops import Reduction
+
+
+def reduce_binomial(mesh: Mesh, buf: np.ndarray, reduction: Reduction, dst: int) -> None:
+    """Leave the reduction over all ranks in ``buf`` on rank ``dst``; other ranks' ``buf`` unchanged.
+
+    Ranks are numbered relative to the root (v = (rank - dst) mod N). At distance 1, 2, 4, ...
+    a rank folds in the partial result of the child at that distance, until it is itself the
+    child at that distance and hands its partial result to its parent. An inner rank other than
+    the root accumulates into a scratch copy, so its caller's tensor stays as it was.
+
+    Cost: ⌈log2 N⌉·(α + T·β) on the critical path; the root receives T per child
+    (⌈log2 N⌉·T when N = 2^k) and sends nothing.
+
+    Bytes, exactly (T = bytes of ``buf``; children of v: v + 2^j for each 2^j below v's lowest
+    set bit, with v + 2^j < N): rank v receives (children)·T and sends T unless it is the root.
+
+    Per rank, N=3, dst=1, sum, ``buf`` = [rank]::
+
+        rank 1 -> buf == [3];  ranks 0 and 2 -> buf unchanged ([0] and [2])
+    """
+    n, rank = mesh.world_size, mesh.rank
+    relative = (rank - dst) % n
+    # The root reduces in place; a rank with children (its first is v + 1) reduces into a copy.
+    has_children = relative % 2 == 0 and relative + 1 < n
+    work = buf.copy() if has_children and relative else buf
+    mask = 1
+    while mask < n:
+        if relative & mask:
+            # Our subtree is complete: hand its partial result to the parent.
+            mesh.send_buffer((rank - mask) % n, work)
+            return
+        if relative + mask < n:
+            # Fold in the child's subtree at this distance.
+            mesh.recv_buffer((rank + mask) % n, work, reduction.combine)
+        mask <<= 1
+    # Only the root gets here: it holds every contribution; finish it once (avg divides).
+    reduction.finalize(work, n)
