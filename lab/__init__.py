@@ -11,7 +11,8 @@
 """
 
 from lab.collectives import all_to_all, allgather, allreduce, barrier, broadcast, reduce, reduce_scatter
-from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError, RankError
+from lab.errors import (CollectiveMismatchError, DeadlineError, EmulationUnavailable, LabError, PeerLostError,
+                        RankError)
 from lab.launch import Cluster, launch, spawn
 from lab.mesh import Mesh, Work
 from lab.ops import ReduceOp
@@ -20,5 +21,5 @@ from lab.reference import gloo_reference
 __all__ = [
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "ReduceOp",
     "spawn", "launch", "Cluster", "Mesh", "Work", "gloo_reference",
-    "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError",
+    "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError", "EmulationUnavailable",
 ]

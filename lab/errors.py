@@ -22,6 +22,11 @@ class CollectiveMismatchError(LabError):
     """Two ranks are in different collectives (or dtypes, sizes, ops, roots) at the same point."""
 
 
+class EmulationUnavailable(LabError):
+    """Emulated hosts (``hosts=``) cannot be made here; the message says what is missing and how
+    to get it (Linux, iproute2, root or unprivileged user namespaces, veth/bridge/tbf support)."""
+
+
 class RankError(LabError):
     """A rank failed inside :func:`lab.spawn` or :meth:`lab.Cluster.run`.
 

@@ -23,6 +23,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from lab.errors import LabError, RankError
+from lab.hosts import Hosts
 from lab.mesh import FlightRecord, Mesh
 from lab.rendezvous import pool_store
 from lab.transport import queue as queue_transport
@@ -57,6 +58,20 @@ def _check_options(world_size: Any, transport: Any, recv_timeout_ms: Any) -> Non
         raise ValueError(f"recv_timeout_ms must be a positive number of milliseconds or None; got {recv_timeout_ms!r}")
 
 
+def _check_hosts(world_size: int, transport: str, hosts: Any, link_gbit: Any) -> None:
+    if hosts is None:
+        if link_gbit is not None:
+            raise ValueError(f"link_gbit caps the links of emulated hosts: give hosts= too; got link_gbit={link_gbit!r}")
+        return
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= world_size or world_size % hosts:
+        raise ValueError(f"hosts must be an int that divides world_size ({world_size}); got {hosts!r}")
+    if link_gbit is not None and (isinstance(link_gbit, bool) or not isinstance(link_gbit, (int, float))
+                                  or not link_gbit > 0):
+        raise ValueError(f"link_gbit must be a positive number of Gbit/s or None (uncapped); got {link_gbit!r}")
+    if hosts > 1 and transport != "tcp":
+        raise ValueError(f"transport must be 'tcp' with hosts > 1 ({transport!r} would bypass the links)")
+
+
 class Cluster:
     """A pool of ``world_size`` rank processes with their mesh, created once, reused by ``run``.
 
@@ -75,8 +90,11 @@ class Cluster:
         trace: str | None = None,
         segment_bytes: int = shm_transport.DEFAULT_SEGMENT_BYTES,
         slots: int = shm_transport.DEFAULT_SLOTS,
+        hosts: int | None = None,
+        link_gbit: float | None = None,
     ) -> None:
         _check_options(world_size, transport, recv_timeout_ms)
+        _check_hosts(world_size, transport, hosts, link_gbit)
         import torch.distributed as dist  # the rendezvous store for gloo (and tcp) lives here
 
         self.world_size = world_size
@@ -84,6 +102,9 @@ class Cluster:
         self._processes: list[mp.process.BaseProcess] = []
         self._controls: list[Any] = []
         self._closed = False
+        self.hosts: Hosts | None = None
+        # Emulated hosts (namespaces, switch, capped links) first: the ranks start inside them.
+        self.hosts = Hosts(hosts, link_gbit) if hosts else None
         context = _context()
         if transport == "shm":
             endpoints = shm_transport.create_endpoints(world_size, segment_bytes, slots)
@@ -100,6 +121,7 @@ class Cluster:
             "recv_timeout_ms": recv_timeout_ms,
             "trace": trace,
             "store": f"127.0.0.1:{self._store.port}",
+            "hosts": self.hosts.hosts if self.hosts else None,
         }
         try:
             for rank in range(world_size):
@@ -224,6 +246,8 @@ class Cluster:
         for process in self._processes:
             process.close()
         self._store = None
+        if self.hosts is not None:
+            self.hosts.close()
 
     def __enter__(self) -> Cluster:
         return self
@@ -264,8 +288,13 @@ def launch(world_size: int, **options: Any) -> Cluster:
     """Start a persistent pool of rank processes; use it as a context manager.
 
     Same options as :func:`spawn` (``transport``, ``recv_timeout_ms``, ``trace``, ``segment_bytes``,
-    ``slots``); ``segment_bytes`` and ``slots`` size the shm transport's per-peer buffers
-    (``slots`` buffers of ``segment_bytes`` per directed edge).
+    ``slots``, ``hosts``, ``link_gbit``); ``segment_bytes`` and ``slots`` size the shm transport's
+    per-peer buffers (``slots`` buffers of ``segment_bytes`` per directed edge).
+
+    ``hosts=H`` places the ranks on H emulated hosts (:mod:`lab.hosts`: a network namespace each,
+    one switch, each host's link capped at ``link_gbit`` Gbit/s each way, uncapped if None); host
+    h holds ranks ``[h*L, (h+1)*L)``, ``L = world_size // H``. With ``H > 1`` the transport must be
+    ``"tcp"``. Raises :class:`lab.EmulationUnavailable` where namespaces cannot be made.
 
         with lab.launch(4, transport="queue") as cluster:
             first = cluster.run(step, 1.0)
@@ -284,6 +313,8 @@ def spawn(
     trace: str | None = None,
     segment_bytes: int = shm_transport.DEFAULT_SEGMENT_BYTES,
     slots: int = shm_transport.DEFAULT_SLOTS,
+    hosts: int | None = None,
+    link_gbit: float | None = None,
 ) -> list[Any]:
     """Run ``fn(mesh, *args)`` in ``world_size`` new processes; return their results in rank order.
 
@@ -297,7 +328,7 @@ def spawn(
     """
     with Cluster(
         world_size, transport=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
-        segment_bytes=segment_bytes, slots=slots,
+        segment_bytes=segment_bytes, slots=slots, hosts=hosts, link_gbit=link_gbit,
     ) as cluster:
         return cluster.run(fn, *args)
 
@@ -317,15 +348,26 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
     os.environ.update(options["environment"])
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), LAB_STORE=options["store"])
+    host, address, placement = None, "127.0.0.1", None
     try:
+        if options["hosts"]:
+            # On an emulated host: the store stays on the root namespace's loopback, so connect
+            # to it first, then move into the host's network namespace, before any other socket.
+            per_host = world_size // len(options["hosts"])
+            host = options["hosts"][rank // per_host]
+            placement = (host.index, rank % per_host, per_host)
+            host.enter(before_network=pool_store)
+            address = host.address
+            os.environ.update(LOCAL_RANK=str(rank % per_host), LOCAL_WORLD_SIZE=str(per_host),
+                              GROUP_RANK=str(host.index), GLOO_SOCKET_IFNAME=host.interface)
         if options["transport"] == "shm":
             transport = shm_transport.ShmTransport(endpoints)
         elif options["transport"] == "queue":
             transport = queue_transport.QueueTransport(endpoints)
         else:
-            transport = tcp_transport.TcpTransport(rank, world_size, pool_store())
+            transport = tcp_transport.TcpTransport(rank, world_size, pool_store(), host=address)
         mesh = Mesh(transport, transport_name=options["transport"],
-                    recv_timeout_ms=options["recv_timeout_ms"], trace=options["trace"])
+                    recv_timeout_ms=options["recv_timeout_ms"], trace=options["trace"], placement=placement)
     except BaseException as exc:
         control.send_bytes(pickle.dumps(("error", _failure(exc, None))))
         return

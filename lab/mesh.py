@@ -134,7 +134,8 @@ FLIGHT_RECORDER_SIZE = 32
 class Mesh:
     """One rank's handle: ``rank``, ``world_size``, point-to-point ``send``/``recv``, ``stats``.
 
-    Created for you in every rank by :func:`lab.spawn` / :func:`lab.launch`.
+    Created for you in every rank by :func:`lab.spawn` / :func:`lab.launch`. ``host``,
+    ``local_rank`` and ``local_world_size`` say where the rank is (``hosts=``; without: host 0).
 
         def step(mesh):                       # runs in every rank's process
             if mesh.rank == 0:
@@ -150,8 +151,11 @@ class Mesh:
         transport_name: str,
         recv_timeout_ms: float | None = None,
         trace: str | None = None,
+        placement: tuple[int, int, int] | None = None,
     ) -> None:
         self._transport = transport
+        # (host, local_rank, local_world_size): one host holding every rank unless told otherwise
+        self.host, self.local_rank, self.local_world_size = placement or (0, transport.rank, transport.world_size)
         self.transport = transport_name
         self.recv_timeout_ms = DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None else recv_timeout_ms
         self._trace_path = trace or os.environ.get("LAB_TRACE") or None
@@ -186,8 +190,10 @@ class Mesh:
         store = env_store()
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         host = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
+        placement = (int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", rank)),
+                     int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         return cls(TcpTransport(rank, world_size, store, host=host), transport_name="tcp",
-                   recv_timeout_ms=recv_timeout_ms, trace=trace)
+                   recv_timeout_ms=recv_timeout_ms, trace=trace, placement=placement)
 
     @property
     def rank(self) -> int:

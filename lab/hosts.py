@@ -1,0 +1,322 @@
+"""Emulated hosts: one network namespace per host, a virtual switch, a capped link for each.
+
+Mininet's method, on one machine. A *keeper* process (this file run as a script, stdlib only)
+makes a switch namespace holding a Linux bridge, and one namespace per host holding ``eth0``,
+one end of a veth pair whose other end is a port of the bridge::
+
+    host 0 [eth0 10.99.0.1] ==veth== [h0 ┐
+    host 1 [eth0 10.99.0.2] ==veth== [h1 ├ br0]  switch
+    host 2 [eth0 10.99.0.3] ==veth== [h2 ┘
+
+Each host's link is capped at ``link_gbit`` in each direction by a token bucket (``tbf``) on
+both ends of its veth: egress of ``eth0`` is the host's upload, egress of ``hN`` its download.
+
+Lifetime. The namespaces are anonymous: each is held by one sleeping child of the keeper, and
+the kernel frees a namespace (and its veth ends, and the bridge) as soon as no process is left
+in it. The keeper ends its children when its stdin (a pipe from the owner) closes, which happens
+on :meth:`Hosts.close`, and also when the owner dies by any signal, SIGKILL included; the
+children also carry ``PR_SET_PDEATHSIG``. So nothing is ever added to the root namespace (no
+``ip netns`` entry, no ``ip link``) and nothing is left to sweep.
+
+Privileges. As root (CAP_SYS_ADMIN and CAP_NET_ADMIN) the namespaces are made directly. Without
+them the keeper first enters a new *user* namespace, where it is root, which unprivileged users
+may do where the kernel allows it; rank processes join that user namespace before the host's
+network namespace. Where neither works, :class:`lab.EmulationUnavailable` says what is missing.
+
+Rank processes join their host with :meth:`Host.enter`, first thing in their life: Python 3.11
+has no ``os.setns``, so it calls ``setns(2)`` through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
+#: The hosts' subnet (each pool has its own switch namespace, so pools never collide).
+SUBNET = "10.99.0"
+#: The host side of every link.
+INTERFACE = "eth0"
+#: How long the keeper may take to build the namespaces and links.
+START_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated host, as a rank process needs it: where to go and what to bind."""
+
+    index: int
+    address: str  # eth0's IPv4 address
+    interface: str  # the name of the host's link inside its namespace (for GLOO_SOCKET_IFNAME)
+    netns: str  # /proc/<holder pid>/ns/net
+    userns: str | None  # /proc/<keeper pid>/ns/user when made without root, else None
+
+    def enter(self, before_network: Callable[[], object] | None = None) -> None:
+        """Move the calling process into this host: its user namespace (if any), then its
+        network namespace. Call it before the process opens any socket it means to use there
+        (and while it has one thread: joining a user namespace requires that).
+
+        ``before_network`` runs between the two steps, still in the caller's network
+        namespace: the place to connect to a service on the root namespace's loopback.
+        """
+        if self.userns is not None:
+            _setns(self.userns, CLONE_NEWUSER)
+        if before_network is not None:
+            before_network()
+        _setns(self.netns, CLONE_NEWNET)
+
+
+class Hosts:
+    """``count`` emulated hosts on one switch, each link capped at ``link_gbit`` Gbit/s each way.
+
+        with Hosts(4, link_gbit=1.0) as hosts:
+            hosts[2].address        # '10.99.0.3'
+            hosts[2].netns          # '/proc/<pid>/ns/net' (nsenter --net=... to look inside)
+
+    ``link_gbit=None``: uncapped links (veth speed). ``user_namespace``: ``None`` picks (root:
+    no; otherwise: yes), ``True``/``False`` forces. Raises :class:`lab.EmulationUnavailable`
+    where namespaces cannot be made. :meth:`close` (or leaving the ``with``) removes everything.
+    """
+
+    def __init__(self, count: int, link_gbit: float | None = None, *, user_namespace: bool | None = None) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 250:
+            raise ValueError(f"hosts must be an int in [1, 250]; got {count!r}")
+        if link_gbit is not None and (isinstance(link_gbit, bool) or not isinstance(link_gbit, (int, float))
+                                      or not link_gbit > 0):
+            raise ValueError(f"link_gbit must be a positive number of Gbit/s or None; got {link_gbit!r}")
+        self.count, self.link_gbit = count, link_gbit
+        self.hosts: list[Host] = []
+        self._keeper: subprocess.Popen | None = None
+        _check_platform()
+        if user_namespace is None:
+            user_namespace = os.geteuid() != 0
+        self.user_namespace = user_namespace
+        # The keeper: this file as a script (no torch to import), told what to build on its
+        # command line, ended by closing its stdin.
+        self._keeper = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), str(count), str(link_gbit or 0),
+             "1" if user_namespace else "0"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            line = _read_line(self._keeper, START_TIMEOUT_S)
+            made = json.loads(line) if line else {"error": "the keeper exited: " + self._keeper.stderr.read()}
+            if "error" in made:
+                raise _unavailable(made["error"], user_namespace)
+        except BaseException:
+            self.close()
+            raise
+        userns = f"/proc/{self._keeper.pid}/ns/user" if user_namespace else None
+        self.switch_netns = f"/proc/{made['switch']}/ns/net"
+        self.hosts = [Host(i, f"{SUBNET}.{i + 1}", INTERFACE, f"/proc/{pid}/ns/net", userns)
+                      for i, pid in enumerate(made["hosts"])]
+
+    def __getitem__(self, index: int) -> Host:
+        return self.hosts[index]
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def pids(self) -> list[int]:
+        """The keeper and the processes holding the namespaces (switch first, then hosts)."""
+        if self._keeper is None:
+            return []
+        return [self._keeper.pid] + [int(p.split("/")[2]) for p in [self.switch_netns] + [h.netns for h in self.hosts]]
+
+    def close(self) -> None:
+        """Remove the hosts: the keeper ends its namespace holders and exits. Idempotent."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is None:
+            return
+        keeper.stdin.close()  # the keeper's signal to end everything
+        try:
+            keeper.wait(5.0)
+        except subprocess.TimeoutExpired:
+            keeper.kill()  # its children die with it (PR_SET_PDEATHSIG)
+            keeper.wait()
+        keeper.stdout.close()
+        keeper.stderr.close()
+
+    def __enter__(self) -> Hosts:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_keeper", None) is not None:
+            self.close()
+
+
+# -- the owner's side: checks and messages --------------------------------------------------------
+
+
+def _check_platform() -> None:
+    if not sys.platform.startswith("linux"):
+        raise _unavailable(f"emulated hosts need Linux network namespaces; this is {sys.platform}", False)
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise _unavailable(f"{' and '.join(missing)} not found: install iproute2 (apt-get install iproute2)", False)
+
+
+def _unavailable(reason: str, user_namespace: bool) -> Exception:
+    from lab.errors import EmulationUnavailable
+
+    hint = ""
+    if "user namespace" in reason:
+        hint = (" Run as root (or with CAP_SYS_ADMIN and CAP_NET_ADMIN), or allow unprivileged user namespaces: "
+                "sysctl -w user.max_user_namespaces=15000; on Debian/Ubuntu also "
+                "kernel.unprivileged_userns_clone=1, and on Ubuntu 24.04 kernel.apparmor_restrict_unprivileged_userns=0.")
+    elif "network namespace" in reason and not user_namespace:
+        hint = " Run as root (CAP_SYS_ADMIN), or without root where unprivileged user namespaces are allowed."
+    elif "type veth" in reason or "type bridge" in reason:
+        hint = " The kernel lacks veth or bridge support: modprobe veth bridge (CONFIG_VETH, CONFIG_BRIDGE)."
+    elif "tbf" in reason:
+        hint = " The kernel lacks the token-bucket qdisc: modprobe sch_tbf (CONFIG_NET_SCH_TBF)."
+    return EmulationUnavailable(f"cannot emulate hosts: {reason.strip()}.{hint}")
+
+
+def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
+    import selectors
+
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s):
+            raise TimeoutError(f"the namespace keeper did not finish in {timeout_s} s")
+    return process.stdout.readline()
+
+
+# -- syscalls -------------------------------------------------------------------------------------
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _setns(path: str, kind: int) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _check(_libc().setns(fd, kind), f"setns({path})")
+    finally:
+        os.close(fd)
+
+
+def _die_with_parent() -> None:
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+# -- the keeper (this file run as a script) -------------------------------------------------------
+
+
+def _hold_network_namespace() -> int:
+    """Fork a child that unshares a new network namespace and sleeps in it; return its pid."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_r)
+            _die_with_parent()
+            _check(_libc().unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET): cannot make a network namespace")
+            os.write(ready_w, b"ok")
+            while True:
+                signal.pause()
+        except BaseException as exc:  # noqa: BLE001 - reported to the keeper
+            os.write(ready_w, str(exc).encode())
+        finally:
+            os._exit(1)
+    os.close(ready_w)
+    answer = os.read(ready_r, 4096).decode()
+    os.close(ready_r)
+    if answer != "ok":
+        raise OSError(answer)
+    return pid
+
+
+def _run_in(pid: int, tool: str, commands: list[str]) -> None:
+    """Run ``commands`` through ``ip -batch -`` or ``tc -batch -`` inside process ``pid``'s network namespace."""
+    done = subprocess.run(
+        [tool, "-batch", "-"], input="\n".join(commands) + "\n", capture_output=True, text=True,
+        preexec_fn=lambda: _setns(f"/proc/{pid}/ns/net", CLONE_NEWNET),
+    )
+    if done.returncode:
+        raise OSError(f"{tool} failed: {(done.stderr or done.stdout).strip()} (commands: {'; '.join(commands)})")
+
+
+def _cap(device: str, gbit: float) -> str:
+    """A token bucket of ``gbit`` on ``device``'s egress. The bucket holds 1 ms of traffic (at
+    least 128 KiB, so a 64 KiB GSO segment passes whole), the queue at most 20 ms more."""
+    rate = int(gbit * 1e9)
+    burst = max(128 << 10, rate // 8 // 1000)
+    return f"qdisc add dev {device} root tbf rate {rate}bit burst {burst} latency 20ms"
+
+
+def _enter_user_namespace() -> None:
+    """Become root of a new user namespace (unprivileged users may, where the kernel allows)."""
+    uid, gid = os.geteuid(), os.getegid()
+    _check(_libc().unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER): cannot make a user namespace")
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"0 {uid} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"0 {gid} 1")
+
+
+def _keeper_main(count: int, gbit: float, user_namespace: bool) -> None:
+    """Build the switch and the hosts, report their holders' pids, wait for stdin to close."""
+    _die_with_parent()
+    holders: list[int] = []
+    try:
+        # 1. Without root: a user namespace of our own, in which we may make network namespaces.
+        if user_namespace:
+            _enter_user_namespace()
+        # 2. The switch: a namespace with a bridge.
+        switch = _hold_network_namespace()
+        holders.append(switch)
+        _run_in(switch, "ip", ["link add br0 type bridge", "link set br0 up"])
+        # 3. Each host: a namespace whose eth0 is a veth pair's end; the other end, hN, goes to the switch.
+        for i in range(count):
+            host = _hold_network_namespace()
+            holders.append(host)
+            _run_in(host, "ip", [
+                "link set lo up",
+                f"link add {INTERFACE} type veth peer name h{i} netns {switch}",
+                f"addr add {SUBNET}.{i + 1}/24 dev {INTERFACE}",
+                f"link set {INTERFACE} up",
+            ])
+            if gbit:  # the host's upload
+                _run_in(host, "tc", [_cap(INTERFACE, gbit)])
+        # 4. Plug every hN into the bridge; cap it (the host's download).
+        _run_in(switch, "ip", [cmd for i in range(count) for cmd in (f"link set h{i} master br0", f"link set h{i} up")])
+        if gbit:
+            _run_in(switch, "tc", [_cap(f"h{i}", gbit) for i in range(count)])
+        print(json.dumps({"switch": switch, "hosts": holders[1:]}), flush=True)
+        # 5. Hold everything until the owner closes our stdin (or dies).
+        while sys.stdin.read(4096):
+            pass
+    except Exception as exc:  # noqa: BLE001 - reported to the owner, who raises EmulationUnavailable
+        print(json.dumps({"error": str(exc)}), flush=True)
+    finally:
+        for pid in holders:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    _keeper_main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1")

@@ -1,0 +1,324 @@
+"""Emulated hosts: namespaces, switch and capped links made and removed, the cap real, the
+collective and gloo matrices across 2, 3 and 4 hosts, faults within the deadline, and nothing
+left after close, an exception, Ctrl-C or SIGKILL of the owner.
+
+Everything that needs namespaces is skipped, saying why, where they cannot be made (not Linux,
+no root and no unprivileged user namespaces); argument checks run everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import lab
+from lab.hosts import Hosts
+from test_collectives import (assert_no_failures, check_allgather, check_allreduce, check_broadcast,
+                              check_other_inputs, check_reduce_scatter)
+from test_faults import DEADLINE_MS, faulty_job
+from test_gloo import assert_matches_and_identical, compare_with_gloo, large_allreduce
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why emulated hosts cannot be made here (None: they can)."""
+    try:
+        Hosts(1).close()
+    except lab.EmulationUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def require_hosts() -> None:
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+def run(*command: str) -> str:
+    return subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def root_network() -> tuple[str, list[str]]:
+    """What the root namespace shows: ``ip netns`` and the names of ``ip link``."""
+    links = sorted(line.split(":")[1].strip().split("@")[0] for line in run("ip", "-o", "link").splitlines())
+    return run("ip", "netns", "list"), links
+
+
+def live_network_namespaces() -> set[int]:
+    inodes = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            inodes.add(os.stat(f"/proc/{pid}/ns/net").st_ino)
+        except OSError:
+            pass  # gone meanwhile, or not ours to see
+    return inodes
+
+
+def all_gone(pids: list[int], inodes: list[int], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "zombie" not in _state(p)]
+        held = set(inodes) & live_network_namespaces()
+        if not alive and not held:
+            return
+        assert time.monotonic() < deadline, f"left behind: processes {alive}, network namespaces {sorted(held)}"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(line for line in f if line.startswith("State:")).lower()
+    except (OSError, StopIteration):
+        return "zombie"
+
+
+# -- arguments: checked before anything is made, everywhere -----------------------------------
+
+
+def noop(mesh: lab.Mesh) -> None:
+    return None
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(hosts=2, transport="shm"), "transport must be 'tcp' with hosts > 1"),
+    (dict(hosts=2, transport="queue"), "transport must be 'tcp' with hosts > 1"),
+    (dict(hosts=3, transport="tcp"), r"hosts must be an int that divides world_size \(4\)"),
+    (dict(hosts=0, transport="tcp"), "hosts must be"),
+    (dict(hosts=True, transport="tcp"), "hosts must be"),
+    (dict(hosts=2, transport="tcp", link_gbit=0), "link_gbit must be a positive number"),
+    (dict(hosts=2, transport="tcp", link_gbit="1"), "link_gbit must be a positive number"),
+    (dict(link_gbit=1.0, transport="tcp"), "give hosts= too"),
+    (dict(hosts=2, transport="auto"), "transport must be one of"),
+])
+def test_bad_host_options_are_value_errors(options, match):
+    with pytest.raises(ValueError, match=match):
+        lab.spawn(noop, 4, **options)
+
+
+def test_unavailable_says_what_is_missing(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(lab.EmulationUnavailable, match="need Linux network namespaces; this is darwin"):
+        Hosts(2)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(lab.EmulationUnavailable, match=r"ip and tc not found: install iproute2"):
+        Hosts(2)
+
+
+def placement(mesh: lab.Mesh) -> tuple[int, int, int]:
+    return mesh.host, mesh.local_rank, mesh.local_world_size
+
+
+def test_without_hosts_every_rank_is_on_host_0():
+    assert lab.spawn(placement, 3) == [(0, 0, 3), (0, 1, 3), (0, 2, 3)]
+
+
+# -- namespaces and links: made, capped, removed --------------------------------------------------
+
+
+def test_namespaces_links_and_caps_are_made_and_removed():
+    require_hosts()
+    before, namespaces_before = root_network(), live_network_namespaces()
+    with Hosts(3, link_gbit=0.5) as hosts:
+        made = [hosts.switch_netns] + [h.netns for h in hosts.hosts]
+        inodes = [os.stat(p).st_ino for p in made]
+        pids = hosts.pids
+        assert len(set(inodes)) == 4 and not set(inodes) & namespaces_before
+        for host in hosts.hosts:
+            inside = run("nsenter", f"--net={host.netns}", "ip", "-o", "-4", "addr", "show", "dev", "eth0")
+            assert f"inet {host.address}/24" in inside
+            qdisc = run("nsenter", f"--net={host.netns}", "tc", "qdisc", "show", "dev", "eth0")
+            assert "tbf" in qdisc and "rate 500Mbit" in qdisc, qdisc  # the host's upload
+        switch = run("nsenter", f"--net={hosts.switch_netns}", "tc", "qdisc", "show")
+        assert all(f"dev h{i} root" in switch for i in range(3)) and switch.count("rate 500Mbit") == 3  # downloads
+        bridge = run("nsenter", f"--net={hosts.switch_netns}", "ip", "-o", "link", "show", "master", "br0")
+        assert sorted(line.split(":")[1].strip().split("@")[0] for line in bridge.splitlines()) == ["h0", "h1", "h2"]
+        assert root_network() == before  # nothing in the root namespace, even while they exist
+    all_gone(pids, inodes, within_s=0.5)
+    assert root_network() == before
+
+
+def test_an_exception_inside_the_pool_removes_everything():
+    require_hosts()
+    before = root_network()
+    with pytest.raises(RuntimeError, match="user code failed"):
+        with lab.launch(2, hosts=2, transport="tcp") as cluster:
+            pids = cluster.hosts.pids + [p.pid for p in cluster._processes]
+            inodes = [os.stat(h.netns).st_ino for h in cluster.hosts.hosts]
+            raise RuntimeError("user code failed")
+    all_gone(pids, inodes)
+    assert root_network() == before
+
+
+def owner(*extra: str) -> tuple[subprocess.Popen, dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen([sys.executable, str(SCRIPTS / "hosts_owner.py")], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    line = process.stdout.readline()
+    assert line, process.stderr.read()
+    return process, json.loads(line)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "Ctrl-C"])
+def test_nothing_outlives_an_owner_killed_or_interrupted(how):
+    require_hosts()
+    before = root_network()
+    process, made = owner()
+    assert all(os.path.exists(f"/proc/{p}") for p in made["pids"])
+    os.kill(process.pid, how)
+    process.wait(10)
+    process.stdout.close()
+    if how == signal.SIGINT:
+        assert "KeyboardInterrupt" in process.stderr.read()
+    process.stderr.close()
+    all_gone(made["pids"], made["inodes"])
+    assert root_network() == before
+
+
+def link_transfer(nbytes: int, gbit: float, userns: str, python: str = sys.executable, user: list[str] = ()) -> dict:
+    done = subprocess.run([*user, python, str(SCRIPTS / "host_link.py"), str(nbytes), str(gbit), userns],
+                          capture_output=True, text=True, timeout=60, cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def tbf_burst(gbit: float) -> int:
+    return max(128 << 10, int(gbit * 1e9) // 8 // 1000)
+
+
+def test_a_user_namespace_works_as_root_does():
+    """The path taken without root (forced here): the keeper in a user namespace of its own,
+    processes joining it before the host's network namespace; the cap holds the same way."""
+    require_hosts()
+    nbytes, gbit = 2 << 20, 0.2
+    result = link_transfer(nbytes, gbit, "1")
+    assert result["userns"] and result["userns"].endswith("/ns/user")
+    assert result["seconds"] >= (nbytes - tbf_burst(gbit)) * 8 / (gbit * 1e9)
+    all_gone(result["pids"], [])
+
+
+def test_an_unprivileged_user_gets_hosts_where_the_kernel_allows():
+    """As ``nobody``, with the system's Python (the venv may not be readable to it)."""
+    require_hosts()
+    python, setpriv = shutil.which("python3", path="/usr/bin:/bin"), shutil.which("setpriv")
+    if os.geteuid() != 0 or not python or not setpriv:
+        pytest.skip("needs root (to become nobody), setpriv and a system python3")
+    nobody = [setpriv, "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    if subprocess.run([*nobody, python, "-c", f"open({str(SCRIPTS / 'host_link.py')!r})"],
+                      capture_output=True).returncode:
+        pytest.skip("user nobody cannot read the checkout")
+    if subprocess.run([*nobody, "unshare", "--user", "--net", "true"], capture_output=True).returncode:
+        pytest.skip("this kernel does not allow unprivileged user namespaces")
+    result = link_transfer(1 << 20, 1.0, "auto", python, nobody)
+    assert result["userns"], result  # auto without root: a user namespace
+
+
+# -- the cap is real: a lower bound on time, not a speed assertion ---------------------------------
+
+NBYTES = 4 << 20
+GBIT = 0.1
+
+
+def timed_transfers(mesh: lab.Mesh) -> dict[str, float]:
+    """Host 0 -> host 1: one 4 MB send (answered), one lab ring allreduce and one gloo allreduce."""
+    from lab.reference import gloo_collective
+
+    x = torch.zeros(NBYTES // 4)
+    ack = torch.zeros(1)
+    gloo_collective(mesh, "allreduce", torch.zeros(1))  # join gloo before timing
+    lab.allreduce(mesh, ack, algorithm="ring")
+    times = {}
+    started = time.perf_counter()
+    if mesh.rank == 0:
+        mesh.send(1, x)
+        mesh.recv(1)
+    else:
+        mesh.recv(0)
+        mesh.send(0, ack)
+    times["send"] = time.perf_counter() - started
+    for name, call in [("lab ring allreduce", lambda: lab.allreduce(mesh, x, algorithm="ring")),
+                       ("gloo allreduce", lambda: gloo_collective(mesh, "allreduce", x))]:
+        lab.allreduce(mesh, ack, algorithm="ring")
+        started = time.perf_counter()
+        call()
+        times[name] = time.perf_counter() - started
+    return times
+
+
+def test_the_cap_is_real_for_the_lab_and_for_gloo():
+    """Through a 100 Mbit/s link no transfer of B bytes beats (B - bucket) / rate; a 2-rank
+    allreduce of T bytes sends T (lab's ring: 2 chunks of T/2; gloo: the same) across it."""
+    require_hosts()
+    floor = (NBYTES - tbf_burst(GBIT)) * 8 / (GBIT * 1e9)
+    times = lab.spawn(timed_transfers, 2, hosts=2, link_gbit=GBIT, transport="tcp", recv_timeout_ms=60_000)
+    for rank, by_call in enumerate(times):
+        for call, seconds in by_call.items():
+            assert seconds >= floor, f"rank {rank} {call}: {seconds:.3f} s < {floor:.3f} s: the cap did not hold"
+
+
+# -- the matrices across hosts (pools once per module) --------------------------------------------
+
+LAYOUTS = [(2, 4), (3, 3), (4, 8)]  # (hosts, world_size): 2, 1 and 2 ranks per host
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"H{p[0]}-N{p[1]}")
+def cluster(request):
+    require_hosts()
+    hosts, world_size = request.param
+    with lab.launch(world_size, hosts=hosts, link_gbit=1.0, transport="tcp", recv_timeout_ms=60_000) as c:
+        yield c
+
+
+def test_ranks_know_their_host(cluster):
+    n, h = cluster.world_size, len(cluster.hosts)
+    per_host = n // h
+    assert cluster.run(placement) == [(r // per_host, r % per_host, per_host) for r in range(n)]
+
+
+def test_collective_matrix_across_hosts(cluster):
+    for check in (check_allreduce, check_broadcast, check_allgather, check_reduce_scatter, check_other_inputs):
+        assert_no_failures(cluster.run(check))
+
+
+def test_gloo_matrix_across_hosts(cluster):
+    n = cluster.world_size
+    assert_matches_and_identical(cluster.run(compare_with_gloo, [1, n + 1, 1000], 2026))
+    assert_matches_and_identical(cluster.run(large_allreduce, (1 << 18) + 3))
+
+
+# -- faults across hosts: ended within the deadline + 2 s -----------------------------------------
+
+
+@pytest.mark.parametrize("fault, victim, which", [
+    ("sigkill", 2, "allreduce-ring"), ("sigkill", 0, "allgather"),
+    ("stall", 1, "allreduce-tree"), ("stall", 3, "broadcast"),
+])
+def test_a_killed_or_stalled_rank_ends_the_run_in_time(fault, victim, which):
+    require_hosts()
+    with lab.launch(4, hosts=2, link_gbit=1.0, transport="tcp", recv_timeout_ms=DEADLINE_MS) as cluster:
+        pids = cluster.hosts.pids + [p.pid for p in cluster._processes]
+        started = time.monotonic()
+        with pytest.raises(lab.RankError) as info:
+            cluster.run(faulty_job, which, 300_001, victim, 3, fault)
+        elapsed = time.monotonic() - started
+    error = info.value
+    if fault == "sigkill":
+        assert (error.rank, error.exc_type) == (victim, "ProcessDied"), str(error)
+    else:
+        assert error.exc_type == "DeadlineError" and f"recv_timeout_ms={DEADLINE_MS}" in error.exc_message, str(error)
+    assert elapsed < DEADLINE_MS / 1000 + 2.0, f"took {elapsed:.1f} s"
+    all_gone(pids, [])
