@@ -51,3 +51,40 @@ def reduce_scatter(mesh: Mesh, rank: int, world_size: int, tensor: Any) -> Any:
     """Block ``rank`` of the sum over ranks (the first half of ring allreduce); a new tensor."""
     _check(mesh, rank, world_size)
     return collectives.reduce_scatter(mesh, tensor, "sum")
+
+
+def recursive_doubling_allreduce(mesh: Mesh, rank: int, world_size: int, tensor: Any) -> Any:
+    """Sum ``tensor`` in place in log2 N whole-tensor exchanges (short tensors); returns it."""
+    _check(mesh, rank, world_size)
+    return collectives.allreduce(mesh, tensor, "sum", "recursive_doubling")
+
+
+def halving_doubling_allreduce(mesh: Mesh, rank: int, world_size: int, tensor: Any) -> Any:
+    """Sum ``tensor`` in place: recursive-halving reduce-scatter, recursive-doubling allgather
+    (Rabenseifner; long tensors); returns it."""
+    _check(mesh, rank, world_size)
+    return collectives.allreduce(mesh, tensor, "sum", "halving_doubling")
+
+
+def double_tree_allreduce(mesh: Mesh, rank: int, world_size: int, tensor: Any) -> Any:
+    """Sum ``tensor`` in place, half through each of two complementary binary trees (NCCL's); returns it."""
+    _check(mesh, rank, world_size)
+    return collectives.allreduce(mesh, tensor, "sum", "double_tree")
+
+
+def reduce(mesh: Mesh, rank: int, world_size: int, tensor: Any, dst: int) -> Any:
+    """Sum ``tensor`` into rank ``dst``'s, in place, over a binomial tree; other ranks' unchanged."""
+    _check(mesh, rank, world_size)
+    return collectives.reduce(mesh, tensor, dst, "sum")
+
+
+def all_to_all(mesh: Mesh, rank: int, world_size: int, tensor: Any) -> Any:
+    """Block j of every rank's ``tensor`` (split along dim 0) to rank j, in rank order; a new tensor."""
+    _check(mesh, rank, world_size)
+    return collectives.all_to_all(mesh, tensor)
+
+
+def barrier(mesh: Mesh, rank: int, world_size: int) -> None:
+    """Return once every rank has entered (dissemination)."""
+    _check(mesh, rank, world_size)
+    collectives.barrier(mesh)

@@ -15,7 +15,7 @@ from lab.mesh import Mesh
 from lab.ops import parse_op
 from lab.rendezvous import env_store, pool_store
 
-REFERENCE_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+REFERENCE_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier")
 _EPSILON = {torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 _TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
 
@@ -35,8 +35,9 @@ def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
     """Run collective ``op`` on ``tensor`` through gloo inside a rank; same semantics as ``lab``.
 
     Returns what the lab's collective returns (the tensor, reduced or broadcast in place, or a
-    new tensor), with the caller's type. ``options``: ``op=`` for reductions, ``src=`` for
-    broadcast (``algorithm=`` is accepted and ignored: gloo picks its own).
+    new tensor; ``None`` for barrier), with the caller's type. ``options``: ``op=`` for reductions,
+    ``src=`` for broadcast, ``dst=`` for reduce (``algorithm=`` is accepted and ignored: gloo picks
+    its own). Like the lab's, gloo's reduce leaves the other ranks' ``tensor`` as it was.
     """
     if op not in REFERENCE_OPS:
         raise ValueError(f"op must be one of {', '.join(map(repr, REFERENCE_OPS))}; got {op!r}")
@@ -57,17 +58,29 @@ def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
         dist.all_gather_single(out, flat)  # all_gather_into_tensor, renamed in torch 2.13
         shape = tuple(t.shape) or (1,)
         result = out.reshape(n * shape[0], *shape[1:])
-    else:
+    elif op == "reduce_scatter":
         blocks = [t[a:b].contiguous() for a, b in split_bounds(t.shape[0], n)]
         result = torch.empty_like(blocks[mesh.rank])
         dist.reduce_scatter(result, blocks, op=reduce_op)
+    elif op == "reduce":
+        dst = options.get("dst", 0)
+        result = t if mesh.rank == dst else t.clone()  # gloo may use a non-root buffer as scratch
+        dist.reduce(result, dst=dst, op=reduce_op)
+        result = t
+    elif op == "all_to_all":
+        rows = [b - a for a, b in split_bounds(t.shape[0], n)]
+        result = torch.empty((n * rows[mesh.rank], *t.shape[1:]), dtype=t.dtype)
+        dist.all_to_all_single(result, t, [rows[mesh.rank]] * n, rows)
+    else:
+        dist.barrier()
+        return None
     if is_numpy:
         result = result.numpy()
-        if op in ("allreduce", "broadcast"):
+        if op in ("allreduce", "broadcast", "reduce"):
             tensor[...] = result
             return tensor
         return result
-    if op in ("allreduce", "broadcast") and result is not tensor:
+    if op in ("allreduce", "broadcast", "reduce") and result is not tensor:
         tensor.copy_(result)
         return tensor
     return result

@@ -13,12 +13,24 @@ import pandas as pd
 import torch
 
 import lab
+from lab.collectives.allreduce_double_tree import double_trees
+from lab.collectives.fold import Fold
 from lab.reference import gloo_collective, tolerance
 
 CASES = [  # (primitive, algorithm)
-    ("allreduce", "ring"), ("allreduce", "tree"), ("allreduce", "naive"), ("allreduce", "auto"),
-    ("broadcast", "binomial"), ("allgather", "ring"), ("reduce_scatter", "ring"),
+    *[("allreduce", a) for a in ("ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree",
+                                 "auto")],
+    ("broadcast", "binomial"), ("broadcast", "scatter_allgather"), ("broadcast", "auto"),
+    ("allgather", "ring"), ("allgather", "recursive_doubling"), ("allgather", "auto"),
+    ("reduce_scatter", "ring"), ("reduce_scatter", "recursive_halving"), ("reduce_scatter", "auto"),
+    ("reduce", "binomial"),
+    ("all_to_all", "pairwise"), ("all_to_all", "bruck"), ("all_to_all", "auto"),
+    ("barrier", "dissemination"),
 ]
+#: Whose result must be the same bytes on every rank.
+SHARED_RESULT = ("allreduce", "broadcast", "allgather")
+#: Allreduce algorithms in the byte-counter table, each against its docstring's formula.
+BYTE_ALGORITHMS = ("ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree")
 DTYPES = ("float32", "int32")
 
 
@@ -32,12 +44,15 @@ def _inputs(world_size: int, count: int, dtype: str, seed: int) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _run_lab(mesh: lab.Mesh, primitive: str, algorithm: str, x: torch.Tensor) -> torch.Tensor:
-    if primitive == "allreduce":
-        return lab.allreduce(mesh, x, algorithm=algorithm)
-    if primitive == "broadcast":
-        return lab.broadcast(mesh, x, src=mesh.world_size - 1)
-    return getattr(lab, primitive)(mesh, x)
+def _options(mesh: lab.Mesh, primitive: str) -> dict:
+    """The root of rooted collectives: the last rank (not the default, 0)."""
+    return {"broadcast": {"src": mesh.world_size - 1}, "reduce": {"dst": mesh.world_size - 1}}.get(primitive, {})
+
+
+def _run_lab(mesh: lab.Mesh, primitive: str, algorithm: str, x: torch.Tensor) -> torch.Tensor | None:
+    if primitive in ("reduce", "barrier"):
+        return getattr(lab, primitive)(mesh, *([x] if primitive == "reduce" else []), **_options(mesh, primitive))
+    return getattr(lab, primitive)(mesh, x, algorithm=algorithm, **_options(mesh, primitive))
 
 
 def validate_rank(mesh: lab.Mesh, count: int, seed: int) -> list[dict]:
@@ -47,12 +62,13 @@ def validate_rank(mesh: lab.Mesh, count: int, seed: int) -> list[dict]:
         stack = _inputs(mesh.world_size, count, dtype, seed)
         bound = tolerance(stack)
         for primitive, algorithm in CASES:
-            options = {"src": mesh.world_size - 1} if primitive == "broadcast" else {}
-            expected = gloo_collective(mesh, primitive, stack[mesh.rank].clone(), **options)
+            expected = gloo_collective(mesh, primitive, stack[mesh.rank].clone(), **_options(mesh, primitive))
             got = _run_lab(mesh, primitive, algorithm, stack[mesh.rank].clone())
+            if primitive == "barrier":  # nothing to compare: it returned on every rank
+                got = expected = torch.zeros(0)
             if primitive == "reduce_scatter":
                 bound_here = torch.tensor_split(bound, mesh.world_size)[mesh.rank]
-            elif primitive == "allreduce":
+            elif primitive in ("allreduce", "reduce"):
                 bound_here = bound
             else:
                 bound_here = torch.zeros(())
@@ -70,7 +86,7 @@ def validate_rank(mesh: lab.Mesh, count: int, seed: int) -> list[dict]:
 def byte_counters_rank(mesh: lab.Mesh, numel: int) -> list[dict]:
     """In one rank: payload bytes of one float32 allreduce per algorithm."""
     rows = []
-    for algorithm in ("ring", "tree", "naive"):
+    for algorithm in BYTE_ALGORITHMS:
         mesh.reset_stats()
         lab.allreduce(mesh, torch.ones(numel), algorithm=algorithm)
         rows.append({"algorithm": algorithm, "rank": mesh.rank, **mesh.stats()})
@@ -87,6 +103,31 @@ def _tree_messages(rank: int, world_size: int) -> int:
     return children + (rank != 0)
 
 
+def model_bytes(algorithm: str, rank: int, world_size: int, total: int) -> tuple[int, str]:
+    """(bytes sent = bytes received, the formula) of one allreduce of ``total`` bytes, from each
+    algorithm's docstring, when p = 2^⌊log2 N⌋ and 2·N divide the element count."""
+    n = world_size
+    fold = Fold(n, rank)
+    lp = fold.p.bit_length() - 1
+    if algorithm == "ring":
+        return 2 * total * (n - 1) // n, "2T(N-1)/N"
+    if algorithm == "tree":
+        messages = _tree_messages(rank, n)
+        return messages * total, f"{messages}T"
+    if algorithm == "naive":
+        return (total * (n - 1), "(N-1)T") if rank == 0 else (total, "T")
+    if fold.sits_out:
+        return total, "T (folded out)"
+    fold_term = (total, " + T (fold)") if fold.folded else (0, "")
+    if algorithm == "recursive_doubling":
+        return lp * total + fold_term[0], f"{lp}T" + fold_term[1]
+    if algorithm == "halving_doubling":
+        return 2 * total * (fold.p - 1) // fold.p + fold_term[0], "2T(p-1)/p" + fold_term[1]
+    # double_tree: each half T/2 once per child and once to the parent, in each tree
+    links = sum(len(children) + (parent >= 0) for parent, children in double_trees(n, rank))
+    return links * total // 2, f"{links}T/2"
+
+
 def validation_table(transports: list[str], world_sizes: list[int], count: int, seed: int) -> pd.DataFrame:
     frames = []
     for transport in transports:
@@ -96,7 +137,7 @@ def validation_table(transports: list[str], world_sizes: list[int], count: int, 
             for i, row in enumerate(per_rank[0]):
                 cells = [ranks[i] for ranks in per_rank]
                 same = len({c["digest"] for c in cells}) == 1
-                shared = row["primitive"] != "reduce_scatter"  # reduce_scatter gives each rank its block
+                shared = row["primitive"] in SHARED_RESULT
                 ok = all(c["within"] for c in cells) and (same or not shared)
                 frames.append({
                     "transport": transport, "N": n, "primitive": row["primitive"], "algorithm": row["algorithm"],
@@ -116,13 +157,7 @@ def byte_table(world_size: int, numel: int) -> pd.DataFrame:
     rows = []
     for row in sorted((r for ranks in per_rank for r in ranks), key=lambda r: (r["algorithm"], r["rank"])):
         algorithm, rank = row["algorithm"], row["rank"]
-        if algorithm == "ring":
-            model, formula = 2 * total * (world_size - 1) // world_size, "2T(N-1)/N"
-        elif algorithm == "tree":
-            messages = _tree_messages(rank, world_size)
-            model, formula = messages * total, f"{messages}T"
-        else:
-            model, formula = (total * (world_size - 1), "(N-1)T") if rank == 0 else (total, "T")
+        model, formula = model_bytes(algorithm, rank, world_size, total)
         ok = row["bytes_sent"] == row["bytes_received"] == model
         rows.append({"algorithm": algorithm, "rank": rank, "bytes sent": row["bytes_sent"],
                      "bytes received": row["bytes_received"], "model": formula, "model bytes": model,
