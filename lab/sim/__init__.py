@@ -1,0 +1,20 @@
+"""``lab.sim``: the lab's own algorithm code on virtual ranks, timed on a network model.
+
+    net = lab.sim.Network(alpha_us=20.0, gbit=10.0)                 # every rank its own host and link
+    r = lab.sim.simulate("allreduce", "ring", world_size=1024, nbytes=64 << 20, network=net)
+    r.time_us; r.bytes_sent; r.critical_path
+    lab.sim.best_algorithm("allreduce", world_size=1024, nbytes=1 << 20, network=net)
+
+How: :mod:`lab.sim.record` runs the public collective once per rank on a mesh that records
+each send and receive instead of moving data; :mod:`lab.sim.replay` times those steps in a
+discrete-event loop (Numba). :mod:`lab.sim.calibrate` fits a :class:`Network` to measured
+results, and :mod:`lab.sim.sweep` is ``python -m lab simulate``.
+"""
+
+from lab.sim.core import SimResult, best_algorithm, predict, simulate
+from lab.sim.network import Network
+from lab.sim.record import SimulationUnsupported, algorithms
+from lab.sim.replay import Message, ScheduleError
+
+__all__ = ["Network", "simulate", "best_algorithm", "predict", "algorithms", "SimResult", "Message",
+           "SimulationUnsupported", "ScheduleError"]

@@ -1,0 +1,205 @@
+"""lab.sim: the closed forms of DESIGN.md, byte counts equal to real runs, determinism, scale, errors.
+
+The byte-count test runs every collective and algorithm that ``lab.collectives`` has (read from its
+tables at collection time, so new algorithms are covered without editing this file) in one shm
+pool per world size, and compares each rank's ``mesh.stats()`` with the simulated counters.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import lab
+import lab.collectives
+import lab.sim as sim
+from conftest import pool
+from lab.sim.record import ROOTED, Schedule
+from lab.sim.replay import replay
+
+ALGORITHMS = sim.algorithms()
+CASES = [(c, a) for c, names in ALGORITHMS.items() for a in names]
+NET = sim.Network(alpha_us=20.0, gbit=10.0)
+
+
+def counts(world_size: int) -> list[int]:
+    """Zero, one, fewer than ranks, not divisible by ranks, and a larger odd count."""
+    return sorted({0, 1, max(world_size - 1, 0), 2 * world_size + 1, 2053})
+
+
+def roots(collective: str, world_size: int) -> list[int]:
+    return sorted({0, world_size - 1}) if collective in ROOTED else [0]
+
+
+# -- the closed forms -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("net", [NET, sim.Network(alpha_us=3.5, gbit=400.0), sim.Network(alpha_us=0.0, gbit=1.0)],
+                         ids=["20us-10G", "3.5us-400G", "0us-1G"])
+@pytest.mark.parametrize("world_size", [2, 4, 8, 16, 64])
+def test_ring_and_tree_allreduce_match_the_closed_forms(world_size, net):
+    nbytes = world_size * 1000 * 4  # N divides the element count
+    beta = 8 / (net.gbit * 1e3)
+    ring = sim.simulate("allreduce", "ring", world_size, nbytes, net)
+    tree = sim.simulate("allreduce", "tree", world_size, nbytes, net)
+    assert ring.time_us == pytest.approx(2 * (world_size - 1) * (net.alpha_us + nbytes / world_size * beta), rel=1e-12)
+    assert tree.time_us == pytest.approx(2 * math.log2(world_size) * (net.alpha_us + nbytes * beta), rel=1e-12)
+    # Ring: every rank sends and receives 2T(N-1)/N in 2(N-1) messages, and that is the critical path.
+    assert (ring.bytes_sent == 2 * nbytes * (world_size - 1) // world_size).all()
+    assert (ring.bytes_received == ring.bytes_sent).all()
+    assert (ring.messages_sent == 2 * (world_size - 1)).all()
+    assert len(ring.critical_path) == 2 * (world_size - 1)
+    assert len(tree.critical_path) == 2 * int(math.log2(world_size))
+
+
+def test_critical_path_is_a_chain_that_ends_at_the_finish():
+    r = sim.simulate("allreduce", "naive", 6, 4000, NET)
+    path = r.critical_path
+    assert path[0].start_us == 0.0 and path[-1].end_us == r.time_us
+    assert all(a.end_us == b.start_us for a, b in zip(path, path[1:]))
+    # Naive: rank 0's receive port, then its send port, serialise all 2(N-1) whole-tensor messages.
+    assert [m.dst for m in path[:5]] == [0] * 5 and [m.src for m in path[5:]] == [0] * 5
+    assert r.time_us == pytest.approx(10 * NET.message_us(4000), rel=1e-12)
+
+
+def test_world_size_one_and_zero_bytes():
+    assert sim.simulate("allreduce", "ring", 1, 4096, NET).time_us == 0.0
+    empty = sim.simulate("allreduce", "ring", 4, 0, NET)  # zero-byte chunks still cost α each
+    assert empty.time_us == pytest.approx(6 * NET.alpha_us) and empty.bytes_sent.sum() == 0
+
+
+# -- the host model ---------------------------------------------------------------------------------
+
+
+def test_ranks_on_one_host_use_the_intra_host_link():
+    net = sim.Network(alpha_us=20.0, gbit=10.0, ranks_per_host=8, intra_alpha_us=2.0, intra_gbit=400.0)
+    r = sim.simulate("allreduce", "ring", 8, 8 * 4000, net)
+    assert r.time_us == pytest.approx(14 * net.message_us(4000, intra=True), rel=1e-12)
+
+
+def test_a_host_link_carries_one_message_at_a_time():
+    """Recursive doubling on 2 hosts of 2: round 1 stays inside each host; in round 2 both ranks
+    of a host cross to the other host at once and queue for its one uplink."""
+    nbytes = 4000
+    net = sim.Network(alpha_us=20.0, gbit=10.0, ranks_per_host=2, intra_alpha_us=1.0, intra_gbit=100.0)
+    r = sim.simulate("allreduce", "recursive_doubling", 4, nbytes, net)
+    assert r.time_us == pytest.approx(net.message_us(nbytes, intra=True) + 2 * net.message_us(nbytes), rel=1e-12)
+    flat = sim.simulate("allreduce", "recursive_doubling", 4, nbytes, NET)
+    assert flat.time_us == pytest.approx(2 * NET.message_us(nbytes), rel=1e-12)
+
+
+def test_gamma_adds_the_reduction_of_each_received_byte_on_the_path():
+    gamma = sim.Network(alpha_us=20.0, gbit=10.0, gamma_us_per_byte=0.001)
+    plain = sim.simulate("allreduce", "ring", 4, 4000, NET).time_us
+    # 3 reduce-scatter steps each fold in a 1000-byte chunk; the allgather steps only copy.
+    assert sim.simulate("allreduce", "ring", 4, 4000, gamma).time_us == pytest.approx(plain + 3 * 1000 * 0.001)
+
+
+# -- bytes equal to the real run --------------------------------------------------------------------
+
+
+def _real_stats(mesh: lab.Mesh, cases: list[tuple[str, str, int, int]]) -> list[dict[str, int]]:
+    """In every rank: run each case once on the real mesh, return its counters per case."""
+    out = []
+    for collective, algorithm, count, root in cases:
+        x = torch.arange(count, dtype=torch.float32) * 3 + mesh.rank
+        fn = getattr(lab.collectives, collective)
+        kwargs = {"algorithm": algorithm} if "algorithm" in inspect.signature(fn).parameters else {}
+        if collective in ROOTED:
+            kwargs[ROOTED[collective]] = root
+        mesh.reset_stats()
+        fn(mesh, **kwargs) if collective == "barrier" else fn(mesh, x, **kwargs)
+        stats = mesh.stats()
+        out.append({k: stats[k] for k in ("bytes_sent", "bytes_received", "messages_sent", "messages_received")})
+    return out
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_simulated_counters_equal_mesh_stats_of_a_real_run(world_size):
+    cases = [(c, a, n, root) for c, a in CASES for n in counts(world_size) for root in roots(c, world_size)]
+    with pool(world_size, "shm", segment_bytes=4096) as cluster:
+        real = cluster.run(_real_stats, cases)
+    wrong = []
+    for i, (collective, algorithm, count, root) in enumerate(cases):
+        r = sim.simulate(collective, algorithm, world_size, count * 4, NET, root=root)
+        for rank in range(world_size):
+            if r.stats(rank) != real[rank][i]:
+                wrong.append(f"{collective} {algorithm} count={count} root={root} rank {rank}: "
+                             f"sim {r.stats(rank)} real {real[rank][i]}")
+    assert not wrong, f"{len(wrong)} of {len(cases) * world_size} differ:\n" + "\n".join(wrong[:20])
+
+
+# -- determinism and scale --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("collective,algorithm", CASES)
+def test_a_simulation_is_deterministic(collective, algorithm):
+    net = sim.Network(alpha_us=5.0, gbit=25.0, ranks_per_host=3, intra_alpha_us=1.0, intra_gbit=200.0)
+    first = sim.simulate(collective, algorithm, 7, 4 * 1001, net, root=6 if collective in ROOTED else 0)
+    sim.core._cache.clear()  # record it again
+    again = sim.simulate(collective, algorithm, 7, 4 * 1001, net, root=6 if collective in ROOTED else 0)
+    assert again.time_us == first.time_us and again.critical_path == first.critical_path
+    assert np.array_equal(again.finish_us, first.finish_us) and np.array_equal(again.bytes_sent, first.bytes_sent)
+
+
+def test_1024_ranks():
+    nbytes = 1024 * 64 * 4
+    ring = sim.simulate("allreduce", "ring", 1024, nbytes, NET)
+    tree = sim.simulate("allreduce", "tree", 1024, nbytes, NET)
+    assert ring.messages == 1024 * 2 * 1023
+    assert ring.time_us == pytest.approx(2 * 1023 * NET.message_us(nbytes // 1024), rel=1e-12)
+    assert tree.time_us == pytest.approx(20 * NET.message_us(nbytes), rel=1e-12)
+    assert sim.best_algorithm("allreduce", 1024, nbytes, NET, candidates=["ring", "tree"]) == "tree"
+
+
+def test_best_algorithm_follows_the_alpha_beta_tradeoff():
+    # 1 KB on 64 ranks: tree's 12 α beat ring's 126 α. 64 MB: ring's 2T(N-1)/N beats tree's 12 T.
+    assert sim.best_algorithm("allreduce", 64, 1 << 10, NET, candidates=["ring", "tree"]) == "tree"
+    assert sim.best_algorithm("allreduce", 64, 64 << 20, NET, candidates=["ring", "tree"]) == "ring"
+    times = sim.predict("allreduce", 64, 64 << 20, NET)
+    assert set(times) == set(ALGORITHMS["allreduce"]) and min(times, key=times.get) == sim.best_algorithm(
+        "allreduce", 64, 64 << 20, NET)
+
+
+# -- bad arguments ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: sim.simulate("allreduce", "bogus", 4, 1024), "algorithm for allreduce must be one of"),
+    (lambda: sim.simulate("allreduce", "auto", 4, 1024), "best_algorithm"),
+    (lambda: sim.simulate("alltoall", "ring", 4, 1024), "collective must be one of"),
+    (lambda: sim.simulate("allreduce", "ring", 0, 1024), "world_size must be an integer >= 1"),
+    (lambda: sim.simulate("allreduce", "ring", -3, 1024), "world_size"),
+    (lambda: sim.simulate("allreduce", "ring", 2.0, 1024), "world_size"),
+    (lambda: sim.simulate("allreduce", "ring", 4, -4), "nbytes must be an integer >= 0"),
+    (lambda: sim.simulate("allreduce", "ring", 4, 1022), "multiple of 4"),
+    (lambda: sim.simulate("broadcast", "binomial", 4, 1024, root=4), "src must be an integer in"),
+    (lambda: sim.best_algorithm("allreduce", 0, 1024), "world_size"),
+    (lambda: sim.best_algorithm("allreduce", 4, -1), "nbytes"),
+    (lambda: sim.Network(alpha_us=-1.0), "alpha_us"),
+    (lambda: sim.Network(gbit=0), "gbit must be a finite number > 0"),
+    (lambda: sim.Network(gbit=float("inf")), "gbit"),
+    (lambda: sim.Network(ranks_per_host=0), "ranks_per_host"),
+    (lambda: sim.Network(intra_gbit=-5.0), "intra_gbit"),
+])
+def test_bad_arguments_are_value_errors_that_name_the_parameter(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_a_network_of_the_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match="network must be a lab.sim.Network"):
+        sim.simulate("allreduce", "ring", 4, 1024, network={"alpha_us": 1.0})
+
+
+def test_unmatched_sends_are_a_schedule_error():
+    one = np.array
+    # Rank 0 sends to rank 1 twice; rank 1 receives once.
+    s = Schedule("allreduce", "broken", 2, 8, one([0, 2, 3]), one([1, 1, -1]), one([8, 8, 0]), one([-1, -1, 0]),
+                 one([0, 0, 8]), one([False, False, False]), 0.0)
+    with pytest.raises(sim.ScheduleError, match="rank 0 sends rank 1 \\+1 more messages"):
+        replay(s, NET)
