@@ -3,6 +3,7 @@
     python -m lab                              # validate: shm and queue transports, 3 and 4 ranks
     python -m lab validate --world-sizes 2 5 --transports shm
     python -m lab results                      # regenerate results/ (sweeps, models, plots, report)
+    python -m lab results --hosts 4 8 --link-gbit 1   # allreduce across emulated hosts: results/hosts/
     python -m lab kernels                      # Python vs numpy vs Numba reduction bandwidth
     python -m lab timeline run.jsonl -o timeline.json --png timeline.png   # a trace, per rank
 
@@ -43,6 +44,10 @@ def results(args: argparse.Namespace) -> int:
     from lab.benchmark import SIZES
 
     sizes = [1 << 10, 1 << 20, 16 << 20] if args.quick else SIZES
+    if args.hosts:  # across emulated hosts: results/hosts/ (lab/results_hosts.py)
+        from lab import results_hosts
+
+        return results_hosts.main(args.out, args.hosts, args.link_gbit, sizes if args.quick else None)
     return results_module.main(args.out, args.ranks, args.transports, sizes, update_tuning=not args.keep_tuning)
 
 
@@ -89,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--transports", nargs="+", default=["shm", "queue", "tcp"], choices=["shm", "queue", "tcp"])
     sweep.add_argument("--quick", action="store_true", help="1 KB, 1 MB and 16 MB only")
     sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
+    sweep.add_argument("--hosts", nargs="+", type=int, metavar="H",
+                       help="instead: allreduce across H emulated hosts, one rank each (writes OUT/hosts/)")
+    sweep.add_argument("--link-gbit", nargs="+", type=float, default=[1.0], metavar="G",
+                       help="with --hosts: each host's link cap in Gbit/s each way (default 1)")
     sweep.set_defaults(run=results)
     kernel = commands.add_parser("kernels", help="Python vs numpy vs Numba reduction bandwidth")
     kernel.set_defaults(run=kernels)
