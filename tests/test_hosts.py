@@ -322,3 +322,43 @@ def test_a_killed_or_stalled_rank_ends_the_run_in_time(fault, victim, which):
         assert error.exc_type == "DeadlineError" and f"recv_timeout_ms={DEADLINE_MS}" in error.exc_message, str(error)
     assert elapsed < DEADLINE_MS / 1000 + 2.0, f"took {elapsed:.1f} s"
     all_gone(pids, [])
+
+
+# -- the report's verdicts, on made-up sweeps (no namespaces needed) --------------------------------
+
+
+def made_up_sweep(hosts: int, slowdown: dict[str, float]) -> tuple:
+    """Medians that follow the link model at 1 Gbit/s plus 100 µs per call, times ``slowdown``."""
+    import pandas as pd
+
+    from lab.results_hosts import link_model_us
+
+    rows = []
+    for algorithm in ["ring", "tree", "naive"]:
+        for nbytes in [1 << 10, 1 << 20, 64 << 20]:
+            model = link_model_us(algorithm, hosts, nbytes, 1.0)
+            median = (100 * (1 if algorithm == "tree" else hosts) + model) * slowdown.get(algorithm, 1.0)
+            rows.append({"hosts": hosts, "link_gbit": 1.0, "algorithm": algorithm, "bytes": nbytes,
+                         "median_us": median, "link_model_us": model, "cpu_busy": 0.5,
+                         "link_use": model / median})
+    counted = pd.DataFrame([{"hosts": hosts, "rank": 0, "algorithm": "ring", "bytes": 1 << 20,
+                             "bytes_sent": 2 * (1 << 20) * (hosts - 1) // hosts}])
+    return pd.DataFrame(rows), counted
+
+
+def test_claims_are_confirmed_or_refuted_by_the_figures():
+    import pandas as pd
+
+    from lab.results_hosts import claims, models
+
+    frames, counted = zip(*[made_up_sweep(4, {}), made_up_sweep(8, {"naive": 3.0})])
+    frame, counted = pd.concat(frames), pd.concat(counted)
+    verdicts = claims(frame, models(frame), counted).set_index(["hosts", "claim"])["verdict"]
+    by_claim = {(h, c.rsplit(" (", 1)[0]): v for (h, c), v in verdicts.items()}
+    assert by_claim[(4, "ring sends 2T(N-1)/N per rank")] == "confirmed"
+    assert by_claim[(4, "ring's time is 2T(N-1)/N·β: the link bound")] == "confirmed"
+    assert by_claim[(4, "naive's root link carries (N-1)·T each way: 2(N-1)·T·β")] == "confirmed"
+    assert by_claim[(8, "naive's root link carries (N-1)·T each way: 2(N-1)·T·β")] == "refuted"  # 3x slow
+    assert by_claim[(4, "tree's depth is log2 N: 2·⌈log2 N⌉·T·β")] == "confirmed"
+    assert by_claim[("4->8", "ring's time stays flat from 4 to 8 hosts")] == "confirmed"
+    assert by_claim[("4->8", "naive's time grows with N from 4 to 8 hosts")] == "refuted"  # grew 7x, not 7/3
