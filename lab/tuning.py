@@ -92,20 +92,25 @@ def fitted_models() -> dict:
         return {}
 
 
-def predict_us(algorithm: str, nbytes: int, world_size: int, transport: str,
-               collective: str = "allreduce") -> float | None:
-    """The model's time for one call, or None if this transport has no fit for the algorithm."""
-    fit = fitted_models().get(transport, {}).get(collective, {}).get(algorithm)
+def predict_us(algorithm: str, nbytes: int, world_size: int, transport: str, collective: str = "allreduce",
+               models: dict | None = None) -> float | None:
+    """The model's time for one call, or None if this transport has no fit for the algorithm.
+
+    ``models``: fits in ``tuning.json``'s layout (default: that file's).
+    """
+    fit = (fitted_models() if models is None else models).get(transport, {}).get(collective, {}).get(algorithm)
     if fit is None:
         return None
     steps, volume = algorithm_shape(algorithm, world_size, collective)
     return steps * fit["alpha_step_us"] + volume * nbytes * fit["beta_byte_us"]
 
 
-def choose(nbytes: int, world_size: int, transport: str, collective: str = "allreduce") -> str:
+def choose(nbytes: int, world_size: int, transport: str, collective: str = "allreduce",
+           models: dict | None = None) -> str:
     """The algorithm ``auto`` runs: the fastest predicted among the fitted ones, or the size
-    threshold when fewer than two have a fit."""
-    predictions = {a: predict_us(a, nbytes, world_size, transport, collective) for a in AUTO_CANDIDATES[collective]}
+    threshold when fewer than two have a fit. ``models`` as for :func:`predict_us`."""
+    predictions = {a: predict_us(a, nbytes, world_size, transport, collective, models)
+                   for a in AUTO_CANDIDATES[collective]}
     fitted = {a: t for a, t in predictions.items() if t is not None}
     if len(fitted) < 2:
         small, large = FALLBACK[collective]

@@ -1,32 +1,55 @@
-"""The four collectives over world sizes 1-8, both transports, every dtype, op, algorithm and root.
+"""Every collective over world sizes 1-8, all transports, every dtype, op, algorithm and root.
 
 Each case runs inside the ranks: every rank builds every rank's input (``index * stride + rank``,
 never all ones, so a misplaced chunk shows), runs the collective, and checks its own output
 against the exact expected values, counting wrong elements. Values are chosen so the exact
 result is representable in every dtype (half types included), so checks are bit-exact. The
 pools use tiny shm segments (256 bytes, 2 slots) so even small tensors cross many segments and
-exercise flow control.
+exercise flow control, and double tree's pipeline segments are 256 bytes (``LAB_SEGMENT_BYTES``)
+so 2053 elements cross many segments. The algorithms added later (recursive doubling,
+halving-doubling, double tree, ...) run the full dtype x op matrix at N = 3, 6 and 8 (the fold with
+one and two extra ranks, and a power of two) and three dtypes (float32, int64, bfloat16: each
+kernel family) at every other world size, to keep the suite fast.
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import numpy as np
 import pytest
 import torch
 
 import lab
+import lab.lesson
 from conftest import pool
+from lab.collectives.allreduce_double_tree import double_trees
 
 STRIDE = 3
 DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
 OPS = ["sum", "prod", "min", "max", "avg"]
-ALGORITHMS = ["ring", "tree", "naive", "auto"]
+ALGORITHMS = {
+    "allreduce": ["ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree", "auto"],
+    "broadcast": ["binomial", "scatter_allgather", "auto"],
+    "allgather": ["ring", "recursive_doubling", "auto"],
+    "reduce_scatter": ["ring", "recursive_halving", "auto"],
+    "all_to_all": ["pairwise", "bruck", "auto"],
+}
+FIRST_ALGORITHMS = {"ring", "tree", "naive", "binomial", "auto"}  # the full matrix at every N, as always
+FULL_MATRIX_WORLDS = (3, 6, 8)
+SWEEP_DTYPES = ["float32", "int64", "bfloat16"]
 PROD_VALUES = np.array([-2.0, -1.0, 1.0, 2.0])  # products stay exact powers of two
 
 
 def counts(world_size: int) -> list[int]:
     """Zero, one, fewer than ranks, not divisible by ranks, and many segments."""
     return sorted({0, 1, max(world_size - 1, 0), 2 * world_size + 1, 2053})
+
+
+def dtypes_for(world_size: int, algorithm: str) -> list[str]:
+    """Every dtype, except for the later algorithms away from FULL_MATRIX_WORLDS."""
+    return DTYPES if algorithm in FIRST_ALGORITHMS or world_size in FULL_MATRIX_WORLDS else SWEEP_DTYPES
 
 
 def ops_for(dtype: str) -> list[str]:
@@ -73,9 +96,9 @@ def describe_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
 def check_allreduce(mesh: lab.Mesh) -> list[str]:
     failures = []
     for count in counts(mesh.world_size):
-        for dtype in DTYPES:
-            for op in ops_for(dtype):
-                for algorithm in ALGORITHMS:
+        for algorithm in ALGORITHMS["allreduce"]:
+            for dtype in dtypes_for(mesh.world_size, algorithm):
+                for op in ops_for(dtype):
                     stack = np.stack([values(count, r, dtype, op) for r in range(mesh.world_size)])
                     x = tensor(stack[mesh.rank], dtype)
                     result = lab.allreduce(mesh, x, op=op, algorithm=algorithm)
@@ -91,13 +114,13 @@ def check_allreduce(mesh: lab.Mesh) -> list[str]:
 def check_broadcast(mesh: lab.Mesh) -> list[str]:
     failures = []
     for count in counts(mesh.world_size):
-        for dtype in DTYPES:
-            for src in range(mesh.world_size):
+        for algorithm in ALGORITHMS["broadcast"]:
+            for dtype, src in [(d, s) for d in dtypes_for(mesh.world_size, algorithm) for s in range(mesh.world_size)]:
                 x = tensor(values(count, mesh.rank, dtype), dtype)
-                result = lab.broadcast(mesh, x, src=src)
+                result = lab.broadcast(mesh, x, src=src, algorithm=algorithm)
                 want = tensor(values(count, src, dtype), dtype)
                 if result is not x or not torch.equal(x, want):
-                    failures.append(f"rank {mesh.rank} broadcast src={src} {dtype}[{count}]: "
+                    failures.append(f"rank {mesh.rank} broadcast {algorithm} src={src} {dtype}[{count}]: "
                                     + ("not in place" if result is not x else describe_mismatch(x, want)))
     return failures
 
@@ -105,17 +128,17 @@ def check_broadcast(mesh: lab.Mesh) -> list[str]:
 def check_allgather(mesh: lab.Mesh) -> list[str]:
     failures = []
     for count in counts(mesh.world_size):
-        for dtype in DTYPES:
+        for algorithm, dtype in [(a, d) for a in ALGORITHMS["allgather"] for d in dtypes_for(mesh.world_size, a)]:
             for shape in [(count,), (count, 2)]:
                 def rank_input(r: int) -> torch.Tensor:
                     return tensor(values(int(np.prod(shape)), r, dtype), dtype).reshape(shape)
 
                 x = rank_input(mesh.rank)
                 before = x.clone()
-                got = lab.allgather(mesh, x)
+                got = lab.allgather(mesh, x, algorithm=algorithm)
                 want = torch.cat([rank_input(r) for r in range(mesh.world_size)])
                 if not torch.equal(got, want) or not torch.equal(x, before):
-                    failures.append(f"rank {mesh.rank} allgather {dtype}{list(shape)}: "
+                    failures.append(f"rank {mesh.rank} allgather {algorithm} {dtype}{list(shape)}: "
                                     + describe_mismatch(got, want))
     return failures
 
@@ -124,18 +147,18 @@ def check_reduce_scatter(mesh: lab.Mesh) -> list[str]:
     failures = []
     n = mesh.world_size
     for rows in counts(n):
-        for dtype in DTYPES:
+        for algorithm, dtype in [(a, d) for a in ALGORITHMS["reduce_scatter"] for d in dtypes_for(n, a)]:
             for op in ops_for(dtype):
                 for shape in [(rows,), (rows, 3)]:
                     numel = int(np.prod(shape))
                     stack = np.stack([values(numel, r, dtype, op) for r in range(n)])
                     x = tensor(stack[mesh.rank], dtype).reshape(shape)
                     before = x.clone()
-                    got = lab.reduce_scatter(mesh, x, op=op)
+                    got = lab.reduce_scatter(mesh, x, op=op, algorithm=algorithm)
                     full = expected_reduction(stack, op, dtype).reshape(shape)
                     want = torch.tensor_split(full, n)[mesh.rank] if rows else full[:0]
                     if not torch.equal(got, want) or not torch.equal(x, before):
-                        failures.append(f"rank {mesh.rank} reduce_scatter {op} {dtype}{list(shape)}: "
+                        failures.append(f"rank {mesh.rank} reduce_scatter {algorithm} {op} {dtype}{list(shape)}: "
                                         + describe_mismatch(got, want))
     return failures
 
@@ -182,6 +205,196 @@ def check_other_inputs(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
+def check_reduce(mesh: lab.Mesh) -> list[str]:
+    """In place on dst; every other rank's tensor (numpy too) exactly as it was."""
+    failures = []
+    n = mesh.world_size
+    for count in counts(n):
+        for dtype in dtypes_for(n, "reduce"):
+            for op in ops_for(dtype):
+                for dst in range(n):
+                    stack = np.stack([values(count, r, dtype, op) for r in range(n)])
+                    x = tensor(stack[mesh.rank], dtype)
+                    before = x.clone()
+                    result = lab.reduce(mesh, x, dst=dst, op=op)
+                    want = expected_reduction(stack, op, dtype) if mesh.rank == dst else before
+                    if result is not x or not torch.equal(x, want):
+                        failures.append(f"rank {mesh.rank} reduce dst={dst} {op} {dtype}[{count}]: "
+                                        + ("not in place" if result is not x else describe_mismatch(x, want)))
+    a = values(2 * n + 1, mesh.rank, "float32").astype(np.float32)
+    lab.reduce(mesh, a, dst=n - 1, op="max")
+    want = np.max([values(2 * n + 1, r, "float32") for r in range(n)], axis=0) if mesh.rank == n - 1 \
+        else values(2 * n + 1, mesh.rank, "float32")
+    if not np.array_equal(a, want.astype(np.float32)):
+        failures.append(f"rank {mesh.rank} numpy reduce")
+    return failures
+
+
+def check_all_to_all(mesh: lab.Mesh) -> list[str]:
+    """Rank j gets block j (array_split along dim 0) of every rank, in rank order; input untouched."""
+    failures = []
+    n = mesh.world_size
+    for rows in counts(n):
+        for algorithm, dtype in [(a, d) for a in ALGORITHMS["all_to_all"] for d in dtypes_for(n, a)]:
+            for shape in [(rows,), (rows, 2)]:
+                def rank_input(r: int) -> torch.Tensor:
+                    return tensor(values(int(np.prod(shape)), r, dtype), dtype).reshape(shape)
+
+                x = rank_input(mesh.rank)
+                before = x.clone()
+                got = lab.all_to_all(mesh, x, algorithm=algorithm)
+                want = torch.cat([torch.tensor_split(rank_input(r), n)[mesh.rank] for r in range(n)])
+                if not torch.equal(got, want) or not torch.equal(x, before):
+                    failures.append(f"rank {mesh.rank} all_to_all {algorithm} {dtype}{list(shape)}: "
+                                    + describe_mismatch(got, want))
+    g = lab.all_to_all(mesh, np.arange(2 * n, dtype=np.int32) + 100 * mesh.rank)
+    if not isinstance(g, np.ndarray) or g.tolist() != [100 * r + k for r in range(n) for k in (2 * mesh.rank, 2 * mesh.rank + 1)]:
+        failures.append(f"rank {mesh.rank} numpy all_to_all")
+    return failures
+
+
+def check_barrier(mesh: lab.Mesh) -> list[str]:
+    """Nobody leaves before the last has entered (ranks enter 30 ms apart), sync and async."""
+    failures = []
+    for async_op in (False, True):
+        time.sleep(0.03 * mesh.rank)
+        entered = time.monotonic()
+        work = lab.barrier(mesh, async_op=async_op)
+        if async_op:
+            work.wait()
+        left = time.monotonic()
+        entries = lab.allgather(mesh, torch.tensor([entered], dtype=torch.float64))
+        if left < float(entries.max()):
+            failures.append(f"rank {mesh.rank} left the barrier (async_op={async_op}) before rank "
+                            f"{int(entries.argmax())} entered")
+    return failures
+
+
+def check_lesson_and_arguments(mesh: lab.Mesh) -> list[str]:
+    """The lesson's wrappers for the new rows, async handles, and bad arguments before any message."""
+    failures = []
+    n, rank = mesh.world_size, mesh.rank
+    x = torch.arange(2.0 * n) + rank
+    total = sum(torch.arange(2.0 * n) + r for r in range(n))
+    for name in ["recursive_doubling_allreduce", "halving_doubling_allreduce", "double_tree_allreduce"]:
+        if not torch.equal(getattr(lab.lesson, name)(mesh, rank, n, x.clone()), total):
+            failures.append(f"rank {rank} lesson {name}")
+    got = lab.lesson.reduce(mesh, rank, n, x.clone(), n - 1)
+    if not torch.equal(got, total if rank == n - 1 else x):
+        failures.append(f"rank {rank} lesson reduce")
+    if not torch.equal(lab.lesson.all_to_all(mesh, rank, n, x.clone()),
+                       torch.cat([(torch.arange(2.0 * n) + r)[2 * rank:2 * rank + 2] for r in range(n)])):
+        failures.append(f"rank {rank} lesson all_to_all")
+    lab.lesson.barrier(mesh, rank, n)
+    works = [lab.reduce(mesh, x.clone(), dst=0, async_op=True), lab.all_to_all(mesh, x, async_op=True),
+             lab.broadcast(mesh, x.clone(), src=0, algorithm="scatter_allgather", async_op=True)]
+    if not torch.equal(works[0].result(), total if rank == 0 else x) or not torch.equal(works[2].result(), torch.arange(2.0 * n)):
+        failures.append(f"rank {rank} async reduce/broadcast")
+    bad = [
+        (lambda: lab.reduce(mesh, x, dst=n), "dst must be a rank"),
+        (lambda: lab.reduce(mesh, x, op="mean"), "op must be one of"),
+        (lambda: lab.all_to_all(mesh, torch.tensor(1.0)), "at least one dimension"),
+        (lambda: lab.all_to_all(mesh, x, algorithm="ring"), "algorithm must be one of"),
+        (lambda: lab.broadcast(mesh, x, algorithm="ring"), "algorithm must be one of"),
+        (lambda: lab.allgather(mesh, x, algorithm="bruck"), "algorithm must be one of"),
+        (lambda: lab.reduce_scatter(mesh, x, algorithm="tree"), "algorithm must be one of"),
+        (lambda: lab.allreduce(mesh, x, algorithm="butterfly"), "algorithm must be one of"),
+        (lambda: lab.lesson.barrier(mesh, rank + 1, n), "rank must be"),
+    ]
+    for call, message in bad:
+        try:
+            call()
+            failures.append(f"rank {rank}: no error, expected {message!r}")
+        except ValueError as error:
+            if message not in str(error):
+                failures.append(f"rank {rank}: {error!r}, expected {message!r}")
+    if not torch.equal(lab.allreduce(mesh, x.clone()), total):  # the mesh is still usable
+        failures.append(f"rank {rank} allreduce after bad arguments")
+    return failures
+
+
+def byte_model(collective: str, algorithm: str, rank: int, n: int, total: int) -> tuple[int, int]:
+    """(bytes sent, bytes received) by ``rank``, from the algorithm's docstring, for a T-byte call
+    whose element count every block split divides (T: the tensor; the result for allgather)."""
+    p = 1 << (n.bit_length() - 1)
+    extra, lp = n - p, p.bit_length() - 1
+    sits_out, folded = rank < 2 * extra and rank % 2 == 0, rank < 2 * extra and rank % 2 == 1
+    vrank = rank // 2 if rank < 2 * extra else rank - extra
+    block = total // n
+
+    def size(v: int) -> int:  # bytes of the blocks virtual rank v speaks for
+        return 2 * block if v < extra else block
+
+    def group(v: int, k: int) -> int:  # bytes of v's aligned group of 2^k virtual ranks
+        first = v - v % (1 << k)
+        return sum(size(u) for u in range(first, first + (1 << k)))
+
+    fold = (total, total) if folded else (0, 0)
+    if collective == "allreduce":
+        if algorithm == "ring":
+            return (2 * total * (n - 1) // n,) * 2
+        if algorithm == "double_tree":
+            links = sum(len(children) + (parent >= 0) for parent, children in double_trees(n, rank))
+            return (links * total // 2,) * 2
+        if sits_out:
+            return total, total
+        core = lp * total if algorithm == "recursive_doubling" else 2 * total * (p - 1) // p
+        return core + fold[0], core + fold[1]
+    if collective == "reduce_scatter":  # recursive_halving
+        if sits_out:
+            return total, block
+        return (total - size(vrank) + (block if folded else 0),
+                sum(group(vrank, k) for k in range(lp)) + (total if folded else 0))
+    if collective == "allgather":  # recursive_doubling
+        if sits_out:
+            return block, total
+        return (sum(group(vrank, k) for k in range(lp)) + (total if folded else 0),
+                total - size(vrank) + (block if folded else 0))
+    if collective == "broadcast":  # scatter_allgather from src 0: relative rank = rank
+        run = total if rank == 0 else block * min(rank & -rank, n - rank)
+        return run - block + total - block, (run if rank else 0) + total - block
+    if collective == "reduce":  # binomial to dst 0
+        children = sum(1 for k in range(n.bit_length()) if rank % (1 << (k + 1)) == 0 and rank + (1 << k) < n)
+        return total * (rank != 0), children * total
+    if algorithm == "pairwise":
+        return (total * (n - 1) // n,) * 2
+    return (block * sum(bin(i).count("1") for i in range(n)),) * 2  # bruck
+
+
+BYTE_CASES = [("allreduce", a) for a in ("ring", "recursive_doubling", "halving_doubling", "double_tree")] + [
+    ("reduce_scatter", "recursive_halving"), ("allgather", "recursive_doubling"), ("broadcast", "scatter_allgather"),
+    ("reduce", "binomial"), ("all_to_all", "pairwise"), ("all_to_all", "bruck")]
+
+
+def byte_counts_every_algorithm(mesh: lab.Mesh, numel: int) -> list[str]:
+    """One float32 call per algorithm; this rank's counters against ``byte_model``."""
+    failures = []
+    n = mesh.world_size
+    for collective, algorithm in BYTE_CASES:
+        mesh.reset_stats()
+        x = torch.arange(float(numel))
+        if collective == "allgather":
+            lab.allgather(mesh, x[: numel // n], algorithm=algorithm)
+        elif collective == "broadcast":
+            lab.broadcast(mesh, x, src=0, algorithm=algorithm)
+        elif collective == "reduce":
+            lab.reduce(mesh, x, dst=0)
+        else:
+            getattr(lab, collective)(mesh, x, algorithm=algorithm)
+        stats = mesh.stats()
+        want = byte_model(collective, algorithm, mesh.rank, n, numel * 4)
+        if (stats["bytes_sent"], stats["bytes_received"]) != want:
+            failures.append(f"rank {mesh.rank} {collective} {algorithm}: sent/received "
+                            f"{stats['bytes_sent']}/{stats['bytes_received']}, model {want[0]}/{want[1]}")
+    mesh.reset_stats()
+    lab.barrier(mesh)
+    rounds = (n - 1).bit_length()
+    stats = mesh.stats()
+    if (stats["bytes_sent"], stats["messages_sent"], stats["messages_received"]) != (0, rounds, rounds):
+        failures.append(f"rank {mesh.rank} barrier: {stats}, model {rounds} empty messages each way")
+    return failures
+
+
 def byte_counts(mesh: lab.Mesh, numel: int) -> dict[str, dict[str, int]]:
     """Payload byte counters of one allreduce per algorithm, float32[numel]."""
     counts_by_algorithm = {}
@@ -199,8 +412,12 @@ def byte_counts(mesh: lab.Mesh, numel: int) -> dict[str, dict[str, int]]:
                 ids=lambda p: f"{p[0]}-N{p[1]}")
 def cluster(request):
     transport, world_size = request.param
-    with pool(world_size, transport, segment_bytes=256, slots=2) as c:
-        yield c
+    os.environ["LAB_SEGMENT_BYTES"] = "256"  # ranks take the environment at launch
+    try:
+        with pool(world_size, transport, segment_bytes=256, slots=2) as c:
+            yield c
+    finally:
+        del os.environ["LAB_SEGMENT_BYTES"]
 
 
 def assert_no_failures(outputs: list[list[str]]) -> None:
@@ -222,6 +439,27 @@ def test_allgather_every_dtype_count_shape(cluster):
 
 def test_reduce_scatter_every_dtype_op_count_shape(cluster):
     assert_no_failures(cluster.run(check_reduce_scatter))
+
+
+def test_reduce_every_root_dtype_op_count_leaves_others_untouched(cluster):
+    assert_no_failures(cluster.run(check_reduce))
+
+
+def test_all_to_all_every_algorithm_dtype_count_shape(cluster):
+    assert_no_failures(cluster.run(check_all_to_all))
+
+
+def test_barrier_waits_for_the_last_rank(cluster):
+    assert_no_failures(cluster.run(check_barrier))
+
+
+def test_lesson_wrappers_async_and_bad_arguments_of_the_new_collectives(cluster):
+    assert_no_failures(cluster.run(check_lesson_and_arguments))
+
+
+def test_byte_counters_of_every_algorithm_match_their_docstrings(cluster):
+    """840 elements: every block split (N, p, halves) divides it, so each formula is exact."""
+    assert_no_failures(cluster.run(byte_counts_every_algorithm, 840))
 
 
 def test_numpy_noncontiguous_and_scalar_inputs(cluster):

@@ -280,3 +280,69 @@ def test_tcp_ranks_dying_or_stalling(seed, fault, shm_unchanged):
         assert info.value.exc_type == "DeadlineError", str(info.value)
         assert elapsed < DEADLINE_MS / 1000 + 2 + 1, f"took {elapsed:.1f} s: {case}"
     no_rank_left()
+
+
+# -- the algorithms and collectives of issue 11 -------------------------------------------------------
+
+NEW_COLLECTIVES = ["allreduce-recursive_doubling", "allreduce-halving_doubling", "allreduce-double_tree",
+                   "broadcast-scatter_allgather", "allgather-recursive_doubling", "reduce_scatter-recursive_halving",
+                   "reduce", "all_to_all-pairwise", "all_to_all-bruck", "barrier"]
+
+
+def run_new_collective(mesh: lab.Mesh, which: str, numel: int) -> None:
+    name, _, algorithm = which.partition("-")
+    x = torch.arange(numel, dtype=torch.float32) + mesh.rank
+    if name == "barrier":
+        lab.barrier(mesh)
+    elif name == "reduce":
+        lab.reduce(mesh, x, dst=mesh.world_size - 1)
+    elif name == "broadcast":
+        lab.broadcast(mesh, x, src=mesh.world_size - 1, algorithm=algorithm)
+    else:
+        getattr(lab, name)(mesh, x, algorithm=algorithm)
+
+
+def faulty_new_job(mesh: lab.Mesh, which: str, numel: int, victim: int, at_transfer: int, fault: str) -> None:
+    inject(mesh, victim, at_transfer, fault)
+    for _ in range(100):  # every rank transfers at least once per call: the fault always fires
+        run_new_collective(mesh, which, numel)
+
+
+def new_fault_case(index: int) -> dict:
+    """Collective ``index`` of NEW_COLLECTIVES on a seeded world of 2-7 ranks (folds included)."""
+    rng = random.Random(300 + index)
+    world_size = rng.randint(2, 7)
+    return {"transport": ["shm", "queue", "tcp"][index % 3], "world_size": world_size,
+            "which": NEW_COLLECTIVES[index], "numel": rng.choice([1, 7, 1000, 300_001]),
+            "victim": rng.randrange(world_size), "at_transfer": rng.randint(1, 12)}
+
+
+@pytest.mark.parametrize("index", range(len(NEW_COLLECTIVES)), ids=NEW_COLLECTIVES)
+def test_a_rank_dying_inside_the_new_algorithms_is_named_promptly(index, shm_unchanged):
+    case = new_fault_case(index)
+    fault = ["sigkill", "exit"][index % 2]
+    started = time.monotonic()
+    with pytest.raises(lab.RankError) as info:
+        lab.spawn(faulty_new_job, case["world_size"], transport=case["transport"], recv_timeout_ms=DEADLINE_MS,
+                  args=(case["which"], case["numel"], case["victim"], case["at_transfer"], fault))
+    elapsed = time.monotonic() - started
+    error = info.value
+    assert error.rank == case["victim"] and error.exc_type == "ProcessDied", (case, str(error))
+    assert error.exitcode == (-signal.SIGKILL if fault == "sigkill" else 3)
+    assert elapsed < 2.5, f"took {elapsed:.1f} s: {case}"
+    no_rank_left()
+
+
+@pytest.mark.parametrize("index", range(3), ids=NEW_COLLECTIVES[:3])
+def test_a_stalled_rank_inside_the_new_allreduces_is_a_deadline_error(index, shm_unchanged):
+    case = new_fault_case(index)
+    started = time.monotonic()
+    with pytest.raises(lab.RankError) as info:
+        lab.spawn(faulty_new_job, case["world_size"], transport=case["transport"], recv_timeout_ms=DEADLINE_MS,
+                  args=(case["which"], case["numel"], case["victim"], case["at_transfer"], "stall"))
+    error = info.value
+    assert error.exc_type == "DeadlineError", (case, str(error))
+    assert f"recv_timeout_ms={DEADLINE_MS}" in error.exc_message and "allreduce" in error.exc_message
+    assert case["which"].split("-")[1] in error.exc_message, error.exc_message  # the algorithm is named
+    assert time.monotonic() - started < DEADLINE_MS / 1000 + 2 + 1, case
+    no_rank_left()

@@ -3,8 +3,9 @@
 Floating-point results may differ from gloo's only by summation order: the bound used is
 2(N-1)·eps(dtype)·Σ|x| per element (each side's rounding error is at most (N-1)·eps·Σ|x|).
 Integer results, min and max must match exactly. Allreduce results must be bit-identical on
-every rank. The pools use the default shm segments, and one case is a 4 MB tensor (16 segments
-per rank and ring phase).
+every rank, for every algorithm (the digests of all ranks are compared). The pools use the
+default shm segments, and one case is a 4 MB tensor (16 segments per rank and ring phase; 32
+double-tree pipeline segments).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lab.reference import gloo_collective, tolerance
 
 FLOATS = ["float32", "float64", "float16", "bfloat16"]
 INTS = ["int32", "int64"]
+ALLREDUCE = ["ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree", "auto"]
 
 
 def random_stack(world_size: int, count: int, dtype: str, op: str, seed: int) -> torch.Tensor:
@@ -57,21 +59,33 @@ def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int) -> tuple[list
                 stack = random_stack(n, count, dtype, op, seed)
                 mine = stack[rank]
                 ref = gloo_collective(mesh, "allreduce", mine.clone(), op=op)
-                for algorithm in ["ring", "tree", "naive", "auto"]:
+                for algorithm in ALLREDUCE:
                     got = lab.allreduce(mesh, mine.clone(), op=op, algorithm=algorithm)
                     check(f"allreduce {algorithm} {op} {dtype}[{count}]", got, ref, tolerance(stack, op))
                     digests.append(digest(got))
                 rows = stack.reshape(n, count, 1)[rank]
-                got = lab.reduce_scatter(mesh, rows, op=op)
                 ref = gloo_collective(mesh, "reduce_scatter", rows.clone(), op=op)
                 tol = torch.tensor_split(tolerance(stack, op).reshape(count, 1), n)[rank]
-                check(f"reduce_scatter {op} {dtype}[{count}]", got, ref, tol)
+                for algorithm in ["ring", "recursive_halving"]:
+                    got = lab.reduce_scatter(mesh, rows, op=op, algorithm=algorithm)
+                    check(f"reduce_scatter {algorithm} {op} {dtype}[{count}]", got, ref, tol)
+                dst = n // 2
+                got = lab.reduce(mesh, mine.clone(), dst=dst, op=op)
+                ref = gloo_collective(mesh, "reduce", mine.clone(), dst=dst, op=op)
+                check(f"reduce dst={dst} {op} {dtype}[{count}]", got, ref,
+                      tolerance(stack, op) if rank == dst else torch.zeros(count))
             stack = random_stack(n, count, dtype, "sum", seed + 1)
-            for src in sorted({0, n - 1}):
-                got = lab.broadcast(mesh, stack[rank].clone(), src=src)
-                check(f"broadcast src={src} {dtype}[{count}]", got, gloo_collective(mesh, "broadcast", stack[rank].clone(), src=src), torch.zeros(count))
-            got = lab.allgather(mesh, stack[rank])
-            check(f"allgather {dtype}[{count}]", got, gloo_collective(mesh, "allgather", stack[rank]), torch.zeros(n * count))
+            for src, algorithm in [(s, a) for s in sorted({0, n - 1}) for a in ["binomial", "scatter_allgather"]]:
+                got = lab.broadcast(mesh, stack[rank].clone(), src=src, algorithm=algorithm)
+                check(f"broadcast {algorithm} src={src} {dtype}[{count}]", got, gloo_collective(mesh, "broadcast", stack[rank].clone(), src=src), torch.zeros(count))
+                digests.append(digest(got))
+            for algorithm in ["ring", "recursive_doubling"]:
+                got = lab.allgather(mesh, stack[rank], algorithm=algorithm)
+                check(f"allgather {algorithm} {dtype}[{count}]", got, gloo_collective(mesh, "allgather", stack[rank]), torch.zeros(n * count))
+            ref = gloo_collective(mesh, "all_to_all", stack[rank])
+            for algorithm in ["pairwise", "bruck"]:
+                got = lab.all_to_all(mesh, stack[rank], algorithm=algorithm)
+                check(f"all_to_all {algorithm} {dtype}[{count}]", got, ref, torch.zeros(ref.shape))
     return failures, digests
 
 
@@ -81,7 +95,7 @@ def large_allreduce(mesh: lab.Mesh, count: int) -> tuple[list[str], list[str]]:
     stack = random_stack(mesh.world_size, count, "float32", "sum", 7)
     ref = gloo_collective(mesh, "allreduce", stack[mesh.rank].clone())
     tol = tolerance(stack)
-    for algorithm in ["ring", "tree", "naive"]:
+    for algorithm in ALLREDUCE[:-1]:
         got = lab.allreduce(mesh, stack[mesh.rank].clone(), algorithm=algorithm)
         if bool(((got.double() - ref.double()).abs() > tol).any()):
             failures.append(f"rank {mesh.rank} large allreduce {algorithm}")
@@ -122,5 +136,11 @@ def test_gloo_reference_runs_on_its_own():
     assert all(torch.equal(o, inputs[2]) for o in outs)
     with pytest.raises(ValueError, match="inputs"):
         lab.gloo_reference("allreduce", 2, inputs)
+    outs = lab.gloo_reference("reduce", 3, inputs, dst=1, op="sum")
+    assert torch.equal(outs[1], sum(inputs)) and torch.equal(outs[0], inputs[0]) and torch.equal(outs[2], inputs[2])
+    outs = lab.gloo_reference("all_to_all", 3, inputs)
+    assert [o.tolist() for o in outs] == [[[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]], [[2.0, 3.0], [3.0, 4.0], [4.0, 5.0]],
+                                          [[4.0, 5.0], [5.0, 6.0], [6.0, 7.0]]]
+    assert lab.gloo_reference("barrier", 3, inputs) == [None, None, None]
     with pytest.raises(ValueError, match="op"):
-        lab.gloo_reference("alltoall", 3, inputs)
+        lab.gloo_reference("alltoallv", 3, inputs)

@@ -7,7 +7,8 @@ import pandas as pd
 import pytest
 
 from lab import tuning
-from lab.collectives import choose_allreduce
+from lab.benchmark import ALGORITHMS
+from lab.collectives import choose, choose_allreduce, forced_algorithm
 from lab.results import fit_alpha_beta, models, tuning_from
 
 
@@ -22,8 +23,8 @@ def fake_sweep() -> pd.DataFrame:
     rows = []
     for nbytes in [1 << k for k in range(10, 25, 2)]:
         for algorithm, steps, alpha, volume in [("ring", 6, 100.0, 1.5), ("tree", 4, 50.0, 4.0)]:
-            rows.append({"transport": "shm", "algorithm": algorithm, "world": 4, "bytes": nbytes,
-                         "median_us": steps * alpha + volume * nbytes * 0.001})
+            rows.append({"transport": "shm", "collective": "allreduce", "algorithm": algorithm, "world": 4,
+                         "bytes": nbytes, "median_us": steps * alpha + volume * nbytes * 0.001})
     return pd.DataFrame(rows)
 
 
@@ -36,8 +37,8 @@ def test_crossovers_predicted_and_measured():
 
 def test_auto_follows_the_fitted_model_at_any_world_size(monkeypatch):
     fitted = tuning_from(models(fake_sweep()))
-    assert fitted["shm"]["ring"]["alpha_step_us"] == pytest.approx(100.0)
-    assert fitted["shm"]["tree"]["beta_byte_us"] == pytest.approx(0.001)
+    assert fitted["shm"]["allreduce"]["ring"]["alpha_step_us"] == pytest.approx(100.0)
+    assert fitted["shm"]["allreduce"]["tree"]["beta_byte_us"] == pytest.approx(0.001)
     monkeypatch.setattr(tuning, "fitted_models", lambda: fitted)
     monkeypatch.delenv("LAB_ALGO", raising=False)
     assert choose_allreduce(1 << 10, 4, "shm") == "tree"
@@ -46,8 +47,8 @@ def test_auto_follows_the_fitted_model_at_any_world_size(monkeypatch):
     assert tuning.predict_us("ring", 256 << 10, 16, "shm") > tuning.predict_us("tree", 256 << 10, 16, "shm")
     assert choose_allreduce(256 << 10, 16, "shm") == "tree"
     # a transport without a model falls back to the size threshold
-    assert choose_allreduce(tuning.AUTO_RING_MIN_BYTES, 4, "tcp") == "ring"
-    assert choose_allreduce(tuning.AUTO_RING_MIN_BYTES - 1, 4, "tcp") == "tree"
+    assert choose_allreduce(tuning.AUTO_LARGE_MIN_BYTES, 4, "tcp") == "ring"
+    assert choose_allreduce(tuning.AUTO_LARGE_MIN_BYTES - 1, 4, "tcp") == "tree"
 
 
 def test_lab_algo_overrides_auto(monkeypatch):
@@ -61,6 +62,75 @@ def test_lab_algo_overrides_auto(monkeypatch):
 def test_the_shipped_tuning_file_has_a_model_per_transport():
     fitted = tuning.fitted_models()
     assert {"shm", "queue"} <= set(fitted)
-    for algorithms in fitted.values():
-        for fit in algorithms.values():
-            assert fit["alpha_step_us"] > 0 and fit["beta_byte_us"] > 0
+    for collectives in fitted.values():
+        assert "ring" in collectives["allreduce"] and "tree" in collectives["allreduce"]
+        for collective, algorithms in collectives.items():
+            assert set(algorithms) <= set(ALGORITHMS[collective]), collective
+            for fit in algorithms.values():
+                assert fit["alpha_step_us"] > 0 and fit["beta_byte_us"] > 0
+
+
+def test_every_algorithm_has_a_shape_and_every_choice_is_a_real_algorithm():
+    for collective, algorithms in ALGORITHMS.items():
+        for algorithm in algorithms:
+            for n in range(1, 65):
+                steps, volume = tuning.algorithm_shape(algorithm, n, collective)
+                assert steps >= 1 and volume > 0
+        if collective in tuning.AUTO_CANDIDATES:
+            assert set(tuning.AUTO_CANDIDATES[collective]) <= set(algorithms)
+            assert set(tuning.FALLBACK[collective]) <= set(algorithms)
+    # the step counts of the docstrings: N = 8 and N = 6 (the fold adds two whole-tensor steps)
+    assert tuning.algorithm_shape("recursive_doubling", 8) == (3, 3)
+    assert tuning.algorithm_shape("recursive_doubling", 6) == (4, 4)
+    assert tuning.algorithm_shape("halving_doubling", 8) == (6, 1.75)
+    assert tuning.algorithm_shape("bruck", 8, "all_to_all") == (3, 1.5)
+
+
+def full_sweep() -> pd.DataFrame:
+    """Every allreduce algorithm at 4 ranks on one transport: exactly t = steps·α + volume·n·β,
+    with α = 100 µs for every algorithm but recursive doubling's 20 µs (so it wins small sizes)
+    and β = 0.001 µs/byte; and broadcast, binomial vs scatter_allgather."""
+    rows = []
+    for nbytes in [1 << k for k in range(10, 25, 2)]:
+        for collective, algorithm in [("allreduce", a) for a in tuning.AUTO_CANDIDATES["allreduce"]] + [
+                ("broadcast", "binomial"), ("broadcast", "scatter_allgather")]:
+            steps, volume = tuning.algorithm_shape(algorithm, 4, collective)
+            alpha = 20.0 if algorithm == "recursive_doubling" else 100.0
+            rows.append({"transport": "tcp", "collective": collective, "algorithm": algorithm, "world": 4,
+                         "bytes": nbytes, "median_us": steps * alpha + volume * nbytes * 0.001})
+    return pd.DataFrame(rows)
+
+
+def test_auto_chooses_among_every_fitted_algorithm_of_every_collective(monkeypatch):
+    fitted = tuning_from(models(full_sweep()))
+    assert set(fitted["tcp"]["allreduce"]) == set(tuning.AUTO_CANDIDATES["allreduce"])
+    monkeypatch.setattr(tuning, "fitted_models", lambda: fitted)
+    monkeypatch.delenv("LAB_ALGO", raising=False)
+    # small: 2 steps of 20 µs; large: halving-doubling's 1.5 bytes per byte in 4 steps beats the
+    # ring's 1.5 bytes per byte in 6, and everything else moves more
+    assert choose_allreduce(1 << 10, 4, "tcp") == "recursive_doubling"
+    assert choose_allreduce(16 << 20, 4, "tcp") == "halving_doubling"
+    assert choose("broadcast", 1 << 10, 4, "tcp") == "binomial"
+    assert choose("broadcast", 16 << 20, 4, "tcp") == "scatter_allgather"
+    # a collective without fits falls back to its size threshold
+    assert choose("all_to_all", 1 << 10, 4, "tcp") == "bruck"
+    assert choose("all_to_all", tuning.AUTO_LARGE_MIN_BYTES, 4, "tcp") == "pairwise"
+    assert choose("allgather", 1 << 10, 4, "tcp") == "recursive_doubling"
+
+
+def test_lab_algo_applies_per_collective_where_the_name_is_valid(monkeypatch):
+    monkeypatch.setenv("LAB_ALGO", "ring")
+    assert forced_algorithm("allreduce") == forced_algorithm("allgather") == forced_algorithm("reduce_scatter") == "ring"
+    assert forced_algorithm("broadcast") is None and forced_algorithm("all_to_all") is None  # auto as usual
+    monkeypatch.setenv("LAB_ALGO", "bruck")
+    assert forced_algorithm("all_to_all") == "bruck" and forced_algorithm("allreduce") is None
+    monkeypatch.setenv("LAB_ALGO", "tree, allreduce=double_tree, broadcast=scatter_allgather")
+    assert forced_algorithm("allreduce") == "double_tree"  # the targeted entry wins over a bare name
+    assert forced_algorithm("broadcast") == "scatter_allgather" and forced_algorithm("allgather") is None
+    assert choose("broadcast", 1, 4, "shm") == "scatter_allgather"
+    for bad, message in [("allreduce=bruck", "allreduce=ring"), ("alltoall=bruck", "a collective among"),
+                         ("ring,butterfly", "butterfly")]:
+        monkeypatch.setenv("LAB_ALGO", bad)
+        with pytest.raises(ValueError, match="LAB_ALGO") as info:
+            forced_algorithm("allgather")
+        assert message in str(info.value)
