@@ -6,6 +6,7 @@
     python -m lab results --hosts 4 8 --link-gbit 1   # allreduce across emulated hosts: results/hosts/
     python -m lab kernels                      # Python vs numpy vs Numba reduction bandwidth
     python -m lab timeline run.jsonl -o timeline.json --png timeline.png   # a trace, per rank
+    python -m lab simulate --world-sizes 64 1024 --sizes 1KB..1GB --gbit 100 --alpha-us 5   # results/sim/
 
 Exits non-zero if any validation row fails.
 """
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("-o", "--output", default="timeline.json")
     trace.add_argument("--png", help="also draw it to this PNG")
     trace.set_defaults(run=timeline)
+    from lab.sim.sweep import add_parser as add_simulate  # python -m lab simulate (lab/sim/sweep.py)
+
+    add_simulate(commands)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*commands.choices, "-h", "--help"):
         argv = ["validate", *argv]  # the validation table is the default command

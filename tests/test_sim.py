@@ -203,3 +203,59 @@ def test_unmatched_sends_are_a_schedule_error():
                  one([0, 0, 8]), one([False, False, False]), 0.0)
     with pytest.raises(sim.ScheduleError, match="rank 0 sends rank 1 \\+1 more messages"):
         replay(s, NET)
+
+
+# -- calibration and the command line ----------------------------------------------------------------
+
+
+def _measured_from_model(directory, network: sim.Network) -> None:
+    """A results directory whose 'measurements' are the simulator's own times on ``network``."""
+    rows = [{"collective": "allreduce", "impl": "lab", "algorithm": a, "transport": "shm", "world": n, "bytes": b,
+             "median_us": sim.simulate("allreduce", a, n, b, network).time_us}
+            for a in ("ring", "tree", "naive") for n in (2, 4) for b in (1 << 10, 64 << 10, 1 << 20, 4 << 20)]
+    rows.append({**rows[0], "impl": "gloo", "algorithm": "gloo"})  # not ours: left out
+    directory.mkdir(exist_ok=True)
+    import pandas as pd
+
+    pd.DataFrame(rows).to_csv(directory / "allreduce.csv", index=False)
+
+
+def test_calibration_recovers_the_network_that_produced_the_times(tmp_path):
+    from lab.sim.calibrate import best_agreement, calibrate
+
+    _measured_from_model(tmp_path, sim.Network(alpha_us=30.0, gbit=5.0))
+    networks, table = calibrate(tmp_path)
+    assert list(networks) == ["shm"] and len(table) == 24
+    assert networks["shm"].alpha_us == pytest.approx(30.0, rel=1e-6)
+    assert networks["shm"].gbit == pytest.approx(5.0, rel=1e-6)
+    assert np.allclose(table["ratio"], 1.0, rtol=1e-6)
+    assert best_agreement(table)["agree"].all()
+
+
+def test_simulate_command_writes_results_and_the_report_section(tmp_path):
+    from lab.__main__ import main
+
+    _measured_from_model(tmp_path, sim.Network(alpha_us=30.0, gbit=5.0))
+    (tmp_path / "REPORT.md").write_text("# Report\n")
+    out = tmp_path / "sim"
+    assert main(["simulate", "--world-sizes", "2", "8", "16", "--sizes", "1KB..1MB", "--gbit", "100",
+                 "--alpha-us", "5", "--out", str(out), "--measured", str(tmp_path)]) == 0
+    import pandas as pd
+
+    frame = pd.read_csv(out / "sim.csv")
+    assert len(frame) == 3 * 6 * len(ALGORITHMS["allreduce"]) and frame["time_us"].notna().all()
+    cross = pd.read_csv(out / "crossover.csv").set_index("world")
+    # 16 ranks, 5 µs, 100 Gbit/s: the closed form puts the crossover at 5·(15-4)/(8e-5·(4-15/16)) bytes.
+    assert cross.loc[16, "closed_form_bytes"] == pytest.approx(5 * 11 / (8e-5 * (4 - 15 / 16)))
+    assert cross.loc[16, "crossover_bytes"] == pytest.approx(cross.loc[16, "closed_form_bytes"], rel=1e-6)
+    for name in ("best.csv", "best_allreduce.png", "crossover.png", "calibration.csv", "validation.csv"):
+        assert (out / name).exists(), name
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "## At scale" in report and "## Simulator vs measurement" in report and report.startswith("# Report")
+    main(["simulate", "--world-sizes", "2", "--sizes", "4KB", "--out", str(out), "--measured", ""])
+    assert (tmp_path / "REPORT.md").read_text().count("<!-- simulation:begin -->") == 1  # replaced, not added
+
+
+def test_max_steps_skips_a_case_instead_of_recording_it():
+    with pytest.raises(sim.SimulationTooLarge, match="max_steps=100"):
+        sim.simulate("allreduce", "ring", 64, 4096, NET, max_steps=100)

@@ -13,8 +13,8 @@ results, and :mod:`lab.sim.sweep` is ``python -m lab simulate``.
 
 from lab.sim.core import SimResult, best_algorithm, predict, simulate
 from lab.sim.network import Network
-from lab.sim.record import SimulationUnsupported, algorithms
+from lab.sim.record import SimulationTooLarge, SimulationUnsupported, algorithms
 from lab.sim.replay import Message, ScheduleError
 
 __all__ = ["Network", "simulate", "best_algorithm", "predict", "algorithms", "SimResult", "Message",
-           "SimulationUnsupported", "ScheduleError"]
+           "SimulationUnsupported", "SimulationTooLarge", "ScheduleError"]

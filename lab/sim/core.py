@@ -73,13 +73,13 @@ def _check(collective: Any, world_size: Any, nbytes: Any, root: Any, network: An
 
 
 def _schedule(collective: str, algorithm: str, world_size: int, nbytes: int, root: int,
-              ranks_per_host: int) -> tuple[Schedule, bool]:
+              ranks_per_host: int, max_steps: int | None) -> tuple[Schedule, bool]:
     """The recorded schedule, and whether it was recorded now (False: from the cache)."""
     key = (collective, algorithm, world_size, nbytes, root, ranks_per_host)
     cached = _cache.get(key)
     if cached is not None:
         return cached, False
-    schedule = record(collective, algorithm, world_size, nbytes, root, ranks_per_host)
+    schedule = record(collective, algorithm, world_size, nbytes, root, ranks_per_host, max_steps)
     if schedule.steps <= _CACHE_MAX_STEPS:
         if len(_cache) >= _CACHE_MAX_ENTRIES:
             _cache.pop(next(iter(_cache)))
@@ -88,11 +88,12 @@ def _schedule(collective: str, algorithm: str, world_size: int, nbytes: int, roo
 
 
 def simulate(collective: str, algorithm: str, world_size: int, nbytes: int, network: Network | None = None,
-             *, root: int = 0) -> SimResult:
+             *, root: int = 0, max_steps: int | None = None) -> SimResult:
     """Run ``collective`` with ``algorithm`` on ``world_size`` virtual ranks and time it on ``network``.
 
     ``nbytes`` is each rank's input tensor (float32 elements), as the real call takes it; ``root``
-    is broadcast's ``src`` / reduce's ``dst``. The algorithm is the lab's own function, run on a
+    is broadcast's ``src`` / reduce's ``dst``. ``max_steps``: raise :class:`SimulationTooLarge`
+    instead of recording more steps than that (about 1 s and 100 MB per million). The algorithm is the lab's own function, run on a
     recording mesh, so the per-rank byte and message counts are the ones a real run reports.
 
         net = lab.sim.Network(alpha_us=20.0, gbit=10.0)
@@ -106,7 +107,7 @@ def simulate(collective: str, algorithm: str, world_size: int, nbytes: int, netw
         hint = " (for the fastest, call lab.sim.best_algorithm)" if algorithm == "auto" else ""
         raise ValueError(f"algorithm for {collective} must be one of {', '.join(map(repr, names))}; "
                          f"got {algorithm!r}{hint}")
-    schedule, fresh = _schedule(collective, algorithm, world_size, nbytes, root, network.ranks_per_host)
+    schedule, fresh = _schedule(collective, algorithm, world_size, nbytes, root, network.ranks_per_host, max_steps)
     timing = replay(schedule, network)
     sends, recvs = schedule.send_peer >= 0, schedule.recv_peer >= 0
     return SimResult(

@@ -46,6 +46,10 @@ class SimulationUnsupported(LabError, NotImplementedError):
     (``mesh.split``: the sub-mesh depends on every rank's colour)."""
 
 
+class SimulationTooLarge(SimulationUnsupported):
+    """The recording passed ``max_steps`` steps."""
+
+
 class RecordingMesh(Mesh):
     """A :class:`lab.Mesh` with no transport: it records each transfer as a step and moves nothing.
 
@@ -218,7 +222,7 @@ def _call(collective: str, mesh: Mesh, x: np.ndarray, algorithm: str | None, roo
 
 
 def _record(collective: str, algorithm: str | None, world_size: int, nbytes: int, root: int,
-            ranks_per_host: int) -> tuple[RecordingMesh, str, np.ndarray]:
+            ranks_per_host: int, max_steps: int | None = None) -> tuple[RecordingMesh, str, np.ndarray]:
     """Run ``collective`` on every rank of a recording mesh; (mesh, algorithm that ran, step_ptr)."""
     mesh = RecordingMesh(world_size, ranks_per_host)
     x = np.empty(nbytes // 4, dtype=np.float32)  # never written: the same input serves every rank
@@ -228,6 +232,9 @@ def _record(collective: str, algorithm: str | None, world_size: int, nbytes: int
             mesh.rank = rank
             _call(collective, mesh, x, algorithm, root)
             step_ptr[rank + 1] = len(mesh.steps) // _STEP_FIELDS
+            if max_steps is not None and step_ptr[rank + 1] > max_steps:
+                raise SimulationTooLarge(f"too large: {collective} ({algorithm}) on {world_size} ranks of {nbytes} "
+                                         f"bytes passed max_steps={max_steps:,} after {rank + 1} ranks")
     ran = {a for _, a in mesh.ran}
     if len(ran) > 1:
         raise RuntimeError(f"ranks ran different algorithms for one {collective}: {sorted(ran)}")
@@ -235,15 +242,17 @@ def _record(collective: str, algorithm: str | None, world_size: int, nbytes: int
 
 
 def record(collective: str, algorithm: str, world_size: int, nbytes: int, root: int = 0,
-           ranks_per_host: int = 1) -> Schedule:
+           ranks_per_host: int = 1, max_steps: int | None = None) -> Schedule:
     """Every rank's steps for one call of ``collective`` with ``algorithm`` (already validated).
 
     ``nbytes``: each rank's input tensor (float32 elements), as the real call takes it.
+    ``max_steps``: stop with :class:`SimulationTooLarge` once the steps recorded pass it
+    (checked after each rank; a 1,024-rank ring allreduce is 2.1 million steps).
     """
     started = time.perf_counter()
     table = _table(collective)
     mesh, ran, step_ptr = _record(collective, algorithm if table is not None else None, world_size, nbytes, root,
-                                  ranks_per_host)
+                                  ranks_per_host, max_steps)
     steps = np.frombuffer(mesh.steps, dtype=np.int64).reshape(-1, _STEP_FIELDS)
     return Schedule(
         collective=collective, algorithm=ran or algorithm, world_size=world_size, nbytes=nbytes,
