@@ -61,6 +61,7 @@ def bench_collective(benchmark, cluster: lab.Cluster, collective: str, impl: str
                      algorithm: str = "auto") -> None:
     """Time one case in the ranks and hand the per-call times to pytest-benchmark."""
     per_rank = cluster.run(time_collective, collective, impl, nbytes, algorithm)
+    nbytes = 0 if collective == "barrier" else nbytes  # a barrier moves no bytes
     benchmark.group = f"{collective} {size_id(nbytes)}"
     benchmark.extra_info.update(
         collective=collective, impl=impl, algorithm=algorithm if impl == "lab" else "gloo",

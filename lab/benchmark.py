@@ -6,8 +6,9 @@
 - A call's time is the slowest rank's; report the median (and p10, p90) over calls.
 - Sizes are the full tensor T, as nccl-tests counts them: allreduce and broadcast move a T-byte
   tensor, allgather gathers T/N per rank into T, reduce_scatter reduces T into T/N per rank.
-- algbw = T / time; busbw = algbw × (allreduce 2(N-1)/N, allgather and reduce_scatter (N-1)/N,
-  broadcast 1), comparable with the link bandwidth whatever N is.
+- algbw = T / time; busbw = algbw × (allreduce 2(N-1)/N, allgather, reduce_scatter and
+  all_to_all (N-1)/N, broadcast and reduce 1), comparable with the link bandwidth whatever N is.
+  A barrier moves no bytes: its size is 0 and its bandwidths 0.
 """
 
 from __future__ import annotations
@@ -25,14 +26,17 @@ from lab.reference import ensure_gloo, gloo_collective
 
 #: 1 KB to 16 MB in powers of 4, as the lesson's exercise asks.
 SIZES = [1 << k for k in range(10, 25, 2)]
-COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier")
+#: Every collective's algorithms, by name (reduce and barrier have one each).
+ALGORITHMS = {**{c: tuple(a) for c, a in collectives.ALGORITHMS.items()}, "reduce": ("binomial",),
+              "barrier": ("dissemination",)}
 
 
 def bus_factor(collective: str, world_size: int) -> float:
     """nccl-tests' busbw / algbw ratio."""
     n = world_size
     return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "broadcast": 1.0}[collective]
+            "broadcast": 1.0, "reduce": 1.0, "all_to_all": (n - 1) / n, "barrier": 0.0}[collective]
 
 
 def iterations_for(nbytes: int) -> tuple[int, int]:
@@ -55,7 +59,8 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
                     iterations: int | None = None, warmup: int | None = None) -> list[int]:
     """In one rank: the duration (ns) of each timed call of ``collective`` through ``impl``.
 
-    ``impl`` is ``"lab"`` or ``"gloo"``; ``algorithm`` applies to the lab's allreduce.
+    ``impl`` is ``"lab"`` or ``"gloo"``; ``algorithm`` applies to the lab's collectives that
+    have several (reduce and barrier have one each).
     """
     default_iterations, default_warmup = iterations_for(nbytes)
     iterations = default_iterations if iterations is None else iterations
@@ -65,13 +70,14 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
     if impl == "gloo":
         def call() -> Any:
             return gloo_collective(mesh, collective, x)
-    elif collective == "allreduce":
-        def call() -> Any:
-            return collectives.allreduce(mesh, x, algorithm=algorithm)
+    elif collective in ("reduce", "barrier"):
+        call = {"reduce": lambda: collectives.reduce(mesh, x, dst=0),
+                "barrier": lambda: collectives.barrier(mesh)}[collective]
     else:
-        call = {"broadcast": lambda: collectives.broadcast(mesh, x, src=0),
-                "allgather": lambda: collectives.allgather(mesh, x),
-                "reduce_scatter": lambda: collectives.reduce_scatter(mesh, x)}[collective]
+        options = {"src": 0} if collective == "broadcast" else {}
+
+        def call() -> Any:
+            return getattr(collectives, collective)(mesh, x, algorithm=algorithm, **options)
     durations = []
     dist.barrier()
     for i in range(warmup + iterations):
@@ -80,7 +86,7 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
         elapsed = time.perf_counter_ns() - start
         if i >= warmup:
             durations.append(elapsed)
-        if collective == "allreduce":
+        if collective in ("allreduce", "reduce"):
             x.mul_(1.0 / mesh.world_size)  # keep sums bounded across calls
     return durations
 
@@ -106,8 +112,8 @@ def measure(cluster: Any, collective: str, impl: str, nbytes: int, algorithm: st
     per_rank = cluster.run(time_collective, collective, impl, nbytes, algorithm, iterations)
     row = {"collective": collective, "impl": impl, "algorithm": algorithm if impl == "lab" else "gloo",
            "transport": cluster.transport if impl == "lab" else "gloo", "world": cluster.world_size,
-           "bytes": nbytes}
-    return {**row, **summarize(per_rank, collective, nbytes, cluster.world_size)}
+           "bytes": 0 if collective == "barrier" else nbytes}
+    return {**row, **summarize(per_rank, collective, row["bytes"], cluster.world_size)}
 
 
 # -- reduction kernels alone (in this process) -----------------------------------------------------

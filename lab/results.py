@@ -19,13 +19,14 @@ import numpy as np
 import pandas as pd
 
 import lab
-from lab.benchmark import (COLLECTIVES, SIZES, measure, time_bucketing, time_kernel, time_overlap,
+from lab import tuning
+from lab.benchmark import (ALGORITHMS, COLLECTIVES, SIZES, measure, time_bucketing, time_kernel, time_overlap,
                            transformer_gradients)
 from lab.tuning import TUNING_PATH, algorithm_shape
 
 KERNEL_SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 PYTHON_KERNEL_MAX_BYTES = 1 << 20  # the pure-Python loop runs ~1 µs per element: stop there
-ALLREDUCE_ALGORITHMS = ("ring", "tree", "naive", "auto")
+ALLREDUCE_ALGORITHMS = (*ALGORITHMS["allreduce"], "auto")
 
 
 class Progress:
@@ -57,8 +58,9 @@ def sweep(world_size: int, transports: list[str], sizes: list[int]) -> tuple[pd.
     cases = []
     for transport in transports:
         cases += [(transport, "allreduce", "lab", a, s) for a in ALLREDUCE_ALGORITHMS for s in sizes]
-        cases += [(transport, c, "lab", "auto", s) for c in COLLECTIVES[1:] for s in sizes]
-    cases += [(transports[0], c, "gloo", "gloo", s) for c in COLLECTIVES for s in sizes]
+        cases += [(transport, c, "lab", a, s) for c in COLLECTIVES[1:] for a in ALGORITHMS[c] for s in sizes
+                  if c != "barrier" or s == sizes[0]]  # a barrier moves no bytes: once
+    cases += [(transports[0], c, "gloo", "gloo", s) for c in COLLECTIVES for s in sizes if c != "barrier" or s == sizes[0]]
     progress = Progress(len(cases))
     rows = []
     for transport in transports:
@@ -69,10 +71,6 @@ def sweep(world_size: int, transports: list[str], sizes: list[int]) -> tuple[pd.
                 rows.append(measure(cluster, collective, impl, nbytes, algorithm))
                 progress.step(f"{collective} {algorithm} {size_label(nbytes)} {transport if impl == 'lab' else ''}")
     frame = pd.DataFrame(rows)
-    frame.loc[frame["impl"] == "lab", "algorithm"] = frame.loc[frame["impl"] == "lab", "algorithm"].where(
-        frame["collective"] == "allreduce", "ring/binomial")
-    frame.loc[(frame["collective"] == "broadcast") & (frame["impl"] == "lab"), "algorithm"] = "binomial"
-    frame.loc[frame["collective"].isin(["allgather", "reduce_scatter"]) & (frame["impl"] == "lab"), "algorithm"] = "ring"
     return frame[frame["collective"] == "allreduce"], frame[frame["collective"] != "allreduce"]
 
 
@@ -148,19 +146,24 @@ def fit_alpha_beta(sizes: np.ndarray, times_us: np.ndarray) -> tuple[float, floa
     return float(alpha), float(beta), 1 - ss_res / ss_tot if ss_tot else 1.0
 
 
-def models(allreduce: pd.DataFrame) -> pd.DataFrame:
+def models(measured: pd.DataFrame) -> pd.DataFrame:
+    """t(n) = α + β·n per transport, collective and algorithm measured at two sizes or more (so
+    not the barrier), with allreduce's ring/tree crossover, predicted and measured."""
     rows = []
-    for (transport, algorithm), group in allreduce.groupby(["transport", "algorithm"]):
+    for (transport, collective, algorithm), group in measured.groupby(["transport", "collective", "algorithm"]):
         group = group.sort_values("bytes")
+        if group["bytes"].nunique() < 2:
+            continue
         alpha, beta, r2 = fit_alpha_beta(group["bytes"].to_numpy(float), group["median_us"].to_numpy(float))
-        rows.append({"transport": transport, "algorithm": algorithm, "world": int(group["world"].iloc[0]),
-                     "alpha_us": alpha, "bandwidth_GBps": (1 / beta / 1e3) if beta > 0 else math.inf,
-                     "beta_us_per_byte": beta, "r2": r2})
+        rows.append({"transport": transport, "collective": collective, "algorithm": algorithm,
+                     "world": int(group["world"].iloc[0]), "alpha_us": alpha,
+                     "bandwidth_GBps": (1 / beta / 1e3) if beta > 0 else math.inf, "beta_us_per_byte": beta, "r2": r2})
     table = pd.DataFrame(rows)
     table["crossover_predicted_bytes"] = np.nan
     table["crossover_measured_bytes"] = np.nan
+    allreduce = measured[measured["collective"] == "allreduce"]
     for transport in table["transport"].unique():
-        fits = table[table["transport"] == transport].set_index("algorithm")
+        fits = table[(table["transport"] == transport) & (table["collective"] == "allreduce")].set_index("algorithm")
         if not {"ring", "tree"} <= set(fits.index):
             continue
         ring, tree = fits.loc["ring"], fits.loc["tree"]
@@ -172,7 +175,7 @@ def models(allreduce: pd.DataFrame) -> pd.DataFrame:
                                                                       values="median_us")
         wins = medians.index[medians["ring"] < medians["tree"]]
         measured = float(wins.min()) if len(wins) else np.nan
-        mask = table["transport"] == transport
+        mask = (table["transport"] == transport) & (table["collective"] == "allreduce")
         table.loc[mask, "crossover_predicted_bytes"] = predicted
         table.loc[mask, "crossover_measured_bytes"] = measured
     for column in ("crossover_predicted_bytes", "crossover_measured_bytes"):  # whole bytes, or empty
@@ -181,17 +184,17 @@ def models(allreduce: pd.DataFrame) -> pd.DataFrame:
 
 
 def tuning_from(model: pd.DataFrame) -> dict:
-    """Per transport and algorithm, the per-step latency and per-byte time behind the fitted line,
-    so ``auto`` can predict any world size: t = steps(N)·α_step + volume(N)·n·β_byte."""
-    tuning: dict = {}
+    """Per transport, collective and algorithm, the per-step latency and per-byte time behind the
+    fitted line, so ``auto`` can predict any world size: t = steps(N)·α_step + volume(N)·n·β_byte."""
+    fitted: dict = {}
     for row in model.itertuples():
-        if row.algorithm not in ("ring", "tree", "naive"):
+        if row.algorithm not in ALGORITHMS.get(row.collective, ()):  # not auto, not gloo
             continue
-        steps, volume = algorithm_shape(row.algorithm, row.world)
-        tuning.setdefault(row.transport, {})[row.algorithm] = {
+        steps, volume = algorithm_shape(row.algorithm, row.world, row.collective)
+        fitted.setdefault(row.transport, {}).setdefault(row.collective, {})[row.algorithm] = {
             "alpha_step_us": row.alpha_us / steps, "beta_byte_us": row.beta_us_per_byte / volume,
         }
-    return tuning
+    return fitted
 
 
 # -- machine, plots, report -----------------------------------------------------------------------
@@ -229,20 +232,22 @@ def plots(out: Path, allreduce: pd.DataFrame, others: pd.DataFrame, kernels: pd.
     import matplotlib.pyplot as plt
 
     transports = [t for t in allreduce["transport"].unique() if t != "gloo"]
+    allreduce_fits = model[model["collective"] == "allreduce"]
     fig, axes = plt.subplots(1, len(transports), figsize=(6.5 * len(transports), 4.8), squeeze=False)
     for ax, transport in zip(axes[0], transports):
-        for algorithm in ["ring", "tree", "naive", "gloo"]:
+        for algorithm in [*ALGORITHMS["allreduce"], "gloo"]:
             data = allreduce[(allreduce["algorithm"] == algorithm)
                              & (allreduce["transport"] == (transport if algorithm != "gloo" else "gloo"))]
             if data.empty:
                 continue
             line = ax.loglog(data["bytes"], data["median_us"], "o", label=f"{algorithm} (measured)")[0]
-            fit = model[(model["transport"] == data["transport"].iloc[0]) & (model["algorithm"] == algorithm)]
+            fit = allreduce_fits[(allreduce_fits["transport"] == data["transport"].iloc[0])
+                                 & (allreduce_fits["algorithm"] == algorithm)]
             if not fit.empty:
                 grid = np.geomspace(data["bytes"].min(), data["bytes"].max(), 100)
                 ax.loglog(grid, fit["alpha_us"].iloc[0] + fit["beta_us_per_byte"].iloc[0] * grid, "-",
                           color=line.get_color(), alpha=0.6, label=f"{algorithm} α+βn fit")
-        crossover = model[model["transport"] == transport]["crossover_measured_bytes"].dropna()
+        crossover = allreduce_fits[allreduce_fits["transport"] == transport]["crossover_measured_bytes"].dropna()
         if len(crossover):
             ax.axvline(crossover.iloc[0], color="k", linestyle="--", label="measured crossover")
         ax.set(title=f"allreduce, {allreduce['world'].iloc[0]} ranks, {transport} transport",
@@ -254,8 +259,9 @@ def plots(out: Path, allreduce: pd.DataFrame, others: pd.DataFrame, kernels: pd.
     plt.close(fig)
 
     everything = pd.concat([allreduce[allreduce["algorithm"].isin(["ring", "gloo"])], others])
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.6))
-    for ax, collective in zip(axes, COLLECTIVES):
+    moving = [c for c in COLLECTIVES if c != "barrier"]  # a barrier has no bandwidth
+    fig, axes = plt.subplots(1, len(moving), figsize=(5.5 * len(moving), 4.6))
+    for ax, collective in zip(axes, moving):
         data = everything[everything["collective"] == collective]
         for (transport, algorithm), group in data.groupby(["transport", "algorithm"]):
             ax.semilogx(group["bytes"], group["busbw_GBps"], "o-", label=f"{algorithm} ({transport})")
@@ -321,20 +327,27 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
         "rank's; medians (p10/p90 in the CSVs); gloo runs in the same pools, in the same run.", "",
         "## Allreduce: latency against gloo", "",
     ]
-    table = pd.DataFrame({"size": [size_label(b) for b in median.index]})
+    fitted = tuning_from(model)
+    algorithms = list(ALGORITHMS["allreduce"])
+    lines += [f"Every algorithm side by side, median µs per call on {world} ranks; **fastest** is the fastest "
+              "measured algorithm, **auto picks** what `algorithm=\"auto\"` chooses from the models fitted in "
+              "this run (see below), **auto µs** what auto measured.", ""]
     for transport in [t for t in allreduce["transport"].unique() if t != "gloo"]:
-        for algorithm in ALLREDUCE_ALGORITHMS:
-            table[f"{transport} {algorithm} µs"] = median[(transport, algorithm)].to_numpy()
-    table["gloo µs"] = gloo.to_numpy()
-    best_shm = median["shm"][["ring", "tree"]].min(axis=1) if "shm" in median.columns.get_level_values(0) else None
-    if best_shm is not None:
-        table["gloo / best shm"] = (gloo / best_shm).to_numpy()
-    lines += [markdown(table), "", "![allreduce latency](allreduce_latency.png)", ""]
+        table = pd.DataFrame({"size": [size_label(b) for b in median.index]})
+        for algorithm in algorithms:
+            table[f"{algorithm} µs"] = median[(transport, algorithm)].to_numpy()
+        table["gloo µs"] = gloo.to_numpy()
+        table["fastest"] = median[transport][algorithms].idxmin(axis=1).to_numpy()
+        table["auto picks"] = [tuning.choose(int(b), world, transport, "allreduce", fitted) for b in median.index]
+        table["auto µs"] = median[(transport, "auto")].to_numpy()
+        lines += [f"**{transport}**", "", markdown(table), ""]
+    best_shm = median["shm"][algorithms].min(axis=1) if "shm" in median.columns.get_level_values(0) else None
+    lines += ["![allreduce latency](allreduce_latency.png)", ""]
     if best_shm is not None:
         ratio = gloo / best_shm
         small, large = ratio.index.min(), ratio.index.max()
         lines += [
-            f"- The best shm algorithm beats gloo by {ratio[small]:.1f}× at {size_label(small)} and "
+            f"- The best shm algorithm is {ratio[small]:.1f}× gloo's speed at {size_label(small)} and "
             f"{ratio[large]:.2f}× at {size_label(large)}, measured in the same pools in the same run.",
             "- Small messages are bound by wake-ups, not bytes: each step of an algorithm is a pipe message "
             "that wakes a sleeping rank, and with more ranks than cores a woken rank also waits for a core, "
@@ -349,10 +362,10 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
             + f". One rank is the Python cost of a call; up to {info['cores']} ranks each has a core and a step "
             "costs a pipe wake-up; beyond that every step also waits for a core.",
             *([f"- **tcp vs gloo** (both over loopback TCP, the like-for-like comparison): at {size_label(large)} "
-               f"the best tcp algorithm takes {median['tcp'][['ring', 'tree']].min(axis=1)[large] / 1e3:.1f} ms "
+               f"the best tcp algorithm takes {median['tcp'][algorithms].min(axis=1)[large] / 1e3:.1f} ms "
                f"against gloo's {gloo[large] / 1e3:.1f} ms "
-               f"({gloo[large] / median['tcp'][['ring', 'tree']].min(axis=1)[large]:.2f}× gloo's speed); at "
-               f"{size_label(small)} {median['tcp'][['ring', 'tree']].min(axis=1)[small]:.0f} µs against "
+               f"({gloo[large] / median['tcp'][algorithms].min(axis=1)[large]:.2f}× gloo's speed); at "
+               f"{size_label(small)} {median['tcp'][algorithms].min(axis=1)[small]:.0f} µs against "
                f"{gloo[small]:.0f} µs."] if "tcp" in median.columns.get_level_values(0) else []),
             "- The queue transport pays two pickling copies and fresh allocations (page faults) per message; "
             "its large-message times swing with the allocator's state from one size to the next.", "",
@@ -360,13 +373,14 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
 
     lines += ["## Fitted α-β models and the ring/tree crossover", "",
               "t(n) = α + β·n fitted to the medians (relative least squares); 1/β as GB/s.", ""]
-    shown = model[["transport", "algorithm", "alpha_us", "bandwidth_GBps", "r2", "crossover_predicted_bytes",
-                   "crossover_measured_bytes"]].rename(columns={
+    allreduce_fits = model[model["collective"] == "allreduce"]
+    shown = allreduce_fits[["transport", "algorithm", "alpha_us", "bandwidth_GBps", "r2", "crossover_predicted_bytes",
+                            "crossover_measured_bytes"]].rename(columns={
         "alpha_us": "α µs", "bandwidth_GBps": "1/β GB/s", "r2": "R²",
         "crossover_predicted_bytes": "predicted crossover (bytes)", "crossover_measured_bytes": "measured crossover (bytes)"})
     lines += [markdown(shown), ""]
-    for transport in [t for t in model["transport"].unique() if t != "gloo"]:
-        rows = model[model["transport"] == transport]
+    for transport in [t for t in allreduce_fits["transport"].unique() if t != "gloo"]:
+        rows = allreduce_fits[allreduce_fits["transport"] == transport]
         measured, predicted = (float(rows[c].iloc[0]) if pd.notna(rows[c].iloc[0]) else math.nan
                                for c in ("crossover_measured_bytes", "crossover_predicted_bytes"))
         medians = allreduce[allreduce["transport"] == transport].pivot(index="bytes", columns="algorithm",
@@ -385,14 +399,27 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
         "rank 0 (naive). On one machine every rank shares one memory bus, so at large sizes only the total "
         "counts and the three converge; the crossover moves from run to run. Across hosts, where each link "
         "is its own bottleneck, the per-rank 2T(N-1)/N of the ring is what wins.",
+        "- The other algorithms trade the same two terms (README, \"When each algorithm wins\"): recursive "
+        "doubling takes log2 N steps but moves log2 N·T per rank; halving-doubling moves the ring's "
+        "2(N-1)/N·T in 2·log2 N steps; double tree moves 2T per rank with depth log2 N, pipelined in segments.",
         "", "`algorithm=\"auto\"` picks the algorithm these models predict fastest (see README).", ""]
 
-    lines += ["## Broadcast, allgather, reduce_scatter: busbw against gloo", ""]
-    pivot = others.pivot_table(index="bytes", columns=["collective", "transport"], values="busbw_GBps")
-    table = pd.DataFrame({"size": [size_label(b) for b in pivot.index]})
-    for column in pivot.columns:
-        table[f"{column[0]} {column[1]} GB/s"] = pivot[column].to_numpy()
-    lines += [markdown(table), "", "![busbw](busbw.png)", ""]
+    lines += ["## The other collectives: every algorithm against gloo", "",
+              "Median µs per call; **auto picks** is what `auto` chooses on shm from the models fitted in this run "
+              "(sizes as nccl-tests counts them: the allgather result, the reduce_scatter and all_to_all input).", ""]
+    for collective in [c for c in COLLECTIVES[1:] if c in set(others["collective"])]:
+        data = others[others["collective"] == collective]
+        pivot = data.pivot_table(index="bytes", columns=["transport", "algorithm"], values="median_us")
+        table = pd.DataFrame({"size": [size_label(b) if b else "–" for b in pivot.index]})
+        for transport, algorithm in pivot.columns:
+            table[f"{transport} {algorithm} µs" if transport != "gloo" else "gloo µs"] = pivot[(transport, algorithm)].to_numpy()
+        if collective in tuning.AUTO_CANDIDATES and "shm" in data["transport"].unique():
+            table["auto picks (shm)"] = [tuning.choose(int(b), world, "shm", collective, fitted) for b in pivot.index]
+        lines += [f"**{collective}**", "", markdown(table), ""]
+    other_fits = model[model["collective"] != "allreduce"][["transport", "collective", "algorithm", "alpha_us",
+                                                            "bandwidth_GBps", "r2"]]
+    lines += ["Fitted t(n) = α + β·n:", "", markdown(other_fits.rename(columns={
+        "alpha_us": "α µs", "bandwidth_GBps": "1/β GB/s", "r2": "R²"})), "", "![busbw](busbw.png)", ""]
 
     lines += ["## Reduction kernels: Python vs numpy vs Numba", "",
               "GB/s counts the bytes of every input read per second.", ""]
@@ -461,7 +488,7 @@ def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | 
     kernels = kernel_sweep()
     print("Every primitive against gloo", file=sys.stderr)
     check = validation_table(transports, [3, world_size], 1001, 0)
-    model = models(allreduce)
+    model = models(pd.concat([allreduce, others]))
     for name, frame in [("allreduce", allreduce), ("collectives", others), ("kernels", kernels), ("model", model),
                         ("gloo_check", check), ("latency_floor", floor), ("bucketing", bucketing),
                         ("overlap", overlap)]:

@@ -462,6 +462,24 @@ def test_byte_counters_of_every_algorithm_match_their_docstrings(cluster):
     assert_no_failures(cluster.run(byte_counts_every_algorithm, 840))
 
 
+@pytest.mark.parametrize("n", range(1, 34))
+def test_double_trees_are_spanning_trees_of_depth_log_n_with_leaves_swapped(n):
+    """Each tree: one root, parent and child links agree, every rank reaches the root within
+    ⌈log2 N⌉ hops. With N even every rank is a leaf in exactly one of the two."""
+    for which in range(2):
+        links = {r: double_trees(n, r)[which] for r in range(n)}
+        assert [r for r in range(n) if links[r][0] < 0] == [0 if which == 0 else (n - 1 if n % 2 == 0 else 1 % n)]
+        for r, (parent, children) in links.items():
+            assert len(children) <= 2 and all(links[c][0] == r for c in children)
+            assert parent < 0 or r in links[parent][1]
+            hops = 0
+            while links[r][0] >= 0:
+                r, hops = links[r][0], hops + 1
+            assert hops <= (n - 1).bit_length()
+    if n % 2 == 0:
+        assert all(sum(not tree[1] for tree in double_trees(n, r)) == 1 for r in range(n))
+
+
 def test_numpy_noncontiguous_and_scalar_inputs(cluster):
     assert_no_failures(cluster.run(check_other_inputs))
 

@@ -92,7 +92,7 @@ def choose_allreduce(nbytes: int, world_size: int, transport: str) -> str:
     return choose("allreduce", nbytes, world_size, transport)
 
 
-def _check_algorithm(collective: str, algorithm: Any) -> str:
+def _check_algorithm(algorithm: Any, collective: str = "allreduce") -> str:
     choices = [*ALGORITHMS[collective], "auto"]
     if algorithm not in choices:
         raise ValueError(f"algorithm must be one of {', '.join(map(repr, choices))}; got {algorithm!r}")
@@ -101,7 +101,7 @@ def _check_algorithm(collective: str, algorithm: Any) -> str:
 
 def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
     """Check ``algorithm`` (before any communication) and resolve ``"auto"``."""
-    _check_algorithm(collective, algorithm)
+    _check_algorithm(algorithm, collective)
     return choose(collective, nbytes, mesh.world_size, mesh.transport) if algorithm == "auto" else algorithm
 
 

@@ -16,13 +16,15 @@ SEGMENT_BYTES = 64 * 1024
 def binary_tree(world_size: int, rank: int) -> tuple[int, list[int]]:
     """(parent, children) of ``rank`` in NCCL's in-order binary tree (parent -1 at the root).
 
-    A rank's level is its lowest set bit b: odd ranks are leaves, rank b has children b - b/2 and
-    b + b/2 (the right one moved down while it is past the end), and rank 0 is the root with one
+    A rank's level is its lowest set bit b: odd ranks are leaves, rank r has children r - b/2 and
+    r + b/2 (the right one moved down while it is past the end), and rank 0 is the root with one
     child, the largest power of two below N. Depth: ⌈log2 N⌉.
 
-        N = 6:  0 - 4 - 2 - 1        (4's children: 2 and 5; 2's children: 1 and 3)
-                    |   \\- 3
-                    5
+        N = 6:  0
+                └─ 4
+                   ├─ 2 ─┬─ 1
+                   │     └─ 3
+                   └─ 5
     """
     if rank == 0:
         top = 1 << (world_size - 1).bit_length() if world_size > 1 else 1
