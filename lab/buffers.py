@@ -51,10 +51,22 @@ class Buffer:
 
 def check_tensor(tensor: Any, name: str = "tensor") -> DType:
     """Validate a collective's tensor argument (type, dtype, device); return its :class:`DType`."""
+    if isinstance(tensor, torch.Tensor):
+        if tensor.is_nested:
+            raise TypeError(f"{name} is a nested tensor; collectives take dense tensors (use .to_padded_tensor())")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"{name} has layout {tensor.layout}; collectives take dense (strided) tensors "
+                            "(use .to_dense())")
     dtype = dtype_of(tensor, name)
     if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
         raise ValueError(f"{name} must be a CPU tensor; got device {tensor.device}")
     return dtype
+
+
+def _overlaps(tensor: Any) -> bool:
+    """Whether elements share memory (a stride-0 dimension, as ``expand()`` or ``broadcast_to`` make)."""
+    strides = tensor.stride() if isinstance(tensor, torch.Tensor) else tensor.strides
+    return any(stride == 0 and size > 1 for stride, size in zip(strides, tensor.shape))
 
 
 def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffer:
@@ -66,6 +78,9 @@ def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffe
     contiguous = tensor.is_contiguous() if isinstance(tensor, torch.Tensor) else tensor.flags.c_contiguous
     if writable and isinstance(tensor, np.ndarray) and not tensor.flags.writeable:
         raise ValueError(f"{name} is a read-only numpy array; collectives write their result into it")
+    if writable and _overlaps(tensor):
+        raise ValueError(f"{name} has elements that share memory (an expand() or broadcast view), so an in-place "
+                         "result cannot be written into it; pass a copy (.clone() / .copy())")
     if contiguous:
         return Buffer(tensor, dtype, _flat_storage(tensor, dtype), shared=True)
     copy = tensor.contiguous() if isinstance(tensor, torch.Tensor) else np.ascontiguousarray(tensor)

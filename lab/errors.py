@@ -10,8 +10,16 @@ class LabError(Exception):
 class DeadlineError(LabError, TimeoutError):
     """A receive waited longer than ``recv_timeout_ms``.
 
-    The message names the waiting rank, the peer it waited for, the collective and its step.
+    The message names the waiting rank, the peer it waited for, the collective and its step;
+    ``peers`` holds the ranks it was waiting for (empty where unknown).
     """
+
+    def __init__(self, message: str = "", peers: tuple[int, ...] | list[int] = ()) -> None:
+        super().__init__(message)
+        self.peers = tuple(peers)
+
+    def __reduce__(self):
+        return type(self), (str(self), self.peers)
 
 
 class PeerLostError(LabError, ConnectionError):

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 
 from lab.buffers import as_buffer, to_caller_type
-from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
+from lab import checks
+from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
 from lab.ops import DTYPES_BY_CODE, DType
 from lab.transport.base import Combine, Recv, Send, TagMismatch, Transport
 
@@ -157,9 +159,12 @@ class Mesh:
         # (host, local_rank, local_world_size): one host holding every rank unless told otherwise
         self.host, self.local_rank, self.local_world_size = placement or (0, transport.rank, transport.world_size)
         self.transport = transport_name
+        recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
         self.recv_timeout_ms = DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None else recv_timeout_ms
-        self._trace_path = trace or os.environ.get("LAB_TRACE") or None
-        self._trace_steps = bool(self._trace_path and os.environ.get("LAB_TRACE_STEPS"))
+        self._trace_path = checks.trace_path(trace) or checks.trace_path(os.environ.get("LAB_TRACE"), "LAB_TRACE")
+        self._trace_steps = bool(self._trace_path) and checks.env_flag("LAB_TRACE_STEPS")
+        self._owner_pid = os.getpid()  # a forked child must not touch the channels (see _check_owner)
+        self._driving = threading.Lock()  # exactly one thread drives the transport at a time
         self._seq = 0
         self._p2p_sent = [0] * transport.world_size
         self._p2p_received = [0] * transport.world_size
@@ -182,18 +187,26 @@ class Mesh:
 
         Ranks meet through the launcher's TCPStore. Each listens on ``LAB_TCP_HOST`` (default
         loopback: set it to this host's address when ranks span hosts) and proves it belongs to
-        the job with an HMAC of ``LAB_TCP_SECRET`` (or of a secret rank 0 puts in the store).
+        the job with the secret ``LAB_TCP_SECRET``, which ranks on several hosts must set; on one
+        host, without it, rank 0 draws a secret into a file only this user can read. The
+        variables are checked first (``ValueError`` naming the variable).
         """
-        from lab.rendezvous import env_store
+        from lab.rendezvous import env_store, job_secret, launch_env
         from lab.transport.tcp import TcpTransport
 
+        env = launch_env()
+        recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
+        trace = checks.trace_path(trace)
         store = env_store()
-        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        host = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
-        placement = (int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", rank)),
-                     int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-        return cls(TcpTransport(rank, world_size, store, host=host), transport_name="tcp",
-                   recv_timeout_ms=recv_timeout_ms, trace=trace, placement=placement)
+        secret, secret_file = job_secret(store, env, "lab/tcp")
+        try:
+            transport = TcpTransport(env.rank, env.world_size, store, secret,
+                                     host=os.environ.get("LAB_TCP_HOST", "127.0.0.1"))
+        finally:
+            if secret_file is not None:  # rank 0 accepted every peer: each has read it, or failed
+                secret_file.unlink(missing_ok=True)
+        return cls(transport, transport_name="tcp", recv_timeout_ms=recv_timeout_ms, trace=trace,
+                   placement=(env.group_rank, env.local_rank, env.local_world_size))
 
     @property
     def rank(self) -> int:
@@ -225,14 +238,30 @@ class Mesh:
         One thread, one queue: collectives complete in the order they were issued, and a
         synchronous call first waits for the asynchronous ones before it.
         """
-        if async_op:
+        self._check_owner()
+        if checks.flag(async_op, "async_op"):
             if self._comm_thread is None:
                 self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lab-comm-{self.rank}")
-            work = Work(self._comm_thread.submit(run))
+            work = Work(self._comm_thread.submit(self._drive, run))
             self._pending.append(work)
             return work
         self.wait_all()
-        return run()
+        return self._drive(run)
+
+    def _drive(self, run: Callable[[], Any]) -> Any:
+        with self._driving:
+            return run()
+
+    def _check_owner(self) -> None:
+        """Refuse a process forked inside ``fn``: its messages would interleave with the rank's."""
+        if os.getpid() != self._owner_pid:
+            raise LabError(f"this mesh belongs to rank {self.rank}'s process (pid {self._owner_pid}); a process "
+                           f"forked from it (pid {os.getpid()}) cannot use it")
+
+    @property
+    def in_flight(self) -> bool:
+        """True while an asynchronous collective issued on this mesh has not completed."""
+        return any(not work.is_completed() for work in self._pending)
 
     def wait_all(self) -> None:
         """Wait for every asynchronous collective issued so far; raise the first failure."""
@@ -245,7 +274,9 @@ class Mesh:
         running fails at once on the closed channels; queued ones are cancelled)."""
         self._transport.close()
         if self._comm_thread is not None:
-            self._comm_thread.shutdown(wait=True, cancel_futures=True)
+            # Not joined: a collective blocked on a peer that is still alive would hold us up to
+            # its deadline. It fails on the closed channels; the process ends soon anyway.
+            self._comm_thread.shutdown(wait=False, cancel_futures=True)
             self._comm_thread = None
 
     # -- what algorithms use -------------------------------------------------------------------
@@ -267,10 +298,9 @@ class Mesh:
     def _exchange(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted=True):
         self._position.step += 1
         timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
-        deadline = time.monotonic() + timeout_ms / 1000
         start_ns = time.time_ns() if self._trace_steps else 0
         try:
-            self._transport.exchange(sends, recvs, self._tag, deadline, self._position)
+            self._transport.exchange(sends, recvs, self._tag, timeout_ms / 1000, self._position)
         except TagMismatch as mismatch:
             self.clean = False
             raise CollectiveMismatchError(
@@ -280,7 +310,7 @@ class Mesh:
         except DeadlineError as late:
             self.clean = False
             self._raise_if_mismatched()
-            raise DeadlineError(f"{late} (recv_timeout_ms={timeout_ms:g})") from None
+            raise DeadlineError(f"{late} (recv_timeout_ms={timeout_ms:g})", late.peers) from None
         except PeerLostError:
             self.clean = False
             self._raise_if_mismatched()  # the peer may have given up because we disagree
@@ -378,7 +408,8 @@ class Mesh:
     # -- public point-to-point -----------------------------------------------------------------
 
     def _check_peer(self, peer: int, name: str) -> None:
-        if not isinstance(peer, int) or not 0 <= peer < self.world_size or peer == self.rank:
+        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size \
+                or peer == self.rank:
             raise ValueError(
                 f"{name} must be another rank in [0, {self.world_size}); got {peer!r} on rank {self.rank}"
             )
@@ -390,48 +421,60 @@ class Mesh:
         """Send ``tensor`` (torch or numpy, any shape) to rank ``dst``; ordered per pair of ranks.
 
         Returns once the data is in the channel; a large tensor over ``"shm"`` waits until the
-        receiver has taken all but the last few segments (buffers are bounded).
+        receiver has taken all but the last few segments (buffers are bounded). Like a
+        synchronous collective, it first waits for this mesh's asynchronous collectives: point-to-
+        point and collectives share one issue order.
         """
         self._check_peer(dst, "dst")
-        buffer = as_buffer(tensor)
+        dst = int(dst)
+        buffer = as_buffer(tensor, writable=False)
         shape = tuple(np.shape(tensor))
         if len(shape) > _MAX_P2P_DIMS:
             raise ValueError(f"tensor has {len(shape)} dimensions; send supports up to {_MAX_P2P_DIMS}")
-        self._p2p_sent[dst] += 1
-        seq = self._p2p_sent[dst]
         # A fixed-size header (kind, dtype, shape) first, uncounted, then the payload.
         header = np.zeros(_P2P_HEADER_WORDS, np.int64)
         header[:3] = isinstance(tensor, torch.Tensor), buffer.dtype.code, len(shape)
         header[3 : 3 + len(shape)] = shape
-        self._start_p2p("send", seq)
-        self._tag = self._p2p_tag(seq, 0, _P2P_HEADER_WORDS)
-        self._exchange([Send(dst, header)], [], counted=False)
-        self._tag = self._p2p_tag(seq, buffer.dtype.code, buffer.flat.size)
-        self._exchange([Send(dst, buffer.flat)], [])
+
+        def run() -> None:
+            self._p2p_sent[dst] += 1
+            seq = self._p2p_sent[dst]
+            self._start_p2p("send", seq)
+            self._tag = self._p2p_tag(seq, 0, _P2P_HEADER_WORDS)
+            self._exchange([Send(dst, header)], [], counted=False)
+            self._tag = self._p2p_tag(seq, buffer.dtype.code, buffer.flat.size)
+            self._exchange([Send(dst, buffer.flat)], [])
+
+        self.issue(run, async_op=False)
 
     def recv(self, src: int, timeout_ms: float | None = None) -> Any:
         """Receive the next tensor rank ``src`` sent to this rank: same kind, dtype and shape.
 
-        Waits at most ``timeout_ms`` (default: the mesh's ``recv_timeout_ms``), then raises
-        :class:`lab.DeadlineError`.
+        Waits at most ``timeout_ms`` of silence from ``src`` (default: the mesh's
+        ``recv_timeout_ms``; ``math.inf``: no limit), then raises :class:`lab.DeadlineError`.
+        Waits first for this mesh's asynchronous collectives (one issue order).
         """
         self._check_peer(src, "src")
-        if timeout_ms is not None and not (isinstance(timeout_ms, (int, float)) and timeout_ms > 0):
-            raise ValueError(f"timeout_ms must be a positive number of milliseconds or None; got {timeout_ms!r}")
-        self._p2p_received[src] += 1
-        seq = self._p2p_received[src]
-        self._start_p2p("recv", seq)
-        header = np.empty(_P2P_HEADER_WORDS, np.int64)
-        self._tag = self._p2p_tag(seq, 0, _P2P_HEADER_WORDS)
-        self._exchange([], [Recv(src, header)], timeout_ms, counted=False)
-        is_torch, code, ndim = (int(v) for v in header[:3])
-        shape = tuple(int(v) for v in header[3 : 3 + ndim])
-        dtype = DTYPES_BY_CODE[code]
-        flat = np.empty(int(np.prod(shape)), dtype.storage)
-        self._tag = self._p2p_tag(seq, code, flat.size)
-        self._exchange([], [Recv(src, flat)], timeout_ms)
-        like = torch.empty(0, dtype=dtype.torch_dtype) if is_torch else np.empty(0, dtype.name)
-        return to_caller_type(flat, dtype, shape, like)
+        src = int(src)
+        timeout_ms = checks.timeout_ms(timeout_ms, "timeout_ms")
+
+        def run() -> Any:
+            self._p2p_received[src] += 1
+            seq = self._p2p_received[src]
+            self._start_p2p("recv", seq)
+            header = np.empty(_P2P_HEADER_WORDS, np.int64)
+            self._tag = self._p2p_tag(seq, 0, _P2P_HEADER_WORDS)
+            self._exchange([], [Recv(src, header)], timeout_ms, counted=False)
+            is_torch, code, ndim = (int(v) for v in header[:3])
+            shape = tuple(int(v) for v in header[3 : 3 + ndim])
+            dtype = DTYPES_BY_CODE[code]
+            flat = np.empty(int(np.prod(shape)), dtype.storage)
+            self._tag = self._p2p_tag(seq, code, flat.size)
+            self._exchange([], [Recv(src, flat)], timeout_ms)
+            like = torch.empty(0, dtype=dtype.torch_dtype) if is_torch else np.empty(0, dtype.name)
+            return to_caller_type(flat, dtype, shape, like)
+
+        return self.issue(run, async_op=False)
 
     def _start_p2p(self, kind: str, seq: int) -> None:
         position = self._position

@@ -25,17 +25,33 @@ class ReduceOp(str, enum.Enum):
 _TORCH_OP_NAMES = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg"}
 
 
+def _torch_op_name(op: Any) -> str | None:
+    """The name of a ``torch.distributed.ReduceOp`` (or its ``RedOpType``), else None."""
+    import torch.distributed as dist
+
+    if isinstance(op, dist.ReduceOp):
+        for name in _TORCH_OP_NAMES:
+            if op == getattr(dist.ReduceOp, name):
+                return name
+        return repr(op)  # a premul-sum or other op the lab does not have
+    if isinstance(op, dist.ReduceOp.RedOpType):
+        return op.name
+    return None
+
+
 def parse_op(op: Any) -> ReduceOp:
-    """``"sum"``, ``lab.ReduceOp.SUM`` or ``torch.distributed.ReduceOp.SUM`` -> ``ReduceOp.SUM``."""
+    """``"sum"``, ``lab.ReduceOp.SUM`` or ``torch.distributed.ReduceOp.SUM`` (or
+    ``ReduceOp(ReduceOp.SUM)``) -> ``ReduceOp.SUM``; anything else is a ``ValueError``."""
     if isinstance(op, ReduceOp):
         return op
-    name = str(op).rsplit(".", 1)[-1]
-    name = _TORCH_OP_NAMES.get(name.upper(), name.lower())
+    torch_name = _torch_op_name(op)
+    name = _TORCH_OP_NAMES.get(torch_name, "") if torch_name is not None else op.lower() if isinstance(op, str) else ""
     try:
         return ReduceOp(name)
     except ValueError:
         choices = ", ".join(repr(o.value) for o in ReduceOp)
-        raise ValueError(f"op must be one of {choices}; got {op!r}") from None
+        raise ValueError(f"op must be one of {choices} (or lab.ReduceOp / torch.distributed.ReduceOp); "
+                         f"got {op!r}") from None
 
 
 @dataclass(frozen=True)

@@ -119,9 +119,11 @@ def test_a_stalled_peer_raises_a_deadline_error_naming_rank_peer_and_collective(
     started = time.monotonic()
     with pytest.raises(lab.RankError) as info:
         lab.spawn(stall, 3, transport=transport, recv_timeout_ms=500)
-    assert info.value.exc_type == "DeadlineError"
-    assert "allreduce #1 (ring) step 1" in info.value.exc_message
-    assert "waiting for rank 0" in str(info.value) or "waiting for rank" in info.value.exc_message
+    # The headline is the rank the others waited for (rank 0, asleep in fn), not a rank that timed out.
+    assert (info.value.rank, info.value.exc_type) == (0, "Unresponsive"), info.value
+    assert "timed out waiting for it" in info.value.exc_message and "still running" in info.value.exc_message
+    others = info.value.others
+    assert "DeadlineError" in others and "allreduce #1 (ring) step 1" in others and "waiting for rank" in others
     assert time.monotonic() - started < 12
 
 

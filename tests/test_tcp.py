@@ -44,31 +44,37 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+
+import lab  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from lab.errors import LabError  # noqa: E402
-from lab.transport.base import TAG_BYTES, Recv, TagMismatch  # noqa: E402
-from lab.transport.tcp import _HEADER, _HELLO, MAGIC, VERSION, TcpTransport, _proof  # noqa: E402
+from lab.errors import LabError, PeerLostError  # noqa: E402
+from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch  # noqa: E402
+from lab.transport.tcp import (_ACCEPTOR_KEY, _ACCEPTOR_PROOF, _CONNECTOR_KEY, _CONNECTOR_PROOF, _HEADER,  # noqa: E402
+                               _HELLO, HANDSHAKE_TIMEOUT_S, MAGIC, VERSION, TcpTransport, derive, frame_mac,
+                               transcript)
 
 SECRET = b"test-job-secret"
 TAG = b"fingerprint".ljust(TAG_BYTES, b"\0")
+ATTACKER = Path(__file__).parent / "scripts" / "tcp_attacker.py"
 
 
 class RankZero:
     """Rank 0 of a 2-rank TCP mesh, built in a thread while the test plays rank 1 by hand."""
 
-    def __init__(self) -> None:
+    def __init__(self, world_size: int = 2) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.transport: TcpTransport | None = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._build, daemon=True)
+        self.thread = threading.Thread(target=self._build, args=(world_size,), daemon=True)
+        self.started = time.monotonic()
         self.thread.start()
 
-    def _build(self) -> None:
+    def _build(self, world_size: int) -> None:
         try:
-            self.transport = TcpTransport(0, 2, self.store, secret=SECRET, prefix="fuzz")
+            self.transport = TcpTransport(0, world_size, self.store, secret=SECRET, prefix="fuzz")
         except BaseException as exc:  # noqa: BLE001 - handed to the test
             self.error = exc
 
@@ -80,13 +86,25 @@ class RankZero:
         return host, int(port)
 
 
-def hello(sock: socket.socket, secret: bytes = SECRET, rank: int = 1) -> None:
-    """Rank 1's side of the handshake (with a chosen secret)."""
-    sock.settimeout(5)
-    sock.sendall(_HELLO.pack(MAGIC, VERSION, rank, b"c" * 32, b"\0" * 32))
-    _, _, _, challenge, _ = _HELLO.unpack(_read(sock, _HELLO.size))
-    sock.sendall(_proof(secret, challenge, rank))
-    _read(sock, 32)
+class Played:
+    """Rank 1 played by hand: the connecting side of the handshake, then frames with their MACs."""
+
+    def __init__(self, sock: socket.socket, secret: bytes = SECRET, rank: int = 1) -> None:
+        sock.settimeout(5)
+        self.sock, mine = sock, b"c" * 32
+        sock.sendall(_HELLO.pack(MAGIC, VERSION, rank, mine))
+        _, _, acceptor, theirs = _HELLO.unpack(_read(sock, _HELLO.size))
+        bound = transcript(acceptor, rank, theirs, mine)
+        sock.sendall(derive(secret, _CONNECTOR_PROOF, bound))
+        if _read(sock, 32) != derive(secret, _ACCEPTOR_PROOF, bound):
+            raise AssertionError("rank 0 answered with a wrong proof")
+        self.send_key, self.recv_key, self.sent = derive(secret, _CONNECTOR_KEY, bound), derive(secret, _ACCEPTOR_KEY, bound), 0
+
+    def frame(self, header: bytes, payload: bytes) -> bytes:
+        mac = frame_mac(self.send_key, self.sent)
+        self.sent += 1
+        mac.update(header + payload)
+        return header + payload + mac.digest()
 
 
 def _read(sock: socket.socket, size: int) -> bytes:
@@ -99,13 +117,12 @@ def _read(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def connected_pair() -> tuple[TcpTransport, socket.socket]:
+def connected_pair() -> tuple[TcpTransport, Played]:
     rank_zero = RankZero()
-    peer = socket.create_connection(rank_zero.address(), timeout=5)
-    hello(peer)
+    played = Played(socket.create_connection(rank_zero.address(), timeout=5))
     rank_zero.thread.join(10)
     assert rank_zero.transport is not None, rank_zero.error
-    return rank_zero.transport, peer
+    return rank_zero.transport, played
 
 
 def test_strangers_are_rejected_and_the_real_peer_still_joins():
@@ -116,9 +133,9 @@ def test_strangers_are_rejected_and_the_real_peer_still_joins():
         garbage.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100)
     with socket.create_connection(address) as impostor:               # a lab hello, wrong secret
         with pytest.raises(ConnectionError):
-            hello(impostor, secret=b"guessed")  # rank 0 closes without answering the bad proof
+            Played(impostor, secret=b"guessed")  # rank 0 closes without answering the bad proof
     with socket.create_connection(address) as real:
-        hello(real)
+        Played(real)
         rank_zero.thread.join(10)
     assert rank_zero.error is None and rank_zero.transport is not None
     rank_zero.transport.close()
@@ -126,44 +143,213 @@ def test_strangers_are_rejected_and_the_real_peer_still_joins():
         socket.create_connection(address, timeout=2)
 
 
+def test_idle_and_trickling_strangers_cost_the_real_peers_nothing():
+    """Handshakes run at once: silent connections and a 1-byte-per-second sender do not delay the
+    real peer (formerly each held the listener for 10 s, and three made the pool fail)."""
+    rank_zero = RankZero()
+    address = rank_zero.address()
+    idle = [socket.create_connection(address) for _ in range(3)]
+    trickle = socket.create_connection(address)
+    trickle.sendall(MAGIC[:1])
+    started = time.monotonic()
+    with socket.create_connection(address) as real:
+        Played(real)
+        rank_zero.thread.join(10)
+    assert rank_zero.transport is not None, rank_zero.error
+    assert time.monotonic() - started < HANDSHAKE_TIMEOUT_S / 2
+    for sock in (*idle, trickle):
+        sock.close()
+    rank_zero.transport.close()
+
+
+def test_a_listener_names_the_ranks_that_never_came(monkeypatch):
+    monkeypatch.setattr("lab.transport.tcp.CONNECT_TIMEOUT_S", 1.0)
+    rank_zero = RankZero(world_size=3)
+    rank_zero.thread.join(10)
+    assert isinstance(rank_zero.error, lab.DeadlineError) and "ranks [1, 2] did not connect" in str(rank_zero.error)
+    assert rank_zero.error.peers == (1, 2)
+
+
 def receive(transport: TcpTransport, nbytes: int, timeout_s: float = 3.0) -> BaseException | None:
     out = np.zeros(nbytes // 4, np.float32)
     try:
-        transport.exchange([], [Recv(1, out)], TAG, time.monotonic() + timeout_s, "fuzz")
+        transport.exchange([], [Recv(1, out)], TAG, timeout_s, "fuzz")
     except (LabError, TagMismatch) as exc:
         return exc
     return None
 
 
 def test_a_good_frame_is_received():
-    transport, peer = connected_pair()
+    transport, played = connected_pair()
     payload = np.arange(4, dtype=np.float32)
-    peer.sendall(_HEADER.pack(MAGIC, VERSION, 1, TAG, payload.nbytes) + payload.tobytes())
+    played.sock.sendall(played.frame(_HEADER.pack(MAGIC, VERSION, 1, TAG, payload.nbytes), payload.tobytes()))
     assert receive(transport, 16) is None
     transport.close()
-    peer.close()
+    played.sock.close()
+
+
+@pytest.mark.parametrize("forgery", ["payload", "header", "mac", "replayed", "no key"])
+def test_a_frame_without_the_right_mac_is_refused(forgery):
+    """Frames are authenticated per connection and per sequence number: an altered byte, a
+    replayed frame or a frame MAC'd without the connection's key raises, never returns."""
+    transport, played = connected_pair()
+    payload = np.arange(4, dtype=np.float32).tobytes()
+    header = _HEADER.pack(MAGIC, VERSION, 1, TAG, len(payload))
+    good = played.frame(header, payload)
+    if forgery == "replayed":  # the first frame is fine; the same bytes again are not
+        played.sock.sendall(good)
+        assert receive(transport, 16) is None
+        bad = good
+    elif forgery == "no key":
+        mac = frame_mac(b"k" * 32, 0)
+        mac.update(header + payload)
+        bad = header + payload + mac.digest()
+    else:
+        where = {"payload": _HEADER.size + 3, "header": 44, "mac": len(good) - 1}[forgery]
+        bad = bytearray(good)
+        bad[where] ^= 0x40
+        bad = bytes(bad)
+    played.sock.sendall(bad)
+    error = receive(transport, 16)
+    assert isinstance(error, (PeerLostError, lab.CollectiveMismatchError)), error
+    transport.close()
+    played.sock.close()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(magic=st.sampled_from([MAGIC, b"LABX", b"\0\0\0\0"]), version=st.sampled_from([VERSION, 0, 2, 255]),
+@given(magic=st.sampled_from([MAGIC, b"LABX", b"\0\0\0\0"]), version=st.sampled_from([VERSION, 0, 1, 255]),
        kind=st.sampled_from([1, 0, 7]), length=st.sampled_from([16, 15, 0, 1 << 40, 2**64 - 1]),
-       tag=st.sampled_from([TAG, b"other".ljust(TAG_BYTES, b"\0")]), cut=st.integers(0, _HEADER.size + 16),
+       tag=st.sampled_from([TAG, b"other".ljust(TAG_BYTES, b"\0")]), cut=st.integers(0, _HEADER.size + 48),
        tail=st.binary(max_size=64))
 def test_malformed_and_truncated_frames_are_rejected_cleanly(magic, version, kind, length, tag, cut, tail):
     """Whatever arrives, the receive ends with a lab error (or succeeds on a valid frame) before its
     deadline: no hang, no crash, no allocation from a garbled length."""
-    transport, peer = connected_pair()
-    frame = struct.pack("<4sBBxx", magic, version, kind) + tag + struct.pack("<Q", length) + b"\1" * 16 + tail
-    peer.sendall(frame[:cut] if cut < len(frame) else frame)
-    if cut < _HEADER.size + 16:
-        peer.close()  # truncated: the peer goes away mid-frame
+    transport, played = connected_pair()
+    header = struct.pack("<4sBBxx", magic, version, kind) + tag + struct.pack("<Q", length)
+    frame = played.frame(header, b"\1" * 16) + tail
+    played.sock.sendall(frame[:cut] if cut < _HEADER.size + 48 else frame)
+    if cut < _HEADER.size + 48:
+        played.sock.close()  # truncated: the peer goes away mid-frame
     started = time.monotonic()
     error = receive(transport, 16)
     assert time.monotonic() - started < 4
-    valid = (magic, version, kind, length, tag) == (MAGIC, VERSION, 1, 16, TAG) and cut >= _HEADER.size + 16
+    valid = (magic, version, kind, length, tag) == (MAGIC, VERSION, 1, 16, TAG) and cut >= _HEADER.size + 48
     assert (error is None) == valid, (error, magic, version, kind, length, cut)
     transport.close()
-    peer.close()
+    played.sock.close()
+
+
+# -- a second process as the attacker --------------------------------------------------------------
+
+
+def _pair_through(relay_mode: str):
+    """Rank 0 in a thread; rank 1 in a thread whose store says rank 0 is at the attacker's address
+    (as if the attacker had rewritten it); the attacker, a separate process, relays to rank 0."""
+    rank_zero = RankZero()
+    real = rank_zero.address()
+    attacker = subprocess.Popen([sys.executable, str(ATTACKER), relay_mode, real[0], str(real[1])],
+                                stdout=subprocess.PIPE, text=True, env=child_env())
+    relay_port = int(attacker.stdout.readline())
+    lied = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    lied.set("fuzz/addr/0", f"127.0.0.1:{relay_port}")
+    rank_one: list = []
+
+    def connect() -> None:
+        try:
+            rank_one.append(TcpTransport(1, 2, lied, secret=SECRET, prefix="fuzz"))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            rank_one.append(exc)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(15)
+    rank_zero.thread.join(15)
+    return rank_zero, rank_one[0], attacker
+
+
+@pytest.mark.parametrize("mode", ["flip", "inject"])
+def test_an_attacker_in_the_middle_is_detected(mode):
+    """The attacker relays a real handshake (it cannot forge one), then alters a payload byte or
+    injects a frame of its own: the receiver raises instead of returning the wrong sum."""
+    rank_zero, rank_one, attacker = _pair_through(mode)
+    try:
+        assert isinstance(rank_one, TcpTransport), rank_one
+        data = np.arange(1024, dtype=np.float32)
+        sender = threading.Thread(target=rank_one.exchange, args=([Send(0, data)], [], TAG, 5.0, "attack"), daemon=True)
+        sender.start()
+        out = np.ones(1024, np.float32)
+        with pytest.raises(PeerLostError, match="failed authentication"):
+            rank_zero.transport.exchange([], [Recv(0 + 1, out, lambda o, i: np.add(o, i, out=o))], TAG, 5.0, "attack")
+        sender.join(5)
+    finally:
+        attacker.kill()
+        attacker.wait()
+        for transport in (rank_zero.transport, rank_one):
+            if isinstance(transport, TcpTransport):
+                transport.close()
+
+
+def test_a_proof_is_bound_to_the_pair_and_the_direction():
+    """A connector's proof obtained by posing as one rank is refused by another (ranks and nonces
+    are bound); an acceptor that reflects the connector's own proof back is refused (direction)."""
+    # Pose as rank 0 to a real connecting rank 1, and reflect its proof back as ours.
+    lied = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        lied.set("fuzz/addr/0", f"127.0.0.1:{fake.getsockname()[1]}")
+        outcome: list = []
+        thread = threading.Thread(target=lambda: outcome.append(_try(lambda: TcpTransport(1, 2, lied, SECRET, prefix="fuzz"))),
+                                  daemon=True)
+        thread.start()
+        conn, _ = fake.accept()
+        conn.settimeout(5)
+        _, _, _, their_nonce = _HELLO.unpack(_read(conn, _HELLO.size))
+        conn.sendall(_HELLO.pack(MAGIC, VERSION, 0, b"n" * 32))
+        stolen = _read(conn, 32)  # rank 1's proof for (acceptor 0, connector 1, these nonces)
+        conn.sendall(stolen)      # reflected as the acceptor's proof
+        thread.join(10)
+        conn.close()
+    assert isinstance(outcome[0], LabError) and "failed authentication" in str(outcome[0])
+    # The stolen proof, presented to a real rank 0 with the same claimed nonce: rank 0's own nonce
+    # is fresh, so the transcript differs and the connection is dropped unanswered.
+    rank_zero = RankZero()
+    with socket.create_connection(rank_zero.address()) as sock:
+        sock.settimeout(5)
+        sock.sendall(_HELLO.pack(MAGIC, VERSION, 1, their_nonce) + stolen)
+        _read(sock, _HELLO.size)
+        with pytest.raises((ConnectionError, TimeoutError)):
+            _read(sock, 32)
+    rank_zero.store.set("fuzz/addr/never", "")  # rank 0 is still waiting for a real rank 1
+    assert rank_zero.transport is None and rank_zero.thread.is_alive()
+
+
+def _try(make):
+    try:
+        return make()
+    except BaseException as exc:  # noqa: BLE001 - handed to the test
+        return exc
+
+
+def test_the_pool_store_listens_on_loopback_only_and_holds_no_secret():
+    """For every transport: the pool's store binds 127.0.0.1 only; a second process that connects
+    to it finds the rank addresses but no secret."""
+    import psutil
+
+    def listening() -> set:
+        return {c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"}
+
+    for transport in ("tcp", "shm"):
+        before = listening()  # (this module's hand-made stores listen everywhere: not the pool's)
+        with lab.launch(2, transport=transport) as cluster:
+            new = listening() - before
+            assert [a.ip for a in new] == ["127.0.0.1"], new
+            port = new.pop().port
+            assert port == cluster._store.port
+            probe = subprocess.run(
+                [sys.executable, "-c", "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', int(sys.argv[1]),"
+                 " is_master=False); print(s.check(['lab/tcp/secret']), s.check(['lab/tcp/secret-file']),"
+                 " s.check(['lab/tcp/addr/0']))", str(port)],
+                capture_output=True, text=True, timeout=60, env=child_env())
+            assert probe.stdout.split() == ["False", "False", str(transport == "tcp")], probe.stderr[-2000:]
 
 
 # -- across a real network interface: two network namespaces joined by a veth pair ----------------

@@ -6,6 +6,10 @@ are complete, progressing them together so that a ring step (every rank sends an
 once) cannot deadlock even when buffers are bounded. A receive either copies into its output or
 reduces into it with a kernel (``combine(out, incoming)``), straight from where the bytes landed.
 
+A wait raises :class:`lab.DeadlineError` after ``timeout_s`` seconds in which no awaited peer
+made progress: the deadline measures silence, so a peer streaming a large tensor is never timed
+out, however long the transfer takes (``timeout_s`` may be ``math.inf``).
+
 Every message carries a ``tag`` (the mesh's fingerprint of the current collective); a receive
 whose message has a different tag raises :class:`TagMismatch`, which the mesh turns into a
 :class:`lab.CollectiveMismatchError`.
@@ -25,6 +29,15 @@ Combine = Callable[[np.ndarray, np.ndarray], None]
 
 #: The longest tag a message can carry (the mesh's fingerprint is shorter).
 TAG_BYTES = 32
+
+#: The longest single wait handed to poll/select (they cannot take an unbounded timeout): a longer
+#: (or infinite) deadline is waited out in slices of this.
+MAX_WAIT_SLICE_S = 3600.0
+
+
+def wait_slice(remaining_s: float) -> float:
+    """``remaining_s`` capped to what one poll/select call accepts."""
+    return min(remaining_s, MAX_WAIT_SLICE_S)
 
 
 @dataclass
@@ -56,13 +69,13 @@ class Transport(ABC):
 
     @abstractmethod
     def exchange(
-        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, deadline: float, where: object
+        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
     ) -> None:
         """Complete every send and receive, or raise.
 
-        ``deadline`` is a ``time.monotonic()`` instant after which a wait raises
-        :class:`lab.DeadlineError`; ``where`` describes the caller's position (its ``str`` is
-        used only in error messages). A peer that is gone raises :class:`lab.PeerLostError`.
+        ``timeout_s``: the longest silence (no progress from any awaited peer) before a wait
+        raises :class:`lab.DeadlineError` naming the peers in ``.peers``; ``where`` describes
+        the caller's position (its ``str`` is used only in error messages). A peer that is gone raises :class:`lab.PeerLostError`.
         """
 
     def unconsumed_tags(self) -> dict[int, list[bytes]]:

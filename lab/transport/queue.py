@@ -83,13 +83,13 @@ class QueueTransport(Transport):
         self._closed = False
 
     def exchange(
-        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, deadline: float, where: object
+        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
     ) -> None:
         # Post every send first (they never block), then take each receive in turn.
         for send in sends:
             self._outbox[send.dst].put((tag, send.data.copy()))  # snapshot: pickled later
         for recv in recvs:
-            got_tag, payload = self._get(recv.src, deadline, where)
+            got_tag, payload = self._get(recv.src, time.monotonic() + timeout_s, where)
             if got_tag != tag:
                 raise TagMismatch(recv.src, tag, got_tag)
             if payload.nbytes != recv.out.nbytes:
@@ -106,7 +106,7 @@ class QueueTransport(Transport):
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise DeadlineError(f"rank {self.rank} timed out waiting for rank {src} in {where}")
+                raise DeadlineError(f"rank {self.rank} timed out waiting for rank {src} in {where}", peers=(src,))
             try:
                 return self._inbox[src].get(timeout=min(remaining, LIVENESS_CHECK_S))
             except queue.Empty:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
-from lab.transport.base import TAG_BYTES, Recv, Send, SharedFd, TagMismatch, Transport
+from lab.transport.base import TAG_BYTES, Recv, Send, SharedFd, TagMismatch, Transport, wait_slice
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024
 DEFAULT_SLOTS = 4
@@ -63,27 +63,34 @@ class ShmEndpoints:
 
 
 def create_endpoints(world_size: int, segment_bytes: int, slots: int) -> list[ShmEndpoints]:
-    """Build the full mesh in the parent: N(N-1) pipes and N segments."""
+    """Build the full mesh in the parent: N(N-1) pipes and N segments (all closed again if any
+    of them cannot be made, so a failed setup leaves no descriptor behind)."""
     if segment_bytes < 64 or segment_bytes % 64:
         raise ValueError(f"segment_bytes must be a positive multiple of 64; got {segment_bytes}")
     if slots < 1:
         raise ValueError(f"slots must be >= 1; got {slots}")
     endpoints = [ShmEndpoints(r, world_size, segment_bytes, slots, {}, {}) for r in range(world_size)]
-    for src in range(world_size):
-        for dst in range(world_size):
-            if src != dst:
-                reader, writer = os.pipe()
-                endpoints[dst].inbox[src] = SharedFd(reader)
-                endpoints[src].outbox[dst] = SharedFd(writer)
-    if world_size > 1:
-        size = (world_size - 1) * slots * segment_bytes
-        segments = []
-        for rank in range(world_size):
-            fd = os.memfd_create(f"lab-rank{rank}", os.MFD_CLOEXEC)
-            os.ftruncate(fd, size)
-            segments.append(SharedFd(fd))
+    segments: list[SharedFd] = []
+    try:
+        for src in range(world_size):
+            for dst in range(world_size):
+                if src != dst:
+                    reader, writer = os.pipe()
+                    endpoints[dst].inbox[src] = SharedFd(reader)
+                    endpoints[src].outbox[dst] = SharedFd(writer)
+        if world_size > 1:
+            size = (world_size - 1) * slots * segment_bytes
+            for rank in range(world_size):
+                segments.append(SharedFd(os.memfd_create(f"lab-rank{rank}", os.MFD_CLOEXEC)))
+                os.ftruncate(segments[-1].fd, size)
+    except BaseException:
         for ep in endpoints:
-            ep.segments = segments  # shared: closing one endpoint's copy closes the parent's fd once
+            ep.close_in_parent()
+        for shared in segments:
+            shared.close()
+        raise
+    for ep in endpoints:
+        ep.segments = segments  # shared: closing one endpoint's copy closes the parent's fd once
     return endpoints
 
 
@@ -138,22 +145,28 @@ class ShmTransport(Transport):
     # -- the exchange loop -------------------------------------------------------------------
 
     def exchange(
-        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, deadline: float, where: object
+        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
     ) -> None:
         tag = tag.ljust(TAG_BYTES, b"\0")
         sending = [_Job(s.dst, s.data, self.segment_bytes) for s in sends]
         receiving = [_Job(r.src, r.out, self.segment_bytes, r.combine) for r in recvs]
+        deadline = time.monotonic() + timeout_s
         while True:
+            moved = False
             for job in sending:
                 while job.segments_left and self._credits[job.peer]:
                     self._push_segment(job, tag, where)
+                    moved = True
             for job in receiving:
                 while job.segments_left and self._arrived[job.peer]:
                     self._consume_segment(job, tag, where)
+                    moved = True
             sending = [job for job in sending if job.segments_left]
             receiving = [job for job in receiving if job.segments_left]
             if not (sending or receiving):
                 return
+            if moved:  # an awaited peer made progress: the silence starts over
+                deadline = time.monotonic() + timeout_s
             if not any(self._credits[job.peer] for job in sending):
                 self._wait(deadline, where, {job.peer for job in sending + receiving})
 
@@ -199,11 +212,14 @@ class ShmTransport(Transport):
 
     def _wait(self, deadline: float, where: object, peers: set[int]) -> None:
         """Block until a message arrives (from anyone), then take in everything that arrived."""
-        timeout_ms = (deadline - time.monotonic()) * 1000
-        events = self._poller.poll(max(timeout_ms, 0)) if timeout_ms > 0 else []
+        remaining = deadline - time.monotonic()
+        events = self._poller.poll(wait_slice(remaining) * 1000) if remaining > 0 else []
         if not events:
+            if time.monotonic() < deadline:
+                return  # a long wait taken in slices
             names = ", ".join(str(p) for p in sorted(peers))
-            raise DeadlineError(f"rank {self.rank} timed out waiting for rank {names} in {where}")
+            raise DeadlineError(f"rank {self.rank} timed out waiting for rank {names} in {where}",
+                                peers=sorted(peers))
         for fd, _ in events:
             self._drain(self._peer_of_fd[fd], where)
 

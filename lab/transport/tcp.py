@@ -1,19 +1,29 @@
 """The ``"tcp"`` transport: the same collectives over real sockets, on one host or many.
 
 Wire format. One TCP connection per pair of ranks. Every message is a frame: a fixed 48-byte
-header (magic ``LABT``, version, kind, the 32-byte tag, payload length) followed by the raw tensor
-bytes. Nothing received from a socket is ever unpickled. A receiver checks magic, version and
-length before reading a payload byte, and the tag before using it.
+header (magic ``LABT``, version, kind, the 32-byte tag, payload length), the raw tensor bytes,
+and a 32-byte HMAC-SHA256 over a per-direction sequence number, the header and the payload, keyed
+with a key that only this connection's two ranks hold. Nothing received from a socket is ever
+unpickled. A receiver checks magic, version and length before reading a payload byte, the tag
+before using it, and the MAC before the exchange returns: a frame that was altered, replayed,
+reordered or injected by anyone in the middle raises :class:`lab.PeerLostError` (the result is
+never returned).
 
 Progress. Sockets are non-blocking and one selector drives every send and receive of an
 exchange at once, so a ring step (send right, receive left) cannot deadlock however large the
-chunk; a reduction streams through a bounded scratch segment into the output.
+chunk; a reduction streams through a bounded scratch segment into the output. A wait raises
+:class:`lab.DeadlineError` only after ``timeout_s`` without a byte moving: a peer that streams a
+large tensor is busy, not silent.
 
-Joining. Ranks meet through a ``torch.distributed.TCPStore`` (the pool's, or torchrun's): each
-publishes ``host:port`` of a listener, the lower rank of each pair accepts and the higher one
-connects, and both prove they belong to this job with an HMAC of a per-job secret over the
-other's random challenge before any frame is read. The listener binds loopback unless told
-otherwise and is closed once the mesh is complete.
+Joining. Ranks meet through a ``torch.distributed.TCPStore``: each publishes ``host:port`` of a
+listener, the lower rank of each pair accepts and the higher one connects. The handshake is mutual
+and bound to the connection: both send a fresh nonce, and each proves it holds the job's secret
+with an HMAC over both nonces, both ranks and the direction, so a proof seen on one connection is
+worthless on any other (a relay between two real ranks gains nothing: it cannot read the frame
+keys, derived the same way). The connecting side proves itself first; the accepting side answers
+only a proven peer. The listener handshakes every connection at once, drops one that has not
+proven itself within ``HANDSHAKE_TIMEOUT_S``, and is closed once the mesh is complete. The
+secret itself never travels: it is handed to the ranks by their launcher (see :mod:`lab.rendezvous`).
 """
 
 from __future__ import annotations
@@ -21,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import os
 import secrets
 import selectors
 import socket
@@ -33,21 +42,43 @@ from dataclasses import dataclass
 import numpy as np
 
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
-from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch, Transport
+from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch, Transport, wait_slice
 
 MAGIC = b"LABT"
-VERSION = 1
+VERSION = 2
 _DATA = 1
 _HEADER = struct.Struct(f"<4sBBxx{TAG_BYTES}sQ")  # magic, version, kind, tag, payload bytes: 48
-_HELLO = struct.Struct("<4sBxxxI32s32s")  # magic, version, rank, challenge, proof: 76 bytes
+_HELLO = struct.Struct("<4sBxxxI32s")  # magic, version, rank, nonce: 44 bytes
+_PROOF_BYTES = 32
+MAC_BYTES = 32  # HMAC-SHA256 after every frame
 #: Frames announcing more payload than this are rejected (a garbled length must not allocate).
 MAX_FRAME_BYTES = 1 << 36
 SCRATCH_BYTES = 256 * 1024
+#: How long a rank waits for the whole mesh to form.
 CONNECT_TIMEOUT_S = 60.0
+#: A connection to a listener that has not proven itself within this is dropped.
+HANDSHAKE_TIMEOUT_S = 5.0
+#: Unproven connections a listener holds at once; more are dropped on arrival.
+MAX_PENDING_HANDSHAKES = 64
+
+# Labels that bind every derived value to its role and direction.
+_CONNECTOR_PROOF, _ACCEPTOR_PROOF = b"proof: connector to acceptor", b"proof: acceptor to connector"
+_CONNECTOR_KEY, _ACCEPTOR_KEY = b"frames: connector to acceptor", b"frames: acceptor to connector"
 
 
-def _proof(secret: bytes, challenge: bytes, rank: int) -> bytes:
-    return hmac.new(secret, challenge + rank.to_bytes(4, "little"), hashlib.sha256).digest()
+def transcript(acceptor: int, connector: int, acceptor_nonce: bytes, connector_nonce: bytes) -> bytes:
+    """What a handshake's proofs and keys are bound to: both ranks and both fresh nonces."""
+    return b"lab-tcp-v2" + struct.pack("<II", acceptor, connector) + acceptor_nonce + connector_nonce
+
+
+def derive(secret: bytes, label: bytes, handshake: bytes) -> bytes:
+    """HMAC-SHA256 of ``label + handshake`` under the job's secret (proofs and frame keys)."""
+    return hmac.new(secret, label + handshake, hashlib.sha256).digest()
+
+
+def frame_mac(key: bytes, sequence: int):
+    """A running MAC of one frame: sequence number, then header and payload as they pass."""
+    return hmac.new(key, sequence.to_bytes(8, "little"), hashlib.sha256)
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:
@@ -60,128 +91,241 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
+@dataclass
+class _Link:
+    """An authenticated connection to one peer: its socket, frame keys and sequence numbers."""
+
+    sock: socket.socket
+    send_key: bytes
+    recv_key: bytes
+    sent: int = 0
+    received: int = 0
+
+
 class _Job:
-    """One frame in flight: a send (header, then payload) or a receive (header, then payload)."""
+    """One frame in flight: header, payload, MAC; sent or received a piece at a time."""
 
-    __slots__ = ("peer", "array", "bytes", "header", "header_done", "offset", "combine", "scratch", "filled")
+    __slots__ = ("peer", "array", "bytes", "header", "header_done", "offset", "combine", "scratch", "filled",
+                 "mac", "trailer", "trailer_done")
 
-    def __init__(self, peer: int, array: np.ndarray, combine=None) -> None:
-        self.peer, self.array, self.combine = peer, array, combine
+    def __init__(self, peer: int, array: np.ndarray, mac, combine=None) -> None:
+        self.peer, self.array, self.combine, self.mac = peer, array, combine, mac
         self.bytes = memoryview(array.view(np.uint8))
         self.header = bytearray(_HEADER.size)
         self.header_done = 0
         self.offset = 0  # payload bytes done
         self.scratch = None
         self.filled = 0
+        self.trailer = bytearray(MAC_BYTES)
+        self.trailer_done = 0
 
     @property
     def done(self) -> bool:
-        return self.header_done == _HEADER.size and self.offset == self.bytes.nbytes
+        return self.trailer_done == MAC_BYTES
 
 
 @dataclass
 class TcpEndpoints:
-    """What a rank of a local pool needs: nothing but its place (it meets the others via the store)."""
+    """What a rank of a local pool needs: its place and the job's secret (it meets the others via
+    the store)."""
 
     rank: int
     world_size: int
+    secret: bytes
 
     def close_in_parent(self) -> None:
         """Nothing is shared through the parent."""
 
 
-class TcpTransport(Transport):
-    """A rank's end of the TCP mesh."""
+class _Handshake:
+    """An accepted connection not yet proven: what it sent so far, and when it arrived."""
 
-    def __init__(self, rank: int, world_size: int, store, host: str = "127.0.0.1",
-                 secret: bytes | None = None, prefix: str = "lab/tcp") -> None:
+    __slots__ = ("nonce", "received", "started")
+
+    def __init__(self) -> None:
+        self.nonce = secrets.token_bytes(32)
+        self.received = bytearray()
+        self.started = time.monotonic()
+
+
+class TcpTransport(Transport):
+    """A rank's end of the TCP mesh. ``secret``: the job's shared secret (bytes, never sent)."""
+
+    def __init__(self, rank: int, world_size: int, store, secret: bytes, host: str = "127.0.0.1",
+                 prefix: str = "lab/tcp") -> None:
+        if not secret:
+            raise ValueError("secret must be a non-empty bytes string shared by every rank of the job")
         self.rank, self.world_size = rank, world_size
-        self._sockets: dict[int, socket.socket] = {}
+        self._links: dict[int, _Link] = {}
         self._closed = False
-        secret = secret or self._job_secret(store, prefix)
-        if world_size > 1:
-            self._connect(store, host, secret, prefix)
+        try:
+            if world_size > 1:
+                self._connect(store, host, secret, prefix)
+        except BaseException:
+            self._close_links()
+            raise
         self._selector = selectors.DefaultSelector()
         self._watched: dict[int, int] = {}  # peer -> selector events currently registered
         self._peer_of = {}
-        for peer, sock in self._sockets.items():
-            sock.setblocking(False)
-            self._peer_of[sock.fileno()] = peer
+        for peer, link in self._links.items():
+            link.sock.setblocking(False)
+            self._peer_of[link.sock.fileno()] = peer
 
     # -- joining -------------------------------------------------------------------------------
 
-    def _job_secret(self, store, prefix: str) -> bytes:
-        """The per-job secret: ``LAB_TCP_SECRET`` if set, else rank 0 draws one into the store."""
-        if os.environ.get("LAB_TCP_SECRET"):
-            return os.environ["LAB_TCP_SECRET"].encode()
-        if self.rank == 0:
-            store.set(f"{prefix}/secret", secrets.token_hex(32))
-        return store.get(f"{prefix}/secret")
-
     def _connect(self, store, host: str, secret: bytes, prefix: str) -> None:
-        listener = socket.create_server((host, 0))
-        listener.settimeout(CONNECT_TIMEOUT_S)
-        try:
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        with socket.create_server((host, 0), backlog=MAX_PENDING_HANDSHAKES) as listener:
             store.set(f"{prefix}/addr/{self.rank}", f"{host}:{listener.getsockname()[1]}")
             # The higher rank of each pair connects; the lower one accepts.
             for peer in range(self.rank):
-                peer_host, port = store.get(f"{prefix}/addr/{peer}").decode().rsplit(":", 1)
-                sock = socket.create_connection((peer_host, int(port)), timeout=CONNECT_TIMEOUT_S)
-                self._handshake(sock, secret, expected_peer=peer)
-                self._sockets[peer] = sock
-            deadline = time.monotonic() + CONNECT_TIMEOUT_S
-            while len(self._sockets) < self.world_size - 1:
-                listener.settimeout(max(deadline - time.monotonic(), 0.001))
-                try:
-                    sock, _ = listener.accept()
-                except TimeoutError:
-                    missing = sorted(set(range(self.rank + 1, self.world_size)) - set(self._sockets))
-                    raise DeadlineError(f"rank {self.rank}: ranks {missing} did not connect") from None
-                try:
-                    peer = self._handshake(sock, secret, expected_peer=None)
-                except (ConnectionError, OSError, LabError):
-                    sock.close()  # a stranger, or a garbled hello: drop it and keep listening
-                    continue
-                self._sockets[peer] = sock
-        finally:
-            listener.close()
+                address = store.get(f"{prefix}/addr/{peer}").decode()
+                self._links[peer] = self._connect_to(peer, address, secret, deadline)
+            self._accept_all(listener, secret, deadline)
 
-    def _handshake(self, sock: socket.socket, secret: bytes, expected_peer: int | None) -> int:
-        """Both sides send a challenge and answer the other's with an HMAC; returns the peer's rank."""
-        sock.settimeout(10.0)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        mine = secrets.token_bytes(32)
-        sock.sendall(_HELLO.pack(MAGIC, VERSION, self.rank, mine, b"\0" * 32))
-        magic, version, peer, theirs, _ = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
-        if magic != MAGIC or version != VERSION or not 0 <= peer < self.world_size or peer == self.rank:
-            raise LabError(f"rank {self.rank}: rejected a connection that is not a lab rank of this job")
-        if expected_peer is not None and peer != expected_peer:
-            raise LabError(f"rank {self.rank}: expected rank {expected_peer}, got rank {peer}")
-        # The connecting side proves itself first; the accepting side answers only a proven peer,
-        # so a stranger never obtains a proof it could replay elsewhere.
-        accepting = expected_peer is None
-        if not accepting:
-            sock.sendall(_proof(secret, theirs, self.rank))
-        if not hmac.compare_digest(_recv_exactly(sock, 32), _proof(secret, mine, peer)):
-            raise LabError(f"rank {self.rank}: a connection claiming rank {peer} failed authentication")
-        if accepting:
-            sock.sendall(_proof(secret, theirs, self.rank))
+    def _connect_to(self, peer: int, address: str, secret: bytes, deadline: float) -> _Link:
+        """Connect to ``peer`` and run the connecting side of the handshake."""
+        peer_host, port = address.rsplit(":", 1)
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            sock = socket.create_connection((peer_host, int(port)), timeout=remaining)
+        except OSError as exc:
+            raise PeerLostError(f"rank {self.rank}: cannot connect to rank {peer} at {address}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            mine = secrets.token_bytes(32)
+            sock.sendall(_HELLO.pack(MAGIC, VERSION, self.rank, mine))
+            magic, version, got, theirs = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
+            if (magic, version, got) != (MAGIC, VERSION, peer):
+                raise LabError(f"rank {self.rank}: {address} is not rank {peer} of this job")
+            handshake = transcript(peer, self.rank, theirs, mine)
+            sock.sendall(derive(secret, _CONNECTOR_PROOF, handshake))
+            if not hmac.compare_digest(_recv_exactly(sock, _PROOF_BYTES), derive(secret, _ACCEPTOR_PROOF, handshake)):
+                raise LabError(f"rank {self.rank}: the listener at {address} claiming rank {peer} failed "
+                               "authentication (a different job secret?)")
+        except TimeoutError:
+            sock.close()
+            raise DeadlineError(f"rank {self.rank}: rank {peer} at {address} did not complete the handshake "
+                                f"within {CONNECT_TIMEOUT_S:g} s", peers=(peer,)) from None
+        except (ConnectionError, OSError) as exc:
+            sock.close()
+            raise PeerLostError(f"rank {self.rank}: rank {peer} at {address} closed the handshake ({exc}); "
+                                "a different job secret?") from None
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(None)
-        return peer
+        return _Link(sock, derive(secret, _CONNECTOR_KEY, handshake), derive(secret, _ACCEPTOR_KEY, handshake))
+
+    def _accept_all(self, listener: socket.socket, secret: bytes, deadline: float) -> None:
+        """Accept the higher ranks, handshaking every connection at once: a stranger that stalls
+        costs at most ``HANDSHAKE_TIMEOUT_S`` of its own slot, never the real peers' time."""
+        expected = set(range(self.rank + 1, self.world_size))
+        pending: dict[socket.socket, _Handshake] = {}
+        listener.setblocking(False)
+        selector = selectors.DefaultSelector()
+        selector.register(listener, selectors.EVENT_READ)
+
+        def admit(sock: socket.socket) -> None:
+            selector.unregister(sock)
+            del pending[sock]
+
+        def drop(sock: socket.socket) -> None:
+            admit(sock)
+            sock.close()
+
+        try:
+            while expected - self._links.keys():
+                now = time.monotonic()
+                for sock in [s for s, h in pending.items() if now - h.started > HANDSHAKE_TIMEOUT_S]:
+                    drop(sock)
+                if now >= deadline:
+                    missing = sorted(expected - self._links.keys())
+                    raise DeadlineError(f"rank {self.rank}: ranks {missing} did not connect within "
+                                        f"{CONNECT_TIMEOUT_S:g} s", peers=missing)
+                wake = min([deadline, *(h.started + HANDSHAKE_TIMEOUT_S for h in pending.values())])
+                for key, _ in selector.select(max(wake - now, 0.001)):
+                    if key.fileobj is listener:
+                        self._take_new(listener, selector, pending)
+                    else:
+                        self._advance(key.fileobj, pending[key.fileobj], secret, expected, drop, admit)
+        finally:
+            for sock in list(pending):
+                drop(sock)
+            selector.close()
+
+    def _take_new(self, listener: socket.socket, selector, pending: dict) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                sock, _ = listener.accept()
+                if len(pending) >= MAX_PENDING_HANDSHAKES:
+                    sock.close()
+                    continue
+                handshake = _Handshake()
+                try:
+                    sock.setblocking(False)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.send(_HELLO.pack(MAGIC, VERSION, self.rank, handshake.nonce))  # fits an empty buffer
+                except OSError:
+                    sock.close()
+                    continue
+                pending[sock] = handshake
+                selector.register(sock, selectors.EVENT_READ)
+
+    def _advance(self, sock: socket.socket, handshake: _Handshake, secret: bytes, expected: set, drop, admit) -> None:
+        """Take what a pending connection sent; admit it once its hello and proof check out."""
+        try:
+            data = sock.recv(_HELLO.size + _PROOF_BYTES - len(handshake.received))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            drop(sock)
+            return
+        handshake.received += data
+        if len(handshake.received) < _HELLO.size:
+            return
+        magic, version, peer, theirs = _HELLO.unpack_from(handshake.received)
+        if (magic, version) != (MAGIC, VERSION) or peer not in expected or peer in self._links:
+            drop(sock)  # not a lab rank of this job that we still wait for
+            return
+        if len(handshake.received) < _HELLO.size + _PROOF_BYTES:
+            return
+        bound = transcript(self.rank, peer, handshake.nonce, theirs)
+        if not hmac.compare_digest(bytes(handshake.received[_HELLO.size:]), derive(secret, _CONNECTOR_PROOF, bound)):
+            drop(sock)  # a wrong secret, or a proof replayed from another connection
+            return
+        try:
+            sock.send(derive(secret, _ACCEPTOR_PROOF, bound))  # 32 bytes into an empty send buffer
+        except OSError:
+            drop(sock)
+            return
+        admit(sock)  # out of the pending set, socket kept
+        sock.setblocking(True)
+        self._links[peer] = _Link(sock, derive(secret, _ACCEPTOR_KEY, bound), derive(secret, _CONNECTOR_KEY, bound))
 
     # -- the exchange loop -------------------------------------------------------------------
 
     def exchange(
-        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, deadline: float, where: object
+        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
     ) -> None:
         tag = tag.ljust(TAG_BYTES, b"\0")
-        sending = {s.dst: _Job(s.dst, s.data) for s in sends}
-        receiving = {r.src: _Job(r.src, r.out, r.combine) for r in recvs}
-        for job in sending.values():
+        sending, receiving = {}, {}
+        for send in sends:
+            link = self._links[send.dst]
+            job = sending[send.dst] = _Job(send.dst, send.data, frame_mac(link.send_key, link.sent))
+            link.sent += 1
             job.header[:] = _HEADER.pack(MAGIC, VERSION, _DATA, tag, job.bytes.nbytes)
-        self._run(sending, receiving, tag, deadline, where)
+            job.mac.update(job.header)
+        for recv in recvs:
+            link = self._links[recv.src]
+            receiving[recv.src] = _Job(recv.src, recv.out, frame_mac(link.recv_key, link.received), recv.combine)
+            link.received += 1
+        self._run(sending, receiving, tag, timeout_s, where)
 
-    def _run(self, sending: dict, receiving: dict, tag: bytes, deadline: float, where: object) -> None:
+    def _run(self, sending: dict, receiving: dict, tag: bytes, timeout_s: float, where: object) -> None:
+        deadline = time.monotonic() + timeout_s
         while True:
             pending = {}
             for peer, job in sending.items():
@@ -193,11 +337,15 @@ class TcpTransport(Transport):
             if not pending:
                 return
             self._watch(pending)
-            timeout = deadline - time.monotonic()
-            ready = self._selector.select(timeout) if timeout > 0 else []
+            remaining = deadline - time.monotonic()
+            ready = self._selector.select(wait_slice(remaining)) if remaining > 0 else []
             if not ready:
+                if time.monotonic() < deadline:
+                    continue  # a long wait taken in slices
                 names = ", ".join(str(p) for p in sorted(pending))
-                raise DeadlineError(f"rank {self.rank} timed out waiting for rank {names} in {where}")
+                raise DeadlineError(f"rank {self.rank} timed out waiting for rank {names} in {where}",
+                                    peers=sorted(pending))
+            deadline = time.monotonic() + timeout_s  # a peer moved bytes: the silence starts over
             for key, events in ready:
                 peer = self._peer_of[key.fileobj.fileno()]
                 try:
@@ -211,60 +359,77 @@ class TcpTransport(Transport):
     def _watch(self, wanted: dict[int, int]) -> None:
         """Make the selector watch exactly ``wanted`` (peer -> events), changing only what differs."""
         for peer in [p for p in self._watched if p not in wanted]:
-            self._selector.unregister(self._sockets[peer])
+            self._selector.unregister(self._links[peer].sock)
             del self._watched[peer]
         for peer, events in wanted.items():
             if peer not in self._watched:
-                self._selector.register(self._sockets[peer], events)
+                self._selector.register(self._links[peer].sock, events)
             elif self._watched[peer] != events:
-                self._selector.modify(self._sockets[peer], events)
+                self._selector.modify(self._links[peer].sock, events)
             self._watched[peer] = events
 
     def _send_some(self, job: _Job) -> None:
-        sock = self._sockets[job.peer]
+        sock = self._links[job.peer].sock
         with contextlib.suppress(BlockingIOError):
             while job.header_done < _HEADER.size:
                 job.header_done += sock.send(memoryview(job.header)[job.header_done:])
             while job.offset < job.bytes.nbytes:
-                job.offset += sock.send(job.bytes[job.offset:job.offset + (4 << 20)])
+                sent = sock.send(job.bytes[job.offset:job.offset + (4 << 20)])
+                job.mac.update(job.bytes[job.offset:job.offset + sent])
+                job.offset += sent
+            if job.trailer_done == 0:
+                job.trailer[:] = job.mac.digest()
+            while job.trailer_done < MAC_BYTES:
+                job.trailer_done += sock.send(memoryview(job.trailer)[job.trailer_done:])
 
     def _recv_some(self, job: _Job, tag: bytes, where: object) -> None:
-        sock = self._sockets[job.peer]
+        sock = self._links[job.peer].sock
         try:
             while job.header_done < _HEADER.size:
-                got = sock.recv_into(memoryview(job.header)[job.header_done:])
-                if not got:
-                    raise ConnectionError("connection closed")
-                job.header_done += got
+                job.header_done += self._recv_into(sock, memoryview(job.header)[job.header_done:])
                 if job.header_done == _HEADER.size:
                     self._check_header(job, tag, where)
+                    job.mac.update(job.header)
             while job.offset < job.bytes.nbytes:
                 if job.combine is None:  # straight into the output
-                    got = sock.recv_into(job.bytes[job.offset:])
-                    if not got:
-                        raise ConnectionError("connection closed")
+                    got = self._recv_into(sock, job.bytes[job.offset:])
+                    job.mac.update(job.bytes[job.offset:job.offset + got])
                     job.offset += got
                     continue
                 # Reduce: fill a bounded segment, then fold it into the output in one kernel call.
+                # (A frame whose MAC then fails raises: the half-reduced output is never returned.)
                 if job.scratch is None:
                     job.scratch = np.empty(SCRATCH_BYTES, np.uint8)
                 segment = min(SCRATCH_BYTES, job.bytes.nbytes - job.offset)  # whole elements
-                got = sock.recv_into(memoryview(job.scratch)[job.filled:segment])
-                if not got:
-                    raise ConnectionError("connection closed")
+                view = memoryview(job.scratch)
+                got = self._recv_into(sock, view[job.filled:segment])
+                job.mac.update(view[job.filled:job.filled + got])
                 job.filled += got
                 if job.filled == segment:
                     start, count = job.offset // job.array.itemsize, segment // job.array.itemsize
                     job.combine(job.array[start:start + count], job.scratch[:segment].view(job.array.dtype))
                     job.offset += segment
                     job.filled = 0
+            while job.trailer_done < MAC_BYTES:
+                job.trailer_done += self._recv_into(sock, memoryview(job.trailer)[job.trailer_done:])
+            if not hmac.compare_digest(bytes(job.trailer), job.mac.digest()):
+                self._links[job.peer].sock.close()
+                raise PeerLostError(f"rank {self.rank}: a frame from rank {job.peer} failed authentication in "
+                                    f"{where} (altered, replayed or injected in transit); connection closed")
         except BlockingIOError:
             return
+
+    @staticmethod
+    def _recv_into(sock: socket.socket, view: memoryview) -> int:
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionError("connection closed")
+        return got
 
     def _check_header(self, job: _Job, tag: bytes, where: object) -> None:
         magic, version, kind, got_tag, nbytes = _HEADER.unpack(job.header)
         if magic != MAGIC or version != VERSION or kind != _DATA or nbytes > MAX_FRAME_BYTES:
-            self._sockets[job.peer].close()
+            self._links[job.peer].sock.close()
             raise PeerLostError(f"rank {self.rank}: rejected a malformed frame from rank {job.peer} "
                                 f"(magic {magic!r}, version {version}, length {nbytes}); connection closed")
         if got_tag != tag:
@@ -275,17 +440,20 @@ class TcpTransport(Transport):
 
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
         tags = {}
-        for peer, sock in self._sockets.items():
+        for peer, link in self._links.items():
             with contextlib.suppress(OSError):
-                header = sock.recv(_HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                header = link.sock.recv(_HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 if len(header) == _HEADER.size and header[:4] == MAGIC:
                     tags[peer] = [_HEADER.unpack(header)[3]]
         return tags
+
+    def _close_links(self) -> None:
+        for link in self._links.values():
+            link.sock.close()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._selector.close()
-        for sock in self._sockets.values():
-            sock.close()
+        self._close_links()

@@ -1,0 +1,62 @@
+"""Argument and environment checks shared by the public entry points.
+
+Each raises ``ValueError``/``TypeError`` naming the parameter (or environment variable) before
+anything is started or sent.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def timeout_ms(value: Any, name: str) -> float | None:
+    """A positive number of milliseconds, ``math.inf`` (wait forever) or None (the default)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of milliseconds, math.inf (no limit) or None; "
+                         f"got {value!r}")
+    return float(value)
+
+
+def flag(value: Any, name: str) -> bool:
+    """A real bool (``async_op="no"`` must not mean True)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
+def positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+    return value
+
+
+def env_flag(variable: str) -> bool:
+    """An on/off environment variable: 1/true/yes/on or 0/false/no/off/unset."""
+    text = os.environ.get(variable, "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"environment variable {variable} must be one of 1, true, yes, on, 0, false, no, off; "
+                     f"got {os.environ[variable]!r}")
+
+
+def trace_path(value: Any, name: str = "trace") -> str | None:
+    """A JSONL file to append to: its directory must exist and it must not be a directory."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a file path (str or os.PathLike) or None; got {value!r}")
+    path = os.fspath(value)
+    if os.path.isdir(path):
+        raise ValueError(f"{name} must be a file to append JSON lines to; {path!r} is a directory")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"{name}: the directory of {path!r} does not exist")
+    return path
