@@ -8,6 +8,8 @@ the first message), and the per-collective trace row.
 from __future__ import annotations
 
 import contextlib
+import copy
+import hashlib
 import json
 import os
 import struct
@@ -34,41 +36,45 @@ DEFAULT_RECV_TIMEOUT_MS = 300_000
 COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all",
                "barrier")
 ALGORITHMS = ("", "ring", "tree", "naive", "binomial", "recursive_doubling", "halving_doubling", "double_tree",
-              "recursive_halving", "scatter_allgather", "pairwise", "bruck", "dissemination")
+              "recursive_halving", "scatter_allgather", "pairwise", "bruck", "dissemination", "hierarchical")
 REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg")
 
 _MAX_P2P_DIMS = 16
 _P2P_HEADER_WORDS = 3 + _MAX_P2P_DIMS  # is_torch, dtype code, ndim, shape
 
-# seq, collective, algorithm, dtype code, reduce op, root (-1: none), element count
-_FINGERPRINT = struct.Struct("<QBBBBqq")
+# context (0: the root mesh; a sub-mesh's id), seq, collective, algorithm, dtype code, reduce op,
+# root (-1: none), element count: 32 bytes, the transports' TAG_BYTES. The context comes first: a
+# transport parks a message whose first CONTEXT_BYTES differ from the receive's (another mesh's).
+_FINGERPRINT = struct.Struct("<IQBBBBqq")
 
 
 def describe_fingerprint(tag: bytes) -> str:
     """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag."""
     if len(tag) < _FINGERPRINT.size:
         return f"an unrecognised message ({len(tag)}-byte tag)"
-    seq, coll, algo, code, op, root, count = _FINGERPRINT.unpack_from(tag)
+    context, seq, coll, algo, code, op, root, count = _FINGERPRINT.unpack_from(tag)
     dtype = DTYPES_BY_CODE[code].name if code in DTYPES_BY_CODE else "meta"
     text = f"{COLLECTIVES[coll]} #{seq} {dtype}[{count}]"
     if op:
         text += f" {REDUCE_OPS[op]}"
     if root >= 0:
         text += f" root={root}"
-    return text + (f" ({ALGORITHMS[algo]})" if algo else "")
+    text += f" ({ALGORITHMS[algo]})" if algo else ""
+    return text + (f" on sub-mesh {context:08x}" if context else "")
 
 
 class _Position:
     """Where a rank is, for error messages: ``allreduce #7 (ring) step 3``. Formatted lazily."""
 
-    __slots__ = ("collective", "seq", "algorithm", "step")
+    __slots__ = ("collective", "seq", "algorithm", "step", "mesh")
 
-    def __init__(self) -> None:
+    def __init__(self, mesh: str = "") -> None:
         self.collective, self.seq, self.algorithm, self.step = "send/recv", 0, "", 0
+        self.mesh = mesh  # "" on the root mesh; a sub-mesh's description
 
     def __str__(self) -> str:
         algorithm = f" ({self.algorithm})" if self.algorithm else ""
-        return f"{self.collective} #{self.seq}{algorithm} step {self.step}"
+        return f"{self.collective} #{self.seq}{algorithm} step {self.step}" + (f" on {self.mesh}" if self.mesh else "")
 
 
 @dataclass
@@ -158,6 +164,16 @@ class Mesh:
         self._transport = transport
         # (host, local_rank, local_world_size): one host holding every rank unless told otherwise
         self.host, self.local_rank, self.local_world_size = placement or (0, transport.rank, transport.world_size)
+        self._rank, self._world_size = transport.rank, transport.world_size
+        # Sub-meshes (split) share all of this with their root: transport, issue order, host map.
+        self._root = self
+        self._lineage = [self]  # this mesh and its ancestors: a transfer counts in each one's stats
+        self._members: list[int] | None = None  # a sub-mesh's ranks as global ranks, in its rank order
+        self._context = 0  # 0: the root mesh; a sub-mesh's id, agreed when it is made (see split)
+        self._splits = 0
+        self.name = ""
+        # Host of every global rank: ranks [h*L, (h+1)*L) on host h (lab.launch(hosts=), torchrun)
+        self._global_hosts = [r // self.local_world_size for r in range(transport.world_size)]
         self.transport = transport_name
         recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
         self.recv_timeout_ms = DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None else recv_timeout_ms
@@ -170,7 +186,7 @@ class Mesh:
         self._p2p_received = [0] * transport.world_size
         self._tag = b""
         self._position = _Position()
-        self.clean = True  # False once a transfer failed half-way: peers may hold its messages
+        self._clean = True  # False once a transfer failed half-way: peers may hold its messages
         self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
         self._comm_thread: ThreadPoolExecutor | None = None
         self._pending: list[Work] = []
@@ -210,11 +226,21 @@ class Mesh:
 
     @property
     def rank(self) -> int:
-        return self._transport.rank
+        return self._rank
 
     @property
     def world_size(self) -> int:
-        return self._transport.world_size
+        return self._world_size
+
+    @property
+    def clean(self) -> bool:
+        """False once a transfer failed half-way (on this mesh or one of its sub-meshes): peers
+        may hold its messages, so the channels cannot be reused."""
+        return self._root._clean
+
+    @clean.setter
+    def clean(self, value: bool) -> None:
+        self._root._clean = value
 
     # -- counters ------------------------------------------------------------------------------
 
@@ -222,12 +248,15 @@ class Mesh:
         """Payload bytes and messages since :meth:`reset_stats` (tensor data only, no headers).
 
         A message is one logical send (a chunk), however many segments the transport cut it into.
+        ``bytes_sent_inter_host`` / ``bytes_received_inter_host``: the part to or from a rank on
+        another host. A mesh's counters include its sub-meshes' traffic; a sub-mesh counts its own.
         """
         return dict(self._stats)
 
     def reset_stats(self) -> None:
         self._stats = dict.fromkeys(
-            ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives"), 0
+            ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives",
+             "bytes_sent_inter_host", "bytes_received_inter_host"), 0
         )
 
     # -- issuing collectives, synchronously or not ----------------------------------------------
@@ -238,6 +267,8 @@ class Mesh:
         One thread, one queue: collectives complete in the order they were issued, and a
         synchronous call first waits for the asynchronous ones before it.
         """
+        if self._root is not self:  # a sub-mesh: one issue order, the root's
+            return self._root.issue(run, async_op)
         self._check_owner()
         if checks.flag(async_op, "async_op"):
             if self._comm_thread is None:
@@ -260,18 +291,25 @@ class Mesh:
 
     @property
     def in_flight(self) -> bool:
-        """True while an asynchronous collective issued on this mesh has not completed."""
-        return any(not work.is_completed() for work in self._pending)
+        """True while an asynchronous collective issued on this mesh (or its root, or any of the
+        root's sub-meshes: they share one issue order) has not completed."""
+        return any(not work.is_completed() for work in self._root._pending)
 
     def wait_all(self) -> None:
         """Wait for every asynchronous collective issued so far; raise the first failure."""
+        if self._root is not self:
+            self._root.wait_all()
+            return
         pending, self._pending = self._pending, []
         for work in pending:
             work.wait()
 
     def close(self) -> None:
         """Release the transport, then stop the communication thread (a collective it is still
-        running fails at once on the closed channels; queued ones are cancelled)."""
+        running fails at once on the closed channels; queued ones are cancelled). A sub-mesh owns
+        nothing: closing it does nothing (its root's close ends it)."""
+        if self._root is not self:
+            return
         self._transport.close()
         if self._comm_thread is not None:
             # Not joined: a collective blocked on a peer that is still alive would hold us up to
@@ -299,13 +337,17 @@ class Mesh:
         self._position.step += 1
         timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
         start_ns = time.time_ns() if self._trace_steps else 0
+        members = self._members
+        if members is not None:  # a sub-mesh: its ranks are global ranks on the shared channels
+            sends = [Send(members[s.dst], s.data) for s in sends]
+            recvs = [Recv(members[r.src], r.out, r.combine) for r in recvs]
         try:
             self._transport.exchange(sends, recvs, self._tag, timeout_ms / 1000, self._position)
         except TagMismatch as mismatch:
             self.clean = False
             raise CollectiveMismatchError(
-                f"rank {self.rank} is in {describe_fingerprint(mismatch.expected)}; "
-                f"rank {mismatch.src} sent {describe_fingerprint(mismatch.got)}"
+                f"{self._who()} is in {describe_fingerprint(mismatch.expected)}; "
+                f"{self._who(mismatch.src)} sent {describe_fingerprint(mismatch.got)}"
             ) from None
         except DeadlineError as late:
             self.clean = False
@@ -327,13 +369,29 @@ class Mesh:
                 duration_ns=time.time_ns() - start_ns,
             )
         if counted:
-            stats = self._stats
-            for send in sends:
-                stats["bytes_sent"] += send.data.nbytes
-                stats["messages_sent"] += 1
-            for recv in recvs:
-                stats["bytes_received"] += recv.out.nbytes
-                stats["messages_received"] += 1
+            hosts, host = self._global_hosts, self.host
+            for mesh in self._lineage:
+                stats = mesh._stats
+                for send in sends:
+                    stats["bytes_sent"] += send.data.nbytes
+                    stats["messages_sent"] += 1
+                    if hosts[send.dst] != host:
+                        stats["bytes_sent_inter_host"] += send.data.nbytes
+                for recv in recvs:
+                    stats["bytes_received"] += recv.out.nbytes
+                    stats["messages_received"] += 1
+                    if hosts[recv.src] != host:
+                        stats["bytes_received_inter_host"] += recv.out.nbytes
+
+    def _who(self, global_rank: int | None = None) -> str:
+        """``rank 3`` on the root mesh; ``rank 1 of sub-mesh 1a2b3c4d (global rank 3)`` on a sub-mesh."""
+        if global_rank is None:
+            global_rank = self._root.rank
+        if self._members is None:
+            return f"rank {global_rank}"
+        if global_rank in self._members:
+            return f"rank {self._members.index(global_rank)} of sub-mesh {self._context:08x} (global rank {global_rank})"
+        return f"global rank {global_rank}"
 
     def _raise_if_mismatched(self) -> None:
         """After a deadline or a lost peer: did a peer send this collective's number with another
@@ -342,14 +400,14 @@ class Mesh:
         Ranks that disagree on, say, the root of a broadcast may never receive from each other;
         the message one of them sent is still waiting, unconsumed, and tells what happened.
         """
-        seq = _FINGERPRINT.unpack_from(self._tag)[0]
+        context, seq = _FINGERPRINT.unpack_from(self._tag)[:2]
         for src, tags in self._transport.unconsumed_tags().items():
             for tag in tags:
-                got_seq, coll = _FINGERPRINT.unpack_from(tag)[:2]
-                if got_seq == seq and coll and tag[: len(self._tag)] != self._tag:
+                got_context, got_seq, coll = _FINGERPRINT.unpack_from(tag)[:3]
+                if got_context == context and got_seq == seq and coll and tag[: len(self._tag)] != self._tag:
                     raise CollectiveMismatchError(
-                        f"rank {self.rank} is in {describe_fingerprint(self._tag)}; "
-                        f"rank {src} sent {describe_fingerprint(tag)}"
+                        f"{self._who()} is in {describe_fingerprint(self._tag)}; "
+                        f"{self._who(src)} sent {describe_fingerprint(tag)}"
                     ) from None
 
     @contextlib.contextmanager
@@ -363,7 +421,7 @@ class Mesh:
         """
         self._seq += 1
         self._tag = _FINGERPRINT.pack(
-            self._seq, COLLECTIVES.index(name), ALGORITHMS.index(algorithm), dtype.code,
+            self._context, self._seq, COLLECTIVES.index(name), ALGORITHMS.index(algorithm), dtype.code,
             REDUCE_OPS.index(op), root, count,
         )
         self._position.collective, self._position.seq = name, self._seq
@@ -398,6 +456,8 @@ class Mesh:
         return list(self._records)
 
     def _write_trace(self, **row: Any) -> None:
+        if self._members is not None:  # a sub-mesh's row says which one, and the global rank
+            row = {"sub_mesh": f"{self._context:08x}", "global_rank": self._root.rank, **row}
         line = json.dumps({"rank": self.rank, "world_size": self.world_size, "transport": self.transport, **row})
         fd = os.open(self._trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -415,7 +475,7 @@ class Mesh:
             )
 
     def _p2p_tag(self, seq: int, dtype_code: int, count: int) -> bytes:
-        return _FINGERPRINT.pack(seq, 0, 0, dtype_code, 0, -1, count)
+        return _FINGERPRINT.pack(self._context, seq, 0, 0, dtype_code, 0, -1, count)
 
     def send(self, dst: int, tensor: Any) -> None:
         """Send ``tensor`` (torch or numpy, any shape) to rank ``dst``; ordered per pair of ranks.
@@ -479,3 +539,101 @@ class Mesh:
     def _start_p2p(self, kind: str, seq: int) -> None:
         position = self._position
         position.collective, position.seq, position.algorithm, position.step = kind, seq, "", 0
+
+    # -- sub-meshes ----------------------------------------------------------------------------
+
+    def split(self, color: int | None, key: int | None = None) -> Mesh | None:
+        """The sub-mesh of the ranks that pass the same ``color``, ordered by ``(key, rank)``
+        (``MPI_Comm_split``); ``color=None`` opts this rank out and returns None.
+
+        Every rank of this mesh must call it (it is a collective: an allgather of every rank's
+        ``(color, key)``). The sub-mesh runs every collective, ``send``/``recv``, counter and
+        trace of a mesh, over this mesh's channels (no new process or socket), with its own
+        sequence numbers and a context id that all its ranks derive from the same allgather, so
+        its messages never pass for this mesh's: collectives on the two interleave freely, even
+        entered in different orders by different ranks (a message of another context waits aside).
+        It shares this mesh's issue order (an asynchronous collective on either completes before a
+        later synchronous one on either) and counts its bytes in this mesh's ``stats()`` too.
+
+            rows = mesh.split(color=mesh.rank // 2)             # N=4: ranks {0,1} and {2,3}
+            lab.allreduce(rows, x)                              # sums within each pair
+            cols = mesh.split(color=mesh.rank % 2, key=-mesh.rank)  # {2,0} and {3,1}: reversed order
+        """
+        if color is not None and (isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0):
+            raise ValueError(f"color must be a non-negative int, or None to opt out; got {color!r}")
+        if key is not None and (isinstance(key, bool) or not isinstance(key, (int, np.integer))
+                                or not -2**63 <= key < 2**63):
+            raise ValueError(f"key must be an int (int64) or None; got {key!r}")
+        from lab.collectives import allgather
+
+        mine = np.array([-1 if color is None else int(color), 0 if key is None else int(key)], np.int64)
+        everyone = allgather(self, mine).reshape(self.world_size, 2).tolist()
+        self._splits += 1
+        if color is None:
+            return None
+        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(everyone) if c == color)]
+        digest = hashlib.blake2b(struct.pack("<IQq", self._context, self._splits, int(color)), digest_size=4,
+                                 person=b"lab-split").digest()
+        return self._sub_mesh(members, int.from_bytes(digest, "little") or 1)
+
+    def _sub_mesh(self, members: list[int], context: int) -> Mesh:
+        """A mesh over ``members`` (this mesh's ranks, in the sub-mesh's rank order) with ``context``."""
+        sub = copy.copy(self)  # shares the transport, the trace file, the deadlines
+        sub._lineage = [sub, *self._lineage]
+        sub._members = [self._global(r) for r in members]
+        sub._context = context
+        sub._rank, sub._world_size = members.index(self.rank), len(members)
+        sub._splits, sub._seq, sub._tag = 0, 0, b""
+        sub._p2p_sent, sub._p2p_received = [0] * len(members), [0] * len(members)
+        shown = ", ".join(map(str, sub._members[:8])) + (", ..." if len(members) > 8 else "")
+        sub.name = f"sub-mesh {context:08x}"
+        sub._position = _Position(f"{sub.name} (global ranks {shown}; this is its rank {sub._rank})")
+        sub._records = deque(maxlen=FLIGHT_RECORDER_SIZE)
+        sub._pending, sub._comm_thread = [], None
+        same_host = [g for g in sub._members if self._global_hosts[g] == self.host]
+        sub.local_rank, sub.local_world_size = same_host.index(self._root.rank), len(same_host)
+        sub.reset_stats()
+        return sub
+
+    def _global(self, rank: int) -> int:
+        return rank if self._members is None else self._members[rank]
+
+    def _host_of(self, rank: int) -> int:
+        """The host of this mesh's rank ``rank``."""
+        return self._global_hosts[self._global(rank)]
+
+    def hierarchy(self) -> tuple[GroupView, GroupView]:
+        """For an algorithm inside a collective: (the ranks on this rank's host, the ranks with this
+        rank's local rank on every host), as :class:`GroupView` s. Needs the same number of this
+        mesh's ranks on every host (``ValueError`` otherwise, before any communication)."""
+        hosts = [self._host_of(r) for r in range(self.world_size)]
+        order = list(dict.fromkeys(hosts))
+        groups = [[r for r, h in enumerate(hosts) if h == host] for host in order]
+        if len({len(g) for g in groups}) != 1:
+            sizes = {host: len(g) for host, g in zip(order, groups)}
+            raise ValueError(f"algorithm 'hierarchical' needs the same number of ranks on every host; "
+                             f"ranks per host: {sizes}")
+        mine = groups[order.index(hosts[self.rank])]
+        local = mine.index(self.rank)
+        return GroupView(self, mine), GroupView(self, [g[local] for g in groups])
+
+
+class GroupView:
+    """Some of a mesh's ranks renumbered ``0..k-1``, for one phase of an algorithm (hierarchical
+    allreduce runs ring phases inside a host and across hosts on them). Its transfers are the
+    mesh's own, inside the mesh's current collective: same fingerprint, counters and deadlines."""
+
+    def __init__(self, mesh: Mesh, ranks: list[int]) -> None:
+        self._mesh, self._ranks = mesh, ranks
+        self.rank, self.world_size = ranks.index(mesh.rank), len(ranks)
+
+    def send_buffer(self, dst: int, data: np.ndarray) -> None:
+        self._mesh.send_buffer(self._ranks[dst], data)
+
+    def recv_buffer(self, src: int, out: np.ndarray, combine: Combine | None = None) -> None:
+        self._mesh.recv_buffer(self._ranks[src], out, combine)
+
+    def sendrecv_buffer(
+        self, dst: int, data: np.ndarray, src: int, out: np.ndarray, combine: Combine | None = None
+    ) -> None:
+        self._mesh.sendrecv_buffer(self._ranks[dst], data, self._ranks[src], out, combine)

@@ -60,6 +60,7 @@ class RecordingMesh(Mesh):
     def __init__(self, world_size: int, ranks_per_host: int = 1) -> None:
         # No Mesh.__init__: there are no channels, counters or trace file to set up.
         self._world_size, self._ranks_per_host = world_size, ranks_per_host
+        self._root = self  # what a mesh's `clean` and issue order refer to
         self.transport = "sim"
         self.recv_timeout_ms = DEFAULT_RECV_TIMEOUT_MS
         self.clean = True
@@ -101,6 +102,9 @@ class RecordingMesh(Mesh):
 
     def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray, combine: Any = None) -> None:
         self.steps.extend((dst, data.nbytes, src, out.nbytes, combine is not None))
+
+    def _host_of(self, rank: int) -> int:
+        return rank // self._ranks_per_host  # what Mesh.hierarchy groups by (hierarchical allreduce)
 
     def split(self, *args: Any, **kwargs: Any) -> Mesh:
         raise SimulationUnsupported(

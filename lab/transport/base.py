@@ -12,7 +12,11 @@ out, however long the transfer takes (``timeout_s`` may be ``math.inf``).
 
 Every message carries a ``tag`` (the mesh's fingerprint of the current collective); a receive
 whose message has a different tag raises :class:`TagMismatch`, which the mesh turns into a
-:class:`lab.CollectiveMismatchError`.
+:class:`lab.CollectiveMismatchError`. The tag's first ``CONTEXT_BYTES`` name the mesh or sub-mesh
+(``mesh.split``) that sent it: a message of another context is not a mismatch but traffic of
+another mesh over the same channel, entered in another order by its sender. The receiver parks it
+(MPI's unexpected-message queue, one per source) and a later receive of that context takes it
+first, in arrival order.
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ import numpy as np
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
-#: The longest tag a message can carry (the mesh's fingerprint is shorter).
+#: The longest tag a message can carry (the mesh's fingerprint fills it).
 TAG_BYTES = 32
+#: The first bytes of a tag: the context (mesh or sub-mesh) the message belongs to.
+CONTEXT_BYTES = 4
+
+
+def same_context(tag: bytes, other: bytes) -> bool:
+    """True if two tags belong to the same mesh (otherwise a receive parks the message)."""
+    return tag[:CONTEXT_BYTES] == other[:CONTEXT_BYTES]
 
 #: The longest single wait handed to poll/select (they cannot take an unbounded timeout): a longer
 #: (or infinite) deadline is waited out in slices of this.

@@ -16,13 +16,14 @@ import os
 import queue
 import select
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
-from lab.transport.base import Recv, Send, SharedFd, TagMismatch, Transport
+from lab.transport.base import Recv, Send, SharedFd, TagMismatch, Transport, same_context
 
 #: How often a rank waiting on a queue checks that the peer is still alive.
 LIVENESS_CHECK_S = 0.1
@@ -77,6 +78,7 @@ class QueueTransport(Transport):
         self._alive_fd = endpoints.alive.fd
         self._peer_alive_fd = {peer: shared.fd for peer, shared in endpoints.peers_alive.items()}
         self._peer_of_fd = {fd: peer for peer, fd in self._peer_alive_fd.items()}
+        self._parked = {src: deque() for src in self._inbox}  # other contexts' messages, per source
         self._liveness = select.poll()
         for fd in self._peer_alive_fd.values():
             self._liveness.register(fd, select.POLLIN)
@@ -89,7 +91,7 @@ class QueueTransport(Transport):
         for send in sends:
             self._outbox[send.dst].put((tag, send.data.copy()))  # snapshot: pickled later
         for recv in recvs:
-            got_tag, payload = self._get(recv.src, time.monotonic() + timeout_s, where)
+            got_tag, payload = self._take(recv.src, tag, timeout_s, where)
             if got_tag != tag:
                 raise TagMismatch(recv.src, tag, got_tag)
             if payload.nbytes != recv.out.nbytes:
@@ -101,6 +103,20 @@ class QueueTransport(Transport):
                 recv.out[:] = payload
             else:
                 recv.combine(recv.out, payload)
+
+    def _take(self, src: int, tag: bytes, timeout_s: float, where: object) -> tuple[bytes, np.ndarray]:
+        """The next message from ``src`` in ``tag``'s context: a parked one first, else from the
+        queue, parking whatever belongs to another context on the way."""
+        parked = self._parked[src]
+        for i, message in enumerate(parked):
+            if same_context(message[0], tag):
+                del parked[i]
+                return message
+        while True:
+            message = self._get(src, time.monotonic() + timeout_s, where)
+            if same_context(message[0], tag):
+                return message
+            parked.append(message)
 
     def _get(self, src: int, deadline: float, where: object) -> tuple[bytes, np.ndarray]:
         while True:

@@ -2,8 +2,8 @@
 
 Wire format. One TCP connection per pair of ranks. Every message is a frame: a fixed 48-byte
 header (magic ``LABT``, version, kind, the 32-byte tag, payload length), the raw tensor bytes,
-and a 32-byte HMAC-SHA256 over a per-direction sequence number, the header and the payload, keyed
-with a key that only this connection's two ranks hold. Nothing received from a socket is ever
+and a 32-byte MAC (keyed BLAKE3) over a per-direction sequence number, the header and the payload,
+keyed with a key that only this connection's two ranks hold. Nothing received from a socket is ever
 unpickled. A receiver checks magic, version and length before reading a payload byte, the tag
 before using it, and the MAC before the exchange returns: a frame that was altered, replayed,
 reordered or injected by anyone in the middle raises :class:`lab.PeerLostError` (the result is
@@ -39,10 +39,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
-from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch, Transport, wait_slice
+from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch, Transport, same_context, wait_slice
 
 MAGIC = b"LABT"
 VERSION = 2
@@ -50,7 +51,7 @@ _DATA = 1
 _HEADER = struct.Struct(f"<4sBBxx{TAG_BYTES}sQ")  # magic, version, kind, tag, payload bytes: 48
 _HELLO = struct.Struct("<4sBxxxI32s")  # magic, version, rank, nonce: 44 bytes
 _PROOF_BYTES = 32
-MAC_BYTES = 32  # HMAC-SHA256 after every frame
+MAC_BYTES = 32  # keyed BLAKE3 after every frame
 #: Frames announcing more payload than this are rejected (a garbled length must not allocate).
 MAX_FRAME_BYTES = 1 << 36
 SCRATCH_BYTES = 256 * 1024
@@ -76,9 +77,10 @@ def derive(secret: bytes, label: bytes, handshake: bytes) -> bytes:
     return hmac.new(secret, label + handshake, hashlib.sha256).digest()
 
 
-def frame_mac(key: bytes, sequence: int):
-    """A running MAC of one frame: sequence number, then header and payload as they pass."""
-    return hmac.new(key, sequence.to_bytes(8, "little"), hashlib.sha256)
+def frame_mac(key: bytes, sequence: int) -> blake3.blake3:
+    """A running MAC of one frame: keyed BLAKE3 (a PRF, 3-4x the speed of HMAC-SHA256 here, and
+    it releases the GIL on large buffers) over the sequence number, then header and payload."""
+    return blake3.blake3(sequence.to_bytes(8, "little"), key=key)
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:
@@ -165,6 +167,8 @@ class TcpTransport(Transport):
             self._close_links()
             raise
         self._selector = selectors.DefaultSelector()
+        self._parked: dict[int, list[tuple[bytes, np.ndarray]]] = {p: [] for p in self._links}  # other contexts'
+        self._silence_s = CONNECT_TIMEOUT_S  # the current exchange's timeout_s (for parking a frame)
         self._watched: dict[int, int] = {}  # peer -> selector events currently registered
         self._peer_of = {}
         for peer, link in self._links.items():
@@ -319,10 +323,63 @@ class TcpTransport(Transport):
             job.header[:] = _HEADER.pack(MAGIC, VERSION, _DATA, tag, job.bytes.nbytes)
             job.mac.update(job.header)
         for recv in recvs:
+            if self._take_parked(recv, tag, where):
+                continue
             link = self._links[recv.src]
             receiving[recv.src] = _Job(recv.src, recv.out, frame_mac(link.recv_key, link.received), recv.combine)
             link.received += 1
+        self._silence_s = timeout_s
         self._run(sending, receiving, tag, timeout_s, where)
+
+    def _take_parked(self, recv: Recv, tag: bytes, where: object) -> bool:
+        """Serve ``recv`` from a parked frame of its context, if one arrived earlier."""
+        parked = self._parked[recv.src]
+        index = next((i for i, (got, _) in enumerate(parked) if same_context(got, tag)), None)
+        if index is None:
+            return False
+        got_tag, payload = parked.pop(index)
+        if got_tag != tag:
+            raise TagMismatch(recv.src, tag, got_tag)
+        if payload.nbytes != recv.out.nbytes:
+            raise CollectiveMismatchError(f"rank {self.rank} expected {recv.out.nbytes} bytes from rank {recv.src} "
+                                          f"in {where}, got {payload.nbytes}")
+        if recv.combine is None:
+            recv.out.view(np.uint8)[:] = payload
+        else:
+            recv.combine(recv.out, payload.view(recv.out.dtype))
+        return True
+
+    def _park(self, job: _Job, tag: bytes, where: object) -> bool:
+        """If the frame whose header ``job`` holds belongs to another context (mesh), read it whole,
+        check its MAC, park it, and make ``job`` wait for the next frame. Its sender streams it,
+        so reading it blocking (up to the exchange's silence limit) cannot deadlock."""
+        magic, version, kind, got_tag, nbytes = _HEADER.unpack(job.header)
+        if magic != MAGIC or version != VERSION or kind != _DATA or nbytes > MAX_FRAME_BYTES \
+                or same_context(got_tag, tag):
+            return False  # _check_header judges it
+        link = self._links[job.peer]
+        job.mac.update(job.header)
+        payload, trailer = np.empty(nbytes, np.uint8), bytearray(MAC_BYTES)
+        link.sock.settimeout(self._silence_s if self._silence_s < float("inf") else None)
+        try:
+            for buffer in (memoryview(payload), memoryview(trailer)):
+                done = 0
+                while done < len(buffer):
+                    done += self._recv_into(link.sock, buffer[done:])
+        except TimeoutError:
+            raise DeadlineError(f"rank {self.rank} timed out receiving a frame of another mesh from rank {job.peer} "
+                                f"in {where}", peers=(job.peer,)) from None
+        finally:
+            link.sock.setblocking(False)
+        job.mac.update(payload)
+        if not hmac.compare_digest(bytes(trailer), job.mac.digest()):
+            link.sock.close()
+            raise PeerLostError(f"rank {self.rank}: a frame from rank {job.peer} failed authentication in "
+                                f"{where} (altered, replayed or injected in transit); connection closed")
+        self._parked[job.peer].append((got_tag, payload))
+        job.header_done, job.mac = 0, frame_mac(link.recv_key, link.received)
+        link.received += 1
+        return True
 
     def _run(self, sending: dict, receiving: dict, tag: bytes, timeout_s: float, where: object) -> None:
         deadline = time.monotonic() + timeout_s
@@ -337,15 +394,13 @@ class TcpTransport(Transport):
             if not pending:
                 return
             self._watch(pending)
-            remaining = deadline - time.monotonic()
-            ready = self._selector.select(wait_slice(remaining)) if remaining > 0 else []
+            ready = self._selector.select(wait_slice(max(deadline - time.monotonic(), 0.0)))
             if not ready:
                 if time.monotonic() < deadline:
                     continue  # a long wait taken in slices
                 names = ", ".join(str(p) for p in sorted(pending))
                 raise DeadlineError(f"rank {self.rank} timed out waiting for rank {names} in {where}",
                                     peers=sorted(pending))
-            deadline = time.monotonic() + timeout_s  # a peer moved bytes: the silence starts over
             for key, events in ready:
                 peer = self._peer_of[key.fileobj.fileno()]
                 try:
@@ -355,6 +410,7 @@ class TcpTransport(Transport):
                         self._recv_some(receiving[peer], tag, where)
                 except (ConnectionError, BrokenPipeError) as exc:
                     raise PeerLostError(f"rank {self.rank}: rank {peer} is gone ({exc}) in {where}") from None
+            deadline = time.monotonic() + timeout_s  # a peer moved bytes: the silence starts over
 
     def _watch(self, wanted: dict[int, int]) -> None:
         """Make the selector watch exactly ``wanted`` (peer -> events), changing only what differs."""
@@ -388,6 +444,8 @@ class TcpTransport(Transport):
             while job.header_done < _HEADER.size:
                 job.header_done += self._recv_into(sock, memoryview(job.header)[job.header_done:])
                 if job.header_done == _HEADER.size:
+                    if self._park(job, tag, where):
+                        continue
                     self._check_header(job, tag, where)
                     job.mac.update(job.header)
             while job.offset < job.bytes.nbytes:
