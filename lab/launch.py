@@ -32,9 +32,10 @@ from lab.mesh import FlightRecord, Mesh
 from lab.rendezvous import pool_store, serve_store
 from lab.transport import queue as queue_transport
 from lab.transport import shm as shm_transport
+from lab.transport import mixed as mixed_transport
 from lab.transport import tcp as tcp_transport
 
-TRANSPORTS = ("shm", "queue", "tcp")
+TRANSPORTS = ("shm", "queue", "tcp", "auto")
 
 #: After one rank fails, how long the parent waits for the others to report before ending them.
 FAILURE_GRACE_S = 1.0
@@ -51,7 +52,9 @@ START_METHODS = ("forkserver", "spawn")
 #: The largest pool per transport. A rank's channel descriptors travel to it in one
 #: ``SCM_RIGHTS`` message, which Linux caps at 253 descriptors: shm passes 3N-2 of them (pipes and
 #: segments), queue 5N-4 (queue pipes and "alive" pipes), plus multiprocessing's own few.
-MAX_WORLD_SIZE = {"shm": 83, "queue": 50, "tcp": 1024}
+MAX_WORLD_SIZE = {"shm": 83, "queue": 50, "tcp": 1024, "auto": 1024}
+#: "auto" runs a shm mesh per host: at most this many ranks per host.
+MAX_RANKS_PER_HOST_AUTO = MAX_WORLD_SIZE["shm"]
 
 #: The most shared memory a shm pool may map in all, as a fraction of the machine's memory.
 MAX_SHM_FRACTION = 0.5
@@ -93,7 +96,7 @@ def _check_forkserver() -> None:
 
 
 def _check_options(world_size: Any, transport: Any, recv_timeout_ms: Any, trace: Any, segment_bytes: Any,
-                   slots: Any) -> None:
+                   slots: Any, eager_bytes: Any = shm_transport.DEFAULT_EAGER_BYTES) -> None:
     checks.positive_int(world_size, "world_size")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {transport!r}")
@@ -108,6 +111,9 @@ def _check_options(world_size: Any, transport: Any, recv_timeout_ms: Any, trace:
     if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 64 \
             or segment_bytes % 64:
         raise ValueError(f"segment_bytes must be a positive int multiple of 64; got {segment_bytes!r}")
+    if isinstance(eager_bytes, bool) or not isinstance(eager_bytes, int) \
+            or not 0 <= eager_bytes <= shm_transport.MAX_EAGER_BYTES:
+        raise ValueError(f"eager_bytes must be an int in [0, {shm_transport.MAX_EAGER_BYTES}]; got {eager_bytes!r}")
     if transport == "shm":
         total = world_size * (world_size - 1) * slots * segment_bytes
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -132,18 +138,41 @@ def _ensure_descriptors(needed: int) -> None:
                      f"descriptors, {in_use} are open, and the hard limit is {hard} (raise it with ulimit -n)")
 
 
+def _mixed_endpoints(world_size: int, hosts: int, segment_bytes: int, slots: int,
+                     eager_bytes: int) -> list[mixed_transport.MixedEndpoints]:
+    """``transport="auto"``: one shm mesh per host (its ranks by local rank), one secret for TCP."""
+    per_host, secret = world_size // hosts, secrets.token_bytes(32)
+    endpoints: list[mixed_transport.MixedEndpoints] = []
+    try:
+        for host in range(hosts):
+            local = shm_transport.create_endpoints(per_host, segment_bytes, slots, eager_bytes)
+            endpoints += [mixed_transport.MixedEndpoints(host * per_host + ep.rank, world_size, secret, ep)
+                          for ep in local]
+    except BaseException:
+        for ep in endpoints:
+            ep.close_in_parent()
+        raise
+    return endpoints
+
+
 def _check_hosts(world_size: int, transport: str, hosts: Any, link_gbit: Any) -> None:
     if hosts is None:
         if link_gbit is not None:
             raise ValueError(f"link_gbit caps the links of emulated hosts: give hosts= too; got link_gbit={link_gbit!r}")
+        if transport == "auto" and world_size > MAX_RANKS_PER_HOST_AUTO:
+            raise ValueError(f"world_size must be at most {MAX_RANKS_PER_HOST_AUTO} with transport='auto' on one "
+                             f"host (a shm mesh per host); got {world_size}")
         return
     if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= world_size or world_size % hosts:
         raise ValueError(f"hosts must be an int that divides world_size ({world_size}); got {hosts!r}")
     if link_gbit is not None and (isinstance(link_gbit, bool) or not isinstance(link_gbit, (int, float))
                                   or not link_gbit > 0):
         raise ValueError(f"link_gbit must be a positive number of Gbit/s or None (uncapped); got {link_gbit!r}")
-    if hosts > 1 and transport != "tcp":
-        raise ValueError(f"transport must be 'tcp' with hosts > 1 ({transport!r} would bypass the links)")
+    if hosts > 1 and transport not in ("tcp", "auto"):
+        raise ValueError(f"transport must be 'tcp' or 'auto' with hosts > 1 ({transport!r} would bypass the links)")
+    if transport == "auto" and world_size // hosts > MAX_RANKS_PER_HOST_AUTO:
+        raise ValueError(f"world_size must be at most {MAX_RANKS_PER_HOST_AUTO} per host with transport='auto' "
+                         f"(a shm mesh per host); got {world_size // hosts} per host")
 
 
 class Cluster:
@@ -164,10 +193,11 @@ class Cluster:
         trace: str | None = None,
         segment_bytes: int = shm_transport.DEFAULT_SEGMENT_BYTES,
         slots: int = shm_transport.DEFAULT_SLOTS,
+        eager_bytes: int = shm_transport.DEFAULT_EAGER_BYTES,
         hosts: int | None = None,
         link_gbit: float | None = None,
     ) -> None:
-        _check_options(world_size, transport, recv_timeout_ms, trace, segment_bytes, slots)
+        _check_options(world_size, transport, recv_timeout_ms, trace, segment_bytes, slots, eager_bytes)
         _check_hosts(world_size, transport, hosts, link_gbit)
         context = _context()
         self.world_size = world_size
@@ -185,9 +215,11 @@ class Cluster:
             # Emulated hosts (namespaces, switch, capped links) first: the ranks start inside them.
             self.hosts = Hosts(hosts, link_gbit) if hosts else None
             if transport == "shm":
-                endpoints = shm_transport.create_endpoints(world_size, segment_bytes, slots)
+                endpoints = shm_transport.create_endpoints(world_size, segment_bytes, slots, eager_bytes)
             elif transport == "queue":
                 endpoints = queue_transport.create_endpoints(context, world_size)
+            elif transport == "auto":  # a shm mesh per host, TCP between hosts
+                endpoints = _mixed_endpoints(world_size, hosts or 1, segment_bytes, slots, eager_bytes)
             else:
                 secret = secrets.token_bytes(32)  # handed to the ranks over their private pipes only
                 endpoints = [tcp_transport.TcpEndpoints(rank, world_size, secret) for rank in range(world_size)]
@@ -420,13 +452,15 @@ def launch(world_size: int, **options: Any) -> Cluster:
     """Start a persistent pool of rank processes; use it as a context manager.
 
     Same options as :func:`spawn` (``transport``, ``recv_timeout_ms``, ``trace``, ``segment_bytes``,
-    ``slots``, ``hosts``, ``link_gbit``); ``segment_bytes`` and ``slots`` size the shm transport's
-    per-peer buffers (``slots`` buffers of ``segment_bytes`` per directed edge).
+    ``slots``, ``eager_bytes``, ``hosts``, ``link_gbit``); ``segment_bytes`` and ``slots`` size the
+    shm transport's per-peer buffers (``slots`` buffers of ``segment_bytes`` per directed edge);
+    shm messages of at most ``eager_bytes`` (0 to 4,048; default 4,048) travel inline in the pipe.
 
     ``hosts=H`` places the ranks on H emulated hosts (:mod:`lab.hosts`: a network namespace each,
     one switch, each host's link capped at ``link_gbit`` Gbit/s each way, uncapped if None); host
     h holds ranks ``[h*L, (h+1)*L)``, ``L = world_size // H``. With ``H > 1`` the transport must be
-    ``"tcp"``. Raises :class:`lab.EmulationUnavailable` where namespaces cannot be made.
+    ``"tcp"`` or ``"auto"`` (shared memory inside a host, TCP between hosts). Raises
+    :class:`lab.EmulationUnavailable` where namespaces cannot be made.
 
         with lab.launch(4, transport="queue") as cluster:
             first = cluster.run(step, 1.0)
@@ -445,6 +479,7 @@ def spawn(
     trace: str | None = None,
     segment_bytes: int = shm_transport.DEFAULT_SEGMENT_BYTES,
     slots: int = shm_transport.DEFAULT_SLOTS,
+    eager_bytes: int = shm_transport.DEFAULT_EAGER_BYTES,
     hosts: int | None = None,
     link_gbit: float | None = None,
 ) -> list[Any]:
@@ -460,7 +495,7 @@ def spawn(
     """
     with Cluster(
         world_size, transport=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
-        segment_bytes=segment_bytes, slots=slots, hosts=hosts, link_gbit=link_gbit,
+        segment_bytes=segment_bytes, slots=slots, eager_bytes=eager_bytes, hosts=hosts, link_gbit=link_gbit,
     ) as cluster:
         return cluster.run(fn, *args)
 
@@ -496,6 +531,12 @@ def _rank_main(endpoints: Any, control: Any, options: dict[str, Any]) -> None:
             transport = shm_transport.ShmTransport(endpoints)
         elif options["transport"] == "queue":
             transport = queue_transport.QueueTransport(endpoints)
+        elif options["transport"] == "auto":
+            local = shm_transport.ShmTransport(endpoints.shm)
+            remote = None
+            if endpoints.shm.world_size < world_size:  # other hosts: TCP
+                remote = tcp_transport.TcpTransport(rank, world_size, pool_store(), endpoints.secret, host=address)
+            transport = mixed_transport.MixedTransport(rank, world_size, rank - endpoints.shm.rank, local, remote)
         else:
             transport = tcp_transport.TcpTransport(rank, world_size, pool_store(), endpoints.secret, host=address)
         mesh = Mesh(transport, transport_name=options["transport"],

@@ -174,6 +174,7 @@ class Mesh:
         self.name = ""
         # Host of every global rank: ranks [h*L, (h+1)*L) on host h (lab.launch(hosts=), torchrun)
         self._global_hosts = [r // self.local_world_size for r in range(transport.world_size)]
+        self.host_count = len(set(self._global_hosts))  # hosts this mesh's ranks are on
         self.transport = transport_name
         recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
         self.recv_timeout_ms = DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None else recv_timeout_ms
@@ -592,6 +593,7 @@ class Mesh:
         sub._pending, sub._comm_thread = [], None
         same_host = [g for g in sub._members if self._global_hosts[g] == self.host]
         sub.local_rank, sub.local_world_size = same_host.index(self._root.rank), len(same_host)
+        sub.host_count = len({self._global_hosts[g] for g in sub._members})
         sub.reset_stats()
         return sub
 

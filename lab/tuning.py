@@ -105,6 +105,35 @@ def predict_us(algorithm: str, nbytes: int, world_size: int, transport: str, col
     return steps * fit["alpha_step_us"] + volume * nbytes * fit["beta_byte_us"]
 
 
+def predict_hierarchical_us(nbytes: int, world_size: int, hosts: int, intra: str, models: dict | None = None
+                            ) -> float | None:
+    """Hierarchical allreduce's time on ``hosts`` hosts of L = N/H ranks: ring phases inside the
+    host on the ``intra`` transport's ring fit, 2(L-1)·(α + T/L·β), plus the ring across hosts on
+    tcp's ring fit, 2(H-1)·(α' + T/H·β') (the L shards share the host's link). None without fits."""
+    fits = fitted_models() if models is None else models
+    inside = fits.get(intra, {}).get("allreduce", {}).get("ring")
+    across = fits.get("tcp", {}).get("allreduce", {}).get("ring")
+    if inside is None or across is None:
+        return None
+    per_host = world_size // hosts
+    return (2 * (per_host - 1) * (inside["alpha_step_us"] + nbytes / per_host * inside["beta_byte_us"])
+            + 2 * (hosts - 1) * (across["alpha_step_us"] + nbytes / hosts * across["beta_byte_us"]))
+
+
+def choose_across_hosts(nbytes: int, world_size: int, hosts: int, intra: str = "shm",
+                        models: dict | None = None) -> str:
+    """``auto`` for an allreduce whose ranks span ``hosts`` hosts: ``"hierarchical"`` if its
+    predicted time (:func:`predict_hierarchical_us`) beats every flat algorithm's on the tcp fits
+    (a flat algorithm's steps cross hosts), else the fastest flat one. Without fits: hierarchical
+    from ``AUTO_LARGE_MIN_BYTES`` up, tcp's choice below."""
+    flat = choose(nbytes, world_size, "tcp", "allreduce", models)
+    hierarchical = predict_hierarchical_us(nbytes, world_size, hosts, intra, models)
+    flat_us = predict_us(flat, nbytes, world_size, "tcp", "allreduce", models)
+    if hierarchical is None or flat_us is None:
+        return "hierarchical" if nbytes >= AUTO_LARGE_MIN_BYTES else flat
+    return "hierarchical" if hierarchical < flat_us else flat
+
+
 def choose(nbytes: int, world_size: int, transport: str, collective: str = "allreduce",
            models: dict | None = None) -> str:
     """The algorithm ``auto`` runs: the fastest predicted among the fitted ones, or the size

@@ -23,6 +23,7 @@ from lab.collectives.allgather_recursive_doubling import allgather_recursive_dou
 from lab.collectives.allgather_ring import allgather_ring
 from lab.collectives.allreduce_double_tree import SEGMENT_BYTES, allreduce_double_tree
 from lab.collectives.allreduce_halving_doubling import allreduce_halving_doubling
+from lab.collectives.allreduce_hierarchical import allreduce_hierarchical
 from lab.collectives.allreduce_naive import allreduce_naive
 from lab.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling
 from lab.collectives.allreduce_ring import allreduce_ring
@@ -41,7 +42,8 @@ from lab.ops import DTYPES, ReduceOp, parse_op, reduction
 ALGORITHMS: dict[str, dict[str, Callable[..., None]]] = {
     "allreduce": {"ring": allreduce_ring, "tree": allreduce_tree, "naive": allreduce_naive,
                   "recursive_doubling": allreduce_recursive_doubling,
-                  "halving_doubling": allreduce_halving_doubling, "double_tree": allreduce_double_tree},
+                  "halving_doubling": allreduce_halving_doubling, "double_tree": allreduce_double_tree,
+                  "hierarchical": allreduce_hierarchical},
     "broadcast": {"binomial": broadcast_binomial, "scatter_allgather": broadcast_scatter_allgather},
     "allgather": {"ring": allgather_ring, "recursive_doubling": allgather_recursive_doubling},
     "reduce_scatter": {"ring": reduce_scatter_ring, "recursive_halving": reduce_scatter_recursive_halving},
@@ -100,9 +102,23 @@ def _check_algorithm(algorithm: Any, collective: str = "allreduce") -> str:
 
 
 def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
-    """Check ``algorithm`` (before any communication) and resolve ``"auto"``."""
+    """Check ``algorithm`` (before any communication) and resolve ``"auto"``.
+
+    A mesh across hosts (``hosts=``, torchrun's nodes) lets allreduce's ``auto`` weigh
+    ``"hierarchical"`` against the flat algorithms (:func:`lab.tuning.choose_across_hosts`);
+    ``transport="auto"`` reads the ``shm`` fits inside one host and the ``tcp`` fits across hosts.
+    """
     _check_algorithm(algorithm, collective)
-    return choose(collective, nbytes, mesh.world_size, mesh.transport) if algorithm == "auto" else algorithm
+    if algorithm != "auto":
+        if algorithm == "hierarchical":
+            mesh.hierarchy()  # the same number of ranks on every host, or ValueError now
+        return algorithm
+    transport, hosts = mesh.transport, getattr(mesh, "host_count", 1)
+    if hosts > 1 and collective == "allreduce" and transport in ("tcp", "auto") and not forced_algorithm(collective):
+        return tuning.choose_across_hosts(nbytes, mesh.world_size, hosts, "shm" if transport == "auto" else "tcp")
+    if transport == "auto":
+        transport = "tcp" if hosts > 1 else "shm"
+    return choose(collective, nbytes, mesh.world_size, transport)
 
 
 def _segment_bytes() -> int:
@@ -126,7 +142,8 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
 
     ``op``: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``. ``algorithm``: ``"ring"``,
     ``"tree"``, ``"naive"``, ``"recursive_doubling"``, ``"halving_doubling"`` (Rabenseifner),
-    ``"double_tree"`` (NCCL's two binary trees) or ``"auto"`` (the fitted model's fastest).
+    ``"double_tree"`` (NCCL's two binary trees), ``"hierarchical"`` (inside each host, then across
+    hosts, then inside again) or ``"auto"`` (the fitted model's fastest).
     Every rank ends with bit-identical values.
 
     Per rank, N=2::
