@@ -94,15 +94,15 @@ def noop(mesh: lab.Mesh) -> None:
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(hosts=2, transport="shm"), "transport must be 'tcp' with hosts > 1"),
-    (dict(hosts=2, transport="queue"), "transport must be 'tcp' with hosts > 1"),
+    (dict(hosts=2, transport="shm"), "transport must be 'tcp' or 'auto' with hosts > 1"),
+    (dict(hosts=2, transport="queue"), "transport must be 'tcp' or 'auto' with hosts > 1"),
     (dict(hosts=3, transport="tcp"), r"hosts must be an int that divides world_size \(4\)"),
     (dict(hosts=0, transport="tcp"), "hosts must be"),
     (dict(hosts=True, transport="tcp"), "hosts must be"),
     (dict(hosts=2, transport="tcp", link_gbit=0), "link_gbit must be a positive number"),
     (dict(hosts=2, transport="tcp", link_gbit="1"), "link_gbit must be a positive number"),
     (dict(link_gbit=1.0, transport="tcp"), "give hosts= too"),
-    (dict(hosts=2, transport="auto"), "transport must be one of"),
+    (dict(hosts=2, transport="gloo"), "transport must be one of"),
 ])
 def test_bad_host_options_are_value_errors(options, match):
     with pytest.raises(ValueError, match=match):
