@@ -194,9 +194,15 @@ class Mesh:
         self.reset_stats()
 
     @classmethod
-    def from_env(cls, *, recv_timeout_ms: float | None = None, trace: str | None = None) -> Mesh:
+    def from_env(cls, *, recv_timeout_ms: float | None = None, trace: str | None = None,
+                 transport: str = "tcp") -> Mesh:
         """This process's handle on a TCP mesh, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
         ``MASTER_PORT`` (as ``torchrun`` sets them), on one host or several.
+
+        ``transport="auto"``: shared memory between the ranks of one host (``GROUP_RANK``, with
+        ranks ``[g*L, (g+1)*L)`` on node g, ``L = LOCAL_WORLD_SIZE``, as torchrun numbers them), TCP
+        between hosts. Local rank 0 builds its host's shm mesh and hands each local rank its
+        descriptors over a Unix socket, after the rank proves it holds the job's secret.
 
             # torchrun --nproc-per-node 4 train.py
             mesh = lab.Mesh.from_env()
@@ -214,15 +220,36 @@ class Mesh:
         env = launch_env()
         recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
         trace = checks.trace_path(trace)
+        if transport not in ("tcp", "auto"):
+            raise ValueError(f"transport must be 'tcp' or 'auto' under a launcher; got {transport!r}")
+        first_local = env.group_rank * env.local_world_size
+        if transport == "auto" and (env.rank != first_local + env.local_rank or env.world_size % env.local_world_size):
+            raise ValueError(f"transport='auto' needs ranks numbered node by node (RANK = GROUP_RANK x "
+                             f"LOCAL_WORLD_SIZE + LOCAL_RANK, as torchrun does); got RANK={env.rank}, GROUP_RANK="
+                             f"{env.group_rank}, LOCAL_WORLD_SIZE={env.local_world_size}, LOCAL_RANK={env.local_rank}")
         store = env_store()
         secret, secret_file = job_secret(store, env, "lab/tcp")
+        host = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
         try:
-            transport = TcpTransport(env.rank, env.world_size, store, secret,
-                                     host=os.environ.get("LAB_TCP_HOST", "127.0.0.1"))
+            if transport == "tcp":
+                wire: Transport = TcpTransport(env.rank, env.world_size, store, secret, host=host)
+            else:
+                from lab.transport.mixed import MixedTransport, share_host_endpoints
+
+                local = share_host_endpoints(store, "lab/tcp", env.group_rank, env.local_rank,
+                                             env.local_world_size, secret)
+                remote = None
+                if env.world_size > env.local_world_size:
+                    try:
+                        remote = TcpTransport(env.rank, env.world_size, store, secret, host=host)
+                    except BaseException:
+                        local.close()
+                        raise
+                wire = MixedTransport(env.rank, env.world_size, first_local, local, remote)
         finally:
             if secret_file is not None:  # rank 0 accepted every peer: each has read it, or failed
                 secret_file.unlink(missing_ok=True)
-        return cls(transport, transport_name="tcp", recv_timeout_ms=recv_timeout_ms, trace=trace,
+        return cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
                    placement=(env.group_rank, env.local_rank, env.local_world_size))
 
     @property

@@ -8,8 +8,12 @@ cannot be made (see tests/test_hosts.py).
 from __future__ import annotations
 
 import json
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,6 +24,7 @@ from lab.collectives import ALGORITHMS
 from test_collectives import (assert_no_failures, check_all_to_all, check_allgather, check_allreduce,
                               check_broadcast, check_reduce, check_reduce_scatter)
 from test_hosts import require_hosts
+from test_tcp import child_env, free_port
 
 
 def inputs(count: int, global_rank: int) -> torch.Tensor:
@@ -320,3 +325,27 @@ def test_sub_meshes_know_their_hosts_and_reduce_across_them(hosts_cluster):
     for rank, (across_hosts, inside_hosts, local_size, local_rank, x) in enumerate(hosts_cluster.run(host_split)):
         assert (across_hosts, inside_hosts, local_size, local_rank) == (h, 1, n // h, 0), rank
         assert x == [float(n * (n - 1) // 2)] * 3, rank
+
+
+# -- torchrun: two "nodes" on one machine -----------------------------------------------------------
+
+TORCHRUN_SCRIPT = Path(__file__).parent / "scripts" / "torchrun_groups.py"
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 2), (1, 3)], ids=["2-nodes-x2", "1-node-x3"])
+def test_torchrun_nodes_with_auto_transport(nodes, per_node):
+    """Two torchrun processes with --nnodes 2 (a node each) as two machines would run them: shm
+    inside a node, TCP between (with the LAB_TCP_SECRET that several hosts need); one node alone
+    needs no secret and uses no TCP."""
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    port = free_port()
+    env = child_env(**({"LAB_TCP_SECRET": secrets.token_hex(32)} if nodes > 1 else {}))
+    jobs = [subprocess.Popen([torchrun, "--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node",
+                              str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                              str(TORCHRUN_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env) for node in range(nodes)]
+    outputs = [job.communicate(timeout=180) for job in jobs]
+    for job, (out, err) in zip(jobs, outputs):
+        assert job.returncode == 0, out[-2000:] + err[-4000:]
+    lines = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("OK"))
+    assert lines == [f"OK rank {r} of {nodes * per_node} on node {r // per_node}: auto" for r in range(nodes * per_node)]

@@ -11,13 +11,27 @@ deadlines are the mesh's, as with any transport; the mesh counts the bytes that 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import struct
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from lab.transport.base import Recv, Send, Transport
+from lab.errors import DeadlineError
+from lab.transport import shm as shm_transport
+from lab.transport.base import Recv, Send, SharedFd, Transport
 from lab.transport.shm import ShmEndpoints, ShmTransport
 from lab.transport.tcp import TcpTransport
+
+#: How long local rank 0 waits for the other ranks of its host to take their shm endpoints.
+SHARE_TIMEOUT_S = 60.0
+_SO_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 @dataclass
@@ -86,3 +100,82 @@ class MixedTransport(Transport):
         if self._helper is not None:
             self._helper.shutdown(wait=False, cancel_futures=True)
             self._helper = None
+
+
+def share_host_endpoints(store, prefix: str, host: int, local_rank: int, local_world_size: int,
+                         secret: bytes) -> ShmTransport:
+    """A shm mesh for the ranks of one host that share no parent process (torchrun's).
+
+    Local rank 0 builds the host's pipes and segments, listens on an abstract Unix socket (named
+    in the store) and hands each local rank its descriptors (``SCM_RIGHTS``) once the rank proves
+    it is of this job (an HMAC of the job's secret over the socket's name and its local rank) and of
+    this user (``SO_PEERCRED``). Everyone else connects and receives. Returns this rank's transport.
+    """
+    key = f"{prefix}/shm/{host}"
+    if local_rank == 0:
+        endpoints = shm_transport.create_endpoints(local_world_size, shm_transport.DEFAULT_SEGMENT_BYTES,
+                                                   shm_transport.DEFAULT_SLOTS)
+        name = b"\0lab-shm-" + secrets.token_hex(16).encode()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+                listener.bind(name)
+                listener.listen(local_world_size)
+                store.set(key, name[1:].decode())
+                _hand_out(listener, endpoints, name, secret)
+            return ShmTransport(endpoints[0])  # maps the segments before the others' copies go
+        finally:
+            for ep in endpoints[1:]:
+                ep.close_in_parent()
+    name = b"\0" + store.get(key)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(SHARE_TIMEOUT_S)
+        sock.connect(name)
+        sock.sendall(struct.pack("<I", local_rank) + _proof(secret, name, local_rank))
+        message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 253)
+    layout = json.loads(message)
+    shared = [SharedFd(fd) for fd in fds]
+    return ShmTransport(ShmEndpoints(
+        rank=local_rank, world_size=local_world_size, segment_bytes=layout["segment_bytes"], slots=layout["slots"],
+        inbox={int(p): shared[i] for p, i in layout["inbox"].items()},
+        outbox={int(p): shared[i] for p, i in layout["outbox"].items()},
+        segments=[shared[i] for i in layout["segments"]], **layout["extra"]))
+
+
+def _proof(secret: bytes, name: bytes, local_rank: int) -> bytes:
+    return hmac.new(secret, b"lab-shm" + name + struct.pack("<I", local_rank), hashlib.sha256).digest()
+
+
+def _hand_out(listener: socket.socket, endpoints: list[ShmEndpoints], name: bytes, secret: bytes) -> None:
+    """Give each proven local rank its descriptors; strangers are dropped."""
+    waiting = set(range(1, len(endpoints)))
+    deadline = time.monotonic() + SHARE_TIMEOUT_S
+    while waiting:
+        listener.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            raise DeadlineError(f"local ranks {sorted(waiting)} did not take their shm endpoints within "
+                                f"{SHARE_TIMEOUT_S:g} s", peers=sorted(waiting)) from None
+        with sock:
+            sock.settimeout(5.0)
+            try:
+                hello = sock.recv(4 + 32, socket.MSG_WAITALL)
+                _, uid, _ = _SO_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                _SO_PEERCRED.size))
+            except OSError:
+                continue
+            if len(hello) != 36 or uid != os.getuid():
+                continue
+            rank = struct.unpack_from("<I", hello)[0]
+            if rank not in waiting or not hmac.compare_digest(hello[4:], _proof(secret, name, rank)):
+                continue
+            ep = endpoints[rank]
+            fds = [*(f.fd for f in ep.inbox.values()), *(f.fd for f in ep.outbox.values()), *(f.fd for f in ep.segments)]
+            n_in, n_out = len(ep.inbox), len(ep.outbox)
+            layout = {"segment_bytes": ep.segment_bytes, "slots": ep.slots,
+                      "inbox": {p: i for i, p in enumerate(ep.inbox)},
+                      "outbox": {p: n_in + i for i, p in enumerate(ep.outbox)},
+                      "segments": list(range(n_in + n_out, n_in + n_out + len(ep.segments))),
+                      "extra": {k: getattr(ep, k) for k in ("eager_bytes",) if hasattr(ep, k)}}
+            socket.send_fds(sock, [json.dumps(layout).encode()], fds)
+            waiting.discard(rank)
