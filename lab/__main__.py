@@ -48,6 +48,9 @@ def results(args: argparse.Namespace) -> int:
     if args.hosts:  # across emulated hosts: results/hosts/ (lab/results_hosts.py)
         from lab import results_hosts
 
+        if args.ranks_per_host:  # hierarchical vs ring vs gloo, H hosts x L ranks, transport="auto"
+            return results_hosts.hierarchy_main(args.out, args.hosts, args.ranks_per_host, args.link_gbit[0],
+                                                sizes if args.quick else None)
         return results_hosts.main(args.out, args.hosts, args.link_gbit, sizes if args.quick else None)
     return results_module.main(args.out, args.ranks, args.transports, sizes, update_tuning=not args.keep_tuning)
 
@@ -99,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="instead: allreduce across H emulated hosts, one rank each (writes OUT/hosts/)")
     sweep.add_argument("--link-gbit", nargs="+", type=float, default=[1.0], metavar="G",
                        help="with --hosts: each host's link cap in Gbit/s each way (default 1)")
+    sweep.add_argument("--ranks-per-host", type=int, metavar="L",
+                       help="with --hosts: L ranks per host, transport='auto': hierarchical vs ring vs gloo "
+                            "(writes OUT/hosts/hierarchical*.csv and REPORT.md's 'Many ranks per host')")
     sweep.set_defaults(run=results)
     kernel = commands.add_parser("kernels", help="Python vs numpy vs Numba reduction bandwidth")
     kernel.set_defaults(run=kernels)

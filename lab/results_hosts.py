@@ -291,11 +291,11 @@ def main(out_dir: str, host_counts: list[int], gbits: list[float], sizes: list[i
     return 0
 
 
-def _splice(report_path: Path, section: str) -> None:
+def _splice(report_path: Path, section: str, marker: str = "across-hosts") -> None:
     """Put ``section`` into the main report between markers (replacing an older one), if it exists."""
     if not report_path.exists():
         return
-    begin, end = "<!-- across-hosts:begin -->", "<!-- across-hosts:end -->"
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     text = report_path.read_text()
     block = f"{begin}\n{section}\n{end}"
     if begin in text and end in text:
@@ -303,3 +303,130 @@ def _splice(report_path: Path, section: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     report_path.write_text(text)
+
+
+# -- many ranks per host: hierarchical against the flat ring and gloo -------------------------------
+
+#: What the simulator's prediction at scale assumes (inter-host: the measured links' order of α;
+#: inside a host: shared memory). Stated in the report.
+SIM_NETWORK = {"alpha_us": 20.0, "intra_alpha_us": 5.0, "intra_gbit": 100.0}
+SIM_HOSTS, SIM_RANKS_PER_HOST = 128, 8
+
+
+def _inter_host_bytes(mesh: lab.Mesh, nbytes: int, algorithms: list[str]) -> dict[str, tuple[int, int]]:
+    """(bytes sent, of which to other hosts) by this rank in one allreduce of ``nbytes`` per algorithm."""
+    sent = {}
+    for algorithm in algorithms:
+        x = torch.ones(nbytes // 4)
+        mesh.reset_stats()
+        lab.allreduce(mesh, x, algorithm=algorithm)
+        stats = mesh.stats()
+        sent[algorithm] = (stats["bytes_sent"], stats["bytes_sent_inter_host"])
+    return sent
+
+
+def hierarchy_sweep(host_counts: list[int], per_host: int, gbit: float, sizes: list[int]
+                    ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """hierarchical, ring (both over transport="auto") and gloo on H hosts x ``per_host`` ranks."""
+    from tqdm import tqdm
+
+    algorithms = ["hierarchical", "ring"]
+    impls = [("lab", a) for a in algorithms] + [("gloo", "gloo")]
+    rows, counted = [], []
+    with tqdm(total=len(host_counts) * len(impls) * len(sizes), unit="case") as bar:
+        for hosts in host_counts:
+            world = hosts * per_host
+            with lab.launch(world, hosts=hosts, link_gbit=gbit, transport="auto") as cluster:
+                for nbytes in sizes:
+                    for rank, sent in enumerate(cluster.run(_inter_host_bytes, nbytes, algorithms)):
+                        counted += [{"hosts": hosts, "ranks_per_host": per_host, "host": rank // per_host,
+                                     "rank": rank, "algorithm": a, "bytes": nbytes, "bytes_sent": s,
+                                     "bytes_sent_inter_host": inter} for a, (s, inter) in sent.items()]
+                for impl, algorithm in impls:
+                    for nbytes in sizes:
+                        bar.set_description(f"{hosts}x{per_host} {gbit:g} Gbit/s {algorithm} {nbytes >> 10} KB")
+                        row = measure(cluster, "allreduce", impl, nbytes, algorithm, calls_for(nbytes))
+                        row.update(hosts=hosts, ranks_per_host=per_host, link_gbit=gbit)
+                        rows.append(row)
+                        bar.update()
+    return pd.DataFrame(rows), pd.DataFrame(counted)
+
+
+def hierarchy_at_scale(sizes: list[int], gbit: float) -> pd.DataFrame:
+    """lab.sim's prediction for 128 hosts x 8 ranks: hierarchical against the flat ring."""
+    from lab import sim
+
+    net = sim.Network(gbit=gbit, ranks_per_host=SIM_RANKS_PER_HOST, **SIM_NETWORK)
+    world = SIM_HOSTS * SIM_RANKS_PER_HOST
+    rows = []
+    for nbytes in sizes:
+        times = {a: sim.simulate("allreduce", a, world, nbytes, net).time_us for a in ("hierarchical", "ring")}
+        rows.append({"hosts": SIM_HOSTS, "ranks_per_host": SIM_RANKS_PER_HOST, "link_gbit": gbit, "bytes": nbytes,
+                     "hierarchical_us": times["hierarchical"], "ring_us": times["ring"],
+                     "ring_over_hierarchical": times["ring"] / times["hierarchical"]})
+    return pd.DataFrame(rows)
+
+
+def hierarchy_report(frame: pd.DataFrame, counted: pd.DataFrame, scale: pd.DataFrame, info: dict) -> str:
+    from lab.results import markdown
+
+    times = frame.pivot_table(index=["hosts", "ranks_per_host", "bytes"], columns="algorithm",
+                              values="median_us").reset_index()
+    times["ring_over_hierarchical"] = times["ring"] / times["hierarchical"]
+    times["gloo_over_hierarchical"] = times["gloo"] / times["hierarchical"]
+    per_host = (counted.groupby(["hosts", "ranks_per_host", "algorithm", "bytes", "host"])["bytes_sent_inter_host"]
+                .sum().groupby(["hosts", "ranks_per_host", "algorithm", "bytes"]).max().unstack("algorithm")
+                .reset_index())
+    per_host.columns.name = None
+    per_host = per_host.rename(columns={"hierarchical": "hierarchical_B_per_host", "ring": "ring_B_per_host"})
+    n = per_host["hosts"] * per_host["ranks_per_host"]
+    per_host["model_hierarchical"] = 2 * (per_host["hosts"] - 1) * per_host["bytes"] // per_host["hosts"]
+    per_host["model_ring"] = 2 * (n - 1) * per_host["bytes"] // n
+    largest = int(frame["bytes"].max())
+    big = times[times["bytes"] == largest]
+    wins = ", ".join(f"{h}x{l}: {r:.2f}x" for h, l, r in big[["hosts", "ranks_per_host", "ring_over_hierarchical"]]
+                     .itertuples(index=False))
+    gbit = float(frame["link_gbit"].iloc[0])
+    return "\n".join([
+        "## Many ranks per host: hierarchical allreduce", "",
+        f"H emulated hosts of L ranks each, links capped at {gbit:g} Gbit/s each way, `transport=\"auto\"` (shared "
+        "memory inside a host, TCP between hosts). `hierarchical` reduce-scatters inside each host, allreduces "
+        "each shard across hosts (a ring for shards of 64 KiB and more, recursive doubling below), then "
+        "allgathers inside; `ring` is the flat ring over all N = H·L ranks, laid out host by host; gloo runs "
+        f"over TCP everywhere. Machine: {info['cpu']}, {info['cores']} cores; commit {info['commit']}; "
+        f"{info['date']}. Medians of the slowest rank; noisy (a shared machine).", "",
+        f"At {largest >> 20} MB, ring time / hierarchical time: {wins}.", "",
+        "### Time per call (µs)", "", markdown(times), "",
+        "### Bytes that crossed each host's link (counters, `bytes_sent_inter_host` summed per host)", "",
+        "The model: hierarchical 2T(H-1)/H per host link with a ring across hosts (shards of 64 KiB and "
+        "more; smaller shards cross by recursive doubling, which moves more bytes in fewer steps), flat ring "
+        "2T(N-1)/N (only each host's last rank sends across).", "", markdown(per_host), "",
+        f"### Predicted at {SIM_HOSTS} hosts x {SIM_RANKS_PER_HOST} ranks (lab.sim)", "",
+        f"`lab.sim.Network(alpha_us={SIM_NETWORK['alpha_us']:g}, gbit={gbit:g}, ranks_per_host={SIM_RANKS_PER_HOST}, "
+        f"intra_alpha_us={SIM_NETWORK['intra_alpha_us']:g}, intra_gbit={SIM_NETWORK['intra_gbit']:g})`; every "
+        "message holds its host's link for α + n·β, so the L shards crossing at once queue on the link.", "",
+        markdown(scale), "",
+        "Regenerate: `python -m lab results --hosts 2 4 --ranks-per-host 2 --link-gbit 1`.", "",
+    ])
+
+
+def hierarchy_main(out_dir: str, host_counts: list[int], per_host: int, gbit: float,
+                   sizes: list[int] | None = None) -> int:
+    """``python -m lab results --hosts 2 4 --ranks-per-host 2``: writes ``<out>/hosts/hierarchical*.csv``
+    and the section "Many ranks per host" into ``<out>/REPORT.md``."""
+    from lab.results import machine
+
+    sizes = sizes or SIZES
+    out = Path(out_dir) / "hosts"
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    started = time.monotonic()
+    frame, counted = hierarchy_sweep(host_counts, per_host, gbit, sizes)
+    scale = hierarchy_at_scale(sizes, gbit)
+    for name, table in [("hierarchical", frame), ("hierarchical_bytes", counted), ("hierarchical_sim", scale)]:
+        table.to_csv(out / f"{name}.csv", index=False, float_format="%.6g")
+    section = hierarchy_report(frame, counted, scale, info)
+    (out / "REPORT_hierarchical.md").write_text(section)
+    _splice(Path(out_dir) / "REPORT.md", section, "ranks-per-host")
+    print(f"Wrote {out}/hierarchical*.csv in {time.monotonic() - started:.0f} s")
+    return 0
