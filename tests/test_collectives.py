@@ -25,6 +25,7 @@ import lab
 import lab.lesson
 from conftest import pool
 from lab.collectives.allreduce_double_tree import double_trees
+from lab.transport.shm import DEFAULT_EAGER_BYTES
 
 STRIDE = 3
 DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
@@ -253,6 +254,48 @@ def check_all_to_all(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
+def check_eager_boundary(mesh: lab.Mesh) -> list[str]:
+    """Every collective and algorithm with messages of threshold - 2, threshold and threshold + 2
+    bytes (float16: the finest step a dtype allows; tests/test_transport.py steps by one byte), as
+    whole tensors and as per-rank blocks, around the shm eager threshold of this pool."""
+    failures = []
+    n, rank = mesh.world_size, mesh.rank
+    threshold = getattr(mesh._transport, "eager_bytes", DEFAULT_EAGER_BYTES)
+    dtype = "float16"
+    for message in (threshold - 2, threshold, threshold + 2):
+        for count in sorted({max(message // 2, 0), n * max(message // 2, 0)}):
+            stack = np.stack([values(count, r, dtype) for r in range(n)])
+            want_sum = expected_reduction(stack, "sum", dtype)
+            for algorithm in ALGORITHMS["allreduce"]:
+                x = tensor(stack[rank], dtype)
+                lab.allreduce(mesh, x, algorithm=algorithm)
+                if not torch.equal(x, want_sum):
+                    failures.append(f"rank {rank} allreduce {algorithm} [{count}]: {describe_mismatch(x, want_sum)}")
+            for algorithm in ALGORITHMS["broadcast"]:
+                x = tensor(stack[rank], dtype)
+                lab.broadcast(mesh, x, src=n - 1, algorithm=algorithm)
+                if not torch.equal(x, tensor(stack[n - 1], dtype)):
+                    failures.append(f"rank {rank} broadcast {algorithm} [{count}]")
+            for algorithm in ALGORITHMS["allgather"]:
+                got = lab.allgather(mesh, tensor(stack[rank], dtype), algorithm=algorithm)
+                if not torch.equal(got, torch.cat([tensor(v, dtype) for v in stack])):
+                    failures.append(f"rank {rank} allgather {algorithm} [{count}]")
+            for algorithm in ALGORITHMS["reduce_scatter"]:
+                got = lab.reduce_scatter(mesh, tensor(stack[rank], dtype), algorithm=algorithm)
+                if not torch.equal(got, torch.tensor_split(want_sum, n)[rank]):
+                    failures.append(f"rank {rank} reduce_scatter {algorithm} [{count}]")
+            for algorithm in ALGORITHMS["all_to_all"]:
+                got = lab.all_to_all(mesh, tensor(stack[rank], dtype), algorithm=algorithm)
+                want = torch.cat([torch.tensor_split(tensor(v, dtype), n)[rank] for v in stack])
+                if not torch.equal(got, want):
+                    failures.append(f"rank {rank} all_to_all {algorithm} [{count}]")
+            x = tensor(stack[rank], dtype)
+            lab.reduce(mesh, x, dst=0)
+            if not torch.equal(x, want_sum if rank == 0 else tensor(stack[rank], dtype)):
+                failures.append(f"rank {rank} reduce [{count}]")
+    return failures
+
+
 def check_barrier(mesh: lab.Mesh) -> list[str]:
     """Nobody leaves before the last has entered (ranks enter 30 ms apart), sync and async."""
     failures = []
@@ -408,13 +451,17 @@ def byte_counts(mesh: lab.Mesh, numel: int) -> dict[str, dict[str, int]]:
 # -- the pools -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[(t, n) for t in ("shm", "queue", "tcp") for n in range(1, 9)],
-                ids=lambda p: f"{p[0]}-N{p[1]}")
+# (transport, N, shm eager threshold): the default threshold (4,048 bytes), and a tiny forced one
+# (16: one or two float64 elements travel eager, three do not) so every count crosses it.
+@pytest.fixture(scope="module", params=[*((t, n, None) for t in ("shm", "queue", "tcp") for n in range(1, 9)),
+                                        ("shm", 5, 16)],
+                ids=lambda p: f"{p[0]}-N{p[1]}" + (f"-eager{p[2]}" if p[2] is not None else ""))
 def cluster(request):
-    transport, world_size = request.param
+    transport, world_size, eager_bytes = request.param
     os.environ["LAB_SEGMENT_BYTES"] = "256"  # ranks take the environment at launch
+    options = {} if eager_bytes is None else {"eager_bytes": eager_bytes}
     try:
-        with pool(world_size, transport, segment_bytes=256, slots=2) as c:
+        with pool(world_size, transport, segment_bytes=256, slots=2, **options) as c:
             yield c
     finally:
         del os.environ["LAB_SEGMENT_BYTES"]
@@ -447,6 +494,10 @@ def test_reduce_every_root_dtype_op_count_leaves_others_untouched(cluster):
 
 def test_all_to_all_every_algorithm_dtype_count_shape(cluster):
     assert_no_failures(cluster.run(check_all_to_all))
+
+
+def test_every_collective_across_the_eager_threshold(cluster):
+    assert_no_failures(cluster.run(check_eager_boundary))
 
 
 def test_barrier_waits_for_the_last_rank(cluster):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import lab
+import lab.transport.shm
 
 DEADLINE_MS = 1500
 COLLECTIVES = ["allreduce-ring", "allreduce-tree", "allreduce-naive", "broadcast", "allgather", "reduce_scatter"]
@@ -120,6 +121,30 @@ def test_a_rank_dying_at_a_random_step_is_named_promptly(seed, fault, shm_unchan
     # peers learn from the closed pipe (shm) or the alive pipe (queue), long before the deadline:
     # pool start, the fault, detection and teardown within 2 s in all
     assert elapsed < 2.0, f"took {elapsed:.1f} s: {case}"
+    no_rank_left()
+
+
+EAGER_COLLECTIVES = ["allreduce-recursive_doubling", "allreduce-ring", "allreduce-tree", "broadcast", "allgather"]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_rank_dying_during_eager_traffic_is_named_promptly(seed, shm_unchanged):
+    """shm, every message eager (4 to 1,000 bytes under the default threshold; or a 16-byte forced
+    threshold, so eager and rendezvous messages mix): peers may have run ahead by their eager
+    credits, and still learn of the death from the closed pipe."""
+    rng = random.Random(500 + seed)
+    world_size = rng.randint(2, 5)
+    which, numel = rng.choice(EAGER_COLLECTIVES), rng.choice([1, 7, 250])
+    victim, at_transfer = rng.randrange(world_size), rng.randint(1, 12)
+    eager_bytes = 16 if seed % 4 == 3 else lab.transport.shm.DEFAULT_EAGER_BYTES
+    fault = "sigkill" if seed % 2 else "exit"
+    started = time.monotonic()
+    with pytest.raises(lab.RankError) as info:
+        lab.spawn(faulty_job, world_size, transport="shm", recv_timeout_ms=DEADLINE_MS, eager_bytes=eager_bytes,
+                  args=(which, numel, victim, at_transfer, fault))
+    error = info.value
+    assert error.rank == victim and error.exc_type == "ProcessDied", (seed, str(error))
+    assert time.monotonic() - started < 2.0, seed
     no_rank_left()
 
 

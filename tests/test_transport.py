@@ -1,11 +1,16 @@
-"""Point-to-point through both transports: ordering, sizes, dtypes, shapes, segments, counters.
+"""Point-to-point through both transports: ordering, sizes, dtypes, shapes, segments, counters;
+the shm eager protocol at its threshold, its framing, and the bound on what a sender can queue.
 
 The shm pools here force tiny segments (64 bytes, one or two slots), as gloo's tests force
-small segment sizes, so every message of more than 16 floats crosses several segments and the
-sender must wait for credits.
+small segment sizes, so every rendezvous message of more than 8 doubles crosses several segments
+and the sender must wait for credits; one pool sends everything by rendezvous (``eager_bytes=0``),
+one uses the default eager threshold and one a tiny forced threshold (16 bytes).
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +18,9 @@ import torch
 
 import lab
 from conftest import pool
+from lab.errors import CollectiveMismatchError, DeadlineError
+from lab.transport import shm
+from lab.transport.base import Recv, Send, SharedFd, TagMismatch
 
 SIZES = [0, 1, 15, 16, 17, 1000, 40_001]
 
@@ -87,10 +95,13 @@ def bad_peers(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
-@pytest.fixture(scope="module", params=[("shm", 1), ("shm", 2), ("queue", 1)], ids=["shm-1slot", "shm-2slots", "queue"])
+@pytest.fixture(scope="module", params=[("shm", 1, 0), ("shm", 2, shm.DEFAULT_EAGER_BYTES), ("shm", 2, 16),
+                                        ("queue", 1, 0)],
+                ids=["shm-1slot-rendezvous", "shm-2slots", "shm-2slots-eager16", "queue"])
 def cluster(request):
-    transport, slots = request.param
-    with pool(3, transport, segment_bytes=64, slots=slots) as c:
+    transport, slots, eager_bytes = request.param
+    options = {"eager_bytes": eager_bytes} if transport == "shm" else {}
+    with pool(3, transport, segment_bytes=64, slots=slots, **options) as c:
         yield c
 
 
@@ -132,3 +143,114 @@ def two_rank_exchanges(mesh: lab.Mesh) -> list[str]:
 def test_two_ranks_exchanging_through_one_pipe_never_stall(slots):
     outputs = lab.spawn(two_rank_exchanges, 2, segment_bytes=64, slots=slots, recv_timeout_ms=10_000)
     assert not [f for per_rank in outputs for f in per_rank]
+
+
+# -- the eager protocol ----------------------------------------------------------------------------
+
+TAG = b"eager-test".ljust(32, b"\0")
+
+
+def transport_pair(eager_bytes: int, segment_bytes: int = 8192) -> tuple[shm.ShmTransport, shm.ShmTransport]:
+    """Ranks 0 and 1 of a 2-rank shm mesh, both in this process (small messages never block)."""
+    endpoints = shm.create_endpoints(2, segment_bytes, 2, eager_bytes)
+    endpoints[1].segments = [SharedFd(os.dup(s.fd)) for s in endpoints[0].segments]  # each closes its own
+    return shm.ShmTransport(endpoints[0]), shm.ShmTransport(endpoints[1])
+
+
+@pytest.mark.parametrize("threshold", [shm.DEFAULT_EAGER_BYTES - 1, shm.DEFAULT_EAGER_BYTES, 16, 0])
+def test_messages_up_to_the_threshold_go_eager_and_larger_ones_through_a_slot(threshold, monkeypatch):
+    """threshold - 1, threshold and threshold + 1 bytes, copied and reduced, with reads cut
+    mid-frame (a 100-byte drain), and the path each took read off the credits it spent."""
+    monkeypatch.setattr(shm, "_DRAIN_BYTES", 100)
+    a, b = transport_pair(threshold)
+    try:
+        for nbytes in (max(threshold - 1, 0), threshold, threshold + 1):
+            data = (np.arange(nbytes) * 7 + 3).astype(np.uint8)
+            for combine in (None, lambda out, incoming: np.add(out, incoming, out=out)):
+                credits = (a._eager_credits[1], a._credits[1])
+                a.exchange([Send(1, data)], [], TAG, 5.0, "test")
+                spent = (credits[0] - a._eager_credits[1], credits[1] - a._credits[1])
+                assert spent == ((1, 0) if nbytes <= threshold else (0, 1)), (nbytes, spent)
+                out = np.full(nbytes, 5, np.uint8)
+                b.exchange([], [Recv(0, out, combine)], TAG, 5.0, "test")
+                want = data if combine is None else (data + np.uint8(5))
+                assert np.array_equal(out, want), nbytes
+                a.exchange([], [], TAG, 5.0, "test")
+                a._drain(1, "test")  # take the credits back (eager ones come back in batches)
+                assert a._credits[1] == a.slots and a._eager_credits[1] > shm.EAGER_CREDITS // 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_size_or_tag_disagreement_across_the_threshold_is_caught():
+    a, b = transport_pair(64)
+    try:
+        a.exchange([Send(1, np.zeros(64, np.uint8))], [], TAG, 5.0, "test")  # eager
+        with pytest.raises(CollectiveMismatchError, match="expected 65 bytes"):
+            b.exchange([], [Recv(0, np.zeros(65, np.uint8))], TAG, 5.0, "test")
+        a.exchange([Send(1, np.zeros(65, np.uint8))], [], TAG, 5.0, "test")  # rendezvous
+        with pytest.raises(CollectiveMismatchError, match="expected 64 bytes"):
+            b.exchange([], [Recv(0, np.zeros(64, np.uint8))], TAG, 5.0, "test")
+        a.exchange([Send(1, np.zeros(8, np.uint8))], [], TAG[:4] + b"other".ljust(28, b"\0"), 5.0, "test")
+        with pytest.raises(TagMismatch):
+            b.exchange([], [Recv(0, np.zeros(8, np.uint8))], TAG, 5.0, "test")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_sender_runs_out_of_eager_credits_and_gets_them_back_in_batches():
+    a, b = transport_pair(64)
+    try:
+        message = np.arange(64, dtype=np.uint8)
+        for _ in range(shm.EAGER_CREDITS):
+            a.exchange([Send(1, message)], [], TAG, 5.0, "test")
+        with pytest.raises(DeadlineError):  # the ninth waits for a receiver that does not read
+            a.exchange([Send(1, message)], [], TAG, 0.2, "test")
+        assert b.queued_bytes(0) == shm.EAGER_CREDITS * (48 + 64)
+        for _ in range(shm.EAGER_CREDITS // 2):
+            b.exchange([], [Recv(0, np.empty(64, np.uint8))], TAG, 5.0, "test")
+        a.exchange([Send(1, message)], [], TAG, 5.0, "test")  # a batch of credits came back
+        assert a._eager_credits[1] == shm.EAGER_CREDITS // 2 - 1
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("value", [-1, shm.MAX_EAGER_BYTES + 1, True, 1.5, "64"])
+def test_eager_bytes_must_fit_one_pipe_write(value):
+    with pytest.raises(ValueError, match="eager_bytes"):
+        lab.launch(2, eager_bytes=value)
+
+
+FLOOD_SENDS = 200
+FLOOD_BYTES = 1000
+
+
+def flood(mesh: lab.Mesh) -> dict:
+    """Rank 0 sends 200 small tensors as fast as it can; rank 1 sleeps a second first."""
+    if mesh.rank == 0:
+        done = []
+        for i in range(FLOOD_SENDS):
+            mesh.send(1, torch.full((FLOOD_BYTES,), i % 256, dtype=torch.uint8).view(torch.int16).float())
+            done.append(time.monotonic())
+        return {"done": done}
+    time.sleep(1.0)
+    queued = mesh._transport.queued_bytes(0)
+    woke = time.monotonic()
+    wrong = [i for i in range(FLOOD_SENDS) if not torch.equal(
+        mesh.recv(0), torch.full((FLOOD_BYTES,), i % 256, dtype=torch.uint8).view(torch.int16).float())]
+    return {"queued": queued, "woke": woke, "wrong": wrong}
+
+
+def test_a_flood_of_small_messages_at_a_sleeping_rank_stays_within_the_eager_bound():
+    """A send is two eager messages (header, payload: 2,000 bytes): at most EAGER_CREDITS // 2
+    sends complete before the receiver reads, and what waits for it is at most EAGER_CREDITS
+    frames of at most PIPE_BUF bytes (the bound the README states)."""
+    with pool(2, "shm") as cluster:
+        sender, receiver = cluster.run(flood)
+    assert not receiver["wrong"]
+    early = sum(t < receiver["woke"] for t in sender["done"])
+    assert early == shm.EAGER_CREDITS // 2, early
+    assert 0 < receiver["queued"] <= shm.EAGER_CREDITS * 4096, receiver["queued"]
