@@ -631,20 +631,32 @@ class Mesh:
         """The host of this mesh's rank ``rank``."""
         return self._global_hosts[self._global(rank)]
 
-    def hierarchy(self) -> tuple[GroupView, GroupView]:
-        """For an algorithm inside a collective: (the ranks on this rank's host, the ranks with this
-        rank's local rank on every host), as :class:`GroupView` s. Needs the same number of this
-        mesh's ranks on every host (``ValueError`` otherwise, before any communication)."""
+    def hierarchy(self) -> Hierarchy:
+        """For an algorithm inside a collective: this rank's place among hosts (see :class:`Hierarchy`)."""
         hosts = [self._host_of(r) for r in range(self.world_size)]
         order = list(dict.fromkeys(hosts))
         groups = [[r for r, h in enumerate(hosts) if h == host] for host in order]
-        if len({len(g) for g in groups}) != 1:
-            sizes = {host: len(g) for host, g in zip(order, groups)}
-            raise ValueError(f"algorithm 'hierarchical' needs the same number of ranks on every host; "
-                             f"ranks per host: {sizes}")
+        shards = min(len(g) for g in groups)
         mine = groups[order.index(hosts[self.rank])]
         local = mine.index(self.rank)
-        return GroupView(self, mine), GroupView(self, [g[local] for g in groups])
+        if local >= shards:
+            return Hierarchy(GroupView(self, mine), shards, None, None)
+        return Hierarchy(GroupView(self, mine), shards, GroupView(self, mine[:shards]),
+                         GroupView(self, [g[local] for g in groups]))
+
+
+@dataclass
+class Hierarchy:
+    """Where a rank is among hosts, as :class:`GroupView` s: ``host`` (the ranks on its host, in
+    rank order), ``shards`` (the fewest ranks any host has), ``leaders`` (its host's first
+    ``shards`` ranks) and ``cross`` (the ranks with its local index on every host); ``leaders`` and
+    ``cross`` are None for a rank whose local index is ``shards`` or more (a host with more ranks
+    than the smallest)."""
+
+    host: GroupView
+    shards: int
+    leaders: GroupView | None
+    cross: GroupView | None
 
 
 class GroupView:

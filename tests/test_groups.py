@@ -349,3 +349,18 @@ def test_torchrun_nodes_with_auto_transport(nodes, per_node):
         assert job.returncode == 0, out[-2000:] + err[-4000:]
     lines = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("OK"))
     assert lines == [f"OK rank {r} of {nodes * per_node} on node {r // per_node}: auto" for r in range(nodes * per_node)]
+
+
+def uneven_hierarchical(mesh: lab.Mesh, count: int) -> bool:
+    """Sub-meshes whose ranks sit unevenly on hosts: {0, 1, 2} of 2x2 is 2 + 1."""
+    sub = mesh.split(0 if mesh.rank < 3 else None)
+    if sub is None:
+        return True
+    x = inputs(count, mesh.rank)
+    lab.allreduce(sub, x, algorithm="hierarchical")
+    return torch.equal(x, sum(inputs(count, m) for m in range(3)))
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 70_000])
+def test_hierarchical_on_hosts_of_different_sizes(hosts_cluster, count):
+    assert all(hosts_cluster.run(uneven_hierarchical, count))

@@ -110,8 +110,6 @@ def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
     """
     _check_algorithm(algorithm, collective)
     if algorithm != "auto":
-        if algorithm == "hierarchical":
-            mesh.hierarchy()  # the same number of ranks on every host, or ValueError now
         return algorithm
     transport, hosts = mesh.transport, getattr(mesh, "host_count", 1)
     if hosts > 1 and collective == "allreduce" and transport in ("tcp", "auto") and not forced_algorithm(collective):

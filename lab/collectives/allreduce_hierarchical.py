@@ -36,22 +36,38 @@ def allreduce_hierarchical(mesh: Mesh, buf: np.ndarray, reduction: Reduction) ->
     2(H-1)/H·T each way in 2(H-1) steps, against 2(N-1)/N·T in 2(N-1) steps for a flat ring over
     all N ranks laid out host by host (almost twice as many bytes at H = 2, and N-1 more steps
     paying the link's α'). Every rank ends bit-identical: each shard is reduced in one order on
-    its owners, then copied verbatim. Needs the same number of ranks on every host.
+    its owners, then copied verbatim.
+
+    Hosts with different numbers of ranks: L is the smallest; on a larger host, local rank j >= L
+    first hands its whole buffer to local rank j mod L (which folds it in) and gets the result
+    back at the end: T more each way for those two ranks, two more steps.
 
     Per rank, 2 hosts x 2 ranks, sum, ``buf`` = arange(4) + rank::
 
         every rank -> buf == 4 * arange(4) + 6
     """
-    host, cross = mesh.hierarchy()
+    place = mesh.hierarchy()
+    host, shards = place.host, place.shards
+    if place.leaders is None:
+        # A host's extra rank: its buffer is folded into a leader's, and the result comes back.
+        host.send_buffer(host.rank % shards, buf)
+        host.recv_buffer(host.rank % shards, buf)
+        return
     partial = dataclasses.replace(reduction, _divide=None)  # sums only: avg divides once, at the end
-    bounds = split_bounds(buf.size, host.world_size)
-    start, stop = bounds[host.rank]
+    extras = range(host.rank + shards, host.world_size, shards)
+    for extra in extras:  # Step 0 (larger hosts only): fold in the extra ranks' buffers
+        host.recv_buffer(extra, buf, partial.combine)
+    leaders, cross = place.leaders, place.cross
+    bounds = split_bounds(buf.size, shards)
+    start, stop = bounds[leaders.rank]
     # Step 1: reduce-scatter inside the host; local rank i now holds its host's sum of shard i.
-    reduce_scatter_ring(host, buf, partial, bounds)
+    reduce_scatter_ring(leaders, buf, partial, bounds)
     # Step 2: allreduce shard i across the hosts; it now holds every rank's contribution.
     shard = buf[start:stop]
     across = allreduce_ring if shard.nbytes >= INTER_RING_MIN_BYTES else allreduce_recursive_doubling
     across(cross, shard, partial)
     reduction.finalize(shard, mesh.world_size)
-    # Step 3: allgather inside the host: every local rank gets every finished shard.
-    allgather_ring(host, buf, bounds)
+    # Step 3: allgather inside the host: every leader gets every finished shard.
+    allgather_ring(leaders, buf, bounds)
+    for extra in extras:  # Step 4 (larger hosts only): the extra ranks get the result
+        host.send_buffer(extra, buf)
