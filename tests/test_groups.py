@@ -364,3 +364,21 @@ def uneven_hierarchical(mesh: lab.Mesh, count: int) -> bool:
 @pytest.mark.parametrize("count", [0, 1, 5, 70_000])
 def test_hierarchical_on_hosts_of_different_sizes(hosts_cluster, count):
     assert all(hosts_cluster.run(uneven_hierarchical, count))
+
+
+def test_auto_picks_hierarchical_across_hosts_when_the_model_says():
+    from lab import tuning
+
+    def models(shm_alpha_us: float) -> dict:
+        flat = {"alpha_step_us": 50.0, "beta_byte_us": 8e-3}  # a slow link: 1 Gbit/s
+        return {"shm": {"allreduce": {"ring": {"alpha_step_us": shm_alpha_us, "beta_byte_us": 1e-4}}},
+                "tcp": {"allreduce": {"ring": flat, "tree": flat}}}
+
+    # Cheap shared memory: hierarchical's 2(H-1) link steps and 2T(H-1)/H link bytes win at every size.
+    for nbytes in (1 << 10, 16 << 20):
+        assert tuning.choose_across_hosts(nbytes, 8, 2, "shm", models(5.0)) == "hierarchical", nbytes
+    # Expensive steps inside the host (α = 500 µs): the flat tree's 6 link steps win at 1 KB.
+    assert tuning.choose_across_hosts(1 << 10, 8, 2, "shm", models(500.0)) == "tree"
+    assert tuning.predict_hierarchical_us(1 << 10, 8, 2, "shm", {}) is None  # no fits: None
+    # Without fits: hierarchical from AUTO_LARGE_MIN_BYTES up.
+    assert tuning.choose_across_hosts(tuning.AUTO_LARGE_MIN_BYTES, 8, 2, "shm", {}) == "hierarchical"
