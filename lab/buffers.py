@@ -19,14 +19,13 @@ from lab.ops import DType, dtype_of
 def _flat_storage(tensor: Any, dtype: DType) -> np.ndarray:
     """A 1-D numpy view of a contiguous tensor's elements, typed as ``dtype.storage``."""
     if isinstance(tensor, torch.Tensor):
-        tensor = tensor.detach().reshape(-1)
         if dtype.storage == np.uint16:
-            return tensor.view(torch.int16).numpy().view(np.uint16)
-        return tensor.numpy()
+            return tensor.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
+        return tensor.detach().numpy().reshape(-1)  # contiguous: a view either way, numpy's is cheaper
     return tensor.reshape(-1).view(dtype.storage)
 
 
-@dataclass
+@dataclass(slots=True)
 class Buffer:
     """The caller's ``tensor``, its :class:`DType`, and ``flat``: the 1-D buffer collectives use."""
 
@@ -78,7 +77,7 @@ def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffe
     contiguous = tensor.is_contiguous() if isinstance(tensor, torch.Tensor) else tensor.flags.c_contiguous
     if writable and isinstance(tensor, np.ndarray) and not tensor.flags.writeable:
         raise ValueError(f"{name} is a read-only numpy array; collectives write their result into it")
-    if writable and _overlaps(tensor):
+    if writable and not contiguous and _overlaps(tensor):  # a contiguous tensor has no repeated elements
         raise ValueError(f"{name} has elements that share memory (an expand() or broadcast view), so an in-place "
                          "result cannot be written into it; pass a copy (.clone() / .copy())")
     if contiguous:

@@ -8,6 +8,7 @@ not, complete in issue order.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -83,10 +84,33 @@ def forced_algorithm(collective: str) -> str | None:
     return next((name for name in bare if name in ALGORITHMS[collective]), None)
 
 
+_OPS_BY_NAME = {o.value: o for o in ReduceOp}
+#: The kernels of each (op, dtype), looked up once (an ``avg`` of integers still raises every time).
+_reduction = functools.cache(reduction)
+
+
+def _parse_op(op: Any) -> ReduceOp:
+    """:func:`lab.ops.parse_op`, with the common lower-case names looked up directly."""
+    return _OPS_BY_NAME.get(op) or parse_op(op) if isinstance(op, str) else parse_op(op)
+
+
+#: choose()'s answers: ``auto`` is decided once per (collective, size, N, transport, LAB_ALGO, models)
+#: instead of on every call (parsing LAB_ALGO and comparing every model cost ~10 µs a call).
+_CHOICES: dict[tuple, str] = {}
+_MAX_CHOICES = 4096
+
+
 def choose(collective: str, nbytes: int, world_size: int, transport: str) -> str:
     """The algorithm ``"auto"`` runs for ``collective`` on an ``nbytes`` tensor: ``LAB_ALGO``'s
     if it names one of this collective's, else the fitted model's fastest (:mod:`lab.tuning`)."""
-    return forced_algorithm(collective) or tuning.choose(nbytes, world_size, transport, collective)
+    key = (collective, nbytes, world_size, transport, os.environ.get("LAB_ALGO", ""), tuning.fitted_models)
+    chosen = _CHOICES.get(key)
+    if chosen is None:
+        chosen = forced_algorithm(collective) or tuning.choose(nbytes, world_size, transport, collective)
+        if len(_CHOICES) >= _MAX_CHOICES:
+            _CHOICES.clear()
+        _CHOICES[key] = chosen
+    return chosen
 
 
 def choose_allreduce(nbytes: int, world_size: int, transport: str) -> str:
@@ -149,9 +173,9 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
         x = torch.tensor([1.0, 2.0]) + mesh.rank   # rank 0: [1, 2]   rank 1: [2, 3]
         lab.allreduce(mesh, x)                     # both:   [3, 5]
     """
-    reduce_op = parse_op(op)
+    reduce_op = _parse_op(op)
     buffer = as_buffer(tensor)
-    kernels = reduction(reduce_op, buffer.dtype)
+    kernels = _reduction(reduce_op, buffer.dtype)
     chosen = _pick(mesh, "allreduce", algorithm, buffer.nbytes)
     options = {"segment_bytes": _segment_bytes()} if chosen == "double_tree" else {}
 
@@ -230,12 +254,12 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "a
         x = torch.arange(4.0) + mesh.rank          # rank 0: [0, 1, 2, 3]  rank 1: [1, 2, 3, 4]
         lab.reduce_scatter(mesh, x)                # rank 0: [1, 3]        rank 1: [5, 7]
     """
-    reduce_op = parse_op(op)
+    reduce_op = _parse_op(op)
     dtype = check_tensor(tensor)
     shape = tuple(np.shape(tensor))
     if not shape:
         raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
-    kernels = reduction(reduce_op, dtype)
+    kernels = _reduction(reduce_op, dtype)
     chosen = _pick(mesh, "reduce_scatter", algorithm, math.prod(shape) * dtype.storage.itemsize)
     work = as_buffer(tensor, writable=False).flat.copy()
     bounds = row_bounds(shape[0], math.prod(shape[1:]), mesh.world_size)
@@ -261,9 +285,9 @@ def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: boo
         lab.reduce(mesh, x, dst=1)                 # rank 1: [6, 9]; ranks 0 and 2 unchanged
     """
     dst = _check_root(mesh, dst, "dst")
-    reduce_op = parse_op(op)
+    reduce_op = _parse_op(op)
     buffer = as_buffer(tensor)
-    kernels = reduction(reduce_op, buffer.dtype)
+    kernels = _reduction(reduce_op, buffer.dtype)
 
     def run() -> Any:
         with mesh.collective("reduce", "binomial", buffer.dtype, buffer.flat.size, reduce_op.value, root=dst):

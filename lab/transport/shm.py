@@ -181,7 +181,16 @@ class ShmTransport(Transport):
     ) -> None:
         tag = tag.ljust(TAG_BYTES, b"\0")
         segment_bytes, eager_bytes = self.segment_bytes, self.eager_bytes
-        sending = [_Job(s.dst, s.data, segment_bytes, eager_bytes) for s in sends]
+        sending = []
+        for send in sends:
+            data = send.data
+            if not sending and data.nbytes <= eager_bytes and self._eager_credits[send.dst]:
+                # The common small send, at once: one write, no progress record (nothing queued
+                # before it to this peer, so the pipe's order is the issue order).
+                self._write(send.dst, _MESSAGE.pack(_EAGER, 0, data.nbytes, tag) + data.tobytes(), "sending", where)
+                self._eager_credits[send.dst] -= 1
+            else:
+                sending.append(_Job(send.dst, data, segment_bytes, eager_bytes))
         receiving = [_Job(r.src, r.out, segment_bytes, eager_bytes, r.combine) for r in recvs]
         deadline = time.monotonic() + timeout_s
         while True:
