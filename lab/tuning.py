@@ -67,6 +67,9 @@ def algorithm_shape(algorithm: str, world_size: int, collective: str = "allreduc
         ("allreduce", "recursive_doubling"): (lp + f, lp + f),
         ("allreduce", "halving_doubling"): (2 * lp + f, 2 * (p - 1) / p + f),
         ("allreduce", "double_tree"): (2 * d, 2.0),
+        # On one host (where fits are made) hierarchical is a ring's reduce-scatter and allgather;
+        # across hosts, see predict_hierarchical_us.
+        ("allreduce", "hierarchical"): (2 * (n - 1), 2 * (n - 1) / n),
         ("broadcast", "binomial"): (d, d),
         ("broadcast", "scatter_allgather"): (d + n - 1, 2 * (n - 1) / n),
         ("allgather", "ring"): (n - 1, (n - 1) / n),
