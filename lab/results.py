@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 import lab
-from lab import tuning
+from lab import mpich, tuning
 from lab.benchmark import (ALGORITHMS, COLLECTIVES, SIZES, measure, time_bucketing, time_kernel, time_overlap,
                            transformer_gradients)
 from lab.tuning import TUNING_PATH, algorithm_shape
@@ -46,6 +46,10 @@ class Progress:
             sys.stderr.write("\n")
 
 
+#: The references measured next to the lab: their rows' transport and algorithm are their name.
+REFERENCES = ("gloo", "mpich")
+
+
 def size_label(nbytes: int) -> str:
     return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
 
@@ -54,14 +58,18 @@ def size_label(nbytes: int) -> str:
 
 
 def sweep(world_size: int, transports: list[str], sizes: list[int]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Every collective, algorithm and transport at every size, with gloo in the same pools."""
+    """Every collective, algorithm and transport at every size, with gloo in the same pools, and
+    MPICH's allreduce (``mpiexec``, between the pools) when the ``peers`` extra is installed."""
     cases = []
     for transport in transports:
         cases += [(transport, "allreduce", "lab", a, s) for a in ALLREDUCE_ALGORITHMS for s in sizes]
         cases += [(transport, c, "lab", a, s) for c in COLLECTIVES[1:] for a in ALGORITHMS[c] for s in sizes
                   if c != "barrier" or s == sizes[0]]  # a barrier moves no bytes: once
     cases += [(transports[0], c, "gloo", "gloo", s) for c in COLLECTIVES for s in sizes if c != "barrier" or s == sizes[0]]
-    progress = Progress(len(cases))
+    no_mpich = mpich.unavailable()
+    if no_mpich:
+        print(f"MPICH skipped: {no_mpich}", file=sys.stderr)
+    progress = Progress(len(cases) + (0 if no_mpich else len(sizes)))
     rows = []
     for transport in transports:
         with lab.launch(world_size, transport=transport) as cluster:
@@ -70,6 +78,9 @@ def sweep(world_size: int, transports: list[str], sizes: list[int]) -> tuple[pd.
                     continue
                 rows.append(measure(cluster, collective, impl, nbytes, algorithm))
                 progress.step(f"{collective} {algorithm} {size_label(nbytes)} {transport if impl == 'lab' else ''}")
+    for nbytes in [] if no_mpich else sizes:
+        rows.append(mpich.measure(world_size, nbytes))
+        progress.step(f"allreduce MPICH {size_label(nbytes)}")
     frame = pd.DataFrame(rows)
     return frame[frame["collective"] == "allreduce"], frame[frame["collective"] != "allreduce"]
 
@@ -231,13 +242,13 @@ def plots(out: Path, allreduce: pd.DataFrame, others: pd.DataFrame, kernels: pd.
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    transports = [t for t in allreduce["transport"].unique() if t != "gloo"]
+    transports = [t for t in allreduce["transport"].unique() if t not in REFERENCES]
     allreduce_fits = model[model["collective"] == "allreduce"]
     fig, axes = plt.subplots(1, len(transports), figsize=(6.5 * len(transports), 4.8), squeeze=False)
     for ax, transport in zip(axes[0], transports):
-        for algorithm in [*ALGORITHMS["allreduce"], "gloo"]:
+        for algorithm in [*ALGORITHMS["allreduce"], *REFERENCES]:
             data = allreduce[(allreduce["algorithm"] == algorithm)
-                             & (allreduce["transport"] == (transport if algorithm != "gloo" else "gloo"))]
+                             & (allreduce["transport"] == (transport if algorithm not in REFERENCES else algorithm))]
             if data.empty:
                 continue
             line = ax.loglog(data["bytes"], data["median_us"], "o", label=f"{algorithm} (measured)")[0]
@@ -324,7 +335,9 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
         f"numpy {info['numpy']}, pandas {info['pandas']}.  ",
         f"**Method**: {world} ranks on {info['cores']} cores (oversubscribed when ranks > cores); float32; "
         "time inside the ranks per call of a back-to-back loop after warm-up; a call's time is the slowest "
-        "rank's; medians (p10/p90 in the CSVs); gloo runs in the same pools, in the same run.", "",
+        "rank's; medians (p10/p90 in the CSVs); gloo runs in the same pools, in the same run"
+        + (", and so does MPICH's allreduce (`mpiexec`, same timing rules)." if "mpich" in median.columns.get_level_values(0)
+           else "; MPICH was not measured (install the `peers` extra)."), "",
         "## Allreduce: latency against gloo", "",
     ]
     fitted = tuning_from(model)
@@ -332,11 +345,17 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
     lines += [f"Every algorithm side by side, median µs per call on {world} ranks; **fastest** is the fastest "
               "measured algorithm, **auto picks** what `algorithm=\"auto\"` chooses from the models fitted in "
               "this run (see below), **auto µs** what auto measured.", ""]
-    for transport in [t for t in allreduce["transport"].unique() if t != "gloo"]:
+    mpich_us = median[("mpich", "mpich")] if ("mpich", "mpich") in median.columns else None
+    for transport in [t for t in allreduce["transport"].unique() if t not in REFERENCES]:
         table = pd.DataFrame({"size": [size_label(b) for b in median.index]})
         for algorithm in algorithms:
             table[f"{algorithm} µs"] = median[(transport, algorithm)].to_numpy()
+        best = median[transport][algorithms].min(axis=1)
         table["gloo µs"] = gloo.to_numpy()
+        table["lab/gloo"] = (best / gloo).to_numpy()  # the fastest algorithm's time over gloo's: < 1 is faster
+        if mpich_us is not None:
+            table["MPICH µs"] = mpich_us.to_numpy()
+            table["lab/MPICH"] = (best / mpich_us).to_numpy()
         table["fastest"] = median[transport][algorithms].idxmin(axis=1).to_numpy()
         table["auto picks"] = [tuning.choose(int(b), world, transport, "allreduce", fitted) for b in median.index]
         table["auto µs"] = median[(transport, "auto")].to_numpy()
@@ -349,6 +368,11 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
         lines += [
             f"- The best shm algorithm is {ratio[small]:.1f}× gloo's speed at {size_label(small)} and "
             f"{ratio[large]:.2f}× at {size_label(large)}, measured in the same pools in the same run.",
+            *([f"- Against MPICH (`comm.Allreduce`, same run, same timing rules) the best shm algorithm takes "
+               f"{best_shm[small] / mpich_us[small]:.2f}× MPICH's time at {size_label(small)} and "
+               f"{best_shm[large] / mpich_us[large]:.2f}× at {size_label(large)}. MPICH's ranks poll without "
+               "sleeping: fastest when every rank has a core, slowest when they outnumber the cores."]
+              if mpich_us is not None else []),
             "- Small messages are bound by wake-ups, not bytes: each step of an algorithm is a pipe message "
             "that wakes a sleeping rank, and with more ranks than cores a woken rank also waits for a core, "
             "so tree's 2⌈log2 N⌉ steps beat ring's 2(N-1).",
@@ -379,7 +403,7 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
         "alpha_us": "α µs", "bandwidth_GBps": "1/β GB/s", "r2": "R²",
         "crossover_predicted_bytes": "predicted crossover (bytes)", "crossover_measured_bytes": "measured crossover (bytes)"})
     lines += [markdown(shown), ""]
-    for transport in [t for t in allreduce_fits["transport"].unique() if t != "gloo"]:
+    for transport in [t for t in allreduce_fits["transport"].unique() if t not in REFERENCES]:
         rows = allreduce_fits[allreduce_fits["transport"] == transport]
         measured, predicted = (float(rows[c].iloc[0]) if pd.notna(rows[c].iloc[0]) else math.nan
                                for c in ("crossover_measured_bytes", "crossover_predicted_bytes"))
