@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from lab.errors import DeadlineError
+from lab.errors import DeadlineError, LabError
 from lab.transport import shm as shm_transport
 from lab.transport.base import Recv, Send, SharedFd, Transport
 from lab.transport.shm import ShmEndpoints, ShmTransport
@@ -130,6 +130,12 @@ def share_host_endpoints(store, prefix: str, host: int, local_rank: int, local_w
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(SHARE_TIMEOUT_S)
         sock.connect(name)
+        # Abstract names are open to every user of this network namespace, and the store that
+        # named it is unauthenticated: take descriptors only from a process of this user.
+        _, uid, _ = _SO_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _SO_PEERCRED.size))
+        if uid != os.getuid():
+            raise LabError(f"local rank {local_rank}: the shm hand-out socket named in the store belongs to uid "
+                           f"{uid}, not this user; refusing its descriptors")
         sock.sendall(struct.pack("<I", local_rank) + _proof(secret, name, local_rank))
         message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 253)
     layout = json.loads(message)
