@@ -32,6 +32,7 @@ import torch
 import lab
 from lab import collectives
 from lab.benchmark import measure
+from lab.report import splice
 
 #: 1 KB to 64 MB in powers of 4.
 SIZES = [1 << k for k in range(10, 27, 2)]
@@ -285,24 +286,10 @@ def main(out_dir: str, host_counts: list[int], gbits: list[float], sizes: list[i
     plots(out, frame, model)
     section = report(frame, model, verdicts, info)
     (out / "REPORT.md").write_text(section)
-    _splice(Path(out_dir) / "REPORT.md", section.replace("](allreduce_", "](hosts/allreduce_"))
+    splice(Path(out_dir) / "REPORT.md", section.replace("](allreduce_", "](hosts/allreduce_"), "across-hosts")
     print(f"Wrote {out}/ in {time.monotonic() - started:.0f} s: "
           f"{int((verdicts['verdict'] == 'confirmed').sum())} of {len(verdicts)} claims confirmed")
     return 0
-
-
-def _splice(report_path: Path, section: str, marker: str = "across-hosts") -> None:
-    """Put ``section`` into the main report between markers (replacing an older one), if it exists."""
-    if not report_path.exists():
-        return
-    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
-    text = report_path.read_text()
-    block = f"{begin}\n{section}\n{end}"
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    report_path.write_text(text)
 
 
 # -- many ranks per host: hierarchical against the flat ring and gloo -------------------------------
@@ -427,6 +414,6 @@ def hierarchy_main(out_dir: str, host_counts: list[int], per_host: int, gbit: fl
         table.to_csv(out / f"{name}.csv", index=False, float_format="%.6g")
     section = hierarchy_report(frame, counted, scale, info)
     (out / "REPORT_hierarchical.md").write_text(section)
-    _splice(Path(out_dir) / "REPORT.md", section, "ranks-per-host")
+    splice(Path(out_dir) / "REPORT.md", section, "ranks-per-host")
     print(f"Wrote {out}/hierarchical*.csv in {time.monotonic() - started:.0f} s")
     return 0

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lab.report import splice
 from lab.sim.core import simulate
 from lab.sim.network import Network
 from lab.sim.record import COLLECTIVES, SimulationUnsupported, algorithms
@@ -247,20 +248,6 @@ def label_float(nbytes: float) -> str:
         f"{nbytes / (1 << 20):.3g} MB" if nbytes >= 1 << 20 else f"{nbytes / (1 << 10):.3g} KB")
 
 
-def splice(report_path: Path, section: str) -> None:
-    """Put ``section`` into the main report between markers (replacing an older one), if it exists."""
-    if not report_path.exists():
-        return
-    begin, end = "<!-- simulation:begin -->", "<!-- simulation:end -->"
-    text = report_path.read_text()
-    block = f"{begin}\n{section}\n{end}"
-    if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    report_path.write_text(text)
-
-
 def main(args: argparse.Namespace) -> int:
     network = Network(alpha_us=args.alpha_us, gbit=args.gbit, ranks_per_host=args.ranks_per_host,
                       intra_alpha_us=args.intra_alpha_us, intra_gbit=args.intra_gbit)
@@ -292,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
 
         text += validation_section(Path(args.measured), out)
     (out / "report.md").write_text(text)
-    splice(out.parent / "REPORT.md", text)
+    splice(out.parent / "REPORT.md", text, "simulation")
     skipped = int(frame["time_us"].isna().sum()) if "time_us" in frame else len(frame)
     print(f"{len(frame) - skipped} simulations ({skipped} skipped) in {time.monotonic() - started:.0f} s -> {out}/")
     if skipped:
