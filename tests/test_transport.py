@@ -229,14 +229,20 @@ FLOOD_BYTES = 1000
 
 
 def flood(mesh: lab.Mesh) -> dict:
-    """Rank 0 sends 200 small tensors as fast as it can; rank 1 sleeps a second first."""
+    """Rank 0 sends 200 small tensors as fast as it can; rank 1 sleeps first."""
     if mesh.rank == 0:
         done = []
         for i in range(FLOOD_SENDS):
             mesh.send(1, torch.full((FLOOD_BYTES,), i % 256, dtype=torch.uint8).view(torch.int16).float())
             done.append(time.monotonic())
         return {"done": done}
-    time.sleep(1.0)
+    # Sleep until the sender has queued all it may (4 sends: 4 header and 4 payload frames),
+    # then half a second more: a sender that could queue more would have by then.
+    full = shm.EAGER_CREDITS // 2 * (2 * 48 + 8 * 19 + 4 * FLOOD_BYTES // 2)
+    deadline = time.monotonic() + 30
+    while mesh._transport.queued_bytes(0) < full and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)
     queued = mesh._transport.queued_bytes(0)
     woke = time.monotonic()
     wrong = [i for i in range(FLOOD_SENDS) if not torch.equal(
@@ -253,4 +259,5 @@ def test_a_flood_of_small_messages_at_a_sleeping_rank_stays_within_the_eager_bou
     assert not receiver["wrong"]
     early = sum(t < receiver["woke"] for t in sender["done"])
     assert early == shm.EAGER_CREDITS // 2, early
-    assert 0 < receiver["queued"] <= shm.EAGER_CREDITS * 4096, receiver["queued"]
+    assert receiver["queued"] == shm.EAGER_CREDITS // 2 * (2 * 48 + 8 * 19 + 4 * FLOOD_BYTES // 2)
+    assert receiver["queued"] <= shm.EAGER_CREDITS * 4096
