@@ -40,12 +40,19 @@ def _torch_op_name(op: Any) -> str | None:
 
 
 def parse_op(op: Any) -> ReduceOp:
-    """``"sum"``, ``lab.ReduceOp.SUM`` or ``torch.distributed.ReduceOp.SUM`` (or
-    ``ReduceOp(ReduceOp.SUM)``) -> ``ReduceOp.SUM``; anything else is a ``ValueError``."""
+    """``"sum"`` (any case; also ``"ReduceOp.SUM"``, and torch's ``"PRODUCT"``), ``lab.ReduceOp.SUM``
+    or ``torch.distributed.ReduceOp.SUM`` (or ``ReduceOp(ReduceOp.SUM)``) -> ``ReduceOp.SUM``;
+    anything else (``"garbage.sum"``) is a ``ValueError``."""
     if isinstance(op, ReduceOp):
         return op
     torch_name = _torch_op_name(op)
-    name = _TORCH_OP_NAMES.get(torch_name, "") if torch_name is not None else op.lower() if isinstance(op, str) else ""
+    if torch_name is not None:
+        name = _TORCH_OP_NAMES.get(torch_name, "")
+    elif isinstance(op, str):  # "sum" in any case, torch's "PRODUCT", and "ReduceOp.SUM" as torch prints it
+        bare = op.removeprefix("ReduceOp.").removeprefix("RedOpType.")
+        name = _TORCH_OP_NAMES.get(bare.upper(), bare.lower())
+    else:
+        name = ""
     try:
         return ReduceOp(name)
     except ValueError:
