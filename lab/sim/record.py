@@ -29,7 +29,7 @@ import numpy as np
 from lab.buffers import new_flat
 from lab.errors import LabError
 from lab.mesh import DEFAULT_RECV_TIMEOUT_MS, Mesh
-from lab.ops import DType
+from lab.ops import DType, Reduction
 
 #: Every collective the lab may have, in the order tables and reports list them.
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier")
@@ -149,20 +149,35 @@ def _virtual_flat(numel: int, dtype: DType) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype.storage), (numel,), (0,))
 
 
+def _skip(dst: np.ndarray, src: np.ndarray) -> None:
+    """The reduction kernel while recording: values do not matter, and touching them costs."""
+
+
+def _no_reduction(op: Any, dtype: DType) -> Reduction:
+    return Reduction(op, dtype, _skip, None)
+
+
 @contextlib.contextmanager
 def _no_allocation() -> Iterator[None]:
-    """Outputs the public collectives allocate become :func:`_virtual_flat` while recording.
+    """Outputs the public collectives allocate become :func:`_virtual_flat`, and the reduction
+    kernels they hand the algorithms do nothing, while recording (an algorithm that reduces into a
+    local buffer, as recursive doubling does, would otherwise run its kernels: at 1,024 ranks of
+    256 MB, terabytes of memory traffic).
 
     (Module globals are swapped for the duration: record in a process that is not running
     collectives on other threads at the same time.)
     """
+    import lab.collectives
+
     modules = [m for name, m in list(sys.modules.items())
                if (name == "lab.buffers" or name.startswith("lab.collectives")) and getattr(m, "new_flat", None) is new_flat]
     for module in modules:
         module.new_flat = _virtual_flat
+    kernels, lab.collectives._reduction = lab.collectives._reduction, _no_reduction
     try:
         yield
     finally:
+        lab.collectives._reduction = kernels
         for module in modules:
             module.new_flat = new_flat
 
