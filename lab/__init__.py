@@ -17,10 +17,10 @@ from lab.launch import Cluster, launch, spawn
 from lab.mesh import Mesh, Work
 from lab.ops import ReduceOp
 from lab.reference import gloo_reference
-from lab import bucketing, ddp  # noqa: E402 - lab.bucketing and lab.ddp work after a plain `import lab`
+from lab import bucketing, ddp  # lab.bucketing and lab.ddp work after a plain `import lab`
 
 __all__ = [
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "ReduceOp",
-    "spawn", "launch", "Cluster", "Mesh", "Work", "gloo_reference",
+    "bucketing", "ddp", "spawn", "launch", "Cluster", "Mesh", "Work", "gloo_reference",
     "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError", "EmulationUnavailable",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import sys
 
 import multiprocessing
 import pytest
@@ -28,3 +30,14 @@ def nothing_left_behind():
 def pool(world_size: int, transport: str, **options) -> lab.Cluster:
     """A rank pool for one test module (the caller closes it)."""
     return lab.launch(world_size, transport=transport, recv_timeout_ms=60_000, **options)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a Python subprocess that imports this checkout's lab and tests."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

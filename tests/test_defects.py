@@ -22,13 +22,9 @@ import torch
 import torch.distributed as dist
 
 import lab
-from conftest import pool
+from conftest import child_env, free_port, pool
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
 
 
 def open_fds() -> int:
@@ -371,7 +367,7 @@ def test_from_env_across_hosts_without_a_secret_is_a_clear_error(monkeypatch):
     from lab.rendezvous import env_store
 
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(_free_port())}.items():
+                        "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("LAB_TCP_SECRET", raising=False)
     try:
@@ -379,14 +375,6 @@ def test_from_env_across_hosts_without_a_secret_is_a_clear_error(monkeypatch):
             lab.Mesh.from_env()
     finally:
         env_store.cache_clear()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # -- 17. the README's module names after a plain `import lab` ----------------------------------------

@@ -24,7 +24,7 @@ from lab.collectives import ALGORITHMS
 from test_collectives import (assert_no_failures, check_all_to_all, check_allgather, check_allreduce,
                               check_broadcast, check_reduce, check_reduce_scatter)
 from test_hosts import require_hosts
-from test_tcp import child_env, free_port
+from conftest import child_env, free_port
 
 
 def inputs(count: int, global_rank: int) -> torch.Tensor:

@@ -11,17 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import child_env, free_port
+
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_job.py"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **extra}
 
 
 def test_torchrun_three_local_processes():

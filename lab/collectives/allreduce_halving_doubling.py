@@ -40,14 +40,9 @@ def allreduce_halving_doubling(mesh: Mesh, buf: np.ndarray, reduction: Reduction
     """
     n, rank = mesh.world_size, mesh.rank
     fold = Fold(n, rank)
-    if fold.sits_out:
-        # Hand our tensor to the odd neighbour, then wait for the finished result.
-        mesh.send_buffer(rank + 1, buf)
-        mesh.recv_buffer(rank + 1, buf)
+    # Fold in: an even rank below 2r hands its tensor to its odd neighbour and waits for the result.
+    if not fold.enter_allreduce(mesh, buf, reduction):
         return
-    if fold.folded:
-        # Fold the even neighbour's tensor into ours: we now speak for both.
-        mesh.recv_buffer(rank - 1, buf, reduction.combine)
     chunks = split_bounds(buf.size, fold.p)
     # Reduce-scatter by recursive halving: chunk v ends fully reduced on virtual rank v.
     halve(mesh, buf, reduction, fold, chunks)
@@ -56,6 +51,5 @@ def allreduce_halving_doubling(mesh: Mesh, buf: np.ndarray, reduction: Reduction
     reduction.finalize(buf[start:stop], n)
     # Allgather by recursive doubling: every virtual rank ends with every chunk.
     double(mesh, buf, fold, chunks)
-    if fold.folded:
-        # Give the even neighbour the result.
-        mesh.send_buffer(rank - 1, buf)
+    # Fold out: give the even neighbour the result.
+    fold.leave_allreduce(mesh, buf)

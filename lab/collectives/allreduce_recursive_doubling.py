@@ -35,14 +35,9 @@ def allreduce_recursive_doubling(mesh: Mesh, buf: np.ndarray, reduction: Reducti
     """
     n, rank = mesh.world_size, mesh.rank
     fold = Fold(n, rank)
-    if fold.sits_out:
-        # Hand our tensor to the odd neighbour, then wait for the finished result.
-        mesh.send_buffer(rank + 1, buf)
-        mesh.recv_buffer(rank + 1, buf)
+    # Fold in: an even rank below 2r hands its tensor to its odd neighbour and waits for the result.
+    if not fold.enter_allreduce(mesh, buf, reduction):
         return
-    if fold.folded:
-        # Fold the even neighbour's tensor into ours: we now speak for both.
-        mesh.recv_buffer(rank - 1, buf, reduction.combine)
     v, mask = fold.vrank, 1
     incoming = np.empty_like(buf)
     while mask < fold.p:
@@ -53,6 +48,5 @@ def allreduce_recursive_doubling(mesh: Mesh, buf: np.ndarray, reduction: Reducti
         mask *= 2
     # Every rank holds the same bits of the full reduction: finish it (avg divides) identically.
     reduction.finalize(buf, n)
-    if fold.folded:
-        # Give the even neighbour the result.
-        mesh.send_buffer(rank - 1, buf)
+    # Fold out: give the even neighbour the result.
+    fold.leave_allreduce(mesh, buf)

@@ -14,6 +14,13 @@ every message of the power-of-two algorithms one contiguous slice.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from lab.mesh import Mesh
+    from lab.ops import Reduction
 
 
 @dataclass(frozen=True)
@@ -60,3 +67,21 @@ class Fold:
         """Element bounds per virtual rank, from element bounds per original block (one per rank)."""
         spans = (self.blocks(v) for v in range(self.p))
         return [(bounds[first][0], bounds[stop - 1][1]) for first, stop in spans]
+
+    def enter_allreduce(self, mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> bool:
+        """Fold-in for an allreduce: a rank that sits out hands ``buf`` to its odd neighbour and
+        waits for the finished result (returns False: it is done); a folded rank reduces its even
+        neighbour's tensor into ``buf`` and speaks for both (returns True, as do the others)."""
+        if self.sits_out:
+            mesh.send_buffer(self.rank + 1, buf)
+            mesh.recv_buffer(self.rank + 1, buf)
+            return False
+        if self.folded:
+            mesh.recv_buffer(self.rank - 1, buf, reduction.combine)
+        return True
+
+    def leave_allreduce(self, mesh: Mesh, buf: np.ndarray) -> None:
+        """Fold-out: a folded rank gives its even neighbour the result."""
+        if self.folded:
+            mesh.send_buffer(self.rank - 1, buf)
+

@@ -136,7 +136,7 @@ def validation_section(results_dir: Path, out: Path) -> str:
     agreement.to_csv(out / "best_agreement.csv", index=False)
     lines = ["## Simulator vs measurement\n",
              "Each setting's network fitted to its measured medians (least absolute relative error; "
-             f"`lab.sim.calibrate`), then every measured case predicted with it. Ratio = predicted / measured.\n",
+             "`lab.sim.calibrate`), then every measured case predicted with it. Ratio = predicted / measured.\n",
              "| setting | fitted α (µs) | fitted bandwidth (Gbit/s) | cases | within 25 % (≥ 64 KB) | within 2× | "
              "predicted best = measured best |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for setting, network in networks.items():
