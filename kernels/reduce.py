@@ -12,7 +12,12 @@ Families:
   widened to float32, combined, and rounded back to nearest-even (gloo and NCCL accumulate
   half precision the same way, one rounding per step).
 
-min and max propagate NaN like ``numpy.minimum``/``numpy.maximum``.
+Every kernel is commutative *in bits*: ``a ⊕ b`` and ``b ⊕ a`` are the same bits for every
+input, so algorithms in which two ranks combine the same operands in opposite orders (recursive
+doubling) still leave every rank with identical bits. IEEE addition and multiplication are
+commutative except for which NaN comes out, so a NaN result is always the canonical quiet NaN
+(positive, empty payload); min and max propagate NaN the same way, and of -0.0 and +0.0 min
+takes -0.0 and max +0.0, whichever comes first.
 
 Per-rank example (rank 1 of a ring receiving rank 0's chunk)::
 
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 NATIVE_SIGNATURES = [
     "void(float32[::1], float32[::1])",
@@ -106,35 +111,79 @@ def float32_to_float16(f):
     return np.uint16(out | (sign >> np.uint32(16)))
 
 
+# --- canonical NaN and signed zero (the same bits whichever operand comes first) ---------------
+
+#: The canonical quiet NaNs of the half types' bit patterns.
+FLOAT16_NAN = np.uint16(0x7E00)
+BFLOAT16_NAN = np.uint16(0x7FC0)
+
+
+def canonical(value):
+    """``value``, or the canonical quiet NaN of its type if it is a NaN (integers: unchanged)."""
+
+
+@overload(canonical, inline="always")
+def _canonical(value):
+    if isinstance(value, types.Float):
+        nan = np.float32(np.nan) if value == types.float32 else np.float64(np.nan)
+        return lambda value: nan if value != value else value
+    return lambda value: value
+
+
+def is_negative(value):
+    """Whether ``value``'s sign bit is set (-0.0 included)."""
+
+
+@overload(is_negative, inline="always")
+def _is_negative(value):
+    if isinstance(value, types.Float):
+        return lambda value: np.signbit(value)
+    return lambda value: value < 0
+
+
+@njit(inline="always")
+def minimum(a, b):
+    if a != a or b != b:  # NaN wins, as numpy.minimum; canonical, so the order does not show
+        return canonical(a + b)
+    if a == b:  # equal: the same bits, or -0.0 and +0.0, of which min is -0.0
+        return b if is_negative(b) else a
+    return a if a < b else b
+
+
+@njit(inline="always")
+def maximum(a, b):
+    if a != a or b != b:
+        return canonical(a + b)
+    if a == b:  # -0.0 and +0.0: max is +0.0
+        return a if is_negative(b) else b
+    return a if a > b else b
+
+
 # --- native kernels ---------------------------------------------------------------------------
 
 
 @njit(NATIVE_SIGNATURES, cache=True, nogil=True)
 def sum_into(dst, src):
     for i in range(dst.size):
-        dst[i] += src[i]
+        dst[i] = canonical(dst[i] + src[i])
 
 
 @njit(NATIVE_SIGNATURES, cache=True, nogil=True)
 def prod_into(dst, src):
     for i in range(dst.size):
-        dst[i] *= src[i]
+        dst[i] = canonical(dst[i] * src[i])
 
 
 @njit(NATIVE_SIGNATURES, cache=True, nogil=True)
 def min_into(dst, src):
     for i in range(dst.size):
-        s = src[i]
-        if s < dst[i] or s != s:
-            dst[i] = s
+        dst[i] = minimum(dst[i], src[i])
 
 
 @njit(NATIVE_SIGNATURES, cache=True, nogil=True)
 def max_into(dst, src):
     for i in range(dst.size):
-        s = src[i]
-        if s > dst[i] or s != s:
-            dst[i] = s
+        dst[i] = maximum(dst[i], src[i])
 
 
 @njit(NATIVE_SCALE_SIGNATURES, cache=True, nogil=True)
@@ -152,35 +201,54 @@ def sum3_into(dst, a, b, c):
         dst[i] += a[i] + b[i] + c[i]
 
 
+# --- min and max of half types: the bit patterns, decided on their float32 values ---------------
+
+
+@njit(inline="always")
+def half_minimum(a_bits, b_bits, a, b, nan):
+    if a != a or b != b:
+        return nan
+    if a == b:  # the same bits, or -0.0 (0x8000) and +0.0 (0x0000): min is the larger pattern
+        return max(a_bits, b_bits)
+    return a_bits if a < b else b_bits
+
+
+@njit(inline="always")
+def half_maximum(a_bits, b_bits, a, b, nan):
+    if a != a or b != b:
+        return nan
+    if a == b:  # max of -0.0 and +0.0 is +0.0, the smaller pattern
+        return min(a_bits, b_bits)
+    return a_bits if a > b else b_bits
+
+
 # --- float16 kernels (uint16 bit patterns) ------------------------------------------------------
 
 
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_sum_into(dst, src):
     for i in range(dst.size):
-        dst[i] = float32_to_float16(float16_to_float32(dst[i]) + float16_to_float32(src[i]))
+        total = float16_to_float32(dst[i]) + float16_to_float32(src[i])
+        dst[i] = FLOAT16_NAN if total != total else float32_to_float16(total)
 
 
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_prod_into(dst, src):
     for i in range(dst.size):
-        dst[i] = float32_to_float16(float16_to_float32(dst[i]) * float16_to_float32(src[i]))
+        product = float16_to_float32(dst[i]) * float16_to_float32(src[i])
+        dst[i] = FLOAT16_NAN if product != product else float32_to_float16(product)
 
 
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_min_into(dst, src):
     for i in range(dst.size):
-        s = float16_to_float32(src[i])
-        if s < float16_to_float32(dst[i]) or s != s:
-            dst[i] = src[i]
+        dst[i] = half_minimum(dst[i], src[i], float16_to_float32(dst[i]), float16_to_float32(src[i]), FLOAT16_NAN)
 
 
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_max_into(dst, src):
     for i in range(dst.size):
-        s = float16_to_float32(src[i])
-        if s > float16_to_float32(dst[i]) or s != s:
-            dst[i] = src[i]
+        dst[i] = half_maximum(dst[i], src[i], float16_to_float32(dst[i]), float16_to_float32(src[i]), FLOAT16_NAN)
 
 
 @njit(HALF_SCALE_SIGNATURE, cache=True, nogil=True)
@@ -195,29 +263,27 @@ def float16_divide(dst, divisor):
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_sum_into(dst, src):
     for i in range(dst.size):
-        dst[i] = float32_to_bfloat16(bfloat16_to_float32(dst[i]) + bfloat16_to_float32(src[i]))
+        total = bfloat16_to_float32(dst[i]) + bfloat16_to_float32(src[i])
+        dst[i] = BFLOAT16_NAN if total != total else float32_to_bfloat16(total)
 
 
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_prod_into(dst, src):
     for i in range(dst.size):
-        dst[i] = float32_to_bfloat16(bfloat16_to_float32(dst[i]) * bfloat16_to_float32(src[i]))
+        product = bfloat16_to_float32(dst[i]) * bfloat16_to_float32(src[i])
+        dst[i] = BFLOAT16_NAN if product != product else float32_to_bfloat16(product)
 
 
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_min_into(dst, src):
     for i in range(dst.size):
-        s = bfloat16_to_float32(src[i])
-        if s < bfloat16_to_float32(dst[i]) or s != s:
-            dst[i] = src[i]
+        dst[i] = half_minimum(dst[i], src[i], bfloat16_to_float32(dst[i]), bfloat16_to_float32(src[i]), BFLOAT16_NAN)
 
 
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_max_into(dst, src):
     for i in range(dst.size):
-        s = bfloat16_to_float32(src[i])
-        if s > bfloat16_to_float32(dst[i]) or s != s:
-            dst[i] = src[i]
+        dst[i] = half_maximum(dst[i], src[i], bfloat16_to_float32(dst[i]), bfloat16_to_float32(src[i]), BFLOAT16_NAN)
 
 
 @njit(HALF_SCALE_SIGNATURE, cache=True, nogil=True)

@@ -66,6 +66,9 @@ def allreduce_coalesced(mesh: Mesh, tensors: Sequence[Any], op: Any = "sum", alg
         if kind not in checked:
             reduction(reduce_op, check_tensor(tensor, f"tensors[{i}]"))
             checked.add(kind)
+    # Pack only once the asynchronous collectives issued before this call are done: one may still
+    # be writing these tensors (the same issue order every collective follows).
+    mesh.wait_all()
     for bucket in plan_buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in bucket]
         if isinstance(members[0], torch.Tensor):

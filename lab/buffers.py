@@ -1,8 +1,10 @@
 """Caller tensors <-> the flat, contiguous numpy buffers the algorithms and kernels work on.
 
 A torch tensor and its buffer share memory whenever the tensor is contiguous; otherwise the
-buffer is a contiguous copy and :meth:`Buffer.write_back` copies the result into the caller's
-tensor. bfloat16 (which numpy lacks) and float16 are handled as ``uint16`` bit patterns.
+buffer is a contiguous copy, taken by :meth:`Buffer.load` when the collective runs (not when it
+is called: an asynchronous collective issued earlier may still be writing the tensor), and
+:meth:`Buffer.write_back` copies the result into the caller's tensor. bfloat16 (which numpy
+lacks) and float16 are handled as ``uint16`` bit patterns.
 """
 
 from __future__ import annotations
@@ -27,16 +29,30 @@ def _flat_storage(tensor: Any, dtype: DType) -> np.ndarray:
 
 @dataclass(slots=True)
 class Buffer:
-    """The caller's ``tensor``, its :class:`DType`, and ``flat``: the 1-D buffer collectives use."""
+    """The caller's ``tensor``, its :class:`DType`, and ``flat``: the 1-D buffer collectives use.
+
+    ``flat`` aliases the caller's memory when ``shared``; otherwise it is None until
+    :meth:`load` copies the tensor's current contents.
+    """
 
     tensor: Any
     dtype: DType
-    flat: np.ndarray
-    shared: bool  # flat aliases the caller's memory, so no write-back is needed
+    flat: np.ndarray | None
+    shared: bool  # flat aliases the caller's memory, so no load or write-back copy is needed
+    numel: int
 
     @property
     def nbytes(self) -> int:
-        return self.flat.nbytes
+        return self.numel * self.dtype.storage.itemsize
+
+    def load(self) -> np.ndarray:
+        """``flat`` with the tensor's contents as they are now: call it where the collective runs,
+        after the collectives issued before it (the issue order), never at call time."""
+        if not self.shared:
+            tensor = self.tensor
+            copy = tensor.contiguous() if isinstance(tensor, torch.Tensor) else np.ascontiguousarray(tensor)
+            self.flat = _flat_storage(copy, self.dtype)
+        return self.flat
 
     def write_back(self) -> None:
         """Copy ``flat`` into the caller's tensor when they do not share memory."""
@@ -72,6 +88,7 @@ def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffe
     """Wrap a caller's tensor; ``ValueError``/``TypeError`` naming ``name`` if it is unusable.
 
     ``writable``: the collective writes its result into the tensor (allreduce, broadcast).
+    Nothing of the tensor's contents is read here: :meth:`Buffer.load` reads them.
     """
     dtype = check_tensor(tensor, name)
     contiguous = tensor.is_contiguous() if isinstance(tensor, torch.Tensor) else tensor.flags.c_contiguous
@@ -80,10 +97,10 @@ def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffe
     if writable and not contiguous and _overlaps(tensor):  # a contiguous tensor has no repeated elements
         raise ValueError(f"{name} has elements that share memory (an expand() or broadcast view), so an in-place "
                          "result cannot be written into it; pass a copy (.clone() / .copy())")
+    numel = tensor.numel() if isinstance(tensor, torch.Tensor) else tensor.size
     if contiguous:
-        return Buffer(tensor, dtype, _flat_storage(tensor, dtype), shared=True)
-    copy = tensor.contiguous() if isinstance(tensor, torch.Tensor) else np.ascontiguousarray(tensor)
-    return Buffer(tensor, dtype, _flat_storage(copy, dtype), shared=False)
+        return Buffer(tensor, dtype, _flat_storage(tensor, dtype), True, numel)
+    return Buffer(tensor, dtype, None, False, numel)  # copied by load(), when the collective runs
 
 
 def new_flat(numel: int, dtype: DType) -> np.ndarray:

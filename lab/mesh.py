@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import os
 import struct
@@ -46,6 +45,7 @@ _P2P_HEADER_WORDS = 3 + _MAX_P2P_DIMS  # is_torch, dtype code, ndim, shape
 # root (-1: none), element count: 32 bytes, the transports' TAG_BYTES. The context comes first: a
 # transport parks a message whose first CONTEXT_BYTES differ from the receive's (another mesh's).
 _FINGERPRINT = struct.Struct("<IQBBBBqq")
+_MAX_CONTEXT = 2**32 - 1
 
 
 def describe_fingerprint(tag: bytes) -> str:
@@ -170,7 +170,7 @@ class Mesh:
         self._lineage = [self]  # this mesh and its ancestors: a transfer counts in each one's stats
         self._members: list[int] | None = None  # a sub-mesh's ranks as global ranks, in its rank order
         self._context = 0  # 0: the root mesh; a sub-mesh's id, agreed when it is made (see split)
-        self._splits = 0
+        self._next_context = 1  # (the root's) past every context id this rank has used
         self.name = ""
         # Host of every global rank: ranks [h*L, (h+1)*L) on host h (lab.launch(hosts=), torchrun)
         self._global_hosts = [r // self.local_world_size for r in range(transport.world_size)]
@@ -530,8 +530,8 @@ class Mesh:
             self._start_p2p("send", seq)
             self._tag = self._p2p_tag(seq, 0, _P2P_HEADER_WORDS)
             self._exchange([Send(dst, header)], [], counted=False)
-            self._tag = self._p2p_tag(seq, buffer.dtype.code, buffer.flat.size)
-            self._exchange([Send(dst, buffer.flat)], [])
+            self._tag = self._p2p_tag(seq, buffer.dtype.code, buffer.numel)
+            self._exchange([Send(dst, buffer.load())], [])  # read now, after the async work before it
 
         self.issue(run, async_op=False)
 
@@ -577,9 +577,10 @@ class Mesh:
         Every rank of this mesh must call it (it is a collective: an allgather of every rank's
         ``(color, key)``). The sub-mesh runs every collective, ``send``/``recv``, counter and
         trace of a mesh, over this mesh's channels (no new process or socket), with its own
-        sequence numbers and a context id that all its ranks derive from the same allgather, so
-        its messages never pass for this mesh's: collectives on the two interleave freely, even
-        entered in different orders by different ranks (a message of another context waits aside).
+        sequence numbers and a context id agreed in that allgather, distinct from that of every
+        other live mesh sharing a rank with it, so its messages never pass for another's:
+        collectives on the two interleave freely, even entered in different orders by different
+        ranks (a message of another context waits aside).
         It shares this mesh's issue order (an asynchronous collective on either completes before a
         later synchronous one on either) and counts its bytes in this mesh's ``stats()`` too.
 
@@ -587,22 +588,31 @@ class Mesh:
             lab.allreduce(rows, x)                              # sums within each pair
             cols = mesh.split(color=mesh.rank % 2, key=-mesh.rank)  # {2,0} and {3,1}: reversed order
         """
-        if color is not None and (isinstance(color, bool) or not isinstance(color, (int, np.integer)) or color < 0):
-            raise ValueError(f"color must be a non-negative int, or None to opt out; got {color!r}")
+        if color is not None and (isinstance(color, bool) or not isinstance(color, (int, np.integer))
+                                  or not 0 <= color < 2**63):
+            raise ValueError(f"color must be an int in [0, 2**63), or None to opt out; got {color!r}")
         if key is not None and (isinstance(key, bool) or not isinstance(key, (int, np.integer))
                                 or not -2**63 <= key < 2**63):
             raise ValueError(f"key must be an int (int64) or None; got {key!r}")
         from lab.collectives import allgather
 
-        mine = np.array([-1 if color is None else int(color), 0 if key is None else int(key)], np.int64)
-        everyone = allgather(self, mine).reshape(self.world_size, 2).tolist()
-        self._splits += 1
+        root = self._root
+        mine = np.array([-1 if color is None else int(color), 0 if key is None else int(key), root._next_context],
+                        np.int64)
+        everyone = allgather(self, mine).reshape(self.world_size, 3).tolist()
+        # Context ids, agreed here: colour i (in sorted order) gets base + i, where base is past
+        # every id any participant has used. Two sub-meshes that share a rank were both made by
+        # splits that rank took part in, one after the other, so the later one's base is past the
+        # earlier one's ids: live sub-meshes on common channels never share an id.
+        colors = sorted({c for c, _, _ in everyone if c >= 0})
+        base = max(used for _, _, used in everyone)
+        if base + len(colors) > _MAX_CONTEXT:
+            raise LabError(f"this job has made {base - 1:,} sub-meshes; context ids (4 bytes) are spent")
+        root._next_context = base + len(colors)
         if color is None:
             return None
-        members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(everyone) if c == color)]
-        digest = hashlib.blake2b(struct.pack("<IQq", self._context, self._splits, int(color)), digest_size=4,
-                                 person=b"lab-split").digest()
-        return self._sub_mesh(members, int.from_bytes(digest, "little") or 1)
+        members = [r for _, r in sorted((k, r) for r, (c, k, _) in enumerate(everyone) if c == color)]
+        return self._sub_mesh(members, base + colors.index(color))
 
     def _sub_mesh(self, members: list[int], context: int) -> Mesh:
         """A mesh over ``members`` (this mesh's ranks, in the sub-mesh's rank order) with ``context``."""
@@ -611,7 +621,7 @@ class Mesh:
         sub._members = [self._global(r) for r in members]
         sub._context = context
         sub._rank, sub._world_size = members.index(self.rank), len(members)
-        sub._splits, sub._seq, sub._tag = 0, 0, b""
+        sub._seq, sub._tag = 0, b""
         sub._p2p_sent, sub._p2p_received = [0] * len(members), [0] * len(members)
         shown = ", ".join(map(str, sub._members[:8])) + (", ..." if len(members) > 8 else "")
         sub.name = f"sub-mesh {context:08x}"

@@ -110,23 +110,37 @@ def dtype_of(tensor: Any, name: str = "tensor") -> DType:
 
 @dataclass(frozen=True)
 class Reduction:
-    """``combine(dst, src)`` does ``dst ⊕= src`` in place; ``finalize(buf, n)`` completes the op
-    once ``buf`` holds the reduction of all ``n`` ranks (divides for ``avg``, nothing otherwise)."""
+    """``combine(dst, src)`` does ``dst ⊕= src`` in place; ``prepare(buf, n)`` readies a rank's own
+    contribution before any combine, and ``finalize(buf, n)`` completes the op once ``buf`` holds
+    the reduction of all ``n`` ranks. Only ``avg`` does anything in either: float32/float64
+    divide the sum at the end (``finalize``); float16/bfloat16 divide each contribution first
+    (``prepare``, ``prescales``), as NCCL does, so a representable average never overflows."""
 
     op: ReduceOp
     dtype: DType
     combine: Callable[[np.ndarray, np.ndarray], None]
     _divide: Callable[[np.ndarray, float], None] | None
+    prescales: bool = False  # _divide runs in prepare (before the sum), not in finalize
+
+    def prepare(self, buf: np.ndarray, world_size: int) -> None:
+        if self.prescales and buf.size:
+            self._divide(buf, float(world_size))
 
     def finalize(self, buf: np.ndarray, world_size: int) -> None:
-        if self._divide is not None and buf.size:
+        if self._divide is not None and not self.prescales and buf.size:
             self._divide(buf, float(world_size))
 
 
 def reduction(op: ReduceOp, dtype: DType) -> Reduction:
-    """The kernels for ``op`` on ``dtype``. ``avg`` needs a floating dtype (as in gloo)."""
+    """The kernels for ``op`` on ``dtype``. ``avg`` needs a floating dtype (as in gloo).
+
+    ``avg`` on float16/bfloat16 divides each rank's contribution by N before summing: a sum of
+    N half-precision values overflows long before their average does (three float16 30,000s sum
+    to inf). It costs one extra rounding per contribution (see README, "Reductions").
+    """
     if op is ReduceOp.AVG and not dtype.is_floating:
         raise TypeError(f"op 'avg' needs a floating dtype; tensor has dtype {dtype.name} (use 'sum')")
     kernel_op = "sum" if op is ReduceOp.AVG else op.value
     divide = DIVIDE[dtype.family] if op is ReduceOp.AVG else None
-    return Reduction(op, dtype, KERNELS[kernel_op, dtype.family], divide)
+    prescales = divide is not None and dtype.storage == np.uint16
+    return Reduction(op, dtype, KERNELS[kernel_op, dtype.family], divide, prescales)

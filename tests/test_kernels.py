@@ -663,21 +663,34 @@ def _encode_dtype(name: str, values) -> np.ndarray:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("name", ["float32", "float64", "float16", "bfloat16"])
 def test_avg_finalize_divides(name, world_size):
-    """For avg, combine sums and finalize divides by the world size (matching DIVIDE)."""
+    """For avg, combine sums; float32/float64 divide the sum by the world size in finalize, the
+    half types divide each contribution in prepare (matching DIVIDE) and finalize does nothing."""
     red = reduction(ReduceOp.AVG, DTYPES[name])
     assert red.combine is KERNELS["sum", DTYPES[name].family]
+    assert red.prescales == (name in ("float16", "bfloat16"))
     rng = _rng("avg", name, world_size)
     ranks = [_encode_dtype(name, rng.integers(-50, 50, 33)) for _ in range(world_size)]
-    buf = ranks[0].copy()
-    for other in ranks[1:]:
+    prepared = [r.copy() for r in ranks]
+    for r in prepared:
+        red.prepare(r, world_size)
+    buf, want = prepared[0].copy(), ranks[0].copy()
+    if red.prescales:
+        DIVIDE[DTYPES[name].family](want, float(world_size))
+    np.testing.assert_array_equal(buf, want)  # prepare divides the half types' contributions only
+    for other, original in zip(prepared[1:], ranks[1:]):
         red.combine(buf, other)
-    want = buf.copy()
-    DIVIDE[DTYPES[name].family](want, float(world_size))
+        if red.prescales:
+            original = original.copy()
+            DIVIDE[DTYPES[name].family](original, float(world_size))
+        KERNELS["sum", DTYPES[name].family](want, original)
+    if not red.prescales:
+        DIVIDE[DTYPES[name].family](want, float(world_size))
     red.finalize(buf, world_size)
     np.testing.assert_array_equal(buf, want)
     # small integers: the sum is exact in every float type, so the mean is sum / n rounded once
     exact = sum(_decode_dtype(name, r) for r in ranks) / world_size
-    np.testing.assert_allclose(_decode_dtype(name, buf), exact, rtol=2.0**-7)
+    # (the half types round each contribution once more: within N roundings of the mean)
+    np.testing.assert_allclose(_decode_dtype(name, buf), exact, rtol=world_size * 2.0**-7, atol=world_size * 2.0**-7)
     if world_size > 1:
         assert not np.array_equal(_decode_dtype(name, buf), sum(_decode_dtype(name, r) for r in ranks))
 

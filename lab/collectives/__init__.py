@@ -180,8 +180,10 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
     options = {"segment_bytes": _segment_bytes()} if chosen == "double_tree" else {}
 
     def run() -> Any:
-        with mesh.collective("allreduce", chosen, buffer.dtype, buffer.flat.size, reduce_op.value):
-            ALLREDUCE_ALGORITHMS[chosen](mesh, buffer.flat, kernels, **options)
+        flat = buffer.load()  # read now, after the collectives issued before this one
+        with mesh.collective("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value):
+            kernels.prepare(flat, mesh.world_size)
+            ALLREDUCE_ALGORITHMS[chosen](mesh, flat, kernels, **options)
         buffer.write_back()
         return tensor
 
@@ -204,8 +206,9 @@ def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", as
     chosen = _pick(mesh, "broadcast", algorithm, buffer.nbytes)
 
     def run() -> Any:
-        with mesh.collective("broadcast", chosen, buffer.dtype, buffer.flat.size, root=src):
-            ALGORITHMS["broadcast"][chosen](mesh, buffer.flat, src)
+        flat = buffer.load()
+        with mesh.collective("broadcast", chosen, buffer.dtype, buffer.numel, root=src):
+            ALGORITHMS["broadcast"][chosen](mesh, flat, src)
         buffer.write_back()
         return tensor
 
@@ -231,9 +234,10 @@ def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool =
     chosen = _pick(mesh, "allgather", algorithm, out.nbytes)
     bounds = split_bounds(out.size, mesh.world_size)  # equal blocks of numel
     start, stop = bounds[mesh.rank]
-    out[start:stop] = as_buffer(tensor, writable=False).flat
+    buffer = as_buffer(tensor, writable=False)
 
     def run() -> Any:
+        out[start:stop] = buffer.load()  # read now, after the collectives issued before this one
         with mesh.collective("allgather", chosen, dtype, numel):
             ALGORITHMS["allgather"][chosen](mesh, out, bounds)
         return to_caller_type(out, dtype, out_shape, like=tensor)
@@ -261,11 +265,13 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "a
         raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
     kernels = _reduction(reduce_op, dtype)
     chosen = _pick(mesh, "reduce_scatter", algorithm, math.prod(shape) * dtype.storage.itemsize)
-    work = as_buffer(tensor, writable=False).flat.copy()
+    buffer = as_buffer(tensor, writable=False)
     bounds = row_bounds(shape[0], math.prod(shape[1:]), mesh.world_size)
 
     def run() -> Any:
+        work = buffer.load().copy()  # read now (after earlier collectives); the caller's tensor stays as it was
         with mesh.collective("reduce_scatter", chosen, dtype, work.size, reduce_op.value):
+            kernels.prepare(work, mesh.world_size)
             ALGORITHMS["reduce_scatter"][chosen](mesh, work, kernels, bounds)
         start, stop = bounds[mesh.rank]
         rows = split_bounds(shape[0], mesh.world_size)[mesh.rank]
@@ -290,8 +296,12 @@ def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: boo
     kernels = _reduction(reduce_op, buffer.dtype)
 
     def run() -> Any:
-        with mesh.collective("reduce", "binomial", buffer.dtype, buffer.flat.size, reduce_op.value, root=dst):
-            reduce_binomial(mesh, buffer.flat, kernels, dst)
+        flat = buffer.load()
+        with mesh.collective("reduce", "binomial", buffer.dtype, buffer.numel, reduce_op.value, root=dst):
+            if kernels.prescales and mesh.rank != dst:  # another rank's tensor stays as it was
+                flat = flat.copy()
+            kernels.prepare(flat, mesh.world_size)
+            reduce_binomial(mesh, flat, kernels, dst)
         if mesh.rank == dst:
             buffer.write_back()
         return tensor
@@ -318,7 +328,7 @@ def all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool 
         raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
     n = mesh.world_size
     chosen = _pick(mesh, "all_to_all", algorithm, math.prod(shape) * dtype.storage.itemsize)
-    send = as_buffer(tensor, writable=False).flat
+    buffer = as_buffer(tensor, writable=False)
     row = math.prod(shape[1:])
     send_bounds = row_bounds(shape[0], row, n)
     rows = split_bounds(shape[0], n)[mesh.rank]
@@ -327,8 +337,8 @@ def all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool 
     recv_bounds = [(i * block, (i + 1) * block) for i in range(n)]
 
     def run() -> Any:
-        with mesh.collective("all_to_all", chosen, dtype, send.size):
-            ALGORITHMS["all_to_all"][chosen](mesh, send, out, send_bounds, recv_bounds)
+        with mesh.collective("all_to_all", chosen, dtype, buffer.numel):
+            ALGORITHMS["all_to_all"][chosen](mesh, buffer.load(), out, send_bounds, recv_bounds)
         return to_caller_type(out, dtype, (n * (rows[1] - rows[0]), *shape[1:]), like=tensor)
 
     return mesh.issue(run, async_op)
