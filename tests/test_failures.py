@@ -56,9 +56,12 @@ def bad_arguments(mesh: lab.Mesh) -> list[tuple[str, str]]:
     return seen
 
 
+STALL_S = 60  # far past the deadline: the pool ends the stalled rank long before it wakes
+
+
 def stall(mesh: lab.Mesh) -> None:
     if mesh.rank == 0:
-        time.sleep(5)
+        time.sleep(STALL_S)
     lab.allreduce(mesh, torch.ones(8), algorithm="ring")
 
 
@@ -87,12 +90,13 @@ def cluster():
 def test_a_raising_rank_is_named_with_its_exception_and_traceback():
     started = time.monotonic()
     with pytest.raises(lab.RankError) as info:
-        lab.spawn(raise_on_rank_two, 3)
+        lab.spawn(raise_on_rank_two, 3, recv_timeout_ms=60_000)
     error = info.value
     assert error.rank == 2 and error.exc_type == "KeyError" and "bad day" in error.exc_message
     assert "raise_on_rank_two" in error.remote_traceback
     assert "rank 2 failed: KeyError" in str(error)
-    assert time.monotonic() - started < 15, "the waiting ranks must not hang"
+    # the waiting ranks are ended when rank 2 fails, not when their deadline passes
+    assert "DeadlineError" not in error.others and time.monotonic() - started < 60, "the waiting ranks hung"
 
 
 def test_bad_arguments_raise_before_communication_and_leave_the_mesh_usable(cluster):
@@ -124,7 +128,7 @@ def test_a_stalled_peer_raises_a_deadline_error_naming_rank_peer_and_collective(
     assert "timed out waiting for it" in info.value.exc_message and "still running" in info.value.exc_message
     others = info.value.others
     assert "DeadlineError" in others and "allreduce #1 (ring) step 1" in others and "waiting for rank" in others
-    assert time.monotonic() - started < 12
+    assert time.monotonic() - started < STALL_S, "the pool waited for the stalled rank instead of ending it"
 
 
 def test_a_killed_rank_is_reported_with_its_signal():
@@ -132,7 +136,8 @@ def test_a_killed_rank_is_reported_with_its_signal():
     with pytest.raises(lab.RankError) as info:
         lab.spawn(die, 3, recv_timeout_ms=30_000)
     assert info.value.rank == 1 and "SIGKILL" in info.value.exc_message
-    assert time.monotonic() - started < 10, "peers must learn of the death from the closed pipe, not the deadline"
+    # peers learn of the death from the closed pipe, not from the 30 s deadline
+    assert "DeadlineError" not in info.value.others and time.monotonic() - started < 30
 
 
 def test_fn_must_be_picklable():
