@@ -1,13 +1,20 @@
 """The ``"tcp"`` transport: the same collectives over real sockets, on one host or many.
 
 Wire format. One TCP connection per pair of ranks. Every message is a frame: a fixed 48-byte
-header (magic ``LABT``, version, kind, the 32-byte tag, payload length), the raw tensor bytes,
-and a 32-byte MAC (keyed BLAKE3) over a per-direction sequence number, the header and the payload,
-keyed with a key that only this connection's two ranks hold. Nothing received from a socket is ever
-unpickled. A receiver checks magic, version and length before reading a payload byte, the tag
-before using it, and the MAC before the exchange returns: a frame that was altered, replayed,
-reordered or injected by anyone in the middle raises :class:`lab.PeerLostError` (the result is
-never returned).
+header (magic ``LABT``, version, kind, the 32-byte tag, payload length) and its own 32-byte MAC,
+the raw tensor bytes, and a 32-byte MAC of the whole frame. Both MACs are keyed BLAKE3 under a key
+that only this connection's two ranks hold, over a per-direction sequence number and what precedes
+them. Nothing received from a socket is ever unpickled. A receiver believes nothing in a header
+before its MAC checks out: a forged, replayed or reordered header is refused before its length
+allocates a byte or its tag blames a rank. It checks magic, version and length before reading a
+payload byte, the tag before using it, and the frame's MAC before the exchange returns: a frame
+that was altered, replayed, reordered or injected by anyone in the middle raises
+:class:`lab.PeerLostError` ("failed authentication"; the result is never returned).
+
+Parking. A frame of another mesh (context) that arrives before its receive is read whole, checked
+and held aside (see :mod:`lab.transport.base`). What is held is bounded: ``MAX_PARKED_BYTES_PER_PEER``
+from one peer and ``MAX_PARKED_BYTES`` from all peers together (the payload bytes); a frame that
+would exceed either is a :class:`lab.LabError` naming the bound, raised before it is allocated.
 
 Progress. Sockets are non-blocking and one selector drives every send and receive of an
 exchange at once, so a ring step (send right, receive left) cannot deadlock however large the
@@ -22,7 +29,11 @@ with an HMAC over both nonces, both ranks and the direction, so a proof seen on 
 worthless on any other (a relay between two real ranks gains nothing: it cannot read the frame
 keys, derived the same way). The connecting side proves itself first; the accepting side answers
 only a proven peer. The listener handshakes every connection at once, drops one that has not
-proven itself within ``HANDSHAKE_TIMEOUT_S``, and is closed once the mesh is complete. The
+proven itself within ``HANDSHAKE_TIMEOUT_S``, and is closed once the mesh is complete. It holds
+at most ``MAX_PENDING_HANDSHAKES`` unproven connections: a new one evicts the oldest of those that
+have not even sent a hello of a rank still awaited (else the oldest), so strangers cannot fill it; a
+connecting rank whose handshake is dropped that way tries again until ``CONNECT_TIMEOUT_S``. A wrong
+secret is answered with an explicit refusal, so it fails at once instead of being retried. The
 secret itself never travels: it is handed to the ranks by their launcher (see :mod:`lab.rendezvous`).
 """
 
@@ -43,33 +54,46 @@ import blake3
 import numpy as np
 
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
-from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch, Transport, same_context, wait_slice
+from lab.transport.base import CONTEXT_BYTES, TAG_BYTES, Recv, Send, TagMismatch, Transport, same_context, wait_slice
 
 MAGIC = b"LABT"
-VERSION = 2
+VERSION = 3  # 3: the header has a MAC of its own
 _DATA = 1
 _HEADER = struct.Struct(f"<4sBBxx{TAG_BYTES}sQ")  # magic, version, kind, tag, payload bytes: 48
 _HELLO = struct.Struct("<4sBxxxI32s")  # magic, version, rank, nonce: 44 bytes
 _PROOF_BYTES = 32
-MAC_BYTES = 32  # keyed BLAKE3 after every frame
+MAC_BYTES = 32  # keyed BLAKE3: after the header, and after the payload
+_HEAD_BYTES = _HEADER.size + MAC_BYTES  # what a receiver reads and checks before believing a length
 #: Frames announcing more payload than this are rejected (a garbled length must not allocate).
 MAX_FRAME_BYTES = 1 << 36
+#: Payload bytes of other meshes' frames held aside from one peer, and from all peers together,
+#: waiting for their receive. A frame that would exceed either is a LabError (see ``_room_for``).
+#: Read when a frame arrives: a job that needs more can raise them in every rank before it starts.
+MAX_PARKED_BYTES_PER_PEER = 1 << 30
+MAX_PARKED_BYTES = 4 << 30
 SCRATCH_BYTES = 256 * 1024
 #: How long a rank waits for the whole mesh to form.
 CONNECT_TIMEOUT_S = 60.0
 #: A connection to a listener that has not proven itself within this is dropped.
 HANDSHAKE_TIMEOUT_S = 5.0
-#: Unproven connections a listener holds at once; more are dropped on arrival.
+#: Unproven connections a listener holds at once; a new one beyond this evicts one of them.
 MAX_PENDING_HANDSHAKES = 64
+#: The connecting side's first pause before it tries again after a dropped handshake (it doubles,
+#: up to 1 s).
+RETRY_PAUSE_S = 0.05
 
 # Labels that bind every derived value to its role and direction.
 _CONNECTOR_PROOF, _ACCEPTOR_PROOF = b"proof: connector to acceptor", b"proof: acceptor to connector"
 _CONNECTOR_KEY, _ACCEPTOR_KEY = b"frames: connector to acceptor", b"frames: acceptor to connector"
+# What an acceptor sends instead of its proof when it refuses a connector (never a valid proof:
+# that would be an HMAC output equal to a fixed string). They tell a real rank to stop trying.
+_REFUSED_PROOF = b"lab-tcp: proof refused".ljust(_PROOF_BYTES, b"\0")
+_REFUSED_RANK = b"lab-tcp: rank not expected".ljust(_PROOF_BYTES, b"\0")
 
 
 def transcript(acceptor: int, connector: int, acceptor_nonce: bytes, connector_nonce: bytes) -> bytes:
     """What a handshake's proofs and keys are bound to: both ranks and both fresh nonces."""
-    return b"lab-tcp-v2" + struct.pack("<II", acceptor, connector) + acceptor_nonce + connector_nonce
+    return b"lab-tcp-v3" + struct.pack("<II", acceptor, connector) + acceptor_nonce + connector_nonce
 
 
 def derive(secret: bytes, label: bytes, handshake: bytes) -> bytes:
@@ -79,8 +103,26 @@ def derive(secret: bytes, label: bytes, handshake: bytes) -> bytes:
 
 def frame_mac(key: bytes, sequence: int) -> blake3.blake3:
     """A running MAC of one frame: keyed BLAKE3 (a PRF, 3-4x the speed of HMAC-SHA256 here, and
-    it releases the GIL on large buffers) over the sequence number, then header and payload."""
+    it releases the GIL on large buffers) over the sequence number, then the header (its digest
+    there is the header's MAC), that MAC, and the payload (its digest then is the frame's MAC)."""
     return blake3.blake3(sequence.to_bytes(8, "little"), key=key)
+
+
+def head(key: bytes, sequence: int, header: bytes) -> tuple[bytes, blake3.blake3]:
+    """The header's MAC, and the frame's running MAC ready for the payload."""
+    mac = frame_mac(key, sequence)
+    mac.update(header)
+    tag = mac.digest()
+    mac.update(tag)
+    return tag, mac
+
+
+def _size(nbytes: int) -> str:
+    """``"1.5 GiB"``, ``"96 KiB"``, ``"12 B"`` for an error message."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.3g} {unit}"
+    return f"{nbytes} B"
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:
@@ -91,6 +133,10 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
             raise ConnectionError("connection closed during the handshake")
         data += chunk
     return bytes(data)
+
+
+class _Dropped(Exception):
+    """The listener closed a handshake before answering (evicted, or gone)."""
 
 
 @dataclass
@@ -105,7 +151,8 @@ class _Link:
 
 
 class _Job:
-    """One frame in flight: header, payload, MAC; sent or received a piece at a time."""
+    """One frame in flight: header and its MAC, payload, MAC; sent or received a piece at a time.
+    A receive's ``mac`` is made when its header arrives (``None`` until then)."""
 
     __slots__ = ("peer", "array", "bytes", "header", "header_done", "offset", "combine", "scratch", "filled",
                  "mac", "trailer", "trailer_done")
@@ -113,7 +160,7 @@ class _Job:
     def __init__(self, peer: int, array: np.ndarray, mac, combine=None) -> None:
         self.peer, self.array, self.combine, self.mac = peer, array, combine, mac
         self.bytes = memoryview(array.view(np.uint8))
-        self.header = bytearray(_HEADER.size)
+        self.header = bytearray(_HEAD_BYTES)
         self.header_done = 0
         self.offset = 0  # payload bytes done
         self.scratch = None
@@ -140,14 +187,20 @@ class TcpEndpoints:
 
 
 class _Handshake:
-    """An accepted connection not yet proven: what it sent so far, and when it arrived."""
+    """An accepted connection not yet proven: what it sent so far, when it arrived, and whether
+    its hello named a rank still awaited (what a real rank sends at once, a silent stranger never)."""
 
-    __slots__ = ("nonce", "received", "started")
+    __slots__ = ("nonce", "received", "started", "promising")
 
     def __init__(self) -> None:
         self.nonce = secrets.token_bytes(32)
         self.received = bytearray()
         self.started = time.monotonic()
+        self.promising = False
+
+    def eviction_order(self) -> tuple[bool, float]:
+        """Evicted first: no awaited rank's hello yet, then the oldest."""
+        return self.promising, self.started
 
 
 class TcpTransport(Transport):
@@ -168,6 +221,7 @@ class TcpTransport(Transport):
             raise
         self._selector = selectors.DefaultSelector()
         self._parked: dict[int, list[tuple[bytes, np.ndarray]]] = {p: [] for p in self._links}  # other contexts'
+        self._parked_bytes = {p: 0 for p in self._links}  # their payload bytes, per peer
         self._silence_s = CONNECT_TIMEOUT_S  # the current exchange's timeout_s (for parking a frame)
         self._watched: dict[int, int] = {}  # peer -> selector events currently registered
         self._peer_of = {}
@@ -179,7 +233,9 @@ class TcpTransport(Transport):
 
     def _connect(self, store, host: str, secret: bytes, prefix: str) -> None:
         deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        with socket.create_server((host, 0), backlog=MAX_PENDING_HANDSHAKES) as listener:
+        # The kernel's queue is long so that a burst of strangers does not make a real rank's
+        # SYN wait for a retransmission: they are accepted at once, and evicted (_take_new).
+        with socket.create_server((host, 0), backlog=socket.SOMAXCONN) as listener:
             store.set(f"{prefix}/addr/{self.rank}", f"{host}:{listener.getsockname()[1]}")
             # The higher rank of each pair connects; the lower one accepts.
             for peer in range(self.rank):
@@ -188,7 +244,25 @@ class TcpTransport(Transport):
             self._accept_all(listener, secret, deadline)
 
     def _connect_to(self, peer: int, address: str, secret: bytes, deadline: float) -> _Link:
-        """Connect to ``peer`` and run the connecting side of the handshake."""
+        """Connect to ``peer`` and run the connecting side of the handshake, again (after a pause
+        that doubles) whenever the listener drops it unanswered: a listener under a storm of
+        strangers evicts unproven connections, and this one may have been among them."""
+        pause, attempts = RETRY_PAUSE_S, 0
+        while True:
+            attempts += 1
+            try:
+                return self._handshake_with(peer, address, secret, deadline)
+            except _Dropped as dropped:
+                if time.monotonic() + pause >= deadline:
+                    raise PeerLostError(
+                        f"rank {self.rank}: rank {peer} at {address} dropped the handshake unanswered "
+                        f"{attempts} times in {CONNECT_TIMEOUT_S:g} s (last: {dropped}); is something "
+                        "flooding its listener with connections, or is it not a lab rank?") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+
+    def _handshake_with(self, peer: int, address: str, secret: bytes, deadline: float) -> _Link:
+        """One attempt: raises ``_Dropped`` if the listener closes it before answering."""
         peer_host, port = address.rsplit(":", 1)
         remaining = max(deadline - time.monotonic(), 0.001)
         try:
@@ -204,7 +278,14 @@ class TcpTransport(Transport):
                 raise LabError(f"rank {self.rank}: {address} is not rank {peer} of this job")
             handshake = transcript(peer, self.rank, theirs, mine)
             sock.sendall(derive(secret, _CONNECTOR_PROOF, handshake))
-            if not hmac.compare_digest(_recv_exactly(sock, _PROOF_BYTES), derive(secret, _ACCEPTOR_PROOF, handshake)):
+            answer = _recv_exactly(sock, _PROOF_BYTES)
+            if answer == _REFUSED_PROOF:
+                raise LabError(f"rank {self.rank}: rank {peer} at {address} refused this rank's proof: "
+                               "failed authentication (a different job secret?)")
+            if answer == _REFUSED_RANK:
+                raise LabError(f"rank {self.rank}: rank {peer} at {address} does not expect rank {self.rank} "
+                               "(it has joined already: two processes with the same RANK?)")
+            if not hmac.compare_digest(answer, derive(secret, _ACCEPTOR_PROOF, handshake)):
                 raise LabError(f"rank {self.rank}: the listener at {address} claiming rank {peer} failed "
                                "authentication (a different job secret?)")
         except TimeoutError:
@@ -213,8 +294,7 @@ class TcpTransport(Transport):
                                 f"within {CONNECT_TIMEOUT_S:g} s", peers=(peer,)) from None
         except (ConnectionError, OSError) as exc:
             sock.close()
-            raise PeerLostError(f"rank {self.rank}: rank {peer} at {address} closed the handshake ({exc}); "
-                                "a different job secret?") from None
+            raise _Dropped(str(exc)) from None
         except BaseException:
             sock.close()
             raise
@@ -250,31 +330,43 @@ class TcpTransport(Transport):
                 wake = min([deadline, *(h.started + HANDSHAKE_TIMEOUT_S for h in pending.values())])
                 for key, _ in selector.select(max(wake - now, 0.001)):
                     if key.fileobj is listener:
-                        self._take_new(listener, selector, pending)
-                    else:
+                        self._take_new(listener, selector, pending, secret, expected, drop, admit)
+                    elif key.fileobj in pending:  # (not evicted earlier in this round)
                         self._advance(key.fileobj, pending[key.fileobj], secret, expected, drop, admit)
         finally:
             for sock in list(pending):
                 drop(sock)
             selector.close()
 
-    def _take_new(self, listener: socket.socket, selector, pending: dict) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while True:
+    def _take_new(self, listener: socket.socket, selector, pending: dict, secret: bytes, expected: set, drop,
+                  admit) -> None:
+        """Accept what is queued (a bounded batch, so pending connections are read in between),
+        evicting an unproven connection for each one beyond ``MAX_PENDING_HANDSHAKES``: refusing
+        new ones instead would let strangers that got there first turn the real peers away."""
+        for _ in range(MAX_PENDING_HANDSHAKES // 2):
+            try:
                 sock, _ = listener.accept()
-                if len(pending) >= MAX_PENDING_HANDSHAKES:
-                    sock.close()
-                    continue
-                handshake = _Handshake()
-                try:
-                    sock.setblocking(False)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    sock.send(_HELLO.pack(MAGIC, VERSION, self.rank, handshake.nonce))  # fits an empty buffer
-                except OSError:
-                    sock.close()
-                    continue
-                pending[sock] = handshake
-                selector.register(sock, selectors.EVENT_READ)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                continue  # e.g. out of descriptors for a moment, or the connection reset already
+            if len(pending) >= MAX_PENDING_HANDSHAKES:
+                drop(min(pending, key=lambda s: pending[s].eviction_order()))
+            handshake = _Handshake()
+            try:
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.send(_HELLO.pack(MAGIC, VERSION, self.rank, handshake.nonce))  # fits an empty buffer
+            except OSError:
+                sock.close()
+                continue
+            pending[sock] = handshake
+            selector.register(sock, selectors.EVENT_READ)
+            # A real rank sends its hello as soon as it connects: read it now, so it counts as
+            # promising before the next burst of strangers is accepted.
+            self._advance(sock, handshake, secret, expected, drop, admit)
+            if not expected - self._links.keys():
+                return
 
     def _advance(self, sock: socket.socket, handshake: _Handshake, secret: bytes, expected: set, drop, admit) -> None:
         """Take what a pending connection sent; admit it once its hello and proof check out."""
@@ -291,14 +383,19 @@ class TcpTransport(Transport):
         if len(handshake.received) < _HELLO.size:
             return
         magic, version, peer, theirs = _HELLO.unpack_from(handshake.received)
-        if (magic, version) != (MAGIC, VERSION) or peer not in expected or peer in self._links:
-            drop(sock)  # not a lab rank of this job that we still wait for
+        if (magic, version) != (MAGIC, VERSION):
+            drop(sock)  # not a lab rank (of this version)
             return
+        awaited = peer in expected and peer not in self._links
+        handshake.promising = awaited
         if len(handshake.received) < _HELLO.size + _PROOF_BYTES:
+            return
+        if not awaited:  # told, so that a real rank stops trying (nothing secret in it)
+            self._refuse(sock, _REFUSED_RANK, drop)
             return
         bound = transcript(self.rank, peer, handshake.nonce, theirs)
         if not hmac.compare_digest(bytes(handshake.received[_HELLO.size:]), derive(secret, _CONNECTOR_PROOF, bound)):
-            drop(sock)  # a wrong secret, or a proof replayed from another connection
+            self._refuse(sock, _REFUSED_PROOF, drop)  # a wrong secret, or a proof replayed from elsewhere
             return
         try:
             sock.send(derive(secret, _ACCEPTOR_PROOF, bound))  # 32 bytes into an empty send buffer
@@ -309,6 +406,14 @@ class TcpTransport(Transport):
         sock.setblocking(True)
         self._links[peer] = _Link(sock, derive(secret, _ACCEPTOR_KEY, bound), derive(secret, _CONNECTOR_KEY, bound))
 
+    @staticmethod
+    def _refuse(sock: socket.socket, answer: bytes, drop) -> None:
+        """Answer a refusal instead of a proof, then close (everything it sent was read, so the
+        close is orderly and the answer arrives)."""
+        with contextlib.suppress(OSError):
+            sock.send(answer)
+        drop(sock)
+
     # -- the exchange loop -------------------------------------------------------------------
 
     def exchange(
@@ -318,16 +423,17 @@ class TcpTransport(Transport):
         sending, receiving = {}, {}
         for send in sends:
             link = self._links[send.dst]
-            job = sending[send.dst] = _Job(send.dst, send.data, frame_mac(link.send_key, link.sent))
+            job = sending[send.dst] = _Job(send.dst, send.data, None)
+            header = _HEADER.pack(MAGIC, VERSION, _DATA, tag, job.bytes.nbytes)
+            header_mac, job.mac = head(link.send_key, link.sent, header)
+            job.header[:] = header + header_mac
             link.sent += 1
-            job.header[:] = _HEADER.pack(MAGIC, VERSION, _DATA, tag, job.bytes.nbytes)
-            job.mac.update(job.header)
         for recv in recvs:
             if self._take_parked(recv, tag, where):
                 continue
-            link = self._links[recv.src]
-            receiving[recv.src] = _Job(recv.src, recv.out, frame_mac(link.recv_key, link.received), recv.combine)
-            link.received += 1
+            # Its sequence number (and so its MAC) is the next frame's on the wire, known when
+            # its header arrives (frames of other meshes may come first, and take theirs).
+            receiving[recv.src] = _Job(recv.src, recv.out, None, recv.combine)
         self._silence_s = timeout_s
         self._run(sending, receiving, tag, timeout_s, where)
 
@@ -338,6 +444,7 @@ class TcpTransport(Transport):
         if index is None:
             return False
         got_tag, payload = parked.pop(index)
+        self._parked_bytes[recv.src] -= payload.nbytes
         if got_tag != tag:
             raise TagMismatch(recv.src, tag, got_tag)
         if payload.nbytes != recv.out.nbytes:
@@ -349,16 +456,45 @@ class TcpTransport(Transport):
             recv.combine(recv.out, payload.view(recv.out.dtype))
         return True
 
-    def _park(self, job: _Job, tag: bytes, where: object) -> bool:
-        """If the frame whose header ``job`` holds belongs to another context (mesh), read it whole,
-        check its MAC, park it, and make ``job`` wait for the next frame. Its sender streams it,
-        so reading it blocking (up to the exchange's silence limit) cannot deadlock."""
-        magic, version, kind, got_tag, nbytes = _HEADER.unpack(job.header)
-        if magic != MAGIC or version != VERSION or kind != _DATA or nbytes > MAX_FRAME_BYTES \
-                or same_context(got_tag, tag):
-            return False  # _check_header judges it
+    def _open(self, job: _Job, tag: bytes, where: object) -> None:
+        """Judge the header ``job`` has just read, MAC first: nothing in it is believed before.
+        A frame of another context is parked, and ``job`` waits for the next header; one that is
+        forged, malformed or not what ``job`` expects raises."""
         link = self._links[job.peer]
-        job.mac.update(job.header)
+        header, header_mac = bytes(job.header[:_HEADER.size]), bytes(job.header[_HEADER.size:])
+        expected, mac = head(link.recv_key, link.received, header)
+        if not hmac.compare_digest(header_mac, expected):
+            self._forged(job.peer, "frame header", where)
+        link.received += 1
+        magic, version, kind, got_tag, nbytes = _HEADER.unpack(header)
+        if magic != MAGIC or version != VERSION or kind != _DATA or nbytes > MAX_FRAME_BYTES:
+            link.sock.close()
+            raise PeerLostError(f"rank {self.rank}: rejected a malformed frame from rank {job.peer} "
+                                f"(magic {magic!r}, version {version}, length {nbytes}); connection closed")
+        if not same_context(got_tag, tag):
+            self._park(job.peer, got_tag, nbytes, mac, where)
+            job.header_done = 0
+            return
+        job.mac = mac
+        if got_tag != tag:
+            raise TagMismatch(job.peer, tag, got_tag)
+        if nbytes != job.bytes.nbytes:
+            raise CollectiveMismatchError(
+                f"rank {self.rank} expected {job.bytes.nbytes} bytes from rank {job.peer} in {where}, got {nbytes}")
+
+    def _forged(self, peer: int, what: str, where: object) -> None:
+        """A MAC did not check out: close the connection (nothing after it can be trusted) and raise."""
+        self._links[peer].sock.close()
+        raise PeerLostError(f"rank {self.rank}: a {what} from rank {peer} failed authentication in {where} "
+                            "(altered, replayed, reordered or injected in transit); connection closed")
+
+    def _park(self, peer: int, got_tag: bytes, nbytes: int, mac, where: object) -> None:
+        """Read a frame of another context (mesh) whole, check its MAC, and hold it until its
+        receive comes. Its header is authentic (``_open``), so ``nbytes`` is what the peer sent;
+        ``_room_for`` bounds it. Its sender streams it, so reading it blocking (up to the
+        exchange's silence limit) cannot deadlock."""
+        self._room_for(peer, got_tag, nbytes, where)
+        link = self._links[peer]
         payload, trailer = np.empty(nbytes, np.uint8), bytearray(MAC_BYTES)
         link.sock.settimeout(self._silence_s if self._silence_s < float("inf") else None)
         try:
@@ -367,19 +503,37 @@ class TcpTransport(Transport):
                 while done < len(buffer):
                     done += self._recv_into(link.sock, buffer[done:])
         except TimeoutError:
-            raise DeadlineError(f"rank {self.rank} timed out receiving a frame of another mesh from rank {job.peer} "
-                                f"in {where}", peers=(job.peer,)) from None
+            raise DeadlineError(f"rank {self.rank} timed out receiving a frame of another mesh from rank {peer} "
+                                f"in {where}", peers=(peer,)) from None
         finally:
             link.sock.setblocking(False)
-        job.mac.update(payload)
-        if not hmac.compare_digest(bytes(trailer), job.mac.digest()):
-            link.sock.close()
-            raise PeerLostError(f"rank {self.rank}: a frame from rank {job.peer} failed authentication in "
-                                f"{where} (altered, replayed or injected in transit); connection closed")
-        self._parked[job.peer].append((got_tag, payload))
-        job.header_done, job.mac = 0, frame_mac(link.recv_key, link.received)
-        link.received += 1
-        return True
+        mac.update(payload)
+        if not hmac.compare_digest(bytes(trailer), mac.digest()):
+            self._forged(peer, "frame", where)
+        self._parked[peer].append((got_tag, payload))
+        self._parked_bytes[peer] += nbytes
+
+    def _room_for(self, peer: int, got_tag: bytes, nbytes: int, where: object) -> None:
+        """Refuse to park a frame beyond ``MAX_PARKED_BYTES_PER_PEER`` or ``MAX_PARKED_BYTES``.
+
+        An error, not back-pressure: a parked frame is only taken by a later exchange, and what
+        this one waits for is behind it in the same stream, so not reading it would only turn the
+        overflow into a silent wait until the deadline, blaming a rank that is not late."""
+        held, total = self._parked_bytes[peer], sum(self._parked_bytes.values())
+        if held + nbytes > MAX_PARKED_BYTES_PER_PEER:
+            bound = f"MAX_PARKED_BYTES_PER_PEER ({_size(MAX_PARKED_BYTES_PER_PEER)}; {_size(held)} held from it already)"
+        elif total + nbytes > MAX_PARKED_BYTES:
+            bound = f"MAX_PARKED_BYTES ({_size(MAX_PARKED_BYTES)} from all peers; {_size(total)} held already)"
+        else:
+            return
+        self._links[peer].sock.close()  # the stream stops mid-frame: the connection is unusable
+        context = int.from_bytes(got_tag[:CONTEXT_BYTES], "little")
+        raise LabError(
+            f"rank {self.rank}: rank {peer} sent a {_size(nbytes)} message of another mesh (context {context:08x}) "
+            f"while this rank waited in {where}; holding it until its receive would exceed "
+            f"lab.transport.tcp.{bound}. The ranks enter the collectives of their meshes and sub-meshes in "
+            "orders too far apart: enter them in the same order, or raise the bound in every rank; "
+            "connection closed")
 
     def _run(self, sending: dict, receiving: dict, tag: bytes, timeout_s: float, where: object) -> None:
         deadline = time.monotonic() + timeout_s
@@ -408,6 +562,8 @@ class TcpTransport(Transport):
                         self._send_some(sending[peer])
                     if events & selectors.EVENT_READ and peer in receiving:
                         self._recv_some(receiving[peer], tag, where)
+                except PeerLostError:
+                    raise  # already says what happened (a failed MAC, a malformed frame)
                 except (ConnectionError, BrokenPipeError) as exc:
                     raise PeerLostError(f"rank {self.rank}: rank {peer} is gone ({exc}) in {where}") from None
             deadline = time.monotonic() + timeout_s  # a peer moved bytes: the silence starts over
@@ -427,7 +583,7 @@ class TcpTransport(Transport):
     def _send_some(self, job: _Job) -> None:
         sock = self._links[job.peer].sock
         with contextlib.suppress(BlockingIOError):
-            while job.header_done < _HEADER.size:
+            while job.header_done < _HEAD_BYTES:
                 job.header_done += sock.send(memoryview(job.header)[job.header_done:])
             while job.offset < job.bytes.nbytes:
                 sent = sock.send(job.bytes[job.offset:job.offset + (4 << 20)])
@@ -441,13 +597,10 @@ class TcpTransport(Transport):
     def _recv_some(self, job: _Job, tag: bytes, where: object) -> None:
         sock = self._links[job.peer].sock
         try:
-            while job.header_done < _HEADER.size:
+            while job.header_done < _HEAD_BYTES:
                 job.header_done += self._recv_into(sock, memoryview(job.header)[job.header_done:])
-                if job.header_done == _HEADER.size:
-                    if self._park(job, tag, where):
-                        continue
-                    self._check_header(job, tag, where)
-                    job.mac.update(job.header)
+                if job.header_done == _HEAD_BYTES:
+                    self._open(job, tag, where)  # (if it parked the frame, header_done is 0 again)
             while job.offset < job.bytes.nbytes:
                 if job.combine is None:  # straight into the output
                     got = self._recv_into(sock, job.bytes[job.offset:])
@@ -468,12 +621,14 @@ class TcpTransport(Transport):
                     job.combine(job.array[start:start + count], job.scratch[:segment].view(job.array.dtype))
                     job.offset += segment
                     job.filled = 0
+                    # Back to the loop after each reduced segment: our sends to this peer go on
+                    # between segments, so a backlog we reduce does not look like silence there.
+                    if job.offset < job.bytes.nbytes:
+                        return
             while job.trailer_done < MAC_BYTES:
                 job.trailer_done += self._recv_into(sock, memoryview(job.trailer)[job.trailer_done:])
             if not hmac.compare_digest(bytes(job.trailer), job.mac.digest()):
-                self._links[job.peer].sock.close()
-                raise PeerLostError(f"rank {self.rank}: a frame from rank {job.peer} failed authentication in "
-                                    f"{where} (altered, replayed or injected in transit); connection closed")
+                self._forged(job.peer, "frame", where)
         except BlockingIOError:
             return
 
@@ -484,25 +639,17 @@ class TcpTransport(Transport):
             raise ConnectionError("connection closed")
         return got
 
-    def _check_header(self, job: _Job, tag: bytes, where: object) -> None:
-        magic, version, kind, got_tag, nbytes = _HEADER.unpack(job.header)
-        if magic != MAGIC or version != VERSION or kind != _DATA or nbytes > MAX_FRAME_BYTES:
-            self._links[job.peer].sock.close()
-            raise PeerLostError(f"rank {self.rank}: rejected a malformed frame from rank {job.peer} "
-                                f"(magic {magic!r}, version {version}, length {nbytes}); connection closed")
-        if got_tag != tag:
-            raise TagMismatch(job.peer, tag, got_tag)
-        if nbytes != job.bytes.nbytes:
-            raise CollectiveMismatchError(
-                f"rank {self.rank} expected {job.bytes.nbytes} bytes from rank {job.peer} in {where}, got {nbytes}")
-
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
+        """The tag of the next unread frame from each peer whose header MAC checks out (a header
+        an attacker slipped in must not turn a deadline into a mismatch blaming a rank)."""
         tags = {}
         for peer, link in self._links.items():
             with contextlib.suppress(OSError):
-                header = link.sock.recv(_HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                if len(header) == _HEADER.size and header[:4] == MAGIC:
-                    tags[peer] = [_HEADER.unpack(header)[3]]
+                data = link.sock.recv(_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                if len(data) == _HEAD_BYTES:
+                    header, header_mac = data[:_HEADER.size], data[_HEADER.size:]
+                    if hmac.compare_digest(header_mac, head(link.recv_key, link.received, header)[0]):
+                        tags[peer] = [_HEADER.unpack(header)[3]]
         return tags
 
     def _close_links(self) -> None:
