@@ -102,7 +102,7 @@ def _check_options(world_size: Any, transport: Any, recv_timeout_ms: Any, trace:
         raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}; got {transport!r}")
     if world_size > MAX_WORLD_SIZE[transport]:
         raise ValueError(f"world_size must be at most {MAX_WORLD_SIZE[transport]} with transport={transport!r} "
-                         f"(see the README's limits); got {world_size}")
+                         f"(see docs/failures.md, 'Limits'); got {world_size}")
     checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
     checks.trace_path(trace)
     checks.trace_path(os.environ.get("LAB_TRACE"), "LAB_TRACE")

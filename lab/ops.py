@@ -136,7 +136,7 @@ def reduction(op: ReduceOp, dtype: DType) -> Reduction:
 
     ``avg`` on float16/bfloat16 divides each rank's contribution by N before summing: a sum of
     N half-precision values overflows long before their average does (three float16 30,000s sum
-    to inf). It costs one extra rounding per contribution (see README, "Reductions").
+    to inf). It costs one extra rounding per contribution (docs/using.md).
     """
     if op is ReduceOp.AVG and not dtype.is_floating:
         raise TypeError(f"op 'avg' needs a floating dtype; tensor has dtype {dtype.name} (use 'sum')")

@@ -423,10 +423,10 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
         "rank 0 (naive). On one machine every rank shares one memory bus, so at large sizes only the total "
         "counts and the three converge; the crossover moves from run to run. Across hosts, where each link "
         "is its own bottleneck, the per-rank 2T(N-1)/N of the ring is what wins.",
-        "- The other algorithms trade the same two terms (README, \"When each algorithm wins\"): recursive "
+        "- The other algorithms trade the same two terms (docs/algorithms.md): recursive "
         "doubling takes log2 N steps but moves log2 N·T per rank; halving-doubling moves the ring's "
         "2(N-1)/N·T in 2·log2 N steps; double tree moves 2T per rank with depth log2 N, pipelined in segments.",
-        "", "`algorithm=\"auto\"` picks the algorithm these models predict fastest (see README).", ""]
+        "", "`algorithm=\"auto\"` picks the algorithm these models predict fastest (see docs/algorithms.md).", ""]
 
     lines += ["## The other collectives: every algorithm against gloo", "",
               "Median µs per call; **auto picks** is what `auto` chooses on shm from the models fitted in this run "

@@ -196,7 +196,7 @@ def at_scale(frame: pd.DataFrame, best_frame: pd.DataFrame, cross: pd.DataFrame,
     lines = [f"## At scale (simulated, N up to {n})\n",
              f"Network: {network.describe()}. Every number below comes from `python -m lab simulate`, which runs "
              "the lab's own algorithm functions on virtual ranks (no processes, no data) and times their "
-             "messages on that network: see README, \"Simulation\".\n"]
+             "messages on that network: see docs/simulation.md.\n"]
     grid = at_n.pivot_table(index="bytes", columns="algorithm", values="time_us")
     shown = grid.copy()
     shown.index = [label(int(b)) for b in shown.index]

@@ -20,7 +20,7 @@ overwritten before its reader is done, and shared memory per rank is bounded by
 through in segments, pipelined across the slots.
 
 Control plane. One OS pipe per directed edge (single producer, single consumer), chosen over
-``multiprocessing.Queue`` for its latency (see the README), used raw: frames of a 48-byte
+``multiprocessing.Queue`` for its latency (see docs/how-it-works.md), used raw: frames of a 48-byte
 descriptor (plus an eager payload), each written atomically with one ``write`` of at most
 ``PIPE_BUF`` bytes, and drained many at a time with one ``read`` (a frame cut by the read's size
 waits for the rest in a per-peer buffer). A wait polls only the pipes of the peers it waits for,
@@ -400,7 +400,7 @@ class ShmTransport(Transport):
 
 def _spin_from_env() -> int:
     """``LAB_SHM_SPIN``: how many non-blocking polls (each followed by ``sched_yield``) a wait tries
-    before it blocks; default 50, which measured fastest at 2, 4 and 8 ranks on 2 quiet cores (see the README)."""
+    before it blocks; default 50, which measured fastest at 2, 4 and 8 ranks on 2 quiet cores (see docs/how-it-works.md)."""
     value = os.environ.get("LAB_SHM_SPIN", "")
     if not value:
         return DEFAULT_SPIN
