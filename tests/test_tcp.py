@@ -47,10 +47,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from lab.errors import LabError, PeerLostError  # noqa: E402
 from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch  # noqa: E402
-from lab.transport.tcp import (_ACCEPTOR_KEY, _ACCEPTOR_PROOF, _CONNECTOR_KEY, _CONNECTOR_PROOF,  # noqa: E402
-                               _HEAD_BYTES, _HEADER, _HELLO, _REFUSED_PROOF, _REFUSED_RANK, HANDSHAKE_TIMEOUT_S,
-                               MAC_BYTES, MAGIC, MAX_PENDING_HANDSHAKES, VERSION, TcpTransport, derive, head,
-                               transcript)
+from lab.transport.handshake import (  # noqa: E402
+    _ACCEPTOR_KEY, _ACCEPTOR_PROOF, _CONNECTOR_KEY, _CONNECTOR_PROOF, _HELLO, _REFUSED_PROOF, _REFUSED_RANK,
+    HANDSHAKE_TIMEOUT_S, MAGIC, MAX_PENDING_HANDSHAKES, VERSION, derive, transcript)
+from lab.transport.tcp import _HEAD_BYTES, _HEADER, MAC_BYTES, TcpTransport, head  # noqa: E402
 
 SECRET = b"test-job-secret"
 TAG = b"fingerprint".ljust(TAG_BYTES, b"\0")
@@ -196,7 +196,7 @@ def test_idle_and_trickling_strangers_cost_the_real_peers_nothing():
 
 
 def test_a_listener_names_the_ranks_that_never_came(monkeypatch):
-    monkeypatch.setattr("lab.transport.tcp.CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("lab.transport.handshake.CONNECT_TIMEOUT_S", 1.0)
     rank_zero = RankZero(world_size=3)
     rank_zero.thread.join(10)
     assert isinstance(rank_zero.error, lab.DeadlineError) and "ranks [1, 2] did not connect" in str(rank_zero.error)
@@ -206,7 +206,7 @@ def test_a_listener_names_the_ranks_that_never_came(monkeypatch):
 def test_a_full_pending_set_evicts_the_oldest_stranger(monkeypatch):
     """With the pending set full of silent strangers, a new connection evicts the oldest of them
     instead of being turned away (formerly the real peer was closed on arrival)."""
-    monkeypatch.setattr("lab.transport.tcp.MAX_PENDING_HANDSHAKES", 2)
+    monkeypatch.setattr("lab.transport.handshake.MAX_PENDING_HANDSHAKES", 2)
     rank_zero = RankZero()
     address = rank_zero.address()
     oldest, newer = socket.create_connection(address, timeout=10), socket.create_connection(address, timeout=10)
@@ -263,7 +263,7 @@ def test_a_handshake_dropped_unanswered_is_tried_again():
 
 
 def test_a_handshake_dropped_until_the_deadline_says_so(monkeypatch):
-    monkeypatch.setattr("lab.transport.tcp.CONNECT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("lab.transport.handshake.CONNECT_TIMEOUT_S", 1.0)
     with socket.create_server(("127.0.0.1", 0)) as fake:
         thread, outcome = connector_thread(fake.getsockname()[1])
         fake.settimeout(0.2)

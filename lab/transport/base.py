@@ -1,33 +1,41 @@
 """The interface between algorithms (through :class:`lab.Mesh`) and the wires that move bytes.
 
-A transport moves flat numpy buffers between ranks and knows nothing of collectives. Its single
-primitive is :meth:`Transport.exchange`: post some sends and some receives and return once all
-are complete, progressing them together so that a ring step (every rank sends and receives at
-once) cannot deadlock even when buffers are bounded. A receive either copies into its output or
-reduces into it with a kernel (``combine(out, incoming)``), straight from where the bytes landed.
+A transport moves flat numpy buffers between ranks. Its single primitive is
+:meth:`Transport.exchange`: post some sends and some receives and return once all are complete,
+progressing them together so that a ring step (every rank sends and receives at once) cannot
+deadlock even when buffers are bounded. A receive either copies into its output or reduces into
+it with a kernel (``combine(out, incoming)``), straight from where the bytes landed.
+
+What a transport knows of collectives is two things about the opaque ``tag`` each message
+carries (the mesh's fingerprint of the current collective), and nothing else (no algorithm,
+step or op):
+
+- it compares the whole tag with the one the receive expects: a different one raises
+  :class:`TagMismatch`, which the mesh turns into a :class:`lab.CollectiveMismatchError`; a
+  message of the right tag whose size differs from the receive's buffer raises that error
+  directly;
+- its first ``CONTEXT_BYTES`` name the mesh or sub-mesh (``mesh.split``) that sent it: a message
+  of another context is not a mismatch but traffic of another mesh over the same channel, entered
+  in another order by its sender. The receiver parks it (MPI's unexpected-message queue, one per
+  source) and a later receive of that context takes it first, in arrival order.
 
 A wait raises :class:`lab.DeadlineError` after ``timeout_s`` seconds in which no awaited peer
-made progress: the deadline measures silence, so a peer streaming a large tensor is never timed
-out, however long the transfer takes (``timeout_s`` may be ``math.inf``).
-
-Every message carries a ``tag`` (the mesh's fingerprint of the current collective); a receive
-whose message has a different tag raises :class:`TagMismatch`, which the mesh turns into a
-:class:`lab.CollectiveMismatchError`. The tag's first ``CONTEXT_BYTES`` name the mesh or sub-mesh
-(``mesh.split``) that sent it: a message of another context is not a mismatch but traffic of
-another mesh over the same channel, entered in another order by its sender. The receiver parks it
-(MPI's unexpected-message queue, one per source) and a later receive of that context takes it
-first, in arrival order.
+made progress (:class:`Silence`): the deadline measures silence, so a peer streaming a large
+tensor is never timed out, however long the transfer takes (``timeout_s`` may be ``math.inf``).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from multiprocessing import reduction
 
 import numpy as np
+
+from lab.errors import DeadlineError
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -41,14 +49,45 @@ def same_context(tag: bytes, other: bytes) -> bool:
     """True if two tags belong to the same mesh (otherwise a receive parks the message)."""
     return tag[:CONTEXT_BYTES] == other[:CONTEXT_BYTES]
 
+
 #: The longest single wait handed to poll/select (they cannot take an unbounded timeout): a longer
 #: (or infinite) deadline is waited out in slices of this.
 MAX_WAIT_SLICE_S = 3600.0
 
 
-def wait_slice(remaining_s: float) -> float:
-    """``remaining_s`` capped to what one poll/select call accepts."""
-    return min(remaining_s, MAX_WAIT_SLICE_S)
+class Silence:
+    """The deadline of one wait, measured as silence: it expires ``timeout_s`` after the awaited
+    peers last made progress, so a peer that keeps moving bytes is never timed out.
+
+    A transport calls :meth:`progress` whenever an awaited peer moved something, waits at most
+    :meth:`wait_s` at a time (a slice: poll and select cannot wait forever, and ``timeout_s`` may
+    be ``math.inf``), and raises :func:`silence_error` once :meth:`expired`.
+    """
+
+    __slots__ = ("_deadline", "timeout_s")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.progress()
+
+    def progress(self) -> None:
+        """An awaited peer moved: the silence starts over."""
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self._deadline
+
+    def wait_s(self) -> float:
+        """How long the next wait may block: what is left, at most ``MAX_WAIT_SLICE_S``, 0 once expired."""
+        return min(max(self._deadline - time.monotonic(), 0.0), MAX_WAIT_SLICE_S)
+
+
+def silence_error(rank: int, peers: Iterable[int], where: object) -> DeadlineError:
+    """The error of an expired :class:`Silence`: this rank, the peers it waited for (also in
+    ``.peers``, which the launcher's diagnosis reads) and the caller's position ``where``."""
+    peers = sorted(peers)
+    names = ", ".join(str(p) for p in peers)
+    return DeadlineError(f"rank {rank} timed out waiting for rank {names} in {where}", peers=peers)
 
 
 @dataclass
@@ -86,7 +125,8 @@ class Transport(ABC):
 
         ``timeout_s``: the longest silence (no progress from any awaited peer) before a wait
         raises :class:`lab.DeadlineError` naming the peers in ``.peers``; ``where`` describes
-        the caller's position (its ``str`` is used only in error messages). A peer that is gone raises :class:`lab.PeerLostError`.
+        the caller's position (its ``str`` is used only in error messages). A peer that is gone
+        raises :class:`lab.PeerLostError`.
         """
 
     def unconsumed_tags(self) -> dict[int, list[bytes]]:

@@ -15,15 +15,15 @@ from __future__ import annotations
 import os
 import queue
 import select
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
-from lab.transport.base import Recv, Send, SharedFd, TagMismatch, Transport, same_context
+from lab.errors import CollectiveMismatchError, PeerLostError
+from lab.transport.base import (Recv, Send, SharedFd, Silence, TagMismatch, Transport, same_context,
+                                silence_error)
 
 #: How often a rank waiting on a queue checks that the peer is still alive.
 LIVENESS_CHECK_S = 0.1
@@ -112,19 +112,21 @@ class QueueTransport(Transport):
             if same_context(message[0], tag):
                 del parked[i]
                 return message
+        silence = Silence(timeout_s)
         while True:
-            message = self._get(src, time.monotonic() + timeout_s, where)
+            message = self._get(src, silence, where)
             if same_context(message[0], tag):
                 return message
             parked.append(message)
+            silence.progress()  # the peer sent something, if not for this receive
 
-    def _get(self, src: int, deadline: float, where: object) -> tuple[bytes, np.ndarray]:
+    def _get(self, src: int, silence: Silence, where: object) -> tuple[bytes, np.ndarray]:
+        """The next message from ``src``, checking every ``LIVENESS_CHECK_S`` that no peer died."""
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineError(f"rank {self.rank} timed out waiting for rank {src} in {where}", peers=(src,))
+            if silence.expired():
+                raise silence_error(self.rank, (src,), where)
             try:
-                return self._inbox[src].get(timeout=min(remaining, LIVENESS_CHECK_S))
+                return self._inbox[src].get(timeout=min(silence.wait_s(), LIVENESS_CHECK_S))
             except queue.Empty:
                 self._check_peers_alive(where)
 

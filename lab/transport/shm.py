@@ -39,15 +39,15 @@ import os
 import select
 import struct
 import termios
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
-from lab.transport.base import TAG_BYTES, Recv, Send, SharedFd, TagMismatch, Transport, same_context, wait_slice
+from lab.errors import CollectiveMismatchError, PeerLostError
+from lab.transport.base import (TAG_BYTES, Recv, Send, SharedFd, Silence, TagMismatch, Transport,
+                                same_context, silence_error)
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024
 DEFAULT_SLOTS = 4
@@ -192,7 +192,7 @@ class ShmTransport(Transport):
             else:
                 sending.append(_Job(send.dst, data, segment_bytes, eager_bytes))
         receiving = [_Job(r.src, r.out, segment_bytes, eager_bytes, r.combine) for r in recvs]
-        deadline = time.monotonic() + timeout_s
+        silence = Silence(timeout_s)
         while True:
             moved = False
             for job in sending:
@@ -207,14 +207,14 @@ class ShmTransport(Transport):
             receiving = [job for job in receiving if job.segments_left]
             if not (sending or receiving):
                 return
-            if moved:  # an awaited peer made progress: the silence starts over
-                deadline = time.monotonic() + timeout_s
+            if moved:  # an awaited peer made progress
+                silence.progress()
             if not any(self._can_send(job) for job in sending):
                 # Wait for the peers that hold us up: senders out of credit, receivers with nothing queued.
                 awaited = frozenset([job.peer for job in sending] + [job.peer for job in receiving
                                                                     if not self._arrived[job.peer]])
                 if awaited:
-                    self._wait(deadline, where, awaited)
+                    self._wait(silence, where, awaited)
 
     def _can_send(self, job: _Job) -> bool:
         return (self._eager_credits if job.eager else self._credits)[job.peer] > 0
@@ -310,7 +310,7 @@ class ShmTransport(Transport):
 
     # -- reading the pipes ---------------------------------------------------------------------
 
-    def _wait(self, deadline: float, where: object, peers: frozenset[int]) -> None:
+    def _wait(self, silence: Silence, where: object, peers: frozenset[int]) -> None:
         """Wait until one of ``peers`` sends something, then take in everything they sent.
 
         Spin first (``LAB_SHM_SPIN`` polls, each followed by ``sched_yield``), then block in ``poll``.
@@ -326,15 +326,12 @@ class ShmTransport(Transport):
             if events:
                 break
             os.sched_yield()
+        if not events and not silence.expired():
+            events = poller.poll(silence.wait_s() * 1000)
         if not events:
-            remaining = deadline - time.monotonic()
-            events = poller.poll(wait_slice(remaining) * 1000) if remaining > 0 else []
-        if not events:
-            if time.monotonic() < deadline:
+            if not silence.expired():
                 return  # a long wait taken in slices
-            names = ", ".join(str(p) for p in sorted(peers))
-            raise DeadlineError(f"rank {self.rank} timed out waiting for rank {names} in {where}",
-                                peers=sorted(peers))
+            raise silence_error(self.rank, peers, where)
         for fd, _ in events:
             self._drain(self._peer_of_fd[fd], where)
 

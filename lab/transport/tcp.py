@@ -22,31 +22,20 @@ chunk; a reduction streams through a bounded scratch segment into the output. A 
 :class:`lab.DeadlineError` only after ``timeout_s`` without a byte moving: a peer that streams a
 large tensor is busy, not silent.
 
-Joining. Ranks meet through a ``torch.distributed.TCPStore``: each publishes ``host:port`` of a
-listener, the lower rank of each pair accepts and the higher one connects. The handshake is mutual
-and bound to the connection: both send a fresh nonce, and each proves it holds the job's secret
-with an HMAC over both nonces, both ranks and the direction, so a proof seen on one connection is
-worthless on any other (a relay between two real ranks gains nothing: it cannot read the frame
-keys, derived the same way). The connecting side proves itself first; the accepting side answers
-only a proven peer. The listener handshakes every connection at once, drops one that has not
-proven itself within ``HANDSHAKE_TIMEOUT_S``, and is closed once the mesh is complete. It holds
-at most ``MAX_PENDING_HANDSHAKES`` unproven connections: a new one evicts the oldest of those that
-have not even sent a hello of a rank still awaited (else the oldest), so strangers cannot fill it; a
-connecting rank whose handshake is dropped that way tries again until ``CONNECT_TIMEOUT_S``. A wrong
-secret is answered with an explicit refusal, so it fails at once instead of being retried. The
-secret itself never travels: it is handed to the ranks by their launcher (see :mod:`lab.rendezvous`).
+Joining. :func:`lab.transport.handshake.connect_mesh` makes one authenticated connection per
+pair of ranks, with the two frame keys of each (proofs, the listener and its evictions, the
+connector's retries: see :mod:`lab.transport.handshake`); this module frames and exchanges
+messages over them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
-import secrets
+import math
 import selectors
 import socket
 import struct
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,14 +43,12 @@ import blake3
 import numpy as np
 
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
-from lab.transport.base import CONTEXT_BYTES, TAG_BYTES, Recv, Send, TagMismatch, Transport, same_context, wait_slice
+from lab.transport.base import (CONTEXT_BYTES, TAG_BYTES, Recv, Send, Silence, TagMismatch, Transport,
+                                same_context, silence_error)
+from lab.transport.handshake import MAGIC, VERSION, Link, connect_mesh
 
-MAGIC = b"LABT"
-VERSION = 3  # 3: the header has a MAC of its own
 _DATA = 1
 _HEADER = struct.Struct(f"<4sBBxx{TAG_BYTES}sQ")  # magic, version, kind, tag, payload bytes: 48
-_HELLO = struct.Struct("<4sBxxxI32s")  # magic, version, rank, nonce: 44 bytes
-_PROOF_BYTES = 32
 MAC_BYTES = 32  # keyed BLAKE3: after the header, and after the payload
 _HEAD_BYTES = _HEADER.size + MAC_BYTES  # what a receiver reads and checks before believing a length
 #: Frames announcing more payload than this are rejected (a garbled length must not allocate).
@@ -72,33 +59,6 @@ MAX_FRAME_BYTES = 1 << 36
 MAX_PARKED_BYTES_PER_PEER = 1 << 30
 MAX_PARKED_BYTES = 4 << 30
 SCRATCH_BYTES = 256 * 1024
-#: How long a rank waits for the whole mesh to form.
-CONNECT_TIMEOUT_S = 60.0
-#: A connection to a listener that has not proven itself within this is dropped.
-HANDSHAKE_TIMEOUT_S = 5.0
-#: Unproven connections a listener holds at once; a new one beyond this evicts one of them.
-MAX_PENDING_HANDSHAKES = 64
-#: The connecting side's first pause before it tries again after a dropped handshake (it doubles,
-#: up to 1 s).
-RETRY_PAUSE_S = 0.05
-
-# Labels that bind every derived value to its role and direction.
-_CONNECTOR_PROOF, _ACCEPTOR_PROOF = b"proof: connector to acceptor", b"proof: acceptor to connector"
-_CONNECTOR_KEY, _ACCEPTOR_KEY = b"frames: connector to acceptor", b"frames: acceptor to connector"
-# What an acceptor sends instead of its proof when it refuses a connector (never a valid proof:
-# that would be an HMAC output equal to a fixed string). They tell a real rank to stop trying.
-_REFUSED_PROOF = b"lab-tcp: proof refused".ljust(_PROOF_BYTES, b"\0")
-_REFUSED_RANK = b"lab-tcp: rank not expected".ljust(_PROOF_BYTES, b"\0")
-
-
-def transcript(acceptor: int, connector: int, acceptor_nonce: bytes, connector_nonce: bytes) -> bytes:
-    """What a handshake's proofs and keys are bound to: both ranks and both fresh nonces."""
-    return b"lab-tcp-v3" + struct.pack("<II", acceptor, connector) + acceptor_nonce + connector_nonce
-
-
-def derive(secret: bytes, label: bytes, handshake: bytes) -> bytes:
-    """HMAC-SHA256 of ``label + handshake`` under the job's secret (proofs and frame keys)."""
-    return hmac.new(secret, label + handshake, hashlib.sha256).digest()
 
 
 def frame_mac(key: bytes, sequence: int) -> blake3.blake3:
@@ -123,31 +83,6 @@ def _size(nbytes: int) -> str:
         if nbytes >= 1 << shift:
             return f"{nbytes / (1 << shift):.3g} {unit}"
     return f"{nbytes} B"
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("connection closed during the handshake")
-        data += chunk
-    return bytes(data)
-
-
-class _Dropped(Exception):
-    """The listener closed a handshake before answering (evicted, or gone)."""
-
-
-@dataclass
-class _Link:
-    """An authenticated connection to one peer: its socket, frame keys and sequence numbers."""
-
-    sock: socket.socket
-    send_key: bytes
-    recv_key: bytes
-    sent: int = 0
-    received: int = 0
 
 
 class _Job:
@@ -186,23 +121,6 @@ class TcpEndpoints:
         """Nothing is shared through the parent."""
 
 
-class _Handshake:
-    """An accepted connection not yet proven: what it sent so far, when it arrived, and whether
-    its hello named a rank still awaited (what a real rank sends at once, a silent stranger never)."""
-
-    __slots__ = ("nonce", "received", "started", "promising")
-
-    def __init__(self) -> None:
-        self.nonce = secrets.token_bytes(32)
-        self.received = bytearray()
-        self.started = time.monotonic()
-        self.promising = False
-
-    def eviction_order(self) -> tuple[bool, float]:
-        """Evicted first: no awaited rank's hello yet, then the oldest."""
-        return self.promising, self.started
-
-
 class TcpTransport(Transport):
     """A rank's end of the TCP mesh. ``secret``: the job's shared secret (bytes, never sent)."""
 
@@ -211,208 +129,19 @@ class TcpTransport(Transport):
         if not secret:
             raise ValueError("secret must be a non-empty bytes string shared by every rank of the job")
         self.rank, self.world_size = rank, world_size
-        self._links: dict[int, _Link] = {}
+        self._links: dict[int, Link] = {}
+        if world_size > 1:
+            self._links = connect_mesh(rank, world_size, store, host, secret, prefix)
         self._closed = False
-        try:
-            if world_size > 1:
-                self._connect(store, host, secret, prefix)
-        except BaseException:
-            self._close_links()
-            raise
         self._selector = selectors.DefaultSelector()
         self._parked: dict[int, list[tuple[bytes, np.ndarray]]] = {p: [] for p in self._links}  # other contexts'
         self._parked_bytes = {p: 0 for p in self._links}  # their payload bytes, per peer
-        self._silence_s = CONNECT_TIMEOUT_S  # the current exchange's timeout_s (for parking a frame)
+        self._silence_s = math.inf  # the current exchange's timeout_s (each exchange sets it; parking reads it)
         self._watched: dict[int, int] = {}  # peer -> selector events currently registered
         self._peer_of = {}
         for peer, link in self._links.items():
             link.sock.setblocking(False)
             self._peer_of[link.sock.fileno()] = peer
-
-    # -- joining -------------------------------------------------------------------------------
-
-    def _connect(self, store, host: str, secret: bytes, prefix: str) -> None:
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
-        # The kernel's queue is long so that a burst of strangers does not make a real rank's
-        # SYN wait for a retransmission: they are accepted at once, and evicted (_take_new).
-        with socket.create_server((host, 0), backlog=socket.SOMAXCONN) as listener:
-            store.set(f"{prefix}/addr/{self.rank}", f"{host}:{listener.getsockname()[1]}")
-            # The higher rank of each pair connects; the lower one accepts.
-            for peer in range(self.rank):
-                address = store.get(f"{prefix}/addr/{peer}").decode()
-                self._links[peer] = self._connect_to(peer, address, secret, deadline)
-            self._accept_all(listener, secret, deadline)
-
-    def _connect_to(self, peer: int, address: str, secret: bytes, deadline: float) -> _Link:
-        """Connect to ``peer`` and run the connecting side of the handshake, again (after a pause
-        that doubles) whenever the listener drops it unanswered: a listener under a storm of
-        strangers evicts unproven connections, and this one may have been among them."""
-        pause, attempts = RETRY_PAUSE_S, 0
-        while True:
-            attempts += 1
-            try:
-                return self._handshake_with(peer, address, secret, deadline)
-            except _Dropped as dropped:
-                if time.monotonic() + pause >= deadline:
-                    raise PeerLostError(
-                        f"rank {self.rank}: rank {peer} at {address} dropped the handshake unanswered "
-                        f"{attempts} times in {CONNECT_TIMEOUT_S:g} s (last: {dropped}); is something "
-                        "flooding its listener with connections, or is it not a lab rank?") from None
-                time.sleep(pause)
-                pause = min(pause * 2, 1.0)
-
-    def _handshake_with(self, peer: int, address: str, secret: bytes, deadline: float) -> _Link:
-        """One attempt: raises ``_Dropped`` if the listener closes it before answering."""
-        peer_host, port = address.rsplit(":", 1)
-        remaining = max(deadline - time.monotonic(), 0.001)
-        try:
-            sock = socket.create_connection((peer_host, int(port)), timeout=remaining)
-        except OSError as exc:
-            raise PeerLostError(f"rank {self.rank}: cannot connect to rank {peer} at {address}: {exc}") from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            mine = secrets.token_bytes(32)
-            sock.sendall(_HELLO.pack(MAGIC, VERSION, self.rank, mine))
-            magic, version, got, theirs = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
-            if (magic, version, got) != (MAGIC, VERSION, peer):
-                raise LabError(f"rank {self.rank}: {address} is not rank {peer} of this job")
-            handshake = transcript(peer, self.rank, theirs, mine)
-            sock.sendall(derive(secret, _CONNECTOR_PROOF, handshake))
-            answer = _recv_exactly(sock, _PROOF_BYTES)
-            if answer == _REFUSED_PROOF:
-                raise LabError(f"rank {self.rank}: rank {peer} at {address} refused this rank's proof: "
-                               "failed authentication (a different job secret?)")
-            if answer == _REFUSED_RANK:
-                raise LabError(f"rank {self.rank}: rank {peer} at {address} does not expect rank {self.rank} "
-                               "(it has joined already: two processes with the same RANK?)")
-            if not hmac.compare_digest(answer, derive(secret, _ACCEPTOR_PROOF, handshake)):
-                raise LabError(f"rank {self.rank}: the listener at {address} claiming rank {peer} failed "
-                               "authentication (a different job secret?)")
-        except TimeoutError:
-            sock.close()
-            raise DeadlineError(f"rank {self.rank}: rank {peer} at {address} did not complete the handshake "
-                                f"within {CONNECT_TIMEOUT_S:g} s", peers=(peer,)) from None
-        except (ConnectionError, OSError) as exc:
-            sock.close()
-            raise _Dropped(str(exc)) from None
-        except BaseException:
-            sock.close()
-            raise
-        sock.settimeout(None)
-        return _Link(sock, derive(secret, _CONNECTOR_KEY, handshake), derive(secret, _ACCEPTOR_KEY, handshake))
-
-    def _accept_all(self, listener: socket.socket, secret: bytes, deadline: float) -> None:
-        """Accept the higher ranks, handshaking every connection at once: a stranger that stalls
-        costs at most ``HANDSHAKE_TIMEOUT_S`` of its own slot, never the real peers' time."""
-        expected = set(range(self.rank + 1, self.world_size))
-        pending: dict[socket.socket, _Handshake] = {}
-        listener.setblocking(False)
-        selector = selectors.DefaultSelector()
-        selector.register(listener, selectors.EVENT_READ)
-
-        def admit(sock: socket.socket) -> None:
-            selector.unregister(sock)
-            del pending[sock]
-
-        def drop(sock: socket.socket) -> None:
-            admit(sock)
-            sock.close()
-
-        try:
-            while expected - self._links.keys():
-                now = time.monotonic()
-                for sock in [s for s, h in pending.items() if now - h.started > HANDSHAKE_TIMEOUT_S]:
-                    drop(sock)
-                if now >= deadline:
-                    missing = sorted(expected - self._links.keys())
-                    raise DeadlineError(f"rank {self.rank}: ranks {missing} did not connect within "
-                                        f"{CONNECT_TIMEOUT_S:g} s", peers=missing)
-                wake = min([deadline, *(h.started + HANDSHAKE_TIMEOUT_S for h in pending.values())])
-                for key, _ in selector.select(max(wake - now, 0.001)):
-                    if key.fileobj is listener:
-                        self._take_new(listener, selector, pending, secret, expected, drop, admit)
-                    elif key.fileobj in pending:  # (not evicted earlier in this round)
-                        self._advance(key.fileobj, pending[key.fileobj], secret, expected, drop, admit)
-        finally:
-            for sock in list(pending):
-                drop(sock)
-            selector.close()
-
-    def _take_new(self, listener: socket.socket, selector, pending: dict, secret: bytes, expected: set, drop,
-                  admit) -> None:
-        """Accept what is queued (a bounded batch, so pending connections are read in between),
-        evicting an unproven connection for each one beyond ``MAX_PENDING_HANDSHAKES``: refusing
-        new ones instead would let strangers that got there first turn the real peers away."""
-        for _ in range(MAX_PENDING_HANDSHAKES // 2):
-            try:
-                sock, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                continue  # e.g. out of descriptors for a moment, or the connection reset already
-            if len(pending) >= MAX_PENDING_HANDSHAKES:
-                drop(min(pending, key=lambda s: pending[s].eviction_order()))
-            handshake = _Handshake()
-            try:
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.send(_HELLO.pack(MAGIC, VERSION, self.rank, handshake.nonce))  # fits an empty buffer
-            except OSError:
-                sock.close()
-                continue
-            pending[sock] = handshake
-            selector.register(sock, selectors.EVENT_READ)
-            # A real rank sends its hello as soon as it connects: read it now, so it counts as
-            # promising before the next burst of strangers is accepted.
-            self._advance(sock, handshake, secret, expected, drop, admit)
-            if not expected - self._links.keys():
-                return
-
-    def _advance(self, sock: socket.socket, handshake: _Handshake, secret: bytes, expected: set, drop, admit) -> None:
-        """Take what a pending connection sent; admit it once its hello and proof check out."""
-        try:
-            data = sock.recv(_HELLO.size + _PROOF_BYTES - len(handshake.received))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            drop(sock)
-            return
-        handshake.received += data
-        if len(handshake.received) < _HELLO.size:
-            return
-        magic, version, peer, theirs = _HELLO.unpack_from(handshake.received)
-        if (magic, version) != (MAGIC, VERSION):
-            drop(sock)  # not a lab rank (of this version)
-            return
-        awaited = peer in expected and peer not in self._links
-        handshake.promising = awaited
-        if len(handshake.received) < _HELLO.size + _PROOF_BYTES:
-            return
-        if not awaited:  # told, so that a real rank stops trying (nothing secret in it)
-            self._refuse(sock, _REFUSED_RANK, drop)
-            return
-        bound = transcript(self.rank, peer, handshake.nonce, theirs)
-        if not hmac.compare_digest(bytes(handshake.received[_HELLO.size:]), derive(secret, _CONNECTOR_PROOF, bound)):
-            self._refuse(sock, _REFUSED_PROOF, drop)  # a wrong secret, or a proof replayed from elsewhere
-            return
-        try:
-            sock.send(derive(secret, _ACCEPTOR_PROOF, bound))  # 32 bytes into an empty send buffer
-        except OSError:
-            drop(sock)
-            return
-        admit(sock)  # out of the pending set, socket kept
-        sock.setblocking(True)
-        self._links[peer] = _Link(sock, derive(secret, _ACCEPTOR_KEY, bound), derive(secret, _CONNECTOR_KEY, bound))
-
-    @staticmethod
-    def _refuse(sock: socket.socket, answer: bytes, drop) -> None:
-        """Answer a refusal instead of a proof, then close (everything it sent was read, so the
-        close is orderly and the answer arrives)."""
-        with contextlib.suppress(OSError):
-            sock.send(answer)
-        drop(sock)
 
     # -- the exchange loop -------------------------------------------------------------------
 
@@ -536,7 +265,7 @@ class TcpTransport(Transport):
             "connection closed")
 
     def _run(self, sending: dict, receiving: dict, tag: bytes, timeout_s: float, where: object) -> None:
-        deadline = time.monotonic() + timeout_s
+        silence = Silence(timeout_s)
         while True:
             pending = {}
             for peer, job in sending.items():
@@ -548,13 +277,11 @@ class TcpTransport(Transport):
             if not pending:
                 return
             self._watch(pending)
-            ready = self._selector.select(wait_slice(max(deadline - time.monotonic(), 0.0)))
+            ready = self._selector.select(silence.wait_s())
             if not ready:
-                if time.monotonic() < deadline:
+                if not silence.expired():
                     continue  # a long wait taken in slices
-                names = ", ".join(str(p) for p in sorted(pending))
-                raise DeadlineError(f"rank {self.rank} timed out waiting for rank {names} in {where}",
-                                    peers=sorted(pending))
+                raise silence_error(self.rank, pending, where)
             for key, events in ready:
                 peer = self._peer_of[key.fileobj.fileno()]
                 try:
@@ -566,7 +293,7 @@ class TcpTransport(Transport):
                     raise  # already says what happened (a failed MAC, a malformed frame)
                 except (ConnectionError, BrokenPipeError) as exc:
                     raise PeerLostError(f"rank {self.rank}: rank {peer} is gone ({exc}) in {where}") from None
-            deadline = time.monotonic() + timeout_s  # a peer moved bytes: the silence starts over
+            silence.progress()  # a peer moved bytes
 
     def _watch(self, wanted: dict[int, int]) -> None:
         """Make the selector watch exactly ``wanted`` (peer -> events), changing only what differs."""
@@ -652,13 +379,10 @@ class TcpTransport(Transport):
                         tags[peer] = [_HEADER.unpack(header)[3]]
         return tags
 
-    def _close_links(self) -> None:
-        for link in self._links.values():
-            link.sock.close()
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._selector.close()
-        self._close_links()
+        for link in self._links.values():
+            link.sock.close()

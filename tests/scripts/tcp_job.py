@@ -14,16 +14,16 @@ import torch
 
 import lab
 from lab.rendezvous import env_store
-from lab.transport.tcp import TcpTransport
+from lab.transport import handshake
 
 if os.environ.get("TCP_JOB_HOLD") and os.environ["RANK"] != "0":
-    connect_to = TcpTransport._connect_to
+    connect_to = handshake._connect_to
 
-    def held(self, *args):
+    def held(*args):
         env_store().wait([os.environ["TCP_JOB_HOLD"]])
-        return connect_to(self, *args)
+        return connect_to(*args)
 
-    TcpTransport._connect_to = held
+    handshake._connect_to = held
 
 mesh = lab.Mesh.from_env(recv_timeout_ms=60_000)
 n, rank = mesh.world_size, mesh.rank
