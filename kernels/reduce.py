@@ -292,9 +292,6 @@ def bfloat16_divide(dst, divisor):
         dst[i] = float32_to_bfloat16(bfloat16_to_float32(dst[i]) / np.float32(divisor))
 
 
-FAMILIES = ("native", "float16", "bfloat16")
-OPS = ("sum", "prod", "min", "max")
-
 #: ``KERNELS[op, family](dst, src)`` reduces ``src`` into ``dst`` in place.
 KERNELS = {
     ("sum", "native"): sum_into,

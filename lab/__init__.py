@@ -14,13 +14,14 @@ from lab.collectives import all_to_all, allgather, allreduce, barrier, broadcast
 from lab.errors import (CollectiveMismatchError, DeadlineError, EmulationUnavailable, LabError, PeerLostError,
                         RankError)
 from lab.launch import Cluster, launch, spawn
-from lab.mesh import Mesh, Work
+from lab.issue import Work
+from lab.mesh import Mesh
 from lab.ops import ReduceOp
 from lab.reference import gloo_reference
-from lab import bucketing, ddp  # lab.bucketing and lab.ddp work after a plain `import lab`
+from lab import bucketing, ddp, sim  # lab.bucketing, lab.ddp and lab.sim work after a plain `import lab`
 
 __all__ = [
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "ReduceOp",
-    "bucketing", "ddp", "spawn", "launch", "Cluster", "Mesh", "Work", "gloo_reference",
+    "bucketing", "ddp", "sim", "spawn", "launch", "Cluster", "Mesh", "Work", "gloo_reference",
     "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError", "EmulationUnavailable",
 ]

@@ -21,15 +21,15 @@ import torch
 import torch.distributed as dist
 
 from lab import collectives
+from lab.collectives import registry
 from lab.mesh import Mesh
 from lab.reference import ensure_gloo, gloo_collective
 
 #: 1 KB to 16 MB in powers of 4, as the lesson's exercise asks.
 SIZES = [1 << k for k in range(10, 25, 2)]
-COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier")
-#: Every collective's algorithms, by name (reduce and barrier have one each).
-ALGORITHMS = {**{c: tuple(a) for c, a in collectives.ALGORITHMS.items()}, "reduce": ("binomial",),
-              "barrier": ("dissemination",)}
+COLLECTIVES = registry.COLLECTIVES
+#: Every collective's algorithms, by name (reduce and barrier have one each): the registry's.
+ALGORITHMS = registry.ALGORITHMS
 
 
 def bus_factor(collective: str, world_size: int) -> float:
@@ -70,7 +70,7 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
     if impl == "gloo":
         def call() -> Any:
             return gloo_collective(mesh, collective, x)
-    elif collective in ("reduce", "barrier"):
+    elif not registry.choosable(collective):  # reduce and barrier: one algorithm, no argument
         call = {"reduce": lambda: collectives.reduce(mesh, x, dst=0),
                 "barrier": lambda: collectives.barrier(mesh)}[collective]
     else:

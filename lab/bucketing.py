@@ -20,7 +20,7 @@ import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lab.buffers import check_tensor
-from lab.collectives import _check_algorithm, allreduce
+from lab.collectives import allreduce, check_algorithm
 from lab.mesh import Mesh
 from lab.ops import parse_op, reduction
 
@@ -59,7 +59,7 @@ def allreduce_coalesced(mesh: Mesh, tensors: Sequence[Any], op: Any = "sum", alg
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive; got {bucket_bytes!r}")
     reduce_op = parse_op(op)
-    _check_algorithm(algorithm)
+    check_algorithm(algorithm)
     checked: set = set()
     for i, tensor in enumerate(tensors):  # every error before any message; each kind checked once
         kind = (type(tensor), str(getattr(tensor, "dtype", None)), str(getattr(tensor, "device", "cpu")))

@@ -7,17 +7,30 @@ anything is started or sent.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Any
 
+import numpy as np
+
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def is_int(value: Any) -> bool:
+    """An integer, Python or numpy, and not a bool (``True`` is not rank 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value: Any) -> bool:
+    """A real number (int, float, numpy), not a bool; NaN and the infinities included."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def timeout_ms(value: Any, name: str) -> float | None:
     """A positive number of milliseconds, ``math.inf`` (wait forever) or None (the default)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+    if not is_real(value) or math.isnan(value) or value <= 0:
         raise ValueError(f"{name} must be a positive number of milliseconds, math.inf (no limit) or None; "
                          f"got {value!r}")
     return float(value)
@@ -31,7 +44,7 @@ def flag(value: Any, name: str) -> bool:
 
 
 def positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be an int >= 1; got {value!r}")
     return value
 

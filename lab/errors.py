@@ -82,7 +82,7 @@ def format_flight_records(records: dict, last: int = 8) -> str:
     """The ranks' last collectives side by side (empty if none ran), one row per sequence number, so the point where
     ranks diverged (different collectives, or one rank stuck at a step) stands out.
 
-    ``records`` maps rank -> list of :class:`lab.mesh.FlightRecord`, or a note (a ``str``) when
+    ``records`` maps rank -> list of :class:`lab.flight.FlightRecord`, or a note (a ``str``) when
     the rank could not report (its process died, or it was still busy and was ended).
     """
     seqs = sorted({r.seq for recs in records.values() if not isinstance(recs, str) for r in recs})[-last:]

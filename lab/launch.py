@@ -28,7 +28,8 @@ from typing import Any, Callable
 from lab import checks
 from lab.errors import DeadlineError, LabError, RankError
 from lab.hosts import Hosts
-from lab.mesh import FlightRecord, Mesh
+from lab.flight import FlightRecord
+from lab.mesh import Mesh
 from lab.rendezvous import pool_store, serve_store
 from lab.transport import queue as queue_transport
 from lab.transport import shm as shm_transport

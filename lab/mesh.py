@@ -9,15 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
-import struct
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,117 +21,18 @@ import torch
 from lab.buffers import as_buffer, to_caller_type
 from lab import checks
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
-from lab.ops import DTYPES_BY_CODE, DType
+from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, Position, TraceFile
+from lab.issue import IssueQueue
+from lab import fingerprint
+from lab.fingerprint import describe as describe_fingerprint
+from lab.ops import DTYPES, DTYPES_BY_CODE, DType
 from lab.transport.base import Combine, Recv, Send, TagMismatch, Transport
 
 #: A receive that waits longer than this raises DeadlineError (override with recv_timeout_ms).
 DEFAULT_RECV_TIMEOUT_MS = 300_000
 
-COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all",
-               "barrier")
-ALGORITHMS = ("", "ring", "tree", "naive", "binomial", "recursive_doubling", "halving_doubling", "double_tree",
-              "recursive_halving", "scatter_allgather", "pairwise", "bruck", "dissemination", "hierarchical")
-REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg")
-
 _MAX_P2P_DIMS = 16
 _P2P_HEADER_WORDS = 3 + _MAX_P2P_DIMS  # is_torch, dtype code, ndim, shape
-
-# context (0: the root mesh; a sub-mesh's id), seq, collective, algorithm, dtype code, reduce op,
-# root (-1: none), element count: 32 bytes, the transports' TAG_BYTES. The context comes first: a
-# transport parks a message whose first CONTEXT_BYTES differ from the receive's (another mesh's).
-_FINGERPRINT = struct.Struct("<IQBBBBqq")
-_MAX_CONTEXT = 2**32 - 1
-
-
-def describe_fingerprint(tag: bytes) -> str:
-    """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag."""
-    if len(tag) < _FINGERPRINT.size:
-        return f"an unrecognised message ({len(tag)}-byte tag)"
-    context, seq, coll, algo, code, op, root, count = _FINGERPRINT.unpack_from(tag)
-    dtype = DTYPES_BY_CODE[code].name if code in DTYPES_BY_CODE else "meta"
-    text = f"{COLLECTIVES[coll]} #{seq} {dtype}[{count}]"
-    if op:
-        text += f" {REDUCE_OPS[op]}"
-    if root >= 0:
-        text += f" root={root}"
-    text += f" ({ALGORITHMS[algo]})" if algo else ""
-    return text + (f" on sub-mesh {context:08x}" if context else "")
-
-
-class _Position:
-    """Where a rank is, for error messages: ``allreduce #7 (ring) step 3``. Formatted lazily."""
-
-    __slots__ = ("collective", "seq", "algorithm", "step", "mesh")
-
-    def __init__(self, mesh: str = "") -> None:
-        self.collective, self.seq, self.algorithm, self.step = "send/recv", 0, "", 0
-        self.mesh = mesh  # "" on the root mesh; a sub-mesh's description
-
-    def __str__(self) -> str:
-        algorithm = f" ({self.algorithm})" if self.algorithm else ""
-        return f"{self.collective} #{self.seq}{algorithm} step {self.step}" + (f" on {self.mesh}" if self.mesh else "")
-
-
-@dataclass
-class FlightRecord:
-    """One collective as this rank saw it: kept for the last ``FLIGHT_RECORDER_SIZE`` collectives."""
-
-    seq: int
-    collective: str
-    algorithm: str
-    dtype: str
-    count: int
-    op: str
-    root: int
-    state: str = "running"  # running, done, or failed (ExceptionType)
-    step: int = 0  # transfers (sends/receives) started; the step a failure happened at
-
-    def cell(self) -> str:
-        """Compact, for a side-by-side table: ``allreduce float32[1000] sum ring FAILED@3 DeadlineError``."""
-        parts = [self.collective, f"{self.dtype}[{self.count}]", self.op, f"root={self.root}" if self.root >= 0 else "",
-                 self.algorithm]
-        if self.state == "done":
-            parts.append("ok")
-        elif self.state == "running":
-            parts.append(f"RUNNING@{self.step}")
-        else:
-            parts.append(f"FAILED@{self.step} {self.state.removeprefix('failed (').rstrip(')')}")
-        return " ".join(p for p in parts if p)
-
-    def __str__(self) -> str:
-        what = f"{self.collective} #{self.seq} {self.dtype}[{self.count}]"
-        what += f" {self.op}" if self.op else ""
-        what += f" root={self.root}" if self.root >= 0 else ""
-        what += f" ({self.algorithm})" if self.algorithm else ""
-        return f"{what}: {self.state}" + ("" if self.state == "done" else f" at step {self.step}")
-
-
-class Work:
-    """The handle of a collective issued with ``async_op=True`` (like ``torch.distributed.Work``).
-
-        work = lab.allreduce(mesh, grads, async_op=True)   # returns at once
-        ...                                                # compute meanwhile
-        work.wait()                                        # grads now hold the sum
-    """
-
-    def __init__(self, future: Future) -> None:
-        self._future = future
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the collective completes; re-raise its error if it failed. Returns True."""
-        self._future.result(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def result(self) -> Any:
-        """What the synchronous call would have returned (waits first)."""
-        return self._future.result()
-
-
-#: How many collectives each rank remembers for failure reports.
-FLIGHT_RECORDER_SIZE = 32
 
 
 class Mesh:
@@ -178,19 +74,16 @@ class Mesh:
         self.transport = transport_name
         recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
         self.recv_timeout_ms = DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None else recv_timeout_ms
-        self._trace_path = checks.trace_path(trace) or checks.trace_path(os.environ.get("LAB_TRACE"), "LAB_TRACE")
-        self._trace_steps = bool(self._trace_path) and checks.env_flag("LAB_TRACE_STEPS")
-        self._owner_pid = os.getpid()  # a forked child must not touch the channels (see _check_owner)
-        self._driving = threading.Lock()  # exactly one thread drives the transport at a time
+        trace_path = checks.trace_path(trace) or checks.trace_path(os.environ.get("LAB_TRACE"), "LAB_TRACE")
+        self._trace = TraceFile(trace_path, checks.env_flag("LAB_TRACE_STEPS")) if trace_path else None
+        self._issue = IssueQueue(transport.rank)  # shared by every sub-mesh: one issue order
         self._seq = 0
         self._p2p_sent = [0] * transport.world_size
         self._p2p_received = [0] * transport.world_size
         self._tag = b""
-        self._position = _Position()
+        self._position = Position()
         self._clean = True  # False once a transfer failed half-way: peers may hold its messages
         self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
-        self._comm_thread: ThreadPoolExecutor | None = None
-        self._pending: list[Work] = []
         self.reset_stats()
 
     @classmethod
@@ -290,47 +183,19 @@ class Mesh:
     # -- issuing collectives, synchronously or not ----------------------------------------------
 
     def issue(self, run: Callable[[], Any], async_op: bool) -> Any:
-        """Run a collective's communication now, or on this mesh's communication thread.
-
-        One thread, one queue: collectives complete in the order they were issued, and a
-        synchronous call first waits for the asynchronous ones before it.
-        """
-        if self._root is not self:  # a sub-mesh: one issue order, the root's
-            return self._root.issue(run, async_op)
-        self._check_owner()
-        if checks.flag(async_op, "async_op"):
-            if self._comm_thread is None:
-                self._comm_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lab-comm-{self.rank}")
-            work = Work(self._comm_thread.submit(self._drive, run))
-            self._pending.append(work)
-            return work
-        self.wait_all()
-        return self._drive(run)
-
-    def _drive(self, run: Callable[[], Any]) -> Any:
-        with self._driving:
-            return run()
-
-    def _check_owner(self) -> None:
-        """Refuse a process forked inside ``fn``: its messages would interleave with the rank's."""
-        if os.getpid() != self._owner_pid:
-            raise LabError(f"this mesh belongs to rank {self.rank}'s process (pid {self._owner_pid}); a process "
-                           f"forked from it (pid {os.getpid()}) cannot use it")
+        """Run a collective's communication now, or on the communication thread (one issue order
+        for a root mesh and its sub-meshes: :class:`lab.issue.IssueQueue`)."""
+        return self._issue.issue(run, async_op)
 
     @property
     def in_flight(self) -> bool:
         """True while an asynchronous collective issued on this mesh (or its root, or any of the
         root's sub-meshes: they share one issue order) has not completed."""
-        return any(not work.is_completed() for work in self._root._pending)
+        return self._issue.in_flight
 
     def wait_all(self) -> None:
         """Wait for every asynchronous collective issued so far; raise the first failure."""
-        if self._root is not self:
-            self._root.wait_all()
-            return
-        pending, self._pending = self._pending, []
-        for work in pending:
-            work.wait()
+        self._issue.wait_all()
 
     def close(self) -> None:
         """Release the transport, then stop the communication thread (a collective it is still
@@ -339,11 +204,7 @@ class Mesh:
         if self._root is not self:
             return
         self._transport.close()
-        if self._comm_thread is not None:
-            # Not joined: a collective blocked on a peer that is still alive would hold us up to
-            # its deadline. It fails on the closed channels; the process ends soon anyway.
-            self._comm_thread.shutdown(wait=False, cancel_futures=True)
-            self._comm_thread = None
+        self._issue.close()
 
     # -- what algorithms use -------------------------------------------------------------------
 
@@ -364,7 +225,8 @@ class Mesh:
     def _exchange(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted=True):
         self._position.step += 1
         timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
-        start_ns = time.time_ns() if self._trace_steps else 0
+        trace_steps = self._trace is not None and self._trace.steps
+        start_ns = time.time_ns() if trace_steps else 0
         members = self._members
         if members is not None:  # a sub-mesh: its ranks are global ranks on the shared channels
             sends = [Send(members[s.dst], s.data) for s in sends]
@@ -388,7 +250,7 @@ class Mesh:
         except BaseException:
             self.clean = False
             raise
-        if self._trace_steps:
+        if trace_steps:
             position = self._position
             self._write_trace(
                 kind="step", op=position.collective, algorithm=position.algorithm, seq=position.seq,
@@ -428,10 +290,10 @@ class Mesh:
         Ranks that disagree on, say, the root of a broadcast may never receive from each other;
         the message one of them sent is still waiting, unconsumed, and tells what happened.
         """
-        context, seq = _FINGERPRINT.unpack_from(self._tag)[:2]
+        context, seq = fingerprint.FINGERPRINT.unpack_from(self._tag)[:2]
         for src, tags in self._transport.unconsumed_tags().items():
             for tag in tags:
-                got_context, got_seq, coll = _FINGERPRINT.unpack_from(tag)[:3]
+                got_context, got_seq, coll = fingerprint.FINGERPRINT.unpack_from(tag)[:3]
                 if got_context == context and got_seq == seq and coll and tag[: len(self._tag)] != self._tag:
                     raise CollectiveMismatchError(
                         f"{self._who()} is in {describe_fingerprint(self._tag)}; "
@@ -448,10 +310,7 @@ class Mesh:
         and a message from a different collective is caught by its fingerprint.
         """
         self._seq += 1
-        self._tag = _FINGERPRINT.pack(
-            self._context, self._seq, COLLECTIVES.index(name), ALGORITHMS.index(algorithm), dtype.code,
-            REDUCE_OPS.index(op), root, count,
-        )
+        self._tag = fingerprint.pack(self._context, self._seq, name, algorithm, dtype.code, op, root, count)
         self._position.collective, self._position.seq = name, self._seq
         self._position.algorithm, self._position.step = algorithm, 0
         record = FlightRecord(self._seq, name, algorithm, dtype.name, count, op, root)
@@ -468,7 +327,7 @@ class Mesh:
         duration_ns = time.time_ns() - start_ns
         record.state, record.step = "done", self._position.step
         self._stats["collectives"] += 1
-        if self._trace_path:
+        if self._trace is not None:
             self._write_trace(
                 kind="collective", op=name, algorithm=algorithm, dtype=dtype.name, count=count,
                 nbytes=count * dtype.storage.itemsize, reduce_op=op or None, root=None if root < 0 else root,
@@ -486,24 +345,18 @@ class Mesh:
     def _write_trace(self, **row: Any) -> None:
         if self._members is not None:  # a sub-mesh's row says which one, and the global rank
             row = {"sub_mesh": f"{self._context:08x}", "global_rank": self._root.rank, **row}
-        line = json.dumps({"rank": self.rank, "world_size": self.world_size, "transport": self.transport, **row})
-        fd = os.open(self._trace_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (line + "\n").encode())  # one write per row: appends stay whole across ranks
-        finally:
-            os.close(fd)
+        self._trace.write(rank=self.rank, world_size=self.world_size, transport=self.transport, **row)
 
     # -- public point-to-point -----------------------------------------------------------------
 
     def _check_peer(self, peer: int, name: str) -> None:
-        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.world_size \
-                or peer == self.rank:
+        if not checks.is_int(peer) or not 0 <= peer < self.world_size or peer == self.rank:
             raise ValueError(
                 f"{name} must be another rank in [0, {self.world_size}); got {peer!r} on rank {self.rank}"
             )
 
     def _p2p_tag(self, seq: int, dtype_code: int, count: int) -> bytes:
-        return _FINGERPRINT.pack(self._context, seq, 0, 0, dtype_code, 0, -1, count)
+        return fingerprint.pack_p2p(self._context, seq, dtype_code, count)
 
     def send(self, dst: int, tensor: Any) -> None:
         """Send ``tensor`` (torch or numpy, any shape) to rank ``dst``; ordered per pair of ranks.
@@ -574,8 +427,8 @@ class Mesh:
         """The sub-mesh of the ranks that pass the same ``color``, ordered by ``(key, rank)``
         (``MPI_Comm_split``); ``color=None`` opts this rank out and returns None.
 
-        Every rank of this mesh must call it (it is a collective: an allgather of every rank's
-        ``(color, key)``). The sub-mesh runs every collective, ``send``/``recv``, counter and
+        Every rank of this mesh must call it (it is a collective: every rank sends its
+        ``(color, key)`` to every other, in one step). The sub-mesh runs every collective, ``send``/``recv``, counter and
         trace of a mesh, over this mesh's channels (no new process or socket), with its own
         sequence numbers and a context id agreed in that allgather, distinct from that of every
         other live mesh sharing a rank with it, so its messages never pass for another's:
@@ -588,25 +441,32 @@ class Mesh:
             lab.allreduce(rows, x)                              # sums within each pair
             cols = mesh.split(color=mesh.rank % 2, key=-mesh.rank)  # {2,0} and {3,1}: reversed order
         """
-        if color is not None and (isinstance(color, bool) or not isinstance(color, (int, np.integer))
-                                  or not 0 <= color < 2**63):
+        if color is not None and (not checks.is_int(color) or not 0 <= color < 2**63):
             raise ValueError(f"color must be an int in [0, 2**63), or None to opt out; got {color!r}")
-        if key is not None and (isinstance(key, bool) or not isinstance(key, (int, np.integer))
-                                or not -2**63 <= key < 2**63):
+        if key is not None and (not checks.is_int(key) or not -2**63 <= key < 2**63):
             raise ValueError(f"key must be an int (int64) or None; got {key!r}")
-        from lab.collectives import allgather
-
         root = self._root
-        mine = np.array([-1 if color is None else int(color), 0 if key is None else int(key), root._next_context],
-                        np.int64)
-        everyone = allgather(self, mine).reshape(self.world_size, 3).tolist()
+
+        def run() -> list[list[int]]:
+            # Every rank's (color, key, next context id) to every other rank, in one step.
+            everyone = np.empty((self.world_size, 3), np.int64)
+            everyone[self.rank] = -1 if color is None else int(color), 0 if key is None else int(key), \
+                root._next_context
+            others = [r for r in range(self.world_size) if r != self.rank]
+            with self.collective("split", "", DTYPES["int64"], 3):
+                if others:
+                    self._exchange([Send(r, everyone[self.rank]) for r in others],
+                                   [Recv(r, everyone[r]) for r in others])
+            return everyone.tolist()
+
+        everyone = self.issue(run, async_op=False)
         # Context ids, agreed here: colour i (in sorted order) gets base + i, where base is past
         # every id any participant has used. Two sub-meshes that share a rank were both made by
         # splits that rank took part in, one after the other, so the later one's base is past the
         # earlier one's ids: live sub-meshes on common channels never share an id.
         colors = sorted({c for c, _, _ in everyone if c >= 0})
         base = max(used for _, _, used in everyone)
-        if base + len(colors) > _MAX_CONTEXT:
+        if base + len(colors) > fingerprint.MAX_CONTEXT:
             raise LabError(f"this job has made {base - 1:,} sub-meshes; context ids (4 bytes) are spent")
         root._next_context = base + len(colors)
         if color is None:
@@ -625,9 +485,8 @@ class Mesh:
         sub._p2p_sent, sub._p2p_received = [0] * len(members), [0] * len(members)
         shown = ", ".join(map(str, sub._members[:8])) + (", ..." if len(members) > 8 else "")
         sub.name = f"sub-mesh {context:08x}"
-        sub._position = _Position(f"{sub.name} (global ranks {shown}; this is its rank {sub._rank})")
+        sub._position = Position(f"{sub.name} (global ranks {shown}; this is its rank {sub._rank})")
         sub._records = deque(maxlen=FLIGHT_RECORDER_SIZE)
-        sub._pending, sub._comm_thread = [], None
         same_host = [g for g in sub._members if self._global_hosts[g] == self.host]
         sub.local_rank, sub.local_world_size = same_host.index(self._root.rank), len(same_host)
         sub.host_count = len({self._global_hosts[g] for g in sub._members})
@@ -637,54 +496,6 @@ class Mesh:
     def _global(self, rank: int) -> int:
         return rank if self._members is None else self._members[rank]
 
-    def _host_of(self, rank: int) -> int:
-        """The host of this mesh's rank ``rank``."""
+    def host_of(self, rank: int) -> int:
+        """The host of this mesh's rank ``rank`` (:class:`lab.peers.Peers`)."""
         return self._global_hosts[self._global(rank)]
-
-    def hierarchy(self) -> Hierarchy:
-        """For an algorithm inside a collective: this rank's place among hosts (see :class:`Hierarchy`)."""
-        hosts = [self._host_of(r) for r in range(self.world_size)]
-        order = list(dict.fromkeys(hosts))
-        groups = [[r for r, h in enumerate(hosts) if h == host] for host in order]
-        shards = min(len(g) for g in groups)
-        mine = groups[order.index(hosts[self.rank])]
-        local = mine.index(self.rank)
-        if local >= shards:
-            return Hierarchy(GroupView(self, mine), shards, None, None)
-        return Hierarchy(GroupView(self, mine), shards, GroupView(self, mine[:shards]),
-                         GroupView(self, [g[local] for g in groups]))
-
-
-@dataclass
-class Hierarchy:
-    """Where a rank is among hosts, as :class:`GroupView` s: ``host`` (the ranks on its host, in
-    rank order), ``shards`` (the fewest ranks any host has), ``leaders`` (its host's first
-    ``shards`` ranks) and ``cross`` (the ranks with its local index on every host); ``leaders`` and
-    ``cross`` are None for a rank whose local index is ``shards`` or more (a host with more ranks
-    than the smallest)."""
-
-    host: GroupView
-    shards: int
-    leaders: GroupView | None
-    cross: GroupView | None
-
-
-class GroupView:
-    """Some of a mesh's ranks renumbered ``0..k-1``, for one phase of an algorithm (hierarchical
-    allreduce runs ring phases inside a host and across hosts on them). Its transfers are the
-    mesh's own, inside the mesh's current collective: same fingerprint, counters and deadlines."""
-
-    def __init__(self, mesh: Mesh, ranks: list[int]) -> None:
-        self._mesh, self._ranks = mesh, ranks
-        self.rank, self.world_size = ranks.index(mesh.rank), len(ranks)
-
-    def send_buffer(self, dst: int, data: np.ndarray) -> None:
-        self._mesh.send_buffer(self._ranks[dst], data)
-
-    def recv_buffer(self, src: int, out: np.ndarray, combine: Combine | None = None) -> None:
-        self._mesh.recv_buffer(self._ranks[src], out, combine)
-
-    def sendrecv_buffer(
-        self, dst: int, data: np.ndarray, src: int, out: np.ndarray, combine: Combine | None = None
-    ) -> None:
-        self._mesh.sendrecv_buffer(self._ranks[dst], data, self._ranks[src], out, combine)

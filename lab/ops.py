@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -129,6 +130,12 @@ class Reduction:
     def finalize(self, buf: np.ndarray, world_size: int) -> None:
         if self._divide is not None and not self.prescales and buf.size:
             self._divide(buf, float(world_size))
+
+    def partial(self) -> Reduction:
+        """The same combine with nothing to prepare or finish: for the phases of an algorithm whose
+        result a later phase completes once (hierarchical allreduce sums inside and across hosts,
+        then divides once)."""
+        return dataclasses.replace(self, _divide=None, prescales=False)
 
 
 def reduction(op: ReduceOp, dtype: DType) -> Reduction:

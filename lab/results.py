@@ -20,6 +20,7 @@ import pandas as pd
 
 import lab
 from lab import mpich, tuning
+from lab.collectives import registry
 from lab.benchmark import (ALGORITHMS, COLLECTIVES, SIZES, measure, time_bucketing, time_kernel, time_overlap,
                            transformer_gradients)
 from lab.tuning import TUNING_PATH, algorithm_shape
@@ -437,7 +438,7 @@ def report(out: Path, info: dict, allreduce: pd.DataFrame, others: pd.DataFrame,
         table = pd.DataFrame({"size": [size_label(b) if b else "–" for b in pivot.index]})
         for transport, algorithm in pivot.columns:
             table[f"{transport} {algorithm} µs" if transport != "gloo" else "gloo µs"] = pivot[(transport, algorithm)].to_numpy()
-        if collective in tuning.AUTO_CANDIDATES and "shm" in data["transport"].unique():
+        if registry.choosable(collective) and "shm" in data["transport"].unique():
             table["auto picks (shm)"] = [tuning.choose(int(b), world, "shm", collective, fitted) for b in pivot.index]
         lines += [f"**{collective}**", "", markdown(table), ""]
     other_fits = model[model["collective"] != "allreduce"][["transport", "collective", "algorithm", "alpha_us",

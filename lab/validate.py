@@ -13,24 +13,25 @@ import pandas as pd
 import torch
 
 import lab
-from lab.collectives.allreduce_double_tree import double_trees
-from lab.collectives.fold import Fold
+from lab.collectives import registry
 from lab.reference import gloo_collective, tolerance
 
-CASES = [  # (primitive, algorithm)
-    *[("allreduce", a) for a in ("ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree",
-                                 "auto")],
-    ("broadcast", "binomial"), ("broadcast", "scatter_allgather"), ("broadcast", "auto"),
-    ("allgather", "ring"), ("allgather", "recursive_doubling"), ("allgather", "auto"),
-    ("reduce_scatter", "ring"), ("reduce_scatter", "recursive_halving"), ("reduce_scatter", "auto"),
-    ("reduce", "binomial"),
-    ("all_to_all", "pairwise"), ("all_to_all", "bruck"), ("all_to_all", "auto"),
-    ("barrier", "dissemination"),
-]
+
+
+def cases() -> list[tuple[str, str]]:
+    """(primitive, algorithm): every algorithm of every collective in the registry, and ``auto``
+    where the call takes an algorithm."""
+    return [(c, a) for c in registry.ALGORITHMS
+            for a in (*registry.names(c), *(["auto"] if registry.choosable(c) else []))]
+
+
 #: Whose result must be the same bytes on every rank.
 SHARED_RESULT = ("allreduce", "broadcast", "allgather")
-#: Allreduce algorithms in the byte-counter table, each against its docstring's formula.
-BYTE_ALGORITHMS = ("ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree")
+
+
+def byte_algorithms() -> list[str]:
+    """Allreduce algorithms in the byte-counter table, each against its docstring's formula."""
+    return [name for name, entry in registry.ALGORITHMS["allreduce"].items() if entry.bytes_sent]
 DTYPES = ("float32", "int32")
 
 
@@ -61,7 +62,7 @@ def validate_rank(mesh: lab.Mesh, count: int, seed: int) -> list[dict]:
     for dtype in DTYPES:
         stack = _inputs(mesh.world_size, count, dtype, seed)
         bound = tolerance(stack)
-        for primitive, algorithm in CASES:
+        for primitive, algorithm in cases():
             expected = gloo_collective(mesh, primitive, stack[mesh.rank].clone(), **_options(mesh, primitive))
             got = _run_lab(mesh, primitive, algorithm, stack[mesh.rank].clone())
             if primitive == "barrier":  # nothing to compare: it returned on every rank
@@ -86,46 +87,11 @@ def validate_rank(mesh: lab.Mesh, count: int, seed: int) -> list[dict]:
 def byte_counters_rank(mesh: lab.Mesh, numel: int) -> list[dict]:
     """In one rank: payload bytes of one float32 allreduce per algorithm."""
     rows = []
-    for algorithm in BYTE_ALGORITHMS:
+    for algorithm in byte_algorithms():
         mesh.reset_stats()
         lab.allreduce(mesh, torch.ones(numel), algorithm=algorithm)
         rows.append({"algorithm": algorithm, "rank": mesh.rank, **mesh.stats()})
     return rows
-
-
-def _tree_messages(rank: int, world_size: int) -> int:
-    """Messages a rank sends in tree allreduce: one per child, plus one to its parent."""
-    children = 0
-    mask = 1
-    while mask < world_size and not rank & mask:
-        children += rank + mask < world_size
-        mask <<= 1
-    return children + (rank != 0)
-
-
-def model_bytes(algorithm: str, rank: int, world_size: int, total: int) -> tuple[int, str]:
-    """(bytes sent = bytes received, the formula) of one allreduce of ``total`` bytes, from each
-    algorithm's docstring, when p = 2^⌊log2 N⌋ and 2·N divide the element count."""
-    n = world_size
-    fold = Fold(n, rank)
-    lp = fold.p.bit_length() - 1
-    if algorithm == "ring":
-        return 2 * total * (n - 1) // n, "2T(N-1)/N"
-    if algorithm == "tree":
-        messages = _tree_messages(rank, n)
-        return messages * total, f"{messages}T"
-    if algorithm == "naive":
-        return (total * (n - 1), "(N-1)T") if rank == 0 else (total, "T")
-    if fold.sits_out:
-        return total, "T (folded out)"
-    fold_term = (total, " + T (fold)") if fold.folded else (0, "")
-    if algorithm == "recursive_doubling":
-        return lp * total + fold_term[0], f"{lp}T" + fold_term[1]
-    if algorithm == "halving_doubling":
-        return 2 * total * (fold.p - 1) // fold.p + fold_term[0], "2T(p-1)/p" + fold_term[1]
-    # double_tree: each half T/2 once per child and once to the parent, in each tree
-    links = sum(len(children) + (parent >= 0) for parent, children in double_trees(n, rank))
-    return links * total // 2, f"{links}T/2"
 
 
 def validation_table(transports: list[str], world_sizes: list[int], count: int, seed: int) -> pd.DataFrame:
@@ -157,7 +123,7 @@ def byte_table(world_size: int, numel: int) -> pd.DataFrame:
     rows = []
     for row in sorted((r for ranks in per_rank for r in ranks), key=lambda r: (r["algorithm"], r["rank"])):
         algorithm, rank = row["algorithm"], row["rank"]
-        model, formula = model_bytes(algorithm, rank, world_size, total)
+        model, formula = registry.ALGORITHMS["allreduce"][algorithm].bytes_sent(rank, world_size, total)
         ok = row["bytes_sent"] == row["bytes_received"] == model
         rows.append({"algorithm": algorithm, "rank": rank, "bytes sent": row["bytes_sent"],
                      "bytes received": row["bytes_received"], "model": formula, "model bytes": model,

@@ -7,8 +7,9 @@ import pandas as pd
 import pytest
 
 from lab import tuning
+from lab.collectives import registry
 from lab.benchmark import ALGORITHMS
-from lab.collectives import choose, choose_allreduce, forced_algorithm
+from lab.collectives import choose, forced_algorithm
 from lab.results import fit_alpha_beta, models, tuning_from
 
 
@@ -41,22 +42,22 @@ def test_auto_follows_the_fitted_model_at_any_world_size(monkeypatch):
     assert fitted["shm"]["allreduce"]["tree"]["beta_byte_us"] == pytest.approx(0.001)
     monkeypatch.setattr(tuning, "fitted_models", lambda: fitted)
     monkeypatch.delenv("LAB_ALGO", raising=False)
-    assert choose_allreduce(1 << 10, 4, "shm") == "tree"
-    assert choose_allreduce(16 << 20, 4, "shm") == "ring"
+    assert choose("allreduce", 1 << 10, 4, "shm") == "tree"
+    assert choose("allreduce", 16 << 20, 4, "shm") == "ring"
     # with 16 ranks the ring has 30 steps against the tree's 8: the crossover moves up
     assert tuning.predict_us("ring", 256 << 10, 16, "shm") > tuning.predict_us("tree", 256 << 10, 16, "shm")
-    assert choose_allreduce(256 << 10, 16, "shm") == "tree"
+    assert choose("allreduce", 256 << 10, 16, "shm") == "tree"
     # a transport without a model falls back to the size threshold
-    assert choose_allreduce(tuning.AUTO_LARGE_MIN_BYTES, 4, "tcp") == "ring"
-    assert choose_allreduce(tuning.AUTO_LARGE_MIN_BYTES - 1, 4, "tcp") == "tree"
+    assert choose("allreduce", tuning.AUTO_LARGE_MIN_BYTES, 4, "tcp") == "ring"
+    assert choose("allreduce", tuning.AUTO_LARGE_MIN_BYTES - 1, 4, "tcp") == "tree"
 
 
 def test_lab_algo_overrides_auto(monkeypatch):
     monkeypatch.setenv("LAB_ALGO", "naive")
-    assert choose_allreduce(16 << 20, 4, "shm") == "naive"
+    assert choose("allreduce", 16 << 20, 4, "shm") == "naive"
     monkeypatch.setenv("LAB_ALGO", "butterfly")
     with pytest.raises(ValueError, match="LAB_ALGO"):
-        choose_allreduce(1, 4, "shm")
+        choose("allreduce", 1, 4, "shm")
 
 
 def test_the_shipped_tuning_file_has_a_model_per_transport():
@@ -76,9 +77,8 @@ def test_every_algorithm_has_a_shape_and_every_choice_is_a_real_algorithm():
             for n in range(1, 65):
                 steps, volume = tuning.algorithm_shape(algorithm, n, collective)
                 assert steps >= 1 and volume > 0
-        if collective in tuning.AUTO_CANDIDATES:
-            assert set(tuning.AUTO_CANDIDATES[collective]) <= set(algorithms)
-            assert set(tuning.FALLBACK[collective]) <= set(algorithms)
+        assert set(registry.auto_candidates(collective)) <= set(algorithms)
+        assert set(registry.fallback(collective)) <= set(algorithms)
     # the step counts of the docstrings: N = 8 and N = 6 (the fold adds two whole-tensor steps)
     assert tuning.algorithm_shape("recursive_doubling", 8) == (3, 3)
     assert tuning.algorithm_shape("recursive_doubling", 6) == (4, 4)
@@ -92,7 +92,7 @@ def full_sweep() -> pd.DataFrame:
     and β = 0.001 µs/byte; and broadcast, binomial vs scatter_allgather."""
     rows = []
     for nbytes in [1 << k for k in range(10, 25, 2)]:
-        for collective, algorithm in [("allreduce", a) for a in tuning.AUTO_CANDIDATES["allreduce"]] + [
+        for collective, algorithm in [("allreduce", a) for a in registry.auto_candidates("allreduce")] + [
                 ("broadcast", "binomial"), ("broadcast", "scatter_allgather")]:
             steps, volume = tuning.algorithm_shape(algorithm, 4, collective)
             alpha = 20.0 if algorithm == "recursive_doubling" else 100.0
@@ -103,13 +103,13 @@ def full_sweep() -> pd.DataFrame:
 
 def test_auto_chooses_among_every_fitted_algorithm_of_every_collective(monkeypatch):
     fitted = tuning_from(models(full_sweep()))
-    assert set(fitted["tcp"]["allreduce"]) == set(tuning.AUTO_CANDIDATES["allreduce"])
+    assert set(fitted["tcp"]["allreduce"]) == set(registry.auto_candidates("allreduce"))
     monkeypatch.setattr(tuning, "fitted_models", lambda: fitted)
     monkeypatch.delenv("LAB_ALGO", raising=False)
     # small: 2 steps of 20 µs; large: halving-doubling's 1.5 bytes per byte in 4 steps beats the
     # ring's 1.5 bytes per byte in 6, and everything else moves more
-    assert choose_allreduce(1 << 10, 4, "tcp") == "recursive_doubling"
-    assert choose_allreduce(16 << 20, 4, "tcp") == "halving_doubling"
+    assert choose("allreduce", 1 << 10, 4, "tcp") == "recursive_doubling"
+    assert choose("allreduce", 16 << 20, 4, "tcp") == "halving_doubling"
     assert choose("broadcast", 1 << 10, 4, "tcp") == "binomial"
     assert choose("broadcast", 16 << 20, 4, "tcp") == "scatter_allgather"
     # a collective without fits falls back to its size threshold

@@ -11,46 +11,26 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lab.buffers import as_buffer, check_tensor, new_flat, to_caller_type
 from lab.chunking import row_bounds, split_bounds
-from lab.collectives.all_to_all_bruck import all_to_all_bruck
-from lab.collectives.all_to_all_pairwise import all_to_all_pairwise
-from lab.collectives.allgather_recursive_doubling import allgather_recursive_doubling
-from lab.collectives.allgather_ring import allgather_ring
-from lab.collectives.allreduce_double_tree import SEGMENT_BYTES, allreduce_double_tree
-from lab.collectives.allreduce_halving_doubling import allreduce_halving_doubling
-from lab.collectives.allreduce_hierarchical import allreduce_hierarchical
-from lab.collectives.allreduce_naive import allreduce_naive
-from lab.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling
-from lab.collectives.allreduce_ring import allreduce_ring
-from lab.collectives.allreduce_tree import allreduce_tree
-from lab.collectives.barrier_dissemination import barrier_dissemination
-from lab.collectives.broadcast_binomial import broadcast_binomial
-from lab.collectives.broadcast_scatter_allgather import broadcast_scatter_allgather
-from lab.collectives.reduce_binomial import reduce_binomial
-from lab.collectives.reduce_scatter_recursive_halving import reduce_scatter_recursive_halving
-from lab.collectives.reduce_scatter_ring import reduce_scatter_ring
-from lab.mesh import Mesh
-from lab import tuning
+from lab.collectives import registry
+from lab.collectives.allreduce_double_tree import SEGMENT_BYTES
+from lab import checks, tuning
 from lab.ops import DTYPES, ReduceOp, parse_op, reduction
 
-#: Every collective's algorithms, by name (``"auto"`` picks one of them; see :func:`choose`).
-ALGORITHMS: dict[str, dict[str, Callable[..., None]]] = {
-    "allreduce": {"ring": allreduce_ring, "tree": allreduce_tree, "naive": allreduce_naive,
-                  "recursive_doubling": allreduce_recursive_doubling,
-                  "halving_doubling": allreduce_halving_doubling, "double_tree": allreduce_double_tree,
-                  "hierarchical": allreduce_hierarchical},
-    "broadcast": {"binomial": broadcast_binomial, "scatter_allgather": broadcast_scatter_allgather},
-    "allgather": {"ring": allgather_ring, "recursive_doubling": allgather_recursive_doubling},
-    "reduce_scatter": {"ring": reduce_scatter_ring, "recursive_halving": reduce_scatter_recursive_halving},
-    "all_to_all": {"pairwise": all_to_all_pairwise, "bruck": all_to_all_bruck},
-}
+if TYPE_CHECKING:
+    from lab.mesh import Mesh
+
+#: Every collective's algorithms, by name (``"auto"`` picks one of them; see :func:`choose`): the
+#: registry's entries (:mod:`lab.collectives.registry`), each callable. reduce and barrier have one each.
+ALGORITHMS: dict[str, dict[str, registry.Algorithm]] = registry.ALGORITHMS
 ALLREDUCE_ALGORITHMS = ALGORITHMS["allreduce"]
+_REDUCE, = ALGORITHMS["reduce"]
+_BARRIER, = ALGORITHMS["barrier"]
 
 
 def forced_algorithm(collective: str) -> str | None:
@@ -113,12 +93,8 @@ def choose(collective: str, nbytes: int, world_size: int, transport: str) -> str
     return chosen
 
 
-def choose_allreduce(nbytes: int, world_size: int, transport: str) -> str:
-    """The algorithm allreduce's ``"auto"`` runs (``LAB_ALGO`` overrides; see :func:`choose`)."""
-    return choose("allreduce", nbytes, world_size, transport)
-
-
-def _check_algorithm(algorithm: Any, collective: str = "allreduce") -> str:
+def check_algorithm(algorithm: Any, collective: str = "allreduce") -> str:
+    """``algorithm`` if ``collective`` has it (or it is ``"auto"``), else a ``ValueError`` listing them."""
     choices = [*ALGORITHMS[collective], "auto"]
     if algorithm not in choices:
         raise ValueError(f"algorithm must be one of {', '.join(map(repr, choices))}; got {algorithm!r}")
@@ -132,7 +108,7 @@ def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
     ``"hierarchical"`` against the flat algorithms (:func:`lab.tuning.choose_across_hosts`);
     ``transport="auto"`` reads the ``shm`` fits inside one host and the ``tcp`` fits across hosts.
     """
-    _check_algorithm(algorithm, collective)
+    check_algorithm(algorithm, collective)
     if algorithm != "auto":
         return algorithm
     transport, hosts = mesh.transport, getattr(mesh, "host_count", 1)
@@ -154,7 +130,7 @@ def _segment_bytes() -> int:
 
 
 def _check_root(mesh: Mesh, root: Any, name: str) -> int:
-    if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < mesh.world_size:
+    if not checks.is_int(root) or not 0 <= root < mesh.world_size:
         raise ValueError(f"{name} must be a rank in [0, {mesh.world_size}); got {root!r}")
     return int(root)
 
@@ -297,11 +273,11 @@ def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: boo
 
     def run() -> Any:
         flat = buffer.load()
-        with mesh.collective("reduce", "binomial", buffer.dtype, buffer.numel, reduce_op.value, root=dst):
+        with mesh.collective("reduce", _REDUCE, buffer.dtype, buffer.numel, reduce_op.value, root=dst):
             if kernels.prescales and mesh.rank != dst:  # another rank's tensor stays as it was
                 flat = flat.copy()
             kernels.prepare(flat, mesh.world_size)
-            reduce_binomial(mesh, flat, kernels, dst)
+            ALGORITHMS["reduce"][_REDUCE](mesh, flat, kernels, dst)
         if mesh.rank == dst:
             buffer.write_back()
         return tensor
@@ -353,11 +329,11 @@ def barrier(mesh: Mesh, async_op: bool = False) -> Any:
     """
 
     def run() -> None:
-        with mesh.collective("barrier", "dissemination", DTYPES["float32"], 0):
-            barrier_dissemination(mesh)
+        with mesh.collective("barrier", _BARRIER, DTYPES["float32"], 0):
+            ALGORITHMS["barrier"][_BARRIER](mesh)
 
     return mesh.issue(run, async_op)
 
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier",
-           "choose", "choose_allreduce", "forced_algorithm", "ALGORITHMS", "ReduceOp"]
+           "choose", "check_algorithm", "forced_algorithm", "ALGORITHMS", "ReduceOp"]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.mesh import Mesh
+from lab.collectives.fold import power_terms
+from lab.peers import Peers
 
 
-def all_to_all_bruck(mesh: Mesh, send: np.ndarray, recv: np.ndarray, send_bounds: list[tuple[int, int]],
+def all_to_all_bruck(peers: Peers, send: np.ndarray, recv: np.ndarray, send_bounds: list[tuple[int, int]],
                      recv_bounds: list[tuple[int, int]]) -> None:
     """Rank r sends ``send[send_bounds[j]]`` to rank j and receives rank j's block into ``recv[recv_bounds[j]]``.
 
@@ -27,7 +28,7 @@ def all_to_all_bruck(mesh: Mesh, send: np.ndarray, recv: np.ndarray, send_bounds
 
         rank 0 -> recv == [0, 10];  rank 1 -> recv == [1, 11]
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     size = [stop - start for start, stop in send_bounds]  # every rank's block for rank j has size[j]
     # Rotate: slot i holds our block for rank r + i.
     slots = [send[send_bounds[(rank + i) % n][0]:send_bounds[(rank + i) % n][1]].copy() for i in range(n)]
@@ -38,7 +39,7 @@ def all_to_all_bruck(mesh: Mesh, send: np.ndarray, recv: np.ndarray, send_bounds
         outgoing = np.concatenate([slots[i] for i in moving]) if moving else send[:0]
         sizes = [size[(rank - distance + i - i % distance) % n] for i in moving]
         incoming = np.empty(sum(sizes), send.dtype)
-        mesh.sendrecv_buffer((rank + distance) % n, outgoing, (rank - distance) % n, incoming)
+        peers.sendrecv_buffer((rank + distance) % n, outgoing, (rank - distance) % n, incoming)
         offsets = np.cumsum([0, *sizes])
         for i, start, stop in zip(moving, offsets[:-1], offsets[1:]):
             slots[i] = incoming[start:stop]
@@ -47,3 +48,10 @@ def all_to_all_bruck(mesh: Mesh, send: np.ndarray, recv: np.ndarray, send_bounds
     for i in range(n):
         src = (rank - i) % n
         recv[recv_bounds[src][0]:recv_bounds[src][1]] = slots[i]
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    d = power_terms(world_size).d
+    return d, d / 2

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.mesh import Mesh
+from lab.peers import Peers
 
 
-def all_to_all_pairwise(mesh: Mesh, send: np.ndarray, recv: np.ndarray, send_bounds: list[tuple[int, int]],
+def all_to_all_pairwise(peers: Peers, send: np.ndarray, recv: np.ndarray, send_bounds: list[tuple[int, int]],
                         recv_bounds: list[tuple[int, int]]) -> None:
     """Rank r sends ``send[send_bounds[j]]`` to rank j and receives rank j's block into ``recv[recv_bounds[j]]``.
 
@@ -24,11 +24,18 @@ def all_to_all_pairwise(mesh: Mesh, send: np.ndarray, recv: np.ndarray, send_bou
 
         rank 0 -> recv == [0, 10];  rank 1 -> recv == [1, 11]
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     # Step 0: our own block stays here.
     recv[recv_bounds[rank][0]:recv_bounds[rank][1]] = send[send_bounds[rank][0]:send_bounds[rank][1]]
     for step in range(1, n):
         dst, src = (rank + step) % n, (rank - step) % n
         # Send our block for dst; take src's block for us.
-        mesh.sendrecv_buffer(dst, send[send_bounds[dst][0]:send_bounds[dst][1]],
+        peers.sendrecv_buffer(dst, send[send_bounds[dst][0]:send_bounds[dst][1]],
                              src, recv[recv_bounds[src][0]:recv_bounds[src][1]])
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    n = world_size
+    return n - 1, (n - 1) / n

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.collectives.fold import Fold
-from lab.mesh import Mesh
+from lab.collectives.fold import Fold, power_terms
+from lab.peers import Peers
 
 
-def double(mesh: Mesh, buf: np.ndarray, fold: Fold, vbounds: list[tuple[int, int]]) -> None:
+def double(peers: Peers, buf: np.ndarray, fold: Fold, vbounds: list[tuple[int, int]]) -> None:
     """The power-of-two core, on virtual ranks: given ``buf[vbounds[v]]`` on every v, fill in all.
 
     Round k (k = 0..log2 p - 1) pairs v with v XOR 2^k; each sends the run of 2^k virtual ranks'
@@ -19,13 +19,13 @@ def double(mesh: Mesh, buf: np.ndarray, fold: Fold, vbounds: list[tuple[int, int
         partner = v ^ mask
         mine, theirs = v - v % mask, partner - partner % mask
         # Swap aligned groups of `mask` virtual ranks' blocks: ours for the partner's.
-        mesh.sendrecv_buffer(fold.real(partner), buf[vbounds[mine][0]:vbounds[mine + mask - 1][1]],
+        peers.sendrecv_buffer(fold.real(partner), buf[vbounds[mine][0]:vbounds[mine + mask - 1][1]],
                              fold.real(partner), buf[vbounds[theirs][0]:vbounds[theirs + mask - 1][1]])
         mask *= 2
 
 
-def allgather_recursive_doubling(mesh: Mesh, buf: np.ndarray, bounds: list[tuple[int, int]]) -> None:
-    """Given chunk ``mesh.rank`` of ``buf`` on every rank, fill in every other chunk.
+def allgather_recursive_doubling(peers: Peers, buf: np.ndarray, bounds: list[tuple[int, int]]) -> None:
+    """Given chunk ``peers.rank`` of ``buf`` on every rank, fill in every other chunk.
 
     Powers of two: log2 N rounds; in round k rank r swaps with r XOR 2^k everything it has so far
     (T/N, then 2T/N, ... T/2 bytes). Other N: the standard fold (:mod:`lab.collectives.fold`):
@@ -47,17 +47,24 @@ def allgather_recursive_doubling(mesh: Mesh, buf: np.ndarray, bounds: list[tuple
 
         every rank -> buf == [10, 11, 12]
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     fold = Fold(n, rank)
     if fold.sits_out:
         # Hand our chunk to the odd neighbour; it sends back the whole result at the end.
-        mesh.send_buffer(rank + 1, buf[bounds[rank][0]:bounds[rank][1]])
-        mesh.recv_buffer(rank + 1, buf)
+        peers.send_buffer(rank + 1, buf[bounds[rank][0]:bounds[rank][1]])
+        peers.recv_buffer(rank + 1, buf)
         return
     if fold.folded:
         # Take the even neighbour's chunk: we now speak for both.
-        mesh.recv_buffer(rank - 1, buf[bounds[rank - 1][0]:bounds[rank - 1][1]])
-    double(mesh, buf, fold, fold.virtual_bounds(bounds))
+        peers.recv_buffer(rank - 1, buf[bounds[rank - 1][0]:bounds[rank - 1][1]])
+    double(peers, buf, fold, fold.virtual_bounds(bounds))
     if fold.folded:
         # Give the even neighbour the whole result.
-        mesh.send_buffer(rank - 1, buf)
+        peers.send_buffer(rank - 1, buf)
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    n, t = world_size, power_terms(world_size)
+    return t.lp + t.f, (n - 1) / n + t.f / 2

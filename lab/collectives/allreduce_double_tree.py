@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from lab.chunking import split_bounds
-from lab.mesh import Mesh
+from lab.collectives.fold import power_terms
+from lab.peers import Peers
 from lab.ops import Reduction
 
 #: Pipeline segment: each half of the tensor travels up and down its tree in pieces this big.
@@ -59,7 +60,7 @@ def double_trees(world_size: int, rank: int) -> list[tuple[int, list[int]]]:
     return [binary_tree(world_size, rank), second]
 
 
-def allreduce_double_tree(mesh: Mesh, buf: np.ndarray, reduction: Reduction, segment_bytes: int = SEGMENT_BYTES) -> None:
+def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, segment_bytes: int = SEGMENT_BYTES) -> None:
     """Reduce ``buf`` in place across all ranks: half through each of two binary trees.
 
     Tree t reduces half t of the tensor to its root and broadcasts it back down, segment by
@@ -83,8 +84,8 @@ def allreduce_double_tree(mesh: Mesh, buf: np.ndarray, reduction: Reduction, seg
 
         every rank -> buf == 4 * arange(8) + 6
     """
-    n = mesh.world_size
-    trees = double_trees(n, mesh.rank)
+    n = peers.world_size
+    trees = double_trees(n, peers.rank)
     halves = [buf[a:b] for a, b in split_bounds(buf.size, 2)]
     per_segment = max(1, segment_bytes // max(buf.itemsize, 1))
     segments = max(1, -(-halves[0].size // per_segment))
@@ -93,15 +94,32 @@ def allreduce_double_tree(mesh: Mesh, buf: np.ndarray, reduction: Reduction, seg
     for s in range(segments):
         for (parent, children), half in zip(trees, pieces):
             for child in children:
-                mesh.recv_buffer(child, half[s], reduction.combine)
+                peers.recv_buffer(child, half[s], reduction.combine)
             if parent >= 0:
-                mesh.send_buffer(parent, half[s])
+                peers.send_buffer(parent, half[s])
             else:
                 reduction.finalize(half[s], n)  # the root holds every contribution: finish it once
     # Broadcast phase: take the finished segment from our parent, pass it to our children.
     for s in range(segments):
         for (parent, children), half in zip(trees, pieces):
             if parent >= 0:
-                mesh.recv_buffer(parent, half[s])
+                peers.recv_buffer(parent, half[s])
             for child in children:
-                mesh.send_buffer(child, half[s])
+                peers.send_buffer(child, half[s])
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    d = power_terms(world_size).d
+    # the first segment's trip up and down (later ones pipeline behind it); an inner node that is
+    # also a leaf moves 2T
+    return 2 * d, 2.0
+
+
+def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
+    """(bytes this rank sends, which equal the bytes it receives; the formula), from the docstring,
+    for a tensor of ``total`` bytes whose element count p and 2N divide (``python -m lab``'s check)."""
+    # each half, T/2, once per child and once to the parent, in each tree
+    links = sum(len(children) + (parent >= 0) for parent, children in double_trees(world_size, rank))
+    return links * total // 2, f"{links}T/2"

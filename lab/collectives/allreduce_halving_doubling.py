@@ -7,13 +7,13 @@ import numpy as np
 
 from lab.chunking import split_bounds
 from lab.collectives.allgather_recursive_doubling import double
-from lab.collectives.fold import Fold
+from lab.collectives.fold import Fold, power_terms
 from lab.collectives.reduce_scatter_recursive_halving import halve
-from lab.mesh import Mesh
+from lab.peers import Peers
 from lab.ops import Reduction
 
 
-def allreduce_halving_doubling(mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> None:
+def allreduce_halving_doubling(peers: Peers, buf: np.ndarray, reduction: Reduction) -> None:
     """Reduce ``buf`` in place across all ranks in 2·log2 N rounds of halving, then doubling size.
 
     The tensor is cut into p chunks (p = 2^⌊log2 N⌋). Reduce-scatter by recursive halving: in
@@ -38,18 +38,35 @@ def allreduce_halving_doubling(mesh: Mesh, buf: np.ndarray, reduction: Reduction
 
         every rank -> buf == 4 * arange(8) + 6
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     fold = Fold(n, rank)
     # Fold in: an even rank below 2r hands its tensor to its odd neighbour and waits for the result.
-    if not fold.enter_allreduce(mesh, buf, reduction):
+    if not fold.enter_allreduce(peers, buf, reduction):
         return
     chunks = split_bounds(buf.size, fold.p)
     # Reduce-scatter by recursive halving: chunk v ends fully reduced on virtual rank v.
-    halve(mesh, buf, reduction, fold, chunks)
+    halve(peers, buf, reduction, fold, chunks)
     # Finish our chunk once, here (avg divides), so every rank gets these bits.
     start, stop = chunks[fold.vrank]
     reduction.finalize(buf[start:stop], n)
     # Allgather by recursive doubling: every virtual rank ends with every chunk.
-    double(mesh, buf, fold, chunks)
+    double(peers, buf, fold, chunks)
     # Fold out: give the even neighbour the result.
-    fold.leave_allreduce(mesh, buf)
+    fold.leave_allreduce(peers, buf)
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    t = power_terms(world_size)
+    return 2 * t.lp + t.f, 2 * (t.p - 1) / t.p + t.f
+
+
+def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
+    """(bytes this rank sends, which equal the bytes it receives; the formula), from the docstring,
+    for a tensor of ``total`` bytes whose element count p and 2N divide (``python -m lab``'s check)."""
+    fold = Fold(world_size, rank)
+    if fold.sits_out:
+        return total, "T (folded out)"
+    return (2 * total * (fold.p - 1) // fold.p + (total if fold.folded else 0),
+            "2T(p-1)/p" + (" + T (fold)" if fold.folded else ""))

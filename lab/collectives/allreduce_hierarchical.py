@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from lab.chunking import split_bounds
@@ -11,7 +9,7 @@ from lab.collectives.allgather_ring import allgather_ring
 from lab.collectives.allreduce_recursive_doubling import allreduce_recursive_doubling
 from lab.collectives.allreduce_ring import allreduce_ring
 from lab.collectives.reduce_scatter_ring import reduce_scatter_ring
-from lab.mesh import Mesh
+from lab.peers import Peers, hierarchy
 from lab.ops import Reduction
 
 #: Shards of at least this many bytes cross hosts by ring (bandwidth-optimal), smaller ones by
@@ -19,7 +17,7 @@ from lab.ops import Reduction
 INTER_RING_MIN_BYTES = 64 * 1024
 
 
-def allreduce_hierarchical(mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> None:
+def allreduce_hierarchical(peers: Peers, buf: np.ndarray, reduction: Reduction) -> None:
     """Reduce ``buf`` in place across all ranks in three phases, for N = H·L ranks on H hosts of L.
 
     1. Ring reduce-scatter among the L ranks of each host: local rank i ends with shard i (about
@@ -46,14 +44,14 @@ def allreduce_hierarchical(mesh: Mesh, buf: np.ndarray, reduction: Reduction) ->
 
         every rank -> buf == 4 * arange(4) + 6
     """
-    place = mesh.hierarchy()
+    place = hierarchy(peers)
     host, shards = place.host, place.shards
     if place.leaders is None:
         # A host's extra rank: its buffer is folded into a leader's, and the result comes back.
         host.send_buffer(host.rank % shards, buf)
         host.recv_buffer(host.rank % shards, buf)
         return
-    partial = dataclasses.replace(reduction, _divide=None)  # sums only: avg divides once, at the end
+    partial = reduction.partial()  # sums only: avg divides once, at the end
     extras = range(host.rank + shards, host.world_size, shards)
     for extra in extras:  # Step 0 (larger hosts only): fold in the extra ranks' buffers
         host.recv_buffer(extra, buf, partial.combine)
@@ -66,8 +64,17 @@ def allreduce_hierarchical(mesh: Mesh, buf: np.ndarray, reduction: Reduction) ->
     shard = buf[start:stop]
     across = allreduce_ring if shard.nbytes >= INTER_RING_MIN_BYTES else allreduce_recursive_doubling
     across(cross, shard, partial)
-    reduction.finalize(shard, mesh.world_size)
+    reduction.finalize(shard, peers.world_size)
     # Step 3: allgather inside the host: every leader gets every finished shard.
     allgather_ring(leaders, buf, bounds)
     for extra in extras:  # Step 4 (larger hosts only): the extra ranks get the result
         host.send_buffer(extra, buf)
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    n = world_size
+    # on one host (where fits are made) it is a ring's reduce-scatter and allgather; across
+    # hosts, see lab.tuning.predict_hierarchical_us
+    return 2 * (n - 1), 2 * (n - 1) / n

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.mesh import Mesh
+from lab.peers import Peers
 from lab.ops import Reduction
 
 
-def allreduce_naive(mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> None:
+def allreduce_naive(peers: Peers, buf: np.ndarray, reduction: Reduction) -> None:
     """Reduce ``buf`` in place across all ranks through rank 0: the lesson's bad baseline.
 
     Cost: 2(N-1)·(α + T·β), all of it through one rank: rank 0 receives (N-1)·T bytes and sends
@@ -19,15 +19,28 @@ def allreduce_naive(mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> None:
 
         every rank -> buf == 4 * arange(8) + 6
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     if rank == 0:
         # Fold in every other rank's whole tensor, one after the other.
         for src in range(1, n):
-            mesh.recv_buffer(src, buf, reduction.combine)
+            peers.recv_buffer(src, buf, reduction.combine)
         reduction.finalize(buf, n)
         # Send the result back to each of them, one after the other.
         for dst in range(1, n):
-            mesh.send_buffer(dst, buf)
+            peers.send_buffer(dst, buf)
     else:
-        mesh.send_buffer(0, buf)
-        mesh.recv_buffer(0, buf)
+        peers.send_buffer(0, buf)
+        peers.recv_buffer(0, buf)
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    n = world_size
+    return 2 * (n - 1), 2 * (n - 1)
+
+
+def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
+    """(bytes this rank sends, which equal the bytes it receives; the formula), from the docstring,
+    for a tensor of ``total`` bytes whose element count p and 2N divide (``python -m lab``'s check)."""
+    return (total * (world_size - 1), "(N-1)T") if rank == 0 else (total, "T")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.collectives.fold import Fold
-from lab.mesh import Mesh
+from lab.collectives.fold import Fold, power_terms
+from lab.peers import Peers
 from lab.ops import Reduction
 
 
-def allreduce_recursive_doubling(mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> None:
+def allreduce_recursive_doubling(peers: Peers, buf: np.ndarray, reduction: Reduction) -> None:
     """Reduce ``buf`` in place across all ranks in log2 N rounds of whole-tensor exchange.
 
     Round k pairs rank r with r XOR 2^k: both send their whole partial result and fold in the
@@ -33,20 +33,37 @@ def allreduce_recursive_doubling(mesh: Mesh, buf: np.ndarray, reduction: Reducti
 
         every rank -> buf == 4 * arange(8) + 6
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     fold = Fold(n, rank)
     # Fold in: an even rank below 2r hands its tensor to its odd neighbour and waits for the result.
-    if not fold.enter_allreduce(mesh, buf, reduction):
+    if not fold.enter_allreduce(peers, buf, reduction):
         return
     v, mask = fold.vrank, 1
     incoming = np.empty_like(buf)
     while mask < fold.p:
         partner = fold.real(v ^ mask)
         # Swap whole partial results with the partner, then fold theirs into ours.
-        mesh.sendrecv_buffer(partner, buf, partner, incoming)
+        peers.sendrecv_buffer(partner, buf, partner, incoming)
         reduction.combine(buf, incoming)
         mask *= 2
     # Every rank holds the same bits of the full reduction: finish it (avg divides) identically.
     reduction.finalize(buf, n)
     # Fold out: give the even neighbour the result.
-    fold.leave_allreduce(mesh, buf)
+    fold.leave_allreduce(peers, buf)
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    t = power_terms(world_size)
+    return t.lp + t.f, t.lp + t.f
+
+
+def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
+    """(bytes this rank sends, which equal the bytes it receives; the formula), from the docstring,
+    for a tensor of ``total`` bytes whose element count p and 2N divide (``python -m lab``'s check)."""
+    fold = Fold(world_size, rank)
+    if fold.sits_out:
+        return total, "T (folded out)"
+    lp = fold.p.bit_length() - 1
+    return lp * total + (total if fold.folded else 0), f"{lp}T" + (" + T (fold)" if fold.folded else "")

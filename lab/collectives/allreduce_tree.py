@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from lab.collectives.broadcast_binomial import broadcast_binomial
-from lab.mesh import Mesh
+from lab.collectives.fold import power_terms
+from lab.peers import Peers
 from lab.ops import Reduction
 
 
-def allreduce_tree(mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> None:
+def allreduce_tree(peers: Peers, buf: np.ndarray, reduction: Reduction) -> None:
     """Reduce ``buf`` in place across all ranks in 2·ceil(log2 N) rounds of whole-tensor messages.
 
     Cost: 2·ceil(log2 N)·(α + T·β): fewer steps than the ring's 2(N-1), so it wins when α
@@ -21,19 +22,38 @@ def allreduce_tree(mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> None:
 
         every rank -> buf == 4 * arange(8) + 6
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     # Reduce up the tree: at distance 1, 2, 4, ... fold in a child's partial result, until we
     # are the child at that distance and hand ours to the parent.
     mask = 1
     while mask < n:
         if rank & mask:
-            mesh.send_buffer(rank - mask, buf)
+            peers.send_buffer(rank - mask, buf)
             break
         if rank + mask < n:
-            mesh.recv_buffer(rank + mask, buf, reduction.combine)
+            peers.recv_buffer(rank + mask, buf, reduction.combine)
         mask <<= 1
     # Rank 0 holds everything: finish it there once (avg divides), so all ranks get its bits.
     if rank == 0:
         reduction.finalize(buf, n)
     # Broadcast down the same tree.
-    broadcast_binomial(mesh, buf, 0)
+    broadcast_binomial(peers, buf, 0)
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    d = power_terms(world_size).d
+    return 2 * d, 2 * d
+
+
+def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
+    """(bytes this rank sends, which equal the bytes it receives; the formula), from the docstring,
+    for a tensor of ``total`` bytes whose element count p and 2N divide (``python -m lab``'s check)."""
+    # one message per child, plus one to the parent
+    children, mask = 0, 1
+    while mask < world_size and not rank & mask:
+        children += rank + mask < world_size
+        mask <<= 1
+    messages = children + (rank != 0)
+    return messages * total, f"{messages}T"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.mesh import Mesh
+from lab.collectives.fold import power_terms
+from lab.peers import Peers
 
 
-def barrier_dissemination(mesh: Mesh) -> None:
+def barrier_dissemination(peers: Peers) -> None:
     """Return once every rank has entered.
 
     Round k: signal rank r + 2^k and wait for rank r - 2^k. After round k a rank has heard,
@@ -18,10 +19,17 @@ def barrier_dissemination(mesh: Mesh) -> None:
 
     Per rank, N=3: every rank returns only after all three have called it.
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     empty = np.empty(0, np.uint8)
     distance = 1
     while distance < n:
         # Signal the rank `distance` ahead; wait for the one `distance` behind.
-        mesh.sendrecv_buffer((rank + distance) % n, empty, (rank - distance) % n, empty)
+        peers.sendrecv_buffer((rank + distance) % n, empty, (rank - distance) % n, empty)
         distance *= 2
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    d = power_terms(world_size).d
+    return d, 0.0

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.mesh import Mesh
+from lab.collectives.fold import power_terms
+from lab.peers import Peers
 
 
-def broadcast_binomial(mesh: Mesh, buf: np.ndarray, src: int) -> None:
+def broadcast_binomial(peers: Peers, buf: np.ndarray, src: int) -> None:
     """Copy rank ``src``'s ``buf`` into ``buf`` on every rank.
 
     Ranks are numbered relative to the root (v = (rank - src) mod N). Rank v receives once, from
@@ -21,18 +22,25 @@ def broadcast_binomial(mesh: Mesh, buf: np.ndarray, src: int) -> None:
 
         every rank -> buf == [2]
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     relative = (rank - src) % n
     # Receive once from the parent: the rank that differs from us in our lowest set bit.
     mask = 1
     while mask < n:
         if relative & mask:
-            mesh.recv_buffer((rank - mask) % n, buf)
+            peers.recv_buffer((rank - mask) % n, buf)
             break
         mask <<= 1
     # Forward to each child, farthest subtree first, so it can start forwarding early.
     mask >>= 1
     while mask:
         if relative + mask < n:
-            mesh.send_buffer((rank + mask) % n, buf)
+            peers.send_buffer((rank + mask) % n, buf)
         mask >>= 1
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    d = power_terms(world_size).d
+    return d, d

@@ -6,10 +6,11 @@ import numpy as np
 
 from lab.chunking import split_bounds
 from lab.collectives.allgather_ring import allgather_ring
-from lab.mesh import Mesh
+from lab.collectives.fold import power_terms
+from lab.peers import Peers
 
 
-def broadcast_scatter_allgather(mesh: Mesh, buf: np.ndarray, src: int) -> None:
+def broadcast_scatter_allgather(peers: Peers, buf: np.ndarray, src: int) -> None:
     """Copy rank ``src``'s ``buf`` into ``buf`` on every rank.
 
     The tensor is cut into N chunks, chunk v for the rank v places after the root (v = (rank -
@@ -29,7 +30,7 @@ def broadcast_scatter_allgather(mesh: Mesh, buf: np.ndarray, src: int) -> None:
 
         every rank -> buf == [2]
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     relative = (rank - src) % n
     chunks = split_bounds(buf.size, n)  # chunk v belongs to relative rank v
 
@@ -40,14 +41,21 @@ def broadcast_scatter_allgather(mesh: Mesh, buf: np.ndarray, src: int) -> None:
     mask = 1
     while mask < n:
         if relative & mask:
-            mesh.recv_buffer((rank - mask) % n, run(relative, relative + mask))
+            peers.recv_buffer((rank - mask) % n, run(relative, relative + mask))
             break
         mask <<= 1
     # Pass the upper half of our run to each child, largest first.
     mask >>= 1
     while mask:
         if relative + mask < n:
-            mesh.send_buffer((rank + mask) % n, run(relative + mask, relative + 2 * mask))
+            peers.send_buffer((rank + mask) % n, run(relative + mask, relative + 2 * mask))
         mask >>= 1
     # Allgather round the ring: real rank r owns chunk (r - src) mod N.
-    allgather_ring(mesh, buf, [chunks[(r - src) % n] for r in range(n)])
+    allgather_ring(peers, buf, [chunks[(r - src) % n] for r in range(n)])
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    n, d = world_size, power_terms(world_size).d
+    return d + n - 1, 2 * (n - 1) / n

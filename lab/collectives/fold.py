@@ -14,12 +14,12 @@ every message of the power-of-two algorithms one contiguous slice.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from lab.mesh import Mesh
+    from lab.peers import Peers
     from lab.ops import Reduction
 
 
@@ -68,20 +68,37 @@ class Fold:
         spans = (self.blocks(v) for v in range(self.p))
         return [(bounds[first][0], bounds[stop - 1][1]) for first, stop in spans]
 
-    def enter_allreduce(self, mesh: Mesh, buf: np.ndarray, reduction: Reduction) -> bool:
+    def enter_allreduce(self, peers: Peers, buf: np.ndarray, reduction: Reduction) -> bool:
         """Fold-in for an allreduce: a rank that sits out hands ``buf`` to its odd neighbour and
         waits for the finished result (returns False: it is done); a folded rank reduces its even
         neighbour's tensor into ``buf`` and speaks for both (returns True, as do the others)."""
         if self.sits_out:
-            mesh.send_buffer(self.rank + 1, buf)
-            mesh.recv_buffer(self.rank + 1, buf)
+            peers.send_buffer(self.rank + 1, buf)
+            peers.recv_buffer(self.rank + 1, buf)
             return False
         if self.folded:
-            mesh.recv_buffer(self.rank - 1, buf, reduction.combine)
+            peers.recv_buffer(self.rank - 1, buf, reduction.combine)
         return True
 
-    def leave_allreduce(self, mesh: Mesh, buf: np.ndarray) -> None:
+    def leave_allreduce(self, peers: Peers, buf: np.ndarray) -> None:
         """Fold-out: a folded rank gives its even neighbour the result."""
         if self.folded:
-            mesh.send_buffer(self.rank - 1, buf)
+            peers.send_buffer(self.rank - 1, buf)
 
+
+class PowerTerms(NamedTuple):
+    """The powers of two in N ranks' costs: ``d`` = ⌈log2 N⌉, ``p`` = 2^⌊log2 N⌋, ``lp`` = log2 p,
+    and ``f`` = 2 when the fold runs (N not a power of two: its hand-over and hand-back steps each
+    move the whole tensor), else 0."""
+
+    d: int
+    p: int
+    lp: int
+    f: int
+
+
+def power_terms(world_size: int) -> PowerTerms:
+    lp = world_size.bit_length() - 1
+    p = 1 << lp
+    d = (world_size - 1).bit_length()  # ⌈log2 N⌉, 0 for N = 1
+    return PowerTerms(d, p, lp, 0 if world_size == p else 2)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.mesh import Mesh
+from lab.collectives.fold import power_terms
+from lab.peers import Peers
 from lab.ops import Reduction
 
 
-def reduce_binomial(mesh: Mesh, buf: np.ndarray, reduction: Reduction, dst: int) -> None:
+def reduce_binomial(peers: Peers, buf: np.ndarray, reduction: Reduction, dst: int) -> None:
     """Leave the reduction over all ranks in ``buf`` on rank ``dst``; other ranks' ``buf`` unchanged.
 
     Ranks are numbered relative to the root (v = (rank - dst) mod N). At distance 1, 2, 4, ...
@@ -26,7 +27,7 @@ def reduce_binomial(mesh: Mesh, buf: np.ndarray, reduction: Reduction, dst: int)
 
         rank 1 -> buf == [3];  ranks 0 and 2 -> buf unchanged ([0] and [2])
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     relative = (rank - dst) % n
     # The root reduces in place; a rank with children (its first is v + 1) reduces into a copy.
     has_children = relative % 2 == 0 and relative + 1 < n
@@ -35,11 +36,18 @@ def reduce_binomial(mesh: Mesh, buf: np.ndarray, reduction: Reduction, dst: int)
     while mask < n:
         if relative & mask:
             # Our subtree is complete: hand its partial result to the parent.
-            mesh.send_buffer((rank - mask) % n, work)
+            peers.send_buffer((rank - mask) % n, work)
             return
         if relative + mask < n:
             # Fold in the child's subtree at this distance.
-            mesh.recv_buffer((rank + mask) % n, work, reduction.combine)
+            peers.recv_buffer((rank + mask) % n, work, reduction.combine)
         mask <<= 1
     # Only the root gets here: it holds every contribution; finish it once (avg divides).
     reduction.finalize(work, n)
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    d = power_terms(world_size).d
+    return d, d

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.collectives.fold import Fold
-from lab.mesh import Mesh
+from lab.collectives.fold import Fold, power_terms
+from lab.peers import Peers
 from lab.ops import Reduction
 
 
-def halve(mesh: Mesh, buf: np.ndarray, reduction: Reduction, fold: Fold, vbounds: list[tuple[int, int]]) -> None:
+def halve(peers: Peers, buf: np.ndarray, reduction: Reduction, fold: Fold, vbounds: list[tuple[int, int]]) -> None:
     """The power-of-two core, on virtual ranks: leave the reduction of ``buf[vbounds[v]]`` on v.
 
     Round k (k = 1..log2 p) pairs v with v XOR p/2^k. Each still holds partial sums for a run of
@@ -22,16 +22,16 @@ def halve(mesh: Mesh, buf: np.ndarray, reduction: Reduction, fold: Fold, vbounds
         partner, mid = v ^ mask, lo + mask
         keep, give = ((lo, mid), (mid, hi)) if v < mid else ((mid, hi), (lo, mid))
         # Send the half the partner keeps; fold the partner's partial sums of our half into ours.
-        mesh.sendrecv_buffer(fold.real(partner), buf[vbounds[give[0]][0]:vbounds[give[1] - 1][1]],
+        peers.sendrecv_buffer(fold.real(partner), buf[vbounds[give[0]][0]:vbounds[give[1] - 1][1]],
                              fold.real(partner), buf[vbounds[keep[0]][0]:vbounds[keep[1] - 1][1]],
                              reduction.combine)
         lo, hi = keep
         mask //= 2
 
 
-def reduce_scatter_recursive_halving(mesh: Mesh, buf: np.ndarray, reduction: Reduction,
+def reduce_scatter_recursive_halving(peers: Peers, buf: np.ndarray, reduction: Reduction,
                                      bounds: list[tuple[int, int]]) -> None:
-    """Leave the reduction over all ranks of chunk ``mesh.rank`` (``buf[bounds[rank]]``) in place.
+    """Leave the reduction over all ranks of chunk ``peers.rank`` (``buf[bounds[rank]]``) in place.
 
     Powers of two: log2 N rounds; in round k rank r exchanges with r XOR N/2^k, sending the half
     of its current run of blocks that the partner keeps (T/2, then T/4, ... T/N bytes) and
@@ -54,22 +54,29 @@ def reduce_scatter_recursive_halving(mesh: Mesh, buf: np.ndarray, reduction: Red
 
         rank 0 -> buf[0] == 3;  rank 1 -> buf[1] == 3;  rank 2 -> buf[2] == 3
     """
-    n, rank = mesh.world_size, mesh.rank
+    n, rank = peers.world_size, peers.rank
     fold = Fold(n, rank)
     mine = buf[bounds[rank][0]:bounds[rank][1]]
     if fold.sits_out:
         # Hand everything to the odd neighbour; it sends back our finished block at the end.
-        mesh.send_buffer(rank + 1, buf)
-        mesh.recv_buffer(rank + 1, mine)
+        peers.send_buffer(rank + 1, buf)
+        peers.recv_buffer(rank + 1, mine)
         return
     if fold.folded:
         # Fold the even neighbour's whole buffer into ours: we now speak for both.
-        mesh.recv_buffer(rank - 1, buf, reduction.combine)
+        peers.recv_buffer(rank - 1, buf, reduction.combine)
     vbounds = fold.virtual_bounds(bounds)
-    halve(mesh, buf, reduction, fold, vbounds)
+    halve(peers, buf, reduction, fold, vbounds)
     # Our blocks hold every contribution: finish them here, once (avg divides).
     start, stop = vbounds[fold.vrank]
     reduction.finalize(buf[start:stop], n)
     if fold.folded:
         # Give the even neighbour its finished block.
-        mesh.send_buffer(rank - 1, buf[bounds[rank - 1][0]:bounds[rank - 1][1]])
+        peers.send_buffer(rank - 1, buf[bounds[rank - 1][0]:bounds[rank - 1][1]])
+
+
+def shape(world_size: int) -> tuple[float, float]:
+    """The cost above as (latency steps on the critical path, bytes through the busiest rank per
+    tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
+    n, t = world_size, power_terms(world_size)
+    return t.lp + t.f, (n - 1) / n + t.f / 2

@@ -103,8 +103,8 @@ class RecordingMesh(Mesh):
     def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray, combine: Any = None) -> None:
         self.steps.extend((dst, data.nbytes, src, out.nbytes, combine is not None))
 
-    def _host_of(self, rank: int) -> int:
-        return rank // self._ranks_per_host  # what Mesh.hierarchy groups by (hierarchical allreduce)
+    def host_of(self, rank: int) -> int:
+        return rank // self._ranks_per_host  # what lab.peers.hierarchy groups by (hierarchical allreduce)
 
     def split(self, *args: Any, **kwargs: Any) -> Mesh:
         raise SimulationUnsupported(

@@ -1,0 +1,115 @@
+"""Every algorithm of every collective, once: the table every list of names in the lab comes from.
+
+An entry says what runs the algorithm, its wire code (the fingerprint's algorithm byte), its cost
+shape (for ``auto``'s model and the reports), whether ``auto`` may choose it and which it picks
+without fitted models (``"small"`` below :data:`lab.tuning.AUTO_LARGE_MIN_BYTES`, ``"large"``
+from there up), and, for allreduce, the bytes each rank moves (for ``python -m lab``'s check).
+A new algorithm is one file (its function, ``shape``, and for an allreduce ``bytes_sent``) and
+one line here; the public call, ``LAB_ALGO``, ``auto``, the simulator, the benchmarks, the
+results and the validation table pick it up from this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lab import fingerprint
+from lab.collectives import (all_to_all_bruck, all_to_all_pairwise, allgather_recursive_doubling, allgather_ring,
+                             allreduce_double_tree, allreduce_halving_doubling, allreduce_hierarchical,
+                             allreduce_naive, allreduce_recursive_doubling, allreduce_ring, allreduce_tree,
+                             barrier_dissemination, broadcast_binomial, broadcast_scatter_allgather,
+                             reduce_binomial, reduce_scatter_recursive_halving, reduce_scatter_ring)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One algorithm of one collective (see the module docstring)."""
+
+    collective: str
+    name: str
+    run: Callable[..., None]
+    shape: Callable[[int], tuple[float, float]]  # N -> (latency steps, bytes through the busiest rank / T)
+    code: int  # the fingerprint's algorithm byte, unique within the collective
+    auto: bool = True  # among what algorithm="auto" compares
+    fallback: str = ""  # "small" or "large": auto's pick without fitted models
+    bytes_sent: Callable[[int, int, int], tuple[int, str]] | None = None  # (rank, N, T) -> (bytes, formula)
+
+    def __call__(self, *args, **kwargs) -> None:
+        """Run the algorithm (its function's arguments)."""
+        self.run(*args, **kwargs)
+
+
+def _entry(collective: str, module, name: str, code: int, **options) -> Algorithm:
+    run = getattr(module, f"{collective}_{name}")
+    return Algorithm(collective, name, run, module.shape, code, bytes_sent=getattr(module, "bytes_sent", None),
+                     **options)
+
+
+TABLE: tuple[Algorithm, ...] = (
+    _entry("allreduce", allreduce_ring, "ring", 1, fallback="large"),
+    _entry("allreduce", allreduce_tree, "tree", 2, fallback="small"),
+    _entry("allreduce", allreduce_naive, "naive", 3, auto=False),  # the lesson's baseline, never a choice
+    _entry("allreduce", allreduce_recursive_doubling, "recursive_doubling", 5),
+    _entry("allreduce", allreduce_halving_doubling, "halving_doubling", 6),
+    _entry("allreduce", allreduce_double_tree, "double_tree", 7),
+    _entry("allreduce", allreduce_hierarchical, "hierarchical", 13, auto=False),  # weighed across hosts only
+    _entry("broadcast", broadcast_binomial, "binomial", 4, fallback="small"),
+    _entry("broadcast", broadcast_scatter_allgather, "scatter_allgather", 9, fallback="large"),
+    _entry("allgather", allgather_ring, "ring", 1, fallback="large"),
+    _entry("allgather", allgather_recursive_doubling, "recursive_doubling", 5, fallback="small"),
+    _entry("reduce_scatter", reduce_scatter_ring, "ring", 1, fallback="large"),
+    _entry("reduce_scatter", reduce_scatter_recursive_halving, "recursive_halving", 8, fallback="small"),
+    _entry("reduce", reduce_binomial, "binomial", 4, fallback="small"),
+    _entry("all_to_all", all_to_all_pairwise, "pairwise", 10, fallback="large"),
+    _entry("all_to_all", all_to_all_bruck, "bruck", 11, fallback="small"),
+    _entry("barrier", barrier_dissemination, "dissemination", 12, fallback="small"),
+)
+
+#: ``ALGORITHMS[collective][name]``: every entry, in registration order (the table's, then
+#: :func:`register`'s). Everything else reads this dictionary when it runs, so an algorithm
+#: registered later is seen everywhere.
+ALGORITHMS: dict[str, dict[str, Algorithm]] = {}
+
+
+def register(algorithm: Algorithm) -> None:
+    """Add ``algorithm`` (a name new to its collective, a free wire code) to the lab.
+
+    The table above calls it for the lab's own; a program can call it for one of its own (in a
+    module every rank imports, so that every rank's registry holds it)."""
+    collectives = fingerprint.COLLECTIVES[1:-1]  # not point-to-point, not split
+    if algorithm.collective not in collectives:
+        raise ValueError(f"collective must be one of {', '.join(collectives)}; got {algorithm.collective!r}")
+    known = ALGORITHMS.setdefault(algorithm.collective, {})
+    if algorithm.name in (*known, "auto", ""):
+        raise ValueError(f"{algorithm.collective} already has an algorithm named {algorithm.name!r}")
+    fingerprint.register_algorithm(algorithm.collective, algorithm.name, algorithm.code)
+    known[algorithm.name] = algorithm
+
+
+for _algorithm in TABLE:
+    register(_algorithm)
+
+#: The collectives that have algorithms, in the table's order.
+COLLECTIVES: tuple[str, ...] = tuple(ALGORITHMS)
+
+
+def names(collective: str) -> tuple[str, ...]:
+    """``collective``'s algorithm names (``auto`` excluded)."""
+    return tuple(ALGORITHMS[collective])
+
+
+def auto_candidates(collective: str) -> tuple[str, ...]:
+    """The algorithms ``auto`` compares for ``collective``."""
+    return tuple(name for name, entry in ALGORITHMS[collective].items() if entry.auto)
+
+
+def fallback(collective: str) -> tuple[str, str]:
+    """``auto``'s (small, large) picks for ``collective`` without fitted models (one algorithm: both)."""
+    picks = {entry.fallback: name for name, entry in ALGORITHMS[collective].items() if entry.fallback}
+    return picks.get("small", picks.get("large")), picks.get("large", picks.get("small"))
+
+
+def choosable(collective: str) -> bool:
+    """Whether ``collective``'s public call takes an ``algorithm`` (it has more than one)."""
+    return len(ALGORITHMS[collective]) > 1

@@ -1,0 +1,66 @@
+"""The fingerprint every message carries: which mesh, which collective, and its arguments.
+
+32 bytes, the transports' ``TAG_BYTES``: context (0: the root mesh; a sub-mesh's id), sequence
+number, collective, algorithm, dtype code, reduce op, root (-1: none), element count. The context
+comes first: a transport parks a message whose first ``CONTEXT_BYTES`` differ from the
+receive's (another mesh's). Ranks in different collectives, or with different arguments, are
+caught at their first message by comparing fingerprints.
+
+Algorithm codes are registered by :mod:`lab.collectives.registry` (this module imports no
+algorithm), unique within a collective.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from lab.ops import DTYPES_BY_CODE
+
+#: Wire codes: a collective's position in this tuple (0: point-to-point; split: Mesh.split's exchange).
+COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all",
+               "barrier", "split")
+REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg")
+
+FINGERPRINT = struct.Struct("<IQBBBBqq")
+#: Sub-mesh context ids are 4 bytes.
+MAX_CONTEXT = 2**32 - 1
+
+_ALGORITHM_CODES: dict[tuple[str, str], int] = {}
+_ALGORITHM_NAMES: dict[tuple[int, int], str] = {}
+
+
+def register_algorithm(collective: str, name: str, code: int) -> None:
+    """Give ``collective``'s algorithm ``name`` the wire code ``code`` (1-255, unique per collective)."""
+    key = (COLLECTIVES.index(collective), code)
+    if not 1 <= code <= 255 or _ALGORITHM_NAMES.get(key, name) != name:
+        raise ValueError(f"{collective} algorithm {name!r}: wire code {code} is out of range or taken")
+    _ALGORITHM_CODES[collective, name] = code
+    _ALGORITHM_NAMES[key] = name
+
+
+def pack(context: int, seq: int, collective: str, algorithm: str, dtype_code: int, op: str, root: int,
+         count: int) -> bytes:
+    """The fingerprint of one collective's messages (``algorithm`` "": none, as in a split)."""
+    code = _ALGORITHM_CODES[collective, algorithm] if algorithm else 0
+    return FINGERPRINT.pack(context, seq, COLLECTIVES.index(collective), code, dtype_code, REDUCE_OPS.index(op),
+                            root, count)
+
+
+def pack_p2p(context: int, seq: int, dtype_code: int, count: int) -> bytes:
+    """The fingerprint of point-to-point message ``seq`` between a pair of ranks."""
+    return FINGERPRINT.pack(context, seq, 0, 0, dtype_code, 0, -1, count)
+
+
+def describe(tag: bytes) -> str:
+    """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag."""
+    if len(tag) < FINGERPRINT.size:
+        return f"an unrecognised message ({len(tag)}-byte tag)"
+    context, seq, coll, algo, code, op, root, count = FINGERPRINT.unpack_from(tag)
+    dtype = DTYPES_BY_CODE[code].name if code in DTYPES_BY_CODE else "meta"
+    text = f"{COLLECTIVES[coll]} #{seq} {dtype}[{count}]"
+    if op:
+        text += f" {REDUCE_OPS[op]}"
+    if root >= 0:
+        text += f" root={root}"
+    text += f" ({_ALGORITHM_NAMES.get((coll, algo), f'algorithm {algo}')})" if algo else ""
+    return text + (f" on sub-mesh {context:08x}" if context else "")

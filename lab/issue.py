@@ -1,0 +1,94 @@
+"""One issue order per mesh: collectives and point-to-point run in the order they were called.
+
+A root mesh and all its sub-meshes share one :class:`IssueQueue`: one communication thread for
+``async_op=True`` calls, one lock so that exactly one thread drives the transport at a time, and
+the rule that a synchronous call first waits for the asynchronous ones before it (so it reads its
+input after them, and its messages follow theirs on every channel).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from lab import checks
+from lab.errors import LabError
+
+
+class Work:
+    """The handle of a collective issued with ``async_op=True`` (like ``torch.distributed.Work``).
+
+        work = lab.allreduce(mesh, grads, async_op=True)   # returns at once
+        ...                                                # compute meanwhile
+        work.wait()                                        # grads now hold the sum
+    """
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the collective completes; re-raise its error if it failed. Returns True."""
+        self._future.result(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Any:
+        """What the synchronous call would have returned (waits first)."""
+        return self._future.result()
+
+
+class IssueQueue:
+    """The issue order of rank ``rank``'s meshes, owned by the process that made it."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self._owner_pid = os.getpid()  # a forked child must not touch the channels
+        self._driving = threading.Lock()  # exactly one thread drives the transport at a time
+        self._thread: ThreadPoolExecutor | None = None
+        self._pending: list[Work] = []
+
+    def issue(self, run: Callable[[], Any], async_op: bool) -> Any:
+        """Run ``run`` (a collective's communication) now, or on the communication thread."""
+        self.check_owner()
+        if checks.flag(async_op, "async_op"):
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lab-comm-{self._rank}")
+            work = Work(self._thread.submit(self._drive, run))
+            self._pending.append(work)
+            return work
+        self.wait_all()
+        return self._drive(run)
+
+    def _drive(self, run: Callable[[], Any]) -> Any:
+        with self._driving:
+            return run()
+
+    def check_owner(self) -> None:
+        """Refuse a process forked inside ``fn``: its messages would interleave with the rank's."""
+        if os.getpid() != self._owner_pid:
+            raise LabError(f"this mesh belongs to rank {self._rank}'s process (pid {self._owner_pid}); a process "
+                           f"forked from it (pid {os.getpid()}) cannot use it")
+
+    @property
+    def in_flight(self) -> bool:
+        """True while an asynchronous call has not completed."""
+        return any(not work.is_completed() for work in self._pending)
+
+    def wait_all(self) -> None:
+        """Wait for every asynchronous call issued so far; raise the first failure."""
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait()
+
+    def close(self) -> None:
+        """Stop the communication thread, after the transport closed: a call it is still running
+        fails at once on the closed channels; queued ones are cancelled. Not joined: a call blocked
+        on a live peer would hold us up to its deadline, and the process ends soon anyway."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
