@@ -10,6 +10,8 @@ one end of a veth pair whose other end is a port of the bridge::
 
 Each host's link is capped at ``link_gbit`` in each direction by a token bucket (``tbf``) on
 both ends of its veth: egress of ``eth0`` is the host's upload, egress of ``hN`` its download.
+``link_gbit`` goes from 1e-5 to 1,000 Gbit/s (:data:`LINK_GBIT`), where tbf keeps what it is
+given; outside, a ``ValueError`` before anything is made.
 
 Lifetime. The namespaces are anonymous: each is held by one sleeping child of the keeper, and
 the kernel frees a namespace (and its veth ends, and the bridge) as soon as no process is left
@@ -17,6 +19,12 @@ in it. The keeper ends its children when its stdin (a pipe from the owner) close
 on :meth:`Hosts.close`, and also when the owner dies by any signal, SIGKILL included; the
 children also carry ``PR_SET_PDEATHSIG``. So nothing is ever added to the root namespace (no
 ``ip netns`` entry, no ``ip link``) and nothing is left to sweep.
+
+The other way round: should the keeper die (or one of its namespace holders, which takes the
+bridge or a host's link with it), the links are gone while the ranks still need them. The keeper
+reports a holder's death on its stdout and exits, and its stdout reads end-of-file once it is
+gone, so :attr:`Hosts.sentinel` becomes readable: ``lab.launch`` waits on it with the ranks, and
+:meth:`Hosts.lost` says what died instead of a rank timing out.
 
 Privileges. As root (CAP_SYS_ADMIN and CAP_NET_ADMIN) the namespaces are made directly. Without
 them the keeper first enters a new *user* namespace, where it is root, which unprivileged users
@@ -32,12 +40,14 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import IO
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -48,6 +58,25 @@ SUBNET = "10.99.0"
 INTERFACE = "eth0"
 #: How long the keeper may take to build the namespaces and links.
 START_TIMEOUT_S = 30.0
+#: The link caps tbf keeps as given (Gbit/s), found by trying: from 10 kbit/s (below, tc clips
+#: the 128 KiB bucket, to 230 bytes at 8 bit/s, under one packet) to 1 Tbit/s (past ~1.6 Tbit/s
+#: the queue limit, rate x 21 ms, wraps its 32 bits; past 34 Tbit/s tc refuses the burst).
+LINK_GBIT = (1e-5, 1000.0)
+
+
+def check_link_gbit(link_gbit: object) -> float | None:
+    """``link_gbit`` if tbf can cap a link at it, None for uncapped; a ValueError otherwise.
+
+        check_link_gbit(1.0)            # 1.0
+        check_link_gbit(float("inf"))   # ValueError: link_gbit must be a number from 1e-05 to 1000 Gbit/s ...
+    """
+    low, high = LINK_GBIT
+    if link_gbit is None:
+        return None
+    if isinstance(link_gbit, bool) or not isinstance(link_gbit, (int, float)) or not low <= link_gbit <= high:
+        raise ValueError(f"link_gbit must be a number from {low:g} to {high:g} Gbit/s (10 kbit/s to 1 Tbit/s: "
+                         f"what tc's token bucket caps faithfully) or None (uncapped); got {link_gbit!r}")
+    return float(link_gbit)
 
 
 @dataclass(frozen=True)
@@ -90,9 +119,7 @@ class Hosts:
     def __init__(self, count: int, link_gbit: float | None = None, *, user_namespace: bool | None = None) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 250:
             raise ValueError(f"hosts must be an int in [1, 250]; got {count!r}")
-        if link_gbit is not None and (isinstance(link_gbit, bool) or not isinstance(link_gbit, (int, float))
-                                      or not link_gbit > 0):
-            raise ValueError(f"link_gbit must be a positive number of Gbit/s or None; got {link_gbit!r}")
+        link_gbit = check_link_gbit(link_gbit)  # before the keeper: nothing is made for a cap tc cannot keep
         self.count, self.link_gbit = count, link_gbit
         self.hosts: list[Host] = []
         self._keeper: subprocess.Popen | None = None
@@ -125,6 +152,32 @@ class Hosts:
 
     def __len__(self) -> int:
         return len(self.hosts)
+
+    @property
+    def sentinel(self) -> IO[str] | None:
+        """Readable once the keeper has exited or reported a lost namespace holder (its stdout):
+        wait on it with the ranks' sentinels (``lab.launch`` does), then ask :meth:`lost`."""
+        return None if self._keeper is None else self._keeper.stdout
+
+    def lost(self) -> str | None:
+        """What took the hosts down while they are still needed, or None while they stand.
+
+            hosts.lost()   # 'the emulated-hosts keeper (pid 4242) died (killed by signal SIGKILL): ...'
+        """
+        keeper = self._keeper
+        if keeper is None or not _readable(keeper.stdout):
+            return None
+        report = keeper.stdout.readline()  # the keeper's last words, or "" if it died without any
+        try:
+            keeper.wait(5.0)  # it exits right after reporting
+        except subprocess.TimeoutExpired:
+            pass
+        what = json.loads(report).get("lost") if report.startswith("{") else None
+        if what:
+            return (f"the emulated-hosts keeper (pid {keeper.pid}) ended the hosts: {what}, and the links "
+                    "between the hosts went with it")
+        return f"the emulated-hosts keeper (pid {keeper.pid}) died ({_how(keeper.returncode)}): the links " \
+               "between the hosts went with it"
 
     @property
     def pids(self) -> list[int]:
@@ -186,9 +239,22 @@ def _unavailable(reason: str, user_namespace: bool) -> Exception:
     return EmulationUnavailable(f"cannot emulate hosts: {reason.strip()}.{hint}")
 
 
-def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
-    import selectors
+def _readable(stream: IO[str]) -> bool:
+    with selectors.DefaultSelector() as selector:
+        selector.register(stream, selectors.EVENT_READ)
+        return bool(selector.select(0))
 
+
+def _how(returncode: int | None) -> str:
+    """``killed by signal SIGKILL``, ``exited with code 1``: how a process ended (a wait status's code)."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        return f"killed by signal {signal.Signals(-returncode).name}"
+    return f"exited with code {returncode}"
+
+
+def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         if not selector.select(timeout_s):
@@ -278,22 +344,52 @@ def _enter_user_namespace() -> None:
         f.write(f"0 {gid} 1")
 
 
+def _hold(holders: dict[int, str]) -> str | None:
+    """Wait until stdin closes (None) or a namespace holder dies (what died: it is reaped here).
+
+    Each holder is watched through a pidfd (Linux 5.3); where there are none, stdin only."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(sys.stdin.fileno(), selectors.EVENT_READ, None)
+        pidfds = []
+        try:
+            for pid, name in holders.items():
+                try:
+                    pidfds.append(os.pidfd_open(pid))
+                except (AttributeError, OSError):
+                    continue
+                selector.register(pidfds[-1], selectors.EVENT_READ, (pid, name))
+            while True:
+                for key, _ in selector.select():
+                    if key.data is None:
+                        if not os.read(key.fd, 4096):
+                            return None
+                        continue
+                    pid, name = key.data
+                    _, status = os.waitpid(pid, 0)
+                    del holders[pid]  # reaped: never to be killed (its pid may be reused)
+                    return f"the process holding {name} (pid {pid}) died ({_how(os.waitstatus_to_exitcode(status))})"
+        finally:
+            for fd in pidfds:
+                os.close(fd)
+
+
 def _keeper_main(count: int, gbit: float, user_namespace: bool) -> None:
-    """Build the switch and the hosts, report their holders' pids, wait for stdin to close."""
+    """Build the switch and the hosts, report their holders' pids, hold them until stdin closes
+    (or report the holder that died, and end the rest)."""
     _die_with_parent()
-    holders: list[int] = []
+    holders: dict[int, str] = {}
     try:
         # 1. Without root: a user namespace of our own, in which we may make network namespaces.
         if user_namespace:
             _enter_user_namespace()
         # 2. The switch: a namespace with a bridge.
         switch = _hold_network_namespace()
-        holders.append(switch)
+        holders[switch] = "the switch's network namespace"
         _run_in(switch, "ip", ["link add br0 type bridge", "link set br0 up"])
         # 3. Each host: a namespace whose eth0 is a veth pair's end; the other end, hN, goes to the switch.
         for i in range(count):
             host = _hold_network_namespace()
-            holders.append(host)
+            holders[host] = f"host {i}'s network namespace"
             _run_in(host, "ip", [
                 "link set lo up",
                 f"link add {INTERFACE} type veth peer name h{i} netns {switch}",
@@ -306,10 +402,11 @@ def _keeper_main(count: int, gbit: float, user_namespace: bool) -> None:
         _run_in(switch, "ip", [cmd for i in range(count) for cmd in (f"link set h{i} master br0", f"link set h{i} up")])
         if gbit:
             _run_in(switch, "tc", [_cap(f"h{i}", gbit) for i in range(count)])
-        print(json.dumps({"switch": switch, "hosts": holders[1:]}), flush=True)
-        # 5. Hold everything until the owner closes our stdin (or dies).
-        while sys.stdin.read(4096):
-            pass
+        print(json.dumps({"switch": switch, "hosts": list(holders)[1:]}), flush=True)
+        # 5. Hold everything until the owner closes our stdin (or dies), or a holder dies.
+        lost = _hold(holders)
+        if lost:  # the owner's pool is waiting on our stdout: say what went, then end the rest
+            print(json.dumps({"lost": lost}), flush=True)
     except Exception as exc:  # noqa: BLE001 - reported to the owner, who raises EmulationUnavailable
         print(json.dumps({"error": str(exc)}), flush=True)
     finally:

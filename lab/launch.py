@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from lab import checks
 from lab.errors import DeadlineError, LabError, RankError
-from lab.hosts import Hosts
+from lab.hosts import Hosts, check_link_gbit
 from lab.flight import FlightRecord
 from lab.mesh import Mesh
 from lab.rendezvous import pool_store, serve_store
@@ -166,9 +166,7 @@ def _check_hosts(world_size: int, transport: str, hosts: Any, link_gbit: Any) ->
         return
     if isinstance(hosts, bool) or not isinstance(hosts, int) or not 1 <= hosts <= world_size or world_size % hosts:
         raise ValueError(f"hosts must be an int that divides world_size ({world_size}); got {hosts!r}")
-    if link_gbit is not None and (isinstance(link_gbit, bool) or not isinstance(link_gbit, (int, float))
-                                  or not link_gbit > 0):
-        raise ValueError(f"link_gbit must be a positive number of Gbit/s or None (uncapped); got {link_gbit!r}")
+    check_link_gbit(link_gbit)  # the range tbf can cap at (lab.hosts.LINK_GBIT)
     if hosts > 1 and transport not in ("tcp", "auto"):
         raise ValueError(f"transport must be 'tcp' or 'auto' with hosts > 1 ({transport!r} would bypass the links)")
     if transport == "auto" and world_size // hosts > MAX_RANKS_PER_HOST_AUTO:
@@ -295,11 +293,16 @@ class Cluster:
             remaining = None if give_up is None else max(0.0, give_up - time.monotonic())
             handles = {self._controls[r]: r for r in waiting}
             handles.update({self._processes[r].sentinel: r for r in waiting})
+            if self.hosts is not None:
+                handles[self.hosts.sentinel] = -1  # readable if the hosts' keeper dies
             ready = wait(list(handles), remaining)
             if not ready:
                 break
             for handle in ready:
                 rank = handles[handle]
+                if rank == -1:
+                    self._check_keeper()
+                    continue
                 if rank not in waiting:
                     continue
                 control = self._controls[rank]
@@ -322,8 +325,18 @@ class Cluster:
             self._fail(failures, waiting)
         return results
 
+    def _check_keeper(self) -> None:
+        """If the emulated hosts' keeper died, their links went with it: no rank is to blame.
+        Close the pool and raise a LabError saying what died (lab.hosts.Hosts.lost)."""
+        lost = self.hosts.lost() if self.hosts is not None else None
+        if lost:
+            self._closed_why = lost
+            self.close(timeout_s=0.0)
+            raise LabError(lost + "; the pool was closed (start a new one)")
+
     def _fail(self, failures: dict[int, RankFailure], waiting: set[int]) -> None:
         """Raise RankError for the first failure; close the pool unless it is still consistent."""
+        self._check_keeper()  # ranks that timed out because the links vanished are not the cause
         if not failures:  # start-up timed out
             self._closed_why = "its ranks did not start"
             self.close(timeout_s=0.0)

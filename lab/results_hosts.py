@@ -269,8 +269,11 @@ def report(frame: pd.DataFrame, model: pd.DataFrame, verdicts: pd.DataFrame, inf
 
 
 def main(out_dir: str, host_counts: list[int], gbits: list[float], sizes: list[int] | None = None) -> int:
+    from lab.hosts import check_link_gbit
     from lab.results import machine
 
+    for gbit in gbits:  # every rate before the first pool: a bad one is an error now, not after a sweep
+        check_link_gbit(gbit)
     sizes = sizes or SIZES
     out = Path(out_dir) / "hosts"
     out.mkdir(parents=True, exist_ok=True)
@@ -401,8 +404,10 @@ def hierarchy_main(out_dir: str, host_counts: list[int], per_host: int, gbit: fl
                    sizes: list[int] | None = None) -> int:
     """``python -m lab results --hosts 2 4 --ranks-per-host 2``: writes ``<out>/hosts/hierarchical*.csv``
     and the section "Many ranks per host" into ``<out>/REPORT.md``."""
+    from lab.hosts import check_link_gbit
     from lab.results import machine
 
+    check_link_gbit(gbit)
     sizes = sizes or SIZES
     out = Path(out_dir) / "hosts"
     out.mkdir(parents=True, exist_ok=True)

@@ -11,10 +11,13 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,8 +103,8 @@ def noop(mesh: lab.Mesh) -> None:
     (dict(hosts=3, transport="tcp"), r"hosts must be an int that divides world_size \(4\)"),
     (dict(hosts=0, transport="tcp"), "hosts must be"),
     (dict(hosts=True, transport="tcp"), "hosts must be"),
-    (dict(hosts=2, transport="tcp", link_gbit=0), "link_gbit must be a positive number"),
-    (dict(hosts=2, transport="tcp", link_gbit="1"), "link_gbit must be a positive number"),
+    (dict(hosts=2, transport="tcp", link_gbit=0), "link_gbit must be a number from 1e-05 to 1000 Gbit/s"),
+    (dict(hosts=2, transport="tcp", link_gbit="1"), "link_gbit must be a number from 1e-05 to 1000 Gbit/s"),
     (dict(link_gbit=1.0, transport="tcp"), "give hosts= too"),
     (dict(hosts=2, transport="gloo"), "transport must be one of"),
 ])
@@ -126,6 +129,33 @@ def placement(mesh: lab.Mesh) -> tuple[int, int, int]:
 
 def test_without_hosts_every_rank_is_on_host_0():
     assert lab.spawn(placement, 3) == [(0, 0, 3), (0, 1, 3), (0, 2, 3)]
+
+
+@pytest.mark.parametrize("gbit", [float("inf"), 1e-12, 1e12, float("nan"), 5e-6, 1001.0])
+def test_link_gbit_outside_what_tbf_can_do_is_a_value_error_before_anything_is_made(gbit, monkeypatch):
+    """Before: inf, 1e-12 and 1e12 reached tc and came back as EmulationUnavailable with tc's
+    internals. The range is where tbf keeps the cap as asked (see the next test)."""
+    def no_keeper(*args, **kwargs):
+        raise AssertionError("a keeper was started for a link_gbit that cannot be made")
+
+    monkeypatch.setattr(subprocess, "Popen", no_keeper)
+    with pytest.raises(ValueError, match=r"link_gbit must be a number from 1e-05 to 1000 Gbit/s \(10 kbit/s to 1 "
+                                         r"Tbit/s.*\) or None \(uncapped\); got"):
+        Hosts(2, link_gbit=gbit)
+    with pytest.raises(ValueError, match="link_gbit must be a number from 1e-05 to 1000"):
+        lab.spawn(noop, 2, hosts=2, link_gbit=gbit, transport="tcp")
+
+
+@pytest.mark.parametrize("gbit, rate", [(1e-5, "10Kbit"), (1000.0, "1Tbit")])
+def test_the_ends_of_the_link_gbit_range_are_capped_as_asked(gbit, rate):
+    """At both ends tc keeps the rate, the 1 ms bucket and the 20 ms queue it is given (past them
+    it clips the bucket below a packet, or wraps the queue limit: 'lat 825s', 'limit 167532704b')."""
+    require_hosts()
+    with Hosts(1, link_gbit=gbit) as hosts:
+        up = run("nsenter", f"--net={hosts[0].netns}", "tc", "qdisc", "show", "dev", "eth0")
+        down = run("nsenter", f"--net={hosts.switch_netns}", "tc", "qdisc", "show", "dev", "h0")
+    for shown in (up, down):
+        assert re.search(rf"qdisc tbf \S+ root .*rate {rate} burst \S+ lat 20ms", shown), shown
 
 
 # -- namespaces and links: made, capped, removed --------------------------------------------------
@@ -328,6 +358,65 @@ def test_a_killed_or_stalled_rank_ends_the_run_in_time(fault, victim, which, tmp
         assert (error.rank, error.exc_type) == (victim, "Unresponsive"), str(error)
         assert_stall_ended_by_the_pool(error, since_fault, case)
     all_gone(pids, [])
+
+
+# -- the keeper dies: named, not a rank --------------------------------------------------------------
+
+
+def test_hosts_say_when_their_keeper_died():
+    """lab.hosts alone: the keeper's sentinel becomes readable and lost() names it."""
+    require_hosts()
+    with Hosts(2) as hosts:
+        keeper = hosts.pids[0]
+        assert hosts.lost() is None
+        os.kill(keeper, signal.SIGKILL)
+        with selectors.DefaultSelector() as selector:
+            selector.register(hosts.sentinel, selectors.EVENT_READ)
+            assert selector.select(30.0), "the sentinel did not report the keeper's death"
+        assert hosts.lost() == (f"the emulated-hosts keeper (pid {keeper}) died (killed by signal SIGKILL): "
+                                "the links between the hosts went with it")
+
+
+def sleep_then_allreduce(mesh: lab.Mesh, seconds: float) -> float:
+    time.sleep(seconds)
+    x = torch.ones(1024)
+    lab.allreduce(mesh, x, algorithm="ring")
+    return float(x[0])
+
+
+@pytest.mark.parametrize("when", ["between runs", "during a run"])
+@pytest.mark.parametrize("victim", ["keeper", "switch holder"])
+def test_a_dead_keeper_is_named_instead_of_a_rank(victim, when):
+    """Before: the ranks' messages across hosts went nowhere, and the run ended at the deadline
+    with a DeadlineError blaming a rank. Now the pool notices at once (the keeper's sentinel),
+    closes, and says what died; nothing is left behind."""
+    require_hosts()
+    deadline_s = 120
+    with lab.launch(4, hosts=2, transport="tcp", recv_timeout_ms=deadline_s * 1000) as cluster:
+        assert cluster.run(sleep_then_allreduce, 0.0) == [4.0] * 4
+        keeper, switch_holder = cluster.hosts.pids[:2]
+        pids = cluster.hosts.pids + [p.pid for p in cluster._processes]
+        inodes = [os.stat(h.netns).st_ino for h in cluster.hosts.hosts]
+        victim_pid = keeper if victim == "keeper" else switch_holder
+        if when == "between runs":
+            os.kill(victim_pid, signal.SIGKILL)
+            sleep = 0.0
+        else:
+            threading.Timer(1.0, os.kill, (victim_pid, signal.SIGKILL)).start()
+            sleep = 5.0  # the ranks are inside the run when it happens
+        started = time.monotonic()
+        with pytest.raises(lab.LabError) as info:
+            cluster.run(sleep_then_allreduce, sleep)
+        elapsed = time.monotonic() - started
+        with pytest.raises(lab.LabError, match="closed"):
+            cluster.run(sleep_then_allreduce, 0.0)
+    message = str(info.value)
+    assert not isinstance(info.value, lab.RankError) and "DeadlineError" not in message, message
+    assert f"the emulated-hosts keeper (pid {keeper})" in message, message
+    if victim == "switch holder":
+        assert f"the switch's network namespace (pid {switch_holder}) died" in message, message
+    assert elapsed < deadline_s / 2, f"noticed after {elapsed:.0f} s: at the deadline, not at the death"
+    all_gone(pids, inodes)
 
 
 # -- the report's verdicts, on made-up sweeps (no namespaces needed) --------------------------------

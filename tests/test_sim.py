@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -174,19 +177,34 @@ def test_best_algorithm_follows_the_alpha_beta_tradeoff():
     (lambda: sim.simulate("allreduce", "bogus", 4, 1024), "algorithm for allreduce must be one of"),
     (lambda: sim.simulate("allreduce", "auto", 4, 1024), "best_algorithm"),
     (lambda: sim.simulate("alltoall", "ring", 4, 1024), "collective must be one of"),
-    (lambda: sim.simulate("allreduce", "ring", 0, 1024), "world_size must be an integer >= 1"),
+    (lambda: sim.simulate("allreduce", "ring", 0, 1024), "world_size must be an integer from 1 to"),
     (lambda: sim.simulate("allreduce", "ring", -3, 1024), "world_size"),
     (lambda: sim.simulate("allreduce", "ring", 2.0, 1024), "world_size"),
-    (lambda: sim.simulate("allreduce", "ring", 4, -4), "nbytes must be an integer >= 0"),
+    (lambda: sim.simulate("allreduce", "ring", 4, -4), "nbytes must be an integer from 0 to"),
     (lambda: sim.simulate("allreduce", "ring", 4, 1022), "multiple of 4"),
-    (lambda: sim.simulate("broadcast", "binomial", 4, 1024, root=4), "src must be an integer in"),
+    (lambda: sim.simulate("broadcast", "binomial", 4, 1024, root=4), "src must be an integer from 0 to 3"),
     (lambda: sim.best_algorithm("allreduce", 0, 1024), "world_size"),
     (lambda: sim.best_algorithm("allreduce", 4, -1), "nbytes"),
-    (lambda: sim.Network(alpha_us=-1.0), "alpha_us"),
-    (lambda: sim.Network(gbit=0), "gbit must be a finite number > 0"),
-    (lambda: sim.Network(gbit=float("inf")), "gbit"),
+    (lambda: sim.Network(alpha_us=-1.0), r"alpha_us must be a number from 0 to 1e\+09 µs"),
+    (lambda: sim.Network(alpha_us=1e308), r"alpha_us must be a number from 0 to 1e\+09 µs; got 1e\+308"),
+    (lambda: sim.Network(gbit=0), r"gbit must be a number from 1e-06 to 1e\+09 Gbit/s; got 0"),
+    (lambda: sim.Network(gbit=1e-320), r"gbit must be a number from 1e-06 to 1e\+09 Gbit/s; got 1e-320"),
+    (lambda: sim.Network(gbit=float("inf")), "gbit must be a number from"),
+    (lambda: sim.Network(gbit=float("nan")), "gbit must be a number from"),
+    (lambda: sim.Network(gbit=1e300), "gbit must be a number from"),
     (lambda: sim.Network(ranks_per_host=0), "ranks_per_host"),
-    (lambda: sim.Network(intra_gbit=-5.0), "intra_gbit"),
+    (lambda: sim.Network(ranks_per_host=10 ** 30), r"ranks_per_host must be an integer from 1 to 16,777,216"),
+    (lambda: sim.Network(intra_gbit=-5.0), "intra_gbit must be a number from"),
+    (lambda: sim.Network(intra_alpha_us=float("inf")), "intra_alpha_us must be a number from"),
+    (lambda: sim.Network(gamma_us_per_byte=1e300), r"gamma_us_per_byte must be a number from 0 to 1e\+06"),
+    (lambda: sim.simulate("allreduce", "ring", 2 ** 40, 1024), r"world_size must be an integer from 1 to 16,777,216"),
+    (lambda: sim.simulate("allreduce", "ring", 4, 2 ** 41), r"nbytes must be .* from 0 to 1,099,511,627,776"),
+    (lambda: sim.simulate("allgather", "ring", 2 ** 24, 2 ** 40), r"world_size × nbytes"),
+    (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_steps=0), "max_steps must be an integer >= 1 or None"),
+    (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_steps=1.5), "max_steps must be"),
+    (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_seconds=-1), "max_seconds must be a number > 0 or None"),
+    (lambda: sim.predict("allreduce", 4, 1024, max_steps="many"), "max_steps must be"),
+    (lambda: sim.best_algorithm("allreduce", 4, 1024, max_seconds=float("nan")), "max_seconds must be"),
 ])
 def test_bad_arguments_are_value_errors_that_name_the_parameter(call, match):
     with pytest.raises(ValueError, match=match):
@@ -261,3 +279,141 @@ def test_simulate_command_writes_results_and_the_report_section(tmp_path):
 def test_max_steps_skips_a_case_instead_of_recording_it():
     with pytest.raises(sim.SimulationTooLarge, match="max_steps=100"):
         sim.simulate("allreduce", "ring", 64, 4096, NET, max_steps=100)
+
+
+# -- limits: refused up front, clearly, in little memory ---------------------------------------------
+
+
+def traced_peak(call) -> tuple[object, int]:
+    """``call()``'s result (or the exception it raised) and the peak of Python/numpy allocations."""
+    tracemalloc.start()
+    try:
+        try:
+            result = call()
+        except Exception as exc:  # noqa: BLE001 - returned for the caller to check
+            result = exc
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_20000_rank_ring_is_refused_up_front_in_little_memory():
+    """800 million steps: the default max_steps (10 million) refuses it from a sampled rank's
+    first steps, instead of growing to gigabytes. It names the limit and how to raise it."""
+    error, peak = traced_peak(lambda: sim.simulate("allreduce", "ring", 20_000, 4096, NET))
+    assert isinstance(error, sim.SimulationTooLarge), error
+    message = str(error)
+    assert "allreduce (ring) on 20,000 ranks" in message and "past max_steps=10,000,000" in message, message
+    assert "max_steps=None" in message and "GB" in message, message
+    assert peak < 16 << 20, f"refusing took {peak / 2**20:.0f} MiB"
+    assert sim.record.DEFAULT_MAX_STEPS == 10_000_000
+
+
+def test_a_world_larger_than_max_steps_is_refused_before_anything_is_allocated():
+    """Every rank sends or receives at least once: N - 1 > max_steps needs no recording at all."""
+    error, peak = traced_peak(lambda: sim.simulate("barrier", "dissemination", 2 ** 24, 0, NET))
+    assert isinstance(error, sim.SimulationTooLarge) and "max_steps=10,000,000" in str(error), error
+    assert peak < 1 << 20
+
+
+def test_the_limit_is_max_steps_and_it_can_be_raised():
+    with pytest.raises(sim.SimulationTooLarge, match="past max_steps=1,000"):
+        sim.simulate("allreduce", "ring", 64, 4096, NET, max_steps=1_000)
+    assert sim.simulate("allreduce", "ring", 64, 4096, NET, max_steps=64 * 126).messages == 64 * 126
+    assert sim.simulate("allreduce", "ring", 64, 4096, NET, max_steps=None).messages == 64 * 126
+
+
+def test_the_estimate_counts_the_steps_from_sampled_ranks():
+    """Ring and naive are exact (every rank alike; naive's root sampled on its own); tree within 2x."""
+    ring = sim.estimate("allreduce", "ring", 2_000, 4096)
+    assert ring.steps == 2_000 * 2 * 1_999 and ring.sampled < 2_000
+    assert ring.memory_bytes >= ring.steps * 100 and ring.seconds > 0
+    assert sim.estimate("allreduce", "naive", 2_000, 4096).steps == 2 * 1_999 + 1_999 * 2
+    actual = sim.record.record("allreduce", "tree", 2_000, 4096).steps
+    assert actual / 2 <= sim.estimate("allreduce", "tree", 2_000, 4096).steps <= 2 * actual
+    small = sim.estimate("broadcast", "binomial", 8, 4096, root=3)  # few ranks: recorded, exact
+    assert small.exact and small.steps == 14
+
+
+def test_a_python_heavy_recording_is_refused_by_its_estimated_time():
+    """Bruck's all-to-all has few steps (N·log2 N) but O(N) Python per rank: at 20,000 ranks the
+    steps pass but the recording would take far longer than max_seconds."""
+    started = time.monotonic()
+    with pytest.raises(sim.SimulationTooLarge, match=r"past max_seconds=300\b.*max_seconds=None"):
+        sim.simulate("all_to_all", "bruck", 20_000, 20_000 * 4, NET)
+    assert time.monotonic() - started < 120  # the estimate, not the recording (hours)
+
+
+def test_predict_and_best_algorithm_take_the_limit_and_leave_nothing_out_silently():
+    """An algorithm past the limit is an error naming it, not a silently missing entry (which
+    would make best_algorithm answer among the others)."""
+    with pytest.raises(sim.SimulationTooLarge, match=r"allreduce \(ring\).*past max_steps=2,000.*candidates="):
+        sim.predict("allreduce", 64, 4096, NET, max_steps=2_000)
+    with pytest.raises(sim.SimulationTooLarge, match="max_steps=2,000"):
+        sim.best_algorithm("allreduce", 64, 4096, NET, max_steps=2_000)
+    assert sim.best_algorithm("allreduce", 64, 4096, NET, max_steps=2_000, candidates=["tree", "naive"]) == "tree"
+    times = sim.predict("allreduce", 64, 4096, NET, max_steps=10_000, max_seconds=600)
+    assert set(times) == set(ALGORITHMS["allreduce"])
+
+
+ONE_GIB = 1 << 30
+
+
+def peak_rss_growth(call) -> int:
+    """How far the process's peak resident memory rose during ``call()`` (VmHWM, reset first)."""
+    def hwm() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmHWM:"))
+
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # reset the peak to the current resident size
+    before = hwm()
+    call()
+    return hwm() - before
+
+
+@pytest.mark.parametrize("collective,algorithm", CASES)
+def test_recording_touches_no_data(collective, algorithm):
+    """A 1 GiB input per rank on 4 ranks: nothing of it, of its copies, of the outputs or of any
+    scratch buffer becomes resident while recording."""
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("cannot reset the peak resident size here")
+    root = 3 if collective in ROOTED else 0
+    sim.core._cache.clear()
+    try:
+        grew = peak_rss_growth(lambda: sim.simulate(collective, algorithm, 4, ONE_GIB, NET, root=root))
+    except sim.SimulationUnsupported as why:
+        pytest.skip(str(why))
+    assert grew < 128 << 20, f"{collective} ({algorithm}): resident memory grew by {grew / 2**20:,.0f} MiB"
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "reduce", "allgather"])
+def test_recording_copies_and_allocates_no_data(collective):
+    """reduce_scatter copies its input and reduce's inner ranks copy theirs; allgather allocates
+    N·T: all virtual while recording (before: 2.3 GB traced for a 1 GiB reduce_scatter)."""
+    for algorithm in ALGORITHMS[collective]:
+        sim.core._cache.clear()
+        result, peak = traced_peak(lambda a=algorithm: sim.simulate(collective, a, 4, ONE_GIB, NET, root=1))
+        assert isinstance(result, sim.SimResult), result
+        assert peak < 32 << 20, f"{collective} ({algorithm}) allocated {peak / 2**20:,.0f} MiB while recording"
+
+
+def test_times_stay_finite_at_the_ends_of_every_range():
+    """The slowest network the ranges allow, the largest input and the longest path: finite."""
+    net = sim.Network(alpha_us=1e9, gbit=1e-6, intra_alpha_us=1e9, intra_gbit=1e-6, gamma_us_per_byte=1e6,
+                      ranks_per_host=2)
+    r = sim.simulate("allreduce", "naive", 8, sim.record.MAX_NBYTES, net)
+    assert math.isfinite(r.time_us) and r.time_us > 1e9
+    fast = sim.Network(alpha_us=0.0, gbit=1e9)
+    assert 0 < sim.simulate("allreduce", "ring", 4, 4096, fast).time_us < 1e-3
+
+
+def test_the_recording_cache_is_bounded_by_steps(monkeypatch):
+    """Recordings are kept for replays on other networks, up to a total number of steps."""
+    monkeypatch.setattr(sim.core, "_CACHE_TOTAL_STEPS", 20_000)
+    sim.core._cache.clear()
+    for n in range(2, 60):
+        sim.simulate("allreduce", "ring", n, 4096, NET)  # 2n(n-1) steps each, 200,000 in all
+    kept = [s.world_size for s in sim.core._cache.values()]
+    assert sum(s.steps for s in sim.core._cache.values()) <= 20_000 and 59 in kept
+

@@ -5,16 +5,22 @@
     r.time_us; r.bytes_sent; r.critical_path
     lab.sim.best_algorithm("allreduce", world_size=1024, nbytes=1 << 20, network=net)
 
+Limits: a case whose recording would pass ``max_steps`` (default 10 million steps, about 1.7 GB)
+or ``max_seconds`` (default 300 s) raises :class:`SimulationTooLarge` before it is recorded,
+saying how to raise the limit; :func:`estimate` says what a case would cost.
+
 How: :mod:`lab.sim.record` runs the public collective once per rank on a mesh that records
 each send and receive instead of moving data; :mod:`lab.sim.replay` times those steps in a
 discrete-event loop (Numba). :mod:`lab.sim.calibrate` fits a :class:`Network` to measured
 results, and :mod:`lab.sim.sweep` is ``python -m lab simulate``.
 """
 
-from lab.sim.core import SimResult, best_algorithm, predict, simulate
+from lab.sim.core import SimResult, best_algorithm, estimate, predict, simulate
 from lab.sim.network import Network
-from lab.sim.record import SimulationTooLarge, SimulationUnsupported, algorithms
+from lab.sim.record import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, Estimate, SimulationTooLarge,
+                            SimulationUnsupported, algorithms)
 from lab.sim.replay import Message, ScheduleError
 
-__all__ = ["Network", "simulate", "best_algorithm", "predict", "algorithms", "SimResult", "Message",
-           "SimulationUnsupported", "SimulationTooLarge", "ScheduleError"]
+__all__ = ["Network", "simulate", "best_algorithm", "predict", "estimate", "algorithms", "SimResult", "Message",
+           "Estimate", "SimulationUnsupported", "SimulationTooLarge", "ScheduleError", "DEFAULT_MAX_STEPS",
+           "DEFAULT_MAX_SECONDS"]

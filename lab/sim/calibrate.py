@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from lab.sim.core import simulate
-from lab.sim.network import Network
+from lab.sim.network import ALPHA_US, GBIT, Network
 from lab.sim.record import algorithms
 
 #: Measured CSVs (relative to the results directory) and whether their rows are emulated hosts.
@@ -88,9 +88,10 @@ def fit(rows: pd.DataFrame, start: Network | None = None) -> Network:
             (alpha, beta), *_ = np.linalg.lstsq(design * weight[:, None], weight, rcond=None)
             residual = np.abs(design @ np.array([alpha, beta]) - 1.0)
             weight = 1.0 / np.sqrt(np.maximum(residual, 1e-3))
-        # Keep the model physical: no negative latency, a finite bandwidth.
-        alpha, beta = max(float(alpha), 0.0), max(float(beta), 1e-9)
-        network = Network(alpha_us=alpha, gbit=8.0 / (beta * 1e3))
+        # Keep the model physical and inside Network's ranges: no negative latency, a finite bandwidth.
+        alpha = min(max(float(alpha), ALPHA_US[0]), ALPHA_US[1])
+        gbit = min(max(8.0 / (max(float(beta), 1e-9) * 1e3), GBIT[0]), GBIT[1])
+        network = Network(alpha_us=alpha, gbit=gbit)
     return network
 
 

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
-import math
+import numbers
 from dataclasses import dataclass
 
+#: The accepted ranges, wide enough for any real network and narrow enough that every simulated
+#: time is finite: a message of 2**40 bytes at the slowest rate is 8.8e15 µs, and no path of
+#: fewer than 2**63 of them reaches float64's 1.8e308. (Before: gbit=1e-320 made β infinite.)
+ALPHA_US = (0.0, 1e9)  # up to 1,000 s per message
+GBIT = (1e-6, 1e9)  # 1 kbit/s to 1 Ebit/s
+GAMMA_US_PER_BYTE = (0.0, 1e6)
+#: The most ranks per host (as many as the simulator takes ranks at all).
+MAX_RANKS_PER_HOST = 1 << 24
 
-def _check_number(name: str, value: object, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
+
+def _check_number(name: str, value: object, span: tuple[float, float], unit: str) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` and its range.
+
+        _check_number("gbit", 1e-320, GBIT, "Gbit/s")
+        # ValueError: gbit must be a number from 1e-06 to 1e+09 Gbit/s; got 1e-320
+    """
+    low, high = span
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value <= high:
+        raise ValueError(f"{name} must be a number from {low:g} to {high:g} {unit}; got {value!r}")
     return float(value)
 
 
@@ -26,7 +39,12 @@ class Network:
     default to the inter-host values). ``gamma_us_per_byte`` (default 0): time to reduce a
     received byte into the local buffer, added after a reducing receive arrives.
 
+    Ranges (a ``ValueError`` naming the parameter otherwise): ``alpha_us`` and ``intra_alpha_us``
+    0 to 1e9 µs, ``gbit`` and ``intra_gbit`` 1e-6 to 1e9 Gbit/s, ``gamma_us_per_byte`` 0 to 1e6,
+    ``ranks_per_host`` 1 to 2**24: every simulated time is then finite.
+
         lab.sim.Network(alpha_us=20.0, gbit=10.0)     # 1 MB: 20 + 838.9 µs per message
+        lab.sim.Network(gbit=1e-320)                  # ValueError: gbit must be a number from 1e-06 to 1e+09 Gbit/s
     """
 
     alpha_us: float = 20.0
@@ -37,15 +55,18 @@ class Network:
     gamma_us_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_number("alpha_us", self.alpha_us, positive=False)
-        _check_number("gbit", self.gbit, positive=True)
-        if isinstance(self.ranks_per_host, bool) or not isinstance(self.ranks_per_host, int) or self.ranks_per_host < 1:
-            raise ValueError(f"ranks_per_host must be an integer >= 1; got {self.ranks_per_host!r}")
-        if self.intra_alpha_us is not None:
-            _check_number("intra_alpha_us", self.intra_alpha_us, positive=False)
-        if self.intra_gbit is not None:
-            _check_number("intra_gbit", self.intra_gbit, positive=True)
-        _check_number("gamma_us_per_byte", self.gamma_us_per_byte, positive=False)
+        # Frozen: store the checked floats with object.__setattr__ (a numpy scalar becomes a float).
+        for name, span, unit in [("alpha_us", ALPHA_US, "µs"), ("gbit", GBIT, "Gbit/s"),
+                                 ("intra_alpha_us", ALPHA_US, "µs"), ("intra_gbit", GBIT, "Gbit/s"),
+                                 ("gamma_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte")]:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _check_number(name, value, span, unit))
+        per_host = self.ranks_per_host
+        if isinstance(per_host, bool) or not isinstance(per_host, numbers.Integral) \
+                or not 1 <= per_host <= MAX_RANKS_PER_HOST:
+            raise ValueError(f"ranks_per_host must be an integer from 1 to {MAX_RANKS_PER_HOST:,}; got {per_host!r}")
+        object.__setattr__(self, "ranks_per_host", int(per_host))
 
     @property
     def beta_us_per_byte(self) -> float:

@@ -24,9 +24,10 @@ import numpy as np
 import pandas as pd
 
 from lab.report import splice
-from lab.sim.core import simulate
+from lab.sim.core import _check_limits, simulate
 from lab.sim.network import Network
-from lab.sim.record import COLLECTIVES, SimulationUnsupported, algorithms
+from lab.sim.record import (COLLECTIVES, DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_WORLD_SIZE, SimulationUnsupported,
+                            algorithms)
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -64,8 +65,9 @@ def label(nbytes: int) -> str:
 
 
 def sweep(world_sizes: list[int], sizes: list[int], network: Network, collectives: list[str],
-          max_steps: int | None = None) -> pd.DataFrame:
-    """One row per (collective, algorithm, N, size): simulated time, bandwidths, counters, costs."""
+          max_steps: int | None = DEFAULT_MAX_STEPS, max_seconds: float | None = DEFAULT_MAX_SECONDS) -> pd.DataFrame:
+    """One row per (collective, algorithm, N, size): simulated time, bandwidths, counters, costs.
+    A case past ``max_steps``/``max_seconds`` (or that the recorder cannot run) gets a note instead."""
     table = algorithms()
     cases = [(c, a, n, s) for c in collectives for n in world_sizes for s in sizes for a in table[c]]
     rows = []
@@ -75,7 +77,7 @@ def sweep(world_sizes: list[int], sizes: list[int], network: Network, collective
                          f"{collective} {algorithm} N={n} {label(nbytes):<8}")
         row = {"collective": collective, "algorithm": algorithm, "world": n, "bytes": nbytes}
         try:
-            r = simulate(collective, algorithm, n, nbytes, network, max_steps=max_steps)
+            r = simulate(collective, algorithm, n, nbytes, network, max_steps=max_steps, max_seconds=max_seconds)
         except SimulationUnsupported as why:
             rows.append({**row, "note": str(why).split(":")[0]})
             continue
@@ -256,13 +258,14 @@ def main(args: argparse.Namespace) -> int:
         if collective not in table:
             raise ValueError(f"--collectives: {collective!r} is not one of {', '.join(table)}")
     for n in args.world_sizes:
-        if n < 1:
-            raise ValueError(f"--world-sizes must be >= 1; got {n}")
+        if not 1 <= n <= MAX_WORLD_SIZE:
+            raise ValueError(f"--world-sizes must be from 1 to {MAX_WORLD_SIZE:,}; got {n}")
+    _check_limits(args.max_steps, args.max_seconds)  # before the sweep, not at its first case
     sizes = parse_sizes(args.sizes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    frame = sweep(sorted(set(args.world_sizes)), sizes, network, args.collectives, args.max_steps)
+    frame = sweep(sorted(set(args.world_sizes)), sizes, network, args.collectives, args.max_steps, args.max_seconds)
     best_frame = best(frame)
     cross = crossover(frame, network)
     frame.to_csv(out / "sim.csv", index=False, float_format="%.6g")
@@ -300,9 +303,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--intra-gbit", type=float, default=None, help="bandwidth inside a host (default: --gbit)")
     cmd.add_argument("--collectives", nargs="+", default=["allreduce"],
                      help=f"which collectives (default allreduce; any of {', '.join(COLLECTIVES)})")
-    cmd.add_argument("--max-steps", type=int, default=10_000_000,
-                     help="skip a case whose recording would pass this many steps (about 1 s and 100 MB per "
-                          "million; default 10 million)")
+    cmd.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS,
+                     help="skip a case whose recording would pass this many steps, as a sample of its ranks shows "
+                          "(about 170 MB and 1-4 s per million; default 10 million)")
+    cmd.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+                     help="skip a case whose recording would take longer, as a sample of its ranks shows "
+                          "(default 300)")
     cmd.add_argument("--measured", default="results", metavar="DIR",
                      help="measured results to compare with (allreduce.csv, collectives.csv); '' to skip")
     cmd.add_argument("--out", default="results/sim")
