@@ -260,6 +260,11 @@ class Cluster:
 
     # -- running -------------------------------------------------------------------------------
 
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' pids, in rank order."""
+        return [process.pid for process in self._processes]
+
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Call ``fn(mesh, *args)`` in every rank; return the results in rank order.
 

@@ -99,7 +99,7 @@ def sweep(host_counts: list[int], gbits: list[float], sizes: list[int]) -> tuple
                     for impl, algorithm in impls:
                         for nbytes in sizes:
                             bar.set_description(f"H={hosts} {gbit:g} Gbit/s {algorithm} {nbytes >> 10} KB")
-                            pids = [p.pid for p in cluster._processes]
+                            pids = cluster.pids
                             busy, total, ranks, wall = *_cpu_times(), _rank_cpu_seconds(pids), time.monotonic()
                             row = measure(cluster, "allreduce", impl, nbytes, algorithm, calls_for(nbytes))
                             busy2, total2 = _cpu_times()

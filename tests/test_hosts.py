@@ -188,7 +188,7 @@ def test_an_exception_inside_the_pool_removes_everything():
     before = root_network()
     with pytest.raises(RuntimeError, match="user code failed"):
         with lab.launch(2, hosts=2, transport="tcp") as cluster:
-            pids = cluster.hosts.pids + [p.pid for p in cluster._processes]
+            pids = cluster.hosts.pids + cluster.pids
             inodes = [os.stat(h.netns).st_ino for h in cluster.hosts.hosts]
             raise RuntimeError("user code failed")
     all_gone(pids, inodes)
@@ -345,7 +345,7 @@ def test_a_killed_or_stalled_rank_ends_the_run_in_time(fault, victim, which, tmp
     deadline_ms = DEADLINE_MS if fault == "stall" else DEATH_DEADLINE_MS
     stamp = tmp_path / "fault"
     with lab.launch(4, hosts=2, link_gbit=1.0, transport="tcp", recv_timeout_ms=deadline_ms) as cluster:
-        pids = cluster.hosts.pids + [p.pid for p in cluster._processes]
+        pids = cluster.hosts.pids + cluster.pids
         with pytest.raises(lab.RankError) as info:
             cluster.run(faulty_job, which, 300_001, victim, 3, fault, str(stamp))
         since_fault = time.time() - float(stamp.read_text())
@@ -395,7 +395,7 @@ def test_a_dead_keeper_is_named_instead_of_a_rank(victim, when):
     with lab.launch(4, hosts=2, transport="tcp", recv_timeout_ms=deadline_s * 1000) as cluster:
         assert cluster.run(sleep_then_allreduce, 0.0) == [4.0] * 4
         keeper, switch_holder = cluster.hosts.pids[:2]
-        pids = cluster.hosts.pids + [p.pid for p in cluster._processes]
+        pids = cluster.hosts.pids + cluster.pids
         inodes = [os.stat(h.netns).st_ino for h in cluster.hosts.hosts]
         victim_pid = keeper if victim == "keeper" else switch_holder
         if when == "between runs":

@@ -20,7 +20,7 @@ if __name__ == "__main__":
         hosts = cluster.hosts
         paths = [hosts.switch_netns] + [h.netns for h in hosts.hosts]
         print(json.dumps({
-            "pids": hosts.pids + [p.pid for p in cluster._processes],
+            "pids": hosts.pids + cluster.pids,
             "inodes": [os.stat(p).st_ino for p in paths],
         }), flush=True)
         cluster.run(sleep, 60.0)
