@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import time
 from collections import deque
@@ -18,14 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from lab.buffers import as_buffer, to_caller_type
+from lab.buffers import as_buffer, new_flat, to_caller_type
 from lab import checks
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
 from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, Position, TraceFile
 from lab.issue import IssueQueue
 from lab import fingerprint
 from lab.fingerprint import describe as describe_fingerprint
-from lab.ops import DTYPES, DTYPES_BY_CODE, DType
+from lab.ops import DTYPES, DTYPES_BY_CODE, DType, reduction
 from lab.transport.base import Combine, Recv, Send, TagMismatch, Transport
 
 #: A receive that waits longer than this raises DeadlineError (override with recv_timeout_ms).
@@ -205,6 +206,15 @@ class Mesh:
             return
         self._transport.close()
         self._issue.close()
+
+    # -- what the public collectives take from the mesh ----------------------------------------
+
+    #: The kernels of ``(op, dtype)``, looked up once per process (an ``avg`` of integers still
+    #: raises every time). The simulator's recorder hands out kernels that do nothing instead.
+    kernels = staticmethod(functools.cache(reduction))
+
+    #: A new flat output buffer (allgather's, all_to_all's); the recorder's are virtual.
+    new_flat = staticmethod(new_flat)
 
     # -- what algorithms use -------------------------------------------------------------------
 

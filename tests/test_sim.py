@@ -417,3 +417,50 @@ def test_the_recording_cache_is_bounded_by_steps(monkeypatch):
     kept = [s.world_size for s in sim.core._cache.values()]
     assert sum(s.steps for s in sim.core._cache.values()) <= 20_000 and 59 in kept
 
+
+
+# -- recording changes nothing global: threads, and real collectives beside it ---------------------
+
+
+def simulate_while_reducing(mesh: lab.Mesh, rounds: int) -> list[str]:
+    """One thread simulates over and over (recording with kernels that do nothing) while this
+    thread runs real allreduces: every real result must be exact."""
+    import threading
+
+    stop, wrong = threading.Event(), []
+
+    def simulate() -> None:
+        while not stop.is_set():
+            sim.simulate("allreduce", "recursive_doubling", 6, 1 << 16, NET)
+            sim.simulate("allgather", "ring", 5, 1 << 12, NET)
+
+    thread = threading.Thread(target=simulate)
+    thread.start()
+    try:
+        for i in range(rounds):
+            x = torch.arange(3000, dtype=torch.float32) * 3 + mesh.rank + i
+            lab.allreduce(mesh, x, algorithm="recursive_doubling")
+            got = lab.allgather(mesh, torch.tensor([float(mesh.rank)]))
+            want = torch.arange(3000, dtype=torch.float32) * 3 * mesh.world_size + sum(range(mesh.world_size)) \
+                + i * mesh.world_size
+            if not torch.equal(x, want) or not torch.equal(got, torch.arange(float(mesh.world_size))):
+                wrong.append(f"rank {mesh.rank} round {i}")
+    finally:
+        stop.set()
+        thread.join()
+    return wrong
+
+
+def test_recording_in_a_thread_leaves_real_collectives_alone():
+    assert lab.spawn(simulate_while_reducing, 3, args=(60,)) == [[]] * 3
+
+
+def test_recordings_in_threads_at_once_agree_with_one_at_a_time():
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [("allreduce", a, n, b) for a in ALGORITHMS["allreduce"] for n in (3, 6) for b in (4096, 1 << 20)]
+    alone = [sim.simulate(c, a, n, b, NET) for c, a, n, b in cases]
+    with ThreadPoolExecutor(4) as pool_of_threads:
+        together = list(pool_of_threads.map(lambda case: sim.simulate(*case, NET), cases))
+    for case, one, other in zip(cases, alone, together):
+        assert one.time_us == other.time_us and np.array_equal(one.bytes_sent, other.bytes_sent), case

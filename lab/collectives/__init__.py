@@ -8,19 +8,18 @@ not, complete in issue order.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lab.buffers import as_buffer, check_tensor, new_flat, to_caller_type
+from lab.buffers import as_buffer, check_tensor, to_caller_type
 from lab.chunking import row_bounds, split_bounds
 from lab.collectives import registry
 from lab.collectives.allreduce_double_tree import SEGMENT_BYTES
 from lab import checks, tuning
-from lab.ops import DTYPES, ReduceOp, parse_op, reduction
+from lab.ops import DTYPES, ReduceOp, parse_op
 
 if TYPE_CHECKING:
     from lab.mesh import Mesh
@@ -65,8 +64,6 @@ def forced_algorithm(collective: str) -> str | None:
 
 
 _OPS_BY_NAME = {o.value: o for o in ReduceOp}
-#: The kernels of each (op, dtype), looked up once (an ``avg`` of integers still raises every time).
-_reduction = functools.cache(reduction)
 
 
 def _parse_op(op: Any) -> ReduceOp:
@@ -151,7 +148,7 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
     """
     reduce_op = _parse_op(op)
     buffer = as_buffer(tensor)
-    kernels = _reduction(reduce_op, buffer.dtype)
+    kernels = mesh.kernels(reduce_op, buffer.dtype)
     chosen = _pick(mesh, "allreduce", algorithm, buffer.nbytes)
     options = {"segment_bytes": _segment_bytes()} if chosen == "double_tree" else {}
 
@@ -206,7 +203,7 @@ def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool =
     shape = tuple(np.shape(tensor)) or (1,)
     out_shape = (mesh.world_size * shape[0], *shape[1:])
     numel = math.prod(shape)
-    out = new_flat(mesh.world_size * numel, dtype)
+    out = mesh.new_flat(mesh.world_size * numel, dtype)
     chosen = _pick(mesh, "allgather", algorithm, out.nbytes)
     bounds = split_bounds(out.size, mesh.world_size)  # equal blocks of numel
     start, stop = bounds[mesh.rank]
@@ -239,7 +236,7 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "a
     shape = tuple(np.shape(tensor))
     if not shape:
         raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
-    kernels = _reduction(reduce_op, dtype)
+    kernels = mesh.kernels(reduce_op, dtype)
     chosen = _pick(mesh, "reduce_scatter", algorithm, math.prod(shape) * dtype.storage.itemsize)
     buffer = as_buffer(tensor, writable=False)
     bounds = row_bounds(shape[0], math.prod(shape[1:]), mesh.world_size)
@@ -269,7 +266,7 @@ def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: boo
     dst = _check_root(mesh, dst, "dst")
     reduce_op = _parse_op(op)
     buffer = as_buffer(tensor)
-    kernels = _reduction(reduce_op, buffer.dtype)
+    kernels = mesh.kernels(reduce_op, buffer.dtype)
 
     def run() -> Any:
         flat = buffer.load()
@@ -309,7 +306,7 @@ def all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool 
     send_bounds = row_bounds(shape[0], row, n)
     rows = split_bounds(shape[0], n)[mesh.rank]
     block = (rows[1] - rows[0]) * row  # every rank's block for us has our block's size
-    out = new_flat(n * block, dtype)
+    out = mesh.new_flat(n * block, dtype)
     recv_bounds = [(i * block, (i + 1) * block) for i in range(n)]
 
     def run() -> Any:

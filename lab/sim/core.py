@@ -129,7 +129,7 @@ def _fits(collective: str, algorithm: str, world_size: int, nbytes: int, root: i
         # The sample would be every rank: the recording itself, which stops at max_steps, is as cheap.
         recorder.at_least_one_step_per_rank(case, world_size, max_steps)
         return
-    table_algorithm = algorithm if recorder._table(collective) is not None else None
+    table_algorithm = algorithm if recorder.algorithm_choices(collective) is not None else None
     recorder.estimate(collective, table_algorithm, world_size, nbytes, root, ranks_per_host, max_steps, max_seconds)
 
 
@@ -198,7 +198,7 @@ def estimate(collective: str, algorithm: str, world_size: int, nbytes: int, *, r
     """
     collective, world_size, nbytes, root, _ = _check(collective, world_size, nbytes, root, None)
     _check_algorithm(collective, algorithm)
-    table_algorithm = algorithm if recorder._table(collective) is not None else None
+    table_algorithm = algorithm if recorder.algorithm_choices(collective) is not None else None
     return recorder.estimate(collective, table_algorithm, world_size, nbytes, root, ranks_per_host)
 
 

@@ -11,7 +11,9 @@ Data is never touched, copied or allocated at full size. The input is an anonymo
 is never written (reading it maps the kernel's zero page: no memory), viewed as a
 :class:`VirtualArray`, whose copies (reduce_scatter's work buffer, reduce's scratch) are stride-0
 arrays of one element and whose writes do nothing; outputs the public call allocates
-(allgather's N·T bytes) are such arrays too (``new_flat`` is swapped while recording).
+(allgather's N·T bytes) are such arrays too (the recorder's ``new_flat``), and its reduction
+kernels do nothing (the recorder's ``kernels``): nothing global is changed, so recordings in
+several threads at once are independent.
 
 Limits. A recording costs about 170 bytes and a few µs per step, so before recording
 :func:`estimate` records a sample of ranks (the root, rank 0, the last rank and 16 others, each
@@ -24,8 +26,6 @@ while it records, should the sample have guessed low.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import mmap
 import random
 import sys
@@ -37,13 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from lab.buffers import new_flat
+from lab.collectives import registry
 from lab.errors import LabError
-from lab.mesh import DEFAULT_RECV_TIMEOUT_MS, Mesh
 from lab.ops import DType, Reduction
 
 #: Every collective the lab may have, in the order tables and reports list them.
-COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier")
+COLLECTIVES = registry.COLLECTIVES
 #: Collectives whose call takes a root (broadcast's ``src``, reduce's ``dst``).
 ROOTED = {"broadcast": "src", "reduce": "dst"}
 #: Collectives whose call takes a reduction op (recorded with "sum": the op changes no message).
@@ -128,20 +127,22 @@ def describe(collective: str, algorithm: str | None, world_size: int, nbytes: in
     return f"{collective}{f' ({algorithm})' if algorithm else ''} on {world_size:,} ranks of {nbytes:,} bytes"
 
 
-class RecordingMesh(Mesh):
-    """A :class:`lab.Mesh` with no transport: it records each transfer as a step and moves nothing.
+class RecordingMesh:
+    """What the public collectives and the algorithms use of a :class:`lab.Mesh` (the
+    :class:`lab.peers.Peers` interface, ``issue``, ``collective``, ``kernels``, ``new_flat``),
+    with no transport: it records each transfer as a step and moves nothing. Its kernels do
+    nothing and its outputs are virtual, so no data is touched; each instance is its own, so
+    recordings in several threads at once do not meet.
 
     ``rank`` can be set, so one instance records every rank in turn. ``host``, ``local_rank`` and
     ``local_world_size`` follow ``ranks_per_host``, as on emulated hosts.
     """
 
+    transport = "sim"
+    host_count = 1  # auto never weighs hierarchical here: the algorithm is always given
+
     def __init__(self, world_size: int, ranks_per_host: int = 1) -> None:
-        # No Mesh.__init__: there are no channels, counters or trace file to set up.
         self._world_size, self._ranks_per_host = world_size, ranks_per_host
-        self._root = self  # what a mesh's `clean` and issue order refer to
-        self.transport = "sim"
-        self.recv_timeout_ms = DEFAULT_RECV_TIMEOUT_MS
-        self.clean = True
         self.steps = array("q")  # _STEP_FIELDS int64 per step, every rank's steps one after the other
         self.ran: list[tuple[str, str]] = []  # (collective, algorithm) of each collective() entered
         self.rank = 0
@@ -192,7 +193,18 @@ class RecordingMesh(Mesh):
     def host_of(self, rank: int) -> int:
         return rank // self._ranks_per_host  # what lab.peers.hierarchy groups by (hierarchical allreduce)
 
-    def split(self, *args: Any, **kwargs: Any) -> Mesh:
+    @staticmethod
+    def kernels(op: Any, dtype: DType) -> Reduction:
+        """Kernels that do nothing: values do not matter, and touching them costs (recursive
+        doubling reduces into a local buffer: at 1,024 ranks of 256 MB, terabytes of traffic)."""
+        return Reduction(op, dtype, _skip, None)
+
+    @staticmethod
+    def new_flat(numel: int, dtype: DType) -> np.ndarray:
+        """Outputs the public collectives allocate (allgather's N·T bytes): virtual."""
+        return virtual(numel, dtype.storage)
+
+    def split(self, *args: Any, **kwargs: Any) -> RecordingMesh:
         raise SimulationUnsupported(
             "this algorithm calls mesh.split, which needs every rank's colour at once; the recording "
             "mesh runs one rank at a time (simulate the flat algorithms with Network(ranks_per_host=...))")
@@ -303,42 +315,8 @@ def _mapped_input(numel: int) -> VirtualArray:
     return np.frombuffer(mapping, np.float32).view(VirtualArray)
 
 
-def _virtual_flat(numel: int, dtype: DType) -> np.ndarray:
-    """``new_flat`` while recording: a :class:`VirtualArray` of ``numel`` elements."""
-    return virtual(numel, dtype.storage)
-
-
 def _skip(dst: np.ndarray, src: np.ndarray) -> None:
-    """The reduction kernel while recording: values do not matter, and touching them costs."""
-
-
-def _no_reduction(op: Any, dtype: DType) -> Reduction:
-    return Reduction(op, dtype, _skip, None)
-
-
-@contextlib.contextmanager
-def _no_allocation() -> Iterator[None]:
-    """Outputs the public collectives allocate become :func:`_virtual_flat`, and the reduction
-    kernels they hand the algorithms do nothing, while recording (an algorithm that reduces into a
-    local buffer, as recursive doubling does, would otherwise run its kernels: at 1,024 ranks of
-    256 MB, terabytes of memory traffic).
-
-    (Module globals are swapped for the duration: record in a process that is not running
-    collectives on other threads at the same time.)
-    """
-    import lab.collectives
-
-    modules = [m for name, m in list(sys.modules.items())
-               if (name == "lab.buffers" or name.startswith("lab.collectives")) and getattr(m, "new_flat", None) is new_flat]
-    for module in modules:
-        module.new_flat = _virtual_flat
-    kernels, lab.collectives._reduction = lab.collectives._reduction, _no_reduction
-    try:
-        yield
-    finally:
-        lab.collectives._reduction = kernels
-        for module in modules:
-            module.new_flat = new_flat
+    """The reduction kernel while recording."""
 
 
 def _public(collective: str) -> Callable[..., Any]:
@@ -347,44 +325,18 @@ def _public(collective: str) -> Callable[..., Any]:
     return getattr(lab.collectives, collective)
 
 
-@functools.cache
-def _takes_algorithm(collective: str) -> bool:
-    return "algorithm" in inspect.signature(_public(collective)).parameters
-
-
-def _table(collective: str) -> list[str] | None:
-    """The algorithm names the public call takes for ``collective``, if it takes any."""
-    import lab.collectives as c
-
-    if not _takes_algorithm(collective):
-        return None
-    table = getattr(c, f"{collective.upper()}_ALGORITHMS", None)
-    if table is None and isinstance(getattr(c, "ALGORITHMS", None), dict):
-        table = c.ALGORITHMS.get(collective)
-    return None if table is None else [name for name in table if name != "auto"]
+def algorithm_choices(collective: str) -> list[str] | None:
+    """The algorithm names the public call takes for ``collective``; None if it takes none."""
+    return list(registry.names(collective)) if registry.choosable(collective) else None
 
 
 def algorithms() -> dict[str, tuple[str, ...]]:
-    """Each collective this checkout of the lab has, with the algorithms it can run (no ``auto``).
-
-    Read from ``lab.collectives`` every time (its tables grow): ``{collective}_ALGORITHMS`` or
-    ``ALGORITHMS[collective]``; a collective whose call takes no ``algorithm`` (or has no table)
-    runs one, named as it reports itself to ``mesh.collective`` (found by recording 2 ranks).
-    """
-    import lab.collectives as c
-
-    found = {}
-    for collective in COLLECTIVES:
-        if not callable(getattr(c, collective, None)):
-            continue
-        names = _table(collective)
-        if names is None:
-            names = [_record(collective, None, 2, 8, 0, 1)[1]]
-        found[collective] = tuple(names)
-    return found
+    """Each collective, with the algorithms it can run (no ``auto``): the registry's, read every
+    time (a program may register more)."""
+    return {collective: registry.names(collective) for collective in registry.ALGORITHMS}
 
 
-def _call(collective: str, mesh: Mesh, x: np.ndarray, algorithm: str | None, root: int) -> None:
+def _call(collective: str, mesh: RecordingMesh, x: np.ndarray, algorithm: str | None, root: int) -> None:
     fn = _public(collective)
     if collective == "barrier":
         fn(mesh)
@@ -555,12 +507,11 @@ def estimate(collective: str, algorithm: str | None, world_size: int, nbytes: in
     mesh = RecordingMesh(world_size, ranks_per_host)
     meter = _Meter(mesh, case, sample, max_steps, max_seconds)
     x = _mapped_input(nbytes // 4)
-    with _no_allocation():
-        for rank, special in sample:
-            meter.begin(special)
-            mesh.rank = rank
-            _call(collective, mesh, x, algorithm, root)
-            meter.end()
+    for rank, special in sample:
+        meter.begin(special)
+        mesh.rank = rank
+        _call(collective, mesh, x, algorithm, root)
+        meter.end()
     return meter.finish()
 
 
@@ -581,11 +532,10 @@ def _record(collective: str, algorithm: str | None, world_size: int, nbytes: int
         mesh.check = passed
     x = _mapped_input(nbytes // 4)  # never written: the same input serves every rank
     step_ptr = np.zeros(world_size + 1, dtype=np.int64)
-    with _no_allocation():
-        for rank in range(world_size):
-            mesh.rank = rank
-            _call(collective, mesh, x, algorithm, root)
-            step_ptr[rank + 1] = len(mesh.steps) // _STEP_FIELDS
+    for rank in range(world_size):
+        mesh.rank = rank
+        _call(collective, mesh, x, algorithm, root)
+        step_ptr[rank + 1] = len(mesh.steps) // _STEP_FIELDS
     ran = {a for _, a in mesh.ran}
     if len(ran) > 1:
         raise RuntimeError(f"ranks ran different algorithms for one {collective}: {sorted(ran)}")
@@ -611,7 +561,7 @@ def record(collective: str, algorithm: str, world_size: int, nbytes: int, root: 
     too large before recording; this is the limit should its sample have guessed low.
     """
     started = time.perf_counter()
-    table = _table(collective)
+    table = algorithm_choices(collective)
     mesh, ran, step_ptr = _record(collective, algorithm if table is not None else None, world_size, nbytes, root,
                                   ranks_per_host, max_steps)
     steps = np.frombuffer(mesh.steps, dtype=np.int64).reshape(-1, _STEP_FIELDS)
