@@ -306,7 +306,7 @@ def test_a_20000_rank_ring_is_refused_up_front_in_little_memory():
     assert "allreduce (ring) on 20,000 ranks" in message and "past max_steps=10,000,000" in message, message
     assert "max_steps=None" in message and "GB" in message, message
     assert peak < 16 << 20, f"refusing took {peak / 2**20:.0f} MiB"
-    assert sim.record.DEFAULT_MAX_STEPS == 10_000_000
+    assert sim.limits.DEFAULT_MAX_STEPS == 10_000_000
 
 
 def test_a_world_larger_than_max_steps_is_refused_before_anything_is_allocated():
@@ -402,7 +402,7 @@ def test_times_stay_finite_at_the_ends_of_every_range():
     """The slowest network the ranges allow, the largest input and the longest path: finite."""
     net = sim.Network(alpha_us=1e9, gbit=1e-6, intra_alpha_us=1e9, intra_gbit=1e-6, gamma_us_per_byte=1e6,
                       ranks_per_host=2)
-    r = sim.simulate("allreduce", "naive", 8, sim.record.MAX_NBYTES, net)
+    r = sim.simulate("allreduce", "naive", 8, sim.limits.MAX_NBYTES, net)
     assert math.isfinite(r.time_us) and r.time_us > 1e9
     fast = sim.Network(alpha_us=0.0, gbit=1e9)
     assert 0 < sim.simulate("allreduce", "ring", 4, 4096, fast).time_us < 1e-3

@@ -17,8 +17,9 @@ results, and :mod:`lab.sim.sweep` is ``python -m lab simulate``.
 
 from lab.sim.core import SimResult, best_algorithm, estimate, predict, simulate
 from lab.sim.network import Network
-from lab.sim.record import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, Estimate, SimulationTooLarge,
-                            SimulationUnsupported, algorithms)
+from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, Estimate, SimulationTooLarge,
+                            SimulationUnsupported)
+from lab.sim.record import algorithms
 from lab.sim.replay import Message, ScheduleError
 
 __all__ = ["Network", "simulate", "best_algorithm", "predict", "estimate", "algorithms", "SimResult", "Message",

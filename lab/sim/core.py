@@ -9,9 +9,11 @@ from typing import Any
 import numpy as np
 
 from lab.sim import record as recorder
+from lab.sim import limits
 from lab.sim.network import Network
-from lab.sim.record import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_NBYTES, MAX_WORLD_SIZE, ROOTED, Estimate,
-                            Schedule, SimulationTooLarge, SimulationUnsupported, algorithms, record)
+from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_NBYTES, MAX_WORLD_SIZE, Estimate,
+                            SimulationTooLarge, SimulationUnsupported)
+from lab.sim.record import ROOTED, Schedule, algorithms, record
 from lab.sim.replay import Message, replay
 
 #: Recorded schedules up to this many steps are kept (a calibration replays the same ones often),
@@ -119,15 +121,15 @@ def _keep(key: tuple, schedule: Schedule) -> None:
 def _fits(collective: str, algorithm: str, world_size: int, nbytes: int, root: int, ranks_per_host: int,
           max_steps: int | None, max_seconds: float | None) -> None:
     """Refuse (:class:`SimulationTooLarge`) a case that a sample of its ranks shows past the limits."""
-    case = recorder.describe(collective, algorithm, world_size, nbytes)
+    case = limits.describe(collective, algorithm, world_size, nbytes)
     cached = _cache.get(_key(collective, algorithm, world_size, nbytes, root, ranks_per_host))
     if cached is not None:  # recorded already: its steps are known (the same answer as without a cache)
         if max_steps is not None and cached.steps > max_steps:
-            raise recorder.too_many_steps(case, cached.steps, max_steps, "counted on every rank")
+            raise limits.too_many_steps(case, cached.steps, max_steps, "counted on every rank")
         return
-    if world_size <= recorder.SAMPLED_RANKS + 3:
+    if world_size <= limits.SAMPLED_RANKS + 3:
         # The sample would be every rank: the recording itself, which stops at max_steps, is as cheap.
-        recorder.at_least_one_step_per_rank(case, world_size, max_steps)
+        limits.at_least_one_step_per_rank(case, world_size, max_steps)
         return
     table_algorithm = algorithm if recorder.algorithm_choices(collective) is not None else None
     recorder.estimate(collective, table_algorithm, world_size, nbytes, root, ranks_per_host, max_steps, max_seconds)

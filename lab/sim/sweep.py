@@ -26,8 +26,8 @@ import pandas as pd
 from lab.report import splice
 from lab.sim.core import _check_limits, simulate
 from lab.sim.network import Network
-from lab.sim.record import (COLLECTIVES, DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_WORLD_SIZE, SimulationUnsupported,
-                            algorithms)
+from lab.sim.limits import DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_WORLD_SIZE, SimulationUnsupported
+from lab.sim.record import COLLECTIVES, algorithms
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
