@@ -93,10 +93,12 @@ class Mesh:
         """This process's handle on a TCP mesh, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
         ``MASTER_PORT`` (as ``torchrun`` sets them), on one host or several.
 
-        ``transport="auto"``: shared memory between the ranks of one host (``GROUP_RANK``, with
-        ranks ``[g*L, (g+1)*L)`` on node g, ``L = LOCAL_WORLD_SIZE``, as torchrun numbers them), TCP
-        between hosts. Local rank 0 builds its host's shm mesh and hands each local rank its
-        descriptors over a Unix socket, after the rank proves it holds the job's secret.
+        ``transport="auto"``: shared memory between the ranks of one host (``GROUP_RANK``; each
+        node's ranks consecutive, as torchrun numbers them), TCP between hosts. Local rank 0 builds
+        its host's shm mesh and hands each local rank its descriptors over a Unix socket, after the
+        rank proves it holds the job's secret. Every rank reports its (``GROUP_RANK``,
+        ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) through the store first, so all agree on the host of
+        each rank (nodes may hold different numbers of ranks) or fail at once naming who disagrees.
 
             # torchrun --nproc-per-node 4 train.py
             mesh = lab.Mesh.from_env()
@@ -108,7 +110,14 @@ class Mesh:
         host, without it, rank 0 draws a secret into a file only this user can read. The
         variables are checked first (``ValueError`` naming the variable).
         """
-        from lab.rendezvous import env_store, job_secret, launch_env
+        from lab.rendezvous import (
+            agree_hosts,
+            check_secret_source,
+            env_store,
+            host_block,
+            job_secret,
+            launch_env,
+        )
         from lab.transport.tcp import TcpTransport
 
         env = launch_env()
@@ -116,12 +125,10 @@ class Mesh:
         trace = checks.trace_path(trace)
         if transport not in ("tcp", "auto"):
             raise ValueError(f"transport must be 'tcp' or 'auto' under a launcher; got {transport!r}")
-        first_local = env.group_rank * env.local_world_size
-        if transport == "auto" and (env.rank != first_local + env.local_rank or env.world_size % env.local_world_size):
-            raise ValueError(f"transport='auto' needs ranks numbered node by node (RANK = GROUP_RANK x "
-                             f"LOCAL_WORLD_SIZE + LOCAL_RANK, as torchrun does); got RANK={env.rank}, GROUP_RANK="
-                             f"{env.group_rank}, LOCAL_WORLD_SIZE={env.local_world_size}, LOCAL_RANK={env.local_rank}")
+        check_secret_source(env)  # before waiting for anyone
         store = env_store()
+        hosts = agree_hosts(store, env, "lab/tcp")  # every rank's host, the same on every rank
+        first_local = host_block(hosts, env) if transport == "auto" else 0
         secret, secret_file = job_secret(store, env, "lab/tcp")
         host = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
         try:
@@ -142,9 +149,13 @@ class Mesh:
                 wire = MixedTransport(env.rank, env.world_size, first_local, local, remote)
         finally:
             if secret_file is not None:  # rank 0 accepted every peer: each has read it, or failed
-                secret_file.unlink(missing_ok=True)
-        return cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
+                secret_file.remove()
+        mesh = cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
                    placement=(env.group_rank, env.local_rank, env.local_world_size))
+        # The agreed host map, not the one __init__ derives from this rank's LOCAL_WORLD_SIZE alone
+        # (which is wrong when nodes hold different numbers of ranks).
+        mesh._global_hosts, mesh.host_count = hosts, len(set(hosts))
+        return mesh
 
     @property
     def rank(self) -> int:
