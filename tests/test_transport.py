@@ -261,3 +261,21 @@ def test_a_flood_of_small_messages_at_a_sleeping_rank_stays_within_the_eager_bou
     assert early == shm.EAGER_CREDITS // 2, early
     assert receiver["queued"] == shm.EAGER_CREDITS // 2 * (2 * 48 + 8 * 19 + 4 * FLOOD_BYTES // 2)
     assert receiver["queued"] <= shm.EAGER_CREDITS * 4096
+
+
+def send_then_close(mesh: lab.Mesh, numel: int) -> object:
+    """Rank 0 sends a tensor of several slots and closes its mesh at once; rank 1 takes it later."""
+    data = torch.arange(numel, dtype=torch.float32)
+    if mesh.rank == 0:
+        mesh.send(1, data)
+        mesh.close()  # its channels go: rank 1 still holds segments to hand back
+        return "sent"
+    time.sleep(0.3)
+    return bool(torch.equal(mesh.recv(0), data))
+
+
+@pytest.mark.parametrize("numel", [1 << 20, 3, 5000])  # slots, eager, and eager in batches
+def test_a_sender_that_closes_after_its_last_send_still_delivers_it(numel):
+    """Handing a slot back to a sender that has gone is not an error: its data is whole here
+    (it used to be a PeerLostError on the receiver, writing the credit into a closed pipe)."""
+    assert lab.spawn(send_then_close, 2, args=(numel,)) == ["sent", True]

@@ -243,6 +243,15 @@ class ShmTransport(Transport):
         except OSError:
             raise PeerLostError(f"rank {self.rank}: rank {peer} is gone ({doing} in {where})") from None
 
+    def _return_credit(self, peer: int, frame: bytes) -> None:
+        """Hand a slot (or eager credits) back to ``peer`` for data we have taken. A sender that
+        has finished its sends and exited needs no credit: its data is whole here, and anything
+        still awaited from it finds its pipe closed (a PeerLostError then, not now)."""
+        try:
+            os.write(self._write_fd[peer], frame)
+        except BrokenPipeError:
+            pass
+
     def _ready(self, peer: int, tag: bytes, where: object) -> bool:
         """True if a message of ``tag``'s context from ``peer`` can be consumed now. What arrived
         first for another context (a mesh or sub-mesh the peer entered in another order) is
@@ -254,19 +263,19 @@ class ShmTransport(Transport):
         while arrived and not same_context(arrived[0][3], tag):
             kind, slot, nbytes, got_tag, payload = arrived.popleft()
             if kind == _EAGER:
-                self._eager_consumed(peer, where)
+                self._eager_consumed(peer)
             else:
                 payload = bytearray(self._slot(peer, self.rank, slot)[:nbytes])
-                self._write(peer, _CREDIT_MESSAGE, "receiving", where)
+                self._return_credit(peer, _CREDIT_MESSAGE)
             parked.append((kind, slot, nbytes, got_tag, payload))
         return bool(arrived)
 
-    def _eager_consumed(self, peer: int, where: object) -> None:
+    def _eager_consumed(self, peer: int) -> None:
         # Hand eager credits back in batches: one message per EAGER_CREDITS // 2 received.
         self._eager_unreturned[peer] += 1
         if self._eager_unreturned[peer] == EAGER_CREDITS // 2:
             self._eager_unreturned[peer] = 0
-            self._write(peer, _EAGER_CREDIT_MESSAGE, "receiving", where)
+            self._return_credit(peer, _EAGER_CREDIT_MESSAGE)
 
     def _consume_segment(self, job: _Job, tag: bytes, where: object) -> None:
         # Copy or reduce straight out of the eager payload or the sender's slot (or, for a parked
@@ -300,11 +309,11 @@ class ShmTransport(Transport):
             job.combine(target, incoming)
         if job.eager:
             if index is None:
-                self._eager_consumed(job.peer, where)
+                self._eager_consumed(job.peer)
             job.segments_left = 0
             return
         if index is None:  # hand the slot back
-            self._write(job.peer, _CREDIT_MESSAGE, "receiving", where)
+            self._return_credit(job.peer, _CREDIT_MESSAGE)
         job.offset += nbytes
         job.segments_left -= 1
 
