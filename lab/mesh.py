@@ -57,6 +57,7 @@ class Mesh:
         recv_timeout_ms: float | None = None,
         trace: str | None = None,
         placement: tuple[int, int, int] | None = None,
+        hosts: list[int] | None = None,
     ) -> None:
         self._transport = transport
         # (host, local_rank, local_world_size): one host holding every rank unless told otherwise
@@ -69,8 +70,9 @@ class Mesh:
         self._context = 0  # 0: the root mesh; a sub-mesh's id, agreed when it is made (see split)
         self._next_context = 1  # (the root's) past every context id this rank has used
         self.name = ""
-        # Host of every global rank: ranks [h*L, (h+1)*L) on host h (lab.launch(hosts=), torchrun)
-        self._global_hosts = [r // self.local_world_size for r in range(transport.world_size)]
+        # Host of every global rank: as agreed under a launcher (``hosts``), else ranks
+        # [h*L, (h+1)*L) on host h (lab.launch(hosts=))
+        self._global_hosts = hosts or [r // self.local_world_size for r in range(transport.world_size)]
         self.host_count = len(set(self._global_hosts))  # hosts this mesh's ranks are on
         self.transport = transport_name
         recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
@@ -110,52 +112,13 @@ class Mesh:
         host, without it, rank 0 draws a secret into a file only this user can read. The
         variables are checked first (``ValueError`` naming the variable).
         """
-        from lab.rendezvous import (
-            agree_hosts,
-            check_secret_source,
-            env_store,
-            host_block,
-            job_secret,
-            launch_env,
-        )
-        from lab.transport.tcp import TcpTransport
+        from lab.bootstrap import connect_from_env
 
-        env = launch_env()
         recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
         trace = checks.trace_path(trace)
-        if transport not in ("tcp", "auto"):
-            raise ValueError(f"transport must be 'tcp' or 'auto' under a launcher; got {transport!r}")
-        check_secret_source(env)  # before waiting for anyone
-        store = env_store()
-        hosts = agree_hosts(store, env, "lab/tcp")  # every rank's host, the same on every rank
-        first_local = host_block(hosts, env) if transport == "auto" else 0
-        secret, secret_file = job_secret(store, env, "lab/tcp")
-        host = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
-        try:
-            if transport == "tcp":
-                wire: Transport = TcpTransport(env.rank, env.world_size, store, secret, host=host)
-            else:
-                from lab.transport.mixed import MixedTransport, share_host_endpoints
-
-                local = share_host_endpoints(store, "lab/tcp", env.group_rank, env.local_rank,
-                                             env.local_world_size, secret)
-                remote = None
-                if env.world_size > env.local_world_size:
-                    try:
-                        remote = TcpTransport(env.rank, env.world_size, store, secret, host=host)
-                    except BaseException:
-                        local.close()
-                        raise
-                wire = MixedTransport(env.rank, env.world_size, first_local, local, remote)
-        finally:
-            if secret_file is not None:  # rank 0 accepted every peer: each has read it, or failed
-                secret_file.remove()
-        mesh = cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
-                   placement=(env.group_rank, env.local_rank, env.local_world_size))
-        # The agreed host map, not the one __init__ derives from this rank's LOCAL_WORLD_SIZE alone
-        # (which is wrong when nodes hold different numbers of ranks).
-        mesh._global_hosts, mesh.host_count = hosts, len(set(hosts))
-        return mesh
+        wire, placement, hosts = connect_from_env(transport)
+        return cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
+                   placement=placement, hosts=hosts)
 
     @property
     def rank(self) -> int:

@@ -1,0 +1,55 @@
+"""A rank's transport under a launcher (torchrun, or anything that sets its variables).
+
+:func:`connect_from_env` reads and checks the variables, agrees with every rank on the host of
+each rank through the launcher's store, proves the job's secret and opens the transport:
+``"tcp"`` (sockets to every rank) or ``"auto"`` (shared memory inside a host, handed out by its
+local rank 0, and sockets between hosts). :meth:`lab.Mesh.from_env` wraps it in a mesh.
+"""
+
+from __future__ import annotations
+
+import os
+
+from lab.rendezvous import agree_hosts, check_secret_source, env_store, host_block, job_secret, launch_env
+from lab.transport.base import Transport
+from lab.transport.tcp import TcpTransport
+
+#: The prefix of every key the lab writes into the launcher's store.
+STORE_PREFIX = "lab/tcp"
+
+
+def connect_from_env(transport: str) -> tuple[Transport, tuple[int, int, int], list[int]]:
+    """(the transport, this rank's (host, local rank, local world size), every rank's host)."""
+    env = launch_env()
+    if transport not in ("tcp", "auto"):
+        raise ValueError(f"transport must be 'tcp' or 'auto' under a launcher; got {transport!r}")
+    check_secret_source(env)  # before waiting for anyone
+    store = env_store()
+    hosts = agree_hosts(store, env, STORE_PREFIX)  # every rank's host, the same on every rank
+    first_local = host_block(hosts, env) if transport == "auto" else 0
+    secret, secret_file = job_secret(store, env, STORE_PREFIX)
+    address = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
+    try:
+        if transport == "tcp":
+            wire: Transport = TcpTransport(env.rank, env.world_size, store, secret, host=address)
+        else:
+            wire = _mixed(env, store, secret, address, first_local)
+    finally:
+        if secret_file is not None:  # rank 0 accepted every peer: each has read it, or failed
+            secret_file.remove()
+    return wire, (env.group_rank, env.local_rank, env.local_world_size), hosts
+
+
+def _mixed(env, store, secret: bytes, address: str, first_local: int) -> Transport:
+    """Shared memory with this host's ranks (handed out by local rank 0), TCP to the others."""
+    from lab.transport.mixed import MixedTransport, share_host_endpoints
+
+    local = share_host_endpoints(store, STORE_PREFIX, env.group_rank, env.local_rank, env.local_world_size, secret)
+    remote = None
+    if env.world_size > env.local_world_size:
+        try:
+            remote = TcpTransport(env.rank, env.world_size, store, secret, host=address)
+        except BaseException:
+            local.close()
+            raise
+    return MixedTransport(env.rank, env.world_size, first_local, local, remote)
