@@ -8,7 +8,7 @@ import time
 import torch
 
 import lab
-from lab.launch import _forkserver_pid
+from lab.launch.forkserver import forkserver_pid
 
 
 def sum_ranks(mesh):
@@ -22,7 +22,7 @@ def sleep_then_sum(mesh):
 
 if __name__ == "__main__":
     lab.spawn(sum_ranks, 2)  # the forkserver is up
-    server = _forkserver_pid()
+    server = forkserver_pid()
     os.kill(server, signal.SIGSTOP)
     time.sleep(0.2)
     started = time.monotonic()
@@ -32,7 +32,7 @@ if __name__ == "__main__":
         print(f"stopped: {str(error).split('(pid ')[1].split(')', 1)[1].strip()} after {time.monotonic() - started:.1f} s")
     os.kill(server, signal.SIGCONT)
     with lab.launch(3) as cluster:
-        os.kill(_forkserver_pid(), signal.SIGKILL)  # the ranks die with it
+        os.kill(forkserver_pid(), signal.SIGKILL)  # the ranks die with it
         try:
             cluster.run(sleep_then_sum)
         except lab.RankError as error:
