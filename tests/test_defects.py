@@ -127,9 +127,7 @@ def slow_stream_allreduce(mesh: lab.Mesh, segments: int, pause_s: float) -> tupl
     way, both peers at once, each incoming segment combined after a ``pause_s`` sleep: both stream
     for ``segments * pause_s`` seconds, never silent for much more than ``pause_s``. Returns
     (result right, seconds the allreduce took)."""
-    import lab.collectives
-
-    plain = lab.collectives._reduction
+    plain = mesh.kernels
 
     def slow(op, dtype):
         reduction = plain(op, dtype)
@@ -141,13 +139,13 @@ def slow_stream_allreduce(mesh: lab.Mesh, segments: int, pause_s: float) -> tupl
         return dataclasses.replace(reduction, combine=combine)
 
     x = torch.full((2 * segments * SEGMENT_BYTES // 4,), float(mesh.rank + 1))  # two ring chunks
-    lab.collectives._reduction = slow
+    mesh.kernels = slow  # this mesh's collectives take their kernels from it
     try:
         started = time.monotonic()
         lab.allreduce(mesh, x, algorithm="ring")
         took = time.monotonic() - started
     finally:
-        lab.collectives._reduction = plain
+        del mesh.kernels
     return bool(torch.all(x == 3.0)), took
 
 
