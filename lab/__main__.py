@@ -45,13 +45,13 @@ def results(args: argparse.Namespace) -> int:
     from lab.benchmark import SIZES
 
     sizes = [1 << 10, 1 << 20, 16 << 20] if args.quick else SIZES
-    if args.hosts:  # across emulated hosts: results/hosts/ (lab/results_hosts.py)
-        from lab import results_hosts
+    if args.hosts:  # across emulated hosts: results/hosts/ (lab/results/hosts.py, hierarchy.py)
+        from lab.results import hierarchy, hosts
 
         if args.ranks_per_host:  # hierarchical vs ring vs gloo, H hosts x L ranks, transport="auto"
-            return results_hosts.hierarchy_main(args.out, args.hosts, args.ranks_per_host, args.link_gbit[0],
-                                                sizes if args.quick else None)
-        return results_hosts.main(args.out, args.hosts, args.link_gbit, sizes if args.quick else None)
+            return hierarchy.main(args.out, args.hosts, args.ranks_per_host, args.link_gbit[0],
+                                  sizes if args.quick else None)
+        return hosts.main(args.out, args.hosts, args.link_gbit, sizes if args.quick else None)
     return results_module.main(args.out, args.ranks, args.transports, sizes, update_tuning=not args.keep_tuning)
 
 

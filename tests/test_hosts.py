@@ -426,7 +426,7 @@ def made_up_sweep(hosts: int, slowdown: dict[str, float]) -> tuple:
     """Medians that follow the link model at 1 Gbit/s plus 100 µs per call, times ``slowdown``."""
     import pandas as pd
 
-    from lab.results_hosts import link_model_us
+    from lab.results.hosts import link_model_us
 
     rows = []
     for algorithm in ["ring", "tree", "naive"]:
@@ -444,7 +444,7 @@ def made_up_sweep(hosts: int, slowdown: dict[str, float]) -> tuple:
 def test_claims_are_confirmed_or_refuted_by_the_figures():
     import pandas as pd
 
-    from lab.results_hosts import claims, models
+    from lab.results.hosts import claims, models
 
     frames, counted = zip(*[made_up_sweep(4, {}), made_up_sweep(8, {"naive": 3.0})])
     frame, counted = pd.concat(frames), pd.concat(counted)

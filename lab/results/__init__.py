@@ -1,0 +1,50 @@
+"""``python -m lab results``: run the sweeps and regenerate ``results/`` (CSVs, models, plots, report).
+
+Everything in ``results/`` comes from one run of this command on one machine, which the report
+names; ``lab/tuning.json`` (the fitted models ``algorithm="auto"`` uses) is refreshed with it.
+
+    sweeps     the measurements (one table per sweep) and the machine they ran on
+    fits       α-β fits, the ring/tree crossover, the models auto uses
+    plots      the figures (matplotlib)
+    report     REPORT.md, one function per section
+    hosts      ``--hosts``: the lesson's claims across emulated hosts (results/hosts/)
+    hierarchy  ``--hosts --ranks-per-host``: hierarchical allreduce, many ranks per host
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from lab.benchmark import SIZES
+from lab.results import plots, report
+from lab.results.fits import fit_alpha_beta, models, tuning_from
+from lab.results.sweeps import kernel_sweep, measure_all, save_machine, save_tables
+from lab.tuning import TUNING_PATH
+
+__all__ = ["fit_alpha_beta", "kernel_sweep", "main", "models", "tuning_from"]
+
+
+def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | None = None,
+         sizes: list[int] | None = None, update_tuning: bool = True) -> int:
+    """Measure, fit, plot and report into ``out_dir``; refresh ``lab/tuning.json`` unless told not
+    to. Returns 1 if a primitive disagreed with gloo, else 0."""
+    transports = transports or ["shm", "queue", "tcp"]
+    sizes = sizes or SIZES
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run = measure_all(world_size, transports, sizes)
+    model = models(pd.concat([run.allreduce, run.others]))
+    save_tables(out, {"allreduce": run.allreduce, "collectives": run.others, "kernels": run.kernels,
+                      "model": model, "gloo_check": run.check, "latency_floor": run.floor,
+                      "bucketing": run.bucketing, "overlap": run.overlap})
+    save_machine(out, run.info)
+    plots.draw(out, run, model)
+    (out / "REPORT.md").write_text(report.render(run, model))
+    if update_tuning:
+        fitted = {"generated": run.info, "world": world_size, "models": tuning_from(model)}
+        TUNING_PATH.write_text(json.dumps(fitted, indent=2) + "\n")
+    print(f"Wrote {out}/ (REPORT.md, CSVs, PNGs)" + (f" and {TUNING_PATH}" if update_tuning else ""))
+    return 0 if (run.check["result"] == "PASS").all() else 1
