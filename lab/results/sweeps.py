@@ -212,7 +212,8 @@ def commit() -> str:
     """The checkout's short commit, ``+uncommitted`` when lab/ or kernels/ have changes; ``unknown``
     outside a git checkout."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parents[1],
+        # From the repository's root: pathspecs are relative to the working directory.
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parents[2],
                               check=True).stdout.strip()
 
     try:
