@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lab.rendezvous import pool_store
 from lab.transport import mixed as mixed_transport
@@ -22,7 +22,14 @@ from lab.transport.base import Transport
 if TYPE_CHECKING:
     from multiprocessing.context import BaseContext
 
-    from lab.launch.options import PoolOptions
+
+
+class BufferSizes(Protocol):
+    """The pool options endpoints are built from (:class:`lab.launch.options.BufferSizes` has them)."""
+
+    segment_bytes: int
+    slots: int
+    eager_bytes: int
 
 
 @dataclass(frozen=True)
@@ -35,7 +42,7 @@ class PoolTransport:
     descriptors: Callable[[int], int]
     #: In the parent: every rank's endpoints, in rank order, pickled into its process at start
     #: (``close_in_parent()`` drops the parent's copies).
-    endpoints: Callable[[BaseContext, int, PoolOptions], list[Any]]
+    endpoints: Callable[[BaseContext, int, BufferSizes], list[Any]]
     #: In a rank: its transport, from its endpoints and the address it listens on.
     connect: Callable[[Any, str], Transport]
     #: It may span emulated hosts (any other would bypass their links).
@@ -45,21 +52,21 @@ class PoolTransport:
     per_host_reason: str = ""
 
 
-def _shm_endpoints(context: BaseContext, world_size: int, options: PoolOptions) -> list[Any]:
+def _shm_endpoints(context: BaseContext, world_size: int, options: BufferSizes) -> list[Any]:
     return shm_transport.create_endpoints(world_size, options.segment_bytes, options.slots,
                                           options.eager_bytes)
 
 
-def _queue_endpoints(context: BaseContext, world_size: int, options: PoolOptions) -> list[Any]:
+def _queue_endpoints(context: BaseContext, world_size: int, options: BufferSizes) -> list[Any]:
     return queue_transport.create_endpoints(context, world_size)
 
 
-def _tcp_endpoints(context: BaseContext, world_size: int, options: PoolOptions) -> list[Any]:
+def _tcp_endpoints(context: BaseContext, world_size: int, options: BufferSizes) -> list[Any]:
     secret = secrets.token_bytes(32)  # handed to the ranks over their private pipes only
     return [tcp_transport.TcpEndpoints(rank, world_size, secret) for rank in range(world_size)]
 
 
-def _mixed_endpoints(context: BaseContext, world_size: int, options: PoolOptions) -> list[Any]:
+def _mixed_endpoints(context: BaseContext, world_size: int, options: BufferSizes) -> list[Any]:
     """One shm mesh per host (its ranks by local rank), one secret for TCP."""
     per_host, secret = world_size // (options.hosts or 1), secrets.token_bytes(32)
     endpoints: list[mixed_transport.MixedEndpoints] = []

@@ -11,12 +11,11 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from array import array
+from collections.abc import Callable
+from typing import Protocol
 
 from lab.errors import LabError
-
-if TYPE_CHECKING:
-    from lab.sim.record import RecordingMesh
 
 STEP_FIELDS = 5  # a recorded step: dst, bytes sent, src, bytes received, reduces (-1 / 0 where there is none)
 
@@ -144,6 +143,15 @@ def sample_ranks(world_size: int, root: int) -> list[tuple[int, bool]]:
     return [(rank, False) for rank in picked] + [(rank, True) for rank in special]
 
 
+class Recorder(Protocol):
+    """What a :class:`Meter` reads and sets of the recorder (:class:`lab.sim.record.RecordingMesh`)."""
+
+    world_size: int
+    steps: array  # STEP_FIELDS int64 per recorded step
+    check_at: int  # len(steps) at which check() runs next
+    check: Callable[[], None]
+
+
 class Meter:
     """Counts the steps and the recording time of the sampled ranks, and raises
     :class:`SimulationTooLarge` once they show the case past a limit.
@@ -158,7 +166,7 @@ class Meter:
     CHECK_EVERY = 8  # steps
     FINISH_STEPS, FINISH_S = 1_000_000, 10.0
 
-    def __init__(self, mesh: RecordingMesh, case: str, sample: list[tuple[int, bool]], max_steps: int | None,
+    def __init__(self, mesh: Recorder, case: str, sample: list[tuple[int, bool]], max_steps: int | None,
                  max_seconds: float | None) -> None:
         self.mesh, self.case, self.sampled = mesh, case, len(sample)
         self.limits = {"max_steps": max_steps, "max_seconds": max_seconds}
