@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from lab import checks
 from lab.sim import record as recorder
 from lab.sim import limits
 from lab.sim.network import Network
@@ -56,7 +56,7 @@ class SimResult:
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     """``value`` as an int in [low, high] (or >= low), or a ValueError naming ``name`` and the range."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
+    if not checks.is_int(value) or value < low \
             or (high is not None and value > high):
         span = f"from {low:,} to {high:,}" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be an integer {span}; got {value!r}")
@@ -66,11 +66,11 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
 def _check_limits(max_steps: Any, max_seconds: Any) -> tuple[int | None, float | None]:
     """The recording's limits: ``max_steps`` an integer >= 1, ``max_seconds`` a number > 0; None: none."""
     if max_steps is not None:
-        if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 1:
+        if not checks.is_int(max_steps) or max_steps < 1:
             raise ValueError(f"max_steps must be an integer >= 1 or None (no limit); got {max_steps!r}")
         max_steps = int(max_steps)
     if max_seconds is not None:
-        if isinstance(max_seconds, bool) or not isinstance(max_seconds, numbers.Real) or not max_seconds > 0:
+        if not checks.is_real(max_seconds) or not max_seconds > 0:
             raise ValueError(f"max_seconds must be a number > 0 or None (no limit); got {max_seconds!r}")
         max_seconds = float(max_seconds)
     return max_steps, max_seconds

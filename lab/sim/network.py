@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
+
+from lab import checks
 
 #: The accepted ranges, wide enough for any real network and narrow enough that every simulated
 #: time is finite: a message of 2**40 bytes at the slowest rate is 8.8e15 µs, and no path of
@@ -22,7 +23,7 @@ def _check_number(name: str, value: object, span: tuple[float, float], unit: str
         # ValueError: gbit must be a number from 1e-06 to 1e+09 Gbit/s; got 1e-320
     """
     low, high = span
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value <= high:
+    if not checks.is_real(value) or not low <= value <= high:
         raise ValueError(f"{name} must be a number from {low:g} to {high:g} {unit}; got {value!r}")
     return float(value)
 
@@ -63,8 +64,7 @@ class Network:
             if value is not None:
                 object.__setattr__(self, name, _check_number(name, value, span, unit))
         per_host = self.ranks_per_host
-        if isinstance(per_host, bool) or not isinstance(per_host, numbers.Integral) \
-                or not 1 <= per_host <= MAX_RANKS_PER_HOST:
+        if not checks.is_int(per_host) or not 1 <= per_host <= MAX_RANKS_PER_HOST:
             raise ValueError(f"ranks_per_host must be an integer from 1 to {MAX_RANKS_PER_HOST:,}; got {per_host!r}")
         object.__setattr__(self, "ranks_per_host", int(per_host))
 
