@@ -70,12 +70,11 @@ def check_link_gbit(link_gbit: object) -> float | None:
         check_link_gbit(1.0)            # 1.0
         check_link_gbit(float("inf"))   # ValueError: link_gbit must be a number from 1e-05 to 1000 Gbit/s ...
     """
-    from lab import checks  # (this file also runs alone, as the keeper: no lab imports at the top)
-
     low, high = LINK_GBIT
     if link_gbit is None:
         return None
-    if not checks.is_real(link_gbit) or not low <= link_gbit <= high:
+    # (not lab.checks: this file runs alone too, as the keeper and as another user's script)
+    if isinstance(link_gbit, bool) or not isinstance(link_gbit, (int, float)) or not low <= link_gbit <= high:
         raise ValueError(f"link_gbit must be a number from {low:g} to {high:g} Gbit/s (10 kbit/s to 1 Tbit/s: "
                          f"what tc's token bucket caps faithfully) or None (uncapped); got {link_gbit!r}")
     return float(link_gbit)
@@ -119,9 +118,7 @@ class Hosts:
     """
 
     def __init__(self, count: int, link_gbit: float | None = None, *, user_namespace: bool | None = None) -> None:
-        from lab import checks
-
-        if not checks.is_int(count) or not 1 <= count <= 250:
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 250:
             raise ValueError(f"hosts must be an int in [1, 250]; got {count!r}")
         link_gbit = check_link_gbit(link_gbit)  # before the keeper: nothing is made for a cap tc cannot keep
         self.count, self.link_gbit = count, link_gbit
