@@ -28,8 +28,8 @@ import lab
 from lab.hosts import Hosts
 from test_collectives import (assert_no_failures, check_allgather, check_allreduce, check_broadcast,
                               check_other_inputs, check_reduce_scatter)
-from test_faults import (DEADLINE_MS, DEATH_DEADLINE_MS, assert_death_reported_without_a_deadline,
-                         assert_stall_ended_by_the_pool, faulty_job)
+from test_faults import (DEADLINE_MS, DEATH_DEADLINE_MS, EXIT_GUARD_S,
+                         assert_death_reported_without_a_deadline, assert_stall_ended_by_the_pool, faulty_job)
 from test_gloo import assert_matches_and_identical, compare_with_gloo, large_allreduce
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -211,7 +211,7 @@ def test_nothing_outlives_an_owner_killed_or_interrupted(how):
     process, made = owner()
     assert all(os.path.exists(f"/proc/{p}") for p in made["pids"])
     os.kill(process.pid, how)
-    process.wait(10)
+    process.wait(EXIT_GUARD_S)  # a hang guard: the owner's teardown, stretched on a loaded machine
     process.stdout.close()
     if how == signal.SIGINT:
         assert "KeyboardInterrupt" in process.stderr.read()
