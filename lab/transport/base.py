@@ -158,3 +158,14 @@ class SharedFd:
 
 def _rebuild_shared_fd(dup: reduction.DupFd) -> SharedFd:
     return SharedFd(dup.detach())
+
+
+def recv_available(sock, limit: int) -> bytes | None:
+    """Up to ``limit`` bytes a non-blocking socket holds: None if nothing has arrived yet, b""
+    if the peer closed or the connection failed (the listeners of both handshakes drop it then)."""
+    try:
+        return sock.recv(limit)
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError:
+        return b""

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 from lab.errors import DeadlineError, LabError, PeerLostError
+from lab.transport.base import recv_available
 
 #: What a hello and every frame header start with: a rank of another protocol version is turned
 #: away in the hello, so frames of another version never reach the exchange.
@@ -278,12 +279,9 @@ class _Listener:
 
     def _advance(self, sock: socket.socket, handshake: _Handshake) -> None:
         """Take what a pending connection sent; admit it once its hello and proof check out."""
-        try:
-            data = sock.recv(_HELLO.size + _PROOF_BYTES - len(handshake.received))
-        except (BlockingIOError, InterruptedError):
+        data = recv_available(sock, _HELLO.size + _PROOF_BYTES - len(handshake.received))
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._drop(sock)
             return

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from lab.errors import DeadlineError, LabError
 from lab.transport import shm as shm_transport
-from lab.transport.base import Recv, Send, SharedFd, Transport
+from lab.transport.base import Recv, Send, SharedFd, Transport, recv_available
 from lab.transport.shm import ShmEndpoints, ShmTransport
 from lab.transport.tcp import TcpTransport
 
@@ -299,12 +299,9 @@ class _HandOut:
     def _read(self, sock: socket.socket) -> None:
         """Take what a connection sent; once its hello is whole, serve it or drop it."""
         hello = self._pending[sock][1]
-        try:
-            data = sock.recv(_HELLO.size - len(hello))
-        except (BlockingIOError, InterruptedError):
+        data = recv_available(sock, _HELLO.size - len(hello))
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._drop(sock)
             return
