@@ -77,14 +77,16 @@ def later_calls_read_after_async(mesh: lab.Mesh, count: int) -> list[str]:
     work = lab.allgather(mesh, x, async_op=True)  # async after async: issue order too
     expect("async allgather after async allreduce", work.result(), total.repeat(n))
 
-    # mesh.send: the receiver gets the reduced tensor
-    x = pattern(count, rank)
-    lab.allreduce(mesh, x, async_op=True)
-    if rank == 0:
-        mesh.send(1, x)
-    elif rank == 1:
-        expect("send after async allreduce", mesh.recv(0), total)
-    mesh.wait_all()
+    def send_after_async(what: str, tensor) -> None:
+        """mesh.send of a tensor with an async allreduce on it in flight: rank 1 gets the sum."""
+        lab.allreduce(mesh, tensor, async_op=True)
+        if rank == 0:
+            mesh.send(1, tensor)
+        elif rank == 1:
+            expect(what, mesh.recv(0), total)
+        mesh.wait_all()
+
+    send_after_async("send after async allreduce", pattern(count, rank))
 
     # non-contiguous inputs: the copy is taken when the collective runs, not when it is called
     base = pattern(2 * count, rank).reshape(count, 2)
@@ -102,13 +104,7 @@ def later_calls_read_after_async(mesh: lab.Mesh, count: int) -> list[str]:
     expect("F-order numpy allgather after async allreduce", torch.from_numpy(gathered), torch.from_numpy(want))
 
     x = pattern(count, rank)
-    strided = torch.stack([x, x], dim=1)[:, 1]  # non-contiguous view
-    lab.allreduce(mesh, strided, async_op=True)
-    if rank == 0:
-        mesh.send(1, strided)
-    elif rank == 1:
-        expect("non-contiguous send after async allreduce", mesh.recv(0), total)
-    mesh.wait_all()
+    send_after_async("non-contiguous send after async allreduce", torch.stack([x, x], dim=1)[:, 1])
 
     grads = [pattern(count, rank), pattern(count, rank)[::2]]
     lab.allreduce(mesh, grads[0], async_op=True)
