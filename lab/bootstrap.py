@@ -9,6 +9,7 @@ local rank 0, and sockets between hosts). :meth:`lab.Mesh.from_env` wraps it in 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from lab.rendezvous import agree_hosts, check_secret_source, env_store, host_block, job_secret, launch_env
 from lab.transport.base import Transport
@@ -21,29 +22,33 @@ STORE_PREFIX = "lab/tcp"
 def connect_from_env(transport: str) -> tuple[Transport, tuple[int, int, int], list[int]]:
     """(the transport, this rank's (host, local rank, local world size), every rank's host)."""
     env = launch_env()
-    if transport not in ("tcp", "auto"):
-        raise ValueError(f"transport must be 'tcp' or 'auto' under a launcher; got {transport!r}")
+    opener = LAUNCHER_TRANSPORTS.get(transport)
+    if opener is None:
+        raise ValueError(f"transport must be one of {', '.join(map(repr, LAUNCHER_TRANSPORTS))} under a "
+                         f"launcher; got {transport!r}")
     check_secret_source(env)  # before waiting for anyone
     store = env_store()
     hosts = agree_hosts(store, env, STORE_PREFIX)  # every rank's host, the same on every rank
-    first_local = host_block(hosts, env) if transport == "auto" else 0
     secret, secret_file = job_secret(store, env, STORE_PREFIX)
     address = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
     try:
-        if transport == "tcp":
-            wire: Transport = TcpTransport(env.rank, env.world_size, store, secret, host=address)
-        else:
-            wire = _mixed(env, store, secret, address, first_local)
+        wire = opener(env, store, secret, address, hosts)
     finally:
         if secret_file is not None:  # rank 0 accepted every peer: each has read it, or failed
             secret_file.remove()
     return wire, (env.group_rank, env.local_rank, env.local_world_size), hosts
 
 
-def _mixed(env, store, secret: bytes, address: str, first_local: int) -> Transport:
+def _tcp(env, store, secret: bytes, address: str, hosts: list[int]) -> Transport:
+    """Sockets to every rank."""
+    return TcpTransport(env.rank, env.world_size, store, secret, host=address)
+
+
+def _mixed(env, store, secret: bytes, address: str, hosts: list[int]) -> Transport:
     """Shared memory with this host's ranks (handed out by local rank 0), TCP to the others."""
     from lab.transport.mixed import MixedTransport, share_host_endpoints
 
+    first_local = host_block(hosts, env)
     local = share_host_endpoints(store, STORE_PREFIX, env.group_rank, env.local_rank, env.local_world_size, secret)
     remote = None
     if env.world_size > env.local_world_size:
@@ -53,3 +58,7 @@ def _mixed(env, store, secret: bytes, address: str, first_local: int) -> Transpo
             local.close()
             raise
     return MixedTransport(env.rank, env.world_size, first_local, local, remote)
+
+
+#: What a rank under a launcher can open, by name: ``opener(env, store, secret, address, hosts)``.
+LAUNCHER_TRANSPORTS: dict[str, Callable[..., Transport]] = {"tcp": _tcp, "auto": _mixed}

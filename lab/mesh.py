@@ -26,8 +26,10 @@ from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, Position, TraceFile
 from lab.issue import IssueQueue
 from lab import fingerprint
 from lab.fingerprint import describe as describe_fingerprint
-from lab.ops import DTYPES, DTYPES_BY_CODE, DType, reduction
-from lab.transport.base import Combine, Recv, Send, TagMismatch, Transport
+from lab.ops import DTYPES, DTYPES_BY_CODE, DType, Reduction, reduction
+from kernels import mailbox as mailbox_status
+from lab.plane import CompiledPlane, Report
+from lab.transport.base import Recv, Send, TagMismatch, Transport, silence_error
 
 #: A receive that waits longer than this raises DeadlineError (override with recv_timeout_ms).
 DEFAULT_RECV_TIMEOUT_MS = 300_000
@@ -80,12 +82,17 @@ class Mesh:
         trace_path = checks.trace_path(trace) or checks.trace_path(os.environ.get("LAB_TRACE"), "LAB_TRACE")
         self._trace = TraceFile(trace_path, checks.env_flag("LAB_TRACE_STEPS")) if trace_path else None
         self._issue = IssueQueue(transport.rank)  # shared by every sub-mesh: one issue order
+        # Small collectives in one Numba call, where the transport has mailboxes (shm): lab.plane
+        mailbox = getattr(transport, "mailbox", None)
+        self._plane = CompiledPlane(mailbox) if mailbox is not None else None
+        self._nbytes = 0  # the current collective's tensor bytes
         self._seq = 0
         self._p2p_sent = [0] * transport.world_size
         self._p2p_received = [0] * transport.world_size
         self._tag = b""
         self._position = Position()
         self._clean = True  # False once a transfer failed half-way: peers may hold its messages
+        self._closed = False
         self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
         self.reset_stats()
 
@@ -129,6 +136,11 @@ class Mesh:
         return self._world_size
 
     @property
+    def closed(self) -> bool:
+        """True once this mesh (or its root, for a sub-mesh) was closed."""
+        return self._root._closed
+
+    @property
     def clean(self) -> bool:
         """False once a transfer failed half-way (on this mesh or one of its sub-meshes): peers
         may hold its messages, so the channels cannot be reused."""
@@ -152,7 +164,7 @@ class Mesh:
     def reset_stats(self) -> None:
         self._stats = dict.fromkeys(
             ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives",
-             "bytes_sent_inter_host", "bytes_received_inter_host"), 0
+             "collectives_compiled", "bytes_sent_inter_host", "bytes_received_inter_host"), 0
         )
 
     # -- issuing collectives, synchronously or not ----------------------------------------------
@@ -178,6 +190,7 @@ class Mesh:
         nothing: closing it does nothing (its root's close ends it)."""
         if self._root is not self:
             return
+        self._closed = True
         self._transport.close()
         self._issue.close()
 
@@ -190,21 +203,61 @@ class Mesh:
     #: A new flat output buffer (allgather's, all_to_all's); the recorder's are virtual.
     new_flat = staticmethod(new_flat)
 
+    @property
+    def compiled_max_bytes(self) -> int:
+        """The largest tensor a collective on this mesh runs in one compiled call (0: none; lab.plane)."""
+        return 0 if self._plane is None else self._plane.max_bytes
+
+    def run(self, algorithm: Callable[..., None], *args: Any, **options: Any) -> None:
+        """Run ``algorithm(self, *args, **options)``: one algorithm of the collective entered with
+        :meth:`collective` (the public collectives call it). A small collective whose algorithm
+        is compilable runs in one Numba call over the mailboxes where the transport has them."""
+        plane = self._plane
+        if plane is None or options or not plane.takes(algorithm, self._nbytes):
+            algorithm(self, *args, **options)
+            return
+        self._position.step += 1
+        report = plane.run(algorithm, self._tag, self.recv_timeout_ms, args)
+        if report.status != mailbox_status.OK:
+            self.clean = False
+            self._raise_compiled_failure(report)
+        for mesh in self._lineage:
+            stats = mesh._stats
+            stats["bytes_sent"] += report.bytes_sent
+            stats["bytes_received"] += report.bytes_received
+            stats["messages_sent"] += report.messages_sent
+            stats["messages_received"] += report.messages_received
+            stats["collectives_compiled"] += 1
+
+    def _raise_compiled_failure(self, report: Report) -> None:
+        peer = report.failed_peer
+        if report.status == mailbox_status.MISMATCH:
+            raise CollectiveMismatchError(f"{self._who()} is in {describe_fingerprint(self._tag)}; "
+                                          f"{self._who(peer)} sent {describe_fingerprint(report.peer_tag)}")
+        self._raise_if_mismatched()  # the peer may be elsewhere because we disagree
+        if report.status == mailbox_status.SILENCE:
+            raise DeadlineError(f"{silence_error(self.rank, [peer], self._position)} "
+                                f"(recv_timeout_ms={self.recv_timeout_ms:g})", [peer])
+        if report.status == mailbox_status.PEER_LOST:
+            raise PeerLostError(f"rank {self.rank}: rank {peer} is gone (waiting in {self._position})")
+        raise LabError(f"rank {self.rank}: the compiled path refused a transfer with rank {peer} "
+                       f"(status {report.status}) in {self._position}")
+
     # -- what algorithms use -------------------------------------------------------------------
 
     def send_buffer(self, dst: int, data: np.ndarray) -> None:
         """Send a flat buffer to ``dst`` (returns once the data is in the channel)."""
         self._exchange([Send(dst, data)], [])
 
-    def recv_buffer(self, src: int, out: np.ndarray, combine: Combine | None = None) -> None:
-        """Receive from ``src`` into ``out``: copy, or ``combine(out, incoming)`` to reduce."""
-        self._exchange([], [Recv(src, out, combine)])
+    def recv_buffer(self, src: int, out: np.ndarray, reduction: Reduction | None = None) -> None:
+        """Receive from ``src`` into ``out``: copy, or ``reduction.combine(out, incoming)``."""
+        self._exchange([], [Recv(src, out, None if reduction is None else reduction.combine)])
 
     def sendrecv_buffer(
-        self, dst: int, data: np.ndarray, src: int, out: np.ndarray, combine: Combine | None = None
+        self, dst: int, data: np.ndarray, src: int, out: np.ndarray, reduction: Reduction | None = None
     ) -> None:
         """Send to ``dst`` and receive from ``src`` at once (one ring step)."""
-        self._exchange([Send(dst, data)], [Recv(src, out, combine)])
+        self._exchange([Send(dst, data)], [Recv(src, out, None if reduction is None else reduction.combine)])
 
     def _exchange(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted=True):
         self._position.step += 1
@@ -297,6 +350,7 @@ class Mesh:
         self._tag = fingerprint.pack(self._context, self._seq, name, algorithm, dtype.code, op, root, count)
         self._position.collective, self._position.seq = name, self._seq
         self._position.algorithm, self._position.step = algorithm, 0
+        self._nbytes = count * dtype.storage.itemsize
         record = FlightRecord(self._seq, name, algorithm, dtype.name, count, op, root)
         self._records.append(record)
         before = (self._stats["bytes_sent"], self._stats["bytes_received"])
@@ -466,6 +520,7 @@ class Mesh:
         sub._context = context
         sub._rank, sub._world_size = members.index(self.rank), len(members)
         sub._seq, sub._tag = 0, b""
+        sub._plane = None  # the mailboxes speak global ranks; a sub-mesh takes the Python path
         sub._p2p_sent, sub._p2p_received = [0] * len(members), [0] * len(members)
         shown = ", ".join(map(str, sub._members[:8])) + (", ..." if len(members) > 8 else "")
         sub.name = f"sub-mesh {context:08x}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import enum
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -10,6 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from kernels.coded import FAMILY_CODES, OP_CODES
 from kernels.reduce import DIVIDE, KERNELS
 
 
@@ -130,6 +132,12 @@ class Reduction:
     def finalize(self, buf: np.ndarray, world_size: int) -> None:
         if self._divide is not None and not self.prescales and buf.size:
             self._divide(buf, float(world_size))
+
+    @functools.cached_property
+    def codes(self) -> tuple[int, int, bool]:
+        """``(op, family, finalize divides)`` as compiled code takes them (:mod:`kernels.coded`)."""
+        op = "sum" if self.op is ReduceOp.AVG else self.op.value
+        return OP_CODES[op], FAMILY_CODES[self.dtype.family], self._divide is not None and not self.prescales
 
     def partial(self) -> Reduction:
         """The same combine with nothing to prepare or finish: for the phases of an algorithm whose

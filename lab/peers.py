@@ -9,7 +9,7 @@ members and records the calls instead of moving bytes.
     def allreduce_naive(peers: Peers, buf, reduction):
         if peers.rank == 0:
             for src in range(1, peers.world_size):
-                peers.recv_buffer(src, buf, reduction.combine)
+                peers.recv_buffer(src, buf, reduction)
         ...
 """
 
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from lab.transport.base import Combine  # combine(out, incoming): fold a received piece into out
+from lab.ops import Reduction  # reduction.combine(out, incoming): fold a received piece into out
 
 
 class Peers(Protocol):
@@ -35,11 +35,11 @@ class Peers(Protocol):
     def send_buffer(self, dst: int, data: np.ndarray) -> None:
         """Send ``data`` to rank ``dst`` (returns once it is in the channel)."""
 
-    def recv_buffer(self, src: int, out: np.ndarray, combine: Combine | None = None) -> None:
-        """Receive from ``src`` into ``out``: copy, or ``combine(out, incoming)`` to reduce."""
+    def recv_buffer(self, src: int, out: np.ndarray, reduction: Reduction | None = None) -> None:
+        """Receive from ``src`` into ``out``: copy, or ``reduction.combine(out, incoming)``."""
 
     def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray,
-                        combine: Combine | None = None) -> None:
+                        reduction: Reduction | None = None) -> None:
         """Send to ``dst`` and receive from ``src`` at once (one ring step)."""
 
     def host_of(self, rank: int) -> int:
@@ -58,12 +58,12 @@ class GroupView:
     def send_buffer(self, dst: int, data: np.ndarray) -> None:
         self._peers.send_buffer(self._ranks[dst], data)
 
-    def recv_buffer(self, src: int, out: np.ndarray, combine: Combine | None = None) -> None:
-        self._peers.recv_buffer(self._ranks[src], out, combine)
+    def recv_buffer(self, src: int, out: np.ndarray, reduction: Reduction | None = None) -> None:
+        self._peers.recv_buffer(self._ranks[src], out, reduction)
 
     def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray,
-                        combine: Combine | None = None) -> None:
-        self._peers.sendrecv_buffer(self._ranks[dst], data, self._ranks[src], out, combine)
+                        reduction: Reduction | None = None) -> None:
+        self._peers.sendrecv_buffer(self._ranks[dst], data, self._ranks[src], out, reduction)
 
     def host_of(self, rank: int) -> int:
         return self._peers.host_of(self._ranks[rank])

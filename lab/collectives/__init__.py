@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from lab.chunking import row_bounds, split_bounds
 from lab.collectives import registry
 from lab.collectives.allreduce_double_tree import SEGMENT_BYTES
 from lab import checks, tuning
-from lab.ops import DTYPES, ReduceOp, parse_op
+from lab.ops import DTYPES, DType, ReduceOp, parse_op
 
 if TYPE_CHECKING:
     from lab.mesh import Mesh
@@ -108,6 +109,11 @@ def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
     check_algorithm(algorithm, collective)
     if algorithm != "auto":
         return algorithm
+    # Small enough for the compiled path (lab.plane): its one Numba call beats any Python exchange.
+    if nbytes <= getattr(mesh, "compiled_max_bytes", 0) and not forced_algorithm(collective):
+        compiled = registry.compiled(collective)
+        if compiled is not None:
+            return compiled
     transport, hosts = mesh.transport, getattr(mesh, "host_count", 1)
     if hosts > 1 and collective == "allreduce" and transport in ("tcp", "auto") and not forced_algorithm(collective):
         return tuning.choose_across_hosts(nbytes, mesh.world_size, hosts, "shm" if transport == "auto" else "tcp")
@@ -132,6 +138,26 @@ def _check_root(mesh: Mesh, root: Any, name: str) -> int:
     return int(root)
 
 
+class Signature(NamedTuple):
+    """What every rank must agree on for one collective: :meth:`lab.Mesh.collective`'s arguments
+    (they make its fingerprint)."""
+
+    collective: str
+    algorithm: str
+    dtype: DType
+    count: int
+    op: str = ""
+    root: int = -1
+
+
+class Prepared(NamedTuple):
+    """A collective whose arguments are checked and whose algorithm is chosen: ``run()`` does its
+    communication on the tensor's current contents and returns what the public call returns."""
+
+    run: Callable[[], Any]
+    signature: Signature
+
+
 def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
     """Reduce ``tensor`` elementwise across all ranks, in place; return ``tensor``.
 
@@ -146,21 +172,27 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
         x = torch.tensor([1.0, 2.0]) + mesh.rank   # rank 0: [1, 2]   rank 1: [2, 3]
         lab.allreduce(mesh, x)                     # both:   [3, 5]
     """
+    return mesh.issue(prepare_allreduce(mesh, tensor, op, algorithm).run, async_op)
+
+
+def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
+    """:func:`allreduce`'s checks and choices, done now; its communication, ready to run."""
     reduce_op = _parse_op(op)
     buffer = as_buffer(tensor)
     kernels = mesh.kernels(reduce_op, buffer.dtype)
     chosen = _pick(mesh, "allreduce", algorithm, buffer.nbytes)
     options = {"segment_bytes": _segment_bytes()} if chosen == "double_tree" else {}
+    signature = Signature("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value)
 
     def run() -> Any:
         flat = buffer.load()  # read now, after the collectives issued before this one
-        with mesh.collective("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value):
+        with mesh.collective(*signature):
             kernels.prepare(flat, mesh.world_size)
-            ALLREDUCE_ALGORITHMS[chosen](mesh, flat, kernels, **options)
+            mesh.run(ALLREDUCE_ALGORITHMS[chosen], flat, kernels, **options)
         buffer.write_back()
         return tensor
 
-    return mesh.issue(run, async_op)
+    return Prepared(run, signature)
 
 
 def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -174,18 +206,24 @@ def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", as
         x = torch.full((2,), float(mesh.rank))     # rank 0: [0, 0]  rank 1: [1, 1]  rank 2: [2, 2]
         lab.broadcast(mesh, x, src=1)              # all:    [1, 1]
     """
+    return mesh.issue(prepare_broadcast(mesh, tensor, src, algorithm).run, async_op)
+
+
+def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
+    """:func:`broadcast`'s checks and choices, done now; its communication, ready to run."""
     src = _check_root(mesh, src, "src")
     buffer = as_buffer(tensor)
     chosen = _pick(mesh, "broadcast", algorithm, buffer.nbytes)
+    signature = Signature("broadcast", chosen, buffer.dtype, buffer.numel, root=src)
 
     def run() -> Any:
         flat = buffer.load()
-        with mesh.collective("broadcast", chosen, buffer.dtype, buffer.numel, root=src):
-            ALGORITHMS["broadcast"][chosen](mesh, flat, src)
+        with mesh.collective(*signature):
+            mesh.run(ALGORITHMS["broadcast"][chosen], flat, src)
         buffer.write_back()
         return tensor
 
-    return mesh.issue(run, async_op)
+    return Prepared(run, signature)
 
 
 def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -199,23 +237,30 @@ def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool =
 
         lab.allgather(mesh, torch.tensor([mesh.rank, 10 + mesh.rank]))   # both: [0, 10, 1, 11]
     """
+    return mesh.issue(prepare_allgather(mesh, tensor, algorithm).run, async_op)
+
+
+def prepare_allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Prepared:
+    """:func:`allgather`'s checks and choices, done now; its communication, ready to run (each
+    run returns a new tensor)."""
     dtype = check_tensor(tensor)
     shape = tuple(np.shape(tensor)) or (1,)
     out_shape = (mesh.world_size * shape[0], *shape[1:])
     numel = math.prod(shape)
-    out = mesh.new_flat(mesh.world_size * numel, dtype)
-    chosen = _pick(mesh, "allgather", algorithm, out.nbytes)
-    bounds = split_bounds(out.size, mesh.world_size)  # equal blocks of numel
+    chosen = _pick(mesh, "allgather", algorithm, mesh.world_size * numel * dtype.storage.itemsize)
+    bounds = split_bounds(mesh.world_size * numel, mesh.world_size)  # equal blocks of numel
     start, stop = bounds[mesh.rank]
     buffer = as_buffer(tensor, writable=False)
+    signature = Signature("allgather", chosen, dtype, numel)
 
     def run() -> Any:
+        out = mesh.new_flat(mesh.world_size * numel, dtype)
         out[start:stop] = buffer.load()  # read now, after the collectives issued before this one
-        with mesh.collective("allgather", chosen, dtype, numel):
-            ALGORITHMS["allgather"][chosen](mesh, out, bounds)
+        with mesh.collective(*signature):
+            mesh.run(ALGORITHMS["allgather"][chosen], out, bounds)
         return to_caller_type(out, dtype, out_shape, like=tensor)
 
-    return mesh.issue(run, async_op)
+    return Prepared(run, signature)
 
 
 def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -231,6 +276,12 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "a
         x = torch.arange(4.0) + mesh.rank          # rank 0: [0, 1, 2, 3]  rank 1: [1, 2, 3, 4]
         lab.reduce_scatter(mesh, x)                # rank 0: [1, 3]        rank 1: [5, 7]
     """
+    return mesh.issue(prepare_reduce_scatter(mesh, tensor, op, algorithm).run, async_op)
+
+
+def prepare_reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
+    """:func:`reduce_scatter`'s checks and choices, done now; its communication, ready to run
+    (each run returns a new tensor)."""
     reduce_op = _parse_op(op)
     dtype = check_tensor(tensor)
     shape = tuple(np.shape(tensor))
@@ -240,17 +291,18 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "a
     chosen = _pick(mesh, "reduce_scatter", algorithm, math.prod(shape) * dtype.storage.itemsize)
     buffer = as_buffer(tensor, writable=False)
     bounds = row_bounds(shape[0], math.prod(shape[1:]), mesh.world_size)
+    start, stop = bounds[mesh.rank]
+    rows = split_bounds(shape[0], mesh.world_size)[mesh.rank]
+    signature = Signature("reduce_scatter", chosen, dtype, math.prod(shape), reduce_op.value)
 
     def run() -> Any:
         work = buffer.load().copy()  # read now (after earlier collectives); the caller's tensor stays as it was
-        with mesh.collective("reduce_scatter", chosen, dtype, work.size, reduce_op.value):
+        with mesh.collective(*signature):
             kernels.prepare(work, mesh.world_size)
-            ALGORITHMS["reduce_scatter"][chosen](mesh, work, kernels, bounds)
-        start, stop = bounds[mesh.rank]
-        rows = split_bounds(shape[0], mesh.world_size)[mesh.rank]
+            mesh.run(ALGORITHMS["reduce_scatter"][chosen], work, kernels, bounds)
         return to_caller_type(work[start:stop].copy(), dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
 
-    return mesh.issue(run, async_op)
+    return Prepared(run, signature)
 
 
 def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: bool = False) -> Any:
@@ -263,23 +315,29 @@ def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: boo
         x = torch.tensor([1.0, 2.0]) + mesh.rank   # rank 0: [1, 2]  rank 1: [2, 3]  rank 2: [3, 4]
         lab.reduce(mesh, x, dst=1)                 # rank 1: [6, 9]; ranks 0 and 2 unchanged
     """
+    return mesh.issue(prepare_reduce(mesh, tensor, dst, op).run, async_op)
+
+
+def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Prepared:
+    """:func:`reduce`'s checks, done now; its communication, ready to run."""
     dst = _check_root(mesh, dst, "dst")
     reduce_op = _parse_op(op)
     buffer = as_buffer(tensor)
     kernels = mesh.kernels(reduce_op, buffer.dtype)
+    signature = Signature("reduce", _REDUCE, buffer.dtype, buffer.numel, reduce_op.value, root=dst)
 
     def run() -> Any:
         flat = buffer.load()
-        with mesh.collective("reduce", _REDUCE, buffer.dtype, buffer.numel, reduce_op.value, root=dst):
+        with mesh.collective(*signature):
             if kernels.prescales and mesh.rank != dst:  # another rank's tensor stays as it was
                 flat = flat.copy()
             kernels.prepare(flat, mesh.world_size)
-            ALGORITHMS["reduce"][_REDUCE](mesh, flat, kernels, dst)
+            mesh.run(ALGORITHMS["reduce"][_REDUCE], flat, kernels, dst)
         if mesh.rank == dst:
             buffer.write_back()
         return tensor
 
-    return mesh.issue(run, async_op)
+    return Prepared(run, signature)
 
 
 def all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -295,6 +353,12 @@ def all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool 
         x = torch.tensor([10.0, 11.0]) + 10 * mesh.rank   # rank 0: [10, 11]  rank 1: [20, 21]
         lab.all_to_all(mesh, x)                           # rank 0: [10, 20]  rank 1: [11, 21]
     """
+    return mesh.issue(prepare_all_to_all(mesh, tensor, algorithm).run, async_op)
+
+
+def prepare_all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Prepared:
+    """:func:`all_to_all`'s checks and choices, done now; its communication, ready to run (each
+    run returns a new tensor)."""
     dtype = check_tensor(tensor)
     shape = tuple(np.shape(tensor))
     if not shape:
@@ -306,15 +370,16 @@ def all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool 
     send_bounds = row_bounds(shape[0], row, n)
     rows = split_bounds(shape[0], n)[mesh.rank]
     block = (rows[1] - rows[0]) * row  # every rank's block for us has our block's size
-    out = mesh.new_flat(n * block, dtype)
     recv_bounds = [(i * block, (i + 1) * block) for i in range(n)]
+    signature = Signature("all_to_all", chosen, dtype, buffer.numel)
 
     def run() -> Any:
-        with mesh.collective("all_to_all", chosen, dtype, buffer.numel):
-            ALGORITHMS["all_to_all"][chosen](mesh, buffer.load(), out, send_bounds, recv_bounds)
+        out = mesh.new_flat(n * block, dtype)
+        with mesh.collective(*signature):
+            mesh.run(ALGORITHMS["all_to_all"][chosen], buffer.load(), out, send_bounds, recv_bounds)
         return to_caller_type(out, dtype, (n * (rows[1] - rows[0]), *shape[1:]), like=tensor)
 
-    return mesh.issue(run, async_op)
+    return Prepared(run, signature)
 
 
 def barrier(mesh: Mesh, async_op: bool = False) -> Any:
@@ -324,12 +389,18 @@ def barrier(mesh: Mesh, async_op: bool = False) -> Any:
 
         lab.barrier(mesh)   # neither rank returns before both have called it
     """
+    return mesh.issue(prepare_barrier(mesh).run, async_op)
+
+
+def prepare_barrier(mesh: Mesh) -> Prepared:
+    """:func:`barrier`'s communication, ready to run."""
+    signature = Signature("barrier", _BARRIER, DTYPES["float32"], 0)
 
     def run() -> None:
-        with mesh.collective("barrier", _BARRIER, DTYPES["float32"], 0):
-            ALGORITHMS["barrier"][_BARRIER](mesh)
+        with mesh.collective(*signature):
+            mesh.run(ALGORITHMS["barrier"][_BARRIER])
 
-    return mesh.issue(run, async_op)
+    return Prepared(run, signature)
 
 
 __all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from lab.compiled import compilable
 from lab.peers import Peers
 
 
+@compilable
 def all_to_all_pairwise(peers: Peers, send: np.ndarray, recv: np.ndarray, send_bounds: list[tuple[int, int]],
                         recv_bounds: list[tuple[int, int]]) -> None:
     """Rank r sends ``send[send_bounds[j]]`` to rank j and receives rank j's block into ``recv[recv_bounds[j]]``.

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.collectives.fold import Fold, power_terms
+from lab.compiled import compilable
+from lab.collectives.fold import Fold, fold_of, power_terms, real_rank, virtual_bounds
 from lab.peers import Peers
 
 
+@compilable
 def double(peers: Peers, buf: np.ndarray, fold: Fold, vbounds: list[tuple[int, int]]) -> None:
     """The power-of-two core, on virtual ranks: given ``buf[vbounds[v]]`` on every v, fill in all.
 
@@ -19,11 +21,12 @@ def double(peers: Peers, buf: np.ndarray, fold: Fold, vbounds: list[tuple[int, i
         partner = v ^ mask
         mine, theirs = v - v % mask, partner - partner % mask
         # Swap aligned groups of `mask` virtual ranks' blocks: ours for the partner's.
-        peers.sendrecv_buffer(fold.real(partner), buf[vbounds[mine][0]:vbounds[mine + mask - 1][1]],
-                             fold.real(partner), buf[vbounds[theirs][0]:vbounds[theirs + mask - 1][1]])
+        peers.sendrecv_buffer(real_rank(fold, partner), buf[vbounds[mine][0]:vbounds[mine + mask - 1][1]],
+                             real_rank(fold, partner), buf[vbounds[theirs][0]:vbounds[theirs + mask - 1][1]])
         mask *= 2
 
 
+@compilable
 def allgather_recursive_doubling(peers: Peers, buf: np.ndarray, bounds: list[tuple[int, int]]) -> None:
     """Given chunk ``peers.rank`` of ``buf`` on every rank, fill in every other chunk.
 
@@ -48,7 +51,7 @@ def allgather_recursive_doubling(peers: Peers, buf: np.ndarray, bounds: list[tup
         every rank -> buf == [10, 11, 12]
     """
     n, rank = peers.world_size, peers.rank
-    fold = Fold(n, rank)
+    fold = fold_of(n, rank)
     if fold.sits_out:
         # Hand our chunk to the odd neighbour; it sends back the whole result at the end.
         peers.send_buffer(rank + 1, buf[bounds[rank][0]:bounds[rank][1]])
@@ -57,7 +60,7 @@ def allgather_recursive_doubling(peers: Peers, buf: np.ndarray, bounds: list[tup
     if fold.folded:
         # Take the even neighbour's chunk: we now speak for both.
         peers.recv_buffer(rank - 1, buf[bounds[rank - 1][0]:bounds[rank - 1][1]])
-    double(peers, buf, fold, fold.virtual_bounds(bounds))
+    double(peers, buf, fold, virtual_bounds(fold, bounds))
     if fold.folded:
         # Give the even neighbour the whole result.
         peers.send_buffer(rank - 1, buf)

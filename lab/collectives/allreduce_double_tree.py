@@ -94,7 +94,7 @@ def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, s
     for s in range(segments):
         for (parent, children), half in zip(trees, pieces):
             for child in children:
-                peers.recv_buffer(child, half[s], reduction.combine)
+                peers.recv_buffer(child, half[s], reduction)
             if parent >= 0:
                 peers.send_buffer(parent, half[s])
             else:

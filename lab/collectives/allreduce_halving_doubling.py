@@ -7,7 +7,7 @@ import numpy as np
 
 from lab.chunking import split_bounds
 from lab.collectives.allgather_recursive_doubling import double
-from lab.collectives.fold import Fold, power_terms
+from lab.collectives.fold import enter_allreduce, fold_of, leave_allreduce, power_terms
 from lab.collectives.reduce_scatter_recursive_halving import halve
 from lab.peers import Peers
 from lab.ops import Reduction
@@ -39,9 +39,9 @@ def allreduce_halving_doubling(peers: Peers, buf: np.ndarray, reduction: Reducti
         every rank -> buf == 4 * arange(8) + 6
     """
     n, rank = peers.world_size, peers.rank
-    fold = Fold(n, rank)
+    fold = fold_of(n, rank)
     # Fold in: an even rank below 2r hands its tensor to its odd neighbour and waits for the result.
-    if not fold.enter_allreduce(peers, buf, reduction):
+    if not enter_allreduce(fold, peers, buf, reduction):
         return
     chunks = split_bounds(buf.size, fold.p)
     # Reduce-scatter by recursive halving: chunk v ends fully reduced on virtual rank v.
@@ -52,7 +52,7 @@ def allreduce_halving_doubling(peers: Peers, buf: np.ndarray, reduction: Reducti
     # Allgather by recursive doubling: every virtual rank ends with every chunk.
     double(peers, buf, fold, chunks)
     # Fold out: give the even neighbour the result.
-    fold.leave_allreduce(peers, buf)
+    leave_allreduce(fold, peers, buf)
 
 
 def shape(world_size: int) -> tuple[float, float]:
@@ -65,7 +65,7 @@ def shape(world_size: int) -> tuple[float, float]:
 def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
     """(bytes this rank sends, which equal the bytes it receives; the formula), from the docstring,
     for a tensor of ``total`` bytes whose element count p and 2N divide (``python -m lab``'s check)."""
-    fold = Fold(world_size, rank)
+    fold = fold_of(world_size, rank)
     if fold.sits_out:
         return total, "T (folded out)"
     return (2 * total * (fold.p - 1) // fold.p + (total if fold.folded else 0),

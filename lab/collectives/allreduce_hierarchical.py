@@ -54,7 +54,7 @@ def allreduce_hierarchical(peers: Peers, buf: np.ndarray, reduction: Reduction) 
     partial = reduction.partial()  # sums only: avg divides once, at the end
     extras = range(host.rank + shards, host.world_size, shards)
     for extra in extras:  # Step 0 (larger hosts only): fold in the extra ranks' buffers
-        host.recv_buffer(extra, buf, partial.combine)
+        host.recv_buffer(extra, buf, partial)
     leaders, cross = place.leaders, place.cross
     bounds = split_bounds(buf.size, shards)
     start, stop = bounds[leaders.rank]

@@ -23,7 +23,7 @@ def allreduce_naive(peers: Peers, buf: np.ndarray, reduction: Reduction) -> None
     if rank == 0:
         # Fold in every other rank's whole tensor, one after the other.
         for src in range(1, n):
-            peers.recv_buffer(src, buf, reduction.combine)
+            peers.recv_buffer(src, buf, reduction)
         reduction.finalize(buf, n)
         # Send the result back to each of them, one after the other.
         for dst in range(1, n):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.collectives.fold import Fold, power_terms
+from lab.compiled import compilable
+from lab.collectives.fold import enter_allreduce, fold_of, leave_allreduce, power_terms, real_rank
 from lab.peers import Peers
 from lab.ops import Reduction
 
 
+@compilable
 def allreduce_recursive_doubling(peers: Peers, buf: np.ndarray, reduction: Reduction) -> None:
     """Reduce ``buf`` in place across all ranks in log2 N rounds of whole-tensor exchange.
 
@@ -34,14 +36,14 @@ def allreduce_recursive_doubling(peers: Peers, buf: np.ndarray, reduction: Reduc
         every rank -> buf == 4 * arange(8) + 6
     """
     n, rank = peers.world_size, peers.rank
-    fold = Fold(n, rank)
+    fold = fold_of(n, rank)
     # Fold in: an even rank below 2r hands its tensor to its odd neighbour and waits for the result.
-    if not fold.enter_allreduce(peers, buf, reduction):
+    if not enter_allreduce(fold, peers, buf, reduction):
         return
     v, mask = fold.vrank, 1
     incoming = np.empty_like(buf)
     while mask < fold.p:
-        partner = fold.real(v ^ mask)
+        partner = real_rank(fold, v ^ mask)
         # Swap whole partial results with the partner, then fold theirs into ours.
         peers.sendrecv_buffer(partner, buf, partner, incoming)
         reduction.combine(buf, incoming)
@@ -49,7 +51,7 @@ def allreduce_recursive_doubling(peers: Peers, buf: np.ndarray, reduction: Reduc
     # Every rank holds the same bits of the full reduction: finish it (avg divides) identically.
     reduction.finalize(buf, n)
     # Fold out: give the even neighbour the result.
-    fold.leave_allreduce(peers, buf)
+    leave_allreduce(fold, peers, buf)
 
 
 def shape(world_size: int) -> tuple[float, float]:
@@ -62,7 +64,7 @@ def shape(world_size: int) -> tuple[float, float]:
 def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
     """(bytes this rank sends, which equal the bytes it receives; the formula), from the docstring,
     for a tensor of ``total`` bytes whose element count p and 2N divide (``python -m lab``'s check)."""
-    fold = Fold(world_size, rank)
+    fold = fold_of(world_size, rank)
     if fold.sits_out:
         return total, "T (folded out)"
     lp = fold.p.bit_length() - 1

@@ -31,7 +31,7 @@ def allreduce_tree(peers: Peers, buf: np.ndarray, reduction: Reduction) -> None:
             peers.send_buffer(rank - mask, buf)
             break
         if rank + mask < n:
-            peers.recv_buffer(rank + mask, buf, reduction.combine)
+            peers.recv_buffer(rank + mask, buf, reduction)
         mask <<= 1
     # Rank 0 holds everything: finish it there once (avg divides), so all ranks get its bits.
     if rank == 0:

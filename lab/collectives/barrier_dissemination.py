@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from lab.compiled import compilable
 from lab.collectives.fold import power_terms
 from lab.peers import Peers
 
 
+@compilable
 def barrier_dissemination(peers: Peers) -> None:
     """Return once every rank has entered.
 

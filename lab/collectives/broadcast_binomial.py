@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from lab.compiled import compilable
 from lab.collectives.fold import power_terms
 from lab.peers import Peers
 
 
+@compilable
 def broadcast_binomial(peers: Peers, buf: np.ndarray, src: int) -> None:
     """Copy rank ``src``'s ``buf`` into ``buf`` on every rank.
 

@@ -13,77 +13,78 @@ every message of the power-of-two algorithms one contiguous slice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
+from lab.compiled import compilable
+
+if TYPE_CHECKING:
     from lab.peers import Peers
     from lab.ops import Reduction
 
 
-@dataclass(frozen=True)
-class Fold:
-    """Where ``rank`` stands in the fold of ``world_size`` ranks."""
+class Fold(NamedTuple):
+    """Where ``rank`` stands in the fold of ``world_size`` ranks (made by :func:`fold_of`)."""
 
     world_size: int
     rank: int
+    p: int  # the largest power of two <= N: how many ranks run the power-of-two algorithm
+    extra: int  # r = N - p: how many ranks sit out (the even ranks 0, 2, ..., 2r-2)
+    sits_out: bool  # even ranks below 2r: they hand their data to rank + 1 and wait for the result
+    folded: bool  # odd ranks below 2r: they act for themselves and for rank - 1
+    vrank: int  # this rank's number among the p ranks that run the algorithm (not for one that sits out)
 
-    @property
-    def p(self) -> int:
-        """The largest power of two <= N: how many ranks run the power-of-two algorithm."""
-        return 1 << (self.world_size.bit_length() - 1)
 
-    @property
-    def extra(self) -> int:
-        """r = N - p: how many ranks sit out (the even ranks 0, 2, ..., 2r-2)."""
-        return self.world_size - self.p
+@compilable
+def fold_of(world_size: int, rank: int) -> Fold:
+    """``rank``'s place in the fold of ``world_size`` ranks."""
+    p = 1
+    while p * 2 <= world_size:
+        p *= 2
+    extra = world_size - p
+    paired = rank < 2 * extra
+    return Fold(world_size, rank, p, extra, paired and rank % 2 == 0, paired and rank % 2 == 1,
+                rank // 2 if paired else rank - extra)
 
-    @property
-    def sits_out(self) -> bool:
-        """Even ranks below 2r: they hand their data to rank + 1 and wait for the result."""
-        return self.rank < 2 * self.extra and self.rank % 2 == 0
 
-    @property
-    def folded(self) -> bool:
-        """Odd ranks below 2r: they act for themselves and for rank - 1."""
-        return self.rank < 2 * self.extra and self.rank % 2 == 1
+@compilable
+def real_rank(fold: Fold, vrank: int) -> int:
+    """The rank that plays virtual rank ``vrank``."""
+    return 2 * vrank + 1 if vrank < fold.extra else vrank + fold.extra
 
-    @property
-    def vrank(self) -> int:
-        """This rank's number among the p ranks that run the algorithm (not for one that sits out)."""
-        return self.rank // 2 if self.rank < 2 * self.extra else self.rank - self.extra
 
-    def real(self, vrank: int) -> int:
-        """The rank that plays virtual rank ``vrank``."""
-        return 2 * vrank + 1 if vrank < self.extra else vrank + self.extra
+@compilable
+def virtual_bounds(fold: Fold, bounds: np.ndarray) -> np.ndarray:
+    """Element bounds per virtual rank (a (p, 2) array), from element bounds per original block
+    (one ``(start, stop)`` row per rank): virtual rank v spans blocks 2v and 2v + 1 (v < r) or
+    block v + r."""
+    spans = np.empty((fold.p, 2), np.int64)
+    for v in range(fold.p):
+        first, last = (2 * v, 2 * v + 1) if v < fold.extra else (v + fold.extra, v + fold.extra)
+        spans[v, 0], spans[v, 1] = bounds[first][0], bounds[last][1]
+    return spans
 
-    def blocks(self, vrank: int) -> tuple[int, int]:
-        """The original blocks [first, stop) that virtual rank ``vrank`` speaks for."""
-        return (2 * vrank, 2 * vrank + 2) if vrank < self.extra else (vrank + self.extra, vrank + self.extra + 1)
 
-    def virtual_bounds(self, bounds: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Element bounds per virtual rank, from element bounds per original block (one per rank)."""
-        spans = (self.blocks(v) for v in range(self.p))
-        return [(bounds[first][0], bounds[stop - 1][1]) for first, stop in spans]
+@compilable
+def enter_allreduce(fold: Fold, peers: Peers, buf: np.ndarray, reduction: Reduction) -> bool:
+    """Fold-in for an allreduce: a rank that sits out hands ``buf`` to its odd neighbour and
+    waits for the finished result (returns False: it is done); a folded rank reduces its even
+    neighbour's tensor into ``buf`` and speaks for both (returns True, as do the others)."""
+    if fold.sits_out:
+        peers.send_buffer(fold.rank + 1, buf)
+        peers.recv_buffer(fold.rank + 1, buf)
+        return False
+    if fold.folded:
+        peers.recv_buffer(fold.rank - 1, buf, reduction)
+    return True
 
-    def enter_allreduce(self, peers: Peers, buf: np.ndarray, reduction: Reduction) -> bool:
-        """Fold-in for an allreduce: a rank that sits out hands ``buf`` to its odd neighbour and
-        waits for the finished result (returns False: it is done); a folded rank reduces its even
-        neighbour's tensor into ``buf`` and speaks for both (returns True, as do the others)."""
-        if self.sits_out:
-            peers.send_buffer(self.rank + 1, buf)
-            peers.recv_buffer(self.rank + 1, buf)
-            return False
-        if self.folded:
-            peers.recv_buffer(self.rank - 1, buf, reduction.combine)
-        return True
 
-    def leave_allreduce(self, peers: Peers, buf: np.ndarray) -> None:
-        """Fold-out: a folded rank gives its even neighbour the result."""
-        if self.folded:
-            peers.send_buffer(self.rank - 1, buf)
+@compilable
+def leave_allreduce(fold: Fold, peers: Peers, buf: np.ndarray) -> None:
+    """Fold-out: a folded rank gives its even neighbour the result."""
+    if fold.folded:
+        peers.send_buffer(fold.rank - 1, buf)
 
 
 class PowerTerms(NamedTuple):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from lab.compiled import compilable
 from lab.collectives.fold import power_terms
 from lab.peers import Peers
 from lab.ops import Reduction
 
 
+@compilable
 def reduce_binomial(peers: Peers, buf: np.ndarray, reduction: Reduction, dst: int) -> None:
     """Leave the reduction over all ranks in ``buf`` on rank ``dst``; other ranks' ``buf`` unchanged.
 
@@ -40,7 +42,7 @@ def reduce_binomial(peers: Peers, buf: np.ndarray, reduction: Reduction, dst: in
             return
         if relative + mask < n:
             # Fold in the child's subtree at this distance.
-            peers.recv_buffer((rank + mask) % n, work, reduction.combine)
+            peers.recv_buffer((rank + mask) % n, work, reduction)
         mask <<= 1
     # Only the root gets here: it holds every contribution; finish it once (avg divides).
     reduction.finalize(work, n)

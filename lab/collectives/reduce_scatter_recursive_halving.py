@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.collectives.fold import Fold, power_terms
+from lab.compiled import compilable
+from lab.collectives.fold import Fold, fold_of, power_terms, real_rank, virtual_bounds
 from lab.peers import Peers
 from lab.ops import Reduction
 
 
+@compilable
 def halve(peers: Peers, buf: np.ndarray, reduction: Reduction, fold: Fold, vbounds: list[tuple[int, int]]) -> None:
     """The power-of-two core, on virtual ranks: leave the reduction of ``buf[vbounds[v]]`` on v.
 
@@ -22,13 +24,14 @@ def halve(peers: Peers, buf: np.ndarray, reduction: Reduction, fold: Fold, vboun
         partner, mid = v ^ mask, lo + mask
         keep, give = ((lo, mid), (mid, hi)) if v < mid else ((mid, hi), (lo, mid))
         # Send the half the partner keeps; fold the partner's partial sums of our half into ours.
-        peers.sendrecv_buffer(fold.real(partner), buf[vbounds[give[0]][0]:vbounds[give[1] - 1][1]],
-                             fold.real(partner), buf[vbounds[keep[0]][0]:vbounds[keep[1] - 1][1]],
-                             reduction.combine)
+        peers.sendrecv_buffer(real_rank(fold, partner), buf[vbounds[give[0]][0]:vbounds[give[1] - 1][1]],
+                             real_rank(fold, partner), buf[vbounds[keep[0]][0]:vbounds[keep[1] - 1][1]],
+                             reduction)
         lo, hi = keep
         mask //= 2
 
 
+@compilable
 def reduce_scatter_recursive_halving(peers: Peers, buf: np.ndarray, reduction: Reduction,
                                      bounds: list[tuple[int, int]]) -> None:
     """Leave the reduction over all ranks of chunk ``peers.rank`` (``buf[bounds[rank]]``) in place.
@@ -55,7 +58,7 @@ def reduce_scatter_recursive_halving(peers: Peers, buf: np.ndarray, reduction: R
         rank 0 -> buf[0] == 3;  rank 1 -> buf[1] == 3;  rank 2 -> buf[2] == 3
     """
     n, rank = peers.world_size, peers.rank
-    fold = Fold(n, rank)
+    fold = fold_of(n, rank)
     mine = buf[bounds[rank][0]:bounds[rank][1]]
     if fold.sits_out:
         # Hand everything to the odd neighbour; it sends back our finished block at the end.
@@ -64,8 +67,8 @@ def reduce_scatter_recursive_halving(peers: Peers, buf: np.ndarray, reduction: R
         return
     if fold.folded:
         # Fold the even neighbour's whole buffer into ours: we now speak for both.
-        peers.recv_buffer(rank - 1, buf, reduction.combine)
-    vbounds = fold.virtual_bounds(bounds)
+        peers.recv_buffer(rank - 1, buf, reduction)
+    vbounds = virtual_bounds(fold, bounds)
     halve(peers, buf, reduction, fold, vbounds)
     # Our blocks hold every contribution: finish them here, once (avg divides).
     start, stop = vbounds[fold.vrank]

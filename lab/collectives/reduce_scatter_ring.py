@@ -29,7 +29,7 @@ def reduce_scatter_ring(peers: Peers, buf: np.ndarray, reduction: Reduction, bou
     for step in range(n - 1):
         # Pass on the partial sum built last step; fold the left neighbour's partial into ours.
         peers.sendrecv_buffer(right, ring_chunk(buf, bounds, rank - step - 1),
-                             left, ring_chunk(buf, bounds, rank - step - 2), reduction.combine)
+                             left, ring_chunk(buf, bounds, rank - step - 2), reduction)
     # Chunk `rank` now holds every contribution: finish it here, once (avg divides).
     reduction.finalize(ring_chunk(buf, bounds, rank), n)
 

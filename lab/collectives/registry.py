@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from lab import fingerprint
+from lab.compiled import Compilable
 from lab.collectives import (all_to_all_bruck, all_to_all_pairwise, allgather_recursive_doubling, allgather_ring,
                              allreduce_double_tree, allreduce_halving_doubling, allreduce_hierarchical,
                              allreduce_naive, allreduce_recursive_doubling, allreduce_ring, allreduce_tree,
@@ -108,6 +109,12 @@ def fallback(collective: str) -> tuple[str, str]:
     """``auto``'s (small, large) picks for ``collective`` without fitted models (one algorithm: both)."""
     picks = {entry.fallback: name for name, entry in ALGORITHMS[collective].items() if entry.fallback}
     return picks.get("small", picks.get("large")), picks.get("large", picks.get("small"))
+
+
+def compiled(collective: str) -> str | None:
+    """``collective``'s algorithm written for Numba (:mod:`lab.compiled`), which ``auto`` picks for
+    tensors small enough for the compiled path (:mod:`lab.plane`); None if it has none."""
+    return next((name for name, entry in ALGORITHMS[collective].items() if isinstance(entry.run, Compilable)), None)
 
 
 def choosable(collective: str) -> bool:

@@ -102,9 +102,9 @@ def _no_descriptors(world_size: int) -> int:
 
 
 #: A rank's channel descriptors travel to it in one ``SCM_RIGHTS`` message, which Linux caps at
-#: 253: shm passes 3N-2 of them (pipes and segments), queue 5N-4 (queue pipes and "alive" pipes),
+#: 253: shm passes 3N-1 of them (pipes, segments and the mailboxes), queue 5N-4 (queue pipes and "alive" pipes),
 #: plus multiprocessing's own few.
-_SHM_MAX_RANKS = 83
+_SHM_MAX_RANKS = 82
 
 POOL_TRANSPORTS: dict[str, PoolTransport] = {
     "shm": PoolTransport(

@@ -95,6 +95,10 @@ class RecordingMesh:
         self.ran.append((name, algorithm))
         yield
 
+    def run(self, algorithm: Callable[..., None], *args: Any, **options: Any) -> None:
+        """Run the algorithm on this recorder, as Python (what :meth:`lab.Mesh.run` does off shm)."""
+        algorithm(self, *args, **options)
+
     def _step(self, step: tuple[int, int, int, int, int]) -> None:
         self.steps.extend(step)
         if len(self.steps) >= self.check_at:  # one comparison per step until a limit is near
@@ -103,11 +107,11 @@ class RecordingMesh:
     def send_buffer(self, dst: int, data: np.ndarray) -> None:
         self._step((dst, data.nbytes, -1, 0, 0))
 
-    def recv_buffer(self, src: int, out: np.ndarray, combine: Any = None) -> None:
-        self._step((-1, 0, src, out.nbytes, combine is not None))
+    def recv_buffer(self, src: int, out: np.ndarray, reduction: Any = None) -> None:
+        self._step((-1, 0, src, out.nbytes, reduction is not None))
 
-    def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray, combine: Any = None) -> None:
-        self._step((dst, data.nbytes, src, out.nbytes, combine is not None))
+    def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray, reduction: Any = None) -> None:
+        self._step((dst, data.nbytes, src, out.nbytes, reduction is not None))
 
     def host_of(self, rank: int) -> int:
         return rank // self._ranks_per_host  # what lab.peers.hierarchy groups by (hierarchical allreduce)

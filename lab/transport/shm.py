@@ -45,12 +45,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kernels import mailbox as mailboxes
 from lab.errors import CollectiveMismatchError, PeerLostError
 from lab.transport.base import (TAG_BYTES, Recv, Send, SharedFd, Silence, TagMismatch, Transport,
                                 same_context, silence_error)
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024
 DEFAULT_SLOTS = 4
+#: Slots per ring of the compiled path's mailboxes, and the most address space they take per pool.
+MAILBOX_DEPTH = 4
+MAILBOX_BUDGET_BYTES = 64 * 1024 * 1024
 #: Eager messages a sender may have outstanding at one receiver (returned half at a time).
 EAGER_CREDITS = 8
 
@@ -78,11 +82,35 @@ class ShmEndpoints:
     inbox: dict[int, SharedFd]  # src -> read end of the pipe src -> rank
     outbox: dict[int, SharedFd]  # dst -> write end of the pipe rank -> dst
     segments: list[SharedFd] = field(default_factory=list)  # one per rank, empty for world_size 1
+    mailbox: SharedFd | None = None  # every rank's compiled-path mailboxes (lab.plane); None: no compiled path
+    mailbox_slot_bytes: int = 0
+    mailbox_depth: int = 0
 
     def close_in_parent(self) -> None:
         """Close the parent's copies once the rank's process holds its own."""
         for shared in (*self.inbox.values(), *self.outbox.values(), *self.segments):
             shared.close()
+        if self.mailbox is not None:
+            self.mailbox.close()
+
+
+@dataclass
+class Mailbox:
+    """A rank's view of the mailboxes (``kernels.mailbox``), what :class:`lab.plane.CompiledPlane` runs on."""
+
+    region: np.ndarray  # uint8, 64-byte aligned, shared by every rank
+    rank: int
+    world_size: int
+    slot_bytes: int
+    depth: int
+    liveness_fds: np.ndarray  # per rank: the pipe it writes to us (POLLHUP once it died); -1 for us
+
+
+def mailbox_slot_bytes(world_size: int) -> int:
+    """Slot payload bytes: 64 KiB, less where N(N-1) rings of MAILBOX_DEPTH slots would pass
+    MAILBOX_BUDGET_BYTES (4 KiB at least; larger messages go as several pieces)."""
+    rings = max(1, world_size * (world_size - 1) * MAILBOX_DEPTH)
+    return max(4096, min(64 * 1024, MAILBOX_BUDGET_BYTES // rings // 64 * 64))
 
 
 def create_endpoints(world_size: int, segment_bytes: int, slots: int,
@@ -97,6 +125,7 @@ def create_endpoints(world_size: int, segment_bytes: int, slots: int,
         raise ValueError(f"eager_bytes must be in [0, {MAX_EAGER_BYTES}]; got {eager_bytes}")
     endpoints = [ShmEndpoints(r, world_size, segment_bytes, slots, eager_bytes, {}, {}) for r in range(world_size)]
     segments: list[SharedFd] = []
+    mailbox: SharedFd | None = None
     try:
         for src in range(world_size):
             for dst in range(world_size):
@@ -109,14 +138,20 @@ def create_endpoints(world_size: int, segment_bytes: int, slots: int,
             for rank in range(world_size):
                 segments.append(SharedFd(os.memfd_create(f"lab-rank{rank}", os.MFD_CLOEXEC)))
                 os.ftruncate(segments[-1].fd, size)
+            # One more (sparse) memfd: the compiled path's mailboxes, shared by every rank.
+            slot_bytes = mailbox_slot_bytes(world_size)
+            mailbox = SharedFd(os.memfd_create("lab-mailboxes", os.MFD_CLOEXEC))
+            os.ftruncate(mailbox.fd, mailboxes.region_bytes(world_size, slot_bytes, MAILBOX_DEPTH))
     except BaseException:
         for ep in endpoints:
             ep.close_in_parent()
-        for shared in segments:
+        for shared in (*segments, *([mailbox] if mailbox else [])):
             shared.close()
         raise
     for ep in endpoints:
         ep.segments = segments  # shared: closing one endpoint's copy closes the parent's fd once
+        if world_size > 1:
+            ep.mailbox, ep.mailbox_slot_bytes, ep.mailbox_depth = mailbox, slot_bytes, MAILBOX_DEPTH
     return endpoints
 
 
@@ -156,6 +191,7 @@ class ShmTransport(Transport):
             self._maps.append(mmap.mmap(segment.fd, os.fstat(segment.fd).st_size))
             segment.close()
         self._memory = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+        self.mailbox = None if endpoints.mailbox is None else self._map_mailbox(endpoints)
         peers = list(self._read_fd)
         self._credits = {p: self.slots for p in peers}
         self._eager_credits = {p: EAGER_CREDITS for p in peers}
@@ -165,6 +201,14 @@ class ShmTransport(Transport):
         self._parked: dict[int, list] = {p: [] for p in peers}  # other contexts' messages, copied out
         self._partial = {p: b"" for p in peers}  # the start of a frame whose rest is still in the pipe
         self._closed = False
+
+    def _map_mailbox(self, endpoints: ShmEndpoints) -> Mailbox:
+        shared = endpoints.mailbox
+        self._maps.append(mmap.mmap(shared.fd, os.fstat(shared.fd).st_size))  # page-aligned: 64-byte aligned
+        shared.close()
+        liveness = np.array([self._read_fd.get(peer, -1) for peer in range(self.world_size)], np.int64)
+        return Mailbox(np.frombuffer(self._maps[-1], np.uint8), self.rank, self.world_size,
+                       endpoints.mailbox_slot_bytes, endpoints.mailbox_depth, liveness)
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -384,10 +428,18 @@ class ShmTransport(Transport):
         return held
 
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
+        """Also the next message in each mailbox ring (a peer that took the compiled path where this
+        rank took the pipes: a size on either side of the compiled path's threshold)."""
         for peer in self._arrived:
             with contextlib.suppress(PeerLostError):
                 self._drain(peer, "diagnosis")
-        return {peer: [entry[3] for entry in arrived] for peer, arrived in self._arrived.items() if arrived}
+        tags = {peer: [entry[3] for entry in arrived] for peer, arrived in self._arrived.items() if arrived}
+        if self.mailbox is not None:
+            box = self.mailbox
+            pending = mailboxes.pending_fingerprints(box.region, box.rank, box.world_size, box.slot_bytes, box.depth)
+            for peer, tag in pending.items():
+                tags.setdefault(peer, []).append(tag)
+        return tags
 
     def close(self) -> None:
         if self._closed:
@@ -395,7 +447,7 @@ class ShmTransport(Transport):
         self._closed = True
         for fd in (*self._read_fd.values(), *self._write_fd.values()):
             os.close(fd)
-        self._memory = []
+        self._memory, self.mailbox = [], None
         for m in self._maps:
             # A failed transfer's traceback may still hold views of a slot; the mapping then goes
             # when they do (and with the process), so there is nothing to force here.

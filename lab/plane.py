@@ -1,0 +1,141 @@
+"""The compiled data plane: a small collective as one Numba call over the shm mailboxes.
+
+On the shm transport every rank maps one more shared region, the *mailboxes* (``kernels.mailbox``:
+a single-producer/single-consumer ring of slots per ordered pair of ranks, counters published with
+release stores, waits that spin, yield, then sleep on a futex). A collective of at most
+``max_bytes`` whose algorithm is :func:`lab.compiled.compilable` runs its whole exchange in one
+call of that algorithm's compiled face: no interpreter between messages, no system call on the
+fast path. Everything the Python path guarantees holds: every message carries the collective's
+fingerprint and the receiver compares it (``CollectiveMismatchError``), a wait reads the clock
+(``DeadlineError`` after ``recv_timeout_ms`` of silence) and polls each awaited peer's pipe for a
+hang-up (``PeerLostError``), and the counters, flight recorder and trace rows see the call.
+
+Failures never raise inside compiled code: the mailbox records the first one, every later
+transfer of the call returns at once, and :meth:`CompiledPlane.run` returns the report that
+:meth:`lab.Mesh.run` turns into the error.
+
+    plane = CompiledPlane(transport.mailbox)
+    if plane.takes(entry, nbytes):
+        report = plane.run(entry, tag, deadline_ms, (flat, reduction))   # one Numba call
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from kernels import mailbox as mb
+from kernels.coded import coded_reduction
+from lab.compiled import Compilable
+from lab.ops import Reduction
+
+#: Tensors up to this many bytes take the compiled path (``LAB_COMPILED_MAX_BYTES``; 0: never).
+DEFAULT_MAX_BYTES = 0  # off until the mailboxes are cacheable (work in progress)
+
+# Words of the config array: what the compiled call reads (in) and reports (out).
+RANK, WORLD_SIZE, SLOT_BYTES, DEPTH, DEADLINE_NS, OP, FAMILY, DIVIDES = range(8)  # in
+STATUS, FAILED_PEER, PEER_BYTES, BYTES_SENT, BYTES_RECEIVED, MESSAGES_SENT, MESSAGES_RECEIVED = range(8, 15)  # out
+FINGERPRINT, PEER_FINGERPRINT = 15, 19  # 4 words each: ours (in), the failed peer's (out)
+LIVENESS = 23  # one pipe descriptor per rank (-1: none)
+
+
+@dataclass
+class Report:
+    """How one compiled call went (``status``: ``kernels.mailbox`` OK, MISMATCH, SILENCE, PEER_LOST)."""
+
+    status: int
+    failed_peer: int
+    peer_tag: bytes
+    bytes_sent: int
+    bytes_received: int
+    messages_sent: int
+    messages_received: int
+
+
+class CompiledPlane:
+    """One rank's compiled data plane over its transport's mailboxes (see the module docstring)."""
+
+    def __init__(self, mailbox: Any) -> None:
+        self.region = mailbox.region
+        n = mailbox.world_size
+        self.config = np.zeros(LIVENESS + n, np.int64)
+        self.config[[RANK, WORLD_SIZE, SLOT_BYTES, DEPTH]] = mailbox.rank, n, mailbox.slot_bytes, mailbox.depth
+        self.config[LIVENESS:] = mailbox.liveness_fds
+        self.max_bytes = max_bytes_from_env()
+        self._entries: dict[Compilable, Callable[..., None]] = {}
+
+    def takes(self, algorithm: Any, nbytes: int) -> bool:
+        """Whether a collective of ``nbytes`` running ``algorithm`` (a registry entry) runs here."""
+        return nbytes <= self.max_bytes and isinstance(getattr(algorithm, "run", None), Compilable)
+
+    def run(self, algorithm: Any, tag: bytes, timeout_ms: float, args: tuple) -> Report:
+        """Run ``algorithm`` compiled on ``args`` (its arguments after the peers) with ``tag`` on
+        every message; return the :class:`Report`."""
+        config = self.config
+        config[FINGERPRINT:FINGERPRINT + 4] = np.frombuffer(tag[:32].ljust(32, b"\0"), np.int64)
+        config[DEADLINE_NS] = 0 if timeout_ms == float("inf") else int(timeout_ms * 1e6)
+        reduces = len(args) > 1 and isinstance(args[1], Reduction)  # (buf, reduction, ...) in every reducing algorithm
+        entry = self._entries.get(algorithm.run)
+        if entry is None:
+            entry = self._entries[algorithm.run] = _entry(algorithm.run, reduces)
+        if reduces:
+            config[OP], config[FAMILY], config[DIVIDES] = args[1].codes
+            args = (args[0], *args[2:])
+        entry(self.region, config, *(np.asarray(a, np.int64) if isinstance(a, list) else a for a in args))
+        return Report(int(config[STATUS]), int(config[FAILED_PEER]),
+                      config[PEER_FINGERPRINT:PEER_FINGERPRINT + 4].tobytes(),
+                      *(int(v) for v in config[BYTES_SENT:MESSAGES_RECEIVED + 1]))
+
+
+def max_bytes_from_env() -> int:
+    """``LAB_COMPILED_MAX_BYTES``: the largest tensor the compiled path takes (0: none)."""
+    value = os.environ.get("LAB_COMPILED_MAX_BYTES", "")
+    if not value:
+        return DEFAULT_MAX_BYTES
+    if not value.isdigit():
+        raise ValueError(f"LAB_COMPILED_MAX_BYTES must be a non-negative number of bytes; got {value!r}")
+    return int(value)
+
+
+@njit(inline="always")
+def _open(region, config):
+    """The mailboxes as ``kernels.mailbox.MailboxPeers``, for one collective."""
+    n = config[WORLD_SIZE]
+    peers = mb.open_mailbox(region, config[RANK], n, config[SLOT_BYTES], config[DEPTH],
+                            config[LIVENESS:LIVENESS + n].astype(np.int32))
+    peers.begin(config[FINGERPRINT:FINGERPRINT + 4].view(np.uint8), config[DEADLINE_NS])
+    return peers
+
+
+@njit(inline="always")
+def _close(peers, config):
+    """What the call reports (see :class:`Report`)."""
+    config[STATUS], config[FAILED_PEER], config[PEER_BYTES] = peers.status, peers.failed_peer, peers.peer_bytes
+    config[BYTES_SENT], config[BYTES_RECEIVED] = peers.bytes_sent.sum(), peers.bytes_received.sum()
+    config[MESSAGES_SENT], config[MESSAGES_RECEIVED] = peers.messages_sent.sum(), peers.messages_received.sum()
+    config[PEER_FINGERPRINT:PEER_FINGERPRINT + 4] = peers.peer_fingerprint.view(np.int64)
+
+
+def _entry(run: Compilable, reduces: bool) -> Callable[..., None]:
+    """The compiled call of ``run``: the mailboxes and (where the algorithm reduces, as its second
+    argument) the reduction are built inside it, so only arrays and integers cross from Python
+    (any other Python object costs microseconds to type at every call). Cached on disk: Numba
+    keys a closure's cache on its variables' pickled bytes, and a ``Compilable`` pickles by name."""
+    if reduces:
+        @njit(nogil=True, cache=True)
+        def entry(region, config, buf, *rest):
+            peers = _open(region, config)
+            run(peers, buf, coded_reduction(config[OP], config[FAMILY], config[DIVIDES] != 0), *rest)
+            _close(peers, config)
+    else:
+        @njit(nogil=True, cache=True)
+        def entry(region, config, *args):
+            peers = _open(region, config)
+            run(peers, *args)
+            _close(peers, config)
+    return entry

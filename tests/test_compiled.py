@@ -1,0 +1,234 @@
+"""The compiled data plane (lab.plane): a small collective in one Numba call over the shm mailboxes.
+
+The compiled run of each algorithm must give the bits its Python run gives (the same source, two
+runs): the root mesh of an shm pool takes the compiled path, a sub-mesh of all its ranks the
+Python path, on the same ranks. Every rank checks its own output; inputs are
+``index * stride + rank``; world sizes 1-8 are pools of their own (a sub-mesh never runs compiled).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+import lab
+from conftest import pool
+from lab.collectives import registry
+from lab.ops import DTYPES
+
+STRIDE = 3
+MAX_BYTES = 4096  # the compiled path's threshold in these pools (LAB_COMPILED_MAX_BYTES): sizes around it stay small
+OPS = ("sum", "prod", "min", "max", "avg")
+
+
+@pytest.fixture(scope="module", params=range(1, 9), ids=lambda n: f"N{n}")
+def cluster(request):
+    os.environ["LAB_COMPILED_MAX_BYTES"] = str(MAX_BYTES)  # read by every rank at start
+    try:
+        with pool(request.param, "shm") as running:
+            yield running
+    finally:
+        del os.environ["LAB_COMPILED_MAX_BYTES"]
+
+
+def pattern(count: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.arange(count, dtype=torch.float64) * STRIDE + rank).to(dtype)
+
+
+def counts_around(itemsize: int, world_size: int) -> list[int]:
+    """0, 1, fewer than ranks, not divisible by them, and one element either side of the threshold."""
+    at = MAX_BYTES // itemsize
+    return sorted({0, 1, max(world_size - 1, 1), 2 * world_size + 1, at - 1, at, at + 1})
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8) if a.numel()
+                                                                       else a, b.view(-1).view(torch.uint8)
+                                                                       if b.numel() else b)
+
+
+def compiled_equals_python(mesh: lab.Mesh) -> list[str]:
+    """Every compilable algorithm, dtype, op and count around the threshold: root mesh (compiled at
+    or under the threshold) against a sub-mesh of the same ranks (Python)."""
+    everyone = mesh.split(color=0)
+    n, rank, wrong = mesh.world_size, mesh.rank, []
+    compiled_before = mesh.stats()["collectives_compiled"]
+    expected_compiled = 0
+
+    def check(what: str, fast, slow) -> None:
+        if not same_bits(torch.as_tensor(fast), torch.as_tensor(slow)):
+            wrong.append(f"rank {rank} {what}: compiled {torch.as_tensor(fast).view(-1)[:4].tolist()} "
+                         f"python {torch.as_tensor(slow).view(-1)[:4].tolist()}")
+
+    for name, dtype in DTYPES.items():
+        for count in counts_around(dtype.storage.itemsize, n):
+            small = count * dtype.storage.itemsize <= MAX_BYTES
+            x = pattern(count, rank, dtype.torch_dtype)
+            rows = pattern(count, rank, dtype.torch_dtype)
+            for op in OPS:
+                if op == "avg" and not dtype.is_floating:
+                    continue
+                check(f"allreduce {name}[{count}] {op}",
+                      lab.allreduce(mesh, x.clone(), op=op, algorithm="recursive_doubling"),
+                      lab.allreduce(everyone, x.clone(), op=op, algorithm="recursive_doubling"))
+                check(f"reduce_scatter {name}[{count}] {op}",
+                      lab.reduce_scatter(mesh, rows, op=op, algorithm="recursive_halving"),
+                      lab.reduce_scatter(everyone, rows, op=op, algorithm="recursive_halving"))
+                for root in {0, n - 1}:
+                    check(f"reduce {name}[{count}] {op} to {root}",
+                          lab.reduce(mesh, x.clone(), dst=root, op=op), lab.reduce(everyone, x.clone(), dst=root, op=op))
+                expected_compiled += (2 + len({0, n - 1})) * small
+            for root in {0, n - 1}:
+                check(f"broadcast {name}[{count}] from {root}",
+                      lab.broadcast(mesh, x.clone(), src=root, algorithm="binomial"),
+                      lab.broadcast(everyone, x.clone(), src=root, algorithm="binomial"))
+            check(f"allgather {name}[{count}]", lab.allgather(mesh, x, algorithm="recursive_doubling"),
+                  lab.allgather(everyone, x, algorithm="recursive_doubling"))
+            check(f"all_to_all {name}[{count}]", lab.all_to_all(mesh, rows, algorithm="pairwise"),
+                  lab.all_to_all(everyone, rows, algorithm="pairwise"))
+            expected_compiled += (len({0, n - 1}) + 2) * small  # broadcasts, allgather, all_to_all
+    lab.barrier(mesh)
+    expected_compiled += 1
+    ran = mesh.stats()["collectives_compiled"] - compiled_before
+    if ran != expected_compiled:
+        wrong.append(f"rank {rank}: {ran} collectives ran compiled, expected {expected_compiled}")
+    return wrong
+
+
+def test_compiled_and_python_runs_give_the_same_bits(cluster):
+    assert not [w for per_rank in cluster.run(compiled_equals_python) for w in per_rank]
+
+
+def exact_sums(mesh: lab.Mesh) -> list[str]:
+    """The compiled results themselves, against the arithmetic (sum, max of index*stride + rank)."""
+    n, rank, wrong = mesh.world_size, mesh.rank, []
+    for count in (1, 5, 100):
+        x = pattern(count, rank, torch.float32)
+        total = torch.arange(count, dtype=torch.float32) * STRIDE * n + sum(range(n))
+        if not torch.equal(lab.allreduce(mesh, x.clone()), total):
+            wrong.append(f"rank {rank} allreduce[{count}]")
+        if not torch.equal(lab.allreduce(mesh, x.clone(), op="max"), pattern(count, n - 1, torch.float32)):
+            wrong.append(f"rank {rank} allreduce max[{count}]")
+        gathered = lab.allgather(mesh, x)
+        if not torch.equal(gathered, torch.cat([pattern(count, r, torch.float32) for r in range(n)])):
+            wrong.append(f"rank {rank} allgather[{count}]")
+        if not torch.equal(lab.broadcast(mesh, x.clone(), src=n - 1), pattern(count, n - 1, torch.float32)):
+            wrong.append(f"rank {rank} broadcast[{count}]")
+    if mesh.stats()["collectives_compiled"] < 12:
+        wrong.append(f"rank {rank}: auto did not take the compiled path ({mesh.stats()})")
+    return wrong
+
+
+def test_auto_takes_the_compiled_path_and_the_results_are_exact(cluster):
+    assert not [w for per_rank in cluster.run(exact_sums) for w in per_rank]
+
+
+def soak(mesh: lab.Mesh, calls: int, seed: int) -> list[str]:
+    """Random collectives of random sizes across the threshold, random algorithms, random ops."""
+    rng = random.Random(seed)  # the same sequence on every rank
+    n, rank, wrong = mesh.world_size, mesh.rank, []
+    for i in range(calls):
+        count = rng.choice([0, 1, 7, MAX_BYTES // 4 - 1, MAX_BYTES // 4, MAX_BYTES // 4 + 1, 3000])
+        which = rng.choice(["allreduce", "broadcast", "allgather", "barrier"])
+        x = pattern(count, rank, torch.float32)
+        if which == "allreduce":
+            algorithm = rng.choice(registry.names("allreduce")[:6])  # not hierarchical (one host)
+            got = lab.allreduce(mesh, x, algorithm=algorithm)
+            want = torch.arange(count, dtype=torch.float32) * STRIDE * n + sum(range(n))
+        elif which == "broadcast":
+            root = rng.randrange(n)
+            got, want = lab.broadcast(mesh, x, src=root), pattern(count, root, torch.float32)
+        elif which == "allgather":
+            got = lab.allgather(mesh, x, algorithm=rng.choice(["ring", "recursive_doubling"]))
+            want = torch.cat([pattern(count, r, torch.float32) for r in range(n)])
+        else:
+            lab.barrier(mesh)
+            continue
+        if not torch.equal(got, want):
+            wrong.append(f"rank {rank} call {i} {which}[{count}]")
+    return wrong
+
+
+@pytest.mark.parametrize("cluster", [3, 4], indirect=True, ids=["N3", "N4"])  # a power of two and not
+def test_ten_thousand_random_calls_across_the_threshold(cluster):
+    assert not [w for per_rank in cluster.run(soak, 10_000, 17) for w in per_rank]
+
+
+# -- failures inside a compiled collective ---------------------------------------------------------
+
+
+def mismatched(mesh: lab.Mesh, what: str) -> str:
+    odd = mesh.rank == mesh.world_size - 1
+    try:
+        if what == "size":
+            lab.allreduce(mesh, torch.ones(11 if odd else 10))
+        elif what == "op":
+            lab.allreduce(mesh, torch.ones(10), op="max" if odd else "sum")
+        elif what == "collective":
+            if odd:
+                lab.allgather(mesh, torch.ones(10))
+            else:
+                lab.allreduce(mesh, torch.ones(10))
+        elif what == "across the threshold":  # the odd rank's tensor is over it: the Python path
+            lab.allreduce(mesh, torch.ones(MAX_BYTES if odd else 10), algorithm="recursive_doubling")
+    except lab.CollectiveMismatchError as exc:
+        return f"mismatch: {exc}"
+    except lab.LabError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.fixture
+def compiled_env(monkeypatch):
+    monkeypatch.setenv("LAB_COMPILED_MAX_BYTES", str(MAX_BYTES))  # ranks take the caller's environment
+
+
+@pytest.mark.parametrize("what", ["size", "op", "collective", "across the threshold"])
+def test_a_rank_in_another_collective_is_a_mismatch_naming_it(compiled_env, what):
+    outputs = lab.spawn(mismatched, 3, args=(what,), recv_timeout_ms=3000)
+    assert "no error" not in outputs, outputs
+    mismatches = [o for o in outputs if o.startswith("mismatch")]
+    # rank 1 exchanges with rank 2 (the odd one out) in recursive doubling at N=3: both see it
+    assert len(mismatches) >= 2, outputs
+    for message in mismatches:
+        assert "rank 2" in message and " is in allreduce #1" in message and " sent " in message, message
+
+
+def stalled(mesh: lab.Mesh, how: str, out: str) -> str:
+    if mesh.rank == 1:
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(4)  # silent past the others' deadline, then gone quietly
+        return "slept"
+    start = time.monotonic()
+    try:
+        lab.allreduce(mesh, torch.ones(10))
+        message = "no error"
+    except (lab.DeadlineError, lab.PeerLostError) as exc:
+        message = f"{type(exc).__name__} after {time.monotonic() - start:.1f} s: {exc}"
+    with open(os.path.join(out, f"rank{mesh.rank}"), "w") as file:  # the pool may fail on rank 1's death
+        file.write(message)
+    return message
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_silent_or_dead_peer_inside_a_compiled_collective_is_named(compiled_env, how, tmp_path):
+    deadline_ms = 1000 if how == "stopped" else 60_000  # a death is seen at once, not at the deadline
+    with lab.launch(3, recv_timeout_ms=deadline_ms) as cluster:
+        if how == "killed":
+            with pytest.raises(lab.RankError, match="rank 1"):
+                cluster.run(stalled, how, str(tmp_path))
+        else:
+            cluster.run(stalled, how, str(tmp_path))
+    # Rank 0 hands its tensor to rank 1 (the fold at N=3); rank 2 exchanges with rank 1.
+    for rank in (0, 2):
+        message = (tmp_path / f"rank{rank}").read_text()
+        expected = "DeadlineError" if how == "stopped" else "PeerLostError"
+        assert message.startswith(expected) and "rank 1" in message, message
+        seconds = float(message.split(" after ")[1].split(" s")[0])
+        assert seconds < 30, message  # a hang guard: the deadline (1 s) or the death, not the 60 s one

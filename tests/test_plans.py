@@ -1,0 +1,189 @@
+"""Persistent collectives (lab.*_init): the checks once, the result of the plain call at every run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import lab
+from conftest import pool
+
+TRANSPORTS = {"shm": 4, "queue": 3, "tcp": 2}
+
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def cluster(request):
+    with pool(TRANSPORTS[request.param], request.param) as running:
+        yield running
+
+
+def inputs(mesh: lab.Mesh, count: int, run: int, dtype=torch.float32) -> torch.Tensor:
+    """index * stride + rank, different at every run (all-ones would hide misplaced chunks)."""
+    return (torch.arange(count, dtype=torch.float64) * (mesh.world_size + 1) + mesh.rank + 100 * run).to(dtype)
+
+
+def reuse_every_plan(mesh: lab.Mesh, count: int) -> list[str]:
+    """Each collective's plan, run three times on new contents, against the plain call on a copy."""
+    failures = []
+    n, root = mesh.world_size, mesh.world_size - 1
+    x = inputs(mesh, count, 0)
+    rows = torch.empty(count)  # split along dim 0 as array_split does: counts not divisible by N too
+    plans = {
+        "allreduce": (lab.allreduce_init(mesh, x, op="sum"), lambda t: lab.allreduce(mesh, t, op="sum")),
+        "broadcast": (lab.broadcast_init(mesh, x, src=root), lambda t: lab.broadcast(mesh, t, src=root)),
+        "reduce": (lab.reduce_init(mesh, x, dst=root, op="max"), lambda t: lab.reduce(mesh, t, dst=root, op="max")),
+        "allgather": (lab.allgather_init(mesh, x), lambda t: lab.allgather(mesh, t)),
+        "reduce_scatter": (lab.reduce_scatter_init(mesh, rows, op="min"),
+                           lambda t: lab.reduce_scatter(mesh, t, op="min")),
+        "all_to_all": (lab.all_to_all_init(mesh, rows), lambda t: lab.all_to_all(mesh, t)),
+    }
+    barrier = lab.barrier_init(mesh)
+    for run in range(1, 4):
+        for name, (plan, plain) in plans.items():
+            target = rows if name in ("reduce_scatter", "all_to_all") else x
+            target.copy_(inputs(mesh, target.numel(), run))
+            expected_input = target.clone()
+            got = plan()
+            expected = plain(expected_input)
+            if name in ("allreduce", "broadcast", "reduce"):
+                got, expected = target, expected_input  # in place, as the plain call
+            if not torch.equal(got, expected):
+                failures.append(f"rank {mesh.rank} {name} run {run}: {got.tolist()[:6]} != {expected.tolist()[:6]}")
+        barrier()
+    for plan, _ in plans.values():
+        plan.free()
+    barrier.free()
+    return failures
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 1000, 100_003])
+def test_plans_reused_with_new_contents_give_the_plain_calls_result(cluster, count):
+    assert not [f for per_rank in cluster.run(reuse_every_plan, count) for f in per_rank]
+
+
+def plan_on_sub_mesh(mesh: lab.Mesh) -> list[float]:
+    pair = mesh.split(color=mesh.rank // 2)
+    x = torch.zeros(3)
+    with lab.allreduce_init(pair, x) as plan:
+        for run in range(3):
+            x.copy_(torch.arange(3.0) + mesh.rank + run)
+            plan()
+    return x.tolist()
+
+
+def test_a_plan_on_a_sub_mesh_reduces_within_it(cluster):
+    outputs = cluster.run(plan_on_sub_mesh)
+    n = len(outputs)
+    for rank, got in enumerate(outputs):
+        members = [r for r in range(n) if r // 2 == rank // 2]
+        assert got == [sum(i + r + 2 for r in members) for i in range(3)], (rank, got)
+
+
+def mismatched_plan(mesh: lab.Mesh, what: str) -> str:
+    odd = mesh.rank == mesh.world_size - 1
+    count = 11 if odd and what == "count" else 10
+    op = "max" if odd and what == "op" else "sum"
+    algorithm = "ring" if odd and what == "algorithm" else "tree"
+    try:
+        lab.allreduce_init(mesh, torch.zeros(count), op=op, algorithm=algorithm)
+    except lab.CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["count", "op", "algorithm"])
+def test_ranks_whose_plans_differ_fail_at_init_naming_both(cluster, what):
+    messages = cluster.run(mismatched_plan, what)
+    last = len(messages) - 1
+    for message in messages:
+        assert message.startswith("plans differ"), message
+        assert f"rank {last}'s is allreduce" in message, message
+    odd_one_out = {"count": "float32[11]", "op": " max ", "algorithm": "(ring)"}[what]
+    assert all(odd_one_out in message for message in messages), messages
+
+
+def bad_plan_arguments(mesh: lab.Mesh) -> list[str]:
+    messages = []
+    for make in (lambda: lab.allreduce_init(mesh, torch.zeros(3), op="mean"),
+                 lambda: lab.broadcast_init(mesh, torch.zeros(3), src=mesh.world_size),
+                 lambda: lab.allreduce_init(mesh, torch.zeros(3), algorithm="nope"),
+                 lambda: lab.allreduce_init(mesh, [1.0, 2.0])):
+        try:
+            make()
+            messages.append("no error")
+        except (ValueError, TypeError) as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_bad_arguments_fail_at_init_before_any_message(cluster):
+    for messages in cluster.run(bad_plan_arguments):
+        assert "op" in messages[0] and "src" in messages[1] and "algorithm" in messages[2], messages
+        assert "tensor" in messages[3], messages
+
+
+def freed_and_forked(mesh: lab.Mesh) -> list[str]:
+    plan = lab.allreduce_init(mesh, torch.ones(4))
+    plan()
+    messages = []
+    child = os.fork()
+    if child == 0:  # another process with a copy of the plan: it must refuse, not talk on the mesh
+        try:
+            plan()
+        except lab.LabError as exc:
+            os._exit(3 if "belongs to the process" in str(exc) else 4)
+        os._exit(5)
+    messages.append(str(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])))
+    plan.free()
+    try:
+        plan()
+    except lab.LabError as exc:
+        messages.append(str(exc))
+    return messages
+
+
+def test_a_freed_plan_or_one_copied_into_another_process_refuses_to_run(cluster):
+    for exit_code, freed in cluster.run(freed_and_forked):
+        assert exit_code == "3"
+        assert "was freed" in freed
+
+
+def async_plan_with_p2p(mesh: lab.Mesh) -> list[float]:
+    x = torch.zeros(1000)
+    plan = lab.allreduce_init(mesh, x)
+    x.copy_(torch.arange(1000.0) + mesh.rank)
+    work = plan.start()
+    right, left = (mesh.rank + 1) % mesh.world_size, (mesh.rank - 1) % mesh.world_size
+    if mesh.world_size > 1:  # point-to-point issued behind the plan: same issue order
+        if mesh.rank % 2 == 0:
+            mesh.send(right, torch.tensor([float(mesh.rank)]))
+            got = mesh.recv(left)
+        else:
+            got = mesh.recv(left)
+            mesh.send(right, torch.tensor([float(mesh.rank)]))
+    work.wait()
+    return [float(x[0]), float(x[999]), float(got[0])]
+
+
+def test_an_async_plan_completes_in_issue_order_with_p2p_in_flight(cluster):
+    outputs = cluster.run(async_plan_with_p2p)
+    n = len(outputs)
+    for rank, (first, last, got) in enumerate(outputs):
+        assert first == sum(range(n)) and last == 999 * n + sum(range(n))
+        assert got == (rank - 1) % n
+
+
+def plan_after_close(mesh: lab.Mesh) -> str:
+    plan = lab.allreduce_init(mesh, torch.ones(2))
+    mesh.close()
+    try:
+        plan()
+    except lab.LabError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_plan_whose_mesh_closed_says_so():
+    assert all("mesh is closed" in m for m in lab.spawn(plan_after_close, 2, transport="queue"))
