@@ -1,6 +1,6 @@
 """Point-to-point messages between processes through one shared memory region, in nopython mode.
 
-``MailboxPeers`` is a Numba jitclass with the Peers interface the algorithms are written against
+``MailboxPeers`` is a Numba structref with the Peers interface the algorithms are written against
 (``send_buffer``, ``recv_buffer``, ``sendrecv_buffer``, ``host_of``, ``rank``, ``world_size``),
 so a whole small collective (a recursive-doubling allreduce of 1 KB) can run as ONE compiled call:
 no interpreter, no system call on the fast path, only loads, stores and ``memcpy`` on memory that
@@ -48,29 +48,52 @@ unless a last look finds the peer's message published after all. Failures never 
 inside compiled code: ``status`` is set, every later transfer of the collective returns at once,
 and the caller checks ``status`` after the call and raises a proper Python error. After a
 failure the rings of that mesh are not reusable (a message may be half sent).
+:func:`pending_fingerprints` reads, from plain Python after a failure, the fingerprint of each
+message published to a rank and not yet taken.
 
-Numba. ``combine`` is an ``@njit`` function passed as a value (its dispatcher), to the methods
-from Python or from compiled code; ``recv_buffer``'s default ``combine=None`` works from both,
-and the None branch is pruned at compile time. The copy path works on addresses and byte counts,
-so one compilation serves every dtype; only a combine compiles per (dtype, kernel), viewing the
-slot's bytes as ``out``'s dtype (payloads are 64-byte aligned and pieces whole items). Each new
-compiled entry point re-optimizes the mailbox code it links in (about a second): compile what a
-rank will call before it forks or starts (``dispatcher.compile(signature)``).
+API. ``open_mailbox(region, rank, world_size, slot_bytes, depth, liveness_fds)`` builds this
+rank's ``MailboxPeers`` inside compiled code (the fast path: nothing crosses from Python but
+arrays and integers); it attaches to a region already in use where its counters stand, so a
+compiled call may open the mailboxes afresh every time. Called from Python (or as
+``MailboxPeers(...)``) it returns a proxy whose ``begin``, ``send_buffer``, ``recv_buffer``,
+``sendrecv_buffer`` and ``host_of`` and whose fields work from Python too (the copy path only).
+``recv_buffer(src, out, reduction=None)`` and ``sendrecv_buffer(dst, data, src, out,
+reduction=None)`` copy what arrives into ``out``, or, given a reduction (any Numba value whose
+type has a ``combine`` method, such as :func:`kernels.coded.coded_reduction`), fold each
+slot-sized piece in with ``reduction.combine(out_piece, incoming)``, ``incoming`` being the slot
+viewed with ``out``'s dtype (payloads are 64-byte aligned and pieces whole items).
+``bytes_sent[p]``/``bytes_received[p]`` count payload bytes, ``messages_sent[p]``/
+``messages_received[p]`` whole messages (one per call, however many pieces; an empty one too).
 
-Per rank (every rank runs the same compiled function; ``sum_into`` is
-``kernels.reduce.sum_into``, or any ``@njit`` ``dst += src`` kernel)::
+Numba. Every function here is compiled with ``cache=True``: libc is called through intrinsics
+that declare ``sched_yield``, ``clock_gettime``, ``poll`` and ``syscall`` by symbol name in the
+LLVM module (the JIT linker finds them among the process's symbols when it loads the code, just
+compiled or from the cache), the copy is LLVM's ``memcpy`` intrinsic, so no address of this
+process is baked into the code, and ``MailboxPeers`` is a structref (a jitclass cannot be
+cached). So a caller's function that opens or takes the mailboxes can be cached too: a rank
+process then loads it from disk in about 0.1 s instead of compiling it (tens of seconds of CPU
+the first time, all the mailbox code it links in included). ``None`` as the reduction picks the
+byte-copy path when Numba compiles: it works on addresses and byte counts, so one compilation
+serves every dtype; only a fold compiles per (dtype, reduction type). Numba's cache knows only
+the source file of the function it caches: a caller's cached function elsewhere holds a copy of
+this module's code and does not see an edit of it (nor of ``kernels.coded``); clear that cache
+(its ``__pycache__/*.nbi`` and ``*.nbc``) after one.
 
-    >>> region = np.frombuffer(shared_mapping, np.uint8)  # region_bytes(2, 4096, 4) bytes, zeroed
-    >>> peers = MailboxPeers(region, rank, 2, 4096, 4, np.full(2, -1, np.int32))
-    >>> @njit
-    ... def allreduce_pair(peers, buf, incoming, fingerprint, combine):
+Per rank (every rank runs the same compiled function)::
+
+    >>> from kernels.coded import FAMILY_CODES, OP_CODES, coded_reduction
+    >>> SUM, NATIVE = OP_CODES["sum"], FAMILY_CODES["native"]  # constants: compiled code reads no dict
+    >>> @njit(cache=True, nogil=True)
+    ... def allreduce_pair(region, rank, buf, fingerprint):
+    ...     peers = open_mailbox(region, rank, 2, 4096, 4, np.full(2, -1, np.int32))
     ...     peers.begin(fingerprint, 1_000_000_000)  # give up after 1 s without progress
     ...     partner = 1 - peers.rank
-    ...     peers.sendrecv_buffer(partner, buf, partner, incoming)
-    ...     combine(buf, incoming)
+    ...     reduction = coded_reduction(SUM, NATIVE, False)
+    ...     peers.sendrecv_buffer(partner, buf.copy(), partner, buf, reduction)  # buf += theirs
     ...     return peers.status
+    >>> region = np.frombuffer(shared_mapping, np.uint8)  # region_bytes(2, 4096, 4) bytes, zeroed
     >>> buf = np.arange(256, dtype=np.float32) + rank
-    >>> allreduce_pair(peers, buf, np.empty_like(buf), fingerprint, sum_into)
+    >>> allreduce_pair(region, rank, buf, fingerprint)
     0
     >>> buf[:3]                                           # on both ranks
     array([1., 3., 5.], dtype=float32)
@@ -80,16 +103,16 @@ This module imports nothing from ``lab``.
 
 from __future__ import annotations
 
-import ctypes
 import platform
 import sys
 
 import numpy as np
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.experimental import jitclass
-from numba.extending import intrinsic
+from numba.experimental import structref
+from numba.extending import intrinsic, overload, overload_method, register_jitable
 
 # --- status codes -------------------------------------------------------------------------------
 
@@ -129,20 +152,33 @@ LIVENESS_INTERVAL_NS = 1_000_000  # how often a wait polls its peers' liveness p
 CLOCK_EVERY_SPINS = 256  # a spinning wait reads the clock only this often
 
 
-@njit
-def _slot_stride(slot_bytes: int) -> int:
+# Plain Python that compiled code calls too (register_jitable): the shm transport sizes the region
+# in its parent process, which must not pay for a compilation.
+@register_jitable
+def _slot_stride(slot_bytes):
     return HEADER_BYTES + (slot_bytes + LINE - 1) // LINE * LINE
 
 
-@njit
-def _channel_bytes(slot_bytes: int, depth: int) -> int:
+@register_jitable
+def _channel_bytes(slot_bytes, depth):
     return SLOTS + depth * _slot_stride(slot_bytes)
 
 
-@njit
-def region_bytes(world_size: int, slot_bytes: int, depth: int) -> int:
-    """The bytes of the shared region ``MailboxPeers(..., world_size, slot_bytes, depth, ...)`` uses
-    (a multiple of 64)."""
+@register_jitable
+def _channel_offsets(rank, peer, world_size, slot_bytes, depth):
+    """Where the channels ``rank -> peer`` and ``peer -> rank`` start in the region. Channel
+    (src, dst) is number src * (N - 1) + dst, not counting dst == src."""
+    channel_bytes = _channel_bytes(slot_bytes, depth)
+    first_channel = world_size * RANK_AREA_BYTES
+    out_channel = first_channel + (rank * (world_size - 1) + peer - (1 if peer > rank else 0)) * channel_bytes
+    in_channel = first_channel + (peer * (world_size - 1) + rank - (1 if rank > peer else 0)) * channel_bytes
+    return out_channel, in_channel
+
+
+@register_jitable
+def region_bytes(world_size, slot_bytes, depth):
+    """The bytes of the shared region ``open_mailbox(..., world_size, slot_bytes, depth, ...)`` uses
+    (a multiple of 64). Plain Python from Python, inlined in compiled code."""
     return world_size * RANK_AREA_BYTES + world_size * (world_size - 1) * _channel_bytes(slot_bytes, depth)
 
 
@@ -264,24 +300,109 @@ def cpu_relax(typingctx):
     return types.void(), codegen
 
 
-# --- libc through ctypes (Numba calls a typed ctypes function pointer directly) ------------------
-# Addresses travel as int64 (not c_void_p): Numba has no pointer arithmetic, but integer
-# arithmetic on an array's address is fine, and a pointer is a 64-bit integer in the ABI.
+# --- libc by symbol name (the way Numba calls its own C helpers) -----------------------------------
+# Each intrinsic declares the C function in the LLVM module and calls it; the JIT linker resolves
+# the name in the process when the code is loaded, whether just compiled or read from Numba's cache
+# (a ctypes function pointer would bake this process's address in, which Numba refuses to cache).
+# Addresses travel as int64: Numba has no pointer arithmetic, but integer arithmetic on an array's
+# address is fine, and a pointer is a 64-bit integer in the ABI.
+
+_I32, _I64 = ir.IntType(32), ir.IntType(64)
+_VOID_P = ir.IntType(8).as_pointer()
+_LIBC_SYMBOLS = ("sched_yield", "clock_gettime", "poll", "syscall")
+
+if any(llvm.address_of_symbol(name) is None for name in _LIBC_SYMBOLS):  # e.g. a static Python
+    import ctypes.util
+
+    _libc_path = ctypes.util.find_library("c")
+    if _libc_path:
+        llvm.load_library_permanently(_libc_path)
 
 
-def _libc_function(name: str, restype, *argtypes):
-    function = getattr(ctypes.CDLL(None), name)  # a private CDLL: its argtypes are ours alone
-    function.restype, function.argtypes = restype, list(argtypes)
-    return function
+def _integers(*values) -> bool:
+    return all(isinstance(value, types.Integer) for value in values)
 
 
-_i32, _i64 = ctypes.c_int32, ctypes.c_int64
-sched_yield = _libc_function("sched_yield", _i32)
-_clock_gettime = _libc_function("clock_gettime", _i32, _i32, _i64)
-_memcpy = _libc_function("memcpy", _i64, _i64, _i64, _i64)
-_poll = _libc_function("poll", _i32, _i64, _i64, _i32)
-# syscall is variadic; its integer arguments sit in the same registers as a fixed call's.
-_syscall = _libc_function("syscall", _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64)
+def _call_libc(context, builder, signature, args, name, restype, params, var_arg=False):
+    """Call the C function ``name`` (``restype name(params...)``, variadic past them with
+    ``var_arg``) on integer arguments: each is cast to int64, then to its parameter (a pointer from
+    an address, a narrower int); variadic ones go as int64 (a C long)."""
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(restype, params, var_arg=var_arg),
+                                              name)
+    values = []
+    for i, (value, value_type) in enumerate(zip(args, signature.args)):
+        word = context.cast(builder, value, value_type, types.int64)
+        param = params[i] if i < len(params) else _I64
+        if isinstance(param, ir.PointerType):
+            word = builder.inttoptr(word, param)
+        elif param.width < 64:
+            word = builder.trunc(word, param)
+        values.append(word)
+    return builder.call(function, values)
+
+
+@intrinsic
+def sched_yield(typingctx):
+    """``sched_yield()``: let another runnable thread have this core; returns 0."""
+
+    def codegen(context, builder, signature, args):
+        return _call_libc(context, builder, signature, args, "sched_yield", _I32, [])
+
+    return types.int32(), codegen
+
+
+@intrinsic
+def _clock_gettime(typingctx, clock, timespec_address):
+    """``clock_gettime(clock, (struct timespec *) timespec_address)``."""
+    if not _integers(clock, timespec_address):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _call_libc(context, builder, signature, args, "clock_gettime", _I32, [_I32, _VOID_P])
+
+    return types.int32(clock, timespec_address), codegen
+
+
+@intrinsic
+def _poll(typingctx, fds_address, count, timeout_ms):
+    """``poll((struct pollfd *) fds_address, count, timeout_ms)``."""
+    if not _integers(fds_address, count, timeout_ms):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _call_libc(context, builder, signature, args, "poll", _I32, [_VOID_P, _I64, _I32])
+
+    return types.int32(fds_address, count, timeout_ms), codegen
+
+
+@intrinsic
+def _syscall(typingctx, number, a1, a2, a3, a4, a5, a6):
+    """``syscall(number, a1, ..., a6)``: declared variadic, as it is, so the call follows the
+    variadic convention (on x86_64, ``al`` holds the number of vector registers used: 0)."""
+    if not _integers(number, a1, a2, a3, a4, a5, a6):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _call_libc(context, builder, signature, args, "syscall", _I64, [_I64], var_arg=True)
+
+    return types.int64(number, a1, a2, a3, a4, a5, a6), codegen
+
+
+@intrinsic
+def _memcpy(typingctx, dst_address, src_address, nbytes):
+    """Copy ``nbytes`` from ``src_address`` to ``dst_address`` (not overlapping): LLVM's
+    ``llvm.memcpy``, which becomes a call of libc's ``memcpy``."""
+    if not _integers(dst_address, src_address, nbytes):
+        return None
+
+    def codegen(context, builder, signature, args):
+        dst, src, count = (context.cast(builder, value, value_type, types.int64)
+                           for value, value_type in zip(args, signature.args))
+        cgutils.raw_memcpy(builder, builder.inttoptr(dst, _VOID_P), builder.inttoptr(src, _VOID_P), count, 1)
+        return context.get_dummy_value()
+
+    return types.void(dst_address, src_address, nbytes), codegen
+
 
 CLOCK_MONOTONIC = 1
 SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(_MACHINE, -1)
@@ -291,14 +412,14 @@ POLLERR, POLLHUP = 0x008, 0x010
 _FD_SHIFT, _REVENTS_SHIFT = (0, 48) if sys.byteorder == "little" else (32, 0)
 
 
-@njit(inline="always")
+@njit(inline="always", cache=True)
 def address_of(arr):
     """The address of ``arr``'s first element as an int64 (``ctypes.data`` is uint64, and uint64
     mixed with int64 arithmetic is float64 in Numba)."""
     return np.int64(arr.ctypes.data)
 
 
-@njit(nogil=True)
+@njit(cache=True, nogil=True)
 def monotonic_ns():
     """``clock_gettime(CLOCK_MONOTONIC)`` in nanoseconds (the vDSO: no system call)."""
     timespec = stack_words(2)
@@ -306,7 +427,7 @@ def monotonic_ns():
     return timespec[0] * 1_000_000_000 + timespec[1]
 
 
-@njit(nogil=True)
+@njit(cache=True, nogil=True)
 def futex_wait(words, index, expected, timeout_ns):
     """Sleep while ``words[index]`` (int32, shared) is ``expected``, at most ``timeout_ns``; returns
     at once if it differs, on a wake, on a signal or at the timeout (the caller re-checks)."""
@@ -318,7 +439,7 @@ def futex_wait(words, index, expected, timeout_ns):
     return _syscall(SYS_FUTEX, address_of(words) + index * 4, FUTEX_WAIT, expected, address_of(timespec), 0, 0)
 
 
-@njit(nogil=True)
+@njit(cache=True, nogil=True)
 def futex_wake(words, index, count):
     """Wake up to ``count`` sleepers on ``words[index]``; returns how many were woken."""
     if SYS_FUTEX < 0:
@@ -326,7 +447,7 @@ def futex_wake(words, index, count):
     return _syscall(SYS_FUTEX, address_of(words) + index * 4, FUTEX_WAKE, count, 0, 0, 0)
 
 
-@njit(nogil=True)
+@njit(cache=True, nogil=True)
 def peer_gone(fd):
     """Whether the pipe ``fd`` reads from has lost its writer (the peer process died): a
     non-blocking ``poll`` with no events asked, which still reports POLLHUP and POLLERR.
@@ -352,7 +473,7 @@ TAKEN_BY_ME, SENT_BY_PEER = 4, 5  # of the channel peer -> rank
 # timed) and when it last polled liveness.
 IDLE_ROUNDS, WAIT_STARTED, LIVENESS_CHECKED = 0, 1, 2
 
-_SPEC = [
+_FIELDS = [
     ("region", types.uint8[::1]),
     ("words", types.int64[::1]),  # the region as int64: counters, flags, headers
     ("doorbells", types.int32[::1]),  # the region as int32: futex words
@@ -370,6 +491,8 @@ _SPEC = [
     ("deadline_ns", types.int64),
     ("bytes_sent", types.int64[::1]),
     ("bytes_received", types.int64[::1]),
+    ("messages_sent", types.int64[::1]),
+    ("messages_received", types.int64[::1]),
     ("spin_limit", types.int64),
     ("yield_limit", types.int64),
     ("rings", types.int64[:, ::1]),
@@ -377,279 +500,529 @@ _SPEC = [
 ]
 
 
-@jitclass(_SPEC)
-class MailboxPeers:
-    """This rank's end of the shared-memory mailboxes (see the module docstring).
+@structref.register
+class MailboxPeersType(types.StructRef):
+    """The Numba type of ``MailboxPeers`` (one instance: :data:`mailbox_peers_type`)."""
+
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(typ)) for name, typ in fields)
+
+
+mailbox_peers_type = MailboxPeersType(_FIELDS)
+
+# Fields as the Python proxy reads them: the scalars in one call, the arrays in another.
+_SCALARS = ("rank", "world_size", "slot_bytes", "depth", "status", "failed_peer", "peer_bytes", "deadline_ns",
+            "spin_limit", "yield_limit")
+_ARRAYS = ("region", "liveness_fds", "fingerprint", "peer_fingerprint", "bytes_sent", "bytes_received",
+           "messages_sent", "messages_received")
+
+
+@njit(cache=True, nogil=True)
+def open_mailbox(region, rank, world_size, slot_bytes, depth, liveness_fds):
+    """This rank's end of the mailboxes in ``region`` (uint8, 64-byte aligned, at least
+    ``region_bytes(world_size, slot_bytes, depth)`` bytes, shared by every rank), as a
+    ``MailboxPeers``. ``liveness_fds[r]``: the pipe rank r holds the only write end of (-1: no
+    liveness check of r). Attaches where the region's counters stand, so the region may be in use.
+    Raises ValueError on bad arguments (the only raise in this module)."""
+    if world_size < 1 or rank < 0 or rank >= world_size:
+        raise ValueError("MailboxPeers: rank must be in [0, world_size)")
+    if slot_bytes < MIN_SLOT_BYTES or depth < 1:
+        raise ValueError("MailboxPeers: slot_bytes must be at least 64 and depth at least 1")
+    if liveness_fds.size != world_size:
+        raise ValueError("MailboxPeers: liveness_fds needs one fd (or -1) per rank")
+    used = region_bytes(world_size, slot_bytes, depth)
+    if region.size < used:
+        raise ValueError("MailboxPeers: the region is smaller than region_bytes(world_size, slot_bytes, depth)")
+    if address_of(region) % LINE != 0:
+        raise ValueError("MailboxPeers: the region must be 64-byte aligned")
+    peers = structref.new(mailbox_peers_type)
+    peers.region = region[:used]
+    peers.words = peers.region.view(np.int64)
+    peers.doorbells = peers.region.view(np.int32)
+    peers.rank, peers.world_size = rank, world_size
+    peers.slot_bytes, peers.depth = slot_bytes, depth
+    peers.liveness_fds = liveness_fds.astype(np.int32)  # a copy
+    peers.status, peers.failed_peer, peers.peer_bytes, peers.deadline_ns = OK, -1, -1, 0
+    peers.fingerprint = np.zeros(FINGERPRINT_BYTES, np.uint8)
+    peers.fingerprint_words = peers.fingerprint.view(np.int64)
+    peers.peer_fingerprint = np.zeros(FINGERPRINT_BYTES, np.uint8)
+    peers.bytes_sent = np.zeros(world_size, np.int64)
+    peers.bytes_received = np.zeros(world_size, np.int64)
+    peers.messages_sent = np.zeros(world_size, np.int64)
+    peers.messages_received = np.zeros(world_size, np.int64)
+    peers.spin_limit, peers.yield_limit = DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT
+    rings = np.full((6, world_size), -1, np.int64)
+    words = peers.words
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        out_channel, in_channel = _channel_offsets(rank, peer, world_size, slot_bytes, depth)
+        rings[OUT_CHANNEL, peer], rings[IN_CHANNEL, peer] = out_channel, in_channel
+        # A mailbox may be attached to a region already in use: start where its counters stand.
+        rings[SENT_BY_ME, peer] = load_acquire(words, (out_channel + SENT) >> 3)
+        rings[TAKEN_BY_PEER, peer] = load_acquire(words, (out_channel + TAKEN) >> 3)
+        rings[TAKEN_BY_ME, peer] = load_acquire(words, (in_channel + TAKEN) >> 3)
+        rings[SENT_BY_PEER, peer] = load_acquire(words, (in_channel + SENT) >> 3)
+    peers.rings = rings
+    peers.waiting = np.zeros(3, np.int64)
+    return peers
+
+
+class MailboxPeers(structref.StructRefProxy):
+    """This rank's end of the shared-memory mailboxes (see the module docstring), as Python sees
+    it: ``MailboxPeers(region, rank, world_size, slot_bytes, depth, liveness_fds)`` is
+    ``open_mailbox(...)``, in Python and in compiled code.
 
     ``status`` (OK, MISMATCH, SILENCE, PEER_LOST, INVALID) and ``failed_peer`` (-1: none) say how
     the current collective went; on MISMATCH ``peer_fingerprint`` and ``peer_bytes`` hold what
-    the peer's message declared. ``bytes_sent[p]``/``bytes_received[p]``: payload bytes so far.
+    the peer's message declared. ``bytes_sent[p]``/``bytes_received[p]``: payload bytes so far;
+    ``messages_sent[p]``/``messages_received[p]``: whole messages so far.
     ``spin_limit``/``yield_limit``: the waiting policy (set both large to spin, 0 to block at once).
     One rank's instance is used by one thread at a time.
+
+    From Python, fields and methods each cost a compiled call (microseconds), and ``recv_buffer``
+    and ``sendrecv_buffer`` only copy: a reduction is a compiled value (``coded_reduction``).
     """
 
-    def __init__(self, region, rank, world_size, slot_bytes, depth, liveness_fds):
-        if world_size < 1 or rank < 0 or rank >= world_size:
-            raise ValueError("MailboxPeers: rank must be in [0, world_size)")
-        if slot_bytes < MIN_SLOT_BYTES or depth < 1:
-            raise ValueError("MailboxPeers: slot_bytes must be at least 64 and depth at least 1")
-        if liveness_fds.size != world_size:
-            raise ValueError("MailboxPeers: liveness_fds needs one fd (or -1) per rank")
-        used = region_bytes(world_size, slot_bytes, depth)
-        if region.size < used:
-            raise ValueError("MailboxPeers: the region is smaller than region_bytes(world_size, slot_bytes, depth)")
-        if address_of(region) % LINE != 0:
-            raise ValueError("MailboxPeers: the region must be 64-byte aligned")
-        self.region = region[:used]
-        self.words = self.region.view(np.int64)
-        self.doorbells = self.region.view(np.int32)
-        self.rank, self.world_size = rank, world_size
-        self.slot_bytes, self.depth = slot_bytes, depth
-        self.liveness_fds = liveness_fds.copy()
-        self.status, self.failed_peer, self.peer_bytes, self.deadline_ns = OK, -1, -1, 0
-        self.fingerprint = np.zeros(FINGERPRINT_BYTES, np.uint8)
-        self.fingerprint_words = self.fingerprint.view(np.int64)
-        self.peer_fingerprint = np.zeros(FINGERPRINT_BYTES, np.uint8)
-        self.bytes_sent = np.zeros(world_size, np.int64)
-        self.bytes_received = np.zeros(world_size, np.int64)
-        self.spin_limit, self.yield_limit = DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT
-        self.rings = np.full((6, world_size), -1, np.int64)
-        self.waiting = np.zeros(3, np.int64)
-        channel_bytes = _channel_bytes(slot_bytes, depth)
-        first_channel = world_size * RANK_AREA_BYTES
-        for peer in range(world_size):
-            if peer == rank:
-                continue
-            # Channel (src, dst) is number src * (N - 1) + dst, not counting dst == src.
-            out_channel = first_channel + (rank * (world_size - 1) + peer - (peer > rank)) * channel_bytes
-            in_channel = first_channel + (peer * (world_size - 1) + rank - (rank > peer)) * channel_bytes
-            self.rings[OUT_CHANNEL, peer], self.rings[IN_CHANNEL, peer] = out_channel, in_channel
-            # A mailbox may be attached to a region already in use: start where its counters stand.
-            self.rings[SENT_BY_ME, peer] = load_acquire(self.words, (out_channel + SENT) >> 3)
-            self.rings[TAKEN_BY_PEER, peer] = load_acquire(self.words, (out_channel + TAKEN) >> 3)
-            self.rings[TAKEN_BY_ME, peer] = load_acquire(self.words, (in_channel + TAKEN) >> 3)
-            self.rings[SENT_BY_PEER, peer] = load_acquire(self.words, (in_channel + SENT) >> 3)
+    __slots__ = ()
 
-    # --- the Peers interface ------------------------------------------------------------------
+    def __new__(cls, region, rank, world_size, slot_bytes, depth, liveness_fds):
+        return open_mailbox(region, rank, world_size, slot_bytes, depth, liveness_fds)
 
     def begin(self, fingerprint, deadline_ns):
-        """Start one collective: every message carries ``fingerprint`` (uint8[32]); a wait gives up
-        after ``deadline_ns`` without progress (0: never). Clears the last collective's failure."""
-        self.status, self.failed_peer, self.peer_bytes = OK, -1, -1
-        self.deadline_ns = deadline_ns
-        if fingerprint.size != FINGERPRINT_BYTES:
-            self.status = INVALID
-            return
-        for i in range(FINGERPRINT_BYTES):
-            self.fingerprint[i] = fingerprint[i]
+        _py_begin(self, fingerprint, deadline_ns)
 
     def send_buffer(self, dst, data):
-        """Send ``data`` (1-D, C-contiguous, any dtype) to ``dst``; returns once it is in the ring
-        (at once, if the collective has failed)."""
-        if self._usable(dst, data.itemsize, dst, data.itemsize):
-            nobody, nothing = np.int64(-1), np.int64(0)  # not literals: one compilation for every caller
-            self._exchange(dst, address_of(data), data.nbytes, data.itemsize,
-                           nobody, nothing, nothing, np.int64(1), self.region, None)
+        _py_send(self, dst, data)
 
-    def recv_buffer(self, src, out, combine=None):
-        """Receive ``src``'s next message into ``out``: a copy (``combine`` None), or
-        ``combine(out_piece, incoming)`` per slot-sized piece, ``incoming`` being the slot viewed
-        with ``out``'s dtype (an ``@njit`` ``dst ⊕= src`` kernel, passed as a function value)."""
-        if not self._usable(src, out.itemsize, src, out.itemsize):
-            return
-        nobody, nothing, one = np.int64(-1), np.int64(0), np.int64(1)
-        if combine is None:  # the byte-level path: one compilation serves every dtype
-            self._exchange(nobody, nothing, nothing, one, src, address_of(out), out.nbytes, out.itemsize,
-                           self.region, None)
-        else:
-            self._exchange(nobody, nothing, nothing, one, src, address_of(out), out.nbytes, out.itemsize,
-                           out, combine)
+    def recv_buffer(self, src, out, reduction=None):
+        if reduction is not None:
+            raise TypeError("MailboxPeers.recv_buffer from Python only copies: fold inside compiled code")
+        _py_recv(self, src, out)
 
-    def sendrecv_buffer(self, dst, data, src, out, combine=None):
-        """Send ``data`` to ``dst`` and receive from ``src`` into ``out`` at once, piece by piece,
-        so two ranks exchanging with each other never both wait on a full ring. ``out`` must not
-        overlap ``data`` (a piece may arrive before the same piece of ``data`` has gone)."""
-        if not self._usable(dst, data.itemsize, src, out.itemsize):
-            return
-        if combine is None:
-            self._exchange(dst, address_of(data), data.nbytes, data.itemsize,
-                           src, address_of(out), out.nbytes, out.itemsize, self.region, None)
-        else:
-            self._exchange(dst, address_of(data), data.nbytes, data.itemsize,
-                           src, address_of(out), out.nbytes, out.itemsize, out, combine)
+    def sendrecv_buffer(self, dst, data, src, out, reduction=None):
+        if reduction is not None:
+            raise TypeError("MailboxPeers.sendrecv_buffer from Python only copies: fold inside compiled code")
+        _py_sendrecv(self, dst, data, src, out)
 
     def host_of(self, rank):
-        """Every rank of one shared region is on one host."""
         return 0
 
-    # --- transfers ----------------------------------------------------------------------------
+    @property
+    def spin_limit(self):
+        return int(_scalars(self)[_SCALARS.index("spin_limit")])
 
-    def _exchange(self, dst, send_address, send_bytes, send_itemsize,
-                  src, recv_address, recv_bytes, recv_itemsize, out, combine):
-        """Send ``send_bytes`` at ``send_address`` to ``dst`` (none if -1) and receive ``recv_bytes``
-        to ``recv_address`` from ``src`` (none if -1; into ``out`` through ``combine`` unless it is
-        None), interleaving pieces, waiting only when neither can move. Pieces are whole items:
-        ``slot_bytes`` rounded down to the itemsize. The peers were checked by ``_usable``."""
-        send_piece = self.slot_bytes // send_itemsize * send_itemsize
-        recv_piece = self.slot_bytes // recv_itemsize * recv_itemsize
-        # An empty message is one empty piece: its fingerprint is still checked.
-        send_pieces = 0 if dst < 0 else 1 if send_bytes == 0 else (send_bytes + send_piece - 1) // send_piece
-        recv_pieces = 0 if src < 0 else 1 if recv_bytes == 0 else (recv_bytes + recv_piece - 1) // recv_piece
-        sent = got = 0
-        waiting = self.waiting
-        waiting[IDLE_ROUNDS] = waiting[WAIT_STARTED] = 0
-        while sent < send_pieces or got < recv_pieces:
-            progressed = False
-            if sent < send_pieces:
-                offset = sent * send_piece
-                piece = min(send_piece, send_bytes - offset)
-                if self._try_send(dst, send_address + offset, piece, send_bytes):
-                    sent += 1
-                    progressed = True
-            if got < recv_pieces:
-                offset = got * recv_piece
-                piece = min(recv_piece, recv_bytes - offset)
-                if self._try_recv(src, recv_address + offset, piece, recv_bytes, out, offset // recv_itemsize, combine):
-                    if self.status != OK:  # a mismatch: the slot stays where it is
-                        return
-                    got += 1
-                    progressed = True
-            if progressed:
-                waiting[IDLE_ROUNDS] = waiting[WAIT_STARTED] = 0
-            else:
-                self._idle(dst if sent < send_pieces else -1, src if got < recv_pieces else -1)
-                if self.status != OK:
+    @spin_limit.setter
+    def spin_limit(self, value):
+        _set_waiting_policy(self, value, self.yield_limit)
+
+    @property
+    def yield_limit(self):
+        return int(_scalars(self)[_SCALARS.index("yield_limit")])
+
+    @yield_limit.setter
+    def yield_limit(self, value):
+        _set_waiting_policy(self, self.spin_limit, value)
+
+
+def _read_only(name: str, getter) -> property:
+    index = (_SCALARS if getter == "scalars" else _ARRAYS).index(name)
+    if getter == "scalars":
+        return property(lambda self: int(_scalars(self)[index]), doc=f"``{name}`` (read only from Python)")
+    return property(lambda self: _arrays(self)[index], doc=f"``{name}`` (the array itself, not a copy)")
+
+
+for _name in _SCALARS:
+    if _name not in ("spin_limit", "yield_limit"):
+        setattr(MailboxPeers, _name, _read_only(_name, "scalars"))
+for _name in _ARRAYS:
+    setattr(MailboxPeers, _name, _read_only(_name, "arrays"))
+
+structref.define_boxing(MailboxPeersType, MailboxPeers)
+
+
+@overload(MailboxPeers)
+def _construct(region, rank, world_size, slot_bytes, depth, liveness_fds):
+    """``MailboxPeers(...)`` in compiled code is ``open_mailbox(...)`` too (not a constructor
+    taking every field, which ``structref.define_proxy`` would define)."""
+
+    def impl(region, rank, world_size, slot_bytes, depth, liveness_fds):
+        return open_mailbox(region, rank, world_size, slot_bytes, depth, liveness_fds)
+
+    return impl
+
+
+# --- the Peers interface (methods in compiled code) ----------------------------------------------
+
+_NOBODY, _NOTHING, _ONE = np.int64(-1), np.int64(0), np.int64(1)  # not literals: one compilation serves all
+
+
+# The methods' bodies are compiled like every function here (cache=True): a caller compiled afresh
+# then loads them from the cache instead of compiling them.
+_METHOD_OPTIONS = {"cache": True, "nogil": True}
+
+
+def _absent(reduction) -> bool:
+    return reduction is None or isinstance(reduction, (types.NoneType, types.Omitted))
+
+
+@overload_method(MailboxPeersType, "begin", jit_options=_METHOD_OPTIONS)
+def _begin_method(peers, fingerprint, deadline_ns):
+    """Start one collective: every message carries ``fingerprint`` (uint8[32]); a wait gives up
+    after ``deadline_ns`` without progress (0: never). Clears the last collective's failure."""
+    return lambda peers, fingerprint, deadline_ns: _begin(peers, fingerprint, deadline_ns)
+
+
+@overload_method(MailboxPeersType, "send_buffer", jit_options=_METHOD_OPTIONS)
+def _send_buffer_method(peers, dst, data):
+    """Send ``data`` (1-D, C-contiguous, any dtype) to ``dst``; returns once it is in the ring
+    (at once, if the collective has failed)."""
+    return lambda peers, dst, data: _send(peers, np.int64(dst), address_of(data), data.nbytes, data.itemsize)
+
+
+@overload_method(MailboxPeersType, "recv_buffer", jit_options=_METHOD_OPTIONS)
+def _recv_buffer_method(peers, src, out, reduction=None):
+    """Receive ``src``'s next message into ``out``: a copy (``reduction`` None), or
+    ``reduction.combine(out_piece, incoming)`` per slot-sized piece, ``incoming`` being the slot
+    viewed with ``out``'s dtype."""
+    if _absent(reduction):  # the byte-level path: one compilation serves every dtype
+        def copy(peers, src, out, reduction=None):
+            _recv(peers, np.int64(src), address_of(out), out.nbytes, out.itemsize)
+        return copy
+
+    def fold(peers, src, out, reduction=None):
+        _recv_fold(peers, np.int64(src), out, reduction)
+    return fold
+
+
+@overload_method(MailboxPeersType, "sendrecv_buffer", jit_options=_METHOD_OPTIONS)
+def _sendrecv_buffer_method(peers, dst, data, src, out, reduction=None):
+    """Send ``data`` to ``dst`` and receive from ``src`` into ``out`` at once, piece by piece,
+    so two ranks exchanging with each other never both wait on a full ring (a copy, or a fold
+    with ``reduction`` as in ``recv_buffer``). ``out`` must not overlap ``data`` (a piece may
+    arrive before the same piece of ``data`` has gone)."""
+    if _absent(reduction):
+        def copy(peers, dst, data, src, out, reduction=None):
+            _sendrecv(peers, np.int64(dst), address_of(data), data.nbytes, data.itemsize,
+                      np.int64(src), address_of(out), out.nbytes, out.itemsize)
+        return copy
+
+    def fold(peers, dst, data, src, out, reduction=None):
+        _sendrecv_fold(peers, np.int64(dst), address_of(data), data.nbytes, data.itemsize,
+                       np.int64(src), out, reduction)
+    return fold
+
+
+@overload_method(MailboxPeersType, "host_of", jit_options=_METHOD_OPTIONS)
+def _host_of_method(peers, rank):
+    """Every rank of one shared region is on one host."""
+    return lambda peers, rank: np.int64(0)
+
+
+@njit(cache=True, nogil=True)
+def _begin(peers, fingerprint, deadline_ns):
+    peers.status, peers.failed_peer, peers.peer_bytes = OK, -1, -1
+    peers.deadline_ns = deadline_ns
+    if fingerprint.size != FINGERPRINT_BYTES:
+        peers.status = INVALID
+        return
+    for i in range(FINGERPRINT_BYTES):
+        peers.fingerprint[i] = fingerprint[i]
+
+
+@njit(cache=True, nogil=True)
+def _send(peers, dst, address, nbytes, itemsize):
+    if _usable(peers, dst, itemsize, dst, itemsize):
+        _exchange(peers, dst, address, nbytes, itemsize, _NOBODY, _NOTHING, _NOTHING, _ONE, peers.region, None)
+
+
+@njit(cache=True, nogil=True)
+def _recv(peers, src, address, nbytes, itemsize):
+    if _usable(peers, src, itemsize, src, itemsize):
+        _exchange(peers, _NOBODY, _NOTHING, _NOTHING, _ONE, src, address, nbytes, itemsize, peers.region, None)
+
+
+@njit(cache=True, nogil=True)
+def _recv_fold(peers, src, out, reduction):
+    if _usable(peers, src, out.itemsize, src, out.itemsize):
+        _exchange(peers, _NOBODY, _NOTHING, _NOTHING, _ONE, src, address_of(out), out.nbytes, out.itemsize,
+                  out, reduction)
+
+
+@njit(cache=True, nogil=True)
+def _sendrecv(peers, dst, send_address, send_bytes, send_itemsize, src, recv_address, recv_bytes, recv_itemsize):
+    if _usable(peers, dst, send_itemsize, src, recv_itemsize):
+        _exchange(peers, dst, send_address, send_bytes, send_itemsize, src, recv_address, recv_bytes, recv_itemsize,
+                  peers.region, None)
+
+
+@njit(cache=True, nogil=True)
+def _sendrecv_fold(peers, dst, send_address, send_bytes, send_itemsize, src, out, reduction):
+    if _usable(peers, dst, send_itemsize, src, out.itemsize):
+        _exchange(peers, dst, send_address, send_bytes, send_itemsize, src, address_of(out), out.nbytes,
+                  out.itemsize, out, reduction)
+
+
+# --- from Python (the proxy's methods and fields) -------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _py_begin(peers, fingerprint, deadline_ns):
+    peers.begin(fingerprint, deadline_ns)
+
+
+@njit(cache=True, nogil=True)
+def _py_send(peers, dst, data):
+    peers.send_buffer(dst, data)
+
+
+@njit(cache=True, nogil=True)
+def _py_recv(peers, src, out):
+    peers.recv_buffer(src, out)
+
+
+@njit(cache=True, nogil=True)
+def _py_sendrecv(peers, dst, data, src, out):
+    peers.sendrecv_buffer(dst, data, src, out)
+
+
+@njit(cache=True)
+def _scalars(peers):
+    return (peers.rank, peers.world_size, peers.slot_bytes, peers.depth, peers.status, peers.failed_peer,
+            peers.peer_bytes, peers.deadline_ns, peers.spin_limit, peers.yield_limit)
+
+
+@njit(cache=True)
+def _arrays(peers):
+    return (peers.region, peers.liveness_fds, peers.fingerprint, peers.peer_fingerprint, peers.bytes_sent,
+            peers.bytes_received, peers.messages_sent, peers.messages_received)
+
+
+@njit(cache=True)
+def _set_waiting_policy(peers, spin_limit, yield_limit):
+    peers.spin_limit, peers.yield_limit = spin_limit, yield_limit
+
+
+# --- transfers ----------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _exchange(peers, dst, send_address, send_bytes, send_itemsize,
+              src, recv_address, recv_bytes, recv_itemsize, out, reduction):
+    """Send ``send_bytes`` at ``send_address`` to ``dst`` (none if -1) and receive ``recv_bytes``
+    to ``recv_address`` from ``src`` (none if -1; folded into ``out`` with ``reduction`` unless it
+    is None), interleaving pieces, waiting only when neither can move. Pieces are whole items:
+    ``slot_bytes`` rounded down to the itemsize. The peers were checked by ``_usable``. A message
+    counts once all its pieces are through."""
+    send_piece = peers.slot_bytes // send_itemsize * send_itemsize
+    recv_piece = peers.slot_bytes // recv_itemsize * recv_itemsize
+    # An empty message is one empty piece: its fingerprint is still checked.
+    send_pieces = 0 if dst < 0 else 1 if send_bytes == 0 else (send_bytes + send_piece - 1) // send_piece
+    recv_pieces = 0 if src < 0 else 1 if recv_bytes == 0 else (recv_bytes + recv_piece - 1) // recv_piece
+    sent = got = 0
+    waiting = peers.waiting
+    waiting[IDLE_ROUNDS] = waiting[WAIT_STARTED] = 0
+    while sent < send_pieces or got < recv_pieces:
+        progressed = False
+        if sent < send_pieces:
+            offset = sent * send_piece
+            piece = min(send_piece, send_bytes - offset)
+            if _try_send(peers, dst, send_address + offset, piece, send_bytes):
+                sent += 1
+                progressed = True
+                if sent == send_pieces:
+                    peers.messages_sent[dst] += 1
+        if got < recv_pieces:
+            offset = got * recv_piece
+            piece = min(recv_piece, recv_bytes - offset)
+            if _try_recv(peers, src, recv_address + offset, piece, recv_bytes, out, offset // recv_itemsize,
+                         reduction):
+                if peers.status != OK:  # a mismatch: the slot stays where it is
                     return
-
-    def _usable(self, dst, send_itemsize, src, recv_itemsize):
-        """Whether a transfer may go ahead: the collective has not failed, and both peers are other
-        ranks whose items fit a slot (if not, INVALID naming the bad one)."""
-        if self.status != OK:
-            return False
-        for peer, itemsize in ((dst, send_itemsize), (src, recv_itemsize)):
-            if peer < 0 or peer >= self.world_size or peer == self.rank or itemsize > self.slot_bytes:
-                self.status, self.failed_peer = INVALID, peer
-                return False
-        return True
-
-    def _try_send(self, dst, address, piece_bytes, message_bytes):
-        """Put one piece into ``dst``'s ring if a slot is free; False if the ring is full."""
-        rings, words, depth = self.rings, self.words, self.depth
-        channel, n = rings[OUT_CHANNEL, dst], rings[SENT_BY_ME, dst]
-        if n - rings[TAKEN_BY_PEER, dst] >= depth:
-            rings[TAKEN_BY_PEER, dst] = load_acquire(words, (channel + TAKEN) >> 3)
-            if n - rings[TAKEN_BY_PEER, dst] >= depth:
-                return False
-        slot = channel + SLOTS + (n % depth) * _slot_stride(self.slot_bytes)
-        header, fingerprint = slot >> 3, self.fingerprint_words
-        words[header], words[header + 1] = fingerprint[0], fingerprint[1]
-        words[header + 2], words[header + 3] = fingerprint[2], fingerprint[3]
-        words[header + PIECE_WORD], words[header + MESSAGE_WORD] = piece_bytes, message_bytes
-        _memcpy(address_of(words) + slot + HEADER_BYTES, address, piece_bytes)
-        rings[SENT_BY_ME, dst] = n + 1
-        store_release(words, (channel + SENT) >> 3, n + 1)  # publish: header and payload go first
-        self.bytes_sent[dst] += piece_bytes
-        self._wake(dst)
-        return True
-
-    def _try_recv(self, src, address, piece_bytes, message_bytes, out, first, combine):
-        """Take one piece from ``src``'s ring if there is one (False if not): copy it to
-        ``address``, or ``combine`` it into ``out[first:]``. A fingerprint or byte count that
-        differs from ours sets MISMATCH and leaves the slot (returns True: stop waiting)."""
-        rings, words = self.rings, self.words
-        channel, n = rings[IN_CHANNEL, src], rings[TAKEN_BY_ME, src]
-        if n >= rings[SENT_BY_PEER, src]:
-            rings[SENT_BY_PEER, src] = load_acquire(words, (channel + SENT) >> 3)
-            if n >= rings[SENT_BY_PEER, src]:
-                return False
-        slot = channel + SLOTS + (n % self.depth) * _slot_stride(self.slot_bytes)
-        header, fingerprint = slot >> 3, self.fingerprint_words
-        if (words[header] != fingerprint[0] or words[header + 1] != fingerprint[1]
-                or words[header + 2] != fingerprint[2] or words[header + 3] != fingerprint[3]
-                or words[header + PIECE_WORD] != piece_bytes or words[header + MESSAGE_WORD] != message_bytes):
-            self._mismatch(src, slot)
-            return True
-        payload = slot + HEADER_BYTES
-        if combine is None:
-            _memcpy(address, address_of(words) + payload, piece_bytes)
-        elif piece_bytes > 0:
-            count = piece_bytes // out.itemsize
-            combine(out[first:first + count], self.region[payload:payload + piece_bytes].view(out.dtype))
-        rings[TAKEN_BY_ME, src] = n + 1
-        store_release(words, (channel + TAKEN) >> 3, n + 1)  # free the slot: our reads of it go first
-        self.bytes_received[src] += piece_bytes
-        self._wake(src)
-        return True
-
-    def _mismatch(self, src, slot):
-        """``src``'s message at ``slot`` is not the one we expect: say whose it is and what it is."""
-        self.status, self.failed_peer = MISMATCH, src
-        self.peer_bytes = self.words[(slot >> 3) + MESSAGE_WORD]
-        for i in range(FINGERPRINT_BYTES):
-            self.peer_fingerprint[i] = self.region[slot + i]
-
-    # --- waiting ------------------------------------------------------------------------------
-
-    def _ready(self, dst, src):
-        """A fresh look: can a piece go to ``dst`` or come from ``src`` now (-1: not waited for)?"""
-        rings, words = self.rings, self.words
-        if dst >= 0:
-            rings[TAKEN_BY_PEER, dst] = load_acquire(words, (rings[OUT_CHANNEL, dst] + TAKEN) >> 3)
-            if rings[SENT_BY_ME, dst] - rings[TAKEN_BY_PEER, dst] < self.depth:
-                return True
-        if src >= 0:
-            rings[SENT_BY_PEER, src] = load_acquire(words, (rings[IN_CHANNEL, src] + SENT) >> 3)
-            if rings[SENT_BY_PEER, src] > rings[TAKEN_BY_ME, src]:
-                return True
-        return False
-
-    def _idle(self, dst, src):
-        """One round of waiting for ``dst`` (a free slot) or ``src`` (a message): spin, yield or
-        sleep by how long it has lasted, then check the deadline and, every millisecond, liveness."""
-        waiting = self.waiting
-        waiting[IDLE_ROUNDS] += 1
-        rounds = waiting[IDLE_ROUNDS]
-        if rounds <= self.spin_limit:
-            cpu_relax()
-            if rounds != 1 and rounds % CLOCK_EVERY_SPINS != 0:
-                return
-        elif rounds <= self.spin_limit + self.yield_limit:
-            sched_yield()
+                got += 1
+                progressed = True
+                if got == recv_pieces:
+                    peers.messages_received[src] += 1
+        if progressed:
+            waiting[IDLE_ROUNDS] = waiting[WAIT_STARTED] = 0
         else:
-            self._sleep(dst, src)
-        now = monotonic_ns()
-        if waiting[WAIT_STARTED] == 0:
-            waiting[WAIT_STARTED] = waiting[LIVENESS_CHECKED] = now
-            return
-        if self.deadline_ns > 0 and now - waiting[WAIT_STARTED] >= self.deadline_ns:
-            if not self._ready(dst, src):
-                self.status, self.failed_peer = SILENCE, src if src >= 0 else dst
-            return
-        if now - waiting[LIVENESS_CHECKED] >= LIVENESS_INTERVAL_NS:
-            waiting[LIVENESS_CHECKED] = now
-            lost = -1
-            if src >= 0 and peer_gone(self.liveness_fds[src]):
-                lost = src
-            elif dst >= 0 and peer_gone(self.liveness_fds[dst]):
-                lost = dst
-            # A last look: what the peer published before it died is still delivered.
-            if lost >= 0 and not self._ready(dst if dst == lost else -1, src if src == lost else -1):
-                self.status, self.failed_peer = PEER_LOST, lost
+            _idle(peers, dst if sent < send_pieces else -1, src if got < recv_pieces else -1)
+            if peers.status != OK:
+                return
 
-    def _sleep(self, dst, src):
-        """Nap on our doorbell (at most FUTEX_TIMEOUT_NS) unless a fresh look finds progress."""
-        words, doorbells, area = self.words, self.doorbells, self.rank * RANK_AREA_BYTES
-        ring = load_acquire(doorbells, (area + DOORBELL) >> 2)
-        store_release(words, (area + SLEEPING) >> 3, 1)
-        fence_seq_cst()  # the flag's store before the look (pairs with the fence in _wake)
-        if not self._ready(dst, src):
-            futex_wait(doorbells, (area + DOORBELL) >> 2, ring, FUTEX_TIMEOUT_NS)
-        store_release(words, (area + SLEEPING) >> 3, 0)
 
-    def _wake(self, peer):
-        """After publishing to ``peer`` (a piece, or a freed slot): ring its doorbell if it sleeps."""
-        area = peer * RANK_AREA_BYTES
-        fence_seq_cst()  # the counter's store before the flag's load (pairs with the fence in _sleep)
-        if load_acquire(self.words, (area + SLEEPING) >> 3) != 0:
-            atomic_add(self.doorbells, (area + DOORBELL) >> 2, 1)
-            futex_wake(self.doorbells, (area + DOORBELL) >> 2, 1)
+@njit(cache=True)
+def _usable(peers, dst, send_itemsize, src, recv_itemsize):
+    """Whether a transfer may go ahead: the collective has not failed, and both peers are other
+    ranks whose items fit a slot (if not, INVALID naming the bad one)."""
+    if peers.status != OK:
+        return False
+    for peer, itemsize in ((dst, send_itemsize), (src, recv_itemsize)):
+        if peer < 0 or peer >= peers.world_size or peer == peers.rank or itemsize > peers.slot_bytes:
+            peers.status, peers.failed_peer = INVALID, peer
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _try_send(peers, dst, address, piece_bytes, message_bytes):
+    """Put one piece into ``dst``'s ring if a slot is free; False if the ring is full."""
+    rings, words, depth = peers.rings, peers.words, peers.depth
+    channel, n = rings[OUT_CHANNEL, dst], rings[SENT_BY_ME, dst]
+    if n - rings[TAKEN_BY_PEER, dst] >= depth:
+        rings[TAKEN_BY_PEER, dst] = load_acquire(words, (channel + TAKEN) >> 3)
+        if n - rings[TAKEN_BY_PEER, dst] >= depth:
+            return False
+    slot = channel + SLOTS + (n % depth) * _slot_stride(peers.slot_bytes)
+    header, fingerprint = slot >> 3, peers.fingerprint_words
+    words[header], words[header + 1] = fingerprint[0], fingerprint[1]
+    words[header + 2], words[header + 3] = fingerprint[2], fingerprint[3]
+    words[header + PIECE_WORD], words[header + MESSAGE_WORD] = piece_bytes, message_bytes
+    _memcpy(address_of(words) + slot + HEADER_BYTES, address, piece_bytes)
+    rings[SENT_BY_ME, dst] = n + 1
+    store_release(words, (channel + SENT) >> 3, n + 1)  # publish: header and payload go first
+    peers.bytes_sent[dst] += piece_bytes
+    _wake(peers, dst)
+    return True
+
+
+@njit(cache=True, nogil=True)
+def _try_recv(peers, src, address, piece_bytes, message_bytes, out, first, reduction):
+    """Take one piece from ``src``'s ring if there is one (False if not): copy it to
+    ``address``, or fold it into ``out[first:]`` with ``reduction.combine``. A fingerprint or byte
+    count that differs from ours sets MISMATCH and leaves the slot (returns True: stop waiting)."""
+    rings, words = peers.rings, peers.words
+    channel, n = rings[IN_CHANNEL, src], rings[TAKEN_BY_ME, src]
+    if n >= rings[SENT_BY_PEER, src]:
+        rings[SENT_BY_PEER, src] = load_acquire(words, (channel + SENT) >> 3)
+        if n >= rings[SENT_BY_PEER, src]:
+            return False
+    slot = channel + SLOTS + (n % peers.depth) * _slot_stride(peers.slot_bytes)
+    header, fingerprint = slot >> 3, peers.fingerprint_words
+    if (words[header] != fingerprint[0] or words[header + 1] != fingerprint[1]
+            or words[header + 2] != fingerprint[2] or words[header + 3] != fingerprint[3]
+            or words[header + PIECE_WORD] != piece_bytes or words[header + MESSAGE_WORD] != message_bytes):
+        _mismatch(peers, src, slot)
+        return True
+    payload = slot + HEADER_BYTES
+    if reduction is None:  # pruned when Numba compiles: the None path has no fold at all
+        _memcpy(address, address_of(words) + payload, piece_bytes)
+    elif piece_bytes > 0:
+        count = piece_bytes // out.itemsize
+        reduction.combine(out[first:first + count], peers.region[payload:payload + piece_bytes].view(out.dtype))
+    rings[TAKEN_BY_ME, src] = n + 1
+    store_release(words, (channel + TAKEN) >> 3, n + 1)  # free the slot: our reads of it go first
+    peers.bytes_received[src] += piece_bytes
+    _wake(peers, src)
+    return True
+
+
+@njit(cache=True)
+def _mismatch(peers, src, slot):
+    """``src``'s message at ``slot`` is not the one we expect: say whose it is and what it is."""
+    peers.status, peers.failed_peer = MISMATCH, src
+    peers.peer_bytes = peers.words[(slot >> 3) + MESSAGE_WORD]
+    for i in range(FINGERPRINT_BYTES):
+        peers.peer_fingerprint[i] = peers.region[slot + i]
+
+
+# --- waiting ------------------------------------------------------------------------------------
+
+
+@njit(cache=True, nogil=True)
+def _ready(peers, dst, src):
+    """A fresh look: can a piece go to ``dst`` or come from ``src`` now (-1: not waited for)?"""
+    rings, words = peers.rings, peers.words
+    if dst >= 0:
+        rings[TAKEN_BY_PEER, dst] = load_acquire(words, (rings[OUT_CHANNEL, dst] + TAKEN) >> 3)
+        if rings[SENT_BY_ME, dst] - rings[TAKEN_BY_PEER, dst] < peers.depth:
+            return True
+    if src >= 0:
+        rings[SENT_BY_PEER, src] = load_acquire(words, (rings[IN_CHANNEL, src] + SENT) >> 3)
+        if rings[SENT_BY_PEER, src] > rings[TAKEN_BY_ME, src]:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _idle(peers, dst, src):
+    """One round of waiting for ``dst`` (a free slot) or ``src`` (a message): spin, yield or
+    sleep by how long it has lasted, then check the deadline and, every millisecond, liveness."""
+    waiting = peers.waiting
+    waiting[IDLE_ROUNDS] += 1
+    rounds = waiting[IDLE_ROUNDS]
+    if rounds <= peers.spin_limit:
+        cpu_relax()
+        if rounds != 1 and rounds % CLOCK_EVERY_SPINS != 0:
+            return
+    elif rounds <= peers.spin_limit + peers.yield_limit:
+        sched_yield()
+    else:
+        _sleep(peers, dst, src)
+    now = monotonic_ns()
+    if waiting[WAIT_STARTED] == 0:
+        waiting[WAIT_STARTED] = waiting[LIVENESS_CHECKED] = now
+        return
+    if peers.deadline_ns > 0 and now - waiting[WAIT_STARTED] >= peers.deadline_ns:
+        if not _ready(peers, dst, src):
+            peers.status, peers.failed_peer = SILENCE, src if src >= 0 else dst
+        return
+    if now - waiting[LIVENESS_CHECKED] >= LIVENESS_INTERVAL_NS:
+        waiting[LIVENESS_CHECKED] = now
+        lost = -1
+        if src >= 0 and peer_gone(peers.liveness_fds[src]):
+            lost = src
+        elif dst >= 0 and peer_gone(peers.liveness_fds[dst]):
+            lost = dst
+        # A last look: what the peer published before it died is still delivered.
+        if lost >= 0 and not _ready(peers, dst if dst == lost else -1, src if src == lost else -1):
+            peers.status, peers.failed_peer = PEER_LOST, lost
+
+
+@njit(cache=True, nogil=True)
+def _sleep(peers, dst, src):
+    """Nap on our doorbell (at most FUTEX_TIMEOUT_NS) unless a fresh look finds progress."""
+    words, doorbells, area = peers.words, peers.doorbells, peers.rank * RANK_AREA_BYTES
+    ring = load_acquire(doorbells, (area + DOORBELL) >> 2)
+    store_release(words, (area + SLEEPING) >> 3, 1)
+    fence_seq_cst()  # the flag's store before the look (pairs with the fence in _wake)
+    if not _ready(peers, dst, src):
+        futex_wait(doorbells, (area + DOORBELL) >> 2, ring, FUTEX_TIMEOUT_NS)
+    store_release(words, (area + SLEEPING) >> 3, 0)
+
+
+@njit(cache=True, nogil=True)
+def _wake(peers, peer):
+    """After publishing to ``peer`` (a piece, or a freed slot): ring its doorbell if it sleeps."""
+    area = peer * RANK_AREA_BYTES
+    fence_seq_cst()  # the counter's store before the flag's load (pairs with the fence in _sleep)
+    if load_acquire(peers.words, (area + SLEEPING) >> 3) != 0:
+        atomic_add(peers.doorbells, (area + DOORBELL) >> 2, 1)
+        futex_wake(peers.doorbells, (area + DOORBELL) >> 2, 1)
+
+
+# --- diagnosis, from plain Python ---------------------------------------------------------------
+
+
+def pending_fingerprints(region, rank: int, world_size: int, slot_bytes: int, depth: int) -> dict[int, bytes]:
+    """For each peer that has published a message to ``rank`` that ``rank`` has not taken (its
+    ``sent`` ahead of our ``taken``): the 32-byte fingerprint of the next such piece. Plain numpy
+    on the shared region (no compilation), for a diagnosis after a failure; a rank still running
+    may move the counters meanwhile."""
+    region = region if isinstance(region, np.ndarray) else np.frombuffer(region, np.uint8)
+    region = region.reshape(-1).view(np.uint8)
+    stride = _slot_stride(slot_bytes)
+
+    def word(offset: int) -> int:
+        return int(region[offset:offset + 8].view(np.int64)[0])
+
+    pending = {}
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        _, in_channel = _channel_offsets(rank, peer, world_size, slot_bytes, depth)
+        sent, taken = word(in_channel + SENT), word(in_channel + TAKEN)
+        if sent > taken:
+            slot = in_channel + SLOTS + (taken % depth) * stride
+            pending[peer] = region[slot:slot + FINGERPRINT_BYTES].tobytes()
+    return pending

@@ -1,11 +1,15 @@
 """Tests for ``kernels.mailbox``: ranks as forked children over one anonymous shared mapping.
 
-Every transfer goes through one compiled driver, ``transfer``, and the allreduce is one compiled
-call; the module fixture compiles both for every signature the children use, once, in the parent,
-so a child only runs machine code (each compiled entry point costs about a second: it
-re-optimizes the mailbox code it calls). A child returns what it received through a pipe and leaves with
-``os._exit``; every rank's output is checked against what its peers sent (inputs
-``index * stride + rank``). Every child is killed if still running and reaped, whatever happens.
+A child opens its mailboxes with the compiled ``open_mailbox`` and moves messages through the
+proxy's methods (``peers.send_buffer(...)`` from Python: a cached compiled call each); the
+allreduce, which folds with a ``coded_reduction`` built inside it, opens the mailboxes inside one
+compiled call. The module fixture compiles (or loads from Numba's cache) every signature the
+children use, once, in the parent, so a child only runs machine code. This file's own compiled
+functions are not cached on purpose: a cached caller holds a copy of the mailbox code, and
+Numba's cache would not see an edit of ``kernels/mailbox.py``. A child returns what it
+received through a pipe and leaves with ``os._exit``; every rank's output is checked against
+what its peers sent (inputs ``index * stride + rank``). Every child is killed if still running
+and reaped, whatever happens.
 
 Timing is asserted generously, so it holds on a busy machine: a death must be reported as
 PEER_LOST (from the liveness pipe, not from the 30 s deadline), a silence after its deadline and
@@ -19,17 +23,21 @@ import os
 import pickle
 import select
 import signal
+import subprocess
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Self
 
 import numpy as np
 import pytest
+from conftest import child_env
 from numba import njit, typeof
 
 from kernels import mailbox
-from kernels.mailbox import LINE, MailboxPeers, region_bytes
-from kernels.reduce import sum_into
+from kernels.coded import FAMILY_CODES, OP_CODES, coded_reduction
+from kernels.mailbox import LINE, MailboxPeers, open_mailbox, pending_fingerprints, region_bytes
 
 SLOT = 256
 DEPTH = 4
@@ -37,6 +45,10 @@ STRIDE = 3
 DTYPES = (np.float32, np.float64, np.int32, np.int64, np.uint16)
 RESULT_TIMEOUT_S = 120  # only a hang reaches it
 LONG_DEADLINE_NS = 30_000_000_000  # a death must be reported long before this
+SUM = OP_CODES["sum"]
+# What the folding allreduce runs on: (dtype of the buffer, storage family), float16 as uint16 bits.
+FOLDS = {"float32": (np.float32, FAMILY_CODES["native"]), "int64": (np.int64, FAMILY_CODES["native"]),
+         "float16": (np.uint16, FAMILY_CODES["float16"])}
 
 
 def fingerprint(seed: int) -> np.ndarray:
@@ -56,45 +68,20 @@ def sizes(dtype) -> list[int]:
     return [0, 1, 7, per_slot - 1, per_slot, per_slot + 1, 10 * per_slot + 3]
 
 
-SEND, RECV, SENDRECV = range(3)
+def fresh_region(world_size: int) -> np.ndarray:
+    return np.frombuffer(mmap.mmap(-1, region_bytes(world_size, SLOT, DEPTH)), np.uint8)
 
 
 @njit
-def transfer(peers, how, dst, outgoing, src, incoming, combine):
-    """One transfer of a test (``how``: SEND, RECV or SENDRECV) through the Peers methods, as one
-    compiled call; ``combine`` is None or an @njit kernel. Returns the status."""
-    if how == SEND:
-        peers.send_buffer(dst, outgoing)
-    elif combine is None:  # pruned at compile time: None is the default of recv and sendrecv
-        if how == RECV:
-            peers.recv_buffer(src, incoming)
-        else:
-            peers.sendrecv_buffer(dst, outgoing, src, incoming)
-    elif how == RECV:
-        peers.recv_buffer(src, incoming, combine)
-    else:
-        peers.sendrecv_buffer(dst, outgoing, src, incoming, combine)
-    return peers.status
-
-
-def send(peers, dst, outgoing):
-    return transfer(peers, SEND, dst, outgoing, dst, outgoing, None)
-
-
-def recv(peers, src, incoming, combine=None):
-    return transfer(peers, RECV, src, incoming, src, incoming, combine)
-
-
-def sendrecv(peers, dst, outgoing, src, incoming, combine=None):
-    return transfer(peers, SENDRECV, dst, outgoing, src, incoming, combine)
-
-
-@njit
-def allreduce_recursive_doubling(peers, buf, incoming, tag, deadline_ns, combine):
+def allreduce_recursive_doubling(region, rank, world_size, buf, tag, deadline_ns, family):
     """Recursive doubling with the standard fold (lab.collectives.allreduce_recursive_doubling),
-    as one compiled call over MailboxPeers; ``combine`` is a function value. Returns the status."""
+    a sum, as one compiled call that opens the mailboxes and builds the reduction itself; every
+    fold goes through the mailbox (``recv_buffer``/``sendrecv_buffer`` with the reduction).
+    Returns the status and the messages sent and received."""
+    peers = open_mailbox(region, rank, world_size, SLOT, DEPTH, np.full(world_size, -1, np.int32))
+    reduction = coded_reduction(SUM, family, False)
     peers.begin(tag, deadline_ns)
-    n, rank = peers.world_size, peers.rank
+    n = peers.world_size
     p = 1
     while p * 2 <= n:
         p *= 2
@@ -102,20 +89,19 @@ def allreduce_recursive_doubling(peers, buf, incoming, tag, deadline_ns, combine
     if rank < 2 * extra and rank % 2 == 0:  # sits out: hands its tensor over, gets the result back
         peers.send_buffer(rank + 1, buf)
         peers.recv_buffer(rank + 1, buf)
-        return peers.status
-    if rank < 2 * extra:
-        peers.recv_buffer(rank - 1, buf, combine)
-    vrank = rank // 2 if rank < 2 * extra else rank - extra
-    mask = 1
-    while mask < p:
-        v = vrank ^ mask
-        partner = 2 * v + 1 if v < extra else v + extra
-        peers.sendrecv_buffer(partner, buf, partner, incoming)
-        combine(buf, incoming)
-        mask *= 2
-    if rank < 2 * extra:
-        peers.send_buffer(rank - 1, buf)
-    return peers.status
+    else:
+        if rank < 2 * extra:
+            peers.recv_buffer(rank - 1, buf, reduction)
+        vrank = rank // 2 if rank < 2 * extra else rank - extra
+        mask = 1
+        while mask < p:
+            v = vrank ^ mask
+            partner = 2 * v + 1 if v < extra else v + extra
+            peers.sendrecv_buffer(partner, buf.copy(), partner, buf, reduction)
+            mask *= 2
+        if rank < 2 * extra:
+            peers.send_buffer(rank - 1, buf)
+    return peers.status, peers.messages_sent.sum(), peers.messages_received.sum()
 
 
 @njit
@@ -126,6 +112,7 @@ def atomics_round_trip(words32, words64):
     old = mailbox.atomic_add(words32, 1, 1)
     mailbox.fence_seq_cst()
     mailbox.cpu_relax()
+    mailbox.sched_yield()
     return old, mailbox.load_acquire(words32, 1), mailbox.load_acquire(words64, 2), mailbox.monotonic_ns()
 
 
@@ -134,9 +121,9 @@ def atomics_round_trip(words32, words64):
 
 class Ranks:
     """``world_size`` forked children over one fresh shared region, each running ``body(peers)``
-    and sending back its result (``None`` for a child that died). With ``liveness``, rank r holds
-    the only write end of pipe r and every other rank polls its read end. On exit every child is
-    killed if still running and reaped."""
+    (``peers`` from ``open_mailbox``) and sending back its result (``None`` for a child that
+    died). With ``liveness``, rank r holds the only write end of pipe r and every other rank polls
+    its read end. On exit every child is killed if still running and reaped."""
 
     def __init__(self, world_size: int, body, *, slot_bytes: int = SLOT, depth: int = DEPTH,
                  liveness: bool = False) -> None:
@@ -181,7 +168,7 @@ class Ranks:
                     os.close(write)
                     fds[r] = read
             try:
-                peers = MailboxPeers(region, rank, self.world_size, self.slot_bytes, self.depth, fds)
+                peers = open_mailbox(region, rank, self.world_size, self.slot_bytes, self.depth, fds)
                 outcome = ("ok", self.body(peers))
             except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
                 outcome = ("error", traceback.format_exc())
@@ -235,17 +222,25 @@ def run(world_size: int, body, **options) -> list:
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    """Every signature the children use, compiled here (children inherit the machine code)."""
-    region = np.frombuffer(mmap.mmap(-1, region_bytes(2, SLOT, DEPTH)), np.uint8)
-    peers = MailboxPeers(region, 0, 2, SLOT, DEPTH, np.full(2, -1, np.int32))
-    peers.begin(TAG, 0)
-    me, how, kernel = typeof(peers), typeof(SEND), typeof(sum_into)
+    """Every signature the children use, compiled here or loaded from Numba's cache (children
+    inherit the machine code): the proxy's fields and methods for every dtype, through a real
+    exchange between two mailboxes of this process, and the allreduce for every fold."""
+    region = fresh_region(2)
+    fds = np.full(2, -1, np.int32)
+    one, other = open_mailbox(region, 0, 2, SLOT, DEPTH, fds), open_mailbox(region, 1, 2, SLOT, DEPTH, fds)
+    for peers in (one, other):
+        peers.begin(TAG, LONG_DEADLINE_NS)
+        peers.spin_limit, peers.yield_limit = peers.spin_limit, peers.yield_limit
     for dtype in DTYPES:
-        array = typeof(np.zeros(1, dtype))
-        transfer.compile((me, how, how, array, how, array, typeof(None)))
-    array = typeof(np.zeros(1, np.float32))
-    transfer.compile((me, how, how, array, how, array, kernel))
-    allreduce_recursive_doubling.compile((me, array, array, typeof(TAG), typeof(0), kernel))
+        outgoing, incoming = data(3, 0, dtype), np.zeros(3, dtype)
+        other.send_buffer(0, outgoing)  # fits the ring: the sendrecv below finds it there
+        one.sendrecv_buffer(1, outgoing, 1, incoming)
+        other.recv_buffer(0, incoming)
+    assert (one.status, other.status, one.peer_fingerprint.size) == (mailbox.OK, mailbox.OK, 32)
+    integer = typeof(0)
+    for dtype, _ in FOLDS.values():
+        allreduce_recursive_doubling.compile((typeof(one.region), integer, integer, typeof(np.zeros(1, dtype)),
+                                              typeof(TAG), integer, integer))
 
 
 # --- the primitives -----------------------------------------------------------------------------
@@ -273,27 +268,63 @@ def test_primitives():
 
 
 def test_region_and_arguments():
+    assert not hasattr(region_bytes, "signatures")  # plain Python: the shm transport's parent compiles nothing
     assert region_bytes(2, SLOT, DEPTH) == 2 * 128 + 2 * (128 + DEPTH * (64 + SLOT))
     assert region_bytes(3, 100, 2) % 64 == 0 and region_bytes(1, SLOT, DEPTH) == 128
     size = region_bytes(2, SLOT, DEPTH)
     region = np.frombuffer(mmap.mmap(-1, size + LINE), np.uint8)
     fds = np.full(2, -1, np.int32)
-    for rank, world_size, slot_bytes, depth, region_used in [(2, 2, SLOT, DEPTH, region),
-                                                              (0, 2, 32, DEPTH, region),
-                                                              (0, 2, SLOT, 0, region),
-                                                              (0, 2, SLOT, DEPTH, region[:size - LINE]),
-                                                              (0, 2, SLOT, DEPTH, region[8:8 + size])]:
+    for rank, world_size, slot_bytes, depth, region_used, used_fds in [(2, 2, SLOT, DEPTH, region, fds),
+                                                                       (0, 2, 32, DEPTH, region, fds),
+                                                                       (0, 2, SLOT, 0, region, fds),
+                                                                       (0, 2, SLOT, DEPTH, region[:size - LINE], fds),
+                                                                       (0, 2, SLOT, DEPTH, region[8:8 + size], fds),
+                                                                       (0, 2, SLOT, DEPTH, region, fds[:1])]:
         with pytest.raises(ValueError, match="MailboxPeers"):
-            MailboxPeers(region_used, rank, world_size, slot_bytes, depth, fds)
-    peers = MailboxPeers(region, 0, 2, SLOT, DEPTH, fds)
+            open_mailbox(region_used, rank, world_size, slot_bytes, depth, used_fds)
+    peers = MailboxPeers(region, 0, 2, SLOT, DEPTH, fds)  # the same compiled constructor
+    assert isinstance(peers, MailboxPeers) and typeof(peers) == mailbox.mailbox_peers_type
     assert (peers.rank, peers.world_size, peers.host_of(1), peers.status, peers.failed_peer) == (0, 2, 0, 0, -1)
+    assert (peers.slot_bytes, peers.depth, peers.liveness_fds.tolist()) == (SLOT, DEPTH, [-1, -1])
+    assert (peers.spin_limit, peers.yield_limit) == (mailbox.DEFAULT_SPIN_LIMIT, mailbox.DEFAULT_YIELD_LIMIT)
     peers.begin(TAG, 0)
-    send(peers, 0, data(3, 0, np.float32))  # to itself: a usage error, reported, not raised
+    peers.send_buffer(0, data(3, 0, np.float32))  # to itself: a usage error, reported, not raised
     assert (peers.status, peers.failed_peer) == (mailbox.INVALID, 0)
     peers.begin(TAG, 0)
-    recv(peers, 2, np.zeros(3, np.float32))
+    peers.recv_buffer(2, np.zeros(3, np.float32))
     assert (peers.status, peers.failed_peer) == (mailbox.INVALID, 2)
+    with pytest.raises(TypeError, match="compiled"):
+        peers.recv_buffer(1, np.zeros(3, np.float32), reduction=object())
     assert peers.bytes_sent.tolist() == peers.bytes_received.tolist() == [0, 0]
+    assert peers.messages_sent.tolist() == peers.messages_received.tolist() == [0, 0]
+
+
+def test_a_fresh_process_loads_the_mailbox_from_the_cache():
+    """What the fixture compiled (cache=True everywhere, libc by symbol name, a structref) loads
+    from Numba's cache in another process: nothing compiles there, and nothing warns."""
+    probe = f"""
+import mmap
+import numpy as np
+from numba.core.dispatcher import Dispatcher
+from kernels import mailbox as mb
+region = np.frombuffer(mmap.mmap(-1, mb.region_bytes(2, {SLOT}, {DEPTH})), np.uint8)
+fds = np.full(2, -1, np.int32)
+one, other = (mb.open_mailbox(region, rank, 2, {SLOT}, {DEPTH}, fds) for rank in range(2))
+one.begin(np.zeros(32, np.uint8), 0)
+other.begin(np.zeros(32, np.uint8), 0)
+outgoing, incoming = np.arange(100, dtype=np.float32), np.zeros(100, np.float32)
+one.send_buffer(1, outgoing)
+other.recv_buffer(0, incoming)
+assert (outgoing == incoming).all() and other.status == 0 and other.messages_received[0] == 1
+stats = [value.stats for value in vars(mb).values() if isinstance(value, Dispatcher)]
+print(sum(sum(s.cache_hits.values()) for s in stats), sum(sum(s.cache_misses.values()) for s in stats))
+"""
+    done = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True,
+                          timeout=RESULT_TIMEOUT_S, env=child_env(), cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert "NumbaWarning" not in done.stderr, done.stderr
+    hits, misses = map(int, done.stdout.split())
+    assert misses == 0 and hits >= 5, (hits, misses)
 
 
 # --- transfers ----------------------------------------------------------------------------------
@@ -311,11 +342,11 @@ def test_send_recv_every_size(dtype):
         for count in sizes(dtype):
             out = np.full(count, 99, dtype)
             if peers.rank == 0:
-                send(peers, partner, data(count, peers.rank, dtype))
-                recv(peers, partner, out)
+                peers.send_buffer(partner, data(count, peers.rank, dtype))
+                peers.recv_buffer(partner, out)
             else:
-                recv(peers, partner, out)
-                send(peers, partner, data(count, peers.rank, dtype))
+                peers.recv_buffer(partner, out)
+                peers.send_buffer(partner, data(count, peers.rank, dtype))
             received.append(out)
         return peers.status, received, peers.bytes_sent.tolist(), peers.bytes_received.tolist()
 
@@ -337,7 +368,7 @@ def test_sendrecv_both_ways_every_size(dtype):
         received = []
         for count in sizes(dtype):
             out = np.full(count, 99, dtype)
-            sendrecv(peers, partner, data(count, peers.rank, dtype), partner, out)
+            peers.sendrecv_buffer(partner, data(count, peers.rank, dtype), partner, out)
             received.append(out)
         return peers.status, received
 
@@ -358,7 +389,7 @@ def test_ring_exchange(world_size):
         holding, seen = data(count, rank, np.float64), []
         for _ in range(n - 1):
             incoming = np.empty_like(holding)
-            sendrecv(peers, (rank + 1) % n, holding, (rank - 1) % n, incoming)
+            peers.sendrecv_buffer((rank + 1) % n, holding, (rank - 1) % n, incoming)
             seen.append(incoming)
             holding = incoming
         return peers.status, seen
@@ -370,43 +401,102 @@ def test_ring_exchange(world_size):
                                           err_msg=f"rank {rank}, step {step}")
 
 
-def test_combine_with_a_sum_kernel():
-    """``combine`` is an @njit kernel passed by value: recv_buffer and sendrecv_buffer fold each
-    piece into ``out`` (a message of many slots, so the kernel runs per piece)."""
-    count = 10 * SLOT // 4 + 3
+def test_message_counters():
+    """A message counts once however many pieces it takes (an empty one too); bytes count the
+    payload. Rank 0 sends three messages (0 items, 1, 10 slots and a bit), then both sendrecv."""
+    counts = [0, 1, 10 * SLOT // 4 + 3]
 
     def body(peers):
         peers.begin(TAG, LONG_DEADLINE_NS)
         partner = 1 - peers.rank
-        received = data(count, peers.rank, np.float32)
-        if peers.rank == 0:
-            recv(peers, partner, received, sum_into)
-        else:
-            send(peers, partner, data(count, peers.rank, np.float32))
-        exchanged = data(count, peers.rank, np.float32)
-        sendrecv(peers, partner, data(count, peers.rank, np.float32), partner, exchanged, sum_into)
-        return peers.status, received, exchanged
+        for count in counts:
+            if peers.rank == 0:
+                peers.send_buffer(partner, data(count, 0, np.float32))
+            else:
+                peers.recv_buffer(partner, np.zeros(count, np.float32))
+        peers.sendrecv_buffer(partner, data(5, peers.rank, np.float32), partner, np.zeros(5, np.float32))
+        return (peers.status, peers.messages_sent.tolist(), peers.messages_received.tolist(),
+                peers.bytes_sent.tolist(), peers.bytes_received.tolist())
 
-    both = data(count, 0, np.float32) + data(count, 1, np.float32)
-    for rank, (status, received, exchanged) in enumerate(run(2, body)):
-        assert status == mailbox.OK
-        if rank == 0:
-            np.testing.assert_array_equal(received, both)
-        np.testing.assert_array_equal(exchanged, both, err_msg=f"rank {rank}")
+    first, second = run(2, body)
+    payload = 4 * (sum(counts) + 5)
+    assert first == (mailbox.OK, [0, 4], [0, 1], [0, payload], [0, 20])
+    assert second == (mailbox.OK, [1, 0], [4, 0], [20, 0], [payload, 0])
+
+
+def test_pending_fingerprints_names_what_waits():
+    """Published and not taken: the next piece's fingerprint per peer, read by plain numpy; once
+    taken, nothing. Three mailboxes of one process, messages that fit a ring."""
+    region = fresh_region(3)
+    fds = np.full(3, -1, np.int32)
+    ranks = [open_mailbox(region, rank, 3, SLOT, DEPTH, fds) for rank in range(3)]
+    theirs = fingerprint(5)
+    for rank, tag in enumerate([TAG, theirs, TAG]):
+        ranks[rank].begin(tag, LONG_DEADLINE_NS)
+    assert pending_fingerprints(region, 0, 3, SLOT, DEPTH) == {}
+    ranks[1].send_buffer(0, data(3 * SLOT // 4, 1, np.float32))  # three pieces
+    ranks[2].send_buffer(0, data(0, 2, np.float32))  # an empty message is one piece too
+    assert pending_fingerprints(region, 0, 3, SLOT, DEPTH) == {1: theirs.tobytes(), 2: TAG.tobytes()}
+    assert pending_fingerprints(memoryview(region), 1, 3, SLOT, DEPTH) == {}  # nothing for rank 1
+    ranks[0].recv_buffer(1, np.zeros(3 * SLOT // 4, np.float32))  # another collective's: refused
+    assert (ranks[0].status, ranks[0].failed_peer) == (mailbox.MISMATCH, 1)
+    assert pending_fingerprints(region, 0, 3, SLOT, DEPTH) == {1: theirs.tobytes(), 2: TAG.tobytes()}
+    ranks[0].begin(TAG, LONG_DEADLINE_NS)
+    ranks[0].recv_buffer(2, np.zeros(0, np.float32))
+    assert pending_fingerprints(region, 0, 3, SLOT, DEPTH) == {1: theirs.tobytes()}
+    ranks[0].begin(theirs, LONG_DEADLINE_NS)
+    out = np.zeros(3 * SLOT // 4, np.float32)
+    ranks[0].recv_buffer(1, out)
+    assert ranks[0].status == mailbox.OK and pending_fingerprints(region, 0, 3, SLOT, DEPTH) == {}
+    np.testing.assert_array_equal(out, data(3 * SLOT // 4, 1, np.float32))
+
+
+def expected_messages(rank: int, world_size: int) -> tuple[int, int]:
+    """Messages a rank of the recursive-doubling allreduce sends and receives."""
+    p = 1 << (world_size.bit_length() - 1)
+    extra, steps = world_size - p, p.bit_length() - 1
+    if rank < 2 * extra:
+        return (1, 1) if rank % 2 == 0 else (steps + 1, steps + 1)
+    return steps, steps
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 3])
 def test_allreduce_one_compiled_call(world_size):
+    """The mailboxes opened, the reduction built and the whole allreduce run in one compiled call."""
     count = 1000  # float32: 16 slots, 4 rings
 
     def body(peers):
         buf = data(count, peers.rank, np.float32)
-        status = allreduce_recursive_doubling(peers, buf, np.empty_like(buf), TAG, LONG_DEADLINE_NS, sum_into)
-        return status, buf
+        outcome = allreduce_recursive_doubling(peers.region, peers.rank, world_size, buf, TAG, LONG_DEADLINE_NS,
+                                               FAMILY_CODES["native"])
+        return outcome, buf
 
     expected = (world_size * STRIDE * np.arange(count) + world_size * (world_size - 1) // 2).astype(np.float32)
-    for rank, (status, buf) in enumerate(run(world_size, body)):
-        assert status == mailbox.OK
+    for rank, (outcome, buf) in enumerate(run(world_size, body)):
+        assert outcome == (mailbox.OK, *expected_messages(rank, world_size)), f"rank {rank}"
+        np.testing.assert_array_equal(buf, expected, err_msg=f"rank {rank}")
+
+
+@pytest.mark.parametrize("fold", FOLDS)
+def test_fold_through_the_mailbox(fold):
+    """``recv_buffer`` and ``sendrecv_buffer`` fold each piece with ``reduction.combine`` (a
+    ``coded_reduction`` sum) for float32, int64 and float16 (uint16 bits): 3 ranks, so rank 1
+    folds a receive and then a sendrecv, messages of many slots. Small integers: every sum is
+    exact, whatever the order."""
+    dtype, family = FOLDS[fold]
+    count = 1000
+
+    def buffer(exact: np.ndarray) -> np.ndarray:
+        return exact.astype(np.float16).view(np.uint16) if fold == "float16" else exact.astype(dtype)
+
+    def body(peers):
+        buf = buffer(np.arange(count) % 200 + peers.rank)
+        outcome = allreduce_recursive_doubling(peers.region, peers.rank, 3, buf, TAG, LONG_DEADLINE_NS, family)
+        return outcome, buf
+
+    expected = buffer(np.arange(count) % 200 * 3 + 3)  # ranks 0 + 1 + 2
+    for rank, (outcome, buf) in enumerate(run(3, body)):
+        assert outcome == (mailbox.OK, *expected_messages(rank, 3)), f"rank {rank}"
         np.testing.assert_array_equal(buf, expected, err_msg=f"rank {rank}")
 
 
@@ -418,14 +508,15 @@ def test_ten_thousand_tiny_messages():
         peers.begin(TAG, LONG_DEADLINE_NS)
         partner, out, got = 1 - peers.rank, np.zeros(1, np.int64), np.empty(messages, np.int64)
         for i in range(messages):
-            sendrecv(peers, partner, np.array([i * STRIDE + peers.rank]), partner, out)
+            peers.sendrecv_buffer(partner, np.array([i * STRIDE + peers.rank]), partner, out)
             got[i] = out[0]
-        return peers.status, got, int(peers.bytes_sent[partner]), int(peers.bytes_received[partner])
+        return (peers.status, got, int(peers.bytes_sent[partner]), int(peers.bytes_received[partner]),
+                int(peers.messages_sent[partner]), int(peers.messages_received[partner]))
 
-    for rank, (status, got, sent, received) in enumerate(run(2, body)):
+    for rank, (status, got, sent, received, messages_sent, messages_received) in enumerate(run(2, body)):
         assert status == mailbox.OK
         np.testing.assert_array_equal(got, data(messages, 1 - rank, np.int64))
-        assert sent == received == 8 * messages
+        assert (sent, received, messages_sent, messages_received) == (8 * messages, 8 * messages, messages, messages)
 
 
 @pytest.mark.parametrize("policy", ["spin", "yield", "block"])
@@ -437,14 +528,15 @@ def test_waiting_policies(policy):
     def body(peers):
         peers.begin(TAG, LONG_DEADLINE_NS)
         peers.spin_limit, peers.yield_limit = limits
+        assert (peers.spin_limit, peers.yield_limit) == limits
         partner, out = 1 - peers.rank, np.zeros(count, np.int32)
         for i in range(rounds):
             if peers.rank == 0:
-                send(peers, partner, data(count, i, np.int32))
-                recv(peers, partner, out)
+                peers.send_buffer(partner, data(count, i, np.int32))
+                peers.recv_buffer(partner, out)
             else:
-                recv(peers, partner, out)
-                send(peers, partner, out + 1)
+                peers.recv_buffer(partner, out)
+                peers.send_buffer(partner, out + 1)
         return peers.status, out
 
     results = run(2, body)
@@ -464,17 +556,17 @@ def test_mismatch_names_the_peer_and_what_it_sent():
     def body(peers):
         if peers.rank > 0:
             peers.begin(theirs if peers.rank == 1 else TAG, LONG_DEADLINE_NS)
-            send(peers, 0, data(10, peers.rank, np.float32))
+            peers.send_buffer(0, data(10, peers.rank, np.float32))
             return None
         out = np.full(10, -1, np.float32)
         peers.begin(TAG, LONG_DEADLINE_NS)
-        recv(peers, 1, out)
+        peers.recv_buffer(1, out)
         other = (peers.status, peers.failed_peer, peers.peer_fingerprint.copy(), peers.peer_bytes)
-        recv(peers, 2, out)  # returns at once: the collective has failed
-        send(peers, 2, data(100 * SLOT, 0, np.float32))  # more than the ring holds: would block
+        peers.recv_buffer(2, out)  # returns at once: the collective has failed
+        peers.send_buffer(2, data(100 * SLOT, 0, np.float32))  # more than the ring holds: would block
         after = (peers.status, peers.failed_peer, int(peers.bytes_sent[2]), int(peers.bytes_received[2]), out)
         peers.begin(TAG, LONG_DEADLINE_NS)
-        recv(peers, 2, np.zeros(12, np.float32))  # 10 items where 12 are expected
+        peers.recv_buffer(2, np.zeros(12, np.float32))  # 10 items where 12 are expected
         size = (peers.status, peers.failed_peer, peers.peer_fingerprint.copy(), peers.peer_bytes)
         return other, after, size
 
@@ -500,11 +592,11 @@ def test_silent_peer_is_reported_after_the_deadline():
             peers.begin(TAG, int(deadline_s * 1e9))
             start = time.monotonic()
             if transfer == "recv":
-                recv(peers, 1, np.zeros(4, np.float32))
+                peers.recv_buffer(1, np.zeros(4, np.float32))
             elif transfer == "send":
-                send(peers, 1, data(10 * SLOT, 0, np.float32))  # fills the ring, then waits
+                peers.send_buffer(1, data(10 * SLOT, 0, np.float32))  # fills the ring, then waits
             else:
-                sendrecv(peers, 1, data(4, 0, np.float32), 1, np.zeros(4, np.float32))
+                peers.sendrecv_buffer(1, data(4, 0, np.float32), 1, np.zeros(4, np.float32))
             outcomes.append((transfer, peers.status, peers.failed_peer, time.monotonic() - start))
         return outcomes
 
@@ -523,7 +615,7 @@ def test_killed_peer_is_reported_as_lost():
             return None
         peers.begin(TAG, LONG_DEADLINE_NS)
         out = np.full(4, -1, np.float32)
-        recv(peers, 1, out)
+        peers.recv_buffer(1, out)
         return peers.status, peers.failed_peer, out
 
     with Ranks(2, body, liveness=True) as ranks:
@@ -544,13 +636,13 @@ def test_message_of_a_peer_that_exited_is_still_delivered():
     def body(peers):
         peers.begin(TAG, LONG_DEADLINE_NS)
         if peers.rank == 1:
-            send(peers, 0, data(5, 1, np.float32))
+            peers.send_buffer(0, data(5, 1, np.float32))
             return None
         time.sleep(0.3)  # rank 1 has exited (it only had to fill one slot)
         out = np.zeros(5, np.float32)
-        recv(peers, 1, out)
+        peers.recv_buffer(1, out)
         first = (peers.status, out.copy())
-        recv(peers, 1, out)
+        peers.recv_buffer(1, out)
         return first, (peers.status, peers.failed_peer)
 
     (first_status, first_out), second = run(2, body, liveness=True)[0]
