@@ -88,7 +88,7 @@ Per rank (every rank runs the same compiled function)::
     ...     peers = open_mailbox(region, rank, 2, 4096, 4, np.full(2, -1, np.int32))
     ...     peers.begin(fingerprint, 1_000_000_000)  # give up after 1 s without progress
     ...     partner = 1 - peers.rank
-    ...     reduction = coded_reduction(SUM, NATIVE, False)
+    ...     reduction = coded_reduction(SUM, NATIVE, -1, False)
     ...     peers.sendrecv_buffer(partner, buf.copy(), partner, buf, reduction)  # buf += theirs
     ...     return peers.status
     >>> region = np.frombuffer(shared_mapping, np.uint8)  # region_bytes(2, 4096, 4) bytes, zeroed

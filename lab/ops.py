@@ -11,7 +11,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from kernels.coded import FAMILY_CODES, OP_CODES
+from kernels.coded import FAMILY_CODES, KIND_CODES, OP_CODES
 from kernels.reduce import DIVIDE, KERNELS
 
 
@@ -134,10 +134,11 @@ class Reduction:
             self._divide(buf, float(world_size))
 
     @functools.cached_property
-    def codes(self) -> tuple[int, int, bool]:
-        """``(op, family, finalize divides)`` as compiled code takes them (:mod:`kernels.coded`)."""
+    def codes(self) -> tuple[int, int, int, bool]:
+        """``(op, family, kind, finalize divides)`` as compiled code takes them (:mod:`kernels.coded`)."""
         op = "sum" if self.op is ReduceOp.AVG else self.op.value
-        return OP_CODES[op], FAMILY_CODES[self.dtype.family], self._divide is not None and not self.prescales
+        return (OP_CODES[op], FAMILY_CODES[self.dtype.family], KIND_CODES[self.dtype.storage.name],
+                self._divide is not None and not self.prescales)
 
     def partial(self) -> Reduction:
         """The same combine with nothing to prepare or finish: for the phases of an algorithm whose

@@ -31,17 +31,18 @@ from numba import njit
 
 from kernels import mailbox as mb
 from kernels.coded import coded_reduction
+from lab.collectives import registry
 from lab.compiled import Compilable
 from lab.ops import Reduction
 
 #: Tensors up to this many bytes take the compiled path (``LAB_COMPILED_MAX_BYTES``; 0: never).
-DEFAULT_MAX_BYTES = 0  # off until the mailboxes are cacheable (work in progress)
+DEFAULT_MAX_BYTES = 64 * 1024
 
 # Words of the config array: what the compiled call reads (in) and reports (out).
-RANK, WORLD_SIZE, SLOT_BYTES, DEPTH, DEADLINE_NS, OP, FAMILY, DIVIDES = range(8)  # in
-STATUS, FAILED_PEER, PEER_BYTES, BYTES_SENT, BYTES_RECEIVED, MESSAGES_SENT, MESSAGES_RECEIVED = range(8, 15)  # out
-FINGERPRINT, PEER_FINGERPRINT = 15, 19  # 4 words each: ours (in), the failed peer's (out)
-LIVENESS = 23  # one pipe descriptor per rank (-1: none)
+RANK, WORLD_SIZE, SLOT_BYTES, DEPTH, DEADLINE_NS, OP, FAMILY, KIND, DIVIDES = range(9)  # in
+STATUS, FAILED_PEER, PEER_BYTES, BYTES_SENT, BYTES_RECEIVED, MESSAGES_SENT, MESSAGES_RECEIVED = range(9, 16)  # out
+FINGERPRINT, PEER_FINGERPRINT = 16, 20  # 4 words each: ours (in), the failed peer's (out)
+LIVENESS = 24  # one pipe descriptor per rank (-1: none)
 
 
 @dataclass
@@ -83,13 +84,42 @@ class CompiledPlane:
         entry = self._entries.get(algorithm.run)
         if entry is None:
             entry = self._entries[algorithm.run] = _entry(algorithm.run, reduces)
+        # Buffers go as bytes and bounds in bytes (the reduction's kind says what the bytes hold):
+        # one compilation of each algorithm serves every dtype.
+        itemsize = next((a.itemsize for a in args if isinstance(a, np.ndarray)), 1)
         if reduces:
-            config[OP], config[FAMILY], config[DIVIDES] = args[1].codes
+            config[OP], config[FAMILY], config[KIND], config[DIVIDES] = args[1].codes
             args = (args[0], *args[2:])
-        entry(self.region, config, *(np.asarray(a, np.int64) if isinstance(a, list) else a for a in args))
+        entry(self.region, config, *(a.view(np.uint8) if isinstance(a, np.ndarray) else _bounds(a, itemsize)
+                                     for a in args))
         return Report(int(config[STATUS]), int(config[FAILED_PEER]),
                       config[PEER_FINGERPRINT:PEER_FINGERPRINT + 4].tobytes(),
                       *(int(v) for v in config[BYTES_SENT:MESSAGES_RECEIVED + 1]))
+
+
+def compile_all(mesh: Any) -> int:
+    """Run every compilable collective once on ``mesh`` (every rank calls it), so that Numba has
+    compiled, or loaded from its disk cache, what the compiled path calls: a process's first
+    compiled collective otherwise pays it (about a minute per machine, once; then ~1 s per
+    process to load). Returns how many ran compiled (0 where the mesh has no mailboxes)."""
+    import lab  # the public calls (lab.collectives imports the mesh, which imports this module)
+
+    before = mesh.stats()["collectives_compiled"]
+    x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
+    lab.allreduce(mesh, x, algorithm=registry.compiled("allreduce"))
+    lab.reduce(mesh, x)
+    lab.reduce_scatter(mesh, rows, algorithm=registry.compiled("reduce_scatter"))
+    lab.broadcast(mesh, x, algorithm=registry.compiled("broadcast"))
+    lab.allgather(mesh, x, algorithm=registry.compiled("allgather"))
+    lab.all_to_all(mesh, rows, algorithm=registry.compiled("all_to_all"))
+    lab.barrier(mesh)
+    return mesh.stats()["collectives_compiled"] - before
+
+
+def _bounds(arg: Any, itemsize: int) -> Any:
+    """A list of (start, stop) element bounds as an int64 array, in units of ``itemsize`` bytes;
+    anything else as it is."""
+    return np.asarray(arg, np.int64) * itemsize if isinstance(arg, list) else arg
 
 
 def max_bytes_from_env() -> int:
@@ -130,7 +160,7 @@ def _entry(run: Compilable, reduces: bool) -> Callable[..., None]:
         @njit(nogil=True, cache=True)
         def entry(region, config, buf, *rest):
             peers = _open(region, config)
-            run(peers, buf, coded_reduction(config[OP], config[FAMILY], config[DIVIDES] != 0), *rest)
+            run(peers, buf, coded_reduction(config[OP], config[FAMILY], config[KIND], config[DIVIDES] != 0), *rest)
             _close(peers, config)
     else:
         @njit(nogil=True, cache=True)

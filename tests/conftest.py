@@ -27,6 +27,16 @@ def nothing_left_behind():
     assert not leaked, f"/dev/shm segments left behind: {sorted(leaked)}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_plane_warm():
+    """Compile the compiled data plane once (two ranks), before any test's pool: on a clean clone
+    Numba's disk cache is empty, and every rank of every pool would compile it at once."""
+    from lab.plane import compile_all
+
+    ran = lab.spawn(compile_all, 2, transport="shm")
+    assert ran == [7, 7], f"the compiled plane's warm-up ran {ran} compiled collectives, expected 7 per rank"
+
+
 def pool(world_size: int, transport: str, **options) -> lab.Cluster:
     """A rank pool for one test module (the caller closes it)."""
     return lab.launch(world_size, transport=transport, recv_timeout_ms=60_000, **options)

@@ -79,7 +79,7 @@ def allreduce_recursive_doubling(region, rank, world_size, buf, tag, deadline_ns
     fold goes through the mailbox (``recv_buffer``/``sendrecv_buffer`` with the reduction).
     Returns the status and the messages sent and received."""
     peers = open_mailbox(region, rank, world_size, SLOT, DEPTH, np.full(world_size, -1, np.int32))
-    reduction = coded_reduction(SUM, family, False)
+    reduction = coded_reduction(SUM, family, -1, False)
     peers.begin(tag, deadline_ns)
     n = peers.world_size
     p = 1
