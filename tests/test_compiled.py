@@ -95,6 +95,8 @@ def compiled_equals_python(mesh: lab.Mesh) -> list[str]:
     lab.barrier(mesh)
     expected_compiled += 1
     ran = mesh.stats()["collectives_compiled"] - compiled_before
+    if n == 1:  # one rank has no mailboxes (nothing to exchange): every call is the Python path's no-op
+        expected_compiled = 0
     if ran != expected_compiled:
         wrong.append(f"rank {rank}: {ran} collectives ran compiled, expected {expected_compiled}")
     return wrong
@@ -119,7 +121,7 @@ def exact_sums(mesh: lab.Mesh) -> list[str]:
             wrong.append(f"rank {rank} allgather[{count}]")
         if not torch.equal(lab.broadcast(mesh, x.clone(), src=n - 1), pattern(count, n - 1, torch.float32)):
             wrong.append(f"rank {rank} broadcast[{count}]")
-    if mesh.stats()["collectives_compiled"] < 12:
+    if n > 1 and mesh.stats()["collectives_compiled"] < 12:  # one rank has no mailboxes
         wrong.append(f"rank {rank}: auto did not take the compiled path ({mesh.stats()})")
     return wrong
 
