@@ -10,6 +10,18 @@ so 2053 elements cross many segments. The algorithms added later (recursive doub
 halving-doubling, double tree, ...) run the full dtype x op matrix at N = 3, 6 and 8 (the fold with
 one and two extra ranks, and a power of two) and three dtypes (float32, int64, bfloat16: each
 kernel family) at every other world size, to keep the suite fast.
+
+The dtype x op matrix runs on shm (every world size, and the forced eager threshold); queue and
+tcp run the *wire set* (:func:`dtypes_for`, :func:`ops_for` with ``full=False``): every collective,
+algorithm, element count, root and shape at every world size, in the three dtypes whose elements
+are 4, 8 and 2 bytes (float32, int64, bfloat16: each storage width and kernel family), every op on
+float32 and ``sum`` on the others. Coverage holds because a transport never sees the op, nor the
+dtype beyond its width: it moves bytes and calls the ``combine`` the op's kernel hands it in a
+``Recv`` (lab/transport/*: ``recv.combine(out, incoming)``), and the op enters the message only
+as a field of the collective's fixed-size fingerprint. What differs between transports (message
+sizes, segments, flow control, the order of arrival) depends on the algorithm, the count, the root
+and the element width, all of which every transport still runs in full; what depends on the op and
+dtype (the kernels, ``avg``'s scaling, the reduction order each algorithm fixes) runs in full on shm.
 """
 
 from __future__ import annotations
@@ -48,13 +60,19 @@ def counts(world_size: int) -> list[int]:
     return sorted({0, 1, max(world_size - 1, 0), 2 * world_size + 1, 2053})
 
 
-def dtypes_for(world_size: int, algorithm: str) -> list[str]:
-    """Every dtype, except for the later algorithms away from FULL_MATRIX_WORLDS."""
+def dtypes_for(world_size: int, algorithm: str, full: bool = True) -> list[str]:
+    """Every dtype, except for the later algorithms away from FULL_MATRIX_WORLDS; the wire set's
+    three widths (SWEEP_DTYPES) with ``full=False`` (see the module's docstring)."""
+    if not full:
+        return SWEEP_DTYPES
     return DTYPES if algorithm in FIRST_ALGORITHMS or world_size in FULL_MATRIX_WORLDS else SWEEP_DTYPES
 
 
-def ops_for(dtype: str) -> list[str]:
-    return OPS if dtype not in ("int32", "int64") else OPS[:-1]  # avg needs a floating dtype
+def ops_for(dtype: str, full: bool = True) -> list[str]:
+    """Every op the dtype takes; with ``full=False`` (the wire set) every op on float32 only, sum
+    on the other dtypes."""
+    ops = OPS if dtype not in ("int32", "int64") else OPS[:-1]  # avg needs a floating dtype
+    return ops if full or dtype == "float32" else ["sum"]
 
 
 def values(count: int, rank: int, dtype: str, op: str = "sum") -> np.ndarray:
@@ -110,12 +128,12 @@ def describe_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
 # -- rank-side checks (run in every rank's process) ----------------------------------------------
 
 
-def check_allreduce(mesh: lab.Mesh) -> list[str]:
+def check_allreduce(mesh: lab.Mesh, full: bool = True) -> list[str]:
     failures = []
     for count in counts(mesh.world_size):
         for algorithm in ALGORITHMS["allreduce"]:
-            for dtype in dtypes_for(mesh.world_size, algorithm):
-                for op in ops_for(dtype):
+            for dtype in dtypes_for(mesh.world_size, algorithm, full):
+                for op in ops_for(dtype, full):
                     stack = np.stack([values(count, r, dtype, op) for r in range(mesh.world_size)])
                     x = tensor(stack[mesh.rank], dtype)
                     result = lab.allreduce(mesh, x, op=op, algorithm=algorithm)
@@ -128,11 +146,12 @@ def check_allreduce(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
-def check_broadcast(mesh: lab.Mesh) -> list[str]:
+def check_broadcast(mesh: lab.Mesh, full: bool = True) -> list[str]:
     failures = []
     for count in counts(mesh.world_size):
         for algorithm in ALGORITHMS["broadcast"]:
-            for dtype, src in [(d, s) for d in dtypes_for(mesh.world_size, algorithm) for s in range(mesh.world_size)]:
+            for dtype, src in [(d, s) for d in dtypes_for(mesh.world_size, algorithm, full)
+                               for s in range(mesh.world_size)]:
                 x = tensor(values(count, mesh.rank, dtype), dtype)
                 result = lab.broadcast(mesh, x, src=src, algorithm=algorithm)
                 want = tensor(values(count, src, dtype), dtype)
@@ -142,10 +161,10 @@ def check_broadcast(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
-def check_allgather(mesh: lab.Mesh) -> list[str]:
+def check_allgather(mesh: lab.Mesh, full: bool = True) -> list[str]:
     failures = []
     for count in counts(mesh.world_size):
-        for algorithm, dtype in [(a, d) for a in ALGORITHMS["allgather"] for d in dtypes_for(mesh.world_size, a)]:
+        for algorithm, dtype in [(a, d) for a in ALGORITHMS["allgather"] for d in dtypes_for(mesh.world_size, a, full)]:
             for shape in [(count,), (count, 2)]:
                 def rank_input(r: int) -> torch.Tensor:
                     return tensor(values(int(np.prod(shape)), r, dtype), dtype).reshape(shape)
@@ -160,20 +179,20 @@ def check_allgather(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
-def check_reduce_scatter(mesh: lab.Mesh) -> list[str]:
+def check_reduce_scatter(mesh: lab.Mesh, full: bool = True) -> list[str]:
     failures = []
     n = mesh.world_size
     for rows in counts(n):
-        for algorithm, dtype in [(a, d) for a in ALGORITHMS["reduce_scatter"] for d in dtypes_for(n, a)]:
-            for op in ops_for(dtype):
+        for algorithm, dtype in [(a, d) for a in ALGORITHMS["reduce_scatter"] for d in dtypes_for(n, a, full)]:
+            for op in ops_for(dtype, full):
                 for shape in [(rows,), (rows, 3)]:
                     numel = int(np.prod(shape))
                     stack = np.stack([values(numel, r, dtype, op) for r in range(n)])
                     x = tensor(stack[mesh.rank], dtype).reshape(shape)
                     before = x.clone()
                     got = lab.reduce_scatter(mesh, x, op=op, algorithm=algorithm)
-                    full = expected_reduction(stack, op, dtype).reshape(shape)
-                    want = torch.tensor_split(full, n)[mesh.rank] if rows else full[:0]
+                    reduced = expected_reduction(stack, op, dtype).reshape(shape)
+                    want = torch.tensor_split(reduced, n)[mesh.rank] if rows else reduced[:0]
                     own = np.stack([torch.tensor_split(torch.from_numpy(r).reshape(shape), n)[mesh.rank].numpy()
                                     for r in stack]) if rows else stack[:, :0].reshape(n, *want.shape)
                     if not reduction_matches(got, want, own, op, dtype) or not torch.equal(x, before):
@@ -224,13 +243,13 @@ def check_other_inputs(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
-def check_reduce(mesh: lab.Mesh) -> list[str]:
+def check_reduce(mesh: lab.Mesh, full: bool = True) -> list[str]:
     """In place on dst; every other rank's tensor (numpy too) exactly as it was."""
     failures = []
     n = mesh.world_size
     for count in counts(n):
-        for dtype in dtypes_for(n, "reduce"):
-            for op in ops_for(dtype):
+        for dtype in dtypes_for(n, "reduce", full):
+            for op in ops_for(dtype, full):
                 for dst in range(n):
                     stack = np.stack([values(count, r, dtype, op) for r in range(n)])
                     x = tensor(stack[mesh.rank], dtype)
@@ -250,12 +269,12 @@ def check_reduce(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
-def check_all_to_all(mesh: lab.Mesh) -> list[str]:
+def check_all_to_all(mesh: lab.Mesh, full: bool = True) -> list[str]:
     """Rank j gets block j (array_split along dim 0) of every rank, in rank order; input untouched."""
     failures = []
     n = mesh.world_size
     for rows in counts(n):
-        for algorithm, dtype in [(a, d) for a in ALGORITHMS["all_to_all"] for d in dtypes_for(n, a)]:
+        for algorithm, dtype in [(a, d) for a in ALGORITHMS["all_to_all"] for d in dtypes_for(n, a, full)]:
             for shape in [(rows,), (rows, 2)]:
                 def rank_input(r: int) -> torch.Tensor:
                     return tensor(values(int(np.prod(shape)), r, dtype), dtype).reshape(shape)
@@ -471,10 +490,18 @@ def byte_counts(mesh: lab.Mesh, numel: int) -> dict[str, dict[str, int]]:
 
 
 # (transport, N, shm eager threshold): the default threshold (4,048 bytes), and a tiny forced one
-# (16: one or two float64 elements travel eager, three do not) so every count crosses it.
-@pytest.fixture(scope="module", params=[*((t, n, None) for t in ("shm", "queue", "tcp") for n in range(1, 9)),
-                                        ("shm", 5, 16)],
-                ids=lambda p: f"{p[0]}-N{p[1]}" + (f"-eager{p[2]}" if p[2] is not None else ""))
+# (16: one or two float64 elements travel eager, three do not) so every count crosses it. The shm
+# pools come first: SHM_POOLS is a prefix of POOLS, so a test parametrized over SHM_POOLS alone
+# shares the same pools (same params, same indices) instead of starting its own.
+SHM_POOLS = [*(("shm", n, None) for n in range(1, 9)), ("shm", 5, 16)]
+POOLS = [*SHM_POOLS, *((t, n, None) for t in ("queue", "tcp") for n in range(1, 9))]
+
+
+def pool_id(p: tuple) -> str:
+    return f"{p[0]}-N{p[1]}" + (f"-eager{p[2]}" if p[2] is not None else "")
+
+
+@pytest.fixture(scope="module", params=POOLS, ids=pool_id)
 def cluster(request):
     transport, world_size, eager_bytes = request.param
     os.environ["LAB_SEGMENT_BYTES"] = "256"  # ranks take the environment at launch
@@ -491,31 +518,39 @@ def assert_no_failures(outputs: list[list[str]]) -> None:
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:25])
 
 
+def full_matrix(cluster: lab.Cluster) -> bool:
+    """The dtype x op matrix on shm; the wire set on queue and tcp (see the module's docstring)."""
+    return cluster.transport == "shm"
+
+
 def test_allreduce_every_dtype_op_algorithm_count(cluster):
-    assert_no_failures(cluster.run(check_allreduce))
+    assert_no_failures(cluster.run(check_allreduce, full_matrix(cluster)))
 
 
 def test_broadcast_every_root_dtype_count(cluster):
-    assert_no_failures(cluster.run(check_broadcast))
+    assert_no_failures(cluster.run(check_broadcast, full_matrix(cluster)))
 
 
 def test_allgather_every_dtype_count_shape(cluster):
-    assert_no_failures(cluster.run(check_allgather))
+    assert_no_failures(cluster.run(check_allgather, full_matrix(cluster)))
 
 
 def test_reduce_scatter_every_dtype_op_count_shape(cluster):
-    assert_no_failures(cluster.run(check_reduce_scatter))
+    assert_no_failures(cluster.run(check_reduce_scatter, full_matrix(cluster)))
 
 
 def test_reduce_every_root_dtype_op_count_leaves_others_untouched(cluster):
-    assert_no_failures(cluster.run(check_reduce))
+    assert_no_failures(cluster.run(check_reduce, full_matrix(cluster)))
 
 
 def test_all_to_all_every_algorithm_dtype_count_shape(cluster):
-    assert_no_failures(cluster.run(check_all_to_all))
+    assert_no_failures(cluster.run(check_all_to_all, full_matrix(cluster)))
 
 
+@pytest.mark.parametrize("cluster", SHM_POOLS, indirect=True, ids=pool_id)
 def test_every_collective_across_the_eager_threshold(cluster):
+    """On the shm pools: the threshold is shm's (queue and tcp have none; the sizes around it are
+    ordinary message sizes there, which the matrix above covers)."""
     assert_no_failures(cluster.run(check_eager_boundary))
 
 
