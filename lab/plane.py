@@ -100,18 +100,19 @@ class CompiledPlane:
 def compile_all(mesh: Any) -> int:
     """Run every compilable collective once on ``mesh`` (every rank calls it), so that Numba has
     compiled, or loaded from its disk cache, what the compiled path calls: a process's first
-    compiled collective otherwise pays it (about a minute per machine, once; then ~1 s per
+    compiled collective otherwise pays it (a minute or two of CPU per machine, once; then ~1 s per
     process to load). Returns how many ran compiled (0 where the mesh has no mailboxes)."""
     import lab  # the public calls (lab.collectives imports the mesh, which imports this module)
 
     before = mesh.stats()["collectives_compiled"]
     x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
-    lab.allreduce(mesh, x, algorithm=registry.compiled("allreduce"))
+    for algorithm in registry.compiled("allreduce"):
+        lab.allreduce(mesh, x, algorithm=algorithm)
     lab.reduce(mesh, x)
-    lab.reduce_scatter(mesh, rows, algorithm=registry.compiled("reduce_scatter"))
-    lab.broadcast(mesh, x, algorithm=registry.compiled("broadcast"))
-    lab.allgather(mesh, x, algorithm=registry.compiled("allgather"))
-    lab.all_to_all(mesh, rows, algorithm=registry.compiled("all_to_all"))
+    lab.reduce_scatter(mesh, rows, algorithm=registry.compiled("reduce_scatter")[0])
+    lab.broadcast(mesh, x, algorithm=registry.compiled("broadcast")[0])
+    lab.allgather(mesh, x, algorithm=registry.compiled("allgather")[0])
+    lab.all_to_all(mesh, rows, algorithm=registry.compiled("all_to_all")[0])
     lab.barrier(mesh)
     return mesh.stats()["collectives_compiled"] - before
 

@@ -73,16 +73,17 @@ def compiled_equals_python(mesh: lab.Mesh) -> list[str]:
             for op in OPS:
                 if op == "avg" and not dtype.is_floating:
                     continue
-                check(f"allreduce {name}[{count}] {op}",
-                      lab.allreduce(mesh, x.clone(), op=op, algorithm="recursive_doubling"),
-                      lab.allreduce(everyone, x.clone(), op=op, algorithm="recursive_doubling"))
+                for algorithm in registry.compiled("allreduce"):
+                    check(f"allreduce {algorithm} {name}[{count}] {op}",
+                          lab.allreduce(mesh, x.clone(), op=op, algorithm=algorithm),
+                          lab.allreduce(everyone, x.clone(), op=op, algorithm=algorithm))
                 check(f"reduce_scatter {name}[{count}] {op}",
                       lab.reduce_scatter(mesh, rows, op=op, algorithm="recursive_halving"),
                       lab.reduce_scatter(everyone, rows, op=op, algorithm="recursive_halving"))
                 for root in {0, n - 1}:
                     check(f"reduce {name}[{count}] {op} to {root}",
                           lab.reduce(mesh, x.clone(), dst=root, op=op), lab.reduce(everyone, x.clone(), dst=root, op=op))
-                expected_compiled += (2 + len({0, n - 1})) * small
+                expected_compiled += (len(registry.compiled("allreduce")) + 1 + len({0, n - 1})) * small
             for root in {0, n - 1}:
                 check(f"broadcast {name}[{count}] from {root}",
                       lab.broadcast(mesh, x.clone(), src=root, algorithm="binomial"),

@@ -109,11 +109,13 @@ def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
     check_algorithm(algorithm, collective)
     if algorithm != "auto":
         return algorithm
-    # Small enough for the compiled path (lab.plane): its one Numba call beats any Python exchange.
+    # Small enough for the compiled path (lab.plane): the model's pick if it compiles, else the
+    # collective's first compilable algorithm (one Numba call beats a Python exchange).
     if nbytes <= getattr(mesh, "compiled_max_bytes", 0) and not forced_algorithm(collective):
         compiled = registry.compiled(collective)
-        if compiled is not None:
-            return compiled
+        if compiled:
+            chosen = choose(collective, nbytes, mesh.world_size, "shm")
+            return chosen if chosen in compiled else compiled[0]
     transport, hosts = mesh.transport, getattr(mesh, "host_count", 1)
     if hosts > 1 and collective == "allreduce" and transport in ("tcp", "auto") and not forced_algorithm(collective):
         return tuning.choose_across_hosts(nbytes, mesh.world_size, hosts, "shm" if transport == "auto" else "tcp")

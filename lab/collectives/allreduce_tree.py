@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from lab.collectives.broadcast_binomial import broadcast_binomial
+from lab.compiled import compilable
 from lab.collectives.fold import power_terms
 from lab.peers import Peers
 from lab.ops import Reduction
 
 
+@compilable
 def allreduce_tree(peers: Peers, buf: np.ndarray, reduction: Reduction) -> None:
     """Reduce ``buf`` in place across all ranks in 2·ceil(log2 N) rounds of whole-tensor messages.
 

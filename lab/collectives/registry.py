@@ -111,10 +111,10 @@ def fallback(collective: str) -> tuple[str, str]:
     return picks.get("small", picks.get("large")), picks.get("large", picks.get("small"))
 
 
-def compiled(collective: str) -> str | None:
-    """``collective``'s algorithm written for Numba (:mod:`lab.compiled`), which ``auto`` picks for
-    tensors small enough for the compiled path (:mod:`lab.plane`); None if it has none."""
-    return next((name for name, entry in ALGORITHMS[collective].items() if isinstance(entry.run, Compilable)), None)
+def compiled(collective: str) -> tuple[str, ...]:
+    """``collective``'s algorithms written for Numba (:mod:`lab.compiled`), in registration order:
+    under the compiled path's threshold (:mod:`lab.plane`) ``auto`` picks among these."""
+    return tuple(name for name, entry in ALGORITHMS[collective].items() if isinstance(entry.run, Compilable))
 
 
 def choosable(collective: str) -> bool:
