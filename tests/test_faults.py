@@ -37,6 +37,20 @@ STALL_S = 20 * DEADLINE_MS / 1000  # a stalled rank sleeps this long, unless the
 COLLECTIVES = ["allreduce-ring", "allreduce-tree", "allreduce-naive", "broadcast", "allgather", "reduce_scatter"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def python_path_only():
+    """Faults are injected at the transport's ``exchange``, which the compiled data plane does not
+    call: these ranks take the Python path (``LAB_COMPILED_MAX_BYTES=0``; ranks take the caller's
+    environment). Deaths, stalls and mismatches inside compiled collectives: tests/test_compiled.py."""
+    saved = os.environ.get("LAB_COMPILED_MAX_BYTES")
+    os.environ["LAB_COMPILED_MAX_BYTES"] = "0"
+    yield
+    if saved is None:
+        del os.environ["LAB_COMPILED_MAX_BYTES"]
+    else:
+        os.environ["LAB_COMPILED_MAX_BYTES"] = saved
+
+
 def run_collective(mesh: lab.Mesh, which: str, numel: int) -> None:
     x = torch.arange(numel, dtype=torch.float32) + mesh.rank
     if which.startswith("allreduce"):
