@@ -13,15 +13,18 @@ kernel family) at every other world size, to keep the suite fast.
 
 The dtype x op matrix runs on shm (every world size, and the forced eager threshold); queue and
 tcp run the *wire set* (:func:`dtypes_for`, :func:`ops_for` with ``full=False``): every collective,
-algorithm, element count, root and shape at every world size, in the three dtypes whose elements
-are 4, 8 and 2 bytes (float32, int64, bfloat16: each storage width and kernel family), every op on
-float32 and ``sum`` on the others. Coverage holds because a transport never sees the op, nor the
-dtype beyond its width: it moves bytes and calls the ``combine`` the op's kernel hands it in a
-``Recv`` (lab/transport/*: ``recv.combine(out, incoming)``), and the op enters the message only
-as a field of the collective's fixed-size fingerprint. What differs between transports (message
-sizes, segments, flow control, the order of arrival) depends on the algorithm, the count, the root
-and the element width, all of which every transport still runs in full; what depends on the op and
-dtype (the kernels, ``avg``'s scaling, the reduction order each algorithm fixes) runs in full on shm.
+algorithm, element count, root and shape at every world size, in float32 with every op and in
+int64 and bfloat16 with sum (4-, 8- and 2-byte elements: each storage width and kernel family).
+Coverage holds because a transport never sees the op, nor the dtype beyond its width: it moves
+bytes and calls the ``combine`` the op's kernel hands it in a ``Recv`` (lab/transport/*), and the
+op reaches the wire only as a field of the fixed-size fingerprint. What differs between transports
+(message sizes, segments, flow control, order of arrival) depends on the algorithm, count, root
+and element width, which every transport runs in full. What depends on the op and dtype runs in
+full on shm: the kernels of lab.ops (one per op and dtype, whichever algorithm calls them; every
+algorithm that is not compilable takes them on shm too, and tests/test_kernels.py checks them
+alone), the compiled plane's coded kernels (lab.plane: the compilable algorithms under its
+threshold, which every count here is), and where an algorithm finishes ``avg`` (float32 ``avg``
+runs on every transport, as half-type ``avg`` divides before any message).
 """
 
 from __future__ import annotations
