@@ -321,13 +321,18 @@ def test_ranks_know_their_host(cluster):
 
 
 def test_collective_matrix_across_hosts(cluster):
-    for check in (check_allreduce, check_broadcast, check_allgather, check_reduce_scatter, check_other_inputs):
-        assert_no_failures(cluster.run(check))
+    """The wire set of tests/test_collectives.py (every collective, algorithm, count, root and
+    shape; each element width): links and namespaces carry bytes and never see the op or dtype,
+    whose full matrix runs on shm there."""
+    for check in (check_allreduce, check_broadcast, check_allgather, check_reduce_scatter):
+        assert_no_failures(cluster.run(check, False))
+    assert_no_failures(cluster.run(check_other_inputs))
 
 
 def test_gloo_matrix_across_hosts(cluster):
+    """Against gloo across the same links: the wire set (tests/test_gloo.py)."""
     n = cluster.world_size
-    assert_matches_and_identical(cluster.run(compare_with_gloo, [1, n + 1, 1000], 2026))
+    assert_matches_and_identical(cluster.run(compare_with_gloo, [1, n + 1, 1000], 2026, False))
     assert_matches_and_identical(cluster.run(large_allreduce, (1 << 18) + 3))
 
 
