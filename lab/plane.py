@@ -72,7 +72,8 @@ class CompiledPlane:
 
     def takes(self, algorithm: Any, nbytes: int) -> bool:
         """Whether a collective of ``nbytes`` running ``algorithm`` (a registry entry) runs here."""
-        return nbytes <= self.max_bytes and isinstance(getattr(algorithm, "run", None), Compilable)
+        return 0 < self.max_bytes and nbytes <= self.max_bytes \
+            and isinstance(getattr(algorithm, "run", None), Compilable)  # 0 is off, even for a barrier
 
     def run(self, algorithm: Any, tag: bytes, timeout_ms: float, args: tuple) -> Report:
         """Run ``algorithm`` compiled on ``args`` (its arguments after the peers) with ``tag`` on

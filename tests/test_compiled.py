@@ -167,18 +167,20 @@ def test_ten_thousand_random_calls_across_the_threshold(cluster):
 
 def mismatched(mesh: lab.Mesh, what: str) -> str:
     odd = mesh.rank == mesh.world_size - 1
+    # Named, not auto: auto's pick depends on the machine's cores (tree where ranks outnumber them).
+    algorithm = "recursive_doubling"
     try:
         if what == "size":
-            lab.allreduce(mesh, torch.ones(11 if odd else 10))
+            lab.allreduce(mesh, torch.ones(11 if odd else 10), algorithm=algorithm)
         elif what == "op":
-            lab.allreduce(mesh, torch.ones(10), op="max" if odd else "sum")
+            lab.allreduce(mesh, torch.ones(10), op="max" if odd else "sum", algorithm=algorithm)
         elif what == "collective":
             if odd:
-                lab.allgather(mesh, torch.ones(10))
+                lab.allgather(mesh, torch.ones(10), algorithm=algorithm)
             else:
-                lab.allreduce(mesh, torch.ones(10))
+                lab.allreduce(mesh, torch.ones(10), algorithm=algorithm)
         elif what == "across the threshold":  # the odd rank's tensor is over it: the Python path
-            lab.allreduce(mesh, torch.ones(MAX_BYTES if odd else 10), algorithm="recursive_doubling")
+            lab.allreduce(mesh, torch.ones(MAX_BYTES if odd else 10), algorithm=algorithm)
     except lab.CollectiveMismatchError as exc:
         return f"mismatch: {exc}"
     except lab.LabError as exc:
@@ -210,7 +212,7 @@ def stalled(mesh: lab.Mesh, how: str, out: str) -> str:
         return "slept"
     start = time.monotonic()
     try:
-        lab.allreduce(mesh, torch.ones(10))
+        lab.allreduce(mesh, torch.ones(10), algorithm="recursive_doubling")  # named: see mismatched
         message = "no error"
     except (lab.DeadlineError, lab.PeerLostError) as exc:
         message = f"{type(exc).__name__} after {time.monotonic() - start:.1f} s: {exc}"
@@ -235,3 +237,17 @@ def test_a_silent_or_dead_peer_inside_a_compiled_collective_is_named(compiled_en
         assert message.startswith(expected) and "rank 1" in message, message
         seconds = float(message.split(" after ")[1].split(" s")[0])
         assert seconds < 30, message  # a hang guard: the deadline (1 s) or the death, not the 60 s one
+
+
+def compiled_counts(mesh: lab.Mesh) -> int:
+    lab.barrier(mesh)  # zero bytes: at or under any threshold, so only "off" keeps it out
+    lab.allreduce(mesh, torch.empty(0))
+    lab.allreduce(mesh, torch.ones(4), algorithm="recursive_doubling")
+    return mesh.stats()["collectives_compiled"]
+
+
+def test_a_zero_threshold_turns_the_compiled_path_off(monkeypatch):
+    monkeypatch.setenv("LAB_COMPILED_MAX_BYTES", "0")  # ranks take the caller's environment
+    assert lab.spawn(compiled_counts, 2) == [0, 0]
+    monkeypatch.setenv("LAB_COMPILED_MAX_BYTES", "64")
+    assert lab.spawn(compiled_counts, 2) == [3, 3]

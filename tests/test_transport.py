@@ -154,6 +154,7 @@ def transport_pair(eager_bytes: int, segment_bytes: int = 8192) -> tuple[shm.Shm
     """Ranks 0 and 1 of a 2-rank shm mesh, both in this process (small messages never block)."""
     endpoints = shm.create_endpoints(2, segment_bytes, 2, eager_bytes)
     endpoints[1].segments = [SharedFd(os.dup(s.fd)) for s in endpoints[0].segments]  # each closes its own
+    endpoints[1].mailbox = SharedFd(os.dup(endpoints[0].mailbox.fd))
     return shm.ShmTransport(endpoints[0]), shm.ShmTransport(endpoints[1])
 
 

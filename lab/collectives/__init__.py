@@ -111,7 +111,8 @@ def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
         return algorithm
     # Small enough for the compiled path (lab.plane): the model's pick if it compiles, else the
     # collective's first compilable algorithm (one Numba call beats a Python exchange).
-    if nbytes <= getattr(mesh, "compiled_max_bytes", 0) and not forced_algorithm(collective):
+    compiled_max_bytes = getattr(mesh, "compiled_max_bytes", 0)  # 0: no compiled path
+    if 0 < compiled_max_bytes and nbytes <= compiled_max_bytes and not forced_algorithm(collective):
         compiled = registry.compiled(collective)
         if compiled:
             chosen = choose(collective, nbytes, mesh.world_size, "shm")
