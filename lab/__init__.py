@@ -14,6 +14,7 @@ from lab.collectives import all_to_all, allgather, allreduce, barrier, broadcast
 from lab.errors import (CollectiveMismatchError, DeadlineError, EmulationUnavailable, LabError, PeerLostError,
                         RankError)
 from lab.launch import Cluster, launch, spawn
+from lab.launchers import launcher_env
 from lab.issue import Work
 from lab.mesh import Mesh
 from lab.ops import ReduceOp
@@ -26,6 +27,6 @@ __all__ = [
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "ReduceOp",
     "allreduce_init", "broadcast_init", "allgather_init", "reduce_scatter_init", "reduce_init", "all_to_all_init",
     "barrier_init", "Plan",
-    "bucketing", "ddp", "sim", "spawn", "launch", "Cluster", "Mesh", "Work", "gloo_reference",
+    "bucketing", "ddp", "sim", "spawn", "launch", "launcher_env", "Cluster", "Mesh", "Work", "gloo_reference",
     "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError", "EmulationUnavailable",
 ]

@@ -1,4 +1,5 @@
-"""A rank's transport under a launcher (torchrun, or anything that sets its variables).
+"""A rank's transport under a launcher (torchrun, mpiexec, srun, or anything that sets torchrun's
+variables: :mod:`lab.launchers`).
 
 :func:`connect_from_env` reads and checks the variables, agrees with every rank on the host of
 each rank through the launcher's store, proves the job's secret and opens the transport:
@@ -11,7 +12,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from lab.rendezvous import agree_hosts, check_secret_source, env_store, host_block, job_secret, launch_env
+from lab.launchers import launch_env
+from lab.rendezvous import (
+    agree_hosts,
+    check_secret_source,
+    env_store,
+    host_block,
+    job_secret,
+    learn_host_index,
+)
 from lab.transport.base import Transport
 from lab.transport.tcp import TcpTransport
 
@@ -28,6 +37,8 @@ def connect_from_env(transport: str) -> tuple[Transport, tuple[int, int, int], l
                          f"launcher; got {transport!r}")
     check_secret_source(env)  # before waiting for anyone
     store = env_store()
+    if env.group_rank is None:  # mpiexec on several hosts: learn the host index from the host names
+        env = learn_host_index(store, env, STORE_PREFIX)
     hosts = agree_hosts(store, env, STORE_PREFIX)  # every rank's host, the same on every rank
     secret, secret_file = job_secret(store, env, STORE_PREFIX)
     address = os.environ.get("LAB_TCP_HOST", "127.0.0.1")

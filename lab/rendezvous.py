@@ -1,13 +1,14 @@
 """Where ranks find each other: a ``torch.distributed.TCPStore``, never a home-made one.
 
 Inside ``lab.spawn``/``lab.launch`` the parent hosts the store on loopback and passes its address
-to every rank as ``LAB_STORE``; under ``torchrun`` (or any launcher that sets ``MASTER_ADDR`` and
-``MASTER_PORT``) the launcher's store is used, or rank 0 hosts one on ``MASTER_ADDR`` when there
-is no agent. A store holds only addresses and names: it has no authentication, so nothing secret
-is ever put in it. The job's secret (what the tcp handshake proves) reaches the ranks another way:
-from their launcher (``lab.spawn`` hands it over its private pipe), from ``LAB_TCP_SECRET``, or, on
-one host, through a file only this user can read (:func:`job_secret`, :class:`SecretFile`). Under a
-launcher the ranks also agree here on which host each rank is on (:func:`agree_hosts`).
+to every rank as ``LAB_STORE``. Under a launcher (torchrun, mpiexec, srun: :mod:`lab.launchers`),
+torchrun's agent store is used, or rank 0 hosts one on ``MASTER_ADDR:MASTER_PORT`` (as set, or
+the launcher's defaults) when there is no agent. A store holds only addresses and names: it has
+no authentication, so nothing secret is ever put in it. The job's secret (what the tcp handshake
+proves) reaches the ranks another way: from their launcher (``lab.spawn`` hands it over its
+private pipe), from ``LAB_TCP_SECRET``, or, on one host, through a file only this user can read
+(:func:`job_secret`, :class:`SecretFile`). Under a launcher the ranks also agree here on which
+host each rank is on (:func:`agree_hosts`, :func:`learn_host_index`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import ipaddress
@@ -27,13 +29,13 @@ import stat
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
 from lab.errors import DeadlineError, LabError
+from lab.launchers import LaunchEnv, launch_env
 
 STORE_TIMEOUT = timedelta(seconds=120)
 #: An unlocked secret file shorter than a secret is one being made, unless it is this old (its
@@ -66,52 +68,6 @@ def pool_store() -> dist.TCPStore:
     return dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
 
 
-@dataclass(frozen=True)
-class LaunchEnv:
-    """The launcher's variables, checked: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-    and where torchrun sets them, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``."""
-
-    rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    local_rank: int
-    local_world_size: int
-    group_rank: int
-
-
-def _env_int(name: str, low: int, high: int | None, default: int | None = None) -> int:
-    text = os.environ.get(name)
-    if text is None:
-        if default is not None:
-            return default
-        raise ValueError(f"environment variable {name} is not set (torchrun sets RANK, WORLD_SIZE, "
-                         "MASTER_ADDR and MASTER_PORT)")
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer; got {text!r}") from None
-    if value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"environment variable {name} must be {bound}; got {value}")
-    return value
-
-
-def launch_env() -> LaunchEnv:
-    """Read and check the launcher's variables (``ValueError`` naming the variable)."""
-    world_size = _env_int("WORLD_SIZE", 1, None)
-    rank = _env_int("RANK", 0, world_size - 1)
-    port = _env_int("MASTER_PORT", 1, 65535)
-    addr = os.environ.get("MASTER_ADDR")
-    if not addr:
-        raise ValueError("environment variable MASTER_ADDR is not set (torchrun sets RANK, WORLD_SIZE, "
-                         "MASTER_ADDR and MASTER_PORT)")
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", 1, world_size, default=world_size)
-    local_rank = _env_int("LOCAL_RANK", 0, local_world_size - 1, default=rank % local_world_size)
-    group_rank = _env_int("GROUP_RANK", 0, None, default=rank // local_world_size)
-    return LaunchEnv(rank, world_size, addr, port, local_rank, local_world_size, group_rank)
-
-
 @functools.cache
 def env_store() -> dist.TCPStore:
     """The store at ``MASTER_ADDR:MASTER_PORT`` (torchrun's agent store, or hosted by rank 0 on
@@ -119,7 +75,12 @@ def env_store() -> dist.TCPStore:
     env = launch_env()
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if env.rank == 0 and not agent:
-        return serve_store(env.master_addr, env.master_port, env.world_size)
+        try:
+            return serve_store(env.master_addr, env.master_port, env.world_size)
+        except OSError as exc:
+            raise LabError(f"rank 0 cannot host the store on {env.master_addr}:{env.master_port} "
+                           f"({exc.strerror or exc}): set MASTER_PORT to a free port of rank 0's host, the same on "
+                           f"every rank (launcher: {env.launcher})") from exc
     return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=STORE_TIMEOUT)
 
 
@@ -279,7 +240,8 @@ def check_secret_source(env: LaunchEnv) -> None:
     host = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
     if not os.environ.get("LAB_TCP_SECRET") and (env.local_world_size != env.world_size or not is_loopback(host)):
         raise LabError("ranks on several hosts need a shared secret: set LAB_TCP_SECRET to the same random "
-                       "string on every host (e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+                       "string on every host (e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`; "
+                       f"launcher: {env.launcher})")
 
 
 def job_secret(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> tuple[bytes, SecretFile | None]:
@@ -343,15 +305,7 @@ def agree_hosts(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> list[int]:
     ``LOCAL_WORLD_SIZE``. Reports that contradict each other are a ``LabError`` naming the ranks,
     here at start-up, instead of a collective that waits for a peer that is not there.
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted job must not read old reports
-    keys = [f"{prefix}/place/{attempt}/{r}" for r in range(env.world_size)]
-    store.set(keys[env.rank], f"{env.group_rank},{env.local_rank},{env.local_world_size}")
-    try:
-        values = store.multi_get(keys)
-    except RuntimeError:  # the store's timeout (DistStoreError): name who never reported
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise DeadlineError(f"rank {env.rank}: ranks {missing} did not report where they run within "
-                            f"{store.timeout.total_seconds():g} s", peers=missing) from None
+    values = _exchange(store, env, f"{prefix}/place", f"{env.group_rank},{env.local_rank},{env.local_world_size}")
     places = []
     for rank, value in enumerate(values):
         try:
@@ -362,8 +316,36 @@ def agree_hosts(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> list[int]:
     problems = placement_problems(places)
     if problems:
         raise LabError(f"rank {env.rank}: the ranks disagree about where they run (GROUP_RANK, LOCAL_RANK, "
-                       f"LOCAL_WORLD_SIZE, as their launchers set them): {'; '.join(problems)}")
+                       f"LOCAL_WORLD_SIZE, as their launchers set them; launcher: {env.launcher}): "
+                       f"{'; '.join(problems)}")
     return [group for group, _, _ in places]
+
+
+def learn_host_index(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> LaunchEnv:
+    """``env`` with ``group_rank`` set, for launchers that do not number hosts (``mpiexec`` on
+    several hosts): every rank publishes its host name, and hosts are numbered in the order of
+    their first rank, so block placement gives ranks numbered node by node, as torchrun does.
+
+        env = launch_env()                       # mpiexec -hosts a,b -n 8: group_rank is None
+        env = learn_host_index(store, env, "lab/tcp")    # group_rank 0 on a, 1 on b
+    """
+    names = [value.decode() for value in _exchange(store, env, f"{prefix}/hostname", socket.gethostname())]
+    order = list(dict.fromkeys(names))
+    return dataclasses.replace(env, group_rank=order.index(names[env.rank]))
+
+
+def _exchange(store: dist.TCPStore, env: LaunchEnv, key: str, value: str) -> list[bytes]:
+    """Publish this rank's ``value`` under ``key`` and read every rank's, in rank order
+    (``DeadlineError`` naming the ranks that never published within the store's timeout)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restarted job must not read old reports
+    keys = [f"{key}/{attempt}/{r}" for r in range(env.world_size)]
+    store.set(keys[env.rank], value)
+    try:
+        return store.multi_get(keys)
+    except RuntimeError:  # the store's timeout (DistStoreError): name who never reported
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise DeadlineError(f"rank {env.rank}: ranks {missing} did not report where they run within "
+                            f"{store.timeout.total_seconds():g} s", peers=missing) from None
 
 
 def placement_problems(places: list[tuple[int, int, int]]) -> list[str]:
