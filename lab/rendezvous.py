@@ -316,8 +316,7 @@ def agree_hosts(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> list[int]:
     problems = placement_problems(places)
     if problems:
         raise LabError(f"rank {env.rank}: the ranks disagree about where they run (GROUP_RANK, LOCAL_RANK, "
-                       f"LOCAL_WORLD_SIZE, as their launchers set them; launcher: {env.launcher}): "
-                       f"{'; '.join(problems)}")
+                       f"LOCAL_WORLD_SIZE, as their launchers set them): {'; '.join(problems)}")
     return [group for group, _, _ in places]
 
 
