@@ -86,6 +86,7 @@ class Mesh:
         mailbox = getattr(transport, "mailbox", None)
         self._plane = CompiledPlane(mailbox) if mailbox is not None else None
         self._nbytes = 0  # the current collective's tensor bytes
+        self._compiled = True  # the current collective may take the compiled path
         self._seq = 0
         self._p2p_sent = [0] * transport.world_size
         self._p2p_received = [0] * transport.world_size
@@ -213,7 +214,7 @@ class Mesh:
         :meth:`collective` (the public collectives call it). A small collective whose algorithm
         is compilable runs in one Numba call over the mailboxes where the transport has them."""
         plane = self._plane
-        if plane is None or options or not plane.takes(algorithm, self._nbytes):
+        if plane is None or options or not self._compiled or not plane.takes(algorithm, self._nbytes):
             algorithm(self, *args, **options)
             return
         self._position.step += 1
@@ -339,18 +340,22 @@ class Mesh:
 
     @contextlib.contextmanager
     def collective(
-        self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1
+        self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1,
+        compiled: bool = True,
     ) -> Iterator[None]:
         """Run one collective: number it, fingerprint its messages, trace it.
 
         Every rank enters the same collectives in the same order, so ``seq`` agrees across ranks
-        and a message from a different collective is caught by its fingerprint.
+        and a message from a different collective is caught by its fingerprint. ``compiled``
+        False keeps it off the compiled path whatever its size (every rank must pass the same:
+        an all_to_all with split sizes, whose ranks agree on no size).
         """
         self._seq += 1
         self._tag = fingerprint.pack(self._context, self._seq, name, algorithm, dtype.code, op, root, count)
         self._position.collective, self._position.seq = name, self._seq
         self._position.algorithm, self._position.step = algorithm, 0
         self._nbytes = count * dtype.storage.itemsize
+        self._compiled = compiled
         record = FlightRecord(self._seq, name, algorithm, dtype.name, count, op, root)
         self._records.append(record)
         before = (self._stats["bytes_sent"], self._stats["bytes_received"])
