@@ -447,12 +447,12 @@ class Mesh:
             src, x = mesh.recv(None)          # rank 0: (1, tensor([1])) or (2, tensor([2]))
             other, y = mesh.recv(None)        # rank 0: the other one
         """
+        timeout_ms = checks.timeout_ms(timeout_ms, "timeout_ms")
         if src is not None:
             self._check_peer(src, "src")
             src = int(src)
         elif self.world_size == 1:
             raise ValueError("src=None receives from any other rank; this mesh has only one rank")
-        timeout_ms = checks.timeout_ms(timeout_ms, "timeout_ms")
 
         def run() -> Any:
             if src is not None:
