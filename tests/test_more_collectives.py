@@ -27,7 +27,7 @@ from lab.plane import DEFAULT_MAX_BYTES
 from lab.reference import gloo_collective
 
 STRIDE = 3
-ROOTED = {"gather": ("binomial", "linear", "auto"), "scatter": ("binomial", "linear", "auto")}
+ALGORITHMS = ("binomial", "linear", "auto")  # gather's and scatter's
 #: One dtype of each width (1, 2, 4, 8 and 16 bytes), for the full matrix.
 WIDTHS = ("bool", "bfloat16", "float32", "complex64", "complex128")
 LARGE = DEFAULT_MAX_BYTES // 4 + 7  # float32 elements: past the compiled path's threshold
@@ -93,7 +93,7 @@ def check_gather_scatter(mesh: lab.Mesh) -> list[str]:
         if not same(got, block):
             failures.append(f"rank {rank} scatter {algorithm} {dtype}[{count}] cols={cols} src={root} numpy={numpy}")
 
-    for algorithm in ROOTED["gather"]:
+    for algorithm in ALGORITHMS:
         for i, count in enumerate(counts(n)):
             for root in range(n):  # every count and root; the widths in turn (each meets every count)
                 one(algorithm, count, root, WIDTHS[(i + root) % len(WIDTHS)])
@@ -123,6 +123,41 @@ def check_compiled_path(mesh: lab.Mesh) -> list[str]:
             lab.scatter(mesh, make(5, mesh.rank, dtype), src=mesh.world_size - 1, algorithm=algorithm)
     ran = mesh.stats()["collectives_compiled"] - before
     return [] if ran == 12 else [f"rank {mesh.rank}: {ran} of 12 small gathers/scatters ran compiled"]
+
+
+def subtree(relative: int, n: int) -> int:
+    """How many ranks the binomial subtree of relative rank ``relative`` holds (itself included)."""
+    mask = 1
+    while mask < n and not relative & mask:
+        mask <<= 1
+    return min(relative + mask, n) - relative
+
+
+def byte_model(collective: str, algorithm: str, rank: int, root: int, n: int, block: int) -> tuple[int, int]:
+    """(bytes sent, bytes received) by ``rank``, blocks of ``block`` bytes: the docstrings' counts."""
+    relative = (rank - root) % n
+    if algorithm == "linear":
+        mine = (0, (n - 1) * block) if rank == root else (block, 0)
+    else:
+        size = subtree(relative, n) * block
+        mine = (0 if rank == root else size, size - block)
+    return mine if collective == "gather" else (mine[1], mine[0])  # scatter: the same, reversed
+
+
+def check_byte_counts(mesh: lab.Mesh) -> list[str]:
+    """Every rank's payload counters against :func:`byte_model`, every algorithm and root."""
+    n, rank, failures = mesh.world_size, mesh.rank, []
+    for algorithm in ("binomial", "linear"):
+        for root in range(n):
+            for collective, option, x in (("gather", "dst", torch.zeros(5)), ("scatter", "src", torch.zeros(5 * n))):
+                mesh.reset_stats()
+                getattr(lab, collective)(mesh, x, algorithm=algorithm, **{option: root})
+                stats = mesh.stats()
+                want = byte_model(collective, algorithm, rank, root, n, 20)
+                if (stats["bytes_sent"], stats["bytes_received"]) != want:
+                    failures.append(f"rank {rank} {collective} {algorithm} root {root}: "
+                                    f"{stats['bytes_sent']}/{stats['bytes_received']}, model {want}")
+    return failures
 
 
 # -- uneven all_to_all ----------------------------------------------------------------------------
@@ -364,6 +399,10 @@ def no_failures(outputs: list[list[str]]) -> None:
 def test_gather_scatter_every_algorithm_count_root_dtype(cluster):
     no_failures(cluster.run(check_gather_scatter))
     no_failures(cluster.run(check_compiled_path))
+
+
+def test_gather_scatter_byte_counts(cluster):
+    no_failures(cluster.run(check_byte_counts))
 
 
 def test_uneven_all_to_all(cluster):
