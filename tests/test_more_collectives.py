@@ -402,6 +402,8 @@ def test_gather_scatter_every_algorithm_count_root_dtype(cluster):
 
 
 def test_gather_scatter_byte_counts(cluster):
+    if cluster.transport != "shm":
+        pytest.skip("the counters count what the algorithm sends, whatever the transport: shm's pools check them")
     no_failures(cluster.run(check_byte_counts))
 
 
