@@ -1,5 +1,5 @@
-"""Broadcast, allgather, reduce_scatter, reduce, all_to_all and barrier, every algorithm, shm, queue
-and tcp, against gloo in the same run."""
+"""Broadcast, allgather, reduce_scatter, reduce, all_to_all, barrier, gather and scatter, every
+algorithm, shm, queue and tcp, against gloo in the same run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from conftest import BENCH_SIZES, RANK_CLOCK, bench_collective, size_id
 
 from lab.benchmark import ALGORITHMS
 
-COLLECTIVES = ["broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier"]
+COLLECTIVES = ["broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather", "scatter"]
 CASES = [(c, a) for c in COLLECTIVES for a in ALGORITHMS[c]]
 
 

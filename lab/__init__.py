@@ -10,7 +10,8 @@
     outs = lab.spawn(step, world_size=4, args=(2.0,))         # one result per rank, rank order
 """
 
-from lab.collectives import all_to_all, allgather, allreduce, barrier, broadcast, reduce, reduce_scatter
+from lab.collectives import (all_to_all, allgather, allreduce, barrier, broadcast, gather, reduce, reduce_scatter,
+                             scatter)
 from lab.errors import (CollectiveMismatchError, DeadlineError, EmulationUnavailable, LabError, PeerLostError,
                         RankError)
 from lab.launch import Cluster, launch, spawn
@@ -19,14 +20,14 @@ from lab.issue import Work
 from lab.mesh import Mesh
 from lab.ops import ReduceOp
 from lab.plans import (Plan, all_to_all_init, allgather_init, allreduce_init, barrier_init, broadcast_init,
-                       reduce_init, reduce_scatter_init)
+                       gather_init, reduce_init, reduce_scatter_init, scatter_init)
 from lab.reference import gloo_reference
 from lab import bucketing, ddp, sim  # lab.bucketing, lab.ddp and lab.sim work after a plain `import lab`
 
 __all__ = [
-    "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "ReduceOp",
-    "allreduce_init", "broadcast_init", "allgather_init", "reduce_scatter_init", "reduce_init", "all_to_all_init",
-    "barrier_init", "Plan",
+    "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather", "scatter",
+    "ReduceOp", "allreduce_init", "broadcast_init", "allgather_init", "reduce_scatter_init", "reduce_init",
+    "all_to_all_init", "barrier_init", "gather_init", "scatter_init", "Plan",
     "bucketing", "ddp", "sim", "spawn", "launch", "launcher_env", "Cluster", "Mesh", "Work", "gloo_reference",
     "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError", "EmulationUnavailable",
 ]

@@ -6,8 +6,9 @@
 - A call's time is the slowest rank's; report the median (and p10, p90) over calls.
 - Sizes are the full tensor T, as nccl-tests counts them: allreduce and broadcast move a T-byte
   tensor, allgather gathers T/N per rank into T, reduce_scatter reduces T into T/N per rank.
-- algbw = T / time; busbw = algbw × (allreduce 2(N-1)/N, allgather, reduce_scatter and
-  all_to_all (N-1)/N, broadcast and reduce 1), comparable with the link bandwidth whatever N is.
+- algbw = T / time; busbw = algbw × (allreduce 2(N-1)/N, allgather, reduce_scatter, all_to_all,
+  gather and scatter (N-1)/N, broadcast and reduce 1), comparable with the link bandwidth whatever
+  N is. T of a gather is its result (each rank gives T/N), of a scatter the root's tensor.
   A barrier moves no bytes: its size is 0 and its bandwidths 0.
 """
 
@@ -36,7 +37,8 @@ def bus_factor(collective: str, world_size: int) -> float:
     """nccl-tests' busbw / algbw ratio."""
     n = world_size
     return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "broadcast": 1.0, "reduce": 1.0, "all_to_all": (n - 1) / n, "barrier": 0.0}[collective]
+            "broadcast": 1.0, "reduce": 1.0, "all_to_all": (n - 1) / n, "barrier": 0.0,
+            "gather": (n - 1) / n, "scatter": (n - 1) / n}[collective]
 
 
 def iterations_for(nbytes: int) -> tuple[int, int]:
@@ -50,7 +52,7 @@ def iterations_for(nbytes: int) -> tuple[int, int]:
 
 def _input(collective: str, nbytes: int, world_size: int, rank: int) -> torch.Tensor:
     numel = max(nbytes // 4, 1)
-    if collective == "allgather":
+    if collective in ("allgather", "gather"):
         numel = max(numel // world_size, 1)
     return torch.arange(numel, dtype=torch.float32).mul_(1e-6).add_(rank)
 
@@ -74,7 +76,7 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
         call = {"reduce": lambda: collectives.reduce(mesh, x, dst=0),
                 "barrier": lambda: collectives.barrier(mesh)}[collective]
     else:
-        options = {"src": 0} if collective == "broadcast" else {}
+        options = {"broadcast": {"src": 0}, "scatter": {"src": 0}, "gather": {"dst": 0}}.get(collective, {})
 
         def call() -> Any:
             return getattr(collectives, collective)(mesh, x, algorithm=algorithm, **options)

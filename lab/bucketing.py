@@ -22,7 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from lab.buffers import check_tensor
 from lab.collectives import allreduce, check_algorithm
 from lab.mesh import Mesh
-from lab.ops import parse_op, reduction
+from lab.ops import check_reduces, parse_op, reduction
 
 #: DDP's default bucket size.
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -64,7 +64,9 @@ def allreduce_coalesced(mesh: Mesh, tensors: Sequence[Any], op: Any = "sum", alg
     for i, tensor in enumerate(tensors):  # every error before any message; each kind checked once
         kind = (type(tensor), str(getattr(tensor, "dtype", None)), str(getattr(tensor, "device", "cpu")))
         if kind not in checked:
-            reduction(reduce_op, check_tensor(tensor, f"tensors[{i}]"))
+            dtype = check_tensor(tensor, f"tensors[{i}]")
+            check_reduces(dtype, "allreduce", f"tensors[{i}]")
+            reduction(reduce_op, dtype)
             checked.add(kind)
     # Pack only once the asynchronous collectives issued before this call are done: one may still
     # be writing these tensors (the same issue order every collective follows).

@@ -3,8 +3,9 @@
 A torch tensor and its buffer share memory whenever the tensor is contiguous; otherwise the
 buffer is a contiguous copy, taken by :meth:`Buffer.load` when the collective runs (not when it
 is called: an asynchronous collective issued earlier may still be writing the tensor), and
-:meth:`Buffer.write_back` copies the result into the caller's tensor. bfloat16 (which numpy
-lacks) and float16 are handled as ``uint16`` bit patterns.
+:meth:`Buffer.write_back` copies the result into the caller's tensor. bfloat16 and float16 are
+handled as ``uint16`` bit patterns, and every dtype numpy lacks (the float8 types, complex32) as
+the unsigned integers of its width (:attr:`lab.ops.DType.bits`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from lab.ops import DType, dtype_of
 def _flat_storage(tensor: Any, dtype: DType) -> np.ndarray:
     """A 1-D numpy view of a contiguous tensor's elements, typed as ``dtype.storage``."""
     if isinstance(tensor, torch.Tensor):
-        if dtype.storage == np.uint16:
-            return tensor.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
+        if dtype.bits is not None:
+            return tensor.detach().reshape(-1).view(dtype.bits).numpy()
         return tensor.detach().numpy().reshape(-1)  # contiguous: a view either way, numpy's is cheaper
     return tensor.reshape(-1).view(dtype.storage)
 
@@ -111,7 +112,5 @@ def new_flat(numel: int, dtype: DType) -> np.ndarray:
 def to_caller_type(flat: np.ndarray, dtype: DType, shape: tuple[int, ...], like: Any) -> Any:
     """Wrap a flat buffer (no copy) as a tensor of ``like``'s kind (torch or numpy) and ``shape``."""
     if isinstance(like, torch.Tensor):
-        if dtype.storage == np.uint16:
-            return torch.from_numpy(flat.view(np.int16)).view(dtype.torch_dtype).reshape(shape)
-        return torch.from_numpy(flat).reshape(shape)
+        return torch.from_numpy(flat).view(dtype.torch_dtype).reshape(shape)  # (bit patterns: viewed as the dtype)
     return flat.view(like.dtype).reshape(shape)

@@ -86,9 +86,11 @@ class Mesh:
         mailbox = getattr(transport, "mailbox", None)
         self._plane = CompiledPlane(mailbox) if mailbox is not None else None
         self._nbytes = 0  # the current collective's tensor bytes
+        self._compiled = True  # the current collective may take the compiled path
         self._seq = 0
         self._p2p_sent = [0] * transport.world_size
         self._p2p_received = [0] * transport.world_size
+        self._next_any = 0  # recv(None) tries the ranks from this one on
         self._tag = b""
         self._position = Position()
         self._clean = True  # False once a transfer failed half-way: peers may hold its messages
@@ -213,7 +215,7 @@ class Mesh:
         :meth:`collective` (the public collectives call it). A small collective whose algorithm
         is compilable runs in one Numba call over the mailboxes where the transport has them."""
         plane = self._plane
-        if plane is None or options or not plane.takes(algorithm, self._nbytes):
+        if plane is None or options or not self._compiled or not plane.takes(algorithm, self._nbytes):
             algorithm(self, *args, **options)
             return
         self._position.step += 1
@@ -339,18 +341,22 @@ class Mesh:
 
     @contextlib.contextmanager
     def collective(
-        self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1
+        self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1,
+        compiled: bool = True,
     ) -> Iterator[None]:
         """Run one collective: number it, fingerprint its messages, trace it.
 
         Every rank enters the same collectives in the same order, so ``seq`` agrees across ranks
-        and a message from a different collective is caught by its fingerprint.
+        and a message from a different collective is caught by its fingerprint. ``compiled``
+        False keeps it off the compiled path whatever its size (every rank must pass the same:
+        an all_to_all with split sizes, whose ranks agree on no size).
         """
         self._seq += 1
         self._tag = fingerprint.pack(self._context, self._seq, name, algorithm, dtype.code, op, root, count)
         self._position.collective, self._position.seq = name, self._seq
         self._position.algorithm, self._position.step = algorithm, 0
         self._nbytes = count * dtype.storage.itemsize
+        self._compiled = compiled
         record = FlightRecord(self._seq, name, algorithm, dtype.name, count, op, root)
         self._records.append(record)
         before = (self._stats["bytes_sent"], self._stats["bytes_received"])
@@ -426,34 +432,75 @@ class Mesh:
 
         self.issue(run, async_op=False)
 
-    def recv(self, src: int, timeout_ms: float | None = None) -> Any:
+    def recv(self, src: int | None, timeout_ms: float | None = None) -> Any:
         """Receive the next tensor rank ``src`` sent to this rank: same kind, dtype and shape.
 
-        Waits at most ``timeout_ms`` of silence from ``src`` (default: the mesh's
-        ``recv_timeout_ms``; ``math.inf``: no limit), then raises :class:`lab.DeadlineError`.
-        Waits first for this mesh's asynchronous collectives (one issue order).
+        ``src=None``: from any source (``MPI_ANY_SOURCE``): the next tensor of whichever rank has
+        one waiting (one of them, if several have), returned as ``(src, tensor)``; each rank's
+        tensors still arrive in the order it sent them.
+        Waits at most ``timeout_ms`` of silence (from ``src``; with None, without a tensor from
+        anyone; default: the mesh's ``recv_timeout_ms``; ``math.inf``: no limit), then raises
+        :class:`lab.DeadlineError`. Waits first for this mesh's asynchronous collectives (one
+        issue order).
+
+            # N=3: ranks 1 and 2 each mesh.send(0, torch.tensor([mesh.rank]))
+            src, x = mesh.recv(None)          # rank 0: (1, tensor([1])) or (2, tensor([2]))
+            other, y = mesh.recv(None)        # rank 0: the other one
         """
-        self._check_peer(src, "src")
-        src = int(src)
         timeout_ms = checks.timeout_ms(timeout_ms, "timeout_ms")
+        if src is not None:
+            self._check_peer(src, "src")
+            src = int(src)
+        elif self.world_size == 1:
+            raise ValueError("src=None receives from any other rank; this mesh has only one rank")
 
         def run() -> Any:
-            self._p2p_received[src] += 1
-            seq = self._p2p_received[src]
-            self._start_p2p("recv", seq)
-            header = np.empty(_P2P_HEADER_WORDS, np.int64)
-            self._tag = self._p2p_tag(seq, 0, _P2P_HEADER_WORDS)
-            self._exchange([], [Recv(src, header)], timeout_ms, counted=False)
-            is_torch, code, ndim = (int(v) for v in header[:3])
-            shape = tuple(int(v) for v in header[3 : 3 + ndim])
-            dtype = DTYPES_BY_CODE[code]
-            flat = np.empty(int(np.prod(shape)), dtype.storage)
-            self._tag = self._p2p_tag(seq, code, flat.size)
-            self._exchange([], [Recv(src, flat)], timeout_ms)
-            like = torch.empty(0, dtype=dtype.torch_dtype) if is_torch else np.empty(0, dtype.name)
-            return to_caller_type(flat, dtype, shape, like)
+            if src is not None:
+                return self._receive(src, timeout_ms)
+            chosen = self._ready_source(timeout_ms)
+            return chosen, self._receive(chosen, timeout_ms)
 
         return self.issue(run, async_op=False)
+
+    def _ready_source(self, timeout_ms: float | None) -> int:
+        """The rank whose next tensor for this rank is waiting (``recv(None)``), trying them from
+        the one after the rank last chosen so that none is starved; DeadlineError after
+        ``timeout_ms`` with none."""
+        n = self.world_size
+        others = [(self._next_any + i) % n for i in range(n) if (self._next_any + i) % n != self.rank]
+        self._start_p2p("recv from any source", 0)
+        # Each one's next header: what recv(src) would wait for (a peer's collectives later in its
+        # issue order are not a tensor for us, and wait for their receive).
+        expected = {self._global(r): self._p2p_tag(self._p2p_received[r] + 1, 0, _P2P_HEADER_WORDS) for r in others}
+        timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
+        try:
+            found = self._transport.ready_source(expected, timeout_ms / 1000, self._position)
+        except BaseException:
+            self.clean = False  # (a lost peer, a forged frame: the channels cannot be trusted)
+            raise
+        if found is None:
+            raise DeadlineError(f"{silence_error(self.rank, others, self._position)} "
+                                f"(timeout_ms={timeout_ms:g})", others)
+        src = found if self._members is None else self._members.index(found)
+        self._next_any = (src + 1) % n
+        return src
+
+    def _receive(self, src: int, timeout_ms: float | None) -> Any:
+        """The next tensor from ``src``: its header (kind, dtype, shape), then its payload."""
+        self._p2p_received[src] += 1
+        seq = self._p2p_received[src]
+        self._start_p2p("recv", seq)
+        header = np.empty(_P2P_HEADER_WORDS, np.int64)
+        self._tag = self._p2p_tag(seq, 0, _P2P_HEADER_WORDS)
+        self._exchange([], [Recv(src, header)], timeout_ms, counted=False)
+        is_torch, code, ndim = (int(v) for v in header[:3])
+        shape = tuple(int(v) for v in header[3 : 3 + ndim])
+        dtype = DTYPES_BY_CODE[code]
+        flat = np.empty(int(np.prod(shape)), dtype.storage)
+        self._tag = self._p2p_tag(seq, code, flat.size)
+        self._exchange([], [Recv(src, flat)], timeout_ms)
+        like = torch.empty(0, dtype=dtype.torch_dtype) if is_torch else np.empty(0, dtype.name)
+        return to_caller_type(flat, dtype, shape, like)
 
     def _start_p2p(self, kind: str, seq: int) -> None:
         position = self._position
@@ -522,6 +569,7 @@ class Mesh:
         sub._seq, sub._tag = 0, b""
         sub._plane = None  # the mailboxes speak global ranks; a sub-mesh takes the Python path
         sub._p2p_sent, sub._p2p_received = [0] * len(members), [0] * len(members)
+        sub._next_any = 0
         shown = ", ".join(map(str, sub._members[:8])) + (", ..." if len(members) > 8 else "")
         sub.name = f"sub-mesh {context:08x}"
         sub._position = Position(f"{sub.name} (global ranks {shown}; this is its rank {sub._rank})")

@@ -66,17 +66,34 @@ def parse_op(op: Any) -> ReduceOp:
 
 @dataclass(frozen=True)
 class DType:
-    """A supported element type: how it is stored in buffers and which kernel family reduces it."""
+    """A supported element type: how it is stored in buffers and which kernel family reduces it.
+
+    ``family`` "" is a dtype that collectives only move (broadcast, allgather, gather, scatter,
+    all_to_all, send/recv): no reduction kernel takes it. ``bits``: the unsigned torch dtype of
+    ``storage``, through which a tensor is viewed on its way to and from numpy where the flat
+    buffer holds bit patterns (float16, bfloat16, the float8 types, complex32); None where numpy
+    holds the dtype itself."""
 
     name: str
     torch_dtype: torch.dtype
     storage: np.dtype  # numpy dtype of the flat buffers (uint16 bit patterns for half types)
-    family: str  # kernel family in kernels.reduce
+    family: str  # kernel family in kernels.reduce; "": moved, never reduced
     code: int  # wire identifier, part of every message's fingerprint
+    bits: torch.dtype | None = None  # torch's name for storage, where storage holds bit patterns
 
     @property
     def is_floating(self) -> bool:
         return self.torch_dtype.is_floating_point
+
+    @property
+    def reduces(self) -> bool:
+        """Whether allreduce, reduce and reduce_scatter take this dtype."""
+        return bool(self.family)
+
+
+def _moved(name: str, code: int, storage: Any, bits: torch.dtype | None = None) -> DType:
+    """A dtype the collectives move but never reduce."""
+    return DType(name, getattr(torch, name), np.dtype(storage), "", code, bits)
 
 
 DTYPES: dict[str, DType] = {
@@ -86,11 +103,29 @@ DTYPES: dict[str, DType] = {
         DType("float64", torch.float64, np.dtype(np.float64), "native", 2),
         DType("int32", torch.int32, np.dtype(np.int32), "native", 3),
         DType("int64", torch.int64, np.dtype(np.int64), "native", 4),
-        DType("float16", torch.float16, np.dtype(np.uint16), "float16", 5),
-        DType("bfloat16", torch.bfloat16, np.dtype(np.uint16), "bfloat16", 6),
+        DType("float16", torch.float16, np.dtype(np.uint16), "float16", 5, torch.uint16),
+        DType("bfloat16", torch.bfloat16, np.dtype(np.uint16), "bfloat16", 6, torch.uint16),
+        _moved("uint8", 7, np.uint8),
+        _moved("int8", 8, np.int8),
+        _moved("int16", 9, np.int16),
+        _moved("bool", 10, np.bool_),
+        _moved("complex64", 11, np.complex64),
+        _moved("complex128", 12, np.complex128),
+        _moved("uint16", 13, np.uint16),
+        _moved("uint32", 14, np.uint32),
+        _moved("uint64", 15, np.uint64),
+        _moved("complex32", 16, np.uint32, torch.uint32),
+        _moved("float8_e4m3fn", 17, np.uint8, torch.uint8),
+        _moved("float8_e5m2", 18, np.uint8, torch.uint8),
+        _moved("float8_e4m3fnuz", 19, np.uint8, torch.uint8),
+        _moved("float8_e5m2fnuz", 20, np.uint8, torch.uint8),
+        _moved("float8_e8m0fnu", 21, np.uint8, torch.uint8),
+        _moved("float4_e2m1fn_x2", 22, np.uint8, torch.uint8),
     )
 }
 DTYPES_BY_CODE = {d.code: d for d in DTYPES.values()}
+#: The dtypes allreduce, reduce and reduce_scatter take (the others are only moved).
+REDUCE_DTYPES: dict[str, DType] = {name: d for name, d in DTYPES.items() if d.reduces}
 _BY_TORCH = {d.torch_dtype: d for d in DTYPES.values()}
 
 
@@ -103,12 +138,23 @@ def dtype_of(tensor: Any, name: str = "tensor") -> DType:
         if not tensor.dtype.isnative:
             raise TypeError(f"{name} has non-native byte order ({tensor.dtype.str}); convert it with .astype(dtype.newbyteorder('='))")
         found = DTYPES.get(tensor.dtype.name)
+        if found is not None and found.storage.itemsize != tensor.dtype.itemsize:
+            found = None  # a numpy dtype that only shares a name (complex32 does not exist in numpy)
         shown = tensor.dtype.name
     else:
         raise TypeError(f"{name} must be a torch.Tensor or numpy.ndarray; got {type(tensor).__name__}")
     if found is None:
         raise TypeError(f"{name} has dtype {shown}, which is not supported; supported: {', '.join(DTYPES)}")
     return found
+
+
+def check_reduces(dtype: DType, collective: str, name: str = "tensor") -> None:
+    """``TypeError`` naming ``name`` unless ``collective`` (a reduction) can reduce ``dtype``;
+    it lists the dtypes it takes. Raised before any communication."""
+    if not dtype.reduces:
+        raise TypeError(f"{name} has dtype {dtype.name}, which {collective} cannot reduce (it only moves bytes: "
+                        f"broadcast, allgather, gather, scatter, all_to_all and send/recv take it); {collective} "
+                        f"supports: {', '.join(REDUCE_DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -148,15 +194,17 @@ class Reduction:
 
 
 def reduction(op: ReduceOp, dtype: DType) -> Reduction:
-    """The kernels for ``op`` on ``dtype``. ``avg`` needs a floating dtype (as in gloo).
+    """The kernels for ``op`` on ``dtype``. ``avg`` needs a floating dtype (as in gloo); a dtype
+    that is only moved (``DType.reduces`` false) is a ``TypeError`` listing those that reduce.
 
     ``avg`` on float16/bfloat16 divides each rank's contribution by N before summing: a sum of
     N half-precision values overflows long before their average does (three float16 30,000s sum
     to inf). It costs one extra rounding per contribution (docs/using.md).
     """
+    check_reduces(dtype, f"op {op.value!r}")
     if op is ReduceOp.AVG and not dtype.is_floating:
         raise TypeError(f"op 'avg' needs a floating dtype; tensor has dtype {dtype.name} (use 'sum')")
     kernel_op = "sum" if op is ReduceOp.AVG else op.value
     divide = DIVIDE[dtype.family] if op is ReduceOp.AVG else None
-    prescales = divide is not None and dtype.storage == np.uint16
+    prescales = divide is not None and dtype.family in ("float16", "bfloat16")
     return Reduction(op, dtype, KERNELS[kernel_op, dtype.family], divide, prescales)

@@ -32,7 +32,8 @@ import numpy as np
 
 from lab import fingerprint
 from lab.collectives import (Prepared, allgather, prepare_all_to_all, prepare_allgather, prepare_allreduce,
-                             prepare_barrier, prepare_broadcast, prepare_reduce, prepare_reduce_scatter)
+                             prepare_barrier, prepare_broadcast, prepare_gather, prepare_reduce, prepare_reduce_scatter,
+                             prepare_scatter)
 from lab.errors import CollectiveMismatchError, LabError
 from lab.issue import Work
 
@@ -133,9 +134,22 @@ def reduce_scatter_init(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str
     return Plan(mesh, prepare_reduce_scatter(mesh, tensor, op, algorithm))
 
 
-def all_to_all_init(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Plan:
-    """A persistent :func:`lab.all_to_all` of ``tensor``; each ``plan()`` returns a new tensor."""
-    return Plan(mesh, prepare_all_to_all(mesh, tensor, algorithm))
+def all_to_all_init(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
+                    algorithm: str = "auto") -> Plan:
+    """A persistent :func:`lab.all_to_all` of ``tensor`` (split sizes frozen too); each ``plan()``
+    returns a new tensor."""
+    return Plan(mesh, prepare_all_to_all(mesh, tensor, output_split_sizes, input_split_sizes, algorithm))
+
+
+def gather_init(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto") -> Plan:
+    """A persistent :func:`lab.gather` of ``tensor`` to ``dst``; each ``plan()`` returns a new
+    tensor on ``dst``, None elsewhere."""
+    return Plan(mesh, prepare_gather(mesh, tensor, dst, algorithm))
+
+
+def scatter_init(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Plan:
+    """A persistent :func:`lab.scatter` of ``src``'s ``tensor``; each ``plan()`` returns a new tensor."""
+    return Plan(mesh, prepare_scatter(mesh, tensor, src, algorithm))
 
 
 def barrier_init(mesh: Mesh) -> Plan:

@@ -15,7 +15,8 @@ from lab.mesh import Mesh
 from lab.ops import parse_op
 from lab.rendezvous import env_store, pool_store
 
-REFERENCE_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier")
+REFERENCE_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather",
+                 "scatter")
 _EPSILON = {torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 _TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
 
@@ -35,9 +36,11 @@ def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
     """Run collective ``op`` on ``tensor`` through gloo inside a rank; same semantics as ``lab``.
 
     Returns what the lab's collective returns (the tensor, reduced or broadcast in place, or a
-    new tensor; ``None`` for barrier), with the caller's type. ``options``: ``op=`` for reductions,
-    ``src=`` for broadcast, ``dst=`` for reduce (``algorithm=`` is accepted and ignored: gloo picks
-    its own). Like the lab's, gloo's reduce leaves the other ranks' ``tensor`` as it was.
+    new tensor; ``None`` for barrier, and for gather off ``dst``), with the caller's type.
+    ``options``: ``op=`` for reductions, ``src=`` for broadcast and scatter, ``dst=`` for reduce
+    and gather, ``output_split_sizes=``/``input_split_sizes=`` for all_to_all (``algorithm=`` is
+    accepted and ignored: gloo picks its own). Like the lab's, gloo's reduce leaves the other
+    ranks' ``tensor`` as it was.
     """
     if op not in REFERENCE_OPS:
         raise ValueError(f"op must be one of {', '.join(map(repr, REFERENCE_OPS))}; got {op!r}")
@@ -69,8 +72,28 @@ def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
         result = t
     elif op == "all_to_all":
         rows = [b - a for a, b in split_bounds(t.shape[0], n)]
-        result = torch.empty((n * rows[mesh.rank], *t.shape[1:]), dtype=t.dtype)
-        dist.all_to_all_single(result, t, [rows[mesh.rank]] * n, rows)
+        sends = list(options.get("input_split_sizes") or rows)
+        receives = list(options.get("output_split_sizes") or [rows[mesh.rank]] * n)
+        result = torch.empty((sum(receives), *t.shape[1:]), dtype=t.dtype)
+        dist.all_to_all_single(result, t, receives, sends)
+    elif op == "gather":
+        dst = options.get("dst", 0)
+        flat = t.reshape(tuple(t.shape) or (1,))
+        pieces = [torch.empty_like(flat) for _ in range(n)] if mesh.rank == dst else None
+        dist.gather(flat, pieces, dst=dst)
+        if pieces is None:
+            return None
+        result = torch.cat(pieces)
+    elif op == "scatter":
+        src = options.get("src", 0)
+        blocks = [t[a:b].contiguous() for a, b in split_bounds(t.shape[0], n)]
+        result = torch.empty_like(blocks[mesh.rank])
+        if t.shape[0] % n == 0:
+            dist.scatter(result, blocks if mesh.rank == src else None, src=src)
+        else:  # gloo's scatter takes equal blocks only: the same exchange as an all_to_all from src alone
+            sends = [b.shape[0] for b in blocks] if mesh.rank == src else [0] * n
+            receives = [blocks[mesh.rank].shape[0] if i == src else 0 for i in range(n)]
+            dist.all_to_all_single(result, t if mesh.rank == src else t[:0], receives, sends)
     else:
         dist.barrier()
         return None

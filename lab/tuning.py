@@ -14,7 +14,7 @@ per transport, collective and algorithm by ``python -m lab results`` into ``lab/
 ``NCCL_ALGO`` (see :func:`lab.collectives.forced_algorithm`).
 
 n is the full tensor T as nccl-tests counts it: the allreduce/broadcast/reduce tensor, the
-allgather result, the reduce_scatter and all_to_all input.
+allgather and gather result, the reduce_scatter, all_to_all and scatter input.
 """
 
 from __future__ import annotations

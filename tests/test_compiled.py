@@ -19,7 +19,7 @@ import torch
 import lab
 from conftest import pool
 from lab.collectives import registry
-from lab.ops import DTYPES
+from lab.ops import REDUCE_DTYPES
 
 STRIDE = 3
 MAX_BYTES = 4096  # the compiled path's threshold in these pools (LAB_COMPILED_MAX_BYTES): sizes around it stay small
@@ -65,7 +65,7 @@ def compiled_equals_python(mesh: lab.Mesh) -> list[str]:
             wrong.append(f"rank {rank} {what}: compiled {torch.as_tensor(fast).view(-1)[:4].tolist()} "
                          f"python {torch.as_tensor(slow).view(-1)[:4].tolist()}")
 
-    for name, dtype in DTYPES.items():
+    for name, dtype in REDUCE_DTYPES.items():  # (the dtypes only moved: tests/test_more_collectives.py)
         for count in counts_around(dtype.storage.itemsize, n):
             small = count * dtype.storage.itemsize <= MAX_BYTES
             x = pattern(count, rank, dtype.torch_dtype)

@@ -25,7 +25,7 @@ from kernels.reduce import (
     float32_to_bfloat16,
     float32_to_float16,
 )
-from lab.ops import DTYPES, ReduceOp, Reduction, dtype_of, parse_op, reduction
+from lab.ops import DTYPES, REDUCE_DTYPES, ReduceOp, Reduction, check_reduces, dtype_of, parse_op, reduction
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPS = ("sum", "prod", "min", "max")
@@ -603,11 +603,8 @@ def test_dtype_of_accepts_native_numpy_arrays(name):
 @pytest.mark.parametrize(
     "tensor",
     [
-        torch.zeros(2, dtype=torch.complex64), torch.zeros(2, dtype=torch.int8),
-        torch.zeros(2, dtype=torch.uint8),
-        torch.zeros(2, dtype=torch.bool), torch.zeros(2, dtype=torch.int16),
-        np.zeros(2, dtype=np.uint8), np.zeros(2, dtype=bool), np.zeros(2, dtype=np.complex64),
-        np.zeros(2, dtype=np.int8), np.zeros(2, dtype=np.uint16),
+        torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8), np.zeros(2, dtype=np.longdouble),
+        np.zeros(2, dtype="datetime64[s]"), np.zeros(2, dtype="U3"), np.zeros(2, dtype=object),
     ],
     ids=lambda t: f"{type(t).__module__.split('.')[0]}-{t.dtype}",
 )
@@ -617,8 +614,24 @@ def test_dtype_of_rejects_unsupported_dtypes(tensor):
         dtype_of(tensor, "grad")
     message = str(info.value)
     assert "grad" in message
-    for name in ("float32", "float64", "int32", "int64", "float16", "bfloat16"):
+    for name in DTYPES:
         assert name in message
+
+
+@pytest.mark.parametrize("tensor", [torch.zeros(2, dtype=torch.complex64), torch.zeros(2, dtype=torch.bool),
+                                    torch.zeros(2, dtype=torch.float8_e5m2), np.zeros(2, dtype=np.uint8),
+                                    np.zeros(2, dtype=bool), np.zeros(2, dtype=np.complex128)],
+                         ids=lambda t: f"{type(t).__module__.split('.')[0]}-{t.dtype}")
+def test_moved_dtypes_are_supported_but_not_reduced(tensor):
+    """The dtypes collectives only move map to their DType; a reduction of one is a TypeError naming
+    the collective and listing the dtypes that reduce."""
+    found = dtype_of(tensor)
+    assert not found.reduces and found.name not in REDUCE_DTYPES
+    with pytest.raises(TypeError, match="allreduce cannot reduce") as info:
+        check_reduces(found, "allreduce")
+    assert all(name in str(info.value) for name in REDUCE_DTYPES)
+    with pytest.raises(TypeError, match=found.name):
+        reduction(parse_op("sum"), found)
 
 
 @pytest.mark.parametrize("thing", [[1.0, 2.0], 3.0, None, "float32"])
@@ -641,7 +654,7 @@ def test_avg_on_integers_is_a_type_error(name):
     assert name in str(info.value)
 
 
-@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("name", list(REDUCE_DTYPES))
 @pytest.mark.parametrize("op", OPS)
 def test_reduction_uses_kernel_table(op, name):
     """reduction(op, dtype).combine is KERNELS[op, dtype.family]; non-avg ops have no divide."""
@@ -703,7 +716,7 @@ def _decode_dtype(name: str, buf: np.ndarray) -> np.ndarray:
     return buf.astype(np.float64)
 
 
-@pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.parametrize("name", list(REDUCE_DTYPES))
 @pytest.mark.parametrize("op", OPS)
 def test_finalize_is_noop_without_avg(op, name):
     """For sum/prod/min/max, finalize leaves the buffer untouched for any world size."""

@@ -8,6 +8,7 @@ not, complete in issue order.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from lab.chunking import row_bounds, split_bounds
 from lab.collectives import registry
 from lab.collectives.allreduce_double_tree import SEGMENT_BYTES
 from lab import checks, tuning
-from lab.ops import DTYPES, DType, ReduceOp, parse_op
+from lab.ops import DTYPES, DType, ReduceOp, check_reduces, parse_op
 
 if TYPE_CHECKING:
     from lab.mesh import Mesh
@@ -151,6 +152,7 @@ class Signature(NamedTuple):
     count: int
     op: str = ""
     root: int = -1
+    compiled: bool = True  # may take the compiled path (lab.plane) when small enough
 
 
 class Prepared(NamedTuple):
@@ -182,6 +184,7 @@ def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str =
     """:func:`allreduce`'s checks and choices, done now; its communication, ready to run."""
     reduce_op = _parse_op(op)
     buffer = as_buffer(tensor)
+    check_reduces(buffer.dtype, "allreduce")
     kernels = mesh.kernels(reduce_op, buffer.dtype)
     chosen = _pick(mesh, "allreduce", algorithm, buffer.nbytes)
     options = {"segment_bytes": _segment_bytes()} if chosen == "double_tree" else {}
@@ -290,6 +293,7 @@ def prepare_reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: 
     shape = tuple(np.shape(tensor))
     if not shape:
         raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
+    check_reduces(dtype, "reduce_scatter")
     kernels = mesh.kernels(reduce_op, dtype)
     chosen = _pick(mesh, "reduce_scatter", algorithm, math.prod(shape) * dtype.storage.itemsize)
     buffer = as_buffer(tensor, writable=False)
@@ -326,6 +330,7 @@ def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Pr
     dst = _check_root(mesh, dst, "dst")
     reduce_op = _parse_op(op)
     buffer = as_buffer(tensor)
+    check_reduces(buffer.dtype, "reduce")
     kernels = mesh.kernels(reduce_op, buffer.dtype)
     signature = Signature("reduce", _REDUCE, buffer.dtype, buffer.numel, reduce_op.value, root=dst)
 
@@ -343,23 +348,59 @@ def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Pr
     return Prepared(run, signature)
 
 
-def all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool = False) -> Any:
-    """Exchange blocks: rank j gets block j of every rank's ``tensor``, concatenated in rank order.
+def all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
+               algorithm: str = "auto", async_op: bool = False) -> Any:
+    """Exchange blocks of rows: rank j gets block j of every rank's ``tensor``, concatenated in rank order.
 
-    Each ``tensor`` is split along dim 0 into N blocks as ``numpy.array_split`` does; the result
-    is a new tensor (like ``all_to_all_single`` without split sizes), of shape
-    ``(N * rows_j, ...)`` on rank j. ``tensor`` itself is not modified. ``algorithm``:
-    ``"pairwise"`` (N-1 direct exchanges), ``"bruck"`` (⌈log2 N⌉ steps) or ``"auto"``.
+    Like ``torch.distributed.all_to_all_single``, into a new tensor. ``input_split_sizes[j]``:
+    the rows of ``tensor`` (along dim 0, in order) that go to rank j; it must sum to dim 0.
+    ``output_split_sizes[i]``: the rows this rank receives from rank i, which must be what rank i
+    sends it; the result has ``sum(output_split_sizes)`` rows. Either may be None: ``tensor`` split
+    as ``numpy.array_split`` does, and block ``rank`` of a tensor of this rank's shape from each
+    rank (every rank passes the same shape then). Sizes that disagree between ranks raise
+    :class:`lab.CollectiveMismatchError` (the byte counts of the messages differ).
+    ``tensor`` itself is not modified. ``algorithm``: ``"pairwise"`` (N-1 direct exchanges),
+    ``"bruck"`` (⌈log2 N⌉ steps; equal splits only: with split sizes ``auto`` runs pairwise, and
+    ``"bruck"`` is a ``ValueError``) or ``"auto"``.
 
     Per rank, N=2::
 
         x = torch.tensor([10.0, 11.0]) + 10 * mesh.rank   # rank 0: [10, 11]  rank 1: [20, 21]
         lab.all_to_all(mesh, x)                           # rank 0: [10, 20]  rank 1: [11, 21]
+
+        x = torch.arange(3.0) + 10 * mesh.rank            # rank 0: [0, 1, 2]  rank 1: [10, 11, 12]
+        lab.all_to_all(mesh, x, output_split_sizes=[1, 2] if mesh.rank == 0 else [2, 1],
+                       input_split_sizes=[1, 2] if mesh.rank == 0 else [2, 1])
+                                                          # rank 0: [0, 10, 11]  rank 1: [1, 2, 12]
     """
-    return mesh.issue(prepare_all_to_all(mesh, tensor, algorithm).run, async_op)
+    prepared = prepare_all_to_all(mesh, tensor, output_split_sizes, input_split_sizes, algorithm)
+    return mesh.issue(prepared.run, async_op)
 
 
-def prepare_all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Prepared:
+def _split_sizes(sizes: Any, name: str, world_size: int, rows: int | None = None) -> list[int]:
+    """``sizes`` as a list of N non-negative ints (summing to ``rows`` if given), else a
+    ``ValueError``/``TypeError`` naming ``name``."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__len__"):
+        raise TypeError(f"{name} must be a sequence of {world_size} row counts (one per rank) or None; "
+                        f"got {sizes!r}")
+    sizes = sizes.tolist() if hasattr(sizes, "tolist") else list(sizes)
+    if len(sizes) != world_size:
+        raise ValueError(f"{name} must have one entry per rank ({world_size}); got {len(sizes)}")
+    if not all(checks.is_int(s) and s >= 0 for s in sizes):
+        raise ValueError(f"{name} must hold non-negative integers; got {sizes}")
+    if rows is not None and sum(sizes) != rows:
+        raise ValueError(f"{name} must sum to the tensor's dim 0 ({rows}); got {sizes} (sum {sum(sizes)})")
+    return [int(s) for s in sizes]
+
+
+def _bounds_of(sizes: list[int], row: int) -> list[tuple[int, int]]:
+    """Element bounds of consecutive blocks of ``sizes`` rows of ``row`` elements each."""
+    ends = itertools.accumulate(sizes, lambda end, size: end + size * row, initial=0)
+    return list(itertools.pairwise(ends))
+
+
+def prepare_all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
+                       algorithm: str = "auto") -> Prepared:
     """:func:`all_to_all`'s checks and choices, done now; its communication, ready to run (each
     run returns a new tensor)."""
     dtype = check_tensor(tensor)
@@ -367,20 +408,119 @@ def prepare_all_to_all(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Prep
     if not shape:
         raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
     n = mesh.world_size
-    chosen = _pick(mesh, "all_to_all", algorithm, math.prod(shape) * dtype.storage.itemsize)
-    buffer = as_buffer(tensor, writable=False)
+    check_algorithm(algorithm, "all_to_all")
+    even = [b - a for a, b in split_bounds(shape[0], n)]
+    sends = even if input_split_sizes is None else _split_sizes(input_split_sizes, "input_split_sizes", n, shape[0])
+    receives = ([even[mesh.rank]] * n if output_split_sizes is None
+                else _split_sizes(output_split_sizes, "output_split_sizes", n))
+    uneven = input_split_sizes is not None or output_split_sizes is not None
+    if uneven and algorithm != "auto" and not ALGORITHMS["all_to_all"][algorithm].uneven:
+        raise ValueError(f"algorithm {algorithm!r} needs equal blocks; with input_split_sizes or "
+                         f"output_split_sizes use one of "
+                         f"{', '.join(repr(a) for a, e in ALGORITHMS['all_to_all'].items() if e.uneven)} or 'auto'")
     row = math.prod(shape[1:])
-    send_bounds = row_bounds(shape[0], row, n)
-    rows = split_bounds(shape[0], n)[mesh.rank]
-    block = (rows[1] - rows[0]) * row  # every rank's block for us has our block's size
-    recv_bounds = [(i * block, (i + 1) * block) for i in range(n)]
-    signature = Signature("all_to_all", chosen, dtype, buffer.numel)
+    if uneven and algorithm == "auto":  # ranks' sizes differ: a choice every rank makes alike
+        forced = forced_algorithm("all_to_all")
+        chosen = forced if forced and ALGORITHMS["all_to_all"][forced].uneven else \
+            next(a for a, entry in ALGORITHMS["all_to_all"].items() if entry.uneven)
+    else:
+        chosen = _pick(mesh, "all_to_all", algorithm, math.prod(shape) * dtype.storage.itemsize)
+    buffer = as_buffer(tensor, writable=False)
+    send_bounds, recv_bounds = _bounds_of(sends, row), _bounds_of(receives, row)
+    # Ranks agree on their shapes only beyond dim 0 when split sizes are given: the fingerprint
+    # counts one row then, and the compiled path (decided by agreed sizes) is not taken.
+    signature = Signature("all_to_all", chosen, dtype, row if uneven else buffer.numel, compiled=not uneven)
 
     def run() -> Any:
-        out = mesh.new_flat(n * block, dtype)
+        out = mesh.new_flat(sum(receives) * row, dtype)
         with mesh.collective(*signature):
             mesh.run(ALGORITHMS["all_to_all"][chosen], buffer.load(), out, send_bounds, recv_bounds)
-        return to_caller_type(out, dtype, (n * (rows[1] - rows[0]), *shape[1:]), like=tensor)
+        return to_caller_type(out, dtype, (sum(receives), *shape[1:]), like=tensor)
+
+    return Prepared(run, signature)
+
+
+def gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
+    """Concatenate every rank's ``tensor`` along dim 0, in rank order, into a new tensor on rank ``dst``.
+
+    Every rank passes the same shape (a 0-d tensor gathers into shape ``(N,)``); rank ``dst``
+    returns the result, with the caller's type (torch or numpy), every other rank ``None``.
+    ``algorithm``: ``"binomial"`` (⌈log2 N⌉ rounds, MPICH's), ``"linear"`` (every rank sends
+    straight to the root) or ``"auto"``.
+
+    Per rank, N=3, dst=1::
+
+        lab.gather(mesh, torch.tensor([mesh.rank, 10 + mesh.rank]), dst=1)
+        # rank 1: tensor([0, 10, 1, 11, 2, 12]);  ranks 0 and 2: None
+    """
+    return mesh.issue(prepare_gather(mesh, tensor, dst, algorithm).run, async_op)
+
+
+def prepare_gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto") -> Prepared:
+    """:func:`gather`'s checks and choices, done now; its communication, ready to run (each run
+    returns a new tensor on ``dst``, None elsewhere)."""
+    dst = _check_root(mesh, dst, "dst")
+    dtype = check_tensor(tensor)
+    n = mesh.world_size
+    shape = tuple(np.shape(tensor)) or (1,)
+    numel = math.prod(shape)
+    chosen = _pick(mesh, "gather", algorithm, n * numel * dtype.storage.itemsize)
+    bounds = split_bounds(n * numel, n)  # equal blocks of numel
+    buffer = as_buffer(tensor, writable=False)
+    signature = Signature("gather", chosen, dtype, numel, root=dst)
+
+    def run() -> Any:
+        # Every rank's: the root's result, another rank's scratch (binomial collects its subtree
+        # there; pages it never touches cost nothing).
+        out = mesh.new_flat(n * numel, dtype)
+        with mesh.collective(*signature):
+            mesh.run(ALGORITHMS["gather"][chosen], buffer.load(), out, bounds, dst)
+        if mesh.rank != dst:
+            return None
+        return to_caller_type(out, dtype, (n * shape[0], *shape[1:]), like=tensor)
+
+    return Prepared(run, signature)
+
+
+def scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
+    """Return block ``rank`` of rank ``src``'s ``tensor`` as a new tensor on every rank.
+
+    Blocks are split along dim 0 as ``numpy.array_split`` does (equal when N divides dim 0).
+    Every rank passes a tensor of the same shape; only ``src``'s contents are read, and none is
+    modified. ``algorithm``: ``"binomial"`` (⌈log2 N⌉ rounds, MPICH's), ``"linear"`` (the root
+    sends to every rank directly) or ``"auto"``.
+
+    Per rank, N=3, src=1::
+
+        x = torch.arange(4.0) + 10 * mesh.rank     # rank 1: [10, 11, 12, 13]
+        lab.scatter(mesh, x, src=1)                # rank 0: [10, 11]  rank 1: [12]  rank 2: [13]
+    """
+    return mesh.issue(prepare_scatter(mesh, tensor, src, algorithm).run, async_op)
+
+
+def prepare_scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
+    """:func:`scatter`'s checks and choices, done now; its communication, ready to run (each run
+    returns a new tensor)."""
+    src = _check_root(mesh, src, "src")
+    dtype = check_tensor(tensor)
+    shape = tuple(np.shape(tensor))
+    if not shape:
+        raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
+    numel = math.prod(shape)
+    chosen = _pick(mesh, "scatter", algorithm, numel * dtype.storage.itemsize)
+    buffer = as_buffer(tensor, writable=False)
+    bounds = row_bounds(shape[0], math.prod(shape[1:]), mesh.world_size)
+    start, stop = bounds[mesh.rank]
+    rows = split_bounds(shape[0], mesh.world_size)[mesh.rank]
+    signature = Signature("scatter", chosen, dtype, numel, root=src)
+
+    def run() -> Any:
+        # Only the root's tensor is read; elsewhere the algorithm sees a buffer of its size (scratch).
+        send = buffer.load() if mesh.rank == src else mesh.new_flat(numel, dtype)
+        out = mesh.new_flat(stop - start, dtype)
+        with mesh.collective(*signature):
+            mesh.run(ALGORITHMS["scatter"][chosen], send, out, bounds, src)
+        return to_caller_type(out, dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
 
     return Prepared(run, signature)
 
@@ -406,5 +546,5 @@ def prepare_barrier(mesh: Mesh) -> Prepared:
     return Prepared(run, signature)
 
 
-__all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier",
-           "choose", "check_algorithm", "forced_algorithm", "ALGORITHMS", "ReduceOp"]
+__all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather",
+           "scatter", "choose", "check_algorithm", "forced_algorithm", "ALGORITHMS", "ReduceOp"]

@@ -19,8 +19,9 @@ from lab.compiled import Compilable
 from lab.collectives import (all_to_all_bruck, all_to_all_pairwise, allgather_recursive_doubling, allgather_ring,
                              allreduce_double_tree, allreduce_halving_doubling, allreduce_hierarchical,
                              allreduce_naive, allreduce_recursive_doubling, allreduce_ring, allreduce_tree,
-                             barrier_dissemination, broadcast_binomial, broadcast_scatter_allgather,
-                             reduce_binomial, reduce_scatter_recursive_halving, reduce_scatter_ring)
+                             barrier_dissemination, broadcast_binomial, broadcast_scatter_allgather, gather_binomial,
+                             gather_linear, reduce_binomial, reduce_scatter_recursive_halving, reduce_scatter_ring,
+                             scatter_binomial, scatter_linear)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Algorithm:
     auto: bool = True  # among what algorithm="auto" compares
     fallback: str = ""  # "small" or "large": auto's pick without fitted models
     bytes_sent: Callable[[int, int, int], tuple[int, str]] | None = None  # (rank, N, T) -> (bytes, formula)
+    uneven: bool = True  # an all_to_all algorithm that takes uneven split sizes (Bruck's does not)
 
     def __call__(self, *args, **kwargs) -> None:
         """Run the algorithm (its function's arguments)."""
@@ -63,8 +65,12 @@ TABLE: tuple[Algorithm, ...] = (
     _entry("reduce_scatter", reduce_scatter_recursive_halving, "recursive_halving", 8, fallback="small"),
     _entry("reduce", reduce_binomial, "binomial", 4, fallback="small"),
     _entry("all_to_all", all_to_all_pairwise, "pairwise", 10, fallback="large"),
-    _entry("all_to_all", all_to_all_bruck, "bruck", 11, fallback="small"),
+    _entry("all_to_all", all_to_all_bruck, "bruck", 11, fallback="small", uneven=False),
     _entry("barrier", barrier_dissemination, "dissemination", 12, fallback="small"),
+    _entry("gather", gather_binomial, "binomial", 4, fallback="small"),
+    _entry("gather", gather_linear, "linear", 14),
+    _entry("scatter", scatter_binomial, "binomial", 4, fallback="small"),
+    _entry("scatter", scatter_linear, "linear", 14),
 )
 
 #: ``ALGORITHMS[collective][name]``: every entry, in registration order (the table's, then

@@ -200,7 +200,8 @@ def collectives_section(run: Measurements, model: pd.DataFrame, fitted: dict) ->
     """Every algorithm of every other collective against gloo, with auto's pick on shm, and their fits."""
     lines = ["## The other collectives: every algorithm against gloo", "",
              "Median µs per call; **auto picks** is what `auto` chooses on shm from the models fitted in this run "
-             "(sizes as nccl-tests counts them: the allgather result, the reduce_scatter and all_to_all input).", ""]
+             "(sizes as nccl-tests counts them: the allgather and gather result, the reduce_scatter, all_to_all "
+             "and scatter input).", ""]
     for collective in [c for c in OTHER_COLLECTIVES if c in set(run.others["collective"])]:
         table = collective_table(run.others[run.others["collective"] == collective], collective, run.world, fitted)
         lines += [f"**{collective}**", "", markdown(table), ""]

@@ -41,8 +41,8 @@ from lab.sim.virtual import mapped_input, virtual
 
 #: Every collective the lab may have, in the order tables and reports list them.
 COLLECTIVES = registry.COLLECTIVES
-#: Collectives whose call takes a root (broadcast's ``src``, reduce's ``dst``).
-ROOTED = {"broadcast": "src", "reduce": "dst"}
+#: Collectives whose call takes a root (broadcast's and scatter's ``src``, reduce's and gather's ``dst``).
+ROOTED = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src"}
 #: Collectives whose call takes a reduction op (recorded with "sum": the op changes no message).
 REDUCING = ("allreduce", "reduce_scatter", "reduce")
 

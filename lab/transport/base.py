@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import reduction
 
@@ -127,6 +127,16 @@ class Transport(ABC):
         raises :class:`lab.DeadlineError` naming the peers in ``.peers``; ``where`` describes
         the caller's position (its ``str`` is used only in error messages). A peer that is gone
         raises :class:`lab.PeerLostError`.
+        """
+
+    @abstractmethod
+    def ready_source(self, expected: Mapping[int, bytes], timeout_s: float, where: object) -> int | None:
+        """A peer among ``expected`` (tried in its order) whose next message of ``expected[peer]``'s
+        context has a tag that starts with ``expected[peer]``; None once ``timeout_s`` passed with
+        none. It consumes nothing (messages of other contexts met on the way are parked, as a
+        receive parks them): the next :meth:`exchange` receiving from that peer takes the message,
+        so each peer's messages are still taken in the order it sent them. What
+        ``mesh.recv(None)`` (any source) waits with.
         """
 
     def unconsumed_tags(self) -> dict[int, list[bytes]]:

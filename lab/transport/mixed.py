@@ -21,7 +21,7 @@ import selectors
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -39,6 +39,9 @@ HELLO_TIMEOUT_S = 5.0
 MAX_PENDING = 64
 #: The hand-out socket's listen queue.
 HAND_OUT_BACKLOG = 128
+#: A receive from any source with peers on this host and on others waits on the other hosts'
+#: sockets this long at a time, looking at this host's pipes in between.
+READY_SLICE_S = 0.001
 _SO_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 _HELLO = struct.Struct("<I32s")  # local rank, proof
 
@@ -95,6 +98,27 @@ class MixedTransport(Transport):
             self._remote.close()  # the TCP half fails at once instead of waiting out its deadline
             raise
         remote.result()
+
+    def ready_source(self, expected: Mapping[int, bytes], timeout_s: float, where: object) -> int | None:
+        """Ask the transport of each peer; with peers of both kinds, look at this host's at once
+        and wait on the other hosts' in slices of ``READY_SLICE_S``, in turn (one thread drives both)."""
+        first = self._first
+        local = {peer - first: prefix for peer, prefix in expected.items() if self._is_local(peer)}
+        remote = {peer: prefix for peer, prefix in expected.items() if not self._is_local(peer)}
+        if not remote:
+            src = self._local.ready_source(local, timeout_s, where)
+            return None if src is None else src + first
+        if not local:
+            return self._remote.ready_source(remote, timeout_s, where)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            src = self._local.ready_source(local, 0.0, where)
+            if src is not None:
+                return src + first
+            left = deadline - time.monotonic()
+            src = self._remote.ready_source(remote, min(max(left, 0.0), READY_SLICE_S), where)
+            if src is not None or left <= 0:
+                return src
 
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
         tags = {peer + self._first: t for peer, t in self._local.unconsumed_tags().items()}

@@ -12,11 +12,13 @@ exactly the cost the ``"shm"`` transport exists to remove.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import select
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +29,8 @@ from lab.transport.base import (Recv, Send, SharedFd, Silence, TagMismatch, Tran
 
 #: How often a rank waiting on a queue checks that the peer is still alive.
 LIVENESS_CHECK_S = 0.1
+#: How often a receive from any source looks at the queues again.
+READY_POLL_S = 0.0005
 
 
 @dataclass
@@ -78,7 +82,9 @@ class QueueTransport(Transport):
         self._alive_fd = endpoints.alive.fd
         self._peer_alive_fd = {peer: shared.fd for peer, shared in endpoints.peers_alive.items()}
         self._peer_of_fd = {fd: peer for peer, fd in self._peer_alive_fd.items()}
-        self._parked = {src: deque() for src in self._inbox}  # other contexts' messages, per source
+        # Messages taken off a queue but not yet received, per source: other contexts' (parked by a
+        # receive), and any a receive from any source looked at; a receive takes its context's first.
+        self._parked = {src: deque() for src in self._inbox}
         self._liveness = select.poll()
         for fd in self._peer_alive_fd.values():
             self._liveness.register(fd, select.POLLIN)
@@ -129,6 +135,26 @@ class QueueTransport(Transport):
                 return self._inbox[src].get(timeout=min(silence.wait_s(), LIVENESS_CHECK_S))
             except queue.Empty:
                 self._check_peers_alive(where)
+
+    def ready_source(self, expected: Mapping[int, bytes], timeout_s: float, where: object) -> int | None:
+        """Take whatever the queues of ``expected``'s peers hold into their parked lists (in
+        arrival order, where :meth:`_take` looks first), until one's first message of its context
+        starts with its prefix; poll every ``READY_POLL_S`` (a queue cannot be waited on with others)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for src, prefix in expected.items():
+                parked = self._parked[src]
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        parked.append(self._inbox[src].get_nowait())
+                first = next((tag for tag, _ in parked if same_context(tag, prefix)), None)
+                if first is not None and first.startswith(prefix):
+                    return src
+            self._check_peers_alive(where)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(left, READY_POLL_S))
 
     def _check_peers_alive(self, where: object) -> None:
         for fd, _ in self._liveness.poll(0):  # only a closed alive pipe has an event: nobody writes

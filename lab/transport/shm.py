@@ -40,13 +40,13 @@ import select
 import struct
 import termios
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kernels import mailbox as mailboxes
-from lab.errors import CollectiveMismatchError, PeerLostError
+from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
 from lab.transport.base import (TAG_BYTES, Recv, Send, SharedFd, Silence, TagMismatch, Transport,
                                 same_context, silence_error)
 
@@ -360,6 +360,27 @@ class ShmTransport(Transport):
             self._return_credit(job.peer, _CREDIT_MESSAGE)
         job.offset += nbytes
         job.segments_left -= 1
+
+    def ready_source(self, expected: Mapping[int, bytes], timeout_s: float, where: object) -> int | None:
+        """Drain the pipes of ``expected``'s peers (other contexts' messages are parked on the
+        way, as a receive parks them) until one's first message of its context starts with its
+        prefix; between looks, wait as an exchange does (spin, then poll)."""
+        silence = Silence(timeout_s)  # not moved on by progress: a plain deadline
+        while True:
+            for src in expected:
+                self._drain(src, where)  # non-blocking: what is in the pipe now
+            for src, prefix in expected.items():
+                parked = next((entry[3] for entry in self._parked[src] if same_context(entry[3], prefix)), None)
+                first = parked if parked is not None else (
+                    self._arrived[src][0][3] if self._ready(src, prefix, where) else None)
+                if first is not None and first.startswith(prefix):
+                    return src
+            if silence.expired():
+                return None
+            try:
+                self._wait(silence, where, frozenset(expected))
+            except DeadlineError:
+                return None
 
     # -- reading the pipes ---------------------------------------------------------------------
 

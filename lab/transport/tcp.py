@@ -36,7 +36,7 @@ import math
 import selectors
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -185,21 +185,26 @@ class TcpTransport(Transport):
             recv.combine(recv.out, payload.view(recv.out.dtype))
         return True
 
-    def _open(self, job: _Job, tag: bytes, where: object) -> None:
-        """Judge the header ``job`` has just read, MAC first: nothing in it is believed before.
-        A frame of another context is parked, and ``job`` waits for the next header; one that is
-        forged, malformed or not what ``job`` expects raises."""
-        link = self._links[job.peer]
-        header, header_mac = bytes(job.header[:_HEADER.size]), bytes(job.header[_HEADER.size:])
+    def _judge(self, peer: int, head_bytes: bytes, where: object) -> tuple[bytes, int, blake3.blake3]:
+        """(tag, payload bytes, the frame's running MAC) of the next frame's header from ``peer``,
+        MAC first: nothing in it is believed before. A forged or malformed header raises."""
+        link = self._links[peer]
+        header, header_mac = head_bytes[:_HEADER.size], head_bytes[_HEADER.size:]
         expected, mac = head(link.recv_key, link.received, header)
         if not hmac.compare_digest(header_mac, expected):
-            self._forged(job.peer, "frame header", where)
-        link.received += 1
+            self._forged(peer, "frame header", where)
         magic, version, kind, got_tag, nbytes = _HEADER.unpack(header)
         if magic != MAGIC or version != VERSION or kind != _DATA or nbytes > MAX_FRAME_BYTES:
             link.sock.close()
-            raise PeerLostError(f"rank {self.rank}: rejected a malformed frame from rank {job.peer} "
+            raise PeerLostError(f"rank {self.rank}: rejected a malformed frame from rank {peer} "
                                 f"(magic {magic!r}, version {version}, length {nbytes}); connection closed")
+        return got_tag, nbytes, mac
+
+    def _open(self, job: _Job, tag: bytes, where: object) -> None:
+        """Judge the header ``job`` has just read (:meth:`_judge`). A frame of another context is
+        parked, and ``job`` waits for the next header; one that is not what ``job`` expects raises."""
+        got_tag, nbytes, mac = self._judge(job.peer, bytes(job.header), where)
+        self._links[job.peer].received += 1
         if not same_context(got_tag, tag):
             self._park(job.peer, got_tag, nbytes, mac, where)
             job.header_done = 0
@@ -365,6 +370,49 @@ class TcpTransport(Transport):
         if not got:
             raise ConnectionError("connection closed")
         return got
+
+    def ready_source(self, expected: Mapping[int, bytes], timeout_s: float, where: object) -> int | None:
+        """Peek at the next frame header from each of ``expected``'s peers (read whole and parked
+        if it is another context's, as a receive parks it) until one's tag starts with its
+        prefix; between looks, wait for any of their sockets to be readable."""
+        silence = Silence(timeout_s)  # not moved on by progress: a plain deadline
+        self._silence_s = timeout_s  # how long parking a frame may wait for its rest
+        while True:
+            for src, prefix in expected.items():
+                first = self._next_tag(src, prefix, where)
+                if first is not None and first.startswith(prefix):
+                    return src
+            if silence.expired():
+                return None
+            self._watch(dict.fromkeys(expected, selectors.EVENT_READ))
+            self._selector.select(silence.wait_s())
+
+    def _next_tag(self, peer: int, prefix: bytes, where: object) -> bytes | None:
+        """The tag of the first frame of ``prefix``'s context from ``peer``, parked or next on the
+        wire (frames of other contexts before it are parked), without taking it; None if its
+        header has not arrived whole."""
+        parked = next((got for got, _ in self._parked[peer] if same_context(got, prefix)), None)
+        if parked is not None:
+            return parked
+        link = self._links[peer]
+        while True:
+            try:
+                data = link.sock.recv(_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return None
+            except OSError as exc:
+                raise PeerLostError(f"rank {self.rank}: rank {peer} is gone ({exc}) in {where}") from None
+            if not data:
+                raise PeerLostError(f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})")
+            if len(data) < _HEAD_BYTES:
+                return None
+            got_tag, nbytes, mac = self._judge(peer, data, where)
+            if same_context(got_tag, prefix):
+                return got_tag
+            # Another mesh's frame: take its header off the wire (it is all here), then park it whole.
+            link.sock.recv(_HEAD_BYTES)
+            link.received += 1
+            self._park(peer, got_tag, nbytes, mac, where)
 
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
         """The tag of the next unread frame from each peer whose header MAC checks out (a header
