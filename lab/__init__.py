@@ -22,12 +22,15 @@ from lab.ops import ReduceOp
 from lab.plans import (Plan, all_to_all_init, allgather_init, allreduce_init, barrier_init, broadcast_init,
                        gather_init, reduce_init, reduce_scatter_init, scatter_init)
 from lab.reference import gloo_reference
-from lab import bucketing, ddp, sim  # lab.bucketing, lab.ddp and lab.sim work after a plain `import lab`
+from lab import backend, bucketing, ddp, sim  # lab.backend, lab.bucketing, lab.ddp and lab.sim work after `import lab`
+
+backend.register()  # torch.distributed.init_process_group("lab")
 
 __all__ = [
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather", "scatter",
     "ReduceOp", "allreduce_init", "broadcast_init", "allgather_init", "reduce_scatter_init", "reduce_init",
     "all_to_all_init", "barrier_init", "gather_init", "scatter_init", "Plan",
-    "bucketing", "ddp", "sim", "spawn", "launch", "launcher_env", "Cluster", "Mesh", "Work", "gloo_reference",
+    "backend", "bucketing", "ddp", "sim", "spawn", "launch", "launcher_env", "Cluster", "Mesh", "Work",
+    "gloo_reference",
     "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError", "EmulationUnavailable",
 ]

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from lab.launchers import launch_env
+import torch.distributed as dist
+
+from lab.launchers import LaunchEnv, launch_env
 from lab.rendezvous import (
     agree_hosts,
     check_secret_source,
@@ -20,6 +22,7 @@ from lab.rendezvous import (
     host_block,
     job_secret,
     learn_host_index,
+    place_by_host_name,
 )
 from lab.transport.base import Transport
 from lab.transport.tcp import TcpTransport
@@ -31,19 +34,46 @@ STORE_PREFIX = "lab/tcp"
 def connect_from_env(transport: str) -> tuple[Transport, tuple[int, int, int], list[int]]:
     """(the transport, this rank's (host, local rank, local world size), every rank's host)."""
     env = launch_env()
-    opener = LAUNCHER_TRANSPORTS.get(transport)
-    if opener is None:
+    check_transport(transport)
+    check_secret_source(env)  # before waiting for anyone
+    return connect(env_store(), env, transport)
+
+
+def connect_with_store(store: dist.Store, rank: int, world_size: int,
+                       transport: str) -> tuple[Transport, tuple[int, int, int], list[int]]:
+    """:func:`connect_from_env` through a store someone else made (torch's, in the backend): where
+    a launcher's variables describe this very world they say where each rank runs; otherwise the
+    ranks agree on it by host name through the store."""
+    check_transport(transport)
+    env = _launched_as(rank, world_size) or place_by_host_name(store, rank, world_size, STORE_PREFIX)
+    check_secret_source(env)
+    return connect(store, env, transport)
+
+
+def _launched_as(rank: int, world_size: int) -> LaunchEnv | None:
+    """The launcher's description of this rank, if there is one and it is of this world."""
+    try:
+        env = launch_env()
+    except ValueError:
+        return None
+    return env if (env.rank, env.world_size) == (rank, world_size) else None
+
+
+def check_transport(transport: str) -> None:
+    if transport not in LAUNCHER_TRANSPORTS:
         raise ValueError(f"transport must be one of {', '.join(map(repr, LAUNCHER_TRANSPORTS))} under a "
                          f"launcher; got {transport!r}")
-    check_secret_source(env)  # before waiting for anyone
-    store = env_store()
+
+
+def connect(store: dist.Store, env: LaunchEnv, transport: str) -> tuple[Transport, tuple[int, int, int], list[int]]:
+    """Agree on every rank's host, prove the job's secret and open ``transport`` through ``store``."""
     if env.group_rank is None:  # mpiexec on several hosts: learn the host index from the host names
         env = learn_host_index(store, env, STORE_PREFIX)
     hosts = agree_hosts(store, env, STORE_PREFIX)  # every rank's host, the same on every rank
     secret, secret_file = job_secret(store, env, STORE_PREFIX)
     address = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
     try:
-        wire = opener(env, store, secret, address, hosts)
+        wire = LAUNCHER_TRANSPORTS[transport](env, store, secret, address, hosts)
     finally:
         if secret_file is not None:  # rank 0 accepted every peer: each has read it, or failed
             secret_file.remove()

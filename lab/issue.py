@@ -37,6 +37,11 @@ class Work:
     def is_completed(self) -> bool:
         return self._future.done()
 
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        """Call ``callback(work)`` once the collective completed or failed (at once if it has),
+        on the thread that completed it."""
+        self._future.add_done_callback(lambda _: callback(self))
+
     def result(self) -> Any:
         """What the synchronous call would have returned (waits first)."""
         return self._future.result()
@@ -51,10 +56,21 @@ class IssueQueue:
         self._driving = threading.Lock()  # exactly one thread drives the transport at a time
         self._thread: ThreadPoolExecutor | None = None
         self._pending: list[Work] = []
+        self._local = threading.local()  # .driving: this thread is running a call now
 
     def issue(self, run: Callable[[], Any], async_op: bool) -> Any:
-        """Run ``run`` (a collective's communication) now, or on the communication thread."""
+        """Run ``run`` (a collective's communication) now, or on the communication thread.
+
+        A call made by a ``run`` that is being driven (the torch backend's composite operations,
+        on the communication thread) runs inline: it is already in its place in the order."""
         self.check_owner()
+        if getattr(self._local, "driving", False):
+            result = run()
+            if not async_op:
+                return result
+            done: Future = Future()
+            done.set_result(result)
+            return Work(done)
         if checks.flag(async_op, "async_op"):
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lab-comm-{self._rank}")
@@ -66,7 +82,11 @@ class IssueQueue:
 
     def _drive(self, run: Callable[[], Any]) -> Any:
         with self._driving:
-            return run()
+            self._local.driving = True
+            try:
+                return run()
+            finally:
+                self._local.driving = False
 
     def check_owner(self) -> None:
         """Refuse a process forked inside ``fn``: its messages would interleave with the rank's."""

@@ -129,6 +129,33 @@ class Mesh:
         return cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
                    placement=placement, hosts=hosts)
 
+    @classmethod
+    def from_store(cls, store: Any, rank: int, world_size: int, *, transport: str = "auto",
+                   recv_timeout_ms: float | None = None, trace: str | None = None) -> Mesh:
+        """This process's handle on a mesh whose ranks meet through ``store`` (a
+        ``torch.distributed.Store`` every rank reaches, e.g. the one ``init_process_group`` made),
+        as rank ``rank`` of ``world_size``: what the ``"lab"`` torch.distributed backend builds.
+
+        ``transport="auto"``: shared memory between ranks on one host, TCP between hosts. Where
+        torchrun's variables describe this world they say which host each rank is on; otherwise
+        ranks whose host name, boot and network namespace agree share a host. The job's secret
+        comes as for :meth:`from_env`.
+
+            store = torch.distributed.TCPStore("127.0.0.1", 29500, 2, is_master=rank == 0)
+            mesh = lab.Mesh.from_store(store, rank, 2)
+        """
+        from lab.bootstrap import connect_with_store
+
+        if not checks.is_int(world_size) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+        if not checks.is_int(rank) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
+        recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
+        trace = checks.trace_path(trace)
+        wire, placement, hosts = connect_with_store(store, int(rank), int(world_size), transport)
+        return cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
+                   placement=placement, hosts=hosts)
+
     @property
     def rank(self) -> int:
         return self._rank

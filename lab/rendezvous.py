@@ -320,6 +320,20 @@ def agree_hosts(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> list[int]:
     return [group for group, _, _ in places]
 
 
+def place_by_host_name(store: dist.Store, rank: int, world_size: int, prefix: str) -> LaunchEnv:
+    """This rank of a world no launcher described (the torch backend's, from ``tcp://``,
+    ``file://`` or ``store=``): ranks with the same host name share a host, numbered in the order
+    of their first rank, and each host's ranks number themselves in rank order.
+
+        env = place_by_host_name(store, 2, 4, "lab/tcp")   # 4 ranks on one host: local rank 2 of 4
+    """
+    unplaced = LaunchEnv(rank, world_size, "", 0, 0, world_size, None, launcher="store")
+    names = [value.decode() for value in _exchange(store, unplaced, f"{prefix}/hostname", socket.gethostname())]
+    same = [r for r, name in enumerate(names) if name == names[rank]]
+    return dataclasses.replace(unplaced, local_rank=same.index(rank), local_world_size=len(same),
+                               group_rank=list(dict.fromkeys(names)).index(names[rank]))
+
+
 def learn_host_index(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> LaunchEnv:
     """``env`` with ``group_rank`` set, for launchers that do not number hosts (``mpiexec`` on
     several hosts): every rank publishes its host name, and hosts are numbered in the order of
@@ -388,3 +402,4 @@ def host_block(hosts: list[int], env: LaunchEnv) -> int:
                          f"GROUP_RANK={env.group_rank}, LOCAL_RANK={env.local_rank}, and node {env.group_rank} "
                          f"holds ranks {[r for r, h in enumerate(hosts) if h == env.group_rank]}")
     return first
+
