@@ -14,6 +14,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,8 @@ def all_reduce_every_op_and_dtype(rank: int, n: int, gloo: dist.ProcessGroup) ->
            dist.ReduceOp.MIN: lambda xs: torch.stack(xs).amin(0), dist.ReduceOp.MAX: lambda xs: torch.stack(xs).amax(0)}
     for dtype in FLOAT_DTYPES + INT_DTYPES:
         for count in COUNTS:
-            inputs = [pattern(count, r, torch.float64) for r in range(n)]
+            # the inputs as the dtype holds them; half types accumulate in float32 (lab and gloo)
+            inputs = [pattern(count, r, dtype).to(torch.float64) for r in range(n)]
             for op, reference in ops.items():
                 x = pattern(count, rank, dtype)
                 dist.all_reduce(x, op=op)
@@ -376,11 +378,14 @@ def fsdp2_matches_one_process(rank: int, n: int, gloo: dist.ProcessGroup) -> Non
 
 
 def main(out: str) -> None:
-    dist.init_process_group("lab")
+    # a check that fails on one rank leaves the others in a collective: the deadline ends it
+    dist.init_process_group("lab", timeout=timedelta(seconds=20))
     rank, n = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
     results = {}
     for name, function in CHECKS.items():
+        if os.environ.get("BACKEND_JOB_VERBOSE"):
+            print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
         try:
             function(rank, n, gloo)
             results[name] = "ok"

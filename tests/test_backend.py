@@ -25,6 +25,9 @@ import backend_job
 import lab
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: Child processes import the lab under test (this checkout), not another installed copy.
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+             "OMP_NUM_THREADS": "1"}
 WORLD_SIZES = (2, 3, 4)
 
 
@@ -42,8 +45,7 @@ def results(tmp_path_factory) -> dict[int, list[dict[str, str]]]:
         out = tmp_path_factory.mktemp(f"backend{n}")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                    os.path.join(HERE, "backend_job.py"), str(out)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=CHILD_ENV)
         ranks = []
         for rank in range(n):
             path = out / f"rank{rank}.json"
@@ -114,7 +116,7 @@ FAULTY = textwrap.dedent("""
 def run_ranks(n: int, how: str, init: str | None = None) -> list[str]:
     init = init or f"tcp://127.0.0.1:{free_port()}"
     processes = [subprocess.Popen([sys.executable, "-c", FAULTY, str(rank), str(n), init, how], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for rank in range(n)]
+                                  stderr=subprocess.PIPE, text=True, env=CHILD_ENV) for rank in range(n)]
     outputs = []
     for process in processes:
         try:
