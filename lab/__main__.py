@@ -45,6 +45,10 @@ def results(args: argparse.Namespace) -> int:
     from lab.benchmark import SIZES
 
     sizes = [1 << 10, 1 << 20, 16 << 20] if args.quick else SIZES
+    if args.backend:  # the torch.distributed backend against lab.allreduce and gloo: OUT/backend.csv
+        from lab.results import backend
+
+        return backend.main(args.out, args.ranks)
     if args.hosts:  # across emulated hosts: results/hosts/ (lab/results/hosts.py, hierarchy.py)
         from lab.results import hierarchy, hosts
 
@@ -105,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--ranks-per-host", type=int, metavar="L",
                        help="with --hosts: L ranks per host, transport='auto': hierarchical vs ring vs gloo "
                             "(writes OUT/hosts/hierarchical*.csv and REPORT.md's 'Many ranks per host')")
+    sweep.add_argument("--backend", action="store_true",
+                       help="instead: dist.all_reduce on the \"lab\" backend vs lab.allreduce vs gloo, and a DDP "
+                            "step on each, under torchrun with --ranks ranks (OUT/backend.csv, REPORT.md's section)")
     sweep.set_defaults(run=results)
     kernel = commands.add_parser("kernels", help="Python vs numpy vs Numba reduction bandwidth")
     kernel.set_defaults(run=kernels)

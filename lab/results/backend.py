@@ -1,0 +1,148 @@
+"""What the torch.distributed backend costs: ``python -m lab results --backend``.
+
+Two measurements, each in the same rank processes (started by torchrun), each against gloo in
+the same run:
+
+- the per-call cost of ``dist.all_reduce`` on the ``"lab"`` process group against
+  ``lab.allreduce`` on the same mesh directly, and against gloo, at 1 KB and 16 MB: rounds of
+  calls, each timed inside every rank, the slowest rank's per-call time per round, the median over
+  rounds (algbw and busbw as nccl-tests reports them);
+- a DDP training step (a ~10 M-parameter MLP, 4 ranks by default) on the lab against its twin on
+  gloo: the same model, data and optimizer, steps alternating between the two, median step time.
+
+Writes ``OUT/backend.csv`` and splices the section "torch.distributed on the lab" into
+``OUT/REPORT.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+import lab
+from lab.report import splice
+
+SIZES = (1024, 16 * 1024 * 1024)
+MARKER = "backend"
+
+
+def _slowest(seconds: float, gloo: dist.ProcessGroup) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=gloo)
+    return float(value)
+
+
+def _per_call(run, calls: int, rounds: int, gloo: dist.ProcessGroup) -> float:
+    """The median over rounds of the slowest rank's time per call (after one warm-up round)."""
+    times = []
+    for round_ in range(rounds + 1):
+        dist.barrier(group=gloo)
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        if round_:  # the first round warms up (Numba, buffers, connections)
+            times.append(_slowest((time.perf_counter() - start) / calls, gloo))
+    return statistics.median(times)
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                               torch.nn.ReLU(), torch.nn.Linear(2048, 1024), torch.nn.ReLU(),
+                               torch.nn.Linear(1024, 512))
+
+
+def measure(out: str, steps: int, rounds: int) -> None:
+    """One rank's part (under torchrun); rank 0 writes ``out/backend.json``."""
+    dist.init_process_group("lab")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    mesh = dist.distributed_c10d._get_default_group().mesh  # the lab group's own mesh
+    rows = []
+    for nbytes in SIZES:
+        x = torch.ones(nbytes // 4)
+        calls = 200 if nbytes < 65536 else 5
+        impls = {"dist.all_reduce (lab)": lambda x=x: dist.all_reduce(x),
+                 "lab.allreduce": lambda x=x: lab.allreduce(mesh, x),
+                 "dist.all_reduce (gloo)": lambda x=x: dist.all_reduce(x, group=gloo)}
+        for impl, run in impls.items():
+            seconds = _per_call(run, calls, rounds, gloo)
+            rows.append({"part": "per call", "what": impl, "ranks": n, "bytes": nbytes, "median_us": seconds * 1e6,
+                         "algbw_GBps": nbytes / seconds / 1e9, "busbw_GBps": nbytes / seconds / 1e9 * 2 * (n - 1) / n})
+    models = {"lab": torch.nn.parallel.DistributedDataParallel(_mlp()),
+              "gloo": torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=gloo)}
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=1e-3) for name, model in models.items()}
+    data = torch.Generator().manual_seed(rank)
+    step_times: dict[str, list[float]] = {name: [] for name in models}
+    for step in range(steps + 2):  # two warm-up steps
+        x = torch.randn(32, 1024, generator=data)
+        for name, model in models.items():  # alternating: both see the same load
+            dist.barrier(group=gloo)
+            start = time.perf_counter()
+            model(x).pow(2).mean().backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+            if step >= 2:
+                step_times[name].append(_slowest(time.perf_counter() - start, gloo))
+    parameters = sum(p.numel() for p in models["lab"].parameters())
+    for name, times in step_times.items():
+        rows.append({"part": "DDP step", "what": f"DDP on {name}", "ranks": n, "bytes": parameters * 4,
+                     "median_us": statistics.median(times) * 1e6, "algbw_GBps": float("nan"),
+                     "busbw_GBps": float("nan")})
+    if rank == 0:
+        Path(out, "backend.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def section(table: pd.DataFrame) -> str:
+    """REPORT.md's "torch.distributed on the lab"."""
+    from lab.results.report import markdown
+
+    lines = ["## torch.distributed on the lab", "",
+             "`dist.init_process_group(\"lab\")` (`python -m lab results --backend`, `backend.csv`): the per-call "
+             "cost of `dist.all_reduce` through the backend against `lab.allreduce` on the same mesh and against "
+             "gloo, and a DDP step of a ~10 M-parameter MLP on each, in the same ranks (median of the slowest "
+             f"rank's time), measured at load average {table['load_average'].iloc[0]} on "
+             f"{table['cores'].iloc[0]} cores.", ""]
+    calls = table[table["part"] == "per call"].copy()
+    calls["size"] = calls["bytes"].map(lambda b: f"{b // 1024} KB" if b < 2**20 else f"{b // 2**20} MB")
+    gloo = calls[calls["what"] == "dist.all_reduce (gloo)"].set_index("bytes")["median_us"]
+    calls["vs gloo"] = calls.apply(lambda row: row["median_us"] / gloo[row["bytes"]], axis=1)
+    lines += [markdown(calls[["ranks", "size", "what", "median_us", "vs gloo", "busbw_GBps"]].round(3)), ""]
+    steps = table[table["part"] == "DDP step"].set_index("what")["median_us"]
+    ratio = steps["DDP on lab"] / steps["DDP on gloo"]
+    lines += [f"- DDP step ({int(table[table['part'] == 'DDP step']['bytes'].iloc[0]) // 4:,} parameters, "
+              f"{int(table['ranks'].iloc[0])} ranks): lab {steps['DDP on lab'] / 1e3:.1f} ms, gloo "
+              f"{steps['DDP on gloo'] / 1e3:.1f} ms ({ratio:.2f}x gloo's).", ""]
+    return "\n".join(lines)
+
+
+def main(out_dir: str = "results", ranks: int = 4, steps: int = 10, rounds: int = 7) -> int:
+    """Launch the ranks under torchrun, write ``backend.csv``, splice the report's section."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               "-m", "lab.results.backend", str(out), str(steps), str(rounds)]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode:
+        return done.returncode
+    table = pd.DataFrame(json.loads((out / "backend.json").read_text()))
+    table["load_average"], table["cores"] = round(os.getloadavg()[0], 1), os.cpu_count()  # noise context
+    (out / "backend.json").unlink()
+    table.to_csv(out / "backend.csv", index=False)
+    print(table.to_string(index=False))
+    splice(out / "REPORT.md", section(table), MARKER)
+    return 0
+
+
+if __name__ == "__main__":
+    measure(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
