@@ -102,7 +102,8 @@ class Mesh:
     def from_env(cls, *, recv_timeout_ms: float | None = None, trace: str | None = None,
                  transport: str = "tcp") -> Mesh:
         """This process's handle on a TCP mesh, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
-        ``MASTER_PORT`` (as ``torchrun`` sets them), on one host or several.
+        ``MASTER_PORT`` (as ``torchrun`` sets them), on one host or several; under ``mpiexec``
+        (MPICH, Open MPI) or Slurm's ``srun``, from their variables (:mod:`lab.launchers`).
 
         ``transport="auto"``: shared memory between the ranks of one host (``GROUP_RANK``; each
         node's ranks consecutive, as torchrun numbers them), TCP between hosts. Local rank 0 builds
