@@ -40,6 +40,7 @@ NATIVE_SIGNATURES = [
     "void(int32[::1], int32[::1])",
     "void(int64[::1], int64[::1])",
 ]
+INTEGER_SIGNATURES = NATIVE_SIGNATURES[2:]  # the bitwise ops: integers only
 HALF_SIGNATURE = ["void(uint16[::1], uint16[::1])"]
 NATIVE_SCALE_SIGNATURES = ["void(float32[::1], float64)", "void(float64[::1], float64)"]
 HALF_SCALE_SIGNATURE = ["void(uint16[::1], float64)"]
@@ -186,6 +187,24 @@ def max_into(dst, src):
         dst[i] = maximum(dst[i], src[i])
 
 
+@njit(INTEGER_SIGNATURES, cache=True, nogil=True)
+def band_into(dst, src):
+    for i in range(dst.size):
+        dst[i] &= src[i]
+
+
+@njit(INTEGER_SIGNATURES, cache=True, nogil=True)
+def bor_into(dst, src):
+    for i in range(dst.size):
+        dst[i] |= src[i]
+
+
+@njit(INTEGER_SIGNATURES, cache=True, nogil=True)
+def bxor_into(dst, src):
+    for i in range(dst.size):
+        dst[i] ^= src[i]
+
+
 @njit(NATIVE_SCALE_SIGNATURES, cache=True, nogil=True)
 def divide(dst, divisor):
     for i in range(dst.size):
@@ -298,6 +317,9 @@ KERNELS = {
     ("prod", "native"): prod_into,
     ("min", "native"): min_into,
     ("max", "native"): max_into,
+    ("band", "native"): band_into,  # int32 and int64 (lab.ops.reduction checks)
+    ("bor", "native"): bor_into,
+    ("bxor", "native"): bxor_into,
     ("sum", "float16"): float16_sum_into,
     ("prod", "float16"): float16_prod_into,
     ("min", "float16"): float16_min_into,

@@ -19,7 +19,7 @@ from lab.ops import DTYPES_BY_CODE
 #: Wire codes: a collective's position in this tuple (0: point-to-point; split: Mesh.split's exchange).
 COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all",
                "barrier", "gather", "scatter", "split")
-REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg")
+REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 
 FINGERPRINT = struct.Struct("<IQBBBBqq")
 #: Sub-mesh context ids are 4 bytes.

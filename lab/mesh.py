@@ -243,7 +243,7 @@ class Mesh:
         :meth:`collective` (the public collectives call it). A small collective whose algorithm
         is compilable runs in one Numba call over the mailboxes where the transport has them."""
         plane = self._plane
-        if plane is None or options or not self._compiled or not plane.takes(algorithm, self._nbytes):
+        if plane is None or options or not self._compiled or not plane.takes(algorithm, self._nbytes, args):
             algorithm(self, *args, **options)
             return
         self._position.step += 1

@@ -16,16 +16,22 @@ from kernels.reduce import DIVIDE, KERNELS
 
 
 class ReduceOp(str, enum.Enum):
-    """Elementwise reductions. ``"avg"`` is a sum divided by the world size (floating dtypes)."""
+    """Elementwise reductions. ``"avg"`` is a sum divided by the world size (floating dtypes);
+    ``"band"``, ``"bor"``, ``"bxor"`` are bitwise and, or, xor (int32 and int64, as gloo)."""
 
     SUM = "sum"
     PROD = "prod"
     MIN = "min"
     MAX = "max"
     AVG = "avg"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
 
-_TORCH_OP_NAMES = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg"}
+_TORCH_OP_NAMES = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg", "BAND": "band",
+                   "BOR": "bor", "BXOR": "bxor"}
+_BITWISE = frozenset({"band", "bor", "bxor"})
 
 
 def _torch_op_name(op: Any) -> str | None:
@@ -180,8 +186,11 @@ class Reduction:
             self._divide(buf, float(world_size))
 
     @functools.cached_property
-    def codes(self) -> tuple[int, int, int, bool]:
-        """``(op, family, kind, finalize divides)`` as compiled code takes them (:mod:`kernels.coded`)."""
+    def codes(self) -> tuple[int, int, int, bool] | None:
+        """``(op, family, kind, finalize divides)`` as compiled code takes them (:mod:`kernels.coded`);
+        None for the bitwise ops, which only the Python path runs."""
+        if self.op.value in _BITWISE:
+            return None
         op = "sum" if self.op is ReduceOp.AVG else self.op.value
         return (OP_CODES[op], FAMILY_CODES[self.dtype.family], KIND_CODES[self.dtype.storage.name],
                 self._divide is not None and not self.prescales)
@@ -204,6 +213,8 @@ def reduction(op: ReduceOp, dtype: DType) -> Reduction:
     check_reduces(dtype, f"op {op.value!r}")
     if op is ReduceOp.AVG and not dtype.is_floating:
         raise TypeError(f"op 'avg' needs a floating dtype; tensor has dtype {dtype.name} (use 'sum')")
+    if op.value in _BITWISE and dtype.name not in ("int32", "int64"):
+        raise TypeError(f"op {op.value!r} needs an integer dtype (int32, int64); tensor has dtype {dtype.name}")
     kernel_op = "sum" if op is ReduceOp.AVG else op.value
     divide = DIVIDE[dtype.family] if op is ReduceOp.AVG else None
     prescales = divide is not None and dtype.family in ("float16", "bfloat16")

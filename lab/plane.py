@@ -70,10 +70,12 @@ class CompiledPlane:
         self.max_bytes = max_bytes_from_env()
         self._entries: dict[Compilable, Callable[..., None]] = {}
 
-    def takes(self, algorithm: Any, nbytes: int) -> bool:
-        """Whether a collective of ``nbytes`` running ``algorithm`` (a registry entry) runs here."""
+    def takes(self, algorithm: Any, nbytes: int, args: tuple = ()) -> bool:
+        """Whether a collective of ``nbytes`` running ``algorithm`` (a registry entry) on ``args``
+        runs here: not a reduction compiled code has no codes for (the bitwise ops)."""
         return 0 < self.max_bytes and nbytes <= self.max_bytes \
-            and isinstance(getattr(algorithm, "run", None), Compilable)  # 0 is off, even for a barrier
+            and isinstance(getattr(algorithm, "run", None), Compilable) \
+            and not any(isinstance(a, Reduction) and a.codes is None for a in args)  # 0 is off, even for a barrier
 
     def run(self, algorithm: Any, tag: bytes, timeout_ms: float, args: tuple) -> Report:
         """Run ``algorithm`` compiled on ``args`` (its arguments after the peers) with ``tag`` on

@@ -18,7 +18,8 @@ from lab.rendezvous import env_store, pool_store
 REFERENCE_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather",
                  "scatter")
 _EPSILON = {torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-_TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG"}
+_TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG", "band": "BAND",
+                     "bor": "BOR", "bxor": "BXOR"}
 
 
 def ensure_gloo(mesh: Mesh) -> None:

@@ -75,6 +75,17 @@ def all_reduce_every_op_and_dtype(rank: int, n: int, gloo: dist.ProcessGroup) ->
 
 
 @check
+def all_reduce_bitwise_against_gloo(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        for dtype in INT_DTYPES:
+            x = pattern(7, rank, dtype) * 7
+            want = x.clone()
+            dist.all_reduce(x, op=op)
+            dist.all_reduce(want, op=op, group=gloo)
+            expect_equal(x, want, f"{op} {dtype}")
+
+
+@check
 def all_reduce_avg_and_premul_sum(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
     for count in COUNTS:
         x = pattern(count, rank)

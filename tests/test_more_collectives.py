@@ -1,4 +1,5 @@
-"""gather, scatter, uneven all_to_all, receive from any source, and the dtypes collectives only move.
+"""gather, scatter, uneven all_to_all, receive from any source, the dtypes collectives only move,
+and the bitwise reductions (band, bor, bxor).
 
 Every case runs inside the ranks, and every rank checks its own output: inputs are
 ``index * stride + rank`` (as bit patterns where a dtype cannot hold them: bool, the float8 types),
@@ -341,7 +342,8 @@ def bad_arguments(mesh: lab.Mesh) -> list[str]:
 
 
 def against_gloo(mesh: lab.Mesh) -> list[str]:
-    """gather, scatter and all_to_all_single with split sizes: the lab's against gloo's, every root."""
+    """gather, scatter and all_to_all_single with split sizes: the lab's against gloo's, every
+    root; and the bitwise allreduces."""
     n, rank, failures = mesh.world_size, mesh.rank, []
     for count in (1, 2 * n + 1, 4 * n):
         x = torch.arange(count, dtype=torch.float32) * STRIDE + rank
@@ -351,11 +353,48 @@ def against_gloo(mesh: lab.Mesh) -> list[str]:
                 got = getattr(lab, op)(mesh, x.clone(), **{option: root})
                 if (got is None) != (want is None) or (got is not None and not torch.equal(got, want)):
                     failures.append(f"rank {rank} {op} [{count}] root {root}: {got} vs gloo {want}")
+    for op in ("band", "bor", "bxor"):
+        x = torch.arange(2 * n + 1, dtype=torch.int64) * STRIDE * 7 + rank
+        if not torch.equal(lab.allreduce(mesh, x.clone(), op=op), gloo_collective(mesh, "allreduce", x.clone(), op=op)):
+            failures.append(f"rank {rank} allreduce {op} differs from gloo's")
     table = splits(n, "mixed")
     x = torch.arange(sum(table[rank]) * 2, dtype=torch.int64).reshape(-1, 2) * STRIDE + rank
     sizes = {"output_split_sizes": [table[i][rank] for i in range(n)], "input_split_sizes": table[rank]}
     if not torch.equal(lab.all_to_all(mesh, x, **sizes), gloo_collective(mesh, "all_to_all", x, **sizes)):
         failures.append(f"rank {rank} uneven all_to_all differs from gloo's all_to_all_single")
+    return failures
+
+
+def bitwise_ops(mesh: lab.Mesh) -> list[str]:
+    """band, bor and bxor (torch's BAND, BOR, BXOR) on int32 and int64, every count and allreduce
+    algorithm, and reduce and reduce_scatter; an exact reference; a float is a TypeError before any
+    message. Small tensors on shm take the Python path: compiled code has no bitwise reduction."""
+    n, rank, failures = mesh.world_size, mesh.rank, []
+    combine = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+    for op, function in combine.items():
+        for dtype in (torch.int32, torch.int64):
+            for count in counts(n):
+                inputs = [torch.arange(count, dtype=torch.int64) * STRIDE * 7 + r for r in range(n)]
+                want = torch.from_numpy(function.reduce(np.stack([i.numpy() for i in inputs]))).to(dtype) \
+                    if count else torch.empty(0, dtype=dtype)
+                for algorithm in lab.collectives.ALGORITHMS["allreduce"]:
+                    if algorithm == "hierarchical" and mesh.host_count < 2:
+                        continue
+                    got = lab.allreduce(mesh, inputs[rank].to(dtype, copy=True), op=op, algorithm=algorithm)
+                    if not torch.equal(got, want):
+                        failures.append(f"rank {rank} {op} {dtype} [{count}] {algorithm}")
+                got = lab.reduce(mesh, inputs[rank].to(dtype, copy=True), dst=n - 1, op=op)
+                if rank == n - 1 and not torch.equal(got, want):
+                    failures.append(f"rank {rank} reduce {op} {dtype} [{count}]")
+                got = lab.reduce_scatter(mesh, inputs[rank].to(dtype), op=op)
+                if not torch.equal(got, torch.tensor_split(want, n)[rank]):
+                    failures.append(f"rank {rank} reduce_scatter {op} {dtype} [{count}]")
+    try:
+        lab.allreduce(mesh, torch.ones(3), op="bxor")
+        failures.append(f"rank {rank}: bxor of floats did not raise")
+    except TypeError as exc:
+        if "needs an integer dtype" not in str(exc):
+            failures.append(f"rank {rank}: {exc}")
     return failures
 
 
@@ -417,6 +456,10 @@ def test_recv_from_any_source_keeps_each_senders_order(cluster):
 
 def test_bad_arguments_raise_before_any_message(cluster):
     no_failures(cluster.run(bad_arguments))
+
+
+def test_bitwise_ops(cluster):
+    no_failures(cluster.run(bitwise_ops))
 
 
 def test_plans(cluster):
