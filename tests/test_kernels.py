@@ -29,6 +29,7 @@ from lab.ops import DTYPES, REDUCE_DTYPES, ReduceOp, Reduction, check_reduces, d
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPS = ("sum", "prod", "min", "max")
+BITWISE = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 NATIVE_DTYPES = (np.float32, np.float64, np.int32, np.int64)
 FLOAT_DTYPES = (np.float32, np.float64)
 LENGTHS = (0, 1, 7, 100_003)
@@ -137,10 +138,25 @@ def _bf16_reference(op: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def test_kernel_table_is_complete():
-    """KERNELS has exactly one kernel per (op, family) and DIVIDE one per family."""
-    assert set(KERNELS) == {(op, fam) for op in OPS for fam in ("native", "float16", "bfloat16")}
+    """KERNELS has exactly one kernel per (op, family), the bitwise ops for the native integers
+    only, and DIVIDE one per family."""
+    assert set(KERNELS) == {(op, fam) for op in OPS for fam in ("native", "float16", "bfloat16")} | \
+        {(op, "native") for op in BITWISE}
     assert set(DIVIDE) == {"native", "float16", "bfloat16"}
     assert len({id(k) for k in KERNELS.values()}) == len(KERNELS)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("op", list(BITWISE))
+def test_bitwise_kernels_match_numpy(op, dtype):
+    rng = np.random.default_rng(5)
+    for size in (0, 1, 7, 4097):
+        info = np.iinfo(dtype)
+        a = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
+        b = rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True)
+        want = BITWISE[op](a, b)
+        KERNELS[op, "native"](a, b)
+        assert np.array_equal(a, want), (op, dtype, size)
 
 
 def test_kernels_import_nothing_from_lab():
@@ -579,10 +595,14 @@ def test_parse_op_rejects_unknown(bad):
     assert "'sum'" in str(info.value)
 
 
-def test_parse_op_rejects_unsupported_torch_op():
-    """torch.distributed.ReduceOp.BAND has no lab equivalent: ValueError naming ``op``."""
+def test_parse_op_maps_torch_bitwise_ops_and_rejects_premul_sum():
+    """torch's BAND, BOR, BXOR are the lab's band, bor, bxor; a PREMUL_SUM (which carries a
+    factor: the torch backend applies it) has no lab equivalent: ValueError naming ``op``."""
+    import torch.distributed as dist
+
+    assert [parse_op(getattr(_torch_ops(), name)).value for name in ("BAND", "BOR", "BXOR")] == ["band", "bor", "bxor"]
     with pytest.raises(ValueError, match=r"\bop\b"):
-        parse_op(_torch_ops().BAND)
+        parse_op(dist._make_nccl_premul_sum(2.0))
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
