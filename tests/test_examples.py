@@ -38,3 +38,26 @@ def test_ddp_hook():
     out = run_example("ddp_hook.py")
     checksums = {line.rsplit(" ", 1)[1] for line in out.splitlines() if line.startswith("rank")}
     assert len(checksums) == 1, out  # every replica ends with the same parameters
+
+
+def run_under_torchrun(name: str, ranks: int, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                           str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def losses(out: str) -> list[tuple[float, float]]:
+    """Each ``step k: loss on lab X   on gloo Y`` line as (X, Y)."""
+    rows = [line.split() for line in out.splitlines() if line.startswith("step ")]
+    return [(float(row[5]), float(row[8])) for row in rows]
+
+
+def test_ddp_and_fsdp2_on_the_lab_backend_match_gloo():
+    """The backend examples, as the README runs them (fewer ranks and steps): the lab's loss
+    equals gloo's at every step (the same model and data; averaged gradients agree to rounding)."""
+    for example in ("ddp_backend.py", "fsdp2_backend.py"):
+        steps = losses(run_under_torchrun(example, 2, "--backend", "lab", "--steps", "3"))
+        assert len(steps) == 3, example
+        assert all(abs(lab_loss - gloo_loss) <= 1e-5 * max(1.0, abs(gloo_loss)) for lab_loss, gloo_loss in steps), steps
