@@ -324,14 +324,18 @@ class LabProcessGroup(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> LabWork:
+        # output_lists[r][i]: rank r's inputs[i] (torch's layout: one list per rank)
+        self._check_count(output_lists, "output_tensor_lists")
         for outputs in output_lists:
-            self._check_count(outputs, "output_tensor_lists[i]")
+            if len(outputs) != len(inputs):
+                raise ValueError(f"output_tensor_lists[r] must hold one tensor per input ({len(inputs)}); "
+                                 f"got {len(outputs)}")
         prepared = [collectives.prepare_allgather(self.mesh, tensor.reshape(-1), self._algorithm("allgather"))
                     for tensor in inputs]
 
         def run() -> None:
-            for outputs, gather in zip(output_lists, prepared, strict=True):
-                _unflatten_into(gather.run(), outputs)
+            for i, gather in enumerate(prepared):
+                _unflatten_into(gather.run(), [outputs[i] for outputs in output_lists])
 
         return self._work(run, [t for outputs in output_lists for t in outputs])
 

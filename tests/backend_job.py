@@ -161,6 +161,18 @@ def all_gather_list_tensor_and_every_dtype(rank: int, n: int, gloo: dist.Process
 
 
 @check
+def all_gather_coalesced_against_gloo(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
+    inputs = [pattern(c, 10 * rank + c) for c in (3, 0, 5)]
+    got = [[torch.empty_like(t) for t in inputs] for _ in range(n)]
+    want = [[torch.empty_like(t) for t in inputs] for _ in range(n)]
+    dist.all_gather_coalesced(got, inputs)
+    dist.all_gather_coalesced(want, inputs, group=gloo)
+    for r in range(n):
+        for i in range(len(inputs)):
+            expect_equal(got[r][i], want[r][i], f"all_gather_coalesced rank {r} input {i}")
+
+
+@check
 def reduce_scatter_list_and_tensor(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
     for count in (0, 1, 7):
         inputs = [pattern(count, rank * n + j) for j in range(n)]
