@@ -496,8 +496,16 @@ def byte_counts(mesh: lab.Mesh, numel: int) -> dict[str, dict[str, int]]:
 # (16: one or two float64 elements travel eager, three do not) so every count crosses it. The shm
 # pools come first: SHM_POOLS is a prefix of POOLS, so a test parametrized over SHM_POOLS alone
 # shares the same pools (same params, same indices) instead of starting its own.
+#
+# shm runs every world size 1-8; queue and tcp split them between them, each with one rank, a power
+# of two and non-powers of two whose recursive-doubling fold has one extra rank and more (queue:
+# 1, 3, 4, 7; tcp: 1, 2, 5, 6, 8), so every world size runs on a second transport too. A transport
+# only moves each message, and which messages an algorithm sends at a world size is the same on
+# every transport (the shm pools check them all); tests/test_gloo.py runs queue and tcp at 1, 2, 3,
+# 4 and 7 against gloo, and tests/test_groups.py sub-meshes of sizes 1-5 on tcp and 1-3 on queue.
 SHM_POOLS = [*(("shm", n, None) for n in range(1, 9)), ("shm", 5, 16)]
-POOLS = [*SHM_POOLS, *((t, n, None) for t in ("queue", "tcp") for n in range(1, 9))]
+WIRE_WORLDS = {"queue": (1, 3, 4, 7), "tcp": (1, 2, 5, 6, 8)}
+POOLS = [*SHM_POOLS, *((t, n, None) for t, worlds in WIRE_WORLDS.items() for n in worlds)]
 
 
 def pool_id(p: tuple) -> str:
