@@ -86,18 +86,20 @@ def _tcp(env, store, secret: bytes, address: str, hosts: list[int]) -> Transport
 
 
 def _mixed(env, store, secret: bytes, address: str, hosts: list[int]) -> Transport:
-    """Shared memory with this host's ranks (handed out by local rank 0), TCP to the others."""
+    """Shared memory with this host's ranks (handed out by local rank 0), TCP to the others. On
+    one host that is the shm transport itself, mailboxes included: small collectives then take the
+    compiled plane (:mod:`lab.plane`) as they do under ``lab.launch``."""
     from lab.transport.mixed import MixedTransport, share_host_endpoints
 
     first_local = host_block(hosts, env)
     local = share_host_endpoints(store, STORE_PREFIX, env.group_rank, env.local_rank, env.local_world_size, secret)
-    remote = None
-    if env.world_size > env.local_world_size:
-        try:
-            remote = TcpTransport(env.rank, env.world_size, store, secret, host=address)
-        except BaseException:
-            local.close()
-            raise
+    if env.world_size == env.local_world_size:
+        return local
+    try:
+        remote = TcpTransport(env.rank, env.world_size, store, secret, host=address)
+    except BaseException:
+        local.close()
+        raise
     return MixedTransport(env.rank, env.world_size, first_local, local, remote)
 
 

@@ -128,6 +128,19 @@ def all_reduce_coalesced_and_async(rank: int, n: int, gloo: dist.ProcessGroup) -
 
 
 @check
+def small_all_reduce_on_one_host_runs_compiled(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
+    # torchrun on one host: transport "auto" is the shm transport with its mailboxes, so a 1 KB
+    # all_reduce is one Numba call (lab.plane), as under lab.launch
+    mesh = dist.group.WORLD.mesh
+    before = mesh.stats()["collectives_compiled"]
+    x = pattern(256, rank)
+    dist.all_reduce(x)
+    expect_equal(x, sum(pattern(256, r) for r in range(n)), "1 KB all_reduce")
+    if mesh.stats()["collectives_compiled"] != before + 1:
+        raise AssertionError(f"a 1 KB all_reduce on one host did not take the compiled plane: {mesh.stats()}")
+
+
+@check
 def broadcast_every_root_and_dtype(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
     for root in range(n):
         for dtype in MOVED_DTYPES:

@@ -207,7 +207,8 @@ def _take_endpoints(stored_name: bytes, local_rank: int, local_world_size: int, 
                 rank=local_rank, world_size=local_world_size, segment_bytes=reply["segment_bytes"],
                 slots=reply["slots"], inbox={int(p): shared[i] for p, i in reply["inbox"].items()},
                 outbox={int(p): shared[i] for p, i in reply["outbox"].items()},
-                segments=[shared[i] for i in reply["segments"]], **reply["extra"]))
+                segments=[shared[i] for i in reply["segments"]],
+                mailbox=None if reply["mailbox"] is None else shared[reply["mailbox"]], **reply["extra"]))
         except BaseException:
             for descriptor in shared:  # (a segment the transport has mapped is closed already: no-op)
                 descriptor.close()
@@ -354,7 +355,12 @@ class _HandOut:
                   "inbox": {p: i for i, p in enumerate(ep.inbox)},
                   "outbox": {p: n_in + i for i, p in enumerate(ep.outbox)},
                   "segments": list(range(n_in + n_out, n_in + n_out + len(ep.segments))),
-                  "extra": {k: getattr(ep, k) for k in ("eager_bytes",) if hasattr(ep, k)}}
+                  "mailbox": None,
+                  "extra": {"eager_bytes": ep.eager_bytes, "mailbox_slot_bytes": ep.mailbox_slot_bytes,
+                            "mailbox_depth": ep.mailbox_depth}}
+        if ep.mailbox is not None:  # the compiled plane's mailboxes (lab.plane), shared by the host's ranks
+            layout["mailbox"] = len(fds)
+            fds.append(ep.mailbox.fd)
         try:
             sock.settimeout(HELLO_TIMEOUT_S)  # a few KB into an empty buffer: only a stopped peer could block it
             socket.send_fds(sock, [json.dumps(layout).encode()], fds)
