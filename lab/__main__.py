@@ -45,6 +45,12 @@ def results(args: argparse.Namespace) -> int:
     from lab.benchmark import SIZES
 
     sizes = [1 << 10, 1 << 20, 16 << 20] if args.quick else SIZES
+    if args.calibrate_only:  # refit the simulator's networks from OUT's CSVs, measure nothing
+        from lab.tuning import TUNING_PATH, store_networks
+
+        networks = store_networks(args.out)
+        print(f"Wrote the networks of {', '.join(networks) or 'no transport'} (fitted to {args.out}/) to {TUNING_PATH}")
+        return 0
     if args.backend:  # the torch.distributed backend against lab.allreduce and gloo: OUT/backend.csv
         from lab.results import backend
 
@@ -102,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--transports", nargs="+", default=["shm", "queue", "tcp"], choices=["shm", "queue", "tcp"])
     sweep.add_argument("--quick", action="store_true", help="1 KB, 1 MB and 16 MB only")
     sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
+    sweep.add_argument("--calibrate-only", action="store_true",
+                       help="measure nothing: refit the simulator's network per transport to OUT's CSVs into "
+                            "lab/tuning.json (what auto simulates at world sizes never measured)")
     sweep.add_argument("--hosts", nargs="+", type=int, metavar="H",
                        help="instead: allreduce across H emulated hosts, one rank each (writes OUT/hosts/)")
     sweep.add_argument("--link-gbit", nargs="+", type=float, default=[1.0], metavar="G",
