@@ -7,6 +7,8 @@
     python -m lab kernels                      # Python vs numpy vs Numba reduction bandwidth
     python -m lab timeline run.jsonl -o timeline.json --png timeline.png   # a trace, per rank
     python -m lab simulate --world-sizes 64 1024 --sizes 1KB..1GB --gbit 100 --alpha-us 5   # results/sim/
+    python -m lab explain allreduce --ranks 8 --bytes 1M   # what auto picks, each algorithm's time, why
+    python -m lab explain allreduce ring --ranks 8 --bytes 256K --plot ring.png   # and its schedule, drawn
 
 Exits non-zero if any validation row fails.
 """
@@ -129,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("-o", "--output", default="timeline.json")
     trace.add_argument("--png", help="also draw it to this PNG")
     trace.set_defaults(run=timeline)
+    from lab.sim.explain import add_parser as add_explain  # python -m lab explain (lab/sim/explain.py)
     from lab.sim.sweep import add_parser as add_simulate  # python -m lab simulate (lab/sim/sweep.py)
 
     add_simulate(commands)
+    add_explain(commands)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*commands.choices, "-h", "--help"):
         argv = ["validate", *argv]  # the validation table is the default command
