@@ -122,7 +122,7 @@ def plot(collective: str, algorithm: str, world_size: int, nbytes: int, transpor
     result = simulate(collective, algorithm, world_size, sim_bytes, network)
     schedule = record(collective, algorithm, world_size, sim_bytes, 0, network.ranks_per_host)
     where = f"{transport}'s calibrated network" if network_kwargs else "the default network"
-    title = (f"{collective} {algorithm}, {world_size} ranks, {_size(sim_bytes)} per rank: {result.time_us:,.0f} µs "
+    title = (f"{collective} {algorithm}, {world_size} ranks, {_size(sim_bytes)} per rank: {result.time_us:,.0f} µs\n"
              f"on {where} ({network.describe()}); critical path {len(result.critical_path)} messages")
     drawn = draw(schedule, result.critical_path, path, title)
     return f"{len(drawn)} messages -> {path}"
