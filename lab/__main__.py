@@ -7,6 +7,8 @@
     python -m lab kernels                      # Python vs numpy vs Numba reduction bandwidth
     python -m lab timeline run.jsonl -o timeline.json --png timeline.png   # a trace, per rank
     python -m lab simulate --world-sizes 64 1024 --sizes 1KB..1GB --gbit 100 --alpha-us 5   # results/sim/
+    python -m lab explain allreduce --ranks 8 --bytes 1M   # what auto picks, each algorithm's time, why
+    python -m lab explain allreduce ring --ranks 8 --bytes 256K --plot ring.png   # and its schedule, drawn
 
 Exits non-zero if any validation row fails.
 """
@@ -45,6 +47,12 @@ def results(args: argparse.Namespace) -> int:
     from lab.benchmark import SIZES
 
     sizes = [1 << 10, 1 << 20, 16 << 20] if args.quick else SIZES
+    if args.calibrate_only:  # refit the simulator's networks from OUT's CSVs, measure nothing
+        from lab.tuning import TUNING_PATH, store_networks
+
+        networks = store_networks(args.out)
+        print(f"Wrote the networks of {', '.join(networks) or 'no transport'} (fitted to {args.out}/) to {TUNING_PATH}")
+        return 0
     if args.backend:  # the torch.distributed backend against lab.allreduce and gloo: OUT/backend.csv
         from lab.results import backend
 
@@ -102,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--transports", nargs="+", default=["shm", "queue", "tcp"], choices=["shm", "queue", "tcp"])
     sweep.add_argument("--quick", action="store_true", help="1 KB, 1 MB and 16 MB only")
     sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
+    sweep.add_argument("--calibrate-only", action="store_true",
+                       help="measure nothing: refit the simulator's network per transport to OUT's CSVs into "
+                            "lab/tuning.json (what auto simulates at world sizes never measured)")
     sweep.add_argument("--hosts", nargs="+", type=int, metavar="H",
                        help="instead: allreduce across H emulated hosts, one rank each (writes OUT/hosts/)")
     sweep.add_argument("--link-gbit", nargs="+", type=float, default=[1.0], metavar="G",
@@ -120,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("-o", "--output", default="timeline.json")
     trace.add_argument("--png", help="also draw it to this PNG")
     trace.set_defaults(run=timeline)
+    from lab.sim.explain import add_parser as add_explain  # python -m lab explain (lab/sim/explain.py)
     from lab.sim.sweep import add_parser as add_simulate  # python -m lab simulate (lab/sim/sweep.py)
 
     add_simulate(commands)
+    add_explain(commands)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*commands.choices, "-h", "--help"):
         argv = ["validate", *argv]  # the validation table is the default command

@@ -8,10 +8,17 @@ with steps (latency terms on the critical path) and volume (bytes through the bu
 tensor byte) from the algorithm's structure, :func:`algorithm_shape`, and α_step, β_byte fitted
 per transport, collective and algorithm by ``python -m lab results`` into ``lab/tuning.json``.
 ``auto`` compares the algorithms that have a fitted model for the transport (among the registry's
-``auto`` candidates); with fewer than two, it falls back to a fixed size threshold,
+``auto`` candidates) at the world sizes the fits were measured at (``tuning.json``'s ``worlds``),
+at every size: below the smallest swept size the fitted latency term dominates, above the largest
+the bandwidth term, and both were measured per algorithm. At a world size never swept, or for a
+transport or collective with fewer than two fits, it asks the simulator (:mod:`lab.sim`): every
+candidate replayed on the transport's network as :mod:`lab.sim.calibrate` fitted it (``tuning.json``'s
+``networks``), the least simulated time wins. That choice is made once per (collective, transport,
+N, power-of-two size bucket), simulated at the bucket's smallest size, so a steady-state call costs
+a dictionary look-up. With neither fits nor a network it falls back to a fixed size threshold,
 ``AUTO_LARGE_MIN_BYTES``, between a latency-bound and a bandwidth-bound algorithm (the registry's
-``fallback`` picks). ``LAB_ALGO`` overrides both, like
-``NCCL_ALGO`` (see :func:`lab.collectives.forced_algorithm`).
+``fallback`` picks). ``LAB_ALGO`` overrides all of them, like ``NCCL_ALGO`` (see
+:func:`lab.collectives.forced_algorithm`). :func:`explain` says which of these decided, and why.
 
 n is the full tensor T as nccl-tests counts it: the allreduce/broadcast/reduce tensor, the
 allgather and gather result, the reduce_scatter, all_to_all and scatter input.
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from lab.collectives import registry
@@ -29,7 +37,15 @@ TUNING_PATH = Path(__file__).with_name("tuning.json")
 
 #: Without fitted models, ``auto`` picks the bandwidth-bound algorithm from this many bytes up.
 AUTO_LARGE_MIN_BYTES = 256 * 1024
-
+#: ``auto``'s simulations stop at this many recorded steps (a 64-rank ring allreduce is 8,064):
+#: a candidate past it is left out of the comparison, a decision made on step counts only, so
+#: every rank of a job leaves out the same ones (a time limit could differ between ranks).
+SIMULATION_MAX_STEPS = 200_000
+#: The transports ``python -m lab results`` measures, each with its fitted models and network.
+TRANSPORTS = ("shm", "queue", "tcp")
+#: The simulator's choices: (collective, transport, N, size bucket, network) -> algorithm.
+_SIMULATED: dict[tuple, str] = {}
+_MAX_SIMULATED = 4096
 
 
 def algorithm_shape(algorithm: str, world_size: int, collective: str = "allreduce") -> tuple[float, float]:
@@ -41,13 +57,35 @@ def algorithm_shape(algorithm: str, world_size: int, collective: str = "allreduc
 
 
 @functools.cache
+def tuning_table() -> dict:
+    """``tuning.json`` as ``python -m lab results`` wrote it (``models``, ``world``, ``worlds``,
+    ``sizes``, ``networks``), or ``{}``."""
+    try:
+        table = json.loads(TUNING_PATH.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+@functools.cache
 def fitted_models() -> dict:
     """``{transport: {collective: {algorithm: {"alpha_step_us", "beta_byte_us"}}}}`` from
     ``tuning.json``, or ``{}``."""
-    try:
-        return json.loads(TUNING_PATH.read_text())["models"]
-    except (OSError, KeyError, ValueError):
-        return {}
+    return tuning_table().get("models", {})
+
+
+def swept_worlds() -> tuple[int, ...]:
+    """The world sizes the fitted models were measured at (``tuning.json``'s ``worlds``, or its
+    ``world``): ``auto`` trusts the fits there and asks the simulator elsewhere."""
+    table = tuning_table()
+    return tuple(table.get("worlds") or ([table["world"]] if "world" in table else ()))
+
+
+def calibrated_networks() -> dict[str, dict]:
+    """``{transport: Network keyword arguments}``: each transport's network as
+    :func:`lab.sim.calibrate.calibrate` fitted it to the measured results (``tuning.json``'s
+    ``networks``, written by ``python -m lab results``), or ``{}``."""
+    return tuning_table().get("networks", {})
 
 
 def predict_us(algorithm: str, nbytes: int, world_size: int, transport: str, collective: str = "allreduce",
@@ -92,14 +130,188 @@ def choose_across_hosts(nbytes: int, world_size: int, hosts: int, intra: str = "
     return "hierarchical" if hierarchical < flat_us else flat
 
 
+def networks_from(results_dir: str | Path) -> dict[str, dict]:
+    """``{transport: Network keyword arguments}`` fitted by :func:`lab.sim.calibrate.calibrate` to
+    the measured CSVs in ``results_dir`` (the transports' settings; emulated hosts are left out):
+    what ``python -m lab results`` stores as ``tuning.json``'s ``networks``. Every field of
+    ``Network`` is kept, so parameters the calibration learns to fit travel with it."""
+    import dataclasses
+
+    from lab.sim.calibrate import calibrate
+
+    networks, _ = calibrate(Path(results_dir))
+    return {setting: dataclasses.asdict(network) for setting, network in networks.items()
+            if setting in TRANSPORTS}
+
+
+def store_networks(results_dir: str | Path) -> dict[str, dict]:
+    """Refit :func:`networks_from` ``results_dir`` into ``tuning.json``, keeping its fitted models
+    (``python -m lab results --calibrate-only``); returns them."""
+    table = tuning_table()
+    networks = networks_from(results_dir)
+    TUNING_PATH.write_text(json.dumps({**table, "networks": networks}, indent=2) + "\n")
+    tuning_table.cache_clear()
+    fitted_models.cache_clear()
+    return networks
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One algorithm's predicted time, split into its α-β terms.
+
+    ``steps`` latency terms and ``path_bytes`` bytes on the critical path: for the fitted model
+    the algorithm's shape (steps(N), volume(N)·n), for the simulator the messages and bytes of
+    the simulated critical path. ``other_us`` is what the two terms leave unexplained (the
+    simulator's waits and CPU terms; 0 for the fitted model)."""
+
+    algorithm: str
+    time_us: float
+    source: str  # "fitted model" or "simulator"
+    steps: int
+    path_bytes: float
+    latency_us: float  # steps · α
+    bandwidth_us: float  # path_bytes · β
+
+    @property
+    def other_us(self) -> float:
+        return self.time_us - self.latency_us - self.bandwidth_us
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto`` picks and what it compared: see :func:`decide`."""
+
+    algorithm: str
+    source: str  # "fitted model", "simulator" or "size threshold"
+    nbytes: int  # the size the predictions are for (the simulator's: its size bucket's smallest)
+    predictions: dict[str, Prediction]
+    left_out: dict[str, str]  # candidates without a prediction, and why
+    network: dict | None  # the simulator's Network keyword arguments, when it decided
+
+
+def _fitted_predictions(nbytes: int, world_size: int, transport: str, collective: str,
+                        models: dict) -> dict[str, Prediction]:
+    """The fitted model's predictions for the candidates that have a fit."""
+    fits = models.get(transport, {}).get(collective, {})
+    out = {}
+    for algorithm in registry.auto_candidates(collective):
+        fit = fits.get(algorithm)
+        if fit is None:
+            continue
+        steps, volume = algorithm_shape(algorithm, world_size, collective)
+        latency, bandwidth = steps * fit["alpha_step_us"], volume * nbytes * fit["beta_byte_us"]
+        out[algorithm] = Prediction(algorithm, latency + bandwidth, "fitted model", round(steps), volume * nbytes,
+                                    latency, bandwidth)
+    return out
+
+
+def size_bucket(nbytes: int) -> int:
+    """The smallest size of ``nbytes``'s power-of-two bucket (0 for 0): the size ``auto``
+    simulates for every size from it to twice it, exclusive."""
+    return 1 << (nbytes.bit_length() - 1) if nbytes > 0 else 0
+
+
+def _simulated_input(collective: str, nbytes: int, world_size: int) -> int:
+    """Each rank's input for the simulator (float32 elements, so a multiple of 4) for a call
+    whose size is ``nbytes`` as ``auto`` counts it (allgather's and gather's: the result)."""
+    per_rank = nbytes // world_size if collective in ("allgather", "gather") else nbytes
+    return per_rank - per_rank % 4
+
+
+def simulated_predictions(nbytes: int, world_size: int, collective: str, network: dict
+                          ) -> tuple[dict[str, Prediction], dict[str, str]]:
+    """Each ``auto`` candidate simulated on ``Network(**network)``, and those left out with why
+    (the recorder cannot run it, or it records more than :data:`SIMULATION_MAX_STEPS` steps)."""
+    from lab.sim import Network, SimulationTooLarge, SimulationUnsupported, simulate
+
+    net = Network(**network)
+    sim_bytes = _simulated_input(collective, nbytes, world_size)
+    out, left_out = {}, {}
+    for algorithm in registry.auto_candidates(collective):
+        try:
+            result = simulate(collective, algorithm, world_size, sim_bytes, net,
+                              max_steps=SIMULATION_MAX_STEPS, max_seconds=None)
+        except SimulationTooLarge:
+            left_out[algorithm] = f"records more than {SIMULATION_MAX_STEPS:,} steps"
+            continue
+        except SimulationUnsupported as exc:
+            left_out[algorithm] = f"not simulated: {exc}"
+            continue
+        steps = len(result.critical_path)
+        path_bytes = sum(m.nbytes for m in result.critical_path)
+        out[algorithm] = Prediction(algorithm, result.time_us, "simulator", steps, path_bytes,
+                                    steps * net.alpha_us, path_bytes * net.beta_us_per_byte)
+    return out, left_out
+
+
+def _usable_network(networks: dict, transport: str) -> dict | None:
+    """The transport's calibrated Network keyword arguments, if ``Network`` accepts them."""
+    from lab.sim import Network
+
+    network = networks.get(transport)
+    if not isinstance(network, dict):
+        return None
+    try:
+        Network(**network)
+    except (TypeError, ValueError):  # written by another version of the lab: not this Network's
+        return None
+    return network
+
+
+def decide(nbytes: int, world_size: int, transport: str, collective: str = "allreduce",
+           models: dict | None = None, networks: dict | None = None,
+           worlds: tuple[int, ...] | None = None) -> Choice:
+    """What ``auto`` picks for an ``nbytes`` ``collective`` on ``world_size`` ranks of
+    ``transport``, with every prediction it compared (``LAB_ALGO`` aside).
+
+    In order: the fitted models, if at least two candidates have one and ``world_size`` is one
+    they were measured at; else the simulator on the transport's calibrated network, at
+    :func:`size_bucket` of ``nbytes``; else the fitted models extrapolated to this world size;
+    else the size threshold. ``models``, ``networks`` and ``worlds`` default to ``tuning.json``'s
+    (:func:`fitted_models`, :func:`calibrated_networks`, :func:`swept_worlds`); models passed in
+    count as measured at every world size unless ``worlds`` says otherwise.
+
+        decide(1 << 20, 8, "shm").algorithm     # at 8 ranks, never swept: the simulator's pick
+    """
+    if models is None:
+        models, worlds = fitted_models(), swept_worlds() if worlds is None else worlds
+    networks = calibrated_networks() if networks is None else networks
+    fitted = _fitted_predictions(nbytes, world_size, transport, collective, models)
+    if len(fitted) >= 2 and (worlds is None or world_size in worlds):
+        return Choice(min(fitted, key=lambda a: fitted[a].time_us), "fitted model", nbytes, fitted, {}, None)
+    network = _usable_network(networks, transport)
+    if network is not None:
+        bucket = size_bucket(nbytes)
+        simulated, left_out = simulated_predictions(bucket, world_size, collective, network)
+        if simulated:
+            return Choice(min(simulated, key=lambda a: simulated[a].time_us), "simulator", bucket, simulated,
+                          left_out, network)
+    if len(fitted) >= 2:
+        return Choice(min(fitted, key=lambda a: fitted[a].time_us), "fitted model", nbytes, fitted, {}, None)
+    small, large = registry.fallback(collective)
+    return Choice(large if nbytes >= AUTO_LARGE_MIN_BYTES else small, "size threshold", nbytes, fitted, {}, None)
+
+
 def choose(nbytes: int, world_size: int, transport: str, collective: str = "allreduce",
-           models: dict | None = None) -> str:
-    """The algorithm ``auto`` runs: the fastest predicted among the fitted ones, or the size
-    threshold when fewer than two have a fit. ``models`` as for :func:`predict_us`."""
-    predictions = {a: predict_us(a, nbytes, world_size, transport, collective, models)
-                   for a in registry.auto_candidates(collective)}
-    fitted = {a: t for a, t in predictions.items() if t is not None}
-    if len(fitted) < 2:
-        small, large = registry.fallback(collective)
-        return large if nbytes >= AUTO_LARGE_MIN_BYTES else small
-    return min(fitted, key=fitted.get)
+           models: dict | None = None, networks: dict | None = None, worlds: tuple[int, ...] | None = None) -> str:
+    """The algorithm ``auto`` runs: :func:`decide`'s pick. The simulator's picks are kept per
+    (collective, transport, N, size bucket, network): a later call in the same bucket replays
+    nothing."""
+    if models is None:
+        models, worlds = fitted_models(), swept_worlds() if worlds is None else worlds
+    networks = calibrated_networks() if networks is None else networks
+    fitted = _fitted_predictions(nbytes, world_size, transport, collective, models)
+    if len(fitted) >= 2 and (worlds is None or world_size in worlds):
+        return min(fitted, key=lambda a: fitted[a].time_us)
+    network = networks.get(transport)
+    key = (collective, transport, world_size, size_bucket(nbytes),
+           tuple(sorted(network.items())) if isinstance(network, dict) else None)
+    chosen = _SIMULATED.get(key)
+    if chosen is not None:
+        return chosen
+    choice = decide(nbytes, world_size, transport, collective, models, networks, worlds)
+    if choice.source == "simulator":  # the same for the whole bucket (the others depend on nbytes)
+        if len(_SIMULATED) >= _MAX_SIMULATED:
+            _SIMULATED.clear()
+        _SIMULATED[key] = choice.algorithm
+    return choice.algorithm

@@ -7,9 +7,8 @@ import pandas as pd
 import pytest
 
 from lab import tuning
-from lab.collectives import registry
 from lab.benchmark import ALGORITHMS
-from lab.collectives import choose, forced_algorithm
+from lab.collectives import choose, forced_algorithm, registry
 from lab.results import fit_alpha_beta, models, tuning_from
 
 
@@ -36,11 +35,12 @@ def test_crossovers_predicted_and_measured():
     assert table["crossover_measured_bytes"].iloc[0] == 256 << 10
 
 
-def test_auto_follows_the_fitted_model_at_any_world_size(monkeypatch):
+def test_without_a_network_auto_follows_the_fitted_model_at_any_world_size(monkeypatch):
     fitted = tuning_from(models(fake_sweep()))
     assert fitted["shm"]["allreduce"]["ring"]["alpha_step_us"] == pytest.approx(100.0)
     assert fitted["shm"]["allreduce"]["tree"]["beta_byte_us"] == pytest.approx(0.001)
     monkeypatch.setattr(tuning, "fitted_models", lambda: fitted)
+    monkeypatch.setattr(tuning, "calibrated_networks", dict)  # no simulator (tests/test_explain.py has it)
     monkeypatch.delenv("LAB_ALGO", raising=False)
     assert choose("allreduce", 1 << 10, 4, "shm") == "tree"
     assert choose("allreduce", 16 << 20, 4, "shm") == "ring"
@@ -105,6 +105,7 @@ def test_auto_chooses_among_every_fitted_algorithm_of_every_collective(monkeypat
     fitted = tuning_from(models(full_sweep()))
     assert set(fitted["tcp"]["allreduce"]) == set(registry.auto_candidates("allreduce"))
     monkeypatch.setattr(tuning, "fitted_models", lambda: fitted)
+    monkeypatch.setattr(tuning, "calibrated_networks", dict)  # no simulator: the threshold below
     monkeypatch.delenv("LAB_ALGO", raising=False)
     # small: 2 steps of 20 µs; large: halving-doubling's 1.5 bytes per byte in 4 steps beats the
     # ring's 1.5 bytes per byte in 6, and everything else moves more

@@ -22,7 +22,7 @@ from lab.benchmark import SIZES
 from lab.results import plots, report
 from lab.results.fits import fit_alpha_beta, models, tuning_from
 from lab.results.sweeps import kernel_sweep, measure_all, save_machine, save_tables
-from lab.tuning import TUNING_PATH
+from lab.tuning import TUNING_PATH, networks_from
 
 __all__ = ["fit_alpha_beta", "kernel_sweep", "main", "models", "tuning_from"]
 
@@ -44,7 +44,8 @@ def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | 
     plots.draw(out, run, model)
     (out / "REPORT.md").write_text(report.render(run, model))
     if update_tuning:
-        fitted = {"generated": run.info, "world": world_size, "models": tuning_from(model)}
+        fitted = {"generated": run.info, "world": world_size, "worlds": [world_size], "models": tuning_from(model),
+                  "networks": networks_from(out)}  # the simulator's, for auto at other world sizes
         TUNING_PATH.write_text(json.dumps(fitted, indent=2) + "\n")
     print(f"Wrote {out}/ (REPORT.md, CSVs, PNGs)" + (f" and {TUNING_PATH}" if update_tuning else ""))
     return 0 if (run.check["result"] == "PASS").all() else 1
