@@ -299,6 +299,8 @@ class Mesh:
         """Allreduce ``buf`` in place by reading the peers' memory in place (the two-shot of
         :mod:`lab.transport.scratch`); False, having done nothing, where there is no scratch or
         this is a sub-mesh (whose ranks are not the scratch's): the caller then sends messages."""
+        if self.closed:
+            raise LabError(f"{self._who()}: this mesh is closed (an allreduce after mesh.close())")
         if self.scratch is None or self._members is not None:
             return False
         self._position.step += 1

@@ -95,17 +95,19 @@ class SharedScratch:
 
     # -- registered buffers --------------------------------------------------------------------
 
-    def allocate(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` (64-byte aligned) of this rank's arena as a uint8 array; they go back to the
-        arena when the array and every view of it are gone. ``LabError`` when the arena is full."""
+    def allocate(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """``count`` elements of ``dtype`` (64-byte aligned) in this rank's arena, as a 1-D array;
+        they go back to the arena when that array object is gone (hand it to ``torch.from_numpy``,
+        whose tensors and views hold it: a numpy view of it would not). ``LabError`` when full."""
+        nbytes = count * np.dtype(dtype).itemsize
         size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         for i, (offset, free) in enumerate(self._free):
             if free >= size:
                 self._free[i] = (offset + size, free - size)
                 start = self._mine + offset
-                block = self.region[start:start + size]
-                weakref.finalize(block, self._release, offset, size)
-                return block[:nbytes]
+                array = self.region[start:start + nbytes].view(dtype)
+                weakref.finalize(array, self._release, offset, size)
+                return array
         used = self.arena_bytes - sum(free for _, free in self._free)
         raise LabError(f"rank {self.rank}: lab.empty cannot place {nbytes} bytes: {used} of this rank's "
                        f"{self.arena_bytes} registered bytes are in use (LAB_SHM_REGISTERED_BYTES sets the size)")
