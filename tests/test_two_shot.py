@@ -81,11 +81,13 @@ def exact_everywhere(mesh: lab.Mesh) -> list[str]:
                 got = lab.allreduce(mesh, x.clone(), op=op, algorithm="two_shot")
                 sent = lab.allreduce(everyone, x.clone(), op=op, algorithm="two_shot")
                 want = expected(op, count, n, dtype.torch_dtype)
+                # avg: one rounding per contribution and per step, each within the dtype's epsilon
                 exact = same_bits(got, want) if op != "avg" else torch.allclose(
-                    got.double(), want, rtol=1e-2 if dtype.torch_dtype in (torch.float16, torch.bfloat16) else 1e-6)
+                    got.double(), want, rtol=(n + 1) * torch.finfo(dtype.torch_dtype).eps, atol=0)
                 if not (exact and same_bits(got, sent)):
-                    wrong.append(f"rank {mesh.rank} {name}[{count}] {op}: got {got[:4].tolist()} "
-                                 f"want {want[:4].tolist()} messages {sent[:4].tolist()}")
+                    wrong.append(f"rank {mesh.rank} {name}[{count}] {op}: formula {'ok' if exact else 'WRONG'}, "
+                                 f"messages {'same' if same_bits(got, sent) else 'DIFFER'}; got {got[-4:].tolist()} "
+                                 f"want {want[-4:].tolist()} messages {sent[-4:].tolist()}")
     return wrong
 
 
