@@ -18,9 +18,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from conftest import pool
 
 import lab
-from conftest import pool
 from lab.ops import REDUCE_DTYPES
 
 STRIDE = 3
