@@ -27,7 +27,7 @@ def allreduce_two_shot(peers: Peers, buf: np.ndarray, reduction: Reduction) -> N
     rank r sends slice r+s to its owner and takes rank r-s's copy of slice r, the reduction in rank
     order, then a ring allgather. Cost: 2(N-1)·α + 2(N-1)/N·T·β, as a ring, with (N-1)/N·T of
     scratch. Either way each rank sends and receives 2(N-1)/N·T bytes when N divides the element
-    count (on shm: the bytes it reads from peers' memory, and they from its).
+    count (on shm ``mesh.stats()`` counts what this schedule would send, as ``lab.sim`` records it).
 
     Per rank, N=4, sum, ``buf`` = arange(8) + rank::
 

@@ -67,13 +67,24 @@ def region_bytes(world_size: int, slot_bytes: int, arena_bytes: int) -> int:
 
 @dataclass
 class Moved:
-    """What one two-shot allreduce moved between this rank and its peers (for ``mesh.stats()``):
-    bytes it read from peers' memory, bytes peers read from its memory, and as many messages as
-    the same schedule over messages would take."""
+    """What one two-shot allreduce counts in ``mesh.stats()``: what the same schedule over messages
+    sends and receives (``allreduce_two_shot``'s other form, the one ``lab.sim`` records), so the
+    counters agree with the simulator and with the other transports. Through shared memory a rank
+    reads the same bytes it would receive: (N-1) copies of its slice and every other slice."""
 
-    bytes_received: int = 0
-    bytes_sent: int = 0
-    messages: int = 0
+    bytes_received: int
+    bytes_sent: int
+    messages: int
+
+
+def schedule_counts(count: int, itemsize: int, rank: int, world_size: int) -> Moved:
+    """:class:`Moved` for ``count`` elements: N-1 copies of slice r in and every other slice out,
+    then a ring allgather (every slice in but r's, every slice out but r+1's)."""
+    bounds = split_bounds(count, world_size)
+    mine = bounds[rank][1] - bounds[rank][0]
+    after = bounds[(rank + 1) % world_size][1] - bounds[(rank + 1) % world_size][0]
+    return Moved(((world_size - 1) * mine + count - mine) * itemsize, (2 * count - mine - after) * itemsize,
+                 2 * (world_size - 1))
 
 
 class SharedScratch:
@@ -144,7 +155,6 @@ class SharedScratch:
         registered = self.registered_offset(buf)
         data = buf.view(np.uint8)
         per_round = max(1, self.slot_bytes // itemsize)
-        moved = Moved()
         for lo in range(0, max(buf.size, 1), per_round):  # an empty tensor: one empty round (fingerprints still meet)
             hi = min(buf.size, lo + per_round)
             goal = self.rounds + 1
@@ -173,15 +183,12 @@ class SharedScratch:
                 first, last = bounds[owner]
                 at = sources[owner] + first * itemsize
                 data[(lo + first) * itemsize:(lo + last) * itemsize] = self.region[at:at + (last - first) * itemsize]
-                moved.bytes_received += (last - first + stop - start) * itemsize
-                moved.bytes_sent += (last - first + stop - start) * itemsize
-            moved.messages += 2 * (n - 1)
             flags.publish(self.region, self.rank, n, flags.DONE, goal)
             self.rounds = goal
         if registered >= 0:
             # The caller may write its tensor as soon as we return: wait until no peer reads it.
             self._wait_all(flags.DONE, self.rounds, deadline_ns, where)
-        return moved
+        return schedule_counts(buf.size, itemsize, self.rank, n)
 
     def _write_header(self, fingerprint: np.ndarray, message_bytes: int, source: int, round_bytes: int) -> None:
         header = (self.rank * flags.AREA_BYTES + flags.HEADER) // 8
