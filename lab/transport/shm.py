@@ -28,6 +28,10 @@ so a message for a later step, or a credit for a send that is not waiting, wakes
 does not fill: a sender has at most ``slots`` descriptors, ``slots`` credits and 8 eager frames
 (32 KiB) outstanding, within the pipe's 64 KiB. A pipe whose writer died reads as end-of-file,
 which surfaces at once as PeerLostError.
+
+Shared scratch. After the compiled path's mailboxes, the same memfd holds every rank's two-shot
+slot and registered-tensor arena (``self.scratch``, :mod:`lab.transport.scratch`): the two-shot
+allreduce reads its peers' memory there in place, with no descriptor and no pipe.
 """
 
 from __future__ import annotations
