@@ -22,6 +22,7 @@ from lab.ops import ReduceOp
 from lab.plans import (Plan, all_to_all_init, allgather_init, allreduce_init, barrier_init, broadcast_init,
                        gather_init, reduce_init, reduce_scatter_init, scatter_init)
 from lab.reference import gloo_reference
+from lab.registered import empty
 from lab import backend, bucketing, ddp, sim  # lab.backend, lab.bucketing, lab.ddp and lab.sim work after `import lab`
 
 backend.register()  # torch.distributed.init_process_group("lab")
@@ -31,6 +32,6 @@ __all__ = [
     "ReduceOp", "allreduce_init", "broadcast_init", "allgather_init", "reduce_scatter_init", "reduce_init",
     "all_to_all_init", "barrier_init", "gather_init", "scatter_init", "Plan",
     "backend", "bucketing", "ddp", "sim", "spawn", "launch", "launcher_env", "Cluster", "Mesh", "Work",
-    "gloo_reference",
+    "gloo_reference", "empty",
     "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError", "EmulationUnavailable",
 ]

@@ -289,6 +289,43 @@ class Mesh:
         """Send to ``dst`` and receive from ``src`` at once (one ring step)."""
         self._exchange([Send(dst, data)], [Recv(src, out, None if reduction is None else reduction.combine)])
 
+    @property
+    def scratch(self) -> Any:
+        """The shm transport's shared scratch (:mod:`lab.transport.scratch`: two-shot slots and
+        ``lab.empty``'s arenas), or None (another transport, one rank, a closed mesh)."""
+        return None if self.closed else getattr(self._transport, "scratch", None)
+
+    def shared_allreduce(self, buf: np.ndarray, reduction: Reduction) -> bool:
+        """Allreduce ``buf`` in place by reading the peers' memory in place (the two-shot of
+        :mod:`lab.transport.scratch`); False, having done nothing, where there is no scratch or
+        this is a sub-mesh (whose ranks are not the scratch's): the caller then sends messages."""
+        if self.closed:
+            raise LabError(f"{self._who()}: this mesh is closed (an allreduce after mesh.close())")
+        if self.scratch is None or self._members is not None:
+            return False
+        self._position.step += 1
+        try:
+            moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1000, self._position)
+        except TagMismatch as mismatch:
+            self.clean = False
+            raise CollectiveMismatchError(f"{self._who()} is in {describe_fingerprint(mismatch.expected)}; "
+                                          f"{self._who(mismatch.src)} sent {describe_fingerprint(mismatch.got)}"
+                                          ) from None
+        except (DeadlineError, PeerLostError) as failure:
+            self.clean = False
+            self._raise_if_mismatched()  # the peer may be elsewhere because we disagree
+            if isinstance(failure, DeadlineError):
+                raise DeadlineError(f"{failure} (recv_timeout_ms={self.recv_timeout_ms:g})", failure.peers) from None
+            raise
+        except BaseException:
+            self.clean = False
+            raise
+        for mesh in self._lineage:
+            for key, value in (("bytes_sent", moved.bytes_sent), ("bytes_received", moved.bytes_received),
+                               ("messages_sent", moved.messages), ("messages_received", moved.messages)):
+                mesh._stats[key] += value
+        return True
+
     def _exchange(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted=True):
         self._position.step += 1
         timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms

@@ -19,6 +19,7 @@ from lab.compiled import Compilable
 from lab.collectives import (all_to_all_bruck, all_to_all_pairwise, allgather_recursive_doubling, allgather_ring,
                              allreduce_double_tree, allreduce_halving_doubling, allreduce_hierarchical,
                              allreduce_naive, allreduce_recursive_doubling, allreduce_ring, allreduce_tree,
+                             allreduce_two_shot,
                              barrier_dissemination, broadcast_binomial, broadcast_scatter_allgather, gather_binomial,
                              gather_linear, reduce_binomial, reduce_scatter_recursive_halving, reduce_scatter_ring,
                              scatter_binomial, scatter_linear)
@@ -57,6 +58,7 @@ TABLE: tuple[Algorithm, ...] = (
     _entry("allreduce", allreduce_halving_doubling, "halving_doubling", 6),
     _entry("allreduce", allreduce_double_tree, "double_tree", 7),
     _entry("allreduce", allreduce_hierarchical, "hierarchical", 13, auto=False),  # weighed across hosts only
+    _entry("allreduce", allreduce_two_shot, "two_shot", 15, auto=False),  # shm's in-place form is not in the models yet
     _entry("broadcast", broadcast_binomial, "binomial", 4, fallback="small"),
     _entry("broadcast", broadcast_scatter_allgather, "scatter_allgather", 9, fallback="large"),
     _entry("allgather", allgather_ring, "ring", 1, fallback="large"),

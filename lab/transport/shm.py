@@ -28,6 +28,10 @@ so a message for a later step, or a credit for a send that is not waiting, wakes
 does not fill: a sender has at most ``slots`` descriptors, ``slots`` credits and 8 eager frames
 (32 KiB) outstanding, within the pipe's 64 KiB. A pipe whose writer died reads as end-of-file,
 which surfaces at once as PeerLostError.
+
+Shared scratch. After the compiled path's mailboxes, the same memfd holds every rank's two-shot
+slot and registered-tensor arena (``self.scratch``, :mod:`lab.transport.scratch`): the two-shot
+allreduce reads its peers' memory there in place, with no descriptor and no pipe.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import numpy as np
 
 from kernels import mailbox as mailboxes
 from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
+from lab.transport import scratch as shared_scratch
 from lab.transport.base import (TAG_BYTES, Recv, Send, SharedFd, Silence, TagMismatch, Transport,
                                 same_context, silence_error)
 
@@ -85,6 +90,8 @@ class ShmEndpoints:
     mailbox: SharedFd | None = None  # every rank's compiled-path mailboxes (lab.plane); None: no compiled path
     mailbox_slot_bytes: int = 0
     mailbox_depth: int = 0
+    scratch_slot_bytes: int = 0  # the two-shot slots and registered arenas, after the mailboxes (0: none)
+    scratch_arena_bytes: int = 0
 
     def close_in_parent(self) -> None:
         """Close the parent's copies once the rank's process holds its own."""
@@ -138,10 +145,13 @@ def create_endpoints(world_size: int, segment_bytes: int, slots: int,
             for rank in range(world_size):
                 segments.append(SharedFd(os.memfd_create(f"lab-rank{rank}", os.MFD_CLOEXEC)))
                 os.ftruncate(segments[-1].fd, size)
-            # One more (sparse) memfd: the compiled path's mailboxes, shared by every rank.
+            # One more (sparse) memfd, shared by every rank: the compiled path's mailboxes, then, from
+            # the next page on, the two-shot slots and registered arenas (lab.transport.scratch).
             slot_bytes = mailbox_slot_bytes(world_size)
+            scratch_slot, arena = shared_scratch.slot_bytes_from_env(), shared_scratch.arena_bytes_from_env()
             mailbox = SharedFd(os.memfd_create("lab-mailboxes", os.MFD_CLOEXEC))
-            os.ftruncate(mailbox.fd, mailboxes.region_bytes(world_size, slot_bytes, MAILBOX_DEPTH))
+            os.ftruncate(mailbox.fd, _scratch_offset(world_size, slot_bytes)
+                         + shared_scratch.region_bytes(world_size, scratch_slot, arena))
     except BaseException:
         for ep in endpoints:
             ep.close_in_parent()
@@ -152,7 +162,13 @@ def create_endpoints(world_size: int, segment_bytes: int, slots: int,
         ep.segments = segments  # shared: closing one endpoint's copy closes the parent's fd once
         if world_size > 1:
             ep.mailbox, ep.mailbox_slot_bytes, ep.mailbox_depth = mailbox, slot_bytes, MAILBOX_DEPTH
+            ep.scratch_slot_bytes, ep.scratch_arena_bytes = scratch_slot, arena
     return endpoints
+
+
+def _scratch_offset(world_size: int, mailbox_slot_bytes: int) -> int:
+    """Where the scratch starts in the mailboxes' memfd: the first page after the mailboxes."""
+    return -(-mailboxes.region_bytes(world_size, mailbox_slot_bytes, MAILBOX_DEPTH) // 4096) * 4096
 
 
 class _Job:
@@ -191,6 +207,8 @@ class ShmTransport(Transport):
             self._maps.append(mmap.mmap(segment.fd, os.fstat(segment.fd).st_size))
             segment.close()
         self._memory = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+        #: The two-shot allreduce and registered buffers (lab.transport.scratch); None for one rank.
+        self.scratch = None
         self.mailbox = None if endpoints.mailbox is None else self._map_mailbox(endpoints)
         peers = list(self._read_fd)
         self._credits = {p: self.slots for p in peers}
@@ -207,8 +225,14 @@ class ShmTransport(Transport):
         self._maps.append(mmap.mmap(shared.fd, os.fstat(shared.fd).st_size))  # page-aligned: 64-byte aligned
         shared.close()
         liveness = np.array([self._read_fd.get(peer, -1) for peer in range(self.world_size)], np.int64)
-        return Mailbox(np.frombuffer(self._maps[-1], np.uint8), self.rank, self.world_size,
-                       endpoints.mailbox_slot_bytes, endpoints.mailbox_depth, liveness)
+        region = np.frombuffer(self._maps[-1], np.uint8)
+        if endpoints.scratch_slot_bytes:
+            start = _scratch_offset(self.world_size, endpoints.mailbox_slot_bytes)
+            self.scratch = shared_scratch.SharedScratch(region[start:], self.rank, self.world_size,
+                                                        endpoints.scratch_slot_bytes, endpoints.scratch_arena_bytes,
+                                                        liveness)
+        return Mailbox(region, self.rank, self.world_size, endpoints.mailbox_slot_bytes, endpoints.mailbox_depth,
+                       liveness)
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -460,6 +484,9 @@ class ShmTransport(Transport):
             pending = mailboxes.pending_fingerprints(box.region, box.rank, box.world_size, box.slot_bytes, box.depth)
             for peer, tag in pending.items():
                 tags.setdefault(peer, []).append(tag)
+        if self.scratch is not None:  # a peer that entered a two-shot round where this rank did not
+            for peer, tag in self.scratch.pending_fingerprints().items():
+                tags.setdefault(peer, []).append(tag)
         return tags
 
     def close(self) -> None:
@@ -468,7 +495,9 @@ class ShmTransport(Transport):
         self._closed = True
         for fd in (*self._read_fd.values(), *self._write_fd.values()):
             os.close(fd)
-        self._memory, self.mailbox = [], None
+        if self.scratch is not None:
+            self.scratch.closed = True  # a registered tensor outliving the mesh is plain memory from now on
+        self._memory, self.mailbox, self.scratch = [], None, None
         for m in self._maps:
             # A failed transfer's traceback may still hold views of a slot; the mapping then goes
             # when they do (and with the process), so there is nothing to force here.

@@ -1,0 +1,149 @@
+"""The flags of a shared-buffer two-shot allreduce, in nopython mode: publish a counter, wait for one.
+
+A two-shot allreduce over memory every rank maps (``lab.transport.scratch``) needs no messages,
+only three counters per rank that say how far it got, and a header that says what it is doing.
+Each sits on its own 64-byte line of the shared region, written by its rank alone::
+
+    per rank r (AREA_BYTES = 6 lines)   FILLED   (int64: rounds whose input r has published)
+                                        REDUCED  (int64: rounds whose slice r has reduced and published)
+                                        DONE     (int64: rounds r has copied every slice out of)
+                                        HEADER   (fingerprint[32], message bytes, source offset,
+                                                  round bytes: int64 words; valid once FILLED moves)
+                                        DOORBELL (int32: the futex word r sleeps on)
+                                        SLEEPING (int64: 1 while r may be asleep on its doorbell)
+
+Counters start at 0 and only grow. A rank writes its header and data with plain stores, then
+:func:`publish` stores the counter with release semantics; a peer that sees it with
+:func:`wait_all`'s acquire load sees everything written before it. :func:`publish` then rings the
+doorbell of every peer whose SLEEPING flag is up (a seq_cst fence on both sides orders "flag, then
+look" against "counter, then look", as in :mod:`kernels.mailbox`).
+
+Waiting spins (``pause``), then yields, then sleeps on the doorbell (at most 1 ms a nap); it
+reads the clock to give up after ``deadline_ns`` (0: never) and polls each awaited peer's liveness
+pipe every millisecond (a pipe whose writer died: the peer is lost, unless its counter moved after
+all). Nothing raises: :func:`wait_all` returns a status and the peer it concerns.
+
+Per rank, after copying its input into its slot and writing its header::
+
+    publish(region, rank, world_size, FILLED, round + 1)
+    status, peer = wait_all(region, rank, world_size, FILLED, round + 1, deadline_ns, liveness_fds)
+    # status OK: every rank's input of this round is readable; SILENCE or PEER_LOST: ``peer``'s is not
+
+This module imports nothing from ``lab``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from kernels.mailbox import (
+    CLOCK_EVERY_SPINS,
+    DEFAULT_SPIN_LIMIT,
+    DEFAULT_YIELD_LIMIT,
+    FUTEX_TIMEOUT_NS,
+    LIVENESS_INTERVAL_NS,
+    OK,
+    PEER_LOST,
+    SILENCE,
+    atomic_add,
+    cpu_relax,
+    fence_seq_cst,
+    futex_wait,
+    futex_wake,
+    load_acquire,
+    monotonic_ns,
+    peer_gone,
+    sched_yield,
+    store_release,
+)
+
+LINE = 64
+FILLED, REDUCED, DONE, HEADER, DOORBELL, SLEEPING = (i * LINE for i in range(6))
+AREA_BYTES = 6 * LINE
+# The header's int64 words after the 4 of the fingerprint.
+MESSAGE_WORD, SOURCE_WORD, ROUND_WORD = 4, 5, 6
+
+
+def control_bytes(world_size: int) -> int:
+    """Bytes of the control areas of ``world_size`` ranks, rounded up to a 4 KiB page (what follows
+    starts page-aligned)."""
+    return -(-world_size * AREA_BYTES // 4096) * 4096
+
+
+@njit(cache=True, nogil=True)
+def counter(region, rank, field):
+    """``rank``'s counter ``field`` (FILLED, REDUCED, DONE), as an acquire load."""
+    return load_acquire(region.view(np.int64), (rank * AREA_BYTES + field) >> 3)
+
+
+@njit(cache=True, nogil=True)
+def publish(region, rank, world_size, field, value):
+    """Store our counter ``field`` = ``value`` (release: our earlier writes go first), then wake the
+    peers that sleep."""
+    words, doorbells = region.view(np.int64), region.view(np.int32)
+    store_release(words, (rank * AREA_BYTES + field) >> 3, value)
+    fence_seq_cst()  # the counter's store before the flags' loads (pairs with the fence in _sleep)
+    for peer in range(world_size):
+        area = peer * AREA_BYTES
+        if peer != rank and load_acquire(words, (area + SLEEPING) >> 3) != 0:
+            atomic_add(doorbells, (area + DOORBELL) >> 2, 1)
+            futex_wake(doorbells, (area + DOORBELL) >> 2, 1)
+
+
+@njit(cache=True, nogil=True)
+def _sleep(words, doorbells, rank, index, target):
+    """Nap on our doorbell (at most FUTEX_TIMEOUT_NS) unless the counter at ``index`` got there."""
+    area = rank * AREA_BYTES
+    ring = load_acquire(doorbells, (area + DOORBELL) >> 2)
+    store_release(words, (area + SLEEPING) >> 3, 1)
+    fence_seq_cst()  # the flag's store before the look (pairs with the fence in publish)
+    if load_acquire(words, index) < target:
+        futex_wait(doorbells, (area + DOORBELL) >> 2, ring, FUTEX_TIMEOUT_NS)
+    store_release(words, (area + SLEEPING) >> 3, 0)
+
+
+@njit(cache=True, nogil=True)
+def _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fd):
+    """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST."""
+    index = (peer * AREA_BYTES + field) >> 3
+    rounds = 0
+    started = checked = monotonic_ns()
+    while load_acquire(words, index) < target:
+        rounds += 1
+        if rounds <= DEFAULT_SPIN_LIMIT:
+            cpu_relax()
+            if rounds % CLOCK_EVERY_SPINS != 0:
+                continue
+        elif rounds <= DEFAULT_SPIN_LIMIT + DEFAULT_YIELD_LIMIT:
+            sched_yield()
+        else:
+            _sleep(words, doorbells, rank, index, target)
+        now = monotonic_ns()
+        if deadline_ns > 0 and now - started >= deadline_ns:
+            return SILENCE if load_acquire(words, index) < target else OK
+        if now - checked >= LIVENESS_INTERVAL_NS:
+            checked = now
+            if peer_gone(liveness_fd):  # a last look: what it published before it died still counts
+                return PEER_LOST if load_acquire(words, index) < target else OK
+    return OK
+
+
+@njit(cache=True, nogil=True)
+def wait_all(region, rank, world_size, field, target, deadline_ns, liveness_fds):
+    """Wait until every other rank's counter ``field`` is at least ``target`` (``deadline_ns``
+    without progress per peer, 0: never). Returns ``(status, peer)``: ``(OK, -1)``, or the first
+    peer that fell silent (SILENCE) or died (PEER_LOST)."""
+    words, doorbells = region.view(np.int64), region.view(np.int32)
+    for step in range(1, world_size):
+        peer = (rank + step) % world_size
+        status = _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds[peer])
+        if status != OK:
+            return status, peer
+    return OK, -1
+
+
+@njit(cache=True, nogil=True)
+def wait_one(region, rank, peer, field, target, deadline_ns, liveness_fd):
+    """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST."""
+    return _wait(region.view(np.int64), region.view(np.int32), rank, peer, field, target, deadline_ns, liveness_fd)
