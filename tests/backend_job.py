@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-import lab  # noqa: F401 - registers the "lab" backend
+import lab  # registers the "lab" backend
 
 STRIDE = 3
 COUNTS = (0, 1, 2, 7, 1000)  # zero, one, fewer than ranks (at 3-4), not divisible, large-ish
@@ -138,6 +138,12 @@ def small_all_reduce_on_one_host_runs_compiled(rank: int, n: int, gloo: dist.Pro
     expect_equal(x, sum(pattern(256, r) for r in range(n)), "1 KB all_reduce")
     if mesh.stats()["collectives_compiled"] != before + 1:
         raise AssertionError(f"a 1 KB all_reduce on one host did not take the compiled plane: {mesh.stats()}")
+    # and the two-shot reads the peers' memory in place (the scratch came with the mailboxes)
+    if mesh.scratch is None:
+        raise AssertionError("the shm transport under torchrun has no shared scratch")
+    y = pattern(100_003, rank)
+    lab.allreduce(mesh, y, algorithm="two_shot")
+    expect_equal(y, sum(pattern(100_003, r) for r in range(n)), "two_shot allreduce")
 
 
 @check

@@ -356,8 +356,8 @@ class _HandOut:
                   "outbox": {p: n_in + i for i, p in enumerate(ep.outbox)},
                   "segments": list(range(n_in + n_out, n_in + n_out + len(ep.segments))),
                   "mailbox": None,
-                  "extra": {"eager_bytes": ep.eager_bytes, "mailbox_slot_bytes": ep.mailbox_slot_bytes,
-                            "mailbox_depth": ep.mailbox_depth}}
+                  "extra": {k: getattr(ep, k) for k in ("eager_bytes", "mailbox_slot_bytes", "mailbox_depth",
+                                                        "scratch_slot_bytes", "scratch_arena_bytes")}}
         if ep.mailbox is not None:  # the compiled plane's mailboxes (lab.plane), shared by the host's ranks
             layout["mailbox"] = len(fds)
             fds.append(ep.mailbox.fd)
