@@ -1,17 +1,23 @@
 """Double binary tree allreduce (NCCL's): two complementary binary trees, each reducing and
-broadcasting half of the tensor, pipelined in segments."""
+broadcasting half of the tensor, pipelined in segments so that every link of both trees, up and
+down, carries data at once."""
 
 from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
 
 import numpy as np
 
 from lab.chunking import split_bounds
 from lab.collectives.fold import power_terms
-from lab.peers import Peers
 from lab.ops import Reduction
+from lab.peers import Peers
 
-#: Pipeline segment: each half of the tensor travels up and down its tree in pieces this big.
-SEGMENT_BYTES = 64 * 1024
+#: The bytes a link moves in the time one message's latency takes (α/β: 5 µs at 100 Gbit/s is
+#: 62.5 KB). Segments are sized from it so that per-segment latency and pipeline fill balance.
+LATENCY_BYTES = 64 * 1024
 
 
 def binary_tree(world_size: int, rank: int) -> tuple[int, list[int]]:
@@ -44,6 +50,15 @@ def binary_tree(world_size: int, rank: int) -> tuple[int, list[int]]:
     return parent, children
 
 
+def tree_rank(world_size: int, tree: int, rank: int) -> int:
+    """``rank``'s number in tree ``tree`` (the rank :func:`binary_tree` places): itself in the
+    first tree; in the second, mirrored (r -> N-1-r) when N is even, shifted (r -> r-1 mod N)
+    when N is odd."""
+    if tree == 0:
+        return rank
+    return world_size - 1 - rank if world_size % 2 == 0 else (rank - 1) % world_size
+
+
 def double_trees(world_size: int, rank: int) -> list[tuple[int, list[int]]]:
     """(parent, children) of ``rank`` in each of the two trees.
 
@@ -51,29 +66,126 @@ def double_trees(world_size: int, rank: int) -> list[tuple[int, list[int]]]:
     (r -> r-1 mod N) when N is odd: the first tree's leaves (odd ranks) are the second's inner
     nodes, so every rank forwards data in one tree and only sends and receives once in the other.
     """
-    if world_size % 2 == 0:
-        to, back = (lambda r: world_size - 1 - r), (lambda r: world_size - 1 - r)
-    else:
-        to, back = (lambda r: (r - 1) % world_size), (lambda r: (r + 1) % world_size)
-    parent, children = binary_tree(world_size, to(rank))
+    def back(node: int) -> int:  # tree_rank(world_size, 1, ·) undone
+        return world_size - 1 - node if world_size % 2 == 0 else (node + 1) % world_size
+
+    parent, children = binary_tree(world_size, tree_rank(world_size, 1, rank))
     second = (back(parent) if parent >= 0 else -1, [back(c) for c in children])
     return [binary_tree(world_size, rank), second]
 
 
-def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, segment_bytes: int = SEGMENT_BYTES) -> None:
-    """Reduce ``buf`` in place across all ranks: half through each of two binary trees.
+def segment_count(count: int, itemsize: int, world_size: int, segment_bytes: int | None = None) -> int:
+    """How many segments each half of a ``count``-element tensor travels in (every rank agrees).
 
-    Tree t reduces half t of the tensor to its root and broadcasts it back down, segment by
-    segment (``segment_bytes`` each), so a rank forwards segment s while its children already
-    send segment s+1. Each rank handles the segments in one fixed order, (phase, segment, tree),
-    reduce phase first: every wait is on a message earlier in that order, so no cycle of blocked
-    sends can form, however small the transport's buffers.
+    ``segment_bytes`` caps a segment's size (tests force many segments with tiny tensors). By
+    default the count minimises the cost below: S = √(⌈log2 N⌉·T / (2·α/β)) with α/β =
+    :data:`LATENCY_BYTES`: one segment for small tensors (the fill is what costs), 64 for 32 MB
+    on 1,024 ranks, 16 for 16 MB on 4; never more than a half's elements.
+    """
+    half = (count + 1) // 2
+    if segment_bytes is not None:
+        return max(1, -(-half // max(1, segment_bytes // itemsize)))
+    depth = (world_size - 1).bit_length()
+    return max(1, min(half, round(math.sqrt(depth * count * itemsize / (2 * LATENCY_BYTES)))))
 
-    Cost: about 2·⌈log2 N⌉·α for the first segment to go up and down, then each further segment
-    adds its own steps; bandwidth: a rank that is an inner node in one tree (two children) and a
-    leaf in the other sends and receives 2T, but the depth stays log2 N while the ring's grows
-    as N: it wins at large N where neither tree nor ring does. Bit-identical on every rank: each
-    segment is reduced once, at its tree's root, and copied down.
+
+class Move(NamedTuple):
+    """One message of a rank's schedule, from this rank's end."""
+
+    key: tuple[int, int, int, int]  # (slot, tree, the link's lower end in tree numbering, 0 up / 1 down)
+    peer: int
+    sends: bool  # else receives
+    tree: int
+    segment: int
+    reduces: bool  # a receive from a child: fold it into ours
+    finishes: bool  # the root's receive from its only child: the segment is complete, finish it
+
+
+def _place(world_size: int, node: int) -> tuple[int, int]:
+    """(level, side) of tree rank ``node``: its height (leaves 0, the root ⌈log2 N⌉) and 1 if it
+    is its parent's right child (a higher number), else 0."""
+    if node == 0:
+        return (world_size - 1).bit_length(), 0
+    parent, _ = binary_tree(world_size, node)
+    return (node & -node).bit_length() - 1, int(node > parent)
+
+
+def _slots(world_size: int, node: int, segment: int) -> tuple[int, int]:
+    """The slots of segment ``segment`` on the link from tree rank ``node`` to its parent: going
+    up, 2·level + side (a parent hears its left child, then its right one, then speaks), going
+    down, 4·depth - 2·level + side; both 4 later per segment, as each rank handles 4 messages
+    each way per segment (see :func:`allreduce_double_tree`)."""
+    level, side = _place(world_size, node)
+    depth = (world_size - 1).bit_length()
+    return 2 * level + side + 4 * segment, 4 * depth - 2 * level + side + 4 * segment
+
+
+@functools.lru_cache(maxsize=256)
+def schedule(world_size: int, rank: int, segments: int) -> tuple[tuple[Move | None, Move | None], ...]:
+    """``rank``'s steps, in order: (send, receive) pairs, either of them None.
+
+    Every message gets one key, (slot, tree, link, direction), which both its ends compute alike;
+    each rank takes its messages in key order, a send and a receive that come next to each other
+    (of different segments: neither waits for the other's data) sharing one step.
+    """
+    moves = []
+    for tree, (parent, children) in enumerate(double_trees(world_size, rank)):
+        node = tree_rank(world_size, tree, rank)
+        for segment in range(segments):
+            # Up: each child's part of the segment comes in and is folded into ours; then ours goes up.
+            # Down: the finished segment comes from the parent (the root made it), then goes to each child.
+            for child in children:
+                link = tree_rank(world_size, tree, child)
+                up, down = _slots(world_size, link, segment)
+                moves.append(Move((up, tree, link, 0), child, False, tree, segment, True, parent < 0))
+                moves.append(Move((down, tree, link, 1), child, True, tree, segment, False, False))
+            if parent >= 0:
+                up, down = _slots(world_size, node, segment)
+                moves.append(Move((up, tree, node, 0), parent, True, tree, segment, False, False))
+                moves.append(Move((down, tree, node, 1), parent, False, tree, segment, False, False))
+    moves.sort()
+    steps, i = [], 0
+    while i < len(moves):
+        move = moves[i]
+        after = moves[i + 1] if i + 1 < len(moves) else None
+        if after is not None and after.sends != move.sends and (after.tree, after.segment) != (move.tree, move.segment):
+            steps.append((move, after) if move.sends else (after, move))
+            i += 2
+        else:
+            steps.append((move, None) if move.sends else (None, move))
+            i += 1
+    return tuple(steps)
+
+
+def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction,
+                          segment_bytes: int | None = None) -> None:
+    """Reduce ``buf`` in place across all ranks: half through each of two binary trees, pipelined.
+
+    Tree t reduces half t of the tensor to its root and broadcasts it back down in S segments
+    (:func:`segment_count`; ``segment_bytes`` caps them). Everything runs at once, as in NCCL: a
+    rank sends segment s up while it receives segment s+1 from a child, forwards early segments
+    down while later ones still come up, and works in both trees, each ``peers.sendrecv_buffer``
+    step moving one message out and one in. An inner node of one tree (two children) that is a
+    leaf of the other handles 4 messages each way per segment, so the schedule gives each
+    message a *slot*, 4 apart per segment: going up, a parent at level h hears its left child in
+    slot 2h-2, its right child in 2h-1 and speaks in 2h (2h+1 for a right child); going down the
+    slots mirror these, 4·depth - 2h (+1), so a segment climbs and descends 2 slots per level.
+
+    Deadlock freedom, however small the transport's buffers: every message has one key (slot,
+    tree, link, direction) that both its ends compute, and every rank takes its messages in
+    increasing key order, one step at a time (a step holds one message or two adjacent ones).
+    Were the ranks stuck, take the unfinished message with the least key: its sender and its
+    receiver have finished every step with smaller keys (else a smaller one would be unfinished),
+    so both are in the step that holds it, and ``sendrecv_buffer`` moves a step's send and
+    receive concurrently, so it finishes: a contradiction. Each pair's messages are in key order
+    at both ends, so a receive always matches the message it expects.
+
+    Cost: with S segments of T/(2S) bytes, (4S + 4·⌈log2 N⌉)·(α + T/(2S)·β): 2T·β of bandwidth
+    (an inner node of one tree, a leaf in the other, sends and receives 2T) plus a pipeline fill
+    of 4·⌈log2 N⌉ segment-messages (2 per level up, 2 down: a parent takes its two children one
+    after the other) and 4S·α; S = √(⌈log2 N⌉·T·β/(2α)) balances the two. Unlike the ring's
+    2(N-1)·α, the latency grows as log N. Bit-identical on every rank: each segment is reduced
+    once, in one order, at its tree's root, and copied down.
 
     Bytes, exactly (T_t = bytes of half t, ``split_bounds(count, 2)``; c_t = this rank's
     children in tree t; u_t = 1 unless it is tree t's root): sends and receives
@@ -85,36 +197,33 @@ def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, s
         every rank -> buf == 4 * arange(8) + 6
     """
     n = peers.world_size
-    trees = double_trees(n, peers.rank)
     halves = [buf[a:b] for a, b in split_bounds(buf.size, 2)]
-    per_segment = max(1, segment_bytes // max(buf.itemsize, 1))
-    segments = max(1, -(-halves[0].size // per_segment))
-    pieces = [[half[s * per_segment:(s + 1) * per_segment] for s in range(segments)] for half in halves]
-    # Reduce phase: fold each child's segment into ours, then hand the sum to our parent.
-    for s in range(segments):
-        for (parent, children), half in zip(trees, pieces):
-            for child in children:
-                peers.recv_buffer(child, half[s], reduction)
-            if parent >= 0:
-                peers.send_buffer(parent, half[s])
-            else:
-                reduction.finalize(half[s], n)  # the root holds every contribution: finish it once
-    # Broadcast phase: take the finished segment from our parent, pass it to our children.
-    for s in range(segments):
-        for (parent, children), half in zip(trees, pieces):
-            if parent >= 0:
-                peers.recv_buffer(parent, half[s])
-            for child in children:
-                peers.send_buffer(child, half[s])
+    segments = segment_count(buf.size, buf.itemsize, n, segment_bytes)
+    pieces = [[half[a:b] for a, b in split_bounds(half.size, segments)] for half in halves]
+    # One rank: its data is the reduction; finish it (avg divides by 1).
+    if n == 1:
+        reduction.finalize(buf, n)
+        return
+    # Every step: one message out, one in, or both at once.
+    for send, recv in schedule(n, peers.rank, segments):
+        if recv is None:
+            peers.send_buffer(send.peer, pieces[send.tree][send.segment])
+            continue
+        out, combine = pieces[recv.tree][recv.segment], reduction if recv.reduces else None
+        if send is None:
+            peers.recv_buffer(recv.peer, out, combine)
+        else:
+            peers.sendrecv_buffer(send.peer, pieces[send.tree][send.segment], recv.peer, out, combine)
+        if recv.finishes:  # the root holds every contribution to this segment: finish it once
+            reduction.finalize(out, n)
 
 
 def shape(world_size: int) -> tuple[float, float]:
     """The cost above as (latency steps on the critical path, bytes through the busiest rank per
     tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
     d = power_terms(world_size).d
-    # the first segment's trip up and down (later ones pipeline behind it); an inner node that is
-    # also a leaf moves 2T
-    return 2 * d, 2.0
+    # the fill (2 messages per level up and down); the bandwidth of an inner node that is also a leaf
+    return 4 * d, 2.0
 
 
 def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
