@@ -92,7 +92,7 @@ def segment_count(count: int, itemsize: int, world_size: int, segment_bytes: int
 class Move(NamedTuple):
     """One message of a rank's schedule, from this rank's end."""
 
-    key: tuple[int, int, int, int]  # (slot, tree, the link's lower end in tree numbering, 0 up / 1 down)
+    slot: int  # the same at both ends; a rank sends at most one message and receives at most one per slot
     peer: int
     sends: bool  # else receives
     tree: int
@@ -101,60 +101,125 @@ class Move(NamedTuple):
     finishes: bool  # the root's receive from its only child: the segment is complete, finish it
 
 
-def _place(world_size: int, node: int) -> tuple[int, int]:
-    """(level, side) of tree rank ``node``: its height (leaves 0, the root ⌈log2 N⌉) and 1 if it
-    is its parent's right child (a higher number), else 0."""
-    if node == 0:
-        return (world_size - 1).bit_length(), 0
+#: Each rank handles 4 messages each way per segment (see :func:`allreduce_double_tree`).
+PERIOD = 4
+
+
+def _preferred_phase(world_size: int, tree: int, child: int) -> int:
+    """The phase the link from ``child`` to its parent in ``tree`` would take in one binary tree
+    alone: 2·level + side, so that a parent hears its left child, then its right one, then
+    speaks (level: the child's height, leaves 0; side: 1 for a right child)."""
+    node = tree_rank(world_size, tree, child)
     parent, _ = binary_tree(world_size, node)
-    return (node & -node).bit_length() - 1, int(node > parent)
+    level = (node & -node).bit_length() - 1
+    return (2 * level + int(node > parent) + 2 * tree) % PERIOD
 
 
-def _slots(world_size: int, node: int, segment: int) -> tuple[int, int]:
-    """The slots of segment ``segment`` on the link from tree rank ``node`` to its parent: going
-    up, 2·level + side (a parent hears its left child, then its right one, then speaks), going
-    down, 4·depth - 2·level + side; both 4 later per segment, as each rank handles 4 messages
-    each way per segment (see :func:`allreduce_double_tree`)."""
-    level, side = _place(world_size, node)
-    depth = (world_size - 1).bit_length()
-    return 2 * level + side + 4 * segment, 4 * depth - 2 * level + side + 4 * segment
+def _color(arcs: list[tuple[int, int, int]], world_size: int) -> list[int]:
+    """A phase 0..3 for each message class ``(sender, receiver, preferred phase)`` such that no
+    rank sends two, or receives two, of the same phase: König's edge colouring of the bipartite
+    graph of senders and receivers (each rank sends and receives at most 4 classes), keeping the
+    preferred phase where it is free at both ends."""
+    sent: list[dict[int, int]] = [{} for _ in range(world_size)]  # phase -> arc, per sender
+    received: list[dict[int, int]] = [{} for _ in range(world_size)]  # phase -> arc, per receiver
+    phases = [-1] * len(arcs)
+    for arc, (sender, receiver, preferred) in enumerate(arcs):
+        order = [(preferred + k) % PERIOD for k in range(PERIOD)]
+        free = next(p for p in order if p not in sent[sender])
+        if free in received[receiver]:
+            other = next(p for p in order if p not in received[receiver])
+            if other not in sent[sender]:
+                free = other
+            else:
+                # Swap free/other along the path from the receiver that alternates between them (it
+                # cannot reach the sender, which lacks `free`); then `free` is free at both ends.
+                path, node, phase, at_receiver = [], receiver, free, True
+                while (hop := (received if at_receiver else sent)[node].get(phase)) is not None:
+                    path.append(hop)
+                    node = arcs[hop][0] if at_receiver else arcs[hop][1]
+                    at_receiver, phase = not at_receiver, other if phase == free else free
+                for hop in path:
+                    del sent[arcs[hop][0]][phases[hop]], received[arcs[hop][1]][phases[hop]]
+                for hop in path:
+                    phases[hop] = other if phases[hop] == free else free
+                    sent[arcs[hop][0]][phases[hop]] = received[arcs[hop][1]][phases[hop]] = hop
+        phases[arc] = free
+        sent[sender][free] = received[receiver][free] = arc
+    return phases
+
+
+@functools.lru_cache(maxsize=16)
+def timetable(world_size: int) -> dict[tuple[int, int, int], int]:
+    """The slot of segment 0 of every message class, by ``(tree, child, direction)`` (the link
+    from ``child`` to its parent; 0 up, 1 down); segment s goes ``PERIOD·s`` slots later.
+
+    Each class gets a phase (its slot mod 4, :func:`_color`); then, tree by tree, the earliest
+    slot of that phase after what it waits for: going up, after its children's; going down,
+    after its parent's (the root's children: after the root heard them).
+    """
+    links = [(tree, child, double_trees(world_size, child)[tree][0])
+             for tree in range(2) for child in range(world_size)]
+    links = [link for link in links if link[2] >= 0]
+    arcs = []
+    for tree, child, parent in links:
+        preferred = _preferred_phase(world_size, tree, child)
+        arcs += [(child, parent, preferred), (parent, child, preferred)]
+    phases = _color(arcs, world_size)
+    phase = {(tree, child, direction): phases[2 * i + direction]
+             for i, (tree, child, _) in enumerate(links) for direction in range(2)}
+
+    def at_or_after(slot: int, phase: int) -> int:
+        return slot + (phase - slot) % PERIOD
+
+    slots = {}
+    for tree in range(2):
+        # Children before parents (a child's level is lower), the root last; then back down.
+        order = sorted(range(world_size), key=lambda r: _level(world_size, tree_rank(world_size, tree, r)))
+        heard = {}
+        for rank in order:
+            parent, children = double_trees(world_size, rank)[tree]
+            ready = max((slots[tree, c, 0] + 1 for c in children), default=0)
+            if parent < 0:
+                heard[tree] = ready
+            else:
+                slots[tree, rank, 0] = at_or_after(ready, phase[tree, rank, 0])
+        for rank in reversed(order):
+            parent, children = double_trees(world_size, rank)[tree]
+            ready = heard[tree] if parent < 0 else slots[tree, rank, 1] + 1
+            for c in children:
+                slots[tree, c, 1] = at_or_after(ready, phase[tree, c, 1])
+    return slots
+
+
+def _level(world_size: int, node: int) -> int:
+    """Tree rank ``node``'s height: leaves 0, the root ⌈log2 N⌉."""
+    return (world_size - 1).bit_length() if node == 0 else (node & -node).bit_length() - 1
 
 
 @functools.lru_cache(maxsize=256)
 def schedule(world_size: int, rank: int, segments: int) -> tuple[tuple[Move | None, Move | None], ...]:
-    """``rank``'s steps, in order: (send, receive) pairs, either of them None.
-
-    Every message gets one key, (slot, tree, link, direction), which both its ends compute alike;
-    each rank takes its messages in key order, a send and a receive that come next to each other
-    (of different segments: neither waits for the other's data) sharing one step.
-    """
+    """``rank``'s steps, in order: (send, receive) pairs, either of them None, one per slot."""
+    slots = timetable(world_size)
     moves = []
     for tree, (parent, children) in enumerate(double_trees(world_size, rank)):
-        node = tree_rank(world_size, tree, rank)
         for segment in range(segments):
+            later = PERIOD * segment
             # Up: each child's part of the segment comes in and is folded into ours; then ours goes up.
             # Down: the finished segment comes from the parent (the root made it), then goes to each child.
             for child in children:
-                link = tree_rank(world_size, tree, child)
-                up, down = _slots(world_size, link, segment)
-                moves.append(Move((up, tree, link, 0), child, False, tree, segment, True, parent < 0))
-                moves.append(Move((down, tree, link, 1), child, True, tree, segment, False, False))
+                moves.append(Move(slots[tree, child, 0] + later, child, False, tree, segment, True, parent < 0))
+                moves.append(Move(slots[tree, child, 1] + later, child, True, tree, segment, False, False))
             if parent >= 0:
-                up, down = _slots(world_size, node, segment)
-                moves.append(Move((up, tree, node, 0), parent, True, tree, segment, False, False))
-                moves.append(Move((down, tree, node, 1), parent, False, tree, segment, False, False))
-    moves.sort()
-    steps, i = [], 0
-    while i < len(moves):
-        move = moves[i]
-        after = moves[i + 1] if i + 1 < len(moves) else None
-        if after is not None and after.sends != move.sends and (after.tree, after.segment) != (move.tree, move.segment):
-            steps.append((move, after) if move.sends else (after, move))
-            i += 2
-        else:
-            steps.append((move, None) if move.sends else (None, move))
-            i += 1
-    return tuple(steps)
+                moves.append(Move(slots[tree, rank, 0] + later, parent, True, tree, segment, False, False))
+                moves.append(Move(slots[tree, rank, 1] + later, parent, False, tree, segment, False, False))
+    by_slot: dict[int, list[Move | None]] = {}
+    for move in moves:
+        step = by_slot.setdefault(move.slot, [None, None])
+        if step[1 - move.sends] is not None:
+            raise RuntimeError(f"double tree schedule: rank {rank} of {world_size} has two "
+                               f"{'sends' if move.sends else 'receives'} in slot {move.slot}")
+        step[1 - move.sends] = move
+    return tuple(tuple(by_slot[slot]) for slot in sorted(by_slot))
 
 
 def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction,
