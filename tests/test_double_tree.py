@@ -16,7 +16,14 @@ import torch
 from conftest import pool
 
 import lab
-from lab.collectives.allreduce_double_tree import bytes_sent, double_trees, schedule, segment_count
+from lab.collectives.allreduce_double_tree import (
+    HOST_LATENCY_BYTES,
+    bytes_sent,
+    double_trees,
+    latency_bytes,
+    schedule,
+    segment_count,
+)
 
 SCHEDULE_WORLDS = [*range(1, 34), 64, 100, 127, 128]
 STRIDE = 3
@@ -104,7 +111,10 @@ def test_the_schedule_finishes_with_no_buffering_at_all(n):
 
 def test_segment_count_grows_as_the_square_root_of_the_tensor():
     assert segment_count(256, 4, 1024) == 1  # 1 KB: a single segment, the fill is what costs
-    assert segment_count(16 << 20 >> 2, 4, 4) == 16
+    assert segment_count(16 << 20 >> 2, 4, 4) == 16  # across a network (α/β = 64 KiB)
+    assert segment_count(16 << 20 >> 2, 4, 4, latency_bytes=HOST_LATENCY_BYTES) == 1  # on one host
+    assert latency_bytes("shm") == latency_bytes("auto", hosts=1) == HOST_LATENCY_BYTES
+    assert latency_bytes("tcp") == latency_bytes("auto", hosts=2) == latency_bytes("sim") == 64 * 1024
     assert segment_count((64 << 20) >> 2, 4, 1024) == 72
     assert segment_count(0, 4, 8) == 1
     assert segment_count(1000, 4, 8, segment_bytes=64) == 32  # at most 16 elements each

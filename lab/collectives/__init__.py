@@ -19,6 +19,7 @@ import numpy as np
 from lab.buffers import as_buffer, check_tensor, to_caller_type
 from lab.chunking import row_bounds, split_bounds
 from lab.collectives import registry
+from lab.collectives.allreduce_double_tree import latency_bytes
 from lab import checks, tuning
 from lab.ops import DTYPES, DType, ReduceOp, check_reduces, parse_op
 
@@ -187,7 +188,10 @@ def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str =
     check_reduces(buffer.dtype, "allreduce")
     kernels = mesh.kernels(reduce_op, buffer.dtype)
     chosen = _pick(mesh, "allreduce", algorithm, buffer.nbytes)
-    options = {"segment_bytes": _segment_bytes()} if chosen == "double_tree" else {}
+    options = {}
+    if chosen == "double_tree":  # its pipeline segments: forced, or sized from the tensor, N and the transport
+        options = {"segment_bytes": _segment_bytes(),
+                   "latency_bytes": latency_bytes(mesh.transport, getattr(mesh, "host_count", 1))}
     signature = Signature("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value)
 
     def run() -> Any:

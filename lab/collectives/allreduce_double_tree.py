@@ -15,9 +15,20 @@ from lab.collectives.fold import power_terms
 from lab.ops import Reduction
 from lab.peers import Peers
 
-#: The bytes a link moves in the time one message's latency takes (α/β: 5 µs at 100 Gbit/s is
-#: 62.5 KB). Segments are sized from it so that per-segment latency and pipeline fill balance.
-LATENCY_BYTES = 64 * 1024
+#: α/β, the bytes a link moves in the time one message's latency takes; segments are sized from it
+#: so that per-segment latency and pipeline fill balance. Across a network (tcp; the simulator's
+#: 5 µs at 100 Gbit/s is 62.5 KB): 64 KiB.
+NETWORK_LATENCY_BYTES = 64 * 1024
+#: On one host (shm, queue) a step costs a Python call and a wake-up on each side, tens of µs to ms
+#: on shared cores, against GB/s of memory copies: megabytes. Measured on 4 shm ranks, 16 MB: 2.5x
+#: the ring's time in 16 segments, 1.25x in 4, 0.9x in 1 (bench/double_tree.py, 2 busy cores).
+HOST_LATENCY_BYTES = 8 << 20
+
+
+def latency_bytes(transport: str, hosts: int = 1) -> int:
+    """α/β for ``transport`` (``"auto"``: shared memory on one host, tcp across hosts)."""
+    one_host = transport in ("shm", "queue") or (transport == "auto" and hosts == 1)
+    return HOST_LATENCY_BYTES if one_host else NETWORK_LATENCY_BYTES
 
 
 def binary_tree(world_size: int, rank: int) -> tuple[int, list[int]]:
@@ -74,19 +85,20 @@ def double_trees(world_size: int, rank: int) -> list[tuple[int, list[int]]]:
     return [binary_tree(world_size, rank), second]
 
 
-def segment_count(count: int, itemsize: int, world_size: int, segment_bytes: int | None = None) -> int:
+def segment_count(count: int, itemsize: int, world_size: int, segment_bytes: int | None = None,
+                  latency_bytes: int = NETWORK_LATENCY_BYTES) -> int:
     """How many segments each half of a ``count``-element tensor travels in (every rank agrees).
 
     ``segment_bytes`` caps a segment's size (tests force many segments with tiny tensors). By
-    default the count minimises the cost below: S = √(⌈log2 N⌉·T / (2·α/β)) with α/β =
-    :data:`LATENCY_BYTES`: one segment for small tensors (the fill is what costs), 64 for 32 MB
-    on 1,024 ranks, 16 for 16 MB on 4; never more than a half's elements.
+    default the count minimises the cost (:func:`allreduce_double_tree`):
+    S = √(⌈log2 N⌉·T / (2·α/β)), α/β = ``latency_bytes``; across a network, one segment for 1 KB
+    (the fill is what costs) and 72 for 64 MB on 1,024 ranks; never more than a half's elements.
     """
     half = (count + 1) // 2
     if segment_bytes is not None:
         return max(1, -(-half // max(1, segment_bytes // itemsize)))
     depth = (world_size - 1).bit_length()
-    return max(1, min(half, round(math.sqrt(depth * count * itemsize / (2 * LATENCY_BYTES)))))
+    return max(1, min(half, round(math.sqrt(depth * count * itemsize / (2 * latency_bytes)))))
 
 
 class Move(NamedTuple):
@@ -222,35 +234,35 @@ def schedule(world_size: int, rank: int, segments: int) -> tuple[tuple[Move | No
     return tuple(tuple(by_slot[slot]) for slot in sorted(by_slot))
 
 
-def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction,
-                          segment_bytes: int | None = None) -> None:
+def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, segment_bytes: int | None = None,
+                          latency_bytes: int = NETWORK_LATENCY_BYTES) -> None:
     """Reduce ``buf`` in place across all ranks: half through each of two binary trees, pipelined.
 
     Tree t reduces half t of the tensor to its root and broadcasts it back down in S segments
-    (:func:`segment_count`; ``segment_bytes`` caps them). Everything runs at once, as in NCCL: a
-    rank sends segment s up while it receives segment s+1 from a child, forwards early segments
-    down while later ones still come up, and works in both trees, each ``peers.sendrecv_buffer``
-    step moving one message out and one in. An inner node of one tree (two children) that is a
-    leaf of the other handles 4 messages each way per segment, so the schedule gives each
-    message a *slot*, 4 apart per segment: going up, a parent at level h hears its left child in
-    slot 2h-2, its right child in 2h-1 and speaks in 2h (2h+1 for a right child); going down the
-    slots mirror these, 4·depth - 2h (+1), so a segment climbs and descends 2 slots per level.
+    (:func:`segment_count`; ``segment_bytes`` caps them, ``latency_bytes`` is the transport's
+    α/β). Everything runs at once, as in NCCL: a rank sends segment s up while it receives a later
+    one from a child, forwards early segments down while later ones still come up, and works in
+    both trees, each step one ``peers.sendrecv_buffer`` (one message out, one in). An inner node
+    of one tree that is a leaf of the other handles 4 messages each way per segment, so
+    :func:`timetable` gives every message a *slot*, segment s 4·s after segment 0, such that no
+    rank sends two or receives two in one slot, and every message comes after what it forwards.
 
-    Deadlock freedom, however small the transport's buffers: every message has one key (slot,
-    tree, link, direction) that both its ends compute, and every rank takes its messages in
-    increasing key order, one step at a time (a step holds one message or two adjacent ones).
-    Were the ranks stuck, take the unfinished message with the least key: its sender and its
-    receiver have finished every step with smaller keys (else a smaller one would be unfinished),
-    so both are in the step that holds it, and ``sendrecv_buffer`` moves a step's send and
-    receive concurrently, so it finishes: a contradiction. Each pair's messages are in key order
-    at both ends, so a receive always matches the message it expects.
+    Deadlock freedom, however small the transport's buffers: both ends of a message compute the
+    same slot, and every rank runs its slots in increasing order, one step per slot (its send and
+    its receive of that slot at once). Were the ranks stuck, take an unfinished message of the
+    least slot: its sender and its receiver have finished every earlier slot (an unfinished one
+    would hold a message of a smaller slot), so both are in the step that holds it, and
+    ``sendrecv_buffer`` moves a step's send and receive concurrently: it finishes, a
+    contradiction. Each pair's messages are in slot order at both ends, so a receive always
+    matches the message it expects.
 
-    Cost: with S segments of T/(2S) bytes, (4S + 4·⌈log2 N⌉)·(α + T/(2S)·β): 2T·β of bandwidth
-    (an inner node of one tree, a leaf in the other, sends and receives 2T) plus a pipeline fill
-    of 4·⌈log2 N⌉ segment-messages (2 per level up, 2 down: a parent takes its two children one
-    after the other) and 4S·α; S = √(⌈log2 N⌉·T·β/(2α)) balances the two. Unlike the ring's
-    2(N-1)·α, the latency grows as log N. Bit-identical on every rank: each segment is reduced
-    once, in one order, at its tree's root, and copied down.
+    Cost: with S segments of T/(2S) bytes, about (4S + 4·⌈log2 N⌉)·(α + T/(2S)·β): 2T·β of
+    bandwidth (an inner node of one tree, a leaf in the other, sends and receives 2T), 4S·α, and
+    a pipeline fill of 4·⌈log2 N⌉ segment-messages (2 per level up, 2 down: a parent takes its
+    two children one after the other); S = √(⌈log2 N⌉·T·β/(2α)) balances the last two. Unlike
+    the ring's 2(N-1)·α, the latency grows as log N; at small T it is about twice the binomial
+    tree's 2⌈log2 N⌉·α. Bit-identical on every rank: each segment is reduced once, in one order,
+    at its tree's root, and copied down.
 
     Bytes, exactly (T_t = bytes of half t, ``split_bounds(count, 2)``; c_t = this rank's
     children in tree t; u_t = 1 unless it is tree t's root): sends and receives
@@ -263,7 +275,7 @@ def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction,
     """
     n = peers.world_size
     halves = [buf[a:b] for a, b in split_bounds(buf.size, 2)]
-    segments = segment_count(buf.size, buf.itemsize, n, segment_bytes)
+    segments = segment_count(buf.size, buf.itemsize, n, segment_bytes, latency_bytes)
     pieces = [[half[a:b] for a, b in split_bounds(half.size, segments)] for half in halves]
     # One rank: its data is the reduction; finish it (avg divides by 1).
     if n == 1:
@@ -287,7 +299,7 @@ def shape(world_size: int) -> tuple[float, float]:
     """The cost above as (latency steps on the critical path, bytes through the busiest rank per
     tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
     d = power_terms(world_size).d
-    # the fill (2 messages per level up and down); the bandwidth of an inner node that is also a leaf
+    # the fill (2 messages per level, up and down); the bandwidth of an inner node that is also a leaf
     return 4 * d, 2.0
 
 
