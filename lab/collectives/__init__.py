@@ -19,7 +19,7 @@ import numpy as np
 from lab.buffers import as_buffer, check_tensor, to_caller_type
 from lab.chunking import row_bounds, split_bounds
 from lab.collectives import registry
-from lab.collectives.allreduce_double_tree import SEGMENT_BYTES
+from lab.collectives.allreduce_double_tree import latency_bytes
 from lab import checks, tuning
 from lab.ops import DTYPES, DType, ReduceOp, check_reduces, parse_op
 
@@ -126,11 +126,12 @@ def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
     return choose(collective, nbytes, mesh.world_size, transport)
 
 
-def _segment_bytes() -> int:
-    """Double tree's pipeline segment: ``LAB_SEGMENT_BYTES`` or 64 KiB (tests force many segments)."""
+def _segment_bytes() -> int | None:
+    """Double tree's largest pipeline segment: ``LAB_SEGMENT_BYTES``, or None: sized from the
+    tensor and N (tests force many segments)."""
     value = os.environ.get("LAB_SEGMENT_BYTES", "")
     if not value:
-        return SEGMENT_BYTES
+        return None
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"LAB_SEGMENT_BYTES must be a positive number of bytes; got {value!r}")
     return int(value)
@@ -187,7 +188,10 @@ def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str =
     check_reduces(buffer.dtype, "allreduce")
     kernels = mesh.kernels(reduce_op, buffer.dtype)
     chosen = _pick(mesh, "allreduce", algorithm, buffer.nbytes)
-    options = {"segment_bytes": _segment_bytes()} if chosen == "double_tree" else {}
+    options = {}
+    if chosen == "double_tree":  # its pipeline segments: forced, or sized from the tensor, N and the transport
+        options = {"segment_bytes": _segment_bytes(),
+                   "latency_bytes": latency_bytes(mesh.transport, getattr(mesh, "host_count", 1))}
     signature = Signature("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value)
 
     def run() -> Any:

@@ -1,17 +1,34 @@
 """Double binary tree allreduce (NCCL's): two complementary binary trees, each reducing and
-broadcasting half of the tensor, pipelined in segments."""
+broadcasting half of the tensor, pipelined in segments so that every link of both trees, up and
+down, carries data at once."""
 
 from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
 
 import numpy as np
 
 from lab.chunking import split_bounds
 from lab.collectives.fold import power_terms
-from lab.peers import Peers
 from lab.ops import Reduction
+from lab.peers import Peers
 
-#: Pipeline segment: each half of the tensor travels up and down its tree in pieces this big.
-SEGMENT_BYTES = 64 * 1024
+#: α/β, the bytes a link moves in the time one message's latency takes; segments are sized from it
+#: so that per-segment latency and pipeline fill balance. Across a network (tcp; the simulator's
+#: 5 µs at 100 Gbit/s is 62.5 KB): 64 KiB.
+NETWORK_LATENCY_BYTES = 64 * 1024
+#: On one host (shm, queue) a step costs a Python call and a wake-up on each side, tens of µs to ms
+#: on shared cores, against GB/s of memory copies: megabytes. Measured on 4 shm ranks, 16 MB: 2.5x
+#: the ring's time in 16 segments, 1.25x in 4, 0.9x in 1 (bench/double_tree.py, 2 busy cores).
+HOST_LATENCY_BYTES = 8 << 20
+
+
+def latency_bytes(transport: str, hosts: int = 1) -> int:
+    """α/β for ``transport`` (``"auto"``: shared memory on one host, tcp across hosts)."""
+    one_host = transport in ("shm", "queue") or (transport == "auto" and hosts == 1)
+    return HOST_LATENCY_BYTES if one_host else NETWORK_LATENCY_BYTES
 
 
 def binary_tree(world_size: int, rank: int) -> tuple[int, list[int]]:
@@ -44,6 +61,15 @@ def binary_tree(world_size: int, rank: int) -> tuple[int, list[int]]:
     return parent, children
 
 
+def tree_rank(world_size: int, tree: int, rank: int) -> int:
+    """``rank``'s number in tree ``tree`` (the rank :func:`binary_tree` places): itself in the
+    first tree; in the second, mirrored (r -> N-1-r) when N is even, shifted (r -> r-1 mod N)
+    when N is odd."""
+    if tree == 0:
+        return rank
+    return world_size - 1 - rank if world_size % 2 == 0 else (rank - 1) % world_size
+
+
 def double_trees(world_size: int, rank: int) -> list[tuple[int, list[int]]]:
     """(parent, children) of ``rank`` in each of the two trees.
 
@@ -51,29 +77,192 @@ def double_trees(world_size: int, rank: int) -> list[tuple[int, list[int]]]:
     (r -> r-1 mod N) when N is odd: the first tree's leaves (odd ranks) are the second's inner
     nodes, so every rank forwards data in one tree and only sends and receives once in the other.
     """
-    if world_size % 2 == 0:
-        to, back = (lambda r: world_size - 1 - r), (lambda r: world_size - 1 - r)
-    else:
-        to, back = (lambda r: (r - 1) % world_size), (lambda r: (r + 1) % world_size)
-    parent, children = binary_tree(world_size, to(rank))
+    def back(node: int) -> int:  # tree_rank(world_size, 1, ·) undone
+        return world_size - 1 - node if world_size % 2 == 0 else (node + 1) % world_size
+
+    parent, children = binary_tree(world_size, tree_rank(world_size, 1, rank))
     second = (back(parent) if parent >= 0 else -1, [back(c) for c in children])
     return [binary_tree(world_size, rank), second]
 
 
-def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, segment_bytes: int = SEGMENT_BYTES) -> None:
-    """Reduce ``buf`` in place across all ranks: half through each of two binary trees.
+def segment_count(count: int, itemsize: int, world_size: int, segment_bytes: int | None = None,
+                  latency_bytes: int = NETWORK_LATENCY_BYTES) -> int:
+    """How many segments each half of a ``count``-element tensor travels in (every rank agrees).
 
-    Tree t reduces half t of the tensor to its root and broadcasts it back down, segment by
-    segment (``segment_bytes`` each), so a rank forwards segment s while its children already
-    send segment s+1. Each rank handles the segments in one fixed order, (phase, segment, tree),
-    reduce phase first: every wait is on a message earlier in that order, so no cycle of blocked
-    sends can form, however small the transport's buffers.
+    ``segment_bytes`` caps a segment's size (tests force many segments with tiny tensors). By
+    default the count minimises the cost (:func:`allreduce_double_tree`):
+    S = √(⌈log2 N⌉·T / (2·α/β)), α/β = ``latency_bytes``; across a network, one segment for 1 KB
+    (the fill is what costs) and 72 for 64 MB on 1,024 ranks; never more than a half's elements.
+    """
+    half = (count + 1) // 2
+    if segment_bytes is not None:
+        return max(1, -(-half // max(1, segment_bytes // itemsize)))
+    depth = (world_size - 1).bit_length()
+    return max(1, min(half, round(math.sqrt(depth * count * itemsize / (2 * latency_bytes)))))
 
-    Cost: about 2·⌈log2 N⌉·α for the first segment to go up and down, then each further segment
-    adds its own steps; bandwidth: a rank that is an inner node in one tree (two children) and a
-    leaf in the other sends and receives 2T, but the depth stays log2 N while the ring's grows
-    as N: it wins at large N where neither tree nor ring does. Bit-identical on every rank: each
-    segment is reduced once, at its tree's root, and copied down.
+
+class Move(NamedTuple):
+    """One message of a rank's schedule, from this rank's end."""
+
+    slot: int  # the same at both ends; a rank sends at most one message and receives at most one per slot
+    peer: int
+    sends: bool  # else receives
+    tree: int
+    segment: int
+    reduces: bool  # a receive from a child: fold it into ours
+    finishes: bool  # the root's receive from its only child: the segment is complete, finish it
+
+
+#: Each rank handles 4 messages each way per segment (see :func:`allreduce_double_tree`).
+PERIOD = 4
+
+
+def _preferred_phase(world_size: int, tree: int, child: int) -> int:
+    """The phase the link from ``child`` to its parent in ``tree`` would take in one binary tree
+    alone: 2·level + side, so that a parent hears its left child, then its right one, then
+    speaks (level: the child's height, leaves 0; side: 1 for a right child)."""
+    node = tree_rank(world_size, tree, child)
+    parent, _ = binary_tree(world_size, node)
+    level = (node & -node).bit_length() - 1
+    return (2 * level + int(node > parent) + 2 * tree) % PERIOD
+
+
+def _color(arcs: list[tuple[int, int, int]], world_size: int) -> list[int]:
+    """A phase 0..3 for each message class ``(sender, receiver, preferred phase)`` such that no
+    rank sends two, or receives two, of the same phase: König's edge colouring of the bipartite
+    graph of senders and receivers (each rank sends and receives at most 4 classes), keeping the
+    preferred phase where it is free at both ends."""
+    sent: list[dict[int, int]] = [{} for _ in range(world_size)]  # phase -> arc, per sender
+    received: list[dict[int, int]] = [{} for _ in range(world_size)]  # phase -> arc, per receiver
+    phases = [-1] * len(arcs)
+    for arc, (sender, receiver, preferred) in enumerate(arcs):
+        order = [(preferred + k) % PERIOD for k in range(PERIOD)]
+        free = next(p for p in order if p not in sent[sender])
+        if free in received[receiver]:
+            other = next(p for p in order if p not in received[receiver])
+            if other not in sent[sender]:
+                free = other
+            else:
+                # Swap free/other along the path from the receiver that alternates between them (it
+                # cannot reach the sender, which lacks `free`); then `free` is free at both ends.
+                path, node, phase, at_receiver = [], receiver, free, True
+                while (hop := (received if at_receiver else sent)[node].get(phase)) is not None:
+                    path.append(hop)
+                    node = arcs[hop][0] if at_receiver else arcs[hop][1]
+                    at_receiver, phase = not at_receiver, other if phase == free else free
+                for hop in path:
+                    del sent[arcs[hop][0]][phases[hop]], received[arcs[hop][1]][phases[hop]]
+                for hop in path:
+                    phases[hop] = other if phases[hop] == free else free
+                    sent[arcs[hop][0]][phases[hop]] = received[arcs[hop][1]][phases[hop]] = hop
+        phases[arc] = free
+        sent[sender][free] = received[receiver][free] = arc
+    return phases
+
+
+@functools.lru_cache(maxsize=16)
+def timetable(world_size: int) -> dict[tuple[int, int, int], int]:
+    """The slot of segment 0 of every message class, by ``(tree, child, direction)`` (the link
+    from ``child`` to its parent; 0 up, 1 down); segment s goes ``PERIOD·s`` slots later.
+
+    Each class gets a phase (its slot mod 4, :func:`_color`); then, tree by tree, the earliest
+    slot of that phase after what it waits for: going up, after its children's; going down,
+    after its parent's (the root's children: after the root heard them).
+    """
+    links = [(tree, child, double_trees(world_size, child)[tree][0])
+             for tree in range(2) for child in range(world_size)]
+    links = [link for link in links if link[2] >= 0]
+    arcs = []
+    for tree, child, parent in links:
+        preferred = _preferred_phase(world_size, tree, child)
+        arcs += [(child, parent, preferred), (parent, child, preferred)]
+    phases = _color(arcs, world_size)
+    phase = {(tree, child, direction): phases[2 * i + direction]
+             for i, (tree, child, _) in enumerate(links) for direction in range(2)}
+
+    def at_or_after(slot: int, phase: int) -> int:
+        return slot + (phase - slot) % PERIOD
+
+    slots = {}
+    for tree in range(2):
+        # Children before parents (a child's level is lower), the root last; then back down.
+        order = sorted(range(world_size), key=lambda r: _level(world_size, tree_rank(world_size, tree, r)))
+        heard = {}
+        for rank in order:
+            parent, children = double_trees(world_size, rank)[tree]
+            ready = max((slots[tree, c, 0] + 1 for c in children), default=0)
+            if parent < 0:
+                heard[tree] = ready
+            else:
+                slots[tree, rank, 0] = at_or_after(ready, phase[tree, rank, 0])
+        for rank in reversed(order):
+            parent, children = double_trees(world_size, rank)[tree]
+            ready = heard[tree] if parent < 0 else slots[tree, rank, 1] + 1
+            for c in children:
+                slots[tree, c, 1] = at_or_after(ready, phase[tree, c, 1])
+    return slots
+
+
+def _level(world_size: int, node: int) -> int:
+    """Tree rank ``node``'s height: leaves 0, the root ⌈log2 N⌉."""
+    return (world_size - 1).bit_length() if node == 0 else (node & -node).bit_length() - 1
+
+
+@functools.lru_cache(maxsize=256)
+def schedule(world_size: int, rank: int, segments: int) -> tuple[tuple[Move | None, Move | None], ...]:
+    """``rank``'s steps, in order: (send, receive) pairs, either of them None, one per slot."""
+    slots = timetable(world_size)
+    moves = []
+    for tree, (parent, children) in enumerate(double_trees(world_size, rank)):
+        for segment in range(segments):
+            later = PERIOD * segment
+            # Up: each child's part of the segment comes in and is folded into ours; then ours goes up.
+            # Down: the finished segment comes from the parent (the root made it), then goes to each child.
+            for child in children:
+                moves.append(Move(slots[tree, child, 0] + later, child, False, tree, segment, True, parent < 0))
+                moves.append(Move(slots[tree, child, 1] + later, child, True, tree, segment, False, False))
+            if parent >= 0:
+                moves.append(Move(slots[tree, rank, 0] + later, parent, True, tree, segment, False, False))
+                moves.append(Move(slots[tree, rank, 1] + later, parent, False, tree, segment, False, False))
+    by_slot: dict[int, list[Move | None]] = {}
+    for move in moves:
+        step = by_slot.setdefault(move.slot, [None, None])
+        if step[1 - move.sends] is not None:
+            raise RuntimeError(f"double tree schedule: rank {rank} of {world_size} has two "
+                               f"{'sends' if move.sends else 'receives'} in slot {move.slot}")
+        step[1 - move.sends] = move
+    return tuple(tuple(by_slot[slot]) for slot in sorted(by_slot))
+
+
+def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, segment_bytes: int | None = None,
+                          latency_bytes: int = NETWORK_LATENCY_BYTES) -> None:
+    """Reduce ``buf`` in place across all ranks: half through each of two binary trees, pipelined.
+
+    Tree t reduces half t of the tensor to its root and broadcasts it back down in S segments
+    (:func:`segment_count`; ``segment_bytes`` caps them, ``latency_bytes`` is the transport's
+    α/β). Everything runs at once, as in NCCL: a rank sends segment s up while it receives a later
+    one from a child, forwards early segments down while later ones still come up, and works in
+    both trees, each step one ``peers.sendrecv_buffer`` (one message out, one in). An inner node
+    of one tree that is a leaf of the other handles 4 messages each way per segment, so
+    :func:`timetable` gives every message a *slot*, segment s 4·s after segment 0, such that no
+    rank sends two or receives two in one slot, and every message comes after what it forwards.
+
+    Deadlock freedom, however small the transport's buffers: both ends of a message compute the
+    same slot, and every rank runs its slots in increasing order, one step per slot (its send and
+    its receive of that slot at once). Were the ranks stuck, take an unfinished message of the
+    least slot: its sender and its receiver have finished every earlier slot (an unfinished one
+    would hold a message of a smaller slot), so both are in the step that holds it, and
+    ``sendrecv_buffer`` moves a step's send and receive concurrently: it finishes, a
+    contradiction. Each pair's messages are in slot order at both ends, so a receive always
+    matches the message it expects.
+
+    Cost: with S segments of T/(2S) bytes, about (4S + 4·⌈log2 N⌉)·(α + T/(2S)·β): 2T·β of
+    bandwidth (an inner node of one tree, a leaf in the other, sends and receives 2T), 4S·α, and
+    a pipeline fill of 4·⌈log2 N⌉ segment-messages (2 per level up, 2 down: a parent takes its
+    two children one after the other); S = √(⌈log2 N⌉·T·β/(2α)) balances the last two. Unlike
+    the ring's 2(N-1)·α, the latency grows as log N; at small T it is about twice the binomial
+    tree's 2⌈log2 N⌉·α. Bit-identical on every rank: each segment is reduced once, in one order,
+    at its tree's root, and copied down.
 
     Bytes, exactly (T_t = bytes of half t, ``split_bounds(count, 2)``; c_t = this rank's
     children in tree t; u_t = 1 unless it is tree t's root): sends and receives
@@ -85,36 +274,33 @@ def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, s
         every rank -> buf == 4 * arange(8) + 6
     """
     n = peers.world_size
-    trees = double_trees(n, peers.rank)
     halves = [buf[a:b] for a, b in split_bounds(buf.size, 2)]
-    per_segment = max(1, segment_bytes // max(buf.itemsize, 1))
-    segments = max(1, -(-halves[0].size // per_segment))
-    pieces = [[half[s * per_segment:(s + 1) * per_segment] for s in range(segments)] for half in halves]
-    # Reduce phase: fold each child's segment into ours, then hand the sum to our parent.
-    for s in range(segments):
-        for (parent, children), half in zip(trees, pieces):
-            for child in children:
-                peers.recv_buffer(child, half[s], reduction)
-            if parent >= 0:
-                peers.send_buffer(parent, half[s])
-            else:
-                reduction.finalize(half[s], n)  # the root holds every contribution: finish it once
-    # Broadcast phase: take the finished segment from our parent, pass it to our children.
-    for s in range(segments):
-        for (parent, children), half in zip(trees, pieces):
-            if parent >= 0:
-                peers.recv_buffer(parent, half[s])
-            for child in children:
-                peers.send_buffer(child, half[s])
+    segments = segment_count(buf.size, buf.itemsize, n, segment_bytes, latency_bytes)
+    pieces = [[half[a:b] for a, b in split_bounds(half.size, segments)] for half in halves]
+    # One rank: its data is the reduction; finish it (avg divides by 1).
+    if n == 1:
+        reduction.finalize(buf, n)
+        return
+    # Every step: one message out, one in, or both at once.
+    for send, recv in schedule(n, peers.rank, segments):
+        if recv is None:
+            peers.send_buffer(send.peer, pieces[send.tree][send.segment])
+            continue
+        out, combine = pieces[recv.tree][recv.segment], reduction if recv.reduces else None
+        if send is None:
+            peers.recv_buffer(recv.peer, out, combine)
+        else:
+            peers.sendrecv_buffer(send.peer, pieces[send.tree][send.segment], recv.peer, out, combine)
+        if recv.finishes:  # the root holds every contribution to this segment: finish it once
+            reduction.finalize(out, n)
 
 
 def shape(world_size: int) -> tuple[float, float]:
     """The cost above as (latency steps on the critical path, bytes through the busiest rank per
     tensor byte), for ``auto``'s model (:mod:`lab.tuning`) and the reports."""
     d = power_terms(world_size).d
-    # the first segment's trip up and down (later ones pipeline behind it); an inner node that is
-    # also a leaf moves 2T
-    return 2 * d, 2.0
+    # the fill (2 messages per level, up and down); the bandwidth of an inner node that is also a leaf
+    return 4 * d, 2.0
 
 
 def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
