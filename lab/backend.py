@@ -540,7 +540,7 @@ def create(options: Any, pg_options: Any = None) -> LabProcessGroup:
         return LabProcessGroup(world, lab_options)
     # A new_group (any group after the world's, even one of every rank: its collectives may
     # interleave with the world's in any order): a sub-mesh with a context id of its own.
-    return LabProcessGroup(world._sub_mesh(members or list(range(world.world_size)), _agree_context(options)),
+    return LabProcessGroup(world.sub_mesh(members or list(range(world.world_size)), _agree_context(options)),
                            lab_options)
 
 
