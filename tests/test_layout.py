@@ -24,8 +24,12 @@ PACKAGE = ROOT / "lab"
 MAX_MODULE_LINES = 450
 MAX_CLASS_LINES = 300
 
-#: Real exceptions, each with its reason: {(module, rule detail): reason}. None today.
-EXCEPTIONS: dict[tuple[str, str], str] = {}
+#: Known exceptions, each with its reason: {(rule, module): reason}. They are expected failures
+#: (strict): once the module complies, its entry must go.
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("size", "lab.transport.shm"): "488 lines, ShmTransport 305: the two-shot allreduce branch is reworking "
+                                   "shm.py (split it, e.g. the mailbox and slot plumbing, once that lands)",
+}
 
 
 def module_name(path: Path) -> str:
@@ -108,9 +112,11 @@ def lab_module_aliases(tree: ast.Module, current: str) -> dict[str, str]:
     return aliases
 
 
-def private_uses(current: str) -> list[str]:
-    tree, own = TREES[current], PRIVATE_NAMES[current]
-    others = set().union(*(names for name, names in PRIVATE_NAMES.items() if name != current)) - own
+def private_uses(current: str, tree: ast.Module, private_names: dict[str, set[str]]) -> list[str]:
+    """Where module ``current`` (parsed: ``tree``) uses another lab module's private name
+    (``private_names``: each module's own)."""
+    own = private_names.get(current, set())
+    others = set().union(*(names for name, names in private_names.items() if name != current)) - own
     aliases = lab_module_aliases(tree, current)
     found = []
     for node in ast.walk(tree):
@@ -127,7 +133,7 @@ def private_uses(current: str) -> list[str]:
                     found.append(f"line {node.lineno}: {owner}.{node.attr} ({aliases[owner]}'s private name)")
             elif node.attr in others:
                 found.append(f"line {node.lineno}: .{node.attr} (another lab module's private name)")
-    return [f for f in found if (current, f.partition(": ")[2]) not in EXCEPTIONS]
+    return found
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -174,7 +180,13 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+def each_module(rule: str) -> list:
+    """Every lab module, those excepted from ``rule`` marked as expected failures with the reason."""
+    return [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=EXCEPTIONS[rule, m]))
+            if (rule, m) in EXCEPTIONS else m for m in sorted(MODULES)]
+
+
+@pytest.mark.parametrize("module", each_module("size"))
 def test_module_and_classes_are_small(module):
     path = MODULES[module]
     lines = len(path.read_text().splitlines())
@@ -186,26 +198,20 @@ def test_module_and_classes_are_small(module):
     assert not too_long, "; ".join(too_long)
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
+@pytest.mark.parametrize("module", each_module("private"))
 def test_no_private_name_across_modules(module):
-    assert not private_uses(module), f"{module} uses private names of other modules: {private_uses(module)}"
+    found = private_uses(module, TREES[module], PRIVATE_NAMES)
+    assert not found, f"{module} uses private names of other modules: {found}"
 
 
 def test_no_import_circle():
     assert not circles(import_graph()), f"import circles between lab modules: {circles(import_graph())}"
 
 
-def test_the_checker_catches_what_it_should(tmp_path):
+def test_the_checker_catches_what_it_should():
     """The rules fire on a circle, a private import and a private attribute (so they can fail)."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert not circles({"a": {"b"}, "b": set()})
-    tree = ast.parse("from lab.mesh import _x\nimport lab.fingerprint as fp\nfp._y\nobj._z\nself._w\n")
-    fake = "lab.__layout_probe__"
-    MODULES[fake], TREES[fake], PRIVATE_NAMES[fake] = PACKAGE / "probe.py", tree, set()
-    PRIVATE_NAMES["lab.mesh"] = PRIVATE_NAMES["lab.mesh"] | {"_z"}
-    try:
-        found = private_uses(fake)
-    finally:
-        del MODULES[fake], TREES[fake], PRIVATE_NAMES[fake]
-        PRIVATE_NAMES["lab.mesh"] = defined_private_names(TREES["lab.mesh"])
+    probe = ast.parse("from lab.mesh import _x\nimport lab.fingerprint as fp\nfp._y\nobj._z\nself._w\n")
+    found = private_uses("lab.probe", probe, {**PRIVATE_NAMES, "lab.probe": set(), "lab.other": {"_z"}})
     assert [f.partition(": ")[0] for f in found] == ["line 1", "line 3", "line 4"], found
