@@ -51,6 +51,23 @@ def pack_p2p(context: int, seq: int, dtype_code: int, count: int) -> bytes:
     return FINGERPRINT.pack(context, seq, 0, 0, dtype_code, 0, -1, count)
 
 
+def disagreeing(tag: bytes, unconsumed: dict[int, list[bytes]]) -> tuple[int, bytes] | None:
+    """The first of the ``unconsumed`` messages (tags by sender) that belongs to the same
+    collective as ``tag`` (same context and sequence number) but carries another fingerprint:
+    ``(sender, its tag)``, or None.
+
+    Ranks that disagree on, say, the root of a broadcast may never receive from each other; the
+    message one of them sent is still waiting, unconsumed, and tells what happened.
+    """
+    context, seq = FINGERPRINT.unpack_from(tag)[:2]
+    for src, tags in unconsumed.items():
+        for got in tags:
+            got_context, got_seq, coll = FINGERPRINT.unpack_from(got)[:3]
+            if got_context == context and got_seq == seq and coll and got[: len(tag)] != tag:
+                return src, got
+    return None
+
+
 def describe(tag: bytes) -> str:
     """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag."""
     if len(tag) < FINGERPRINT.size:

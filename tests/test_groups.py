@@ -386,3 +386,32 @@ def test_auto_picks_hierarchical_across_hosts_when_the_model_says():
     assert tuning.predict_hierarchical_us(1 << 10, 8, 2, "shm", {}) is None  # no fits: None
     # Without fits: hierarchical from AUTO_LARGE_MIN_BYTES up.
     assert tuning.choose_across_hosts(tuning.AUTO_LARGE_MIN_BYTES, 8, 2, "shm", {}) == "hierarchical"
+
+
+def test_sub_mesh_arguments_are_checked_and_ranks_translated():
+    """``Mesh.sub_mesh``'s numbering (:class:`lab.membership.Membership`), without processes: bad
+    members or context raise naming the argument; ranks and hosts translate both ways."""
+    from lab.membership import Membership, agree_split
+
+    world = Membership(global_rank=3, hosts=[0, 0, 1, 1, 1])
+    pair = world.sub([4, 3], context=7)
+    assert (pair.rank, pair.world_size, pair.to_global(0), pair.from_global(3)) == (1, 2, 4, 1)
+    assert (pair.host_of(0), pair.host_count, pair.local_placement(1)) == (1, 1, (1, 2))
+    assert pair.who() == "rank 1 of sub-mesh 00000007 (global rank 3)" and pair.who(0) == "global rank 0"
+    nested = pair.sub([1], context=8)  # a sub-mesh of a sub-mesh: pair's rank 1 is global rank 3
+    assert (nested.members, nested.rank) == ([3], 0)
+    for members, context, message in [([0, 1], 7, "members must include this rank"),
+                                      ([3, 3], 7, "members must be distinct ranks"),
+                                      ([3, 5], 7, "members must be distinct ranks in"),
+                                      ([3], 0, "context must be an int"),
+                                      ([3], 2**32, "context must be an int"),
+                                      ([3], True, "context must be an int")]:
+        with pytest.raises(ValueError, match=message):
+            world.sub(members, context)
+    with pytest.raises(TypeError, match="members must be a list"):
+        world.sub(3, 7)
+    # split's agreement: colours in sorted order get base + i; opted-out ranks still move past them
+    everyone = [[5, 0, 1], [2, 1, 4], [5, -1, 3], [-1, 0, 2]]
+    assert agree_split(everyone, 5) == ([2, 0], 5, 6)
+    assert agree_split(everyone, 2) == ([1], 4, 6)
+    assert agree_split(everyone, None) == (None, 0, 6)

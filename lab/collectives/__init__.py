@@ -10,158 +10,25 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lab import checks
 from lab.buffers import as_buffer, check_tensor, to_caller_type
 from lab.chunking import row_bounds, split_bounds
-from lab.collectives import registry
 from lab.collectives.allreduce_double_tree import latency_bytes
-from lab import checks, tuning
-from lab.ops import DTYPES, DType, ReduceOp, check_reduces, parse_op
+from lab.collectives.choice import ALGORITHMS, check_algorithm, choose, forced_algorithm, pick, segment_bytes
+from lab.collectives.gather_scatter import gather, prepare_gather, prepare_scatter, scatter
+from lab.collectives.prepared import Prepared, Signature, check_root, parse_op
+from lab.ops import DTYPES, ReduceOp, check_reduces
 
 if TYPE_CHECKING:
     from lab.mesh import Mesh
 
-#: Every collective's algorithms, by name (``"auto"`` picks one of them; see :func:`choose`): the
-#: registry's entries (:mod:`lab.collectives.registry`), each callable. reduce and barrier have one each.
-ALGORITHMS: dict[str, dict[str, registry.Algorithm]] = registry.ALGORITHMS
 ALLREDUCE_ALGORITHMS = ALGORITHMS["allreduce"]
 _REDUCE, = ALGORITHMS["reduce"]
 _BARRIER, = ALGORITHMS["barrier"]
-
-
-def forced_algorithm(collective: str) -> str | None:
-    """The algorithm ``LAB_ALGO`` forces on ``collective``, or None (like ``NCCL_ALGO``).
-
-    ``LAB_ALGO`` is a comma-separated list of names, each either ``algorithm`` (applies to every
-    collective that has an algorithm of that name: ``ring`` forces allreduce, allgather and
-    reduce_scatter and leaves broadcast alone) or ``collective=algorithm`` (that collective
-    only; it wins over a bare name). A name no collective has is a ``ValueError`` naming
-    ``LAB_ALGO``, raised by every collective that consults it.
-
-        LAB_ALGO=ring                                   # ring wherever there is one
-        LAB_ALGO=allreduce=tree,broadcast=scatter_allgather
-    """
-    targeted, bare = {}, []
-    for entry in filter(None, (e.strip() for e in os.environ.get("LAB_ALGO", "").split(","))):
-        target, _, name = (part.strip() for part in entry.rpartition("="))
-        if target and name not in ALGORITHMS.get(target, {}):
-            expected = (", ".join(f"{target}={a}" for a in ALGORITHMS[target]) if target in ALGORITHMS
-                        else f"a collective among {', '.join(ALGORITHMS)}")
-            raise ValueError(f"LAB_ALGO entry {entry!r} is not valid; expected {expected}")
-        if not target and not any(name in algorithms for algorithms in ALGORITHMS.values()):
-            known = sorted({a for algorithms in ALGORITHMS.values() for a in algorithms})
-            raise ValueError(f"LAB_ALGO must name algorithms among {', '.join(known)}; got {name!r}")
-        if target:
-            targeted[target] = name
-        else:
-            bare.append(name)
-    if collective in targeted:
-        return targeted[collective]
-    return next((name for name in bare if name in ALGORITHMS[collective]), None)
-
-
-_OPS_BY_NAME = {o.value: o for o in ReduceOp}
-
-
-def _parse_op(op: Any) -> ReduceOp:
-    """:func:`lab.ops.parse_op`, with the common lower-case names looked up directly."""
-    return _OPS_BY_NAME.get(op) or parse_op(op) if isinstance(op, str) else parse_op(op)
-
-
-#: choose()'s answers: ``auto`` is decided once per (collective, size, N, transport, LAB_ALGO, models)
-#: instead of on every call (parsing LAB_ALGO and comparing every model cost ~10 µs a call).
-_CHOICES: dict[tuple, str] = {}
-_MAX_CHOICES = 4096
-
-
-def choose(collective: str, nbytes: int, world_size: int, transport: str) -> str:
-    """The algorithm ``"auto"`` runs for ``collective`` on an ``nbytes`` tensor: ``LAB_ALGO``'s
-    if it names one of this collective's, else the fitted model's fastest (:mod:`lab.tuning`)."""
-    key = (collective, nbytes, world_size, transport, os.environ.get("LAB_ALGO", ""), tuning.fitted_models)
-    chosen = _CHOICES.get(key)
-    if chosen is None:
-        chosen = forced_algorithm(collective) or tuning.choose(nbytes, world_size, transport, collective)
-        if len(_CHOICES) >= _MAX_CHOICES:
-            _CHOICES.clear()
-        _CHOICES[key] = chosen
-    return chosen
-
-
-def check_algorithm(algorithm: Any, collective: str = "allreduce") -> str:
-    """``algorithm`` if ``collective`` has it (or it is ``"auto"``), else a ``ValueError`` listing them."""
-    choices = [*ALGORITHMS[collective], "auto"]
-    if algorithm not in choices:
-        raise ValueError(f"algorithm must be one of {', '.join(map(repr, choices))}; got {algorithm!r}")
-    return algorithm
-
-
-def _pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
-    """Check ``algorithm`` (before any communication) and resolve ``"auto"``.
-
-    A mesh across hosts (``hosts=``, torchrun's nodes) lets allreduce's ``auto`` weigh
-    ``"hierarchical"`` against the flat algorithms (:func:`lab.tuning.choose_across_hosts`);
-    ``transport="auto"`` reads the ``shm`` fits inside one host and the ``tcp`` fits across hosts.
-    """
-    check_algorithm(algorithm, collective)
-    if algorithm != "auto":
-        return algorithm
-    # Small enough for the compiled path (lab.plane): the model's pick if it compiles, else the
-    # collective's first compilable algorithm (one Numba call beats a Python exchange).
-    compiled_max_bytes = getattr(mesh, "compiled_max_bytes", 0)  # 0: no compiled path
-    if 0 < compiled_max_bytes and nbytes <= compiled_max_bytes and not forced_algorithm(collective):
-        compiled = registry.compiled(collective)
-        if compiled:
-            chosen = choose(collective, nbytes, mesh.world_size, "shm")
-            return chosen if chosen in compiled else compiled[0]
-    transport, hosts = mesh.transport, getattr(mesh, "host_count", 1)
-    if hosts > 1 and collective == "allreduce" and transport in ("tcp", "auto") and not forced_algorithm(collective):
-        return tuning.choose_across_hosts(nbytes, mesh.world_size, hosts, "shm" if transport == "auto" else "tcp")
-    if transport == "auto":
-        transport = "tcp" if hosts > 1 else "shm"
-    return choose(collective, nbytes, mesh.world_size, transport)
-
-
-def _segment_bytes() -> int | None:
-    """Double tree's largest pipeline segment: ``LAB_SEGMENT_BYTES``, or None: sized from the
-    tensor and N (tests force many segments)."""
-    value = os.environ.get("LAB_SEGMENT_BYTES", "")
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"LAB_SEGMENT_BYTES must be a positive number of bytes; got {value!r}")
-    return int(value)
-
-
-def _check_root(mesh: Mesh, root: Any, name: str) -> int:
-    if not checks.is_int(root) or not 0 <= root < mesh.world_size:
-        raise ValueError(f"{name} must be a rank in [0, {mesh.world_size}); got {root!r}")
-    return int(root)
-
-
-class Signature(NamedTuple):
-    """What every rank must agree on for one collective: :meth:`lab.Mesh.collective`'s arguments
-    (they make its fingerprint)."""
-
-    collective: str
-    algorithm: str
-    dtype: DType
-    count: int
-    op: str = ""
-    root: int = -1
-    compiled: bool = True  # may take the compiled path (lab.plane) when small enough
-
-
-class Prepared(NamedTuple):
-    """A collective whose arguments are checked and whose algorithm is chosen: ``run()`` does its
-    communication on the tensor's current contents and returns what the public call returns."""
-
-    run: Callable[[], Any]
-    signature: Signature
 
 
 def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -183,14 +50,14 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
 
 def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
     """:func:`allreduce`'s checks and choices, done now; its communication, ready to run."""
-    reduce_op = _parse_op(op)
+    reduce_op = parse_op(op)
     buffer = as_buffer(tensor)
     check_reduces(buffer.dtype, "allreduce")
     kernels = mesh.kernels(reduce_op, buffer.dtype)
-    chosen = _pick(mesh, "allreduce", algorithm, buffer.nbytes)
+    chosen = pick(mesh, "allreduce", algorithm, buffer.nbytes)
     options = {}
     if chosen == "double_tree":  # its pipeline segments: forced, or sized from the tensor, N and the transport
-        options = {"segment_bytes": _segment_bytes(),
+        options = {"segment_bytes": segment_bytes(),
                    "latency_bytes": latency_bytes(mesh.transport, getattr(mesh, "host_count", 1))}
     signature = Signature("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value)
 
@@ -221,9 +88,9 @@ def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", as
 
 def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
     """:func:`broadcast`'s checks and choices, done now; its communication, ready to run."""
-    src = _check_root(mesh, src, "src")
+    src = check_root(mesh, src, "src")
     buffer = as_buffer(tensor)
-    chosen = _pick(mesh, "broadcast", algorithm, buffer.nbytes)
+    chosen = pick(mesh, "broadcast", algorithm, buffer.nbytes)
     signature = Signature("broadcast", chosen, buffer.dtype, buffer.numel, root=src)
 
     def run() -> Any:
@@ -257,7 +124,7 @@ def prepare_allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Prepa
     shape = tuple(np.shape(tensor)) or (1,)
     out_shape = (mesh.world_size * shape[0], *shape[1:])
     numel = math.prod(shape)
-    chosen = _pick(mesh, "allgather", algorithm, mesh.world_size * numel * dtype.storage.itemsize)
+    chosen = pick(mesh, "allgather", algorithm, mesh.world_size * numel * dtype.storage.itemsize)
     bounds = split_bounds(mesh.world_size * numel, mesh.world_size)  # equal blocks of numel
     start, stop = bounds[mesh.rank]
     buffer = as_buffer(tensor, writable=False)
@@ -292,14 +159,14 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "a
 def prepare_reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
     """:func:`reduce_scatter`'s checks and choices, done now; its communication, ready to run
     (each run returns a new tensor)."""
-    reduce_op = _parse_op(op)
+    reduce_op = parse_op(op)
     dtype = check_tensor(tensor)
     shape = tuple(np.shape(tensor))
     if not shape:
         raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
     check_reduces(dtype, "reduce_scatter")
     kernels = mesh.kernels(reduce_op, dtype)
-    chosen = _pick(mesh, "reduce_scatter", algorithm, math.prod(shape) * dtype.storage.itemsize)
+    chosen = pick(mesh, "reduce_scatter", algorithm, math.prod(shape) * dtype.storage.itemsize)
     buffer = as_buffer(tensor, writable=False)
     bounds = row_bounds(shape[0], math.prod(shape[1:]), mesh.world_size)
     start, stop = bounds[mesh.rank]
@@ -331,8 +198,8 @@ def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: boo
 
 def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Prepared:
     """:func:`reduce`'s checks, done now; its communication, ready to run."""
-    dst = _check_root(mesh, dst, "dst")
-    reduce_op = _parse_op(op)
+    dst = check_root(mesh, dst, "dst")
+    reduce_op = parse_op(op)
     buffer = as_buffer(tensor)
     check_reduces(buffer.dtype, "reduce")
     kernels = mesh.kernels(reduce_op, buffer.dtype)
@@ -428,7 +295,7 @@ def prepare_all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, 
         chosen = forced if forced and ALGORITHMS["all_to_all"][forced].uneven else \
             next(a for a, entry in ALGORITHMS["all_to_all"].items() if entry.uneven)
     else:
-        chosen = _pick(mesh, "all_to_all", algorithm, math.prod(shape) * dtype.storage.itemsize)
+        chosen = pick(mesh, "all_to_all", algorithm, math.prod(shape) * dtype.storage.itemsize)
     buffer = as_buffer(tensor, writable=False)
     send_bounds, recv_bounds = _bounds_of(sends, row), _bounds_of(receives, row)
     # Ranks agree on their shapes only beyond dim 0 when split sizes are given: the fingerprint
@@ -440,91 +307,6 @@ def prepare_all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, 
         with mesh.collective(*signature):
             mesh.run(ALGORITHMS["all_to_all"][chosen], buffer.load(), out, send_bounds, recv_bounds)
         return to_caller_type(out, dtype, (sum(receives), *shape[1:]), like=tensor)
-
-    return Prepared(run, signature)
-
-
-def gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
-    """Concatenate every rank's ``tensor`` along dim 0, in rank order, into a new tensor on rank ``dst``.
-
-    Every rank passes the same shape (a 0-d tensor gathers into shape ``(N,)``); rank ``dst``
-    returns the result, with the caller's type (torch or numpy), every other rank ``None``.
-    ``algorithm``: ``"binomial"`` (⌈log2 N⌉ rounds, MPICH's), ``"linear"`` (every rank sends
-    straight to the root) or ``"auto"``.
-
-    Per rank, N=3, dst=1::
-
-        lab.gather(mesh, torch.tensor([mesh.rank, 10 + mesh.rank]), dst=1)
-        # rank 1: tensor([0, 10, 1, 11, 2, 12]);  ranks 0 and 2: None
-    """
-    return mesh.issue(prepare_gather(mesh, tensor, dst, algorithm).run, async_op)
-
-
-def prepare_gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto") -> Prepared:
-    """:func:`gather`'s checks and choices, done now; its communication, ready to run (each run
-    returns a new tensor on ``dst``, None elsewhere)."""
-    dst = _check_root(mesh, dst, "dst")
-    dtype = check_tensor(tensor)
-    n = mesh.world_size
-    shape = tuple(np.shape(tensor)) or (1,)
-    numel = math.prod(shape)
-    chosen = _pick(mesh, "gather", algorithm, n * numel * dtype.storage.itemsize)
-    bounds = split_bounds(n * numel, n)  # equal blocks of numel
-    buffer = as_buffer(tensor, writable=False)
-    signature = Signature("gather", chosen, dtype, numel, root=dst)
-
-    def run() -> Any:
-        # Every rank's: the root's result, another rank's scratch (binomial collects its subtree
-        # there; pages it never touches cost nothing).
-        out = mesh.new_flat(n * numel, dtype)
-        with mesh.collective(*signature):
-            mesh.run(ALGORITHMS["gather"][chosen], buffer.load(), out, bounds, dst)
-        if mesh.rank != dst:
-            return None
-        return to_caller_type(out, dtype, (n * shape[0], *shape[1:]), like=tensor)
-
-    return Prepared(run, signature)
-
-
-def scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
-    """Return block ``rank`` of rank ``src``'s ``tensor`` as a new tensor on every rank.
-
-    Blocks are split along dim 0 as ``numpy.array_split`` does (equal when N divides dim 0).
-    Every rank passes a tensor of the same shape; only ``src``'s contents are read, and none is
-    modified. ``algorithm``: ``"binomial"`` (⌈log2 N⌉ rounds, MPICH's), ``"linear"`` (the root
-    sends to every rank directly) or ``"auto"``.
-
-    Per rank, N=3, src=1::
-
-        x = torch.arange(4.0) + 10 * mesh.rank     # rank 1: [10, 11, 12, 13]
-        lab.scatter(mesh, x, src=1)                # rank 0: [10, 11]  rank 1: [12]  rank 2: [13]
-    """
-    return mesh.issue(prepare_scatter(mesh, tensor, src, algorithm).run, async_op)
-
-
-def prepare_scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
-    """:func:`scatter`'s checks and choices, done now; its communication, ready to run (each run
-    returns a new tensor)."""
-    src = _check_root(mesh, src, "src")
-    dtype = check_tensor(tensor)
-    shape = tuple(np.shape(tensor))
-    if not shape:
-        raise ValueError("tensor must have at least one dimension to be split along dim 0; got a 0-d tensor")
-    numel = math.prod(shape)
-    chosen = _pick(mesh, "scatter", algorithm, numel * dtype.storage.itemsize)
-    buffer = as_buffer(tensor, writable=False)
-    bounds = row_bounds(shape[0], math.prod(shape[1:]), mesh.world_size)
-    start, stop = bounds[mesh.rank]
-    rows = split_bounds(shape[0], mesh.world_size)[mesh.rank]
-    signature = Signature("scatter", chosen, dtype, numel, root=src)
-
-    def run() -> Any:
-        # Only the root's tensor is read; elsewhere the algorithm sees a buffer of its size (scratch).
-        send = buffer.load() if mesh.rank == src else mesh.new_flat(numel, dtype)
-        out = mesh.new_flat(stop - start, dtype)
-        with mesh.collective(*signature):
-            mesh.run(ALGORITHMS["scatter"][chosen], send, out, bounds, src)
-        return to_caller_type(out, dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
 
     return Prepared(run, signature)
 
@@ -550,5 +332,30 @@ def prepare_barrier(mesh: Mesh) -> Prepared:
     return Prepared(run, signature)
 
 
-__all__ = ["allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather",
-           "scatter", "choose", "check_algorithm", "forced_algorithm", "ALGORITHMS", "ReduceOp"]
+__all__ = [
+    "ALGORITHMS",
+    "Prepared",
+    "ReduceOp",
+    "Signature",
+    "all_to_all",
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "check_algorithm",
+    "choose",
+    "forced_algorithm",
+    "gather",
+    "prepare_all_to_all",
+    "prepare_allgather",
+    "prepare_allreduce",
+    "prepare_barrier",
+    "prepare_broadcast",
+    "prepare_gather",
+    "prepare_reduce",
+    "prepare_reduce_scatter",
+    "prepare_scatter",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+]

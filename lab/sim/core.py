@@ -63,7 +63,7 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     return int(value)
 
 
-def _check_limits(max_steps: Any, max_seconds: Any) -> tuple[int | None, float | None]:
+def check_limits(max_steps: Any, max_seconds: Any) -> tuple[int | None, float | None]:
     """The recording's limits: ``max_steps`` an integer >= 1, ``max_seconds`` a number > 0; None: none."""
     if max_steps is not None:
         if not checks.is_int(max_steps) or max_steps < 1:
@@ -170,7 +170,7 @@ def simulate(collective: str, algorithm: str, world_size: int, nbytes: int, netw
     """
     collective, world_size, nbytes, root, network = _check(collective, world_size, nbytes, root, network)
     _check_algorithm(collective, algorithm)
-    max_steps, max_seconds = _check_limits(max_steps, max_seconds)
+    max_steps, max_seconds = check_limits(max_steps, max_seconds)
     _fits(collective, algorithm, world_size, nbytes, root, network.ranks_per_host, max_steps, max_seconds)
     return _simulate(collective, algorithm, world_size, nbytes, network, root, max_steps)
 
@@ -215,7 +215,7 @@ def predict(collective: str, world_size: int, nbytes: int, network: Network | No
     (leaving it out would let :func:`best_algorithm` answer among the others, silently).
     """
     collective, world_size, nbytes, root, network = _check(collective, world_size, nbytes, root, network)
-    max_steps, max_seconds = _check_limits(max_steps, max_seconds)
+    max_steps, max_seconds = check_limits(max_steps, max_seconds)
     names = algorithms()[collective] if candidates is None else tuple(candidates)
     for name in names:
         _check_algorithm(collective, name)

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from lab.report import splice
-from lab.sim.core import _check_limits, simulate
+from lab.sim.core import check_limits, simulate
 from lab.sim.network import Network
 from lab.sim.limits import DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_WORLD_SIZE, SimulationUnsupported
 from lab.sim.record import COLLECTIVES, algorithms
@@ -260,7 +260,7 @@ def main(args: argparse.Namespace) -> int:
     for n in args.world_sizes:
         if not 1 <= n <= MAX_WORLD_SIZE:
             raise ValueError(f"--world-sizes must be from 1 to {MAX_WORLD_SIZE:,}; got {n}")
-    _check_limits(args.max_steps, args.max_seconds)  # before the sweep, not at its first case
+    check_limits(args.max_steps, args.max_seconds)  # before the sweep, not at its first case
     sizes = parse_sizes(args.sizes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,34 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def parking_bound(held: int, total: int, nbytes: int) -> str | None:
+    """The bound that parking ``nbytes`` more would pass, with ``held`` bytes parked from that peer
+    and ``total`` from all (as the error names it), or None while there is room."""
+    if held + nbytes > MAX_PARKED_BYTES_PER_PEER:
+        return f"MAX_PARKED_BYTES_PER_PEER ({_size(MAX_PARKED_BYTES_PER_PEER)}; {_size(held)} held from it already)"
+    if total + nbytes > MAX_PARKED_BYTES:
+        return f"MAX_PARKED_BYTES ({_size(MAX_PARKED_BYTES)} from all peers; {_size(total)} held already)"
+    return None
+
+
+def check_frame(rank: int, peer: int, tag: bytes, got_tag: bytes, expected_bytes: int, nbytes: int,
+                where: object) -> None:
+    """A frame of the receive's context from ``peer`` must carry its tag and byte count."""
+    if got_tag != tag:
+        raise TagMismatch(peer, tag, got_tag)
+    if nbytes != expected_bytes:
+        raise CollectiveMismatchError(f"rank {rank} expected {expected_bytes} bytes from rank {peer} in {where}, "
+                                      f"got {nbytes}")
+
+
+def recv_some(sock: socket.socket, view: memoryview) -> int:
+    """``sock.recv_into(view)``; a closed connection is a ``ConnectionError``."""
+    got = sock.recv_into(view)
+    if not got:
+        raise ConnectionError("connection closed")
+    return got
+
+
 class _Job:
     """One frame in flight: header and its MAC, payload, MAC; sent or received a piece at a time.
     A receive's ``mac`` is made when its header arrives (``None`` until then)."""
@@ -174,11 +202,7 @@ class TcpTransport(Transport):
             return False
         got_tag, payload = parked.pop(index)
         self._parked_bytes[recv.src] -= payload.nbytes
-        if got_tag != tag:
-            raise TagMismatch(recv.src, tag, got_tag)
-        if payload.nbytes != recv.out.nbytes:
-            raise CollectiveMismatchError(f"rank {self.rank} expected {recv.out.nbytes} bytes from rank {recv.src} "
-                                          f"in {where}, got {payload.nbytes}")
+        check_frame(self.rank, recv.src, tag, got_tag, recv.out.nbytes, payload.nbytes, where)
         if recv.combine is None:
             recv.out.view(np.uint8)[:] = payload
         else:
@@ -210,11 +234,7 @@ class TcpTransport(Transport):
             job.header_done = 0
             return
         job.mac = mac
-        if got_tag != tag:
-            raise TagMismatch(job.peer, tag, got_tag)
-        if nbytes != job.bytes.nbytes:
-            raise CollectiveMismatchError(
-                f"rank {self.rank} expected {job.bytes.nbytes} bytes from rank {job.peer} in {where}, got {nbytes}")
+        check_frame(self.rank, job.peer, tag, got_tag, job.bytes.nbytes, nbytes, where)
 
     def _forged(self, peer: int, what: str, where: object) -> None:
         """A MAC did not check out: close the connection (nothing after it can be trusted) and raise."""
@@ -235,7 +255,7 @@ class TcpTransport(Transport):
             for buffer in (memoryview(payload), memoryview(trailer)):
                 done = 0
                 while done < len(buffer):
-                    done += self._recv_into(link.sock, buffer[done:])
+                    done += recv_some(link.sock, buffer[done:])
         except TimeoutError:
             raise DeadlineError(f"rank {self.rank} timed out receiving a frame of another mesh from rank {peer} "
                                 f"in {where}", peers=(peer,)) from None
@@ -253,12 +273,8 @@ class TcpTransport(Transport):
         An error, not back-pressure: a parked frame is only taken by a later exchange, and what
         this one waits for is behind it in the same stream, so not reading it would only turn the
         overflow into a silent wait until the deadline, blaming a rank that is not late."""
-        held, total = self._parked_bytes[peer], sum(self._parked_bytes.values())
-        if held + nbytes > MAX_PARKED_BYTES_PER_PEER:
-            bound = f"MAX_PARKED_BYTES_PER_PEER ({_size(MAX_PARKED_BYTES_PER_PEER)}; {_size(held)} held from it already)"
-        elif total + nbytes > MAX_PARKED_BYTES:
-            bound = f"MAX_PARKED_BYTES ({_size(MAX_PARKED_BYTES)} from all peers; {_size(total)} held already)"
-        else:
+        bound = parking_bound(self._parked_bytes[peer], sum(self._parked_bytes.values()), nbytes)
+        if bound is None:
             return
         self._links[peer].sock.close()  # the stream stops mid-frame: the connection is unusable
         context = int.from_bytes(got_tag[:CONTEXT_BYTES], "little")
@@ -330,12 +346,12 @@ class TcpTransport(Transport):
         sock = self._links[job.peer].sock
         try:
             while job.header_done < _HEAD_BYTES:
-                job.header_done += self._recv_into(sock, memoryview(job.header)[job.header_done:])
+                job.header_done += recv_some(sock, memoryview(job.header)[job.header_done:])
                 if job.header_done == _HEAD_BYTES:
                     self._open(job, tag, where)  # (if it parked the frame, header_done is 0 again)
             while job.offset < job.bytes.nbytes:
                 if job.combine is None:  # straight into the output
-                    got = self._recv_into(sock, job.bytes[job.offset:])
+                    got = recv_some(sock, job.bytes[job.offset:])
                     job.mac.update(job.bytes[job.offset:job.offset + got])
                     job.offset += got
                     continue
@@ -345,7 +361,7 @@ class TcpTransport(Transport):
                     job.scratch = np.empty(SCRATCH_BYTES, np.uint8)
                 segment = min(SCRATCH_BYTES, job.bytes.nbytes - job.offset)  # whole elements
                 view = memoryview(job.scratch)
-                got = self._recv_into(sock, view[job.filled:segment])
+                got = recv_some(sock, view[job.filled:segment])
                 job.mac.update(view[job.filled:job.filled + got])
                 job.filled += got
                 if job.filled == segment:
@@ -358,18 +374,11 @@ class TcpTransport(Transport):
                     if job.offset < job.bytes.nbytes:
                         return
             while job.trailer_done < MAC_BYTES:
-                job.trailer_done += self._recv_into(sock, memoryview(job.trailer)[job.trailer_done:])
+                job.trailer_done += recv_some(sock, memoryview(job.trailer)[job.trailer_done:])
             if not hmac.compare_digest(bytes(job.trailer), job.mac.digest()):
                 self._forged(job.peer, "frame", where)
         except BlockingIOError:
             return
-
-    @staticmethod
-    def _recv_into(sock: socket.socket, view: memoryview) -> int:
-        got = sock.recv_into(view)
-        if not got:
-            raise ConnectionError("connection closed")
-        return got
 
     def ready_source(self, expected: Mapping[int, bytes], timeout_s: float, where: object) -> int | None:
         """Peek at the next frame header from each of ``expected``'s peers (read whole and parked

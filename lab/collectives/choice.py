@@ -1,0 +1,118 @@
+"""Which algorithm a collective runs: the one named, ``LAB_ALGO``'s, or ``"auto"``'s pick.
+
+``"auto"`` asks the fitted models (:mod:`lab.tuning`) for the fastest algorithm at this size, world
+size and transport, prefers a compilable algorithm where the compiled path takes the tensor
+(:mod:`lab.plane`), and weighs ``"hierarchical"`` for an allreduce across hosts.
+
+    pick(mesh, "allreduce", "auto", 4 << 20)     # the fitted models' fastest for 4 MiB, e.g. "ring"
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from lab import tuning
+from lab.collectives import registry
+
+if TYPE_CHECKING:
+    from lab.mesh import Mesh
+
+#: Every collective's algorithms, by name (``"auto"`` picks one of them; see :func:`choose`): the
+#: registry's entries (:mod:`lab.collectives.registry`), each callable. reduce and barrier have one each.
+ALGORITHMS: dict[str, dict[str, registry.Algorithm]] = registry.ALGORITHMS
+
+
+def forced_algorithm(collective: str) -> str | None:
+    """The algorithm ``LAB_ALGO`` forces on ``collective``, or None (like ``NCCL_ALGO``).
+
+    ``LAB_ALGO`` is a comma-separated list of names, each either ``algorithm`` (applies to every
+    collective that has an algorithm of that name: ``ring`` forces allreduce, allgather and
+    reduce_scatter and leaves broadcast alone) or ``collective=algorithm`` (that collective
+    only; it wins over a bare name). A name no collective has is a ``ValueError`` naming
+    ``LAB_ALGO``, raised by every collective that consults it.
+
+        LAB_ALGO=ring                                   # ring wherever there is one
+        LAB_ALGO=allreduce=tree,broadcast=scatter_allgather
+    """
+    targeted, bare = {}, []
+    for entry in filter(None, (e.strip() for e in os.environ.get("LAB_ALGO", "").split(","))):
+        target, _, name = (part.strip() for part in entry.rpartition("="))
+        if target and name not in ALGORITHMS.get(target, {}):
+            expected = (", ".join(f"{target}={a}" for a in ALGORITHMS[target]) if target in ALGORITHMS
+                        else f"a collective among {', '.join(ALGORITHMS)}")
+            raise ValueError(f"LAB_ALGO entry {entry!r} is not valid; expected {expected}")
+        if not target and not any(name in algorithms for algorithms in ALGORITHMS.values()):
+            known = sorted({a for algorithms in ALGORITHMS.values() for a in algorithms})
+            raise ValueError(f"LAB_ALGO must name algorithms among {', '.join(known)}; got {name!r}")
+        if target:
+            targeted[target] = name
+        else:
+            bare.append(name)
+    if collective in targeted:
+        return targeted[collective]
+    return next((name for name in bare if name in ALGORITHMS[collective]), None)
+
+
+#: choose()'s answers: ``auto`` is decided once per (collective, size, N, transport, LAB_ALGO, models)
+#: instead of on every call (parsing LAB_ALGO and comparing every model cost ~10 µs a call).
+_CHOICES: dict[tuple, str] = {}
+_MAX_CHOICES = 4096
+
+
+def choose(collective: str, nbytes: int, world_size: int, transport: str) -> str:
+    """The algorithm ``"auto"`` runs for ``collective`` on an ``nbytes`` tensor: ``LAB_ALGO``'s
+    if it names one of this collective's, else the fitted model's fastest (:mod:`lab.tuning`)."""
+    key = (collective, nbytes, world_size, transport, os.environ.get("LAB_ALGO", ""), tuning.fitted_models)
+    chosen = _CHOICES.get(key)
+    if chosen is None:
+        chosen = forced_algorithm(collective) or tuning.choose(nbytes, world_size, transport, collective)
+        if len(_CHOICES) >= _MAX_CHOICES:
+            _CHOICES.clear()
+        _CHOICES[key] = chosen
+    return chosen
+
+
+def check_algorithm(algorithm: Any, collective: str = "allreduce") -> str:
+    """``algorithm`` if ``collective`` has it (or it is ``"auto"``), else a ``ValueError`` listing them."""
+    choices = [*ALGORITHMS[collective], "auto"]
+    if algorithm not in choices:
+        raise ValueError(f"algorithm must be one of {', '.join(map(repr, choices))}; got {algorithm!r}")
+    return algorithm
+
+
+def pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
+    """Check ``algorithm`` (before any communication) and resolve ``"auto"``.
+
+    A mesh across hosts (``hosts=``, torchrun's nodes) lets allreduce's ``auto`` weigh
+    ``"hierarchical"`` against the flat algorithms (:func:`lab.tuning.choose_across_hosts`);
+    ``transport="auto"`` reads the ``shm`` fits inside one host and the ``tcp`` fits across hosts.
+    """
+    check_algorithm(algorithm, collective)
+    if algorithm != "auto":
+        return algorithm
+    # Small enough for the compiled path (lab.plane): the model's pick if it compiles, else the
+    # collective's first compilable algorithm (one Numba call beats a Python exchange).
+    compiled_max_bytes = getattr(mesh, "compiled_max_bytes", 0)  # 0: no compiled path
+    if 0 < compiled_max_bytes and nbytes <= compiled_max_bytes and not forced_algorithm(collective):
+        compiled = registry.compiled(collective)
+        if compiled:
+            chosen = choose(collective, nbytes, mesh.world_size, "shm")
+            return chosen if chosen in compiled else compiled[0]
+    transport, hosts = mesh.transport, getattr(mesh, "host_count", 1)
+    if hosts > 1 and collective == "allreduce" and transport in ("tcp", "auto") and not forced_algorithm(collective):
+        return tuning.choose_across_hosts(nbytes, mesh.world_size, hosts, "shm" if transport == "auto" else "tcp")
+    if transport == "auto":
+        transport = "tcp" if hosts > 1 else "shm"
+    return choose(collective, nbytes, mesh.world_size, transport)
+
+
+def segment_bytes() -> int | None:
+    """Double tree's largest pipeline segment: ``LAB_SEGMENT_BYTES``, or None: sized from the
+    tensor and N (tests force many segments)."""
+    value = os.environ.get("LAB_SEGMENT_BYTES", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LAB_SEGMENT_BYTES must be a positive number of bytes; got {value!r}")
+    return int(value)

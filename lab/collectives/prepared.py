@@ -1,0 +1,54 @@
+"""What every ``prepare_*`` of :mod:`lab.collectives` makes, and the argument checks they share.
+
+A collective is prepared in the caller (arguments checked, algorithm chosen, before any message)
+and run later, in issue order: :class:`Prepared` holds its ``run`` and the :class:`Signature`
+every rank must agree on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from lab import checks
+from lab.ops import DType, ReduceOp
+from lab.ops import parse_op as parse_any_op
+
+if TYPE_CHECKING:
+    from lab.mesh import Mesh
+
+_OPS_BY_NAME = {o.value: o for o in ReduceOp}
+
+
+def parse_op(op: Any) -> ReduceOp:
+    """:func:`lab.ops.parse_op`, with the common lower-case names looked up directly."""
+    return _OPS_BY_NAME.get(op) or parse_any_op(op) if isinstance(op, str) else parse_any_op(op)
+
+
+def check_root(mesh: Mesh, root: Any, name: str) -> int:
+    """``root`` as an int if it is a rank of ``mesh``, else a ``ValueError`` naming ``name``."""
+    if not checks.is_int(root) or not 0 <= root < mesh.world_size:
+        raise ValueError(f"{name} must be a rank in [0, {mesh.world_size}); got {root!r}")
+    return int(root)
+
+
+
+class Signature(NamedTuple):
+    """What every rank must agree on for one collective: :meth:`lab.Mesh.collective`'s arguments
+    (they make its fingerprint)."""
+
+    collective: str
+    algorithm: str
+    dtype: DType
+    count: int
+    op: str = ""
+    root: int = -1
+    compiled: bool = True  # may take the compiled path (lab.plane) when small enough
+
+
+class Prepared(NamedTuple):
+    """A collective whose arguments are checked and whose algorithm is chosen: ``run()`` does its
+    communication on the tensor's current contents and returns what the public call returns."""
+
+    run: Callable[[], Any]
+    signature: Signature

@@ -1,0 +1,342 @@
+"""One rank's transfers on one mesh: what :class:`lab.Mesh` adds to a transport on every wire.
+
+:class:`Exchange` is the :class:`lab.peers.Peers` that algorithms run on: it numbers each
+collective, fingerprints its messages (so ranks in different collectives are caught at the first
+message), translates a sub-mesh's ranks to the global ranks of the shared channels, turns a
+transport's failure into the lab's error naming both sides, counts payload bytes, keeps the
+flight recorder and writes the trace rows. :class:`lab.Mesh` builds on it. A root mesh and its
+sub-meshes share one :class:`Channels`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from kernels import mailbox as mailbox_status
+from lab import fingerprint
+from lab.buffers import new_flat
+from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
+from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, Position, TraceFile
+from lab.issue import IssueQueue
+from lab.membership import Membership
+from lab.ops import DType, Reduction, reduction
+from lab.plane import CompiledPlane, Report
+from lab.transport.base import Recv, Send, TagMismatch, Transport, silence_error
+
+
+class Channels:
+    """What a root mesh and all its sub-meshes share: the transport, one issue order, the
+    compiled plane, the trace file, the deadline, whether the channels are still usable, and
+    where this rank is: ``placement``, its (host, local rank, local world size) on the root mesh."""
+
+    def __init__(self, transport: Transport, transport_name: str, recv_timeout_ms: float,
+                 trace: TraceFile | None, placement: tuple[int, int, int]) -> None:
+        self.transport, self.transport_name, self.recv_timeout_ms, self.trace = \
+            transport, transport_name, recv_timeout_ms, trace
+        self.placement = placement
+        self.issue = IssueQueue(transport.rank)  # shared by every sub-mesh: one issue order
+        # Small collectives in one Numba call, where the transport has mailboxes (shm): lab.plane
+        mailbox = getattr(transport, "mailbox", None)
+        self.plane = CompiledPlane(mailbox) if mailbox is not None else None
+        self.clean = True  # False once a transfer failed half-way: peers may hold its messages
+        self.closed = False
+        self.next_context = 1  # past every sub-mesh context id this rank has used (Mesh.split)
+
+
+class Exchange:
+    """One rank's transfers on the mesh of ``membership`` over ``channels``; its byte counters
+    are also counted in each mesh of ``parents`` (a sub-mesh's parent, its parent's, ...)."""
+
+    def __init__(self, channels: Channels, membership: Membership, parents: list[Exchange]) -> None:
+        self._channels, self._membership = channels, membership
+        self._transport = channels.transport
+        self._rank, self._world_size = membership.rank, membership.world_size
+        self._lineage = [self, *parents]  # this mesh and its ancestors: a transfer counts in each one's stats
+        self._plane = channels.plane if membership.members is None else None  # (mailboxes speak global ranks)
+        self._trace = channels.trace
+        self.transport, self.recv_timeout_ms = channels.transport_name, channels.recv_timeout_ms
+        self.name = membership.name()
+        # (host, local_rank, local_world_size): a sub-mesh counts its own ranks on this host
+        self.host = channels.placement[0]
+        self.local_rank, self.local_world_size = \
+            channels.placement[1:] if membership.members is None else membership.local_placement(self.host)
+        self.host_count = membership.host_count  # hosts this mesh's ranks are on
+        self._nbytes = 0  # the current collective's tensor bytes
+        self._compiled = True  # the current collective may take the compiled path
+        self._seq, self._tag = 0, b""
+        self._p2p_sent = [0] * membership.world_size  # point-to-point sequence numbers, per peer
+        self._p2p_received = [0] * membership.world_size
+        self._next_any = 0  # recv(None) tries the ranks from this one on
+        self._position = Position(membership.describe())
+        self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
+        self.reset_stats()
+
+    def _view(self, membership: Membership) -> Exchange:
+        """A mesh of this one's type over ``membership`` (a sub-mesh's): the same channels, its
+        own numbering, counters and flight recorder."""
+        view = object.__new__(type(self))  # not type(self)(...): that would open new channels
+        Exchange.__init__(view, self._channels, membership, self._lineage)
+        return view
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def closed(self) -> bool:
+        """True once this mesh (or its root, for a sub-mesh) was closed."""
+        return self._channels.closed
+
+    @property
+    def clean(self) -> bool:
+        """False once a transfer failed half-way (on this mesh or one of its sub-meshes): peers
+        may hold its messages, so the channels cannot be reused."""
+        return self._channels.clean
+
+    @clean.setter
+    def clean(self, value: bool) -> None:
+        self._channels.clean = value
+
+    def host_of(self, rank: int) -> int:
+        """The host of this mesh's rank ``rank`` (:class:`lab.peers.Peers`)."""
+        return self._membership.host_of(rank)
+
+    # -- counters ------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """Payload bytes and messages since :meth:`reset_stats` (tensor data only, no headers).
+
+        A message is one logical send (a chunk), however many segments the transport cut it into.
+        ``bytes_sent_inter_host`` / ``bytes_received_inter_host``: the part to or from a rank on
+        another host. A mesh's counters include its sub-meshes' traffic; a sub-mesh counts its own.
+        """
+        return dict(self._stats)
+
+    def reset_stats(self) -> None:
+        self._stats = dict.fromkeys(
+            ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives",
+             "collectives_compiled", "bytes_sent_inter_host", "bytes_received_inter_host"), 0
+        )
+
+    # -- what the public collectives take from the mesh ----------------------------------------
+
+    #: The kernels of ``(op, dtype)``, looked up once per process (an ``avg`` of integers still
+    #: raises every time). The simulator's recorder hands out kernels that do nothing instead.
+    kernels = staticmethod(functools.cache(reduction))
+
+    #: A new flat output buffer (allgather's, all_to_all's); the recorder's are virtual.
+    new_flat = staticmethod(new_flat)
+
+    @property
+    def compiled_max_bytes(self) -> int:
+        """The largest tensor a collective on this mesh runs in one compiled call (0: none; lab.plane)."""
+        return 0 if self._plane is None else self._plane.max_bytes
+
+    def run(self, algorithm: Callable[..., None], *args: Any, **options: Any) -> None:
+        """Run ``algorithm(self, *args, **options)``: one algorithm of the collective entered with
+        :meth:`collective` (the public collectives call it). A small collective whose algorithm
+        is compilable runs in one Numba call over the mailboxes where the transport has them."""
+        plane = self._plane
+        if plane is None or options or not self._compiled or not plane.takes(algorithm, self._nbytes, args):
+            algorithm(self, *args, **options)
+            return
+        self._position.step += 1
+        report = plane.run(algorithm, self._tag, self.recv_timeout_ms, args)
+        if report.status != mailbox_status.OK:
+            self.clean = False
+            if report.status != mailbox_status.MISMATCH:
+                self._raise_if_mismatched()  # the peer may be elsewhere because we disagree
+            raise self._compiled_failure(report)
+        for mesh in self._lineage:
+            stats = mesh._stats
+            stats["bytes_sent"] += report.bytes_sent
+            stats["bytes_received"] += report.bytes_received
+            stats["messages_sent"] += report.messages_sent
+            stats["messages_received"] += report.messages_received
+            stats["collectives_compiled"] += 1
+
+    def _compiled_failure(self, report: Report) -> LabError:
+        """The error of a compiled call that reported ``report.status`` (not OK)."""
+        peer = report.failed_peer
+        if report.status == mailbox_status.MISMATCH:
+            return self._mismatch(peer, report.peer_tag)
+        if report.status == mailbox_status.SILENCE:
+            return DeadlineError(f"{silence_error(self.rank, [peer], self._position)} "
+                                 f"(recv_timeout_ms={self.recv_timeout_ms:g})", [peer])
+        if report.status == mailbox_status.PEER_LOST:
+            return PeerLostError(f"rank {self.rank}: rank {peer} is gone (waiting in {self._position})")
+        return LabError(f"rank {self.rank}: the compiled path refused a transfer with rank {peer} "
+                        f"(status {report.status}) in {self._position}")
+
+    # -- what algorithms use -------------------------------------------------------------------
+
+    def send_buffer(self, dst: int, data: np.ndarray) -> None:
+        """Send a flat buffer to ``dst`` (returns once the data is in the channel)."""
+        self._exchange([Send(dst, data)], [])
+
+    def recv_buffer(self, src: int, out: np.ndarray, reduction: Reduction | None = None) -> None:
+        """Receive from ``src`` into ``out``: copy, or ``reduction.combine(out, incoming)``."""
+        self._exchange([], [Recv(src, out, None if reduction is None else reduction.combine)])
+
+    def sendrecv_buffer(
+        self, dst: int, data: np.ndarray, src: int, out: np.ndarray, reduction: Reduction | None = None
+    ) -> None:
+        """Send to ``dst`` and receive from ``src`` at once (one ring step)."""
+        self._exchange([Send(dst, data)], [Recv(src, out, None if reduction is None else reduction.combine)])
+
+    def _exchange(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted=True):
+        """One step: ``sends`` and ``recvs`` at once, under the current fingerprint; then count them."""
+        self._position.step += 1
+        timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
+        trace_steps = self._trace is not None and self._trace.steps
+        start_ns = time.time_ns() if trace_steps else 0
+        members = self._membership.members
+        if members is not None:  # a sub-mesh: its ranks are global ranks on the shared channels
+            sends = [Send(members[s.dst], s.data) for s in sends]
+            recvs = [Recv(members[r.src], r.out, r.combine) for r in recvs]
+        with self._failures(timeout_ms):
+            self._transport.exchange(sends, recvs, self._tag, timeout_ms / 1000, self._position)
+        if trace_steps:
+            position = self._position
+            self._write_trace(
+                kind="step", op=position.collective, algorithm=position.algorithm, seq=position.seq,
+                step=position.step, sends=[[s.dst, s.data.nbytes] for s in sends],
+                recvs=[[r.src, r.out.nbytes] for r in recvs], start_ns=start_ns,
+                duration_ns=time.time_ns() - start_ns,
+            )
+        if counted:
+            hosts, host = self._membership.hosts, self.host
+            for mesh in self._lineage:
+                stats = mesh._stats
+                for send in sends:
+                    stats["bytes_sent"] += send.data.nbytes
+                    stats["messages_sent"] += 1
+                    if hosts[send.dst] != host:
+                        stats["bytes_sent_inter_host"] += send.data.nbytes
+                for recv in recvs:
+                    stats["bytes_received"] += recv.out.nbytes
+                    stats["messages_received"] += 1
+                    if hosts[recv.src] != host:
+                        stats["bytes_received_inter_host"] += recv.out.nbytes
+
+    @contextlib.contextmanager
+    def _failures(self, timeout_ms: float) -> Iterator[None]:
+        """A transport's failure as the lab's error naming both sides; any failure leaves the
+        mesh unclean (messages may be in flight)."""
+        try:
+            yield
+        except TagMismatch as mismatch:
+            self.clean = False
+            raise self._mismatch(mismatch.src, mismatch.got, mismatch.expected) from None
+        except DeadlineError as late:
+            self.clean = False
+            self._raise_if_mismatched()
+            raise DeadlineError(f"{late} (recv_timeout_ms={timeout_ms:g})", late.peers) from None
+        except PeerLostError:
+            self.clean = False
+            self._raise_if_mismatched()  # the peer may have given up because we disagree
+            raise
+        except BaseException:
+            self.clean = False
+            raise
+
+    @property
+    def scratch(self) -> Any:
+        """The shm transport's shared scratch (:mod:`lab.transport.scratch`: two-shot slots and
+        ``lab.empty``'s arenas), or None (another transport, one rank, a closed mesh)."""
+        return None if self.closed else getattr(self._transport, "scratch", None)
+
+    def shared_allreduce(self, buf: np.ndarray, reduction: Reduction) -> bool:
+        """Allreduce ``buf`` in place by reading the peers' memory in place (the two-shot of
+        :mod:`lab.transport.scratch`); False, having done nothing, where there is no scratch or
+        this is a sub-mesh (whose ranks are not the scratch's): the caller then sends messages."""
+        if self.closed:
+            raise LabError(f"{self._membership.who()}: this mesh is closed (an allreduce after mesh.close())")
+        if self.scratch is None or self._membership.members is not None:
+            return False
+        self._position.step += 1
+        with self._failures(self.recv_timeout_ms):
+            moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1000, self._position)
+        for mesh in self._lineage:
+            for key, value in (("bytes_sent", moved.bytes_sent), ("bytes_received", moved.bytes_received),
+                               ("messages_sent", moved.messages), ("messages_received", moved.messages)):
+                mesh._stats[key] += value
+        return True
+
+    def _mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError:
+        """Global rank ``src`` sent ``got`` where this rank expected ``expected`` (its own tag)."""
+        who = self._membership.who
+        return CollectiveMismatchError(f"{who()} is in {fingerprint.describe(self._tag if expected is None else expected)}; "
+                                       f"{who(src)} sent {fingerprint.describe(got)}")
+
+    def _raise_if_mismatched(self) -> None:
+        """After a deadline or a lost peer: did a peer send this collective's number with another
+        fingerprint? (:func:`lab.fingerprint.disagreeing`)"""
+        found = fingerprint.disagreeing(self._tag, self._transport.unconsumed_tags())
+        if found is not None:
+            raise self._mismatch(*found) from None
+
+    # -- collectives: numbered, fingerprinted, recorded, traced ---------------------------------
+
+    @contextlib.contextmanager
+    def collective(
+        self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1,
+        compiled: bool = True,
+    ) -> Iterator[None]:
+        """Run one collective: number it, fingerprint its messages, trace it.
+
+        Every rank enters the same collectives in the same order, so ``seq`` agrees across ranks
+        and a message from a different collective is caught by its fingerprint. ``compiled``
+        False keeps it off the compiled path whatever its size (every rank must pass the same:
+        an all_to_all with split sizes, whose ranks agree on no size).
+        """
+        self._seq += 1
+        self._tag = fingerprint.pack(self._membership.context, self._seq, name, algorithm, dtype.code, op, root,
+                                     count)
+        self._position.collective, self._position.seq = name, self._seq
+        self._position.algorithm, self._position.step = algorithm, 0
+        self._nbytes = count * dtype.storage.itemsize
+        self._compiled = compiled
+        record = FlightRecord(self._seq, name, algorithm, dtype.name, count, op, root)
+        self._records.append(record)
+        before = (self._stats["bytes_sent"], self._stats["bytes_received"])
+        start_ns = time.time_ns()
+        try:
+            yield
+        except BaseException as exc:
+            record.state, record.step = f"failed ({type(exc).__name__})", self._position.step
+            if self._position.step:  # messages may be in flight: this mesh can't be reused
+                self.clean = False
+            raise
+        duration_ns = time.time_ns() - start_ns
+        record.state, record.step = "done", self._position.step
+        self._stats["collectives"] += 1
+        if self._trace is not None:
+            self._write_trace(
+                kind="collective", op=name, algorithm=algorithm, dtype=dtype.name, count=count,
+                nbytes=count * dtype.storage.itemsize, reduce_op=op or None, root=None if root < 0 else root,
+                bytes_sent=self._stats["bytes_sent"] - before[0],
+                bytes_received=self._stats["bytes_received"] - before[1],
+                start_ns=start_ns, duration_ns=duration_ns, seq=self._seq,
+            )
+
+    def flight_records(self) -> list[FlightRecord]:
+        """This rank's last collectives, oldest first; a running one shows the step it reached."""
+        if self._records and self._records[-1].state == "running":
+            self._records[-1].step = self._position.step
+        return list(self._records)
+
+    def _write_trace(self, **row: Any) -> None:
+        row = {**self._membership.trace_fields(), **row}  # a sub-mesh's: which one, and the global rank
+        self._trace.write(rank=self.rank, world_size=self.world_size, transport=self.transport, **row)
