@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from lab.backend import Options
 
 NAME = "lab"
+#: A collective with at most this many bytes of output runs on the calling thread when nothing
+#: else is in flight: handing it to the communication thread and waking the caller again cost
+#: more than a small collective (measured: bench/torch_backend.py).
+RUN_NOW_MAX_BYTES = 64 * 1024
 
 # -- torch's arguments as the lab's
 
@@ -131,9 +135,13 @@ class LabProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"lab process group {self._group_name or '?'} (rank {self.mesh.rank} of {self.mesh.world_size})"
 
-    def issue(self, run: Callable[[], Any]) -> Work:
+    def issue(self, run: Callable[[], Any], now: bool = False) -> Work:
+        """``run`` in the mesh's issue order, on its communication thread; with ``now``, on this
+        thread if nothing is in flight (:meth:`lab.issue.IssueQueue.issue_now`)."""
         if self.mesh.closed:
             raise dist.DistBackendError(f"{self}: the group was shut down")
+        if now:
+            return self.mesh.issue_now(run)
         return self.mesh.issue(run, async_op=True)
 
     def torch_error(self, exc: BaseException) -> BaseException:
@@ -150,8 +158,12 @@ class LabProcessGroup(dist.ProcessGroup):
     def _algorithm(self, collective: str) -> str:
         return self.options.algorithms.get(collective, "auto")
 
-    def _work(self, run: Callable[[], Any], outputs: list[torch.Tensor]) -> LabWork:
-        return LabWork(self, run, outputs)
+    def _work(self, run: Callable[[], Any], outputs: list[torch.Tensor], p2p: bool = False) -> LabWork:
+        """The Work of ``run``. A collective of at most ``RUN_NOW_MAX_BYTES`` of output runs before
+        this returns when nothing else is in flight (the Work is then complete); point-to-point
+        always goes to the communication thread (an irecv posted before its isend must not block)."""
+        nbytes = sum(t.numel() * t.element_size() for t in outputs)
+        return LabWork(self, run, outputs, now=not p2p and nbytes <= RUN_NOW_MAX_BYTES)
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
 
@@ -352,7 +364,7 @@ class LabProcessGroup(dist.ProcessGroup):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> LabWork:
         tensor = one(tensors, "send")
         check_tag(tag)
-        return self._work(lambda: self.mesh.send(dst, tensor), tensors)
+        return self._work(lambda: self.mesh.send(dst, tensor), tensors, p2p=True)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> LabWork:
         tensor = one(tensors, "recv")
@@ -362,7 +374,7 @@ class LabProcessGroup(dist.ProcessGroup):
             self._receive_into(tensor, self.mesh.recv(src), src)
             return src
 
-        return self._work(run, tensors)
+        return self._work(run, tensors, p2p=True)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> LabWork:
         tensor = one(tensors, "recv")
@@ -373,7 +385,7 @@ class LabProcessGroup(dist.ProcessGroup):
             self._receive_into(tensor, received, src)
             return src
 
-        return self._work(run, tensors)
+        return self._work(run, tensors, p2p=True)
 
     def _receive_into(self, tensor: torch.Tensor, received: torch.Tensor, src: int) -> None:
         if received.dtype != tensor.dtype or received.numel() != tensor.numel():

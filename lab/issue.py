@@ -80,6 +80,21 @@ class IssueQueue:
         self.wait_all()
         return self._drive(run)
 
+    def issue_now(self, run: Callable[[], Any]) -> Work:
+        """``issue(run, async_op=True)``, run on this thread when nothing is in flight: for a small
+        collective the hand-off to the communication thread costs more than the collective. The
+        Work returned is complete, with the result or the failure (raised by ``wait``)."""
+        self.check_owner()
+        if getattr(self._local, "driving", False) or self.in_flight:
+            return self.issue(run, async_op=True)
+        done: Future = Future()
+        try:
+            self.wait_all()  # a failure of an earlier async call surfaces here, as a synchronous call's would
+            done.set_result(self._drive(run))
+        except BaseException as exc:  # noqa: BLE001 - the Work carries it to wait()
+            done.set_exception(exc)
+        return Work(done)
+
     def _drive(self, run: Callable[[], Any]) -> Any:
         with self._driving:
             self._local.driving = True

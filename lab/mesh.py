@@ -127,6 +127,11 @@ class Mesh(Exchange):
         for a root mesh and its sub-meshes: :class:`lab.issue.IssueQueue`)."""
         return self._channels.issue.issue(run, async_op)
 
+    def issue_now(self, run: Callable[[], Any]) -> Any:
+        """``issue(run, async_op=True)``, run on this thread when nothing is in flight; the Work
+        returned is then complete (:meth:`lab.issue.IssueQueue.issue_now`)."""
+        return self._channels.issue.issue_now(run)
+
     @property
     def in_flight(self) -> bool:
         """True while an asynchronous collective issued on this mesh (or its root, or any of the
