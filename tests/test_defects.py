@@ -196,12 +196,13 @@ def test_a_child_forked_inside_fn_cannot_answer_for_the_rank(cluster):
 
 def test_a_rank_failing_at_start_ends_the_pool_within_the_grace():
     """Rank 1 dies while the others wait for it in the tcp handshake: spawn fails once the
-    failure grace is over, not at the 60 s connection timeout (ranks start with spawn here)."""
+    failure grace is over, not at the 60 s connection timeout (ranks start with spawn here; the
+    time is counted from rank 1's death, so slow imports on a loaded machine do not count)."""
     done = subprocess.run([sys.executable, str(SCRIPTS / "startup_failure.py")], capture_output=True, text=True,
                           timeout=120, env=child_env(LAB_START_METHOD="spawn"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     elapsed = float(done.stdout.split("failed after ")[1].split(" s")[0])
-    assert "rank 1" in done.stdout and elapsed < 30, done.stdout
+    assert "rank 1's process exited with code 3" in done.stdout and elapsed < 45, done.stdout
 
 
 # -- 9. the forkserver stopped or killed, and LAB_START_METHOD -------------------------------------
