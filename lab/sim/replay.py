@@ -275,16 +275,22 @@ def _complete(r, k, t, cause, step_ptr, cur, start_cause, finish, finish_cause, 
     return size
 
 
+def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.ndarray, ...]:
+    """The event loop on ``s`` (with ``match`` from :func:`match_messages`): per rank the finish time and
+    the message it waited for last, per message its start, end and cause, and per rank the step it
+    stopped at. A calibration calls this many times on one schedule, pairing its messages once."""
+    return _replay(s.step_ptr, s.send_peer, s.send_bytes, s.recv_peer, s.recv_bytes, s.reduces, match,
+                   float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha,
+                   network.intra_beta_us_per_byte, float(network.gamma_us_per_byte), network.ranks_per_host,
+                   float(network.send_overhead_us), float(network.recv_overhead_us), float(network.copy_us_per_byte),
+                   network.cores or 0, min(network.cpu_group, max(s.world_size, 1)))
+
+
 def replay(s: Schedule, network: Network) -> Timing:
     """Time ``s`` on ``network``: each rank's finish time and the critical path."""
     started = time.perf_counter()
     match = match_messages(s)
-    finish, finish_cause, msg_start, msg_end, msg_cause, cur = _replay(
-        s.step_ptr, s.send_peer, s.send_bytes, s.recv_peer, s.recv_bytes, s.reduces, match,
-        float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha, network.intra_beta_us_per_byte,
-        float(network.gamma_us_per_byte), network.ranks_per_host, float(network.send_overhead_us),
-        float(network.recv_overhead_us), float(network.copy_us_per_byte), network.cores or 0,
-        min(network.cpu_group, max(s.world_size, 1)))
+    finish, finish_cause, msg_start, msg_end, msg_cause, cur = finish_times(s, match, network)
     stuck = np.flatnonzero(cur < s.step_ptr[1:])
     if len(stuck):
         r = int(stuck[0])
