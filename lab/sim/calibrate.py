@@ -78,6 +78,13 @@ def calibrates(world: int, nbytes: int) -> bool:
     return (nbytes.bit_length() - 11) % 4 == 0
 
 
+def _measured_on(results_dir: Path, source: str) -> str:
+    """When a measured CSV was written (its directory's ``machine.json``)."""
+    info = Path(results_dir) / source
+    info = info.parent / "machine.json"
+    return json.loads(info.read_text()).get("date", "?") if info.exists() else "?"
+
+
 def _cores(csv: Path) -> int:
     """The cores of the machine a CSV was measured on (its directory's ``machine.json``), else this one's."""
     info = csv.parent / "machine.json"
@@ -105,10 +112,11 @@ def measured(results_dir: Path) -> pd.DataFrame:
                 frame["ranks_per_host"] = 1
                 frame["setting"] = frame["transport"]
             frame["cores"] = _cores(path)
+            frame["source"] = path.relative_to(results_dir).as_posix()
             frames.append(frame[["setting", "collective", "algorithm", "world", "bytes", "median_us",
-                                 "ranks_per_host", "cores"]])
+                                 "ranks_per_host", "cores", "source"]])
     columns = ["setting", "collective", "algorithm", "world", "bytes", "median_us", "ranks_per_host", "cores",
-               "sim_bytes", "role"]
+               "source", "sim_bytes", "role"]
     if not frames:
         return pd.DataFrame(columns=columns)
     frame = pd.concat(frames, ignore_index=True)
@@ -355,6 +363,22 @@ def validation_section(results_dir: Path, out: Path) -> str:
         lines.append("| size | " + " | ".join(grid.columns) + " |")
         lines.append("| --- | " + " | ".join("---" for _ in grid.columns) + " |")
         lines += [f"| {size} | " + " | ".join(f"{v:.2f}" for v in values) + " |" for size, values in grid.iterrows()]
+    lines.append("\nWithin 2× by world size (every case, calibration and validation), and where each N was "
+                 "measured:\n")
+    measured_worlds = sorted(table["world"].unique())
+    lines += ["| setting | " + " | ".join(f"N = {w}" for w in measured_worlds) + " |",
+              "| --- " * (len(measured_worlds) + 1) + "|"]
+    for setting in fits:
+        rows = table[table["setting"] == setting]
+        cells = []
+        for w in measured_worlds:
+            at = rows[rows["world"] == w]
+            cells.append(f"{((at['ratio'] <= 2) & (at['ratio'] >= 0.5)).mean():.0%}" if len(at) else "")
+        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+    sources = table.groupby("source")["world"].unique()
+    lines.append("\nMeasured: " + "; ".join(f"`{source}` (N = {', '.join(map(str, sorted(w)))}, "
+                                             f"{_measured_on(results_dir, source)})" for source, w in sources.items())
+                 + ".")
     misses = agreement[(agreement["margin"] > DECISIVE_MARGIN) & ~agreement["agree"]]
     if len(misses):
         lines.append(f"\nClear wins (by more than {DECISIVE_MARGIN:.0%}) where the predicted best is not the measured "
