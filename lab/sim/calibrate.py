@@ -6,9 +6,8 @@ cores, which every rank of one machine shares (``cores`` from the run's ``machin
 emulated hosts are namespaces on that one machine, so their ranks share them too). A setting's
 six parameters minimise the mean ``|log(predicted / measured)|`` of its calibration cases (a
 robust fit: 1 KB counts as much as 16 MB, and a case the model cannot describe shifts it by its
-rank, not its size), by Levenberg–Marquardt on
-reweighted least squares of the parameters' logarithms (positive, scale-free). Every
-evaluation replays every calibration case on the lab's recorded schedules, so the critical path,
+rank, not its size), by Levenberg–Marquardt on reweighted least squares of the parameters'
+logarithms (positive, scale-free). Every evaluation replays every calibration case on the lab's recorded schedules, so the critical path,
 the waits for ports and for cores are the simulator's own.
 
 How well each parameter is determined: the fit error's rise when that parameter alone moves by
@@ -19,7 +18,7 @@ Split: a case calibrates when its world size is 2, 4 or 8 and its size is 1 KB·
 256 KB, 4 MB, 64 MB); every other case (N = 3, 5, 6, 7, and 4 KB, 64 KB, 1 MB, 16 MB at every N)
 validates. Measured inputs, as ``python -m lab results`` writes them (:data:`SOURCES`): the pool's
 transports at N = 4 (``allreduce.csv``, ``collectives.csv``) and at other N (``ranks/N/``, from
-``python -m lab results --ranks N --quick --out results/ranks/N``), emulated hosts with one rank each
+``python -m lab results --ranks N --quick --keep-tuning --out results/ranks/N``), emulated hosts with one rank each
 (``hosts/allreduce.csv``) and with two (``hosts/hierarchical.csv``, shared memory inside a host:
 its intra-host link is the shm setting's).
 """
@@ -246,8 +245,9 @@ def calibrate(results_dir: Path) -> tuple[dict[str, Fit], pd.DataFrame]:
         if per_host > 1 and "shm" in fits:
             inside = fits["shm"].network
             base = replace(base, intra_alpha_us=inside.alpha_us, intra_gbit=inside.gbit)
-        training = rows[rows["role"] == "calibration"]
-        fits[setting] = result = fit(_Cases(training if len(training) else rows, per_host), base)
+        if not (rows["role"] == "calibration").any():
+            rows["role"] = "calibration"  # nothing to calibrate on but these: they validate nothing
+        fits[setting] = result = fit(_Cases(rows[rows["role"] == "calibration"], per_host), base)
         rows["predicted_us"] = _Cases(rows, per_host).predict(result.network)
         rows["ratio"] = rows["predicted_us"] / rows["median_us"]
         parts.append(rows)
