@@ -245,18 +245,6 @@ def _measured_from_model(directory, network: sim.Network) -> None:
     pd.DataFrame(rows).to_csv(directory / "allreduce.csv", index=False)
 
 
-def test_calibration_recovers_the_network_that_produced_the_times(tmp_path):
-    from lab.sim.calibrate import best_agreement, calibrate
-
-    _measured_from_model(tmp_path, sim.Network(alpha_us=30.0, gbit=5.0))
-    networks, table = calibrate(tmp_path)
-    assert list(networks) == ["shm"] and len(table) == 24
-    assert networks["shm"].alpha_us == pytest.approx(30.0, rel=1e-6)
-    assert networks["shm"].gbit == pytest.approx(5.0, rel=1e-6)
-    assert np.allclose(table["ratio"], 1.0, rtol=1e-6)
-    assert best_agreement(table)["agree"].all()
-
-
 def test_simulate_command_writes_results_and_the_report_section(tmp_path):
     from lab.__main__ import main
 

@@ -1,4 +1,6 @@
-"""The network the simulator times messages on: α per message, β per byte, one link each way per host."""
+"""The cluster the simulator times messages on: α per message, β per byte, one link each way per host,
+and the CPU work around each message (LogGP's overhead o, per-byte copies and reductions) on the
+cores a host's ranks share."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from lab import checks
 ALPHA_US = (0.0, 1e9)  # up to 1,000 s per message
 GBIT = (1e-6, 1e9)  # 1 kbit/s to 1 Ebit/s
 GAMMA_US_PER_BYTE = (0.0, 1e6)
-#: The most ranks per host (as many as the simulator takes ranks at all).
+#: The most ranks per host (as many as the simulator takes ranks at all), and the most cores.
 MAX_RANKS_PER_HOST = 1 << 24
+MAX_CORES = 1 << 24
 
 
 def _check_number(name: str, value: object, span: tuple[float, float], unit: str) -> float:
@@ -28,23 +31,45 @@ def _check_number(name: str, value: object, span: tuple[float, float], unit: str
     return float(value)
 
 
+def _check_count(name: str, value: object, high: int, unless_none: str) -> int | None:
+    """``value`` as an int from 1 to ``high`` (None stays None), or a ValueError naming ``name``."""
+    if value is None:
+        return None
+    if not checks.is_int(value) or not 1 <= value <= high:
+        raise ValueError(f"{name} must be an integer from 1 to {high:,} or None ({unless_none}); got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class Network:
-    """A cluster as the simulator sees it.
+    """A cluster as the simulator sees it: links, and the CPU work around each message.
 
-    A message of n bytes costs ``alpha_us + n * 8 / (gbit * 1e3)`` µs. Each rank sends one message
-    at a time and receives one at a time, both directions at once (full duplex). With
-    ``ranks_per_host`` > 1, ranks ``[h*L, (h+1)*L)`` share host h: a message between two hosts
-    also holds the sender's host uplink and the receiver's host downlink for its whole duration,
-    and a message inside a host costs ``intra_alpha_us + n * 8 / (intra_gbit * 1e3)`` (both
-    default to the inter-host values). ``gamma_us_per_byte`` (default 0): time to reduce a
-    received byte into the local buffer, added after a reducing receive arrives.
+    **Links.** A message of n bytes costs ``alpha_us + n * 8 / (gbit * 1e3)`` µs on the wire. Each
+    rank sends one message at a time and receives one at a time, both directions at once (full
+    duplex). With ``ranks_per_host`` > 1, ranks ``[h*L, (h+1)*L)`` share host h: a message between
+    two hosts also holds the sender's host uplink and the receiver's host downlink for its whole
+    duration, and a message inside a host costs ``intra_alpha_us + n * 8 / (intra_gbit * 1e3)``
+    (both default to the inter-host values).
 
-    Ranges (a ``ValueError`` naming the parameter otherwise): ``alpha_us`` and ``intra_alpha_us``
-    0 to 1e9 µs, ``gbit`` and ``intra_gbit`` 1e-6 to 1e9 Gbit/s, ``gamma_us_per_byte`` 0 to 1e6,
-    ``ranks_per_host`` 1 to 2**24: every simulated time is then finite.
+    **CPU** (LogGP's o, and the per-byte work a transport really does; all default to 0). Before
+    a message of n bytes goes on the wire its sender works ``send_overhead_us + n *
+    copy_us_per_byte`` µs (the call, the copy into shared memory or the socket, a frame's MAC);
+    once it has arrived and the receiver has posted the receive, the receiver works
+    ``recv_overhead_us + n * copy_us_per_byte`` µs, plus ``n * gamma_us_per_byte`` when it folds
+    the message into its buffer (the reduction kernel). ``cores`` (default None: as many as there
+    are ranks) is how many cores each group of ``ranks_per_cpu`` ranks shares (default: a host's
+    ranks share its cores; ``ranks_per_cpu=world_size`` puts emulated hosts on one machine): CPU
+    work that finds every core of its group busy waits for the first one free, first come first
+    served. With every CPU term at 0 the model is the links alone, and the closed forms hold.
+
+    Ranges (a ``ValueError`` naming the parameter otherwise): ``alpha_us``, ``intra_alpha_us``,
+    ``send_overhead_us`` and ``recv_overhead_us`` 0 to 1e9 µs, ``gbit`` and ``intra_gbit`` 1e-6 to
+    1e9 Gbit/s, ``copy_us_per_byte`` and ``gamma_us_per_byte`` 0 to 1e6, ``ranks_per_host``,
+    ``cores`` and ``ranks_per_cpu`` 1 to 2**24: every simulated time is then finite.
 
         lab.sim.Network(alpha_us=20.0, gbit=10.0)     # 1 MB: 20 + 838.9 µs per message
+        lab.sim.Network(alpha_us=5.0, gbit=10.0, send_overhead_us=30.0, recv_overhead_us=30.0,
+                        copy_us_per_byte=1e-4, cores=2, ranks_per_cpu=8)   # 8 ranks on 2 cores
         lab.sim.Network(gbit=1e-320)                  # ValueError: gbit must be a number from 1e-06 to 1e+09 Gbit/s
     """
 
@@ -54,12 +79,19 @@ class Network:
     intra_alpha_us: float | None = None
     intra_gbit: float | None = None
     gamma_us_per_byte: float = 0.0
+    send_overhead_us: float = 0.0
+    recv_overhead_us: float = 0.0
+    copy_us_per_byte: float = 0.0
+    cores: int | None = None
+    ranks_per_cpu: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen: store the checked floats with object.__setattr__ (a numpy scalar becomes a float).
         for name, span, unit in [("alpha_us", ALPHA_US, "µs"), ("gbit", GBIT, "Gbit/s"),
                                  ("intra_alpha_us", ALPHA_US, "µs"), ("intra_gbit", GBIT, "Gbit/s"),
-                                 ("gamma_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte")]:
+                                 ("gamma_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
+                                 ("send_overhead_us", ALPHA_US, "µs"), ("recv_overhead_us", ALPHA_US, "µs"),
+                                 ("copy_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte")]:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _check_number(name, value, span, unit))
@@ -67,6 +99,9 @@ class Network:
         if not checks.is_int(per_host) or not 1 <= per_host <= MAX_RANKS_PER_HOST:
             raise ValueError(f"ranks_per_host must be an integer from 1 to {MAX_RANKS_PER_HOST:,}; got {per_host!r}")
         object.__setattr__(self, "ranks_per_host", int(per_host))
+        object.__setattr__(self, "cores", _check_count("cores", self.cores, MAX_CORES, "a core per rank"))
+        object.__setattr__(self, "ranks_per_cpu", _check_count("ranks_per_cpu", self.ranks_per_cpu,
+                                                               MAX_RANKS_PER_HOST, "ranks_per_host"))
 
     @property
     def beta_us_per_byte(self) -> float:
@@ -81,18 +116,29 @@ class Network:
     def intra_beta_us_per_byte(self) -> float:
         return 8.0 / ((self.gbit if self.intra_gbit is None else self.intra_gbit) * 1e3)
 
+    @property
+    def cpu_group(self) -> int:
+        """How many ranks share one group of ``cores``: ``ranks_per_cpu``, else ``ranks_per_host``."""
+        return self.ranks_per_host if self.ranks_per_cpu is None else self.ranks_per_cpu
+
     def message_us(self, nbytes: int, *, intra: bool = False) -> float:
-        """The time of one message of ``nbytes`` bytes on an idle link."""
+        """The time of one message of ``nbytes`` bytes on an idle link (the wire alone, no CPU)."""
         if intra:
             return self.intra_alpha + nbytes * self.intra_beta_us_per_byte
         return self.alpha_us + nbytes * self.beta_us_per_byte
 
     def describe(self) -> str:
-        """``α 20 µs, 10 Gbit/s`` (and the host structure when there is one)."""
+        """``α 20 µs, 10 Gbit/s`` (and the host structure and CPU terms when there are some)."""
         text = f"α {self.alpha_us:g} µs, {self.gbit:g} Gbit/s"
         if self.ranks_per_host > 1:
             intra_gbit = self.gbit if self.intra_gbit is None else self.intra_gbit
             text += f", {self.ranks_per_host} ranks/host (inside: α {self.intra_alpha:g} µs, {intra_gbit:g} Gbit/s)"
+        if self.send_overhead_us or self.recv_overhead_us:
+            text += f", o {self.send_overhead_us:g}/{self.recv_overhead_us:g} µs (send/receive)"
+        if self.copy_us_per_byte:
+            text += f", copy {self.copy_us_per_byte:g} µs/B"
         if self.gamma_us_per_byte:
             text += f", γ {self.gamma_us_per_byte:g} µs/B"
+        if self.cores is not None:
+            text += f", {self.cores} cores per {self.cpu_group} ranks"
         return text

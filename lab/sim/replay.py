@@ -1,14 +1,19 @@
 """Time a recorded schedule on a :class:`~lab.sim.network.Network`: a discrete-event loop in Numba.
 
 The model (DESIGN.md, "Simulation"): each rank runs its steps in order; a step starts when the
-previous one has completed. A step's send leaves at once (eager) when the sender's port, the
-receiver's port (and, between hosts, both hosts' links) are free, first come first served, and
-holds them for ``α + n·β``. A step completes when its send has finished and its receive (the
-message the peer sent, matched first-in first-out per pair of ranks) has arrived, plus ``n·γ``
-if it is reduced. Ties go to the lower rank, so a replay is deterministic.
+previous one has completed. A step's send first takes the sender's CPU for ``o_send + n·copy``;
+then the message leaves (eager) when the sender's port, the receiver's port (and, between hosts,
+both hosts' links) are free, first come first served, and holds them for ``α + n·β``. Once it
+has arrived and the receiver has posted the receive (its own send's CPU work done), the receiver
+works ``o_recv + n·copy`` (plus ``n·γ`` if it reduces). A step completes when its send has
+finished and its receive is done. CPU work waits for a free core of its rank's group when
+``cores`` is set (first come first served); work of zero µs needs no core. Ties go to the lower
+rank, so a replay is deterministic.
 
-Every message remembers what it waited for (the sender's previous step, or the message holding
-a port it needed), so the critical path is read backwards from the rank that finishes last.
+Events are taken in time order, and every port or core is claimed when its event is taken, so
+first come first served is exact. Every message remembers what it waited for (the sender's
+previous step, or the message holding a port or core it needed), so the critical path is read
+backwards from the rank that finishes last.
 """
 
 from __future__ import annotations
@@ -112,29 +117,33 @@ def _pop(heap_t, heap_r, size):
 
 
 @numba.njit(cache=True)
-def _complete(r, k, t, cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_r, size):
-    """Step k of rank r completed at t: start the next one then, or record the finish."""
-    cur[r] = k + 1
-    if k + 1 < step_ptr[r + 1]:
-        start_cause[r] = cause
-        return _push(heap_t, heap_r, size, t, r)
-    finish[r], finish_cause[r] = t, cause
-    return size
+def _cpu(t, work, group, message, core_free, core_holder):
+    """CPU work of ``work`` µs asked for at ``t`` by a rank of ``group``, for ``message``: (end, the
+    message whose work it waited for, or -1). Unlimited cores (no table) or no work: no wait."""
+    if work == 0.0 or core_free.shape[1] == 0:
+        return t + work, -1
+    core = np.argmin(core_free[group])
+    start, cause = t, -1
+    if core_free[group, core] > t:
+        start, cause = core_free[group, core], core_holder[group, core]
+    core_free[group, core], core_holder[group, core] = start + work, message
+    return start + work, cause
 
 
 @numba.njit(cache=True)
 def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, match,
-            alpha, beta, intra_alpha, intra_beta, gamma, ranks_per_host):
+            alpha, beta, intra_alpha, intra_beta, gamma, ranks_per_host,
+            send_overhead, recv_overhead, copy, cores, ranks_per_cpu):
     n = len(step_ptr) - 1
     steps = len(send_peer)
     hosts = (n + ranks_per_host - 1) // ranks_per_host
     msg_start = np.zeros(steps)
     msg_end = np.zeros(steps)
     msg_cause = np.full(steps, -1, np.int64)  # the message whose end this one's start waited for
-    arrived = np.full(steps, -1, np.int64)  # per receiving step: the message it takes, once sent
-    waiting = np.full(n, -1, np.int64)  # the step a rank is blocked in, waiting for its message
-    wait_t = np.zeros(n)
-    wait_cause = np.full(n, -1, np.int64)
+    arrived = np.full(steps, -1, np.int64)  # per receiving step: the message it takes, once it has arrived
+    posted = np.zeros(n, np.bool_)  # the rank has posted its current step's receive and waits for it
+    sent_t = np.zeros(n)  # when the current step's send finished (or its start, without a send)
+    sent_cause = np.full(n, -1, np.int64)
     start_cause = np.full(n, -1, np.int64)
     finish = np.zeros(n)
     finish_cause = np.full(n, -1, np.int64)
@@ -144,71 +153,144 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
     recv_free, recv_holder = np.zeros(n), np.full(n, -1, np.int64)
     up_free, up_holder = np.zeros(hosts), np.full(hosts, -1, np.int64)
     down_free, down_holder = np.zeros(hosts), np.full(hosts, -1, np.int64)
-    heap_t, heap_r = np.zeros(n), np.zeros(n, np.int64)
+    # Cores: free-from time and the message whose work holds it, per group of ranks_per_cpu ranks.
+    groups = (n + ranks_per_cpu - 1) // ranks_per_cpu
+    core_free, core_holder = np.zeros((groups, cores)), np.full((groups, cores), -1, np.int64)
+    # Events, in time order: a message arrives (code: its step, below every other code), a rank's
+    # send leaves its CPU for the wire (steps + rank), a rank starts its next step (steps + n + rank).
+    # Each rank has at most one of the last two pending and one message in flight: 2n events at most.
+    heap_t, heap_c = np.zeros(2 * n), np.zeros(2 * n, np.int64)
     size = 0
     for r in range(n):
         if step_ptr[r] < step_ptr[r + 1]:
-            size = _push(heap_t, heap_r, size, 0.0, r)
+            size = _push(heap_t, heap_c, size, 0.0, steps + n + r)
     while size:
-        t, r, size = _pop(heap_t, heap_r, size)
-        k = cur[r]
-        base, base_cause = t, start_cause[r]
-        dst = send_peer[k]
-        if dst >= 0:
-            # The send leaves when this rank's send port and the receiver's receive port are free
-            # (and, between hosts, the two host links), first come first served.
-            start, cause = t, base_cause
-            if send_free[r] > start:
-                start, cause = send_free[r], send_holder[r]
-            if recv_free[dst] > start:
-                start, cause = recv_free[dst], recv_holder[dst]
-            up, down = r // ranks_per_host, dst // ranks_per_host
-            if up != down:
-                if up_free[up] > start:
-                    start, cause = up_free[up], up_holder[up]
-                if down_free[down] > start:
-                    start, cause = down_free[down], down_holder[down]
-                end = start + alpha + beta * send_bytes[k]
-                up_free[up], up_holder[up] = end, k
-                down_free[down], down_holder[down] = end, k
-            else:
-                end = start + intra_alpha + intra_beta * send_bytes[k]
-            send_free[r], send_holder[r] = end, k
-            recv_free[dst], recv_holder[dst] = end, k
-            msg_start[k], msg_end[k], msg_cause[k] = start, end, cause
-            base, base_cause = end, k
-            # Deliver: if the receiver is already blocked on this message, its step completes.
-            j = match[k]
+        t, code, size = _pop(heap_t, heap_c, size)
+        if code < steps:
+            # A message arrives: if its receiver has posted the receive, the receive's CPU work starts now.
+            k = code
+            j, dst = match[k], send_peer[k]
             arrived[j] = k
-            if waiting[dst] == j:
-                waiting[dst] = -1
-                done_t = end + gamma * recv_bytes[j] if reduces[j] else end
-                done_cause = k
-                if wait_t[dst] > done_t:
-                    done_t, done_cause = wait_t[dst], wait_cause[dst]
-                size = _complete(dst, j, done_t, done_cause, step_ptr, cur, start_cause, finish, finish_cause,
-                                 heap_t, heap_r, size)
-        if recv_peer[k] >= 0:
-            m = arrived[k]
-            if m < 0:
-                waiting[r], wait_t[r], wait_cause[r] = k, base, base_cause
-                continue
-            done_t = msg_end[m] + gamma * recv_bytes[k] if reduces[k] else msg_end[m]
-            if done_t >= base:
-                base, base_cause = done_t, m
-        size = _complete(r, k, base, base_cause, step_ptr, cur, start_cause, finish, finish_cause,
-                         heap_t, heap_r, size)
+            if posted[dst] and cur[dst] == j:
+                posted[dst] = False
+                size = _receive(dst, j, t, k, k, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu,
+                                core_free, core_holder, sent_t, sent_cause, step_ptr, cur, start_cause, finish,
+                                finish_cause, heap_t, heap_c, size, steps, n)
+            continue
+        if code < steps + n:
+            # A send's CPU work is done: the message takes the ports and goes on the wire.
+            r = code - steps
+            k = cur[r]
+            size = _wire(r, k, t, start_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
+                         ranks_per_host, send_free, send_holder, recv_free, recv_holder, up_free, up_holder,
+                         down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
+                         heap_t, heap_c, size)
+        else:
+            # A rank starts its next step: first the send's CPU work (copy into the transport).
+            r = code - steps - n
+            k = cur[r]
+            if send_peer[k] >= 0:
+                work = send_overhead + copy * send_bytes[k]
+                ready, cause = _cpu(t, work, r // ranks_per_cpu, k, core_free, core_holder)
+                if cause >= 0:
+                    start_cause[r] = cause
+                if ready > t:
+                    size = _push(heap_t, heap_c, size, ready, steps + r)
+                    continue
+                size = _wire(r, k, t, start_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
+                             ranks_per_host, send_free, send_holder, recv_free, recv_holder, up_free, up_holder,
+                             down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
+                             heap_t, heap_c, size)
+            else:
+                sent_t[r], sent_cause[r] = t, start_cause[r]
+        # The rank posts its receive (or, without one, its step completes when its send has).
+        if recv_peer[k] < 0:
+            size = _complete(r, k, sent_t[r], sent_cause[r], step_ptr, cur, start_cause, finish, finish_cause,
+                             heap_t, heap_c, size, steps, n)
+        elif arrived[k] >= 0:
+            size = _receive(r, k, t, start_cause[r], arrived[k], recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu,
+                            core_free, core_holder, sent_t, sent_cause, step_ptr, cur, start_cause, finish,
+                            finish_cause, heap_t, heap_c, size, steps, n)
+        else:
+            posted[r] = True
     return finish, finish_cause, msg_start, msg_end, msg_cause, cur
+
+
+@numba.njit(cache=True)
+def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta, ranks_per_host,
+          send_free, send_holder, recv_free, recv_holder, up_free, up_holder, down_free, down_holder,
+          msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t, heap_c, size):
+    """Rank r's message of step k takes the ports at t (first come first served) and goes on the wire."""
+    dst = send_peer[k]
+    # The send leaves when this rank's send port and the receiver's receive port are free
+    # (and, between hosts, the two host links).
+    start = t
+    if send_free[r] > start:
+        start, cause = send_free[r], send_holder[r]
+    if recv_free[dst] > start:
+        start, cause = recv_free[dst], recv_holder[dst]
+    up, down = r // ranks_per_host, dst // ranks_per_host
+    if up != down:
+        if up_free[up] > start:
+            start, cause = up_free[up], up_holder[up]
+        if down_free[down] > start:
+            start, cause = down_free[down], down_holder[down]
+        end = start + alpha + beta * send_bytes[k]
+        up_free[up], up_holder[up] = end, k
+        down_free[down], down_holder[down] = end, k
+    else:
+        end = start + intra_alpha + intra_beta * send_bytes[k]
+    send_free[r], send_holder[r] = end, k
+    recv_free[dst], recv_holder[dst] = end, k
+    msg_start[k], msg_end[k], msg_cause[k] = start, end, cause
+    sent_t[r], sent_cause[r] = end, k
+    # It arrives at its end: an event, taken before any rank's step at the same time.
+    return _push(heap_t, heap_c, size, end, k)
+
+
+@numba.njit(cache=True)
+def _receive(r, k, t, t_cause, m, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu, core_free,
+             core_holder, sent_t, sent_cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size,
+             steps, n):
+    """Rank r's receive of step k (message m, arrived) starts its CPU work at t, which ``t_cause``
+    set (the message's arrival, or what started the step); the step then completes."""
+    work = recv_overhead + (copy + (gamma if reduces[k] else 0.0)) * recv_bytes[k]
+    done, cause = _cpu(t, work, r // ranks_per_cpu, m, core_free, core_holder)
+    if cause < 0:
+        cause = t_cause
+    if sent_t[r] > done:
+        done, cause = sent_t[r], sent_cause[r]
+    return _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size,
+                     steps, n)
+
+
+@numba.njit(cache=True)
+def _complete(r, k, t, cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size, steps, n):
+    """Step k of rank r completed at t: start the next one then, or record the finish."""
+    cur[r] = k + 1
+    if k + 1 < step_ptr[r + 1]:
+        start_cause[r] = cause
+        return _push(heap_t, heap_c, size, t, steps + n + r)
+    finish[r], finish_cause[r] = t, cause
+    return size
+
+
+def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.ndarray, ...]:
+    """The event loop on ``s`` (with ``match`` from :func:`match_messages`): per rank the finish time and
+    the message it waited for last, per message its start, end and cause, and per rank the step it
+    stopped at. A calibration calls this many times on one schedule, pairing its messages once."""
+    return _replay(s.step_ptr, s.send_peer, s.send_bytes, s.recv_peer, s.recv_bytes, s.reduces, match,
+                   float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha,
+                   network.intra_beta_us_per_byte, float(network.gamma_us_per_byte), network.ranks_per_host,
+                   float(network.send_overhead_us), float(network.recv_overhead_us), float(network.copy_us_per_byte),
+                   network.cores or 0, min(network.cpu_group, max(s.world_size, 1)))
 
 
 def replay(s: Schedule, network: Network) -> Timing:
     """Time ``s`` on ``network``: each rank's finish time and the critical path."""
     started = time.perf_counter()
     match = match_messages(s)
-    finish, finish_cause, msg_start, msg_end, msg_cause, cur = _replay(
-        s.step_ptr, s.send_peer, s.send_bytes, s.recv_peer, s.recv_bytes, s.reduces, match,
-        float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha, network.intra_beta_us_per_byte,
-        float(network.gamma_us_per_byte), network.ranks_per_host)
+    finish, finish_cause, msg_start, msg_end, msg_cause, cur = finish_times(s, match, network)
     stuck = np.flatnonzero(cur < s.step_ptr[1:])
     if len(stuck):
         r = int(stuck[0])

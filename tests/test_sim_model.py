@@ -1,0 +1,127 @@
+"""The simulator's CPU terms (issue 21): per-message overheads, per-byte copies and reductions, and
+ranks sharing a host's cores; and the calibration that fits them to measurements."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from lab import sim
+from lab.sim.network import MAX_RANKS_PER_HOST
+
+#: The hand calculation's network: 4,000-byte chunks cost 20 + 3.2 µs on the wire.
+CPU = {"alpha_us": 20.0, "gbit": 10.0, "send_overhead_us": 5.0, "recv_overhead_us": 7.0, "copy_us_per_byte": 0.001,
+           "gamma_us_per_byte": 0.002}
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_closed_forms_still_exact_with_the_cpu_terms_at_zero(world_size):
+    """Cores shared by every rank change nothing while no CPU work is asked for."""
+    net = sim.Network(alpha_us=20.0, gbit=10.0, cores=1, ranks_per_cpu=world_size)
+    nbytes = world_size * 1000 * 4
+    beta = net.beta_us_per_byte
+    ring = sim.simulate("allreduce", "ring", world_size, nbytes, net)
+    tree = sim.simulate("allreduce", "tree", world_size, nbytes, net)
+    assert ring.time_us == pytest.approx(2 * (world_size - 1) * (20.0 + nbytes / world_size * beta), rel=1e-12)
+    assert tree.time_us == pytest.approx(2 * math.log2(world_size) * (20.0 + nbytes * beta), rel=1e-12)
+
+
+def test_cpu_terms_on_two_ranks_match_a_hand_calculation():
+    """Ring allreduce of 8,000 bytes on 2 ranks: two sendrecv steps of 4,000 bytes, the first reduced.
+
+    A core each: send work 5 + 4 = 9 µs, wire 23.2 µs, receive work 7 + 4 (+ 8 reducing) µs:
+    step 1 ends at 9 + 23.2 + 19 = 51.2, step 2 at 51.2 + 9 + 23.2 + 11 = 94.4 µs, on both ranks.
+
+    One core for both: step 1: sends work 0-9 (rank 0), 9-18 (rank 1); wires 9-32.2 and 18-41.2;
+    rank 1 reduces 32.2-51.2, rank 0 waits for the core and reduces 51.2-70.2. Step 2: rank 1 asks
+    at 51.2, sends work 70.2-79.2; rank 0 asks at 70.2, works 79.2-88.2; wires 79.2-102.4 and
+    88.2-111.4; rank 0 copies out 102.4-113.4, rank 1 111.4 → waits → 113.4-124.4.
+    """
+    own = sim.simulate("allreduce", "ring", 2, 8000, sim.Network(**CPU))
+    assert own.finish_us.tolist() == pytest.approx([94.4, 94.4], rel=1e-12)
+    shared = sim.simulate("allreduce", "ring", 2, 8000, sim.Network(**CPU, cores=1, ranks_per_cpu=2))
+    assert shared.finish_us.tolist() == pytest.approx([113.4, 124.4], rel=1e-12)
+    # Ranks of one host share its cores by default; as many cores as ranks is no sharing at all.
+    assert sim.simulate("allreduce", "ring", 2, 8000, sim.Network(**CPU, cores=1, ranks_per_host=2)).time_us \
+        == pytest.approx(124.4, rel=1e-12)
+    assert sim.simulate("allreduce", "ring", 2, 8000, sim.Network(**CPU, cores=2, ranks_per_cpu=2)).time_us \
+        == pytest.approx(94.4, rel=1e-12)
+
+
+def test_each_cpu_term_moves_the_prediction_by_its_share():
+    """Ring on 2 ranks with a core each: o_send and o_recv add once per step, copy both sides' bytes."""
+    base = sim.Network(alpha_us=20.0, gbit=10.0)
+    plain = sim.simulate("allreduce", "ring", 2, 8000, base).time_us
+    for field, extra in [("send_overhead_us", 2 * 5.0), ("recv_overhead_us", 2 * 5.0),
+                         ("copy_us_per_byte", 2 * 2 * 4000 * 0.001), ("gamma_us_per_byte", 4000 * 0.001)]:
+        value = 5.0 if field.endswith("_us") else 0.001
+        net = sim.Network(alpha_us=20.0, gbit=10.0, **{field: value})
+        assert sim.simulate("allreduce", "ring", 2, 8000, net).time_us == pytest.approx(plain + extra, rel=1e-12)
+
+
+def test_eight_ranks_on_two_cores_serialise_their_cpu_work():
+    """Recursive doubling on 8 ranks, no wire time: 3 steps of 8 sends and 8 receives of 10 µs each,
+    2 cores: 3 · 2 · 8 · 10 / 2 = 240 µs (a core each: 3 · 20 = 60 µs)."""
+    net = {"alpha_us": 0.0, "gbit": 1e9, "send_overhead_us": 10.0, "recv_overhead_us": 10.0}
+    alone = sim.simulate("allreduce", "recursive_doubling", 8, 4096, sim.Network(**net)).time_us
+    shared = sim.simulate("allreduce", "recursive_doubling", 8, 4096,
+                          sim.Network(**net, cores=2, ranks_per_cpu=8)).time_us
+    assert alone == pytest.approx(60.0, abs=1e-6) and shared == pytest.approx(240.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cores": 0}, r"cores must be an integer from 1 to 16,777,216 or None"),
+    ({"cores": 2.5}, r"cores must be an integer"),
+    ({"ranks_per_cpu": 0}, r"ranks_per_cpu must be an integer from 1"),
+    ({"send_overhead_us": -1.0}, r"send_overhead_us must be a number from 0 to 1e\+09 µs"),
+    ({"recv_overhead_us": math.inf}, r"recv_overhead_us must be a number"),
+    ({"copy_us_per_byte": 1e300}, r"copy_us_per_byte must be a number from 0 to 1e\+06"),
+])
+def test_bad_cpu_terms_are_value_errors_that_name_the_parameter(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sim.Network(**kwargs)
+
+
+def test_times_stay_finite_with_every_cpu_term_at_its_largest():
+    net = sim.Network(alpha_us=1e9, gbit=1e-6, send_overhead_us=1e9, recv_overhead_us=1e9, copy_us_per_byte=1e6,
+                      gamma_us_per_byte=1e6, cores=1, ranks_per_cpu=8)
+    assert math.isfinite(sim.simulate("allreduce", "naive", 8, sim.limits.MAX_NBYTES, net).time_us)
+
+
+# -- calibration --------------------------------------------------------------------------------------
+
+TRUTH = sim.Network(alpha_us=30.0, gbit=5.0, send_overhead_us=12.0, recv_overhead_us=25.0, copy_us_per_byte=2e-4,
+                    gamma_us_per_byte=5e-4, cores=2, ranks_per_cpu=MAX_RANKS_PER_HOST)
+
+
+def _measured_from_model(directory, network: sim.Network) -> None:
+    """A results directory whose 'measurements' are the simulator's own times on ``network``
+    (calibration cases at N = 2, 4, 8 and 1 KB·16^k; validation cases at N = 3 and 64 KB)."""
+    rows = [{"collective": "allreduce", "impl": "lab", "algorithm": a, "transport": "shm", "world": n, "bytes": b,
+             "median_us": sim.simulate("allreduce", a, n, b, network).time_us}
+            for a in ("ring", "tree", "naive") for n in (2, 3, 4, 8)
+            for b in (1 << 10, 16 << 10, 64 << 10, 256 << 10, 4 << 20)]
+    directory.mkdir(exist_ok=True)
+    pd.DataFrame(rows).to_csv(directory / "allreduce.csv", index=False)
+    (directory / "machine.json").write_text(json.dumps({"cores": str(network.cores)}))
+
+
+def test_calibration_recovers_known_parameters_from_synthetic_measurements(tmp_path):
+    from lab.sim.calibrate import PARAMETERS, best_agreement, calibrate
+
+    _measured_from_model(tmp_path, TRUTH)
+    fits, table = calibrate(tmp_path)
+    assert list(fits) == ["shm"] and len(table) == 60
+    assert set(table.loc[table["world"] == 3, "role"]) == {"validation"}
+    assert set(table.loc[table["bytes"] == 64 << 10, "role"]) == {"validation"}
+    fit = fits["shm"]
+    assert fit.network.cores == 2 and fit.error < 1e-9
+    for name, *_ in PARAMETERS:
+        assert getattr(fit.network, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
+        assert fit.determined[name] > 0.005, name  # each one constrained by the synthetic cases
+    assert np.allclose(table["ratio"], 1.0, rtol=1e-9)  # validation cases included
+    assert best_agreement(table)["agree"].all()
