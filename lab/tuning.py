@@ -139,9 +139,8 @@ def networks_from(results_dir: str | Path) -> dict[str, dict]:
 
     from lab.sim.calibrate import calibrate
 
-    networks, _ = calibrate(Path(results_dir))
-    return {setting: dataclasses.asdict(network) for setting, network in networks.items()
-            if setting in TRANSPORTS}
+    fits, _ = calibrate(Path(results_dir))
+    return {setting: dataclasses.asdict(fit.network) for setting, fit in fits.items() if setting in TRANSPORTS}
 
 
 def store_networks(results_dir: str | Path) -> dict[str, dict]:
