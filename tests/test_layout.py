@@ -26,10 +26,7 @@ MAX_CLASS_LINES = 300
 
 #: Known exceptions, each with its reason: {(rule, module): reason}. They are expected failures
 #: (strict): once the module complies, its entry must go.
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("size", "lab.transport.shm"): "488 lines, ShmTransport 305: the two-shot allreduce branch is reworking "
-                                   "shm.py (split it, e.g. the mailbox and slot plumbing, once that lands)",
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from lab import checks
 from lab.hosts import check_link_gbit
 from lab.launch.transports import POOL_TRANSPORTS, TRANSPORTS, PoolTransport
-from lab.transport import shm as shm_transport
+from lab.transport import shm_endpoints
 
 #: The most shared memory a shm pool may map in all, as a fraction of the machine's memory.
 MAX_SHM_FRACTION = 0.5
@@ -32,9 +32,9 @@ class PoolOptions:
     transport: str = "shm"
     recv_timeout_ms: float | None = None
     trace: str | None = None
-    segment_bytes: int = shm_transport.DEFAULT_SEGMENT_BYTES
-    slots: int = shm_transport.DEFAULT_SLOTS
-    eager_bytes: int = shm_transport.DEFAULT_EAGER_BYTES
+    segment_bytes: int = shm_endpoints.DEFAULT_SEGMENT_BYTES
+    slots: int = shm_endpoints.DEFAULT_SLOTS
+    eager_bytes: int = shm_endpoints.DEFAULT_EAGER_BYTES
     hosts: int | None = None
     link_gbit: float | None = None
 
@@ -72,8 +72,8 @@ class PoolOptions:
         checks.positive_int(slots, "slots")
         if not checks.is_int(segment_bytes) or segment_bytes < 64 or segment_bytes % 64:
             raise ValueError(f"segment_bytes must be a positive int multiple of 64; got {segment_bytes!r}")
-        if not checks.is_int(eager_bytes) or not 0 <= eager_bytes <= shm_transport.MAX_EAGER_BYTES:
-            raise ValueError(f"eager_bytes must be an int in [0, {shm_transport.MAX_EAGER_BYTES}]; "
+        if not checks.is_int(eager_bytes) or not 0 <= eager_bytes <= shm_endpoints.MAX_EAGER_BYTES:
+            raise ValueError(f"eager_bytes must be an int in [0, {shm_endpoints.MAX_EAGER_BYTES}]; "
                              f"got {eager_bytes!r}")
         if self.transport != "shm":
             return

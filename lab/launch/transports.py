@@ -16,6 +16,7 @@ from lab.rendezvous import pool_store
 from lab.transport import mixed as mixed_transport
 from lab.transport import queue as queue_transport
 from lab.transport import shm as shm_transport
+from lab.transport import shm_endpoints
 from lab.transport import tcp as tcp_transport
 from lab.transport.base import Transport
 
@@ -53,7 +54,7 @@ class PoolTransport:
 
 
 def _shm_endpoints(context: BaseContext, world_size: int, options: BufferSizes) -> list[Any]:
-    return shm_transport.create_endpoints(world_size, options.segment_bytes, options.slots,
+    return shm_endpoints.create_endpoints(world_size, options.segment_bytes, options.slots,
                                           options.eager_bytes)
 
 
@@ -72,7 +73,7 @@ def _mixed_endpoints(context: BaseContext, world_size: int, options: BufferSizes
     endpoints: list[mixed_transport.MixedEndpoints] = []
     try:
         for host in range(options.hosts or 1):
-            local = shm_transport.create_endpoints(per_host, options.segment_bytes, options.slots,
+            local = shm_endpoints.create_endpoints(per_host, options.segment_bytes, options.slots,
                                                    options.eager_bytes)
             endpoints += [mixed_transport.MixedEndpoints(host * per_host + ep.rank, world_size, secret, ep)
                           for ep in local]

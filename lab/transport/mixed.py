@@ -26,9 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lab.errors import DeadlineError, LabError
-from lab.transport import shm as shm_transport
+from lab.transport import shm_endpoints
 from lab.transport.base import Recv, Send, SharedFd, Transport, recv_available
-from lab.transport.shm import ShmEndpoints, ShmTransport
+from lab.transport.shm import ShmTransport
+from lab.transport.shm_endpoints import ShmEndpoints
 from lab.transport.tcp import TcpTransport
 
 #: How long local rank 0 waits for the other ranks of its host to take their shm endpoints.
@@ -154,8 +155,8 @@ def share_host_endpoints(store, prefix: str, host: int, local_rank: int, local_w
 
 def _serve_host(store, key: str, host: int, local_world_size: int, secret: bytes) -> ShmTransport:
     """Local rank 0: build the host's shm mesh, hand it out, keep its own end."""
-    endpoints = shm_transport.create_endpoints(local_world_size, shm_transport.DEFAULT_SEGMENT_BYTES,
-                                               shm_transport.DEFAULT_SLOTS)
+    endpoints = shm_endpoints.create_endpoints(local_world_size, shm_endpoints.DEFAULT_SEGMENT_BYTES,
+                                               shm_endpoints.DEFAULT_SLOTS)
     name = b"\0lab-shm-" + secrets.token_hex(16).encode()
     transport = None
     try:

@@ -9,15 +9,14 @@ sender holds ``EAGER_CREDITS`` (8) per peer, spends one per eager message, and t
 them back ``EAGER_CREDITS // 2`` at a time as it consumes messages; so at most 8 eager messages
 (8 x 4,096 bytes of frames, 32 KiB) wait at a receiver per sender, in its pipe or its queue.
 
-Layout. Rank ``i`` owns one shared-memory segment (an anonymous ``memfd``: it has no name in
-``/dev/shm``, so nothing can be left behind, and the kernel frees it when the last rank exits).
-The segment holds, for every destination ``j``, ``slots`` slots of ``segment_bytes`` each. A send
-copies the data into the next free slot and writes a 48-byte descriptor (slot, byte count, tag)
-to the pipe ``i -> j``; the receiver copies or reduces (Numba kernel) straight out of that slot
-and returns a credit on the pipe ``j -> i``. A sender with no credit waits, so a slot is never
-overwritten before its reader is done, and shared memory per rank is bounded by
-``(world_size - 1) * slots * segment_bytes`` whatever the tensor size: larger tensors flow
-through in segments, pipelined across the slots.
+Rendezvous. Rank ``i`` owns one shared-memory segment holding, for every destination ``j``,
+``slots`` slots of ``segment_bytes`` each (:mod:`lab.transport.shm_endpoints`: the memfds, the
+frames, the mailboxes and the shared scratch). A send copies the data into the next free slot and
+writes a 48-byte descriptor (slot, byte count, tag) to the pipe ``i -> j``; the receiver copies or
+reduces (Numba kernel) straight out of that slot and returns a credit on the pipe ``j -> i``. A
+sender with no credit waits, so a slot is never overwritten before its reader is done, and shared
+memory per rank is bounded by ``(world_size - 1) * slots * segment_bytes`` whatever the tensor
+size: larger tensors flow through in segments, pipelined across the slots.
 
 Control plane. One OS pipe per directed edge (single producer, single consumer), chosen over
 ``multiprocessing.Queue`` for its latency (see docs/how-it-works.md), used raw: frames of a 48-byte
@@ -28,153 +27,68 @@ so a message for a later step, or a credit for a send that is not waiting, wakes
 does not fill: a sender has at most ``slots`` descriptors, ``slots`` credits and 8 eager frames
 (32 KiB) outstanding, within the pipe's 64 KiB. A pipe whose writer died reads as end-of-file,
 which surfaces at once as PeerLostError.
-
-Shared scratch. After the compiled path's mailboxes, the same memfd holds every rank's two-shot
-slot and registered-tensor arena (``self.scratch``, :mod:`lab.transport.scratch`): the two-shot
-allreduce reads its peers' memory there in place, with no descriptor and no pipe.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import mmap
 import os
 import select
 import struct
 import termios
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels import mailbox as mailboxes
 from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
-from lab.transport import scratch as shared_scratch
-from lab.transport.base import (TAG_BYTES, Recv, Send, SharedFd, Silence, TagMismatch, Transport,
-                                same_context, silence_error)
+from lab.transport.base import (
+    TAG_BYTES,
+    Recv,
+    Send,
+    Silence,
+    TagMismatch,
+    Transport,
+    same_context,
+    silence_error,
+)
+from lab.transport.shm_endpoints import (
+    CREDIT,
+    CREDIT_FRAME,
+    DATA,
+    DEFAULT_EAGER_BYTES,
+    DEFAULT_SEGMENT_BYTES,
+    DEFAULT_SLOTS,
+    DESCRIPTOR,
+    EAGER,
+    EAGER_CREDIT,
+    EAGER_CREDIT_FRAME,
+    EAGER_CREDITS,
+    MAILBOX_BUDGET_BYTES,
+    MAILBOX_DEPTH,
+    MAX_EAGER_BYTES,
+    Mailbox,
+    ShmEndpoints,
+    ShmMappings,
+    create_endpoints,
+    mailbox_slot_bytes,
+)
 
-DEFAULT_SEGMENT_BYTES = 256 * 1024
-DEFAULT_SLOTS = 4
-#: Slots per ring of the compiled path's mailboxes, and the most address space they take per pool.
-MAILBOX_DEPTH = 4
-MAILBOX_BUDGET_BYTES = 64 * 1024 * 1024
-#: Eager messages a sender may have outstanding at one receiver (returned half at a time).
-EAGER_CREDITS = 8
-
-_DATA, _CREDIT, _EAGER, _EAGER_CREDIT = 1, 2, 3, 4
-_MESSAGE = struct.Struct(f"<BxxxIQ{TAG_BYTES}s")  # kind, slot (eager credits: count), nbytes, tag: 48 bytes
-_CREDIT_MESSAGE = _MESSAGE.pack(_CREDIT, 0, 0, b"")
-_EAGER_CREDIT_MESSAGE = _MESSAGE.pack(_EAGER_CREDIT, EAGER_CREDITS // 2, 0, b"")
-#: The largest eager payload: descriptor and payload in one atomic pipe write.
-MAX_EAGER_BYTES = select.PIPE_BUF - _MESSAGE.size
-DEFAULT_EAGER_BYTES = MAX_EAGER_BYTES
 #: Non-blocking polls before a wait blocks (``LAB_SHM_SPIN`` overrides).
 DEFAULT_SPIN = 50
 _DRAIN_BYTES = 64 * 1024  # a whole pipe per read
 
-
-@dataclass
-class ShmEndpoints:
-    """What one rank needs to join the shm mesh; pickled into the rank's process at start."""
-
-    rank: int
-    world_size: int
-    segment_bytes: int
-    slots: int
-    eager_bytes: int
-    inbox: dict[int, SharedFd]  # src -> read end of the pipe src -> rank
-    outbox: dict[int, SharedFd]  # dst -> write end of the pipe rank -> dst
-    segments: list[SharedFd] = field(default_factory=list)  # one per rank, empty for world_size 1
-    mailbox: SharedFd | None = None  # every rank's compiled-path mailboxes (lab.plane); None: no compiled path
-    mailbox_slot_bytes: int = 0
-    mailbox_depth: int = 0
-    scratch_slot_bytes: int = 0  # the two-shot slots and registered arenas, after the mailboxes (0: none)
-    scratch_arena_bytes: int = 0
-
-    def close_in_parent(self) -> None:
-        """Close the parent's copies once the rank's process holds its own."""
-        for shared in (*self.inbox.values(), *self.outbox.values(), *self.segments):
-            shared.close()
-        if self.mailbox is not None:
-            self.mailbox.close()
-
-
-@dataclass
-class Mailbox:
-    """A rank's view of the mailboxes (``kernels.mailbox``), what :class:`lab.plane.CompiledPlane` runs on."""
-
-    region: np.ndarray  # uint8, 64-byte aligned, shared by every rank
-    rank: int
-    world_size: int
-    slot_bytes: int
-    depth: int
-    liveness_fds: np.ndarray  # per rank: the pipe it writes to us (POLLHUP once it died); -1 for us
-
-
-def mailbox_slot_bytes(world_size: int) -> int:
-    """Slot payload bytes: 64 KiB, less where N(N-1) rings of MAILBOX_DEPTH slots would pass
-    MAILBOX_BUDGET_BYTES (4 KiB at least; larger messages go as several pieces)."""
-    rings = max(1, world_size * (world_size - 1) * MAILBOX_DEPTH)
-    return max(4096, min(64 * 1024, MAILBOX_BUDGET_BYTES // rings // 64 * 64))
-
-
-def create_endpoints(world_size: int, segment_bytes: int, slots: int,
-                     eager_bytes: int = DEFAULT_EAGER_BYTES) -> list[ShmEndpoints]:
-    """Build the full mesh in the parent: N(N-1) pipes and N segments (all closed again if any
-    of them cannot be made, so a failed setup leaves no descriptor behind)."""
-    if segment_bytes < 64 or segment_bytes % 64:
-        raise ValueError(f"segment_bytes must be a positive multiple of 64; got {segment_bytes}")
-    if slots < 1:
-        raise ValueError(f"slots must be >= 1; got {slots}")
-    if not 0 <= eager_bytes <= MAX_EAGER_BYTES:
-        raise ValueError(f"eager_bytes must be in [0, {MAX_EAGER_BYTES}]; got {eager_bytes}")
-    endpoints = [ShmEndpoints(r, world_size, segment_bytes, slots, eager_bytes, {}, {}) for r in range(world_size)]
-    segments: list[SharedFd] = []
-    mailbox: SharedFd | None = None
-    try:
-        for src in range(world_size):
-            for dst in range(world_size):
-                if src != dst:
-                    reader, writer = os.pipe()
-                    endpoints[dst].inbox[src] = SharedFd(reader)
-                    endpoints[src].outbox[dst] = SharedFd(writer)
-        if world_size > 1:
-            size = (world_size - 1) * slots * segment_bytes
-            for rank in range(world_size):
-                segments.append(SharedFd(os.memfd_create(f"lab-rank{rank}", os.MFD_CLOEXEC)))
-                os.ftruncate(segments[-1].fd, size)
-            # One more (sparse) memfd, shared by every rank: the compiled path's mailboxes, then, from
-            # the next page on, the two-shot slots and registered arenas (lab.transport.scratch).
-            slot_bytes = mailbox_slot_bytes(world_size)
-            scratch_slot, arena = shared_scratch.slot_bytes_from_env(), shared_scratch.arena_bytes_from_env()
-            mailbox = SharedFd(os.memfd_create("lab-mailboxes", os.MFD_CLOEXEC))
-            os.ftruncate(mailbox.fd, _scratch_offset(world_size, slot_bytes)
-                         + shared_scratch.region_bytes(world_size, scratch_slot, arena))
-    except BaseException:
-        for ep in endpoints:
-            ep.close_in_parent()
-        for shared in (*segments, *([mailbox] if mailbox else [])):
-            shared.close()
-        raise
-    for ep in endpoints:
-        ep.segments = segments  # shared: closing one endpoint's copy closes the parent's fd once
-        if world_size > 1:
-            ep.mailbox, ep.mailbox_slot_bytes, ep.mailbox_depth = mailbox, slot_bytes, MAILBOX_DEPTH
-            ep.scratch_slot_bytes, ep.scratch_arena_bytes = scratch_slot, arena
-    return endpoints
-
-
-def _scratch_offset(world_size: int, mailbox_slot_bytes: int) -> int:
-    """Where the scratch starts in the mailboxes' memfd: the first page after the mailboxes."""
-    return -(-mailboxes.region_bytes(world_size, mailbox_slot_bytes, MAILBOX_DEPTH) // 4096) * 4096
+#: Also lab.transport.shm_endpoints' public names, re-exported: tests and older imports take them from here.
+__all__ = ["DEFAULT_EAGER_BYTES", "DEFAULT_SEGMENT_BYTES", "DEFAULT_SLOTS", "DEFAULT_SPIN", "EAGER_CREDITS",
+           "MAILBOX_BUDGET_BYTES", "MAILBOX_DEPTH", "MAX_EAGER_BYTES", "Mailbox", "ShmEndpoints", "ShmTransport",
+           "create_endpoints", "mailbox_slot_bytes"]
 
 
 class _Job:
     """Progress of one send or receive: one eager message, or rendezvous segments."""
 
-    __slots__ = ("peer", "array", "bytes", "offset", "segments_left", "combine", "eager")
+    __slots__ = ("array", "bytes", "combine", "eager", "offset", "peer", "segments_left")
 
     def __init__(self, peer: int, array: np.ndarray, segment_bytes: int, eager_bytes: int, combine=None) -> None:
         self.peer = peer
@@ -195,21 +109,16 @@ class ShmTransport(Transport):
         self.segment_bytes = endpoints.segment_bytes
         self.slots = endpoints.slots
         self.eager_bytes = endpoints.eager_bytes
-        self._spin = _spin_from_env()
         self._read_fd = {peer: shared.fd for peer, shared in endpoints.inbox.items()}
         self._write_fd = {peer: shared.fd for peer, shared in endpoints.outbox.items()}
-        self._peer_of_fd = {fd: peer for peer, fd in self._read_fd.items()}
         for fd in self._read_fd.values():
             os.set_blocking(fd, False)  # drains never block; waiting is the poller's job
-        self._pollers: dict[frozenset[int], select.poll] = {}  # one per set of awaited peers
-        self._maps = []
-        for segment in endpoints.segments:
-            self._maps.append(mmap.mmap(segment.fd, os.fstat(segment.fd).st_size))
-            segment.close()
-        self._memory = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
-        #: The two-shot allreduce and registered buffers (lab.transport.scratch); None for one rank.
-        self.scratch = None
-        self.mailbox = None if endpoints.mailbox is None else self._map_mailbox(endpoints)
+        self._poller = _PipePoller(self._read_fd)
+        liveness = np.array([self._read_fd.get(peer, -1) for peer in range(self.world_size)], np.int64)
+        self._shared = ShmMappings(endpoints, liveness)  # the segments' slots, the mailboxes and the scratch
+        #: The compiled path's mailboxes (lab.plane) and the two-shot allreduce and registered buffers
+        #: (lab.transport.scratch); None for one rank.
+        self.mailbox, self.scratch = self._shared.mailbox, self._shared.scratch
         peers = list(self._read_fd)
         self._credits = {p: self.slots for p in peers}
         self._eager_credits = {p: EAGER_CREDITS for p in peers}
@@ -219,28 +128,6 @@ class ShmTransport(Transport):
         self._parked: dict[int, list] = {p: [] for p in peers}  # other contexts' messages, copied out
         self._partial = {p: b"" for p in peers}  # the start of a frame whose rest is still in the pipe
         self._closed = False
-
-    def _map_mailbox(self, endpoints: ShmEndpoints) -> Mailbox:
-        shared = endpoints.mailbox
-        self._maps.append(mmap.mmap(shared.fd, os.fstat(shared.fd).st_size))  # page-aligned: 64-byte aligned
-        shared.close()
-        liveness = np.array([self._read_fd.get(peer, -1) for peer in range(self.world_size)], np.int64)
-        region = np.frombuffer(self._maps[-1], np.uint8)
-        if endpoints.scratch_slot_bytes:
-            start = _scratch_offset(self.world_size, endpoints.mailbox_slot_bytes)
-            self.scratch = shared_scratch.SharedScratch(region[start:], self.rank, self.world_size,
-                                                        endpoints.scratch_slot_bytes, endpoints.scratch_arena_bytes,
-                                                        liveness)
-        return Mailbox(region, self.rank, self.world_size, endpoints.mailbox_slot_bytes, endpoints.mailbox_depth,
-                       liveness)
-
-    # -- slots ---------------------------------------------------------------------------------
-
-    def _slot(self, owner: int, dst: int, slot: int) -> np.ndarray:
-        """Slot ``slot`` of the region in ``owner``'s segment that carries data to ``dst``."""
-        region = (dst - owner - 1) % self.world_size
-        start = (region * self.slots + slot) * self.segment_bytes
-        return self._memory[owner][start : start + self.segment_bytes]
 
     # -- the exchange loop -------------------------------------------------------------------
 
@@ -255,7 +142,7 @@ class ShmTransport(Transport):
             if not sending and data.nbytes <= eager_bytes and self._eager_credits[send.dst]:
                 # The common small send, at once: one write, no progress record (nothing queued
                 # before it to this peer, so the pipe's order is the issue order).
-                self._write(send.dst, _MESSAGE.pack(_EAGER, 0, data.nbytes, tag) + data.tobytes(), "sending", where)
+                self._write(send.dst, DESCRIPTOR.pack(EAGER, 0, data.nbytes, tag) + data.tobytes(), "sending", where)
                 self._eager_credits[send.dst] -= 1
             else:
                 sending.append(_Job(send.dst, data, segment_bytes, eager_bytes))
@@ -290,7 +177,7 @@ class ShmTransport(Transport):
     def _push_segment(self, job: _Job, tag: bytes, where: object) -> None:
         if job.eager:
             # Descriptor and payload in one atomic write: no slot, no credit back per message.
-            frame = _MESSAGE.pack(_EAGER, 0, job.bytes.size, tag) + job.bytes.tobytes()
+            frame = DESCRIPTOR.pack(EAGER, 0, job.bytes.size, tag) + job.bytes.tobytes()
             self._write(job.peer, frame, "sending", where)
             self._eager_credits[job.peer] -= 1
             job.segments_left = 0
@@ -298,8 +185,8 @@ class ShmTransport(Transport):
         # Copy the next piece into our next free slot for this peer, then tell the peer where it is.
         nbytes = min(self.segment_bytes, job.bytes.size - job.offset)
         slot = self._next_slot[job.peer]
-        self._slot(self.rank, job.peer, slot)[:nbytes] = job.bytes[job.offset : job.offset + nbytes]
-        self._write(job.peer, _MESSAGE.pack(_DATA, slot, nbytes, tag), "sending", where)
+        self._shared.slot(self.rank, job.peer, slot)[:nbytes] = job.bytes[job.offset : job.offset + nbytes]
+        self._write(job.peer, DESCRIPTOR.pack(DATA, slot, nbytes, tag), "sending", where)
         self._credits[job.peer] -= 1
         self._next_slot[job.peer] = (slot + 1) % self.slots
         job.offset += nbytes
@@ -330,11 +217,11 @@ class ShmTransport(Transport):
         arrived = self._arrived[peer]
         while arrived and not same_context(arrived[0][3], tag):
             kind, slot, nbytes, got_tag, payload = arrived.popleft()
-            if kind == _EAGER:
+            if kind == EAGER:
                 self._eager_consumed(peer)
             else:
-                payload = bytearray(self._slot(peer, self.rank, slot)[:nbytes])
-                self._return_credit(peer, _CREDIT_MESSAGE)
+                payload = bytearray(self._shared.slot(peer, self.rank, slot)[:nbytes])
+                self._return_credit(peer, CREDIT_FRAME)
             parked.append((kind, slot, nbytes, got_tag, payload))
         return bool(arrived)
 
@@ -343,7 +230,7 @@ class ShmTransport(Transport):
         self._eager_unreturned[peer] += 1
         if self._eager_unreturned[peer] == EAGER_CREDITS // 2:
             self._eager_unreturned[peer] = 0
-            self._return_credit(peer, _EAGER_CREDIT_MESSAGE)
+            self._return_credit(peer, EAGER_CREDIT_FRAME)
 
     def _consume_segment(self, job: _Job, tag: bytes, where: object) -> None:
         # Copy or reduce straight out of the eager payload or the sender's slot (or, for a parked
@@ -358,16 +245,16 @@ class ShmTransport(Transport):
         if got_tag != tag:
             raise TagMismatch(job.peer, tag, got_tag)
         expected = min(self.segment_bytes, job.bytes.size - job.offset) if not job.eager else job.bytes.size
-        if nbytes != expected or (kind == _EAGER) != job.eager:
+        if nbytes != expected or (kind == EAGER) != job.eager:
             raise CollectiveMismatchError(
                 f"rank {self.rank} expected {job.bytes.size} bytes from rank {job.peer} in {where}, got a "
-                f"{'message' if kind == _EAGER else 'segment'} of {nbytes}"
+                f"{'message' if kind == EAGER else 'segment'} of {nbytes}"
             )
         if job.eager:
             incoming = np.frombuffer(payload, dtype=job.array.dtype)
             target = job.array
         else:
-            incoming = (self._slot(job.peer, self.rank, slot)[:nbytes] if payload is None
+            incoming = (self._shared.slot(job.peer, self.rank, slot)[:nbytes] if payload is None
                         else np.frombuffer(payload, np.uint8)).view(job.array.dtype)
             itemsize = job.array.itemsize
             target = job.array[job.offset // itemsize : (job.offset + nbytes) // itemsize]
@@ -381,7 +268,7 @@ class ShmTransport(Transport):
             job.segments_left = 0
             return
         if index is None:  # hand the slot back
-            self._return_credit(job.peer, _CREDIT_MESSAGE)
+            self._return_credit(job.peer, CREDIT_FRAME)
         job.offset += nbytes
         job.segments_left -= 1
 
@@ -409,10 +296,86 @@ class ShmTransport(Transport):
     # -- reading the pipes ---------------------------------------------------------------------
 
     def _wait(self, silence: Silence, where: object, peers: frozenset[int]) -> None:
-        """Wait until one of ``peers`` sends something, then take in everything they sent.
+        """Wait until one of ``peers`` sends something (spin, then poll), then take in everything they sent."""
+        readable = self._poller.readable(peers, silence)
+        if not readable and silence.expired():
+            raise silence_error(self.rank, peers, where)
+        for peer in readable:  # none: a long wait taken in slices
+            self._drain(peer, where)
 
-        Spin first (``LAB_SHM_SPIN`` polls, each followed by ``sched_yield``), then block in ``poll``.
-        """
+    def _drain(self, peer: int, where: object) -> None:
+        """Read every frame waiting in ``peer``'s pipe: credits count, descriptors queue."""
+        try:
+            data = os.read(self._read_fd[peer], _DRAIN_BYTES)
+        except BlockingIOError:
+            return
+        if not data:
+            raise PeerLostError(f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})")
+        # Writable (Numba's kernels take writable arrays); payloads below are views of it, not copies.
+        data = bytearray(self._partial[peer] + data if self._partial[peer] else data)
+        arrived, size, header = self._arrived[peer], len(data), DESCRIPTOR.size
+        position = 0
+        while position + header <= size:
+            kind, slot, nbytes, tag = DESCRIPTOR.unpack_from(data, position)
+            if kind == EAGER:
+                end = position + header + nbytes
+                if end > size:
+                    break  # the rest of this frame is still in the pipe
+                arrived.append((kind, 0, nbytes, tag, memoryview(data)[position + header : end]))
+                position = end
+                continue
+            position += header
+            if kind == CREDIT:
+                self._credits[peer] += 1
+            elif kind == EAGER_CREDIT:
+                self._eager_credits[peer] += slot
+            else:
+                arrived.append((kind, slot, nbytes, tag, None))
+        self._partial[peer] = bytes(data[position:])
+
+    def queued_bytes(self, peer: int) -> int:
+        """Bytes ``peer`` has sent that this rank holds but has not consumed (eager payloads and
+        descriptors in its queue, plus what is still in the pipe): what the flood test bounds."""
+        in_pipe = struct.unpack("i", fcntl.ioctl(self._read_fd[peer], termios.FIONREAD, b"\0\0\0\0"))[0]
+        held = len(self._partial[peer]) + in_pipe
+        for _, _, nbytes, _, payload in self._arrived[peer]:
+            held += DESCRIPTOR.size + (len(payload) if payload is not None else 0)
+        return held
+
+    def unconsumed_tags(self) -> dict[int, list[bytes]]:
+        """Also the next message in each mailbox ring (a peer that took the compiled path where this
+        rank took the pipes: a size on either side of the compiled path's threshold)."""
+        for peer in self._arrived:
+            with contextlib.suppress(PeerLostError):
+                self._drain(peer, "diagnosis")
+        tags = {peer: [entry[3] for entry in arrived] for peer, arrived in self._arrived.items() if arrived}
+        for peer, pending in self._shared.pending_fingerprints().items():
+            tags.setdefault(peer, []).extend(pending)
+        return tags
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fd in (*self._read_fd.values(), *self._write_fd.values()):
+            os.close(fd)
+        self.mailbox = self.scratch = None  # let go of the mappings' views, so that they can be unmapped
+        self._shared.close()
+
+
+class _PipePoller:
+    """Waits for the pipes of a set of peers: one ``poll`` object per set awaited."""
+
+    def __init__(self, read_fd: Mapping[int, int]) -> None:
+        self._read_fd = read_fd
+        self._peer_of_fd = {fd: peer for peer, fd in read_fd.items()}
+        self._pollers: dict[frozenset[int], select.poll] = {}
+        self._spin = _spin_from_env()
+
+    def readable(self, peers: frozenset[int], silence: Silence) -> list[int]:
+        """The peers of ``peers`` whose pipes have something (data or end-of-file), or none once
+        ``silence``'s next wait is up. Spin first (``LAB_SHM_SPIN`` polls, each followed by
+        ``sched_yield``), then block in ``poll``."""
         poller = self._pollers.get(peers)
         if poller is None:
             poller = self._pollers[peers] = select.poll()
@@ -426,84 +389,7 @@ class ShmTransport(Transport):
             os.sched_yield()
         if not events and not silence.expired():
             events = poller.poll(silence.wait_s() * 1000)
-        if not events:
-            if not silence.expired():
-                return  # a long wait taken in slices
-            raise silence_error(self.rank, peers, where)
-        for fd, _ in events:
-            self._drain(self._peer_of_fd[fd], where)
-
-    def _drain(self, peer: int, where: object) -> None:
-        """Read every frame waiting in ``peer``'s pipe: credits count, descriptors queue."""
-        try:
-            data = os.read(self._read_fd[peer], _DRAIN_BYTES)
-        except BlockingIOError:
-            return
-        if not data:
-            raise PeerLostError(f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})")
-        # Writable (Numba's kernels take writable arrays); payloads below are views of it, not copies.
-        data = bytearray(self._partial[peer] + data if self._partial[peer] else data)
-        arrived, size, header = self._arrived[peer], len(data), _MESSAGE.size
-        position = 0
-        while position + header <= size:
-            kind, slot, nbytes, tag = _MESSAGE.unpack_from(data, position)
-            if kind == _EAGER:
-                end = position + header + nbytes
-                if end > size:
-                    break  # the rest of this frame is still in the pipe
-                arrived.append((kind, 0, nbytes, tag, memoryview(data)[position + header : end]))
-                position = end
-                continue
-            position += header
-            if kind == _CREDIT:
-                self._credits[peer] += 1
-            elif kind == _EAGER_CREDIT:
-                self._eager_credits[peer] += slot
-            else:
-                arrived.append((kind, slot, nbytes, tag, None))
-        self._partial[peer] = bytes(data[position:])
-
-    def queued_bytes(self, peer: int) -> int:
-        """Bytes ``peer`` has sent that this rank holds but has not consumed (eager payloads and
-        descriptors in its queue, plus what is still in the pipe): what the flood test bounds."""
-        in_pipe = struct.unpack("i", fcntl.ioctl(self._read_fd[peer], termios.FIONREAD, b"\0\0\0\0"))[0]
-        held = len(self._partial[peer]) + in_pipe
-        for _, _, nbytes, _, payload in self._arrived[peer]:
-            held += _MESSAGE.size + (len(payload) if payload is not None else 0)
-        return held
-
-    def unconsumed_tags(self) -> dict[int, list[bytes]]:
-        """Also the next message in each mailbox ring (a peer that took the compiled path where this
-        rank took the pipes: a size on either side of the compiled path's threshold)."""
-        for peer in self._arrived:
-            with contextlib.suppress(PeerLostError):
-                self._drain(peer, "diagnosis")
-        tags = {peer: [entry[3] for entry in arrived] for peer, arrived in self._arrived.items() if arrived}
-        if self.mailbox is not None:
-            box = self.mailbox
-            pending = mailboxes.pending_fingerprints(box.region, box.rank, box.world_size, box.slot_bytes, box.depth)
-            for peer, tag in pending.items():
-                tags.setdefault(peer, []).append(tag)
-        if self.scratch is not None:  # a peer that entered a two-shot round where this rank did not
-            for peer, tag in self.scratch.pending_fingerprints().items():
-                tags.setdefault(peer, []).append(tag)
-        return tags
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for fd in (*self._read_fd.values(), *self._write_fd.values()):
-            os.close(fd)
-        if self.scratch is not None:
-            self.scratch.closed = True  # a registered tensor outliving the mesh is plain memory from now on
-        self._memory, self.mailbox, self.scratch = [], None, None
-        for m in self._maps:
-            # A failed transfer's traceback may still hold views of a slot; the mapping then goes
-            # when they do (and with the process), so there is nothing to force here.
-            with contextlib.suppress(BufferError):
-                m.close()
-        self._maps = []
+        return [self._peer_of_fd[fd] for fd, _ in events] if events else []
 
 
 def _spin_from_env() -> int:
