@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lab.sim.core import _schedule
+from lab.sim.core import recorded_schedule
 from lab.sim.network import MAX_RANKS_PER_HOST, Network
 from lab.sim.record import algorithms
 from lab.sim.replay import finish_times, match_messages
@@ -141,8 +141,8 @@ class _Cases:
     def __init__(self, rows: pd.DataFrame, ranks_per_host: int) -> None:
         self.schedules = []
         for row in rows.itertuples(index=False):
-            schedule, _ = _schedule(row.collective, row.algorithm, int(row.world), int(row.sim_bytes), 0,
-                                    ranks_per_host, None)
+            schedule, _ = recorded_schedule(row.collective, row.algorithm, int(row.world), int(row.sim_bytes), 0,
+                                                ranks_per_host, None)
             self.schedules.append((schedule, match_messages(schedule)))
         self.measured_us = rows["median_us"].to_numpy(dtype=float)
 

@@ -135,9 +135,10 @@ def _fits(collective: str, algorithm: str, world_size: int, nbytes: int, root: i
     recorder.estimate(collective, table_algorithm, world_size, nbytes, root, ranks_per_host, max_steps, max_seconds)
 
 
-def _schedule(collective: str, algorithm: str, world_size: int, nbytes: int, root: int,
-              ranks_per_host: int, max_steps: int | None) -> tuple[Schedule, bool]:
-    """The recorded schedule, and whether it was recorded now (False: from the cache)."""
+def recorded_schedule(collective: str, algorithm: str, world_size: int, nbytes: int, root: int,
+                      ranks_per_host: int, max_steps: int | None) -> tuple[Schedule, bool]:
+    """The recorded schedule of a case (kept in a small cache: :func:`simulate` and the
+    calibration replay one schedule on many networks), and whether it was recorded now."""
     key = _key(collective, algorithm, world_size, nbytes, root, ranks_per_host)
     cached = _cache.get(key)
     if cached is not None:
@@ -178,7 +179,7 @@ def simulate(collective: str, algorithm: str, world_size: int, nbytes: int, netw
 def _simulate(collective: str, algorithm: str, world_size: int, nbytes: int, network: Network, root: int,
               max_steps: int | None) -> SimResult:
     """:func:`simulate` once checked and estimated."""
-    schedule, fresh = _schedule(collective, algorithm, world_size, nbytes, root, network.ranks_per_host, max_steps)
+    schedule, fresh = recorded_schedule(collective, algorithm, world_size, nbytes, root, network.ranks_per_host, max_steps)
     timing = replay(schedule, network)
     sends, recvs = schedule.send_peer >= 0, schedule.recv_peer >= 0
     return SimResult(
