@@ -89,6 +89,11 @@ def one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
 # -- checks (before anything is sent: torch raises these in the caller)
 
 
+def output_bytes(outputs: list) -> int:
+    """The bytes of a list of tensors, or of lists of them (an allgather's output lists)."""
+    return sum(output_bytes(t) if isinstance(t, list) else t.numel() * t.element_size() for t in outputs)
+
+
 def check_count(tensors: list[torch.Tensor], world_size: int, name: str) -> None:
     if len(tensors) != world_size:
         raise ValueError(f"{name} must hold one tensor per rank ({world_size}); got {len(tensors)}")
@@ -162,8 +167,7 @@ class LabProcessGroup(dist.ProcessGroup):
         """The Work of ``run``. A collective of at most ``RUN_NOW_MAX_BYTES`` of output runs before
         this returns when nothing else is in flight (the Work is then complete); point-to-point
         always goes to the communication thread (an irecv posted before its isend must not block)."""
-        nbytes = sum(t.numel() * t.element_size() for t in outputs)
-        return LabWork(self, run, outputs, now=not p2p and nbytes <= RUN_NOW_MAX_BYTES)
+        return LabWork(self, run, outputs, now=not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES)
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
 
