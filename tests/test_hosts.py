@@ -382,6 +382,20 @@ def test_hosts_say_when_their_keeper_died():
                                 "the links between the hosts went with it")
 
 
+def gone_before_the_run(pid: int) -> None:
+    """Wait until ``pid`` has exited (a zombie or reaped): SIGKILL is delivered asynchronously,
+    and "between runs" means the next run starts after the death."""
+    for _ in range(1000):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} outlived SIGKILL by 10 s")
+
+
 def sleep_then_allreduce(mesh: lab.Mesh, seconds: float) -> float:
     time.sleep(seconds)
     x = torch.ones(1024)
@@ -405,6 +419,7 @@ def test_a_dead_keeper_is_named_instead_of_a_rank(victim, when):
         victim_pid = keeper if victim == "keeper" else switch_holder
         if when == "between runs":
             os.kill(victim_pid, signal.SIGKILL)
+            gone_before_the_run(victim_pid)
             sleep = 0.0
         else:
             threading.Timer(1.0, os.kill, (victim_pid, signal.SIGKILL)).start()

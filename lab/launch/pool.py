@@ -111,6 +111,7 @@ class Cluster:
         with self._running:  # a second thread waits its turn: replies carry no task id
             if self._closed:
                 raise LabError(f"this cluster is closed ({self._closed_why})")
+            self._check_keeper()  # hosts lost since the last run: send nothing over links that are gone
             for control in self._controls:
                 control.send_bytes(task)
             return self._collect(None, None)
