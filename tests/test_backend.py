@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -164,3 +165,27 @@ def test_a_silent_peer_ends_every_surviving_call_within_the_timeout():
         assert output.startswith("DistBackendError") and "DeadlineError" in output, outputs
         assert "recv_timeout_ms=2000" in output, output
         assert float(output.split(" after ")[1].split(" s")[0]) < 60, output  # before the silent rank woke
+
+
+# -- torch's own DistributedTest, a chosen subset (tests/torch_suite.py runs all of it, by hand) --
+
+TORCH_SUITE_SUBSET = ["test_all_reduce_sum", "test_broadcast", "test_all_gather", "test_barrier",
+                      "test_reduce_sum", "test_DistributedDataParallelCPU"]
+
+
+def test_torch_s_own_distributed_tests_pass_on_the_lab():
+    """torch's DistributedTest cases, unmodified, at WORLD_SIZE=3 against BACKEND=lab: each must
+    run and pass (a skip would hide that it no longer runs here)."""
+    command = [sys.executable, os.path.join(HERE, "torch_suite.py"), "-v",
+               *(f"TestLabBackend.{name}" for name in TORCH_SUITE_SUBSET)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**CHILD_ENV, "WORLD_SIZE": "3"})
+    report = done.stderr + done.stdout
+    # unittest -v: "name (class) ... " then the ranks' log lines, then "ok" (or FAIL, ERROR, skipped ...)
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"^(test_\w+) \(.*?\) \.\.\. ", report, re.M)]
+    outcome = {}
+    for (start, name), (end, _) in zip(starts, [*starts[1:], (len(report), "")], strict=True):
+        lines = [line.strip() for line in report[start:end].splitlines()]
+        outcome[name] = "ok" if lines[0].endswith("... ok") or "ok" in lines[1:] else "\n".join(lines[-20:])
+    for name in TORCH_SUITE_SUBSET:
+        assert outcome.get(name) == "ok", f"{name}: {outcome.get(name, 'did not run')}\n{report[-3000:]}"
+    assert done.returncode == 0, report[-4000:]
