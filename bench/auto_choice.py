@@ -29,7 +29,7 @@ from lab.sim.sweep import parse_size
 
 def auto_runs(mesh: lab.Mesh, nbytes: int) -> str:
     """In a rank: the algorithm ``auto`` resolves to for an ``nbytes`` allreduce on this mesh."""
-    return collectives._pick(mesh, "allreduce", "auto", nbytes)
+    return collectives.pick(mesh, "allreduce", "auto", nbytes)
 
 
 def main() -> None:
