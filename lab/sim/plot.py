@@ -13,7 +13,6 @@ only here).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,12 +71,8 @@ def _columns(schedule: Schedule, match: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def arrows(schedule: Schedule, critical_path: list[Message]) -> list[Arrow]:
     """Every message of ``schedule`` as an :class:`Arrow`, in the senders' step order, the
-    messages of ``critical_path`` (a replay's, first to last) marked.
-
-    The replay names a critical message by (src, dst, bytes, times); the arrow it is, is the
-    first unused one of that pair (a pair's messages arrive in order) that can follow the
-    previous critical message: sent by its receiver, it leaves after the step that received it;
-    sent by the same rank, it leaves in a later step. A path that cannot be placed is an error.
+    messages of ``critical_path`` (a replay of this schedule's, which names each one's recorded
+    send) marked.
 
         s = record("allreduce", "ring", 2, 1024)          # two steps, each rank sends one chunk per step
         len(arrows(s, []))                               # 4
@@ -86,29 +81,13 @@ def arrows(schedule: Schedule, critical_path: list[Message]) -> list[Arrow]:
     start, end = _columns(schedule, match)
     rank_of = np.repeat(np.arange(schedule.world_size), np.diff(schedule.step_ptr))
     sends = np.flatnonzero(match >= 0)
-    by_pair: dict[tuple[int, int], list[int]] = defaultdict(list)  # a pair's send steps, in order
-    for k in sends.tolist():
-        by_pair[int(rank_of[k]), int(schedule.send_peer[k])].append(k)
-    critical: set[int] = set()
-    used = {pair: -1 for pair in by_pair}  # per pair: the index of the last critical message placed
-    previous = None
+    critical = {message.step for message in critical_path}
     for message in critical_path:
-        pair = (message.src, message.dst)
-        earliest = 0
-        if previous is not None and message.src == rank_of[match[previous]]:  # sent by its receiver
-            earliest = int(end[match[previous]]) + 1
-        elif previous is not None and message.src == rank_of[previous]:  # the same sender, later
-            earliest = int(start[previous]) + 1
-        candidates = by_pair.get(pair, [])
-        found = next((i for i in range(used.get(pair, -1) + 1, len(candidates))
-                      if start[candidates[i]] >= earliest and schedule.send_bytes[candidates[i]] == message.nbytes),
-                     None)
-        if found is None:
-            raise ScheduleError(f"cannot place the critical path's message {message.src} -> {message.dst} "
-                                f"({message.nbytes} bytes) on {schedule.algorithm}'s schedule")
-        used[pair] = found
-        previous = candidates[found]
-        critical.add(previous)
+        k = message.step
+        if not (0 <= k < len(match) and match[k] >= 0 and rank_of[k] == message.src
+                and schedule.send_peer[k] == message.dst and schedule.send_bytes[k] == message.nbytes):
+            raise ScheduleError(f"the critical path's message {message.src} -> {message.dst} ({message.nbytes} "
+                                f"bytes) is not send {k} of {schedule.algorithm}'s schedule: another recording?")
     return [Arrow(int(rank_of[k]), int(schedule.send_peer[k]), int(schedule.send_bytes[k]), int(start[k]),
                   int(end[match[k]]), bool(schedule.reduces[match[k]]), k in critical)
             for k in sends.tolist()]

@@ -37,6 +37,7 @@ class Message(NamedTuple):
     nbytes: int
     start_us: float
     end_us: float
+    step: int  # the recorded send it is: an index into the schedule's step arrays
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,7 @@ def replay(s: Schedule, network: Network) -> Timing:
         while m >= 0:
             sender = int(np.searchsorted(s.step_ptr, m, side="right")) - 1
             path.append(Message(sender, int(s.send_peer[m]), int(s.send_bytes[m]),
-                                float(msg_start[m]), float(msg_end[m])))
+                                float(msg_start[m]), float(msg_end[m]), m))
             m = int(msg_cause[m])
         path.reverse()
     return Timing(finish, path, time.perf_counter() - started)
