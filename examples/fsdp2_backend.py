@@ -8,6 +8,7 @@ gloo group over the same ranks for its twin (same initial weights, same data).
 """
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,10 @@ def main() -> None:
         if rank == 0:
             print(f"step {step}: loss on lab {losses['lab']:.6f}   on gloo {losses['gloo']:.6f}", flush=True)
     dist.destroy_process_group()
+    # torch 2.13 can hang at exit when the twins free the gloo group: its destructor joins gloo's
+    # worker threads holding the GIL while a worker, still dropping a finished work, waits for the
+    # GIL (seen with py-spy under load). Let the workers finish first: sleeping releases the GIL.
+    time.sleep(0.5)
 
 
 if __name__ == "__main__":
