@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,10 +43,19 @@ def test_ddp_hook():
 
 def run_under_torchrun(name: str, ranks: int, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                           str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    # A session of its own: on a timeout torchrun and its ranks end together (SIGKILL to torchrun
+    # alone would leave the ranks running).
+    with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+                           str(EXAMPLES / name), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, start_new_session=True) as launcher:
+        try:
+            stdout, stderr = launcher.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            stdout, stderr = launcher.communicate()
+            raise AssertionError(f"{name} ran past 300 s:\n{stderr[-3000:]}") from None
+    assert launcher.returncode == 0, stderr[-3000:]
+    return stdout
 
 
 def losses(out: str) -> list[tuple[float, float]]:
