@@ -1,6 +1,6 @@
 """The flags of a shared-buffer two-shot allreduce, in nopython mode: publish a counter, wait for one.
 
-A two-shot allreduce over memory every rank maps (``lab.transport.scratch``) needs no messages,
+A two-shot allreduce over memory every rank maps (``lab.transport.peer_memory``) needs no messages,
 only three counters per rank that say how far it got, and a header that says what it is doing.
 Each sits on its own 64-byte line of the shared region, written by its rank alone::
 

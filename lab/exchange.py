@@ -253,13 +253,13 @@ class Exchange:
 
     @property
     def scratch(self) -> Any:
-        """The shm transport's shared scratch (:mod:`lab.transport.scratch`: two-shot slots and
+        """The shm transport's shared scratch (:mod:`lab.transport.peer_memory`: two-shot slots and
         ``lab.empty``'s arenas), or None (another transport, one rank, a closed mesh)."""
         return None if self.closed else getattr(self._transport, "scratch", None)
 
     def shared_allreduce(self, buf: np.ndarray, reduction: Reduction) -> bool:
         """Allreduce ``buf`` in place by reading the peers' memory in place (the two-shot of
-        :mod:`lab.transport.scratch`); False, having done nothing, where there is no scratch or
+        :mod:`lab.transport.peer_memory`); False, having done nothing, where there is no scratch or
         this is a sub-mesh (whose ranks are not the scratch's): the caller then sends messages."""
         if self.closed:
             raise LabError(f"{self._membership.who()}: this mesh is closed (an allreduce after mesh.close())")

@@ -2,7 +2,7 @@
 
 An allreduce with ``algorithm="two_shot"`` on the shm transport copies each rank's input into
 shared memory once, then every rank reads it there. A tensor made by :func:`empty` already lies in
-that memory (this rank's arena of the mesh's scratch, :mod:`lab.transport.scratch`), so its peers
+that memory (this rank's arena of the mesh's scratch, :mod:`lab.transport.peer_memory`), so its peers
 read it in place and the copy in goes too. Any other tensor works as before (copied in).
 """
 

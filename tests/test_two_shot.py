@@ -1,5 +1,5 @@
 """Two-shot allreduce (lab.collectives.allreduce_two_shot): on shm it reads the peers' memory in
-place (lab.transport.scratch); elsewhere, and on sub-meshes, the same schedule over messages.
+place (lab.transport.peer_memory); elsewhere, and on sub-meshes, the same schedule over messages.
 
 Every rank checks its own output against a fold of ``index * stride + rank`` in rank order (the
 order the owner reduces in), at every world size 1-8 (a pool each), every reducing dtype and op,

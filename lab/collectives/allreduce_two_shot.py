@@ -16,7 +16,7 @@ def allreduce_two_shot(peers: Peers, buf: np.ndarray, reduction: Reduction) -> N
     finished slice. Every rank ends bit-identical, and with the same bits at any N on any transport.
 
     On the shm transport's root mesh the ranks read each other's memory (``peers.shared_allreduce``,
-    :mod:`lab.transport.scratch`): copy in once (not at all for a ``lab.empty`` tensor), reduce
+    :mod:`lab.transport.peer_memory`): copy in once (not at all for a ``lab.empty`` tensor), reduce
     slice r straight from the N inputs, copy the N-1 other slices out. No messages; in rounds of
     S bytes (``LAB_SHM_SCRATCH_BYTES``), three flag waits each.
     Cost: 3·⌈T/S⌉·α + about 4T/B, B the copy bandwidth of one core (a 1-byte load or store

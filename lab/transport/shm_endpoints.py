@@ -11,7 +11,7 @@ eager message's payload right behind it.
 
 Shared scratch. One more memfd, shared by every rank, holds the compiled path's mailboxes
 (:class:`Mailbox`, :mod:`lab.plane`) and, from the next page on, every rank's two-shot slot and
-registered-tensor arena (:mod:`lab.transport.scratch`): the two-shot allreduce reads its peers'
+registered-tensor arena (:mod:`lab.transport.peer_memory`): the two-shot allreduce reads its peers'
 memory there in place, with no descriptor and no pipe.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kernels import mailbox as mailboxes
-from lab.transport import scratch as shared_scratch
+from lab.transport import peer_memory
 from lab.transport.base import TAG_BYTES, SharedFd
 
 DEFAULT_SEGMENT_BYTES = 256 * 1024
@@ -120,12 +120,12 @@ def create_endpoints(world_size: int, segment_bytes: int, slots: int,
                 segments.append(SharedFd(os.memfd_create(f"lab-rank{rank}", os.MFD_CLOEXEC)))
                 os.ftruncate(segments[-1].fd, size)
             # One more (sparse) memfd, shared by every rank: the compiled path's mailboxes, then, from
-            # the next page on, the two-shot slots and registered arenas (lab.transport.scratch).
+            # the next page on, the two-shot slots and registered arenas (lab.transport.peer_memory).
             slot_bytes = mailbox_slot_bytes(world_size)
-            scratch_slot, arena = shared_scratch.slot_bytes_from_env(), shared_scratch.arena_bytes_from_env()
+            scratch_slot, arena = peer_memory.slot_bytes_from_env(), peer_memory.arena_bytes_from_env()
             mailbox = SharedFd(os.memfd_create("lab-mailboxes", os.MFD_CLOEXEC))
             os.ftruncate(mailbox.fd, _scratch_offset(world_size, slot_bytes)
-                         + shared_scratch.region_bytes(world_size, scratch_slot, arena))
+                         + peer_memory.region_bytes(world_size, scratch_slot, arena))
     except BaseException:
         for ep in endpoints:
             ep.close_in_parent()
@@ -159,8 +159,8 @@ class ShmMappings:
             self._maps.append(mmap.mmap(segment.fd, os.fstat(segment.fd).st_size))
             segment.close()
         self.segments = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
-        #: The two-shot allreduce and registered buffers (lab.transport.scratch).
-        self.scratch: shared_scratch.SharedScratch | None = None
+        #: The two-shot allreduce and registered buffers (lab.transport.peer_memory).
+        self.scratch: peer_memory.SharedScratch | None = None
         self.mailbox: Mailbox | None = None
         shared = endpoints.mailbox
         if shared is None:
@@ -170,7 +170,7 @@ class ShmMappings:
         region = np.frombuffer(self._maps[-1], np.uint8)
         if endpoints.scratch_slot_bytes:
             start = _scratch_offset(self.world_size, endpoints.mailbox_slot_bytes)
-            self.scratch = shared_scratch.SharedScratch(region[start:], endpoints.rank, self.world_size,
+            self.scratch = peer_memory.SharedScratch(region[start:], endpoints.rank, self.world_size,
                                                         endpoints.scratch_slot_bytes, endpoints.scratch_arena_bytes,
                                                         liveness_fds)
         self.mailbox = Mailbox(region, endpoints.rank, self.world_size, endpoints.mailbox_slot_bytes,
