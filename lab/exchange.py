@@ -15,7 +15,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,8 +27,11 @@ from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, Position, TraceFile
 from lab.issue import IssueQueue
 from lab.membership import Membership
 from lab.ops import DType, Reduction, reduction
-from lab.plane import CompiledPlane, Report
+from lab.plane import CompiledCall, CompiledPlane, Report
 from lab.transport.base import Recv, Send, TagMismatch, Transport, silence_error
+
+if TYPE_CHECKING:
+    from lab.collectives.prepared import Signature
 
 
 class Channels:
@@ -151,33 +154,46 @@ class Exchange:
         if plane is None or options or not self._compiled or not plane.takes(algorithm, self._nbytes, args):
             algorithm(self, *args, **options)
             return
+        call = plane.call(algorithm, args)
+        self._run_compiled(call, call.operands(args))
+
+    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple) -> CompiledCall | None:
+        """The compiled call that the collective of ``signature`` running ``algorithm`` on ``args``
+        would take, made now (a plan keeps it and calls :meth:`run_planned`), or None where it
+        runs in Python."""
+        plane = self._plane
+        nbytes = signature.count * signature.dtype.storage.itemsize
+        if plane is None or not signature.compiled or not plane.takes(algorithm, nbytes, args):
+            return None
+        return plane.call(algorithm, args)
+
+    def run_planned(self, signature: Signature, call: CompiledCall, operands: tuple) -> None:
+        """One collective of ``signature`` through ``call`` on ``operands``, both made once by a
+        plan: :meth:`collective` and :meth:`run` without looking anything up again."""
+        record, start_ns, before = self._begin(*signature)
+        try:
+            self._run_compiled(call, operands)
+        except BaseException as exc:
+            self._failed(record, exc)
+            raise
+        self._done(record, start_ns, before)
+
+    def _run_compiled(self, call: CompiledCall, operands: tuple) -> None:
         self._position.step += 1
-        report = plane.run(algorithm, self._tag, self.recv_timeout_ms, args)
-        if report.status != mailbox_status.OK:
+        if call(self._tag, self.recv_timeout_ms, operands) != mailbox_status.OK:
+            report = call.report()
             self.clean = False
             if report.status != mailbox_status.MISMATCH:
                 self._raise_if_mismatched()  # the peer may be elsewhere because we disagree
-            raise self._compiled_failure(report)
+            raise _compiled_failure(self, report)
+        bytes_sent, bytes_received, messages_sent, messages_received = call.counts()
         for mesh in self._lineage:
             stats = mesh._stats
-            stats["bytes_sent"] += report.bytes_sent
-            stats["bytes_received"] += report.bytes_received
-            stats["messages_sent"] += report.messages_sent
-            stats["messages_received"] += report.messages_received
+            stats["bytes_sent"] += bytes_sent
+            stats["bytes_received"] += bytes_received
+            stats["messages_sent"] += messages_sent
+            stats["messages_received"] += messages_received
             stats["collectives_compiled"] += 1
-
-    def _compiled_failure(self, report: Report) -> LabError:
-        """The error of a compiled call that reported ``report.status`` (not OK)."""
-        peer = report.failed_peer
-        if report.status == mailbox_status.MISMATCH:
-            return self._mismatch(peer, report.peer_tag)
-        if report.status == mailbox_status.SILENCE:
-            return DeadlineError(f"{silence_error(self.rank, [peer], self._position)} "
-                                 f"(recv_timeout_ms={self.recv_timeout_ms:g})", [peer])
-        if report.status == mailbox_status.PEER_LOST:
-            return PeerLostError(f"rank {self.rank}: rank {peer} is gone (waiting in {self._position})")
-        return LabError(f"rank {self.rank}: the compiled path refused a transfer with rank {peer} "
-                        f"(status {report.status}) in {self._position}")
 
     # -- what algorithms use -------------------------------------------------------------------
 
@@ -205,7 +221,7 @@ class Exchange:
         if members is not None:  # a sub-mesh: its ranks are global ranks on the shared channels
             sends = [Send(members[s.dst], s.data) for s in sends]
             recvs = [Recv(members[r.src], r.out, r.combine) for r in recvs]
-        with self._failures(timeout_ms):
+        with _failures(self, timeout_ms):
             self._transport.exchange(sends, recvs, self._tag, timeout_ms / 1000, self._position)
         if trace_steps:
             position = self._position
@@ -230,27 +246,6 @@ class Exchange:
                     if hosts[recv.src] != host:
                         stats["bytes_received_inter_host"] += recv.out.nbytes
 
-    @contextlib.contextmanager
-    def _failures(self, timeout_ms: float) -> Iterator[None]:
-        """A transport's failure as the lab's error naming both sides; any failure leaves the
-        mesh unclean (messages may be in flight)."""
-        try:
-            yield
-        except TagMismatch as mismatch:
-            self.clean = False
-            raise self._mismatch(mismatch.src, mismatch.got, mismatch.expected) from None
-        except DeadlineError as late:
-            self.clean = False
-            self._raise_if_mismatched()
-            raise DeadlineError(f"{late} (recv_timeout_ms={timeout_ms:g})", late.peers) from None
-        except PeerLostError:
-            self.clean = False
-            self._raise_if_mismatched()  # the peer may have given up because we disagree
-            raise
-        except BaseException:
-            self.clean = False
-            raise
-
     @property
     def scratch(self) -> Any:
         """The shm transport's shared scratch (:mod:`lab.transport.peer_memory`: two-shot slots and
@@ -266,7 +261,7 @@ class Exchange:
         if self.scratch is None or self._membership.members is not None:
             return False
         self._position.step += 1
-        with self._failures(self.recv_timeout_ms):
+        with _failures(self, self.recv_timeout_ms):
             moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1000, self._position)
         for mesh in self._lineage:
             for key, value in (("bytes_sent", moved.bytes_sent), ("bytes_received", moved.bytes_received),
@@ -301,34 +296,47 @@ class Exchange:
         False keeps it off the compiled path whatever its size (every rank must pass the same:
         an all_to_all with split sizes, whose ranks agree on no size).
         """
+        record, start_ns, before = self._begin(name, algorithm, dtype, count, op, root, compiled)
+        try:
+            yield
+        except BaseException as exc:
+            self._failed(record, exc)
+            raise
+        self._done(record, start_ns, before)
+
+    def _begin(self, name: str, algorithm: str, dtype: DType, count: int, op: str, root: int,
+               compiled: bool) -> tuple[FlightRecord, int, tuple[int, int, int]]:
+        """A collective's number, fingerprint, position and flight record; for its trace row,
+        when it started, and the byte counters then and its tensor's bytes."""
         self._seq += 1
         self._tag = fingerprint.pack(self._membership.context, self._seq, name, algorithm, dtype.code, op, root,
                                      count)
-        self._position.collective, self._position.seq = name, self._seq
-        self._position.algorithm, self._position.step = algorithm, 0
+        position = self._position
+        position.collective, position.seq, position.algorithm, position.step = name, self._seq, algorithm, 0
         self._nbytes = count * dtype.storage.itemsize
         self._compiled = compiled
         record = FlightRecord(self._seq, name, algorithm, dtype.name, count, op, root)
         self._records.append(record)
-        before = (self._stats["bytes_sent"], self._stats["bytes_received"])
-        start_ns = time.time_ns()
-        try:
-            yield
-        except BaseException as exc:
-            record.state, record.step = f"failed ({type(exc).__name__})", self._position.step
-            if self._position.step:  # messages may be in flight: this mesh can't be reused
-                self.clean = False
-            raise
-        duration_ns = time.time_ns() - start_ns
+        if self._trace is None:
+            return record, 0, (0, 0, 0)
+        return record, time.time_ns(), (self._stats["bytes_sent"], self._stats["bytes_received"], self._nbytes)
+
+    def _failed(self, record: FlightRecord, exc: BaseException) -> None:
+        record.state, record.step = f"failed ({type(exc).__name__})", self._position.step
+        if self._position.step:  # messages may be in flight: this mesh can't be reused
+            self.clean = False
+
+    def _done(self, record: FlightRecord, start_ns: int, before: tuple[int, int, int]) -> None:
         record.state, record.step = "done", self._position.step
         self._stats["collectives"] += 1
         if self._trace is not None:
             self._write_trace(
-                kind="collective", op=name, algorithm=algorithm, dtype=dtype.name, count=count,
-                nbytes=count * dtype.storage.itemsize, reduce_op=op or None, root=None if root < 0 else root,
+                kind="collective", op=record.collective, algorithm=record.algorithm, dtype=record.dtype,
+                count=record.count, nbytes=before[2], reduce_op=record.op or None,
+                root=None if record.root < 0 else record.root,
                 bytes_sent=self._stats["bytes_sent"] - before[0],
                 bytes_received=self._stats["bytes_received"] - before[1],
-                start_ns=start_ns, duration_ns=duration_ns, seq=self._seq,
+                start_ns=start_ns, duration_ns=time.time_ns() - start_ns, seq=record.seq,
             )
 
     def flight_records(self) -> list[FlightRecord]:
@@ -340,3 +348,39 @@ class Exchange:
     def _write_trace(self, **row: Any) -> None:
         row = {**self._membership.trace_fields(), **row}  # a sub-mesh's: which one, and the global rank
         self._trace.write(rank=self.rank, world_size=self.world_size, transport=self.transport, **row)
+
+
+@contextlib.contextmanager
+def _failures(exchange: Exchange, timeout_ms: float) -> Iterator[None]:
+    """A transport's failure as the lab's error naming both sides; any failure leaves the
+    mesh unclean (messages may be in flight)."""
+    try:
+        yield
+    except TagMismatch as mismatch:
+        exchange.clean = False
+        raise exchange._mismatch(mismatch.src, mismatch.got, mismatch.expected) from None
+    except DeadlineError as late:
+        exchange.clean = False
+        exchange._raise_if_mismatched()
+        raise DeadlineError(f"{late} (recv_timeout_ms={timeout_ms:g})", late.peers) from None
+    except PeerLostError:
+        exchange.clean = False
+        exchange._raise_if_mismatched()  # the peer may have given up because we disagree
+        raise
+    except BaseException:
+        exchange.clean = False
+        raise
+
+
+def _compiled_failure(exchange: Exchange, report: Report) -> LabError:
+    """The error of a compiled call that reported ``report.status`` (not OK)."""
+    peer = report.failed_peer
+    if report.status == mailbox_status.MISMATCH:
+        return exchange._mismatch(peer, report.peer_tag)
+    if report.status == mailbox_status.SILENCE:
+        return DeadlineError(f"{silence_error(exchange.rank, [peer], exchange._position)} "
+                             f"(recv_timeout_ms={exchange.recv_timeout_ms:g})", [peer])
+    if report.status == mailbox_status.PEER_LOST:
+        return PeerLostError(f"rank {exchange.rank}: rank {peer} is gone (waiting in {exchange._position})")
+    return LabError(f"rank {exchange.rank}: the compiled path refused a transfer with rank {peer} "
+                    f"(status {report.status}) in {exchange._position}")

@@ -11,12 +11,14 @@ fingerprint and the receiver compares it (``CollectiveMismatchError``), a wait r
 hang-up (``PeerLostError``), and the counters, flight recorder and trace rows see the call.
 
 Failures never raise inside compiled code: the mailbox records the first one, every later
-transfer of the call returns at once, and :meth:`CompiledPlane.run` returns the report that
-:meth:`lab.Mesh.run` turns into the error.
+transfer of the call returns at once, and the call returns the status (with
+:meth:`CompiledCall.report`) that :meth:`lab.Mesh.run` turns into the error. The waiting policy is
+``LAB_COMPILED_SPIN`` and ``LAB_COMPILED_YIELD`` (see :func:`waiting_policy_from_env`).
 
     plane = CompiledPlane(transport.mailbox)
-    if plane.takes(entry, nbytes):
-        report = plane.run(entry, tag, deadline_ms, (flat, reduction))   # one Numba call
+    if plane.takes(algorithm, nbytes, args):
+        call = plane.call(algorithm, args)                    # made once per algorithm and reduction
+        status = call(tag, timeout_ms, call.operands(args))   # one Numba call
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ DEFAULT_MAX_BYTES = 64 * 1024
 RANK, WORLD_SIZE, SLOT_BYTES, DEPTH, DEADLINE_NS, OP, FAMILY, KIND, DIVIDES = range(9)  # in
 STATUS, FAILED_PEER, PEER_BYTES, BYTES_SENT, BYTES_RECEIVED, MESSAGES_SENT, MESSAGES_RECEIVED = range(9, 16)  # out
 FINGERPRINT, PEER_FINGERPRINT = 16, 20  # 4 words each: ours (in), the failed peer's (out)
-LIVENESS = 24  # one pipe descriptor per rank (-1: none)
+SPIN_LIMIT, YIELD_LIMIT = 24, 25  # the waiting policy (in; kernels.mailbox)
+LIVENESS = 26  # one pipe descriptor per rank (-1: none)
 
 
 @dataclass
@@ -66,9 +69,11 @@ class CompiledPlane:
         n = mailbox.world_size
         self.config = np.zeros(LIVENESS + n, np.int64)
         self.config[[RANK, WORLD_SIZE, SLOT_BYTES, DEPTH]] = mailbox.rank, n, mailbox.slot_bytes, mailbox.depth
+        self.config[[SPIN_LIMIT, YIELD_LIMIT]] = waiting_policy_from_env()
         self.config[LIVENESS:] = mailbox.liveness_fds
         self.max_bytes = max_bytes_from_env()
-        self._entries: dict[Compilable, Callable[..., None]] = {}
+        self._calls: dict[tuple, CompiledCall] = {}
+        self._entries: dict[tuple[Compilable, bool], Callable[..., None]] = {}  # one compilation per algorithm
 
     def takes(self, algorithm: Any, nbytes: int, args: tuple = ()) -> bool:
         """Whether a collective of ``nbytes`` running ``algorithm`` (a registry entry) on ``args``
@@ -77,27 +82,59 @@ class CompiledPlane:
             and isinstance(getattr(algorithm, "run", None), Compilable) \
             and not any(isinstance(a, Reduction) and a.codes is None for a in args)  # 0 is off, even for a barrier
 
-    def run(self, algorithm: Any, tag: bytes, timeout_ms: float, args: tuple) -> Report:
-        """Run ``algorithm`` compiled on ``args`` (its arguments after the peers) with ``tag`` on
-        every message; return the :class:`Report`."""
-        config = self.config
-        config[FINGERPRINT:FINGERPRINT + 4] = np.frombuffer(tag[:32].ljust(32, b"\0"), np.int64)
-        config[DEADLINE_NS] = 0 if timeout_ms == float("inf") else int(timeout_ms * 1e6)
-        reduces = len(args) > 1 and isinstance(args[1], Reduction)  # (buf, reduction, ...) in every reducing algorithm
-        entry = self._entries.get(algorithm.run)
-        if entry is None:
-            entry = self._entries[algorithm.run] = _entry(algorithm.run, reduces)
-        # Buffers go as bytes and bounds in bytes (the reduction's kind says what the bytes hold):
-        # one compilation of each algorithm serves every dtype.
+    def call(self, algorithm: Any, args: tuple) -> CompiledCall:
+        """``algorithm``'s compiled call for arguments like ``args`` (its arguments after the
+        peers), made once per algorithm and reduction and kept."""
+        reduction = args[1] if len(args) > 1 and isinstance(args[1], Reduction) else None  # (buf, reduction, ...)
+        key = (algorithm.run, None if reduction is None else reduction.codes)
+        call = self._calls.get(key)
+        if call is None:
+            entry_key = (algorithm.run, reduction is not None)
+            if entry_key not in self._entries:
+                self._entries[entry_key] = _entry(*entry_key)
+            call = self._calls[key] = CompiledCall(self, self._entries[entry_key], reduction)
+        return call
+
+
+class CompiledCall:
+    """One algorithm's compiled call, with a config of its own (the reduction's codes written
+    once): ``call(tag, timeout_ms, operands)`` runs one collective and returns its status; the
+    operands are :meth:`operands` of the algorithm's arguments, which a plan makes once."""
+
+    def __init__(self, plane: CompiledPlane, entry: Callable[..., None], reduction: Reduction | None) -> None:
+        self.region, self.config, self._entry = plane.region, plane.config.copy(), entry
+        self._reduces = reduction is not None
+        if reduction is not None:
+            self.config[[OP, FAMILY, KIND, DIVIDES]] = reduction.codes
+        # The fingerprint's 32 bytes, written in place at each call.
+        self._tag = memoryview(self.config).cast("B")[FINGERPRINT * 8:FINGERPRINT * 8 + 32]
+
+    def operands(self, args: tuple) -> tuple:
+        """``args`` as the compiled call takes them: buffers as bytes, bounds in bytes (the
+        reduction's kind says what the bytes hold: one compilation serves every dtype), the
+        reduction left out (its codes are in the config)."""
         itemsize = next((a.itemsize for a in args if isinstance(a, np.ndarray)), 1)
-        if reduces:
-            config[OP], config[FAMILY], config[KIND], config[DIVIDES] = args[1].codes
+        if self._reduces:
             args = (args[0], *args[2:])
-        entry(self.region, config, *(a.view(np.uint8) if isinstance(a, np.ndarray) else _bounds(a, itemsize)
-                                     for a in args))
+        return tuple(a.view(np.uint8) if isinstance(a, np.ndarray) else _bounds(a, itemsize) for a in args)
+
+    def __call__(self, tag: bytes, timeout_ms: float, operands: tuple) -> int:
+        """Run one collective with ``tag`` (32 bytes) on every message; its status."""
+        config = self.config
+        self._tag[:] = tag
+        config[DEADLINE_NS] = 0 if timeout_ms == float("inf") else int(timeout_ms * 1e6)
+        self._entry(self.region, config, *operands)
+        return int(config[STATUS])
+
+    def counts(self) -> list[int]:
+        """The last call's bytes sent, bytes received, messages sent, messages received."""
+        return self.config[BYTES_SENT:MESSAGES_RECEIVED + 1].tolist()
+
+    def report(self) -> Report:
+        """How the last call went."""
+        config = self.config
         return Report(int(config[STATUS]), int(config[FAILED_PEER]),
-                      config[PEER_FINGERPRINT:PEER_FINGERPRINT + 4].tobytes(),
-                      *(int(v) for v in config[BYTES_SENT:MESSAGES_RECEIVED + 1]))
+                      config[PEER_FINGERPRINT:PEER_FINGERPRINT + 4].tobytes(), *self.counts())
 
 
 def compile_all(mesh: Any) -> int:
@@ -130,6 +167,19 @@ def _bounds(arg: Any, itemsize: int) -> Any:
     return np.asarray(arg, np.int64) * itemsize if isinstance(arg, list) else arg
 
 
+def waiting_policy_from_env() -> tuple[int, int]:
+    """``LAB_COMPILED_SPIN`` and ``LAB_COMPILED_YIELD``: how many pause-spins a compiled wait makes
+    before it yields, and how many ``sched_yield`` calls before it sleeps on its futex
+    (``kernels.mailbox``'s defaults where unset)."""
+    policy = []
+    for name, default in (("LAB_COMPILED_SPIN", mb.DEFAULT_SPIN_LIMIT), ("LAB_COMPILED_YIELD", mb.DEFAULT_YIELD_LIMIT)):
+        value = os.environ.get(name, "")
+        if value and not value.isdigit():
+            raise ValueError(f"{name} must be a non-negative count; got {value!r}")
+        policy.append(int(value) if value else default)
+    return policy[0], policy[1]
+
+
 def max_bytes_from_env() -> int:
     """``LAB_COMPILED_MAX_BYTES``: the largest tensor the compiled path takes (0: none)."""
     value = os.environ.get("LAB_COMPILED_MAX_BYTES", "")
@@ -147,6 +197,7 @@ def _open(region, config):
     peers = mb.open_mailbox(region, config[RANK], n, config[SLOT_BYTES], config[DEPTH],
                             config[LIVENESS:LIVENESS + n].astype(np.int32))
     peers.begin(config[FINGERPRINT:FINGERPRINT + 4].view(np.uint8), config[DEADLINE_NS])
+    peers.spin_limit, peers.yield_limit = config[SPIN_LIMIT], config[YIELD_LIMIT]
     return peers
 
 

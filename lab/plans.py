@@ -49,6 +49,8 @@ class Plan:
         self._pid = os.getpid()
         self._freed = False
         _agree(mesh, prepared)
+        # Where the collective runs compiled on the caller's memory: its call made once, here.
+        self._run_now = prepared.planned and prepared.planned() or prepared.run
 
     @property
     def collective(self) -> str:
@@ -89,7 +91,7 @@ class Plan:
                            f"the process (and mesh) that made it")
         if self._mesh.closed:
             raise LabError(f"this {self.collective} plan's mesh is closed")
-        return self._prepared.run
+        return self._run_now
 
 
 def _agree(mesh: Mesh, prepared: Prepared) -> None:

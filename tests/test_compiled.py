@@ -20,6 +20,7 @@ import lab
 from conftest import pool
 from lab.collectives import registry
 from lab.ops import REDUCE_DTYPES
+from lab.plane import waiting_policy_from_env
 
 STRIDE = 3
 MAX_BYTES = 4096  # the compiled path's threshold in these pools (LAB_COMPILED_MAX_BYTES): sizes around it stay small
@@ -223,8 +224,17 @@ def stalled(mesh: lab.Mesh, how: str, out: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("how", ["stopped", "killed"])
-def test_a_silent_or_dead_peer_inside_a_compiled_collective_is_named(compiled_env, how, tmp_path):
+#: LAB_COMPILED_SPIN, LAB_COMPILED_YIELD: the waiting policies a deadline and a death must get through.
+POLICIES = {"default": None, "spin only": ("1000000000000", "0"), "block at once": ("0", "0")}
+
+
+@pytest.mark.parametrize(("how", "policy"), [("stopped", "default"), ("killed", "default"),
+                                             ("stopped", "spin only"), ("killed", "block at once")])
+def test_a_silent_or_dead_peer_inside_a_compiled_collective_is_named(compiled_env, monkeypatch, how, policy,
+                                                                     tmp_path):
+    if POLICIES[policy]:
+        monkeypatch.setenv("LAB_COMPILED_SPIN", POLICIES[policy][0])  # ranks take the caller's environment
+        monkeypatch.setenv("LAB_COMPILED_YIELD", POLICIES[policy][1])
     deadline_ms = 1000 if how == "stopped" else 60_000  # a death is seen at once, not at the deadline
     with lab.launch(3, recv_timeout_ms=deadline_ms) as cluster:
         if how == "killed":
@@ -253,3 +263,12 @@ def test_a_zero_threshold_turns_the_compiled_path_off(monkeypatch):
     assert lab.spawn(compiled_counts, 2) == [0, 0]
     monkeypatch.setenv("LAB_COMPILED_MAX_BYTES", "64")
     assert lab.spawn(compiled_counts, 2) == [3, 3]
+
+
+@pytest.mark.parametrize("name", ["LAB_COMPILED_SPIN", "LAB_COMPILED_YIELD"])
+def test_a_bad_waiting_policy_is_refused_naming_its_variable(monkeypatch, name):
+    monkeypatch.setenv(name, "-1")
+    with pytest.raises(ValueError, match=name):
+        waiting_policy_from_env()
+    monkeypatch.setenv(name, "7")
+    assert 7 in waiting_policy_from_env()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -187,3 +188,47 @@ def plan_after_close(mesh: lab.Mesh) -> str:
 
 def test_a_plan_whose_mesh_closed_says_so():
     assert all("mesh is closed" in m for m in lab.spawn(plan_after_close, 2, transport="queue"))
+
+
+def planned_bookkeeping(mesh: lab.Mesh) -> list:
+    """The plain call, then the plan (which on shm runs through the compiled call it made once):
+    the counters, flight record and result of each."""
+    x = inputs(mesh, 10, 0)
+    seen = []
+    with lab.allreduce_init(mesh, x.clone()) as plan, lab.broadcast_init(mesh, x.clone(), src=1) as cast, \
+            lab.barrier_init(mesh) as barrier:
+        for plain, planned in [(lambda: lab.allreduce(mesh, x.clone()), plan),
+                               (lambda: lab.broadcast(mesh, x.clone(), src=1), cast),
+                               (lambda: lab.barrier(mesh), barrier)]:
+            for run in (plain, planned):
+                mesh.reset_stats()
+                run()
+                seen.append((mesh.stats(), mesh.flight_records()[-1].cell()))
+    return seen
+
+
+def test_a_compiled_plan_counts_and_records_as_the_plain_call(cluster):
+    for per_rank in cluster.run(planned_bookkeeping):
+        for (plain, plain_record), (planned, planned_record) in zip(per_rank[::2], per_rank[1::2], strict=True):
+            assert planned == plain and planned_record == plain_record, (plain, planned)
+            assert plain["collectives"] == 1 and plain_record.endswith(" ok")
+            assert plain["collectives_compiled"] == (cluster.transport == "shm"), plain
+
+
+def traced_plan(mesh: lab.Mesh) -> None:
+    x = inputs(mesh, 10, 0)
+    lab.allreduce(mesh, x.clone())
+    with lab.allreduce_init(mesh, x) as plan:
+        plan()
+
+
+def test_a_compiled_plan_writes_the_plain_calls_trace_row(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    lab.spawn(traced_plan, 2, trace=str(path))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    by_rank = {rank: [r for r in rows if r["rank"] == rank and r["op"] == "allreduce"] for rank in (0, 1)}
+    for plain, planned in by_rank.values():  # (the plan's agreement at init is an allgather of its own)
+        varying = {"seq", "start_ns", "duration_ns"}
+        assert {k: v for k, v in plain.items() if k not in varying} == \
+            {k: v for k, v in planned.items() if k not in varying}, (plain, planned)
+        assert planned["seq"] > plain["seq"] and planned["bytes_sent"] > 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from lab.chunking import row_bounds, split_bounds
 from lab.collectives.allreduce_double_tree import latency_bytes
 from lab.collectives.choice import ALGORITHMS, check_algorithm, choose, forced_algorithm, pick, segment_bytes
 from lab.collectives.gather_scatter import gather, prepare_gather, prepare_scatter, scatter
-from lab.collectives.prepared import Prepared, Signature, check_root, parse_op
+from lab.collectives.prepared import Prepared, Signature, check_root, compiled_run, parse_op
 from lab.ops import DTYPES, ReduceOp, check_reduces
 
 if TYPE_CHECKING:
@@ -69,7 +70,13 @@ def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str =
         buffer.write_back()
         return tensor
 
-    return Prepared(run, signature)
+    def planned() -> Callable[[], Any] | None:
+        if options or kernels.prescales:  # (a prescaling avg divides before the exchange)
+            return None
+        return compiled_run(mesh, signature, ALLREDUCE_ALGORITHMS[chosen], (buffer.flat, kernels),
+                            lambda: tensor, buffer.shared)
+
+    return Prepared(run, signature, planned)
 
 
 def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -100,7 +107,11 @@ def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "a
         buffer.write_back()
         return tensor
 
-    return Prepared(run, signature)
+    def planned() -> Callable[[], Any] | None:
+        return compiled_run(mesh, signature, ALGORITHMS["broadcast"][chosen], (buffer.flat, src),
+                            lambda: tensor, buffer.shared)
+
+    return Prepared(run, signature, planned)
 
 
 def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -329,7 +340,8 @@ def prepare_barrier(mesh: Mesh) -> Prepared:
         with mesh.collective(*signature):
             mesh.run(ALGORITHMS["barrier"][_BARRIER])
 
-    return Prepared(run, signature)
+    return Prepared(run, signature, lambda: compiled_run(mesh, signature, ALGORITHMS["barrier"][_BARRIER], (),
+                                                         lambda: None))
 
 
 __all__ = [

@@ -75,6 +75,8 @@ def choose(collective: str, nbytes: int, world_size: int, transport: str) -> str
 
 def check_algorithm(algorithm: Any, collective: str = "allreduce") -> str:
     """``algorithm`` if ``collective`` has it (or it is ``"auto"``), else a ``ValueError`` listing them."""
+    if algorithm in ALGORITHMS[collective]:
+        return algorithm
     choices = [*ALGORITHMS[collective], "auto"]
     if algorithm not in choices:
         raise ValueError(f"algorithm must be one of {', '.join(map(repr, choices))}; got {algorithm!r}")
@@ -87,24 +89,40 @@ def pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
     A mesh across hosts (``hosts=``, torchrun's nodes) lets allreduce's ``auto`` weigh
     ``"hierarchical"`` against the flat algorithms (:func:`lab.tuning.choose_across_hosts`);
     ``transport="auto"`` reads the ``shm`` fits inside one host and the ``tcp`` fits across hosts.
+    The answer is kept per (collective, size, mesh shape, ``LAB_ALGO``, models), as :func:`choose`'s.
     """
-    check_algorithm(algorithm, collective)
-    if algorithm != "auto":
-        return algorithm
+    if algorithm != "auto" or collective not in ALGORITHMS:
+        return check_algorithm(algorithm, collective)
+    compiled_max_bytes = getattr(mesh, "compiled_max_bytes", 0)  # 0: no compiled path
+    key = (collective, nbytes, mesh.world_size, mesh.transport, getattr(mesh, "host_count", 1),
+           0 < compiled_max_bytes and nbytes <= compiled_max_bytes, os.environ.get("LAB_ALGO", ""),
+           tuning.fitted_models)
+    chosen = _PICKS.get(key)
+    if chosen is None:
+        chosen = _auto(*key[:6])
+        if len(_PICKS) >= _MAX_CHOICES:
+            _PICKS.clear()
+        _PICKS[key] = chosen
+    return chosen
+
+
+_PICKS: dict[tuple, str] = {}
+
+
+def _auto(collective: str, nbytes: int, world_size: int, transport: str, hosts: int, compiled: bool) -> str:
+    """``"auto"``'s pick (see :func:`pick`); ``compiled``: the compiled path takes the tensor."""
     # Small enough for the compiled path (lab.plane): the model's pick if it compiles, else the
     # collective's first compilable algorithm (one Numba call beats a Python exchange).
-    compiled_max_bytes = getattr(mesh, "compiled_max_bytes", 0)  # 0: no compiled path
-    if 0 < compiled_max_bytes and nbytes <= compiled_max_bytes and not forced_algorithm(collective):
-        compiled = registry.compiled(collective)
-        if compiled:
-            chosen = choose(collective, nbytes, mesh.world_size, "shm")
-            return chosen if chosen in compiled else compiled[0]
-    transport, hosts = mesh.transport, getattr(mesh, "host_count", 1)
+    if compiled and not forced_algorithm(collective):
+        compilable = registry.compiled(collective)
+        if compilable:
+            chosen = choose(collective, nbytes, world_size, "shm")
+            return chosen if chosen in compilable else compilable[0]
     if hosts > 1 and collective == "allreduce" and transport in ("tcp", "auto") and not forced_algorithm(collective):
-        return tuning.choose_across_hosts(nbytes, mesh.world_size, hosts, "shm" if transport == "auto" else "tcp")
+        return tuning.choose_across_hosts(nbytes, world_size, hosts, "shm" if transport == "auto" else "tcp")
     if transport == "auto":
         transport = "tcp" if hosts > 1 else "shm"
-    return choose(collective, nbytes, mesh.world_size, transport)
+    return choose(collective, nbytes, world_size, transport)
 
 
 def segment_bytes() -> int | None:

@@ -48,7 +48,28 @@ class Signature(NamedTuple):
 
 class Prepared(NamedTuple):
     """A collective whose arguments are checked and whose algorithm is chosen: ``run()`` does its
-    communication on the tensor's current contents and returns what the public call returns."""
+    communication on the tensor's current contents and returns what the public call returns.
+    ``planned()``, where given, makes a leaner ``run`` for a plan (the compiled call looked up
+    once), or returns None where there is none."""
 
     run: Callable[[], Any]
     signature: Signature
+    planned: Callable[[], Callable[[], Any] | None] | None = None
+
+
+def compiled_run(mesh: Mesh, signature: Signature, algorithm: Any, args: tuple, after: Callable[[], Any],
+                 in_place: bool = True) -> Callable[[], Any] | None:
+    """A plan's run of the collective of ``signature``: ``algorithm`` on ``args`` through the
+    compiled call made once, then ``after()`` (what the plain run returns); None where it would
+    not run compiled, or where the buffers are not the caller's memory (``in_place`` False: a
+    non-contiguous tensor, copied at each run)."""
+    call = mesh.compiled_call(signature, algorithm, args) if in_place else None
+    if call is None:
+        return None
+    operands = call.operands(args)
+
+    def run() -> Any:
+        mesh.run_planned(signature, call, operands)
+        return after()
+
+    return run
