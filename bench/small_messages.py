@@ -3,14 +3,17 @@
     python bench/small_messages.py                          # 1, 2, 4, 8 ranks, each allreduce algorithm
     python bench/small_messages.py --ranks 4 --algorithms recursive_doubling tree --calls 3000
     python bench/small_messages.py --ranks 2 --bytes 4096 --eager-bytes 0  # rendezvous only
-    python bench/small_messages.py --ranks 2 4 8 --spin 0 50   # wait strategies, alternating rounds
+    python bench/small_messages.py --ranks 2 4 8 --spin 0 50   # Python-path wait strategies, alternating rounds
+    python bench/small_messages.py --ranks 4 --impls plan --algorithms auto --compiled-wait 500,8 0,0 50,100000
     python bench/small_messages.py --ranks 4 --impls lab python plan mpich gloo --algorithms auto
     python bench/small_messages.py --compare --calls 300    # what docs/compiled.md "Measured" shows
     python bench/small_messages.py --compare --parts sweep --ranks 8  # one part of it, on 8 ranks
 
 Per case: the median over calls of the slowest rank's time per call (like lab.benchmark), and the
 context switches (voluntary + involuntary, from /proc/self/status) per call, averaged over ranks.
-Configurations (``--spin``: ``LAB_SHM_SPIN``, polls before a wait blocks; ``--eager-bytes``) each get
+Configurations (``--spin``: ``LAB_SHM_SPIN``, polls before a Python-path wait blocks;
+``--compiled-wait S,Y``: ``LAB_COMPILED_SPIN=S LAB_COMPILED_YIELD=Y``, the compiled path's spins
+and yields before it naps; ``--eager-bytes``) each get
 a pool, and rounds alternate between them: timings on shared cores are noisy, and alternating
 spreads the noise over all of them alike.
 
@@ -39,9 +42,8 @@ MPICH's and to gloo's medians in the same run, and the compiled call against the
 4 and 8 ranks a 1 KB allreduce through ``lab`` (``auto``), ``python`` (``auto``,
 ``recursive_doubling``, ``tree``), ``plan``, MPICH and gloo; ``sweep``, 1 KB to 256 KB of ``lab``
 (threshold raised to 256 KiB, so every size runs compiled) against ``python``; ``one``, on 1 rank
-(no communication: the per-call Python cost) the plain call against the plan. The mailboxes' waiting policy (``spin_limit``,
-``yield_limit`` in kernels/mailbox.py) is not compared: the compiled call opens its mailboxes
-with the module's defaults, and nothing outside the library sets them.
+(no communication: the per-call Python cost) the plain call against the plan. ``--compare``
+runs the default waiting policy; ``--compiled-wait`` compares others.
 """
 
 from __future__ import annotations
@@ -206,25 +208,29 @@ def measure(args: argparse.Namespace, world: int) -> dict:
     compiled_max = {} if args.compiled_max_bytes is None else {"LAB_COMPILED_MAX_BYTES": str(args.compiled_max_bytes)}
     thresholds = {"lab": compiled_max, "plan": compiled_max, "gloo": compiled_max,
                   "python": {"LAB_COMPILED_MAX_BYTES": "0"}}
-    first = (args.spin[0], args.eager_bytes[0])
+    waits = [(spin, wait) for spin in args.spin for wait in args.compiled_wait]
+    first = (waits[0], args.eager_bytes[0])
     pools, cases, results = {}, [], {}
     try:
-        for spin in args.spin:
+        for spin, wait in waits:
             for eager in args.eager_bytes:
                 for impl in args.impls:
-                    if impl in ("mpich", "gloo") and (spin, eager) != first:
+                    if impl in ("mpich", "gloo") and ((spin, wait), eager) != first:
                         continue  # neither reads the lab's settings
                     if impl == "mpich":
                         cases.append((("mpich", "mpich", None, None), None))
                         continue
                     environment = {**({} if spin is None else {"LAB_SHM_SPIN": spin}), **thresholds[impl]}
+                    if wait is not None:
+                        environment["LAB_COMPILED_SPIN"], environment["LAB_COMPILED_YIELD"] = wait.split(",")
+                    label = "/".join(filter(None, (spin, wait))) or None
                     key = (eager, *sorted(environment.items()))
                     if key not in pools:
                         pools[key] = _launch(world, eager, environment)
                     algorithms = (["gloo"] if impl == "gloo"
                                   else args.python_algorithms or args.algorithms if impl == "python"
                                   else args.algorithms)
-                    cases += [((impl, algorithm, spin, eager), key) for algorithm in algorithms]
+                    cases += [((impl, algorithm, label, eager), key) for algorithm in algorithms]
         for _ in range(args.rounds):
             for case, key in cases:
                 impl, algorithm, _, _ = case
@@ -250,7 +256,7 @@ def report(args: argparse.Namespace, world: int, results: dict) -> None:
         switches = np.mean([s for out in rounds for _, s, _ in out]) / args.calls
         compiled = [c for out in rounds for _, _, c in out if c is not None]
         medians[impl, algorithm, spin, eager, nbytes] = float(np.median(slowest)), per_round
-        print(f"{world:>5} {nbytes:>7} {impl:>6} {algorithm:>18} {spin or '-':>5} "
+        print(f"{world:>5} {nbytes:>7} {impl:>6} {algorithm:>18} {spin or '-':>13} "
               f"{eager if eager is not None else '-':>5} {np.median(slowest):>10.1f} "
               f"{np.percentile(slowest, 10):>7.1f} {np.percentile(slowest, 90):>8.1f} {switches:>13.2f} "
               f"{np.mean(compiled) / args.calls if compiled else float('nan'):>13.2f}   "
@@ -277,7 +283,7 @@ def report(args: argparse.Namespace, world: int, results: dict) -> None:
             elif impl == "python" and best and (impl, algorithm, spin, eager) == best[0]:
                 ratios.append("<- python best")
             print(f"  ratio {world:>2} ranks {nbytes:>7} B {impl:>6} {algorithm:>18}"
-                  f"{'' if spin is None else f' spin {spin}'}{'' if eager is None else f' eager {eager}'}: "
+                  f"{'' if spin is None else f' wait {spin}'}{'' if eager is None else f' eager {eager}'}: "
                   f"{median:8.1f} µs  {'  '.join(ratios)}", flush=True)
 
 
@@ -285,7 +291,7 @@ def header(args: argparse.Namespace) -> None:
     load = os.getloadavg()
     print(f"# load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores; "
           f"{args.calls} calls x {args.rounds} rounds", flush=True)
-    print(f"{'ranks':>5} {'bytes':>7} {'impl':>6} {'algorithm':>18} {'spin':>5} {'eager':>5} {'median µs':>10} "
+    print(f"{'ranks':>5} {'bytes':>7} {'impl':>6} {'algorithm':>18} {'wait':>13} {'eager':>5} {'median µs':>10} "
           f"{'p10':>7} {'p90':>8} {'switches/call':>13} {'compiled/call':>13}   (median of each round)", flush=True)
 
 
@@ -310,6 +316,8 @@ def main() -> None:
     parser.add_argument("--compiled-max-bytes", type=int, default=None,
                         help="LAB_COMPILED_MAX_BYTES of the lab and plan pools (default: lab's)")
     parser.add_argument("--spin", nargs="+", default=[None], help="LAB_SHM_SPIN values to compare")
+    parser.add_argument("--compiled-wait", nargs="+", default=[None], metavar="SPIN,YIELD",
+                        help="compiled waiting policies to compare (LAB_COMPILED_SPIN,LAB_COMPILED_YIELD)")
     parser.add_argument("--eager-bytes", type=int, nargs="+", default=[None],
                         help="shm eager thresholds to compare (default: lab's)")
     parser.add_argument("--compare", action="store_true",

@@ -17,28 +17,16 @@ import argparse
 import os
 import time
 
-import numpy as np
 import pandas as pd
 import torch
 import torch.distributed as dist
 
 import lab
 from lab import mpich
-from lab.benchmark import iterations_for, summarize, time_collective
+from lab.benchmark import copy_bandwidth, iterations_for, summarize, time_collective
 from lab.reference import ensure_gloo
 
 SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
-
-
-def copy_bandwidth(nbytes: int = 16 << 20, repeats: int = 20) -> float:
-    """GB/s of one numpy copy of ``nbytes`` (bytes copied per second), median of ``repeats``."""
-    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
-    times = []
-    for _ in range(repeats + 2):
-        start = time.perf_counter_ns()
-        np.copyto(dst, src)
-        times.append(time.perf_counter_ns() - start)
-    return nbytes / float(np.median(times[2:]))
 
 
 def time_registered(mesh: lab.Mesh, nbytes: int) -> list[int]:

@@ -53,6 +53,10 @@ def results(args: argparse.Namespace) -> int:
         networks = store_networks(args.out)
         print(f"Wrote the networks of {', '.join(networks) or 'no transport'} (fitted to {args.out}/) to {TUNING_PATH}")
         return 0
+    if args.data_plane is not None:  # plain call, plan, Python path, gloo, MPICH: OUT/data_plane.csv
+        from lab.results import data_plane
+
+        return data_plane.main(args.out, args.data_plane or None, sizes if args.quick else None)
     if args.backend:  # the torch.distributed backend against lab.allreduce and gloo: OUT/backend.csv
         from lab.results import backend
 
@@ -123,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--backend", action="store_true",
                        help="instead: dist.all_reduce on the \"lab\" backend vs lab.allreduce vs gloo, and a DDP "
                             "step on each, under torchrun with --ranks ranks (OUT/backend.csv, REPORT.md's section)")
+    sweep.add_argument("--data-plane", nargs="*", type=int, metavar="N",
+                       help="instead: allreduce 1 KB to 16 MB on shm at N ranks (default 2 4 8): plain call, plan, "
+                            "compiled path off, gloo and MPICH, and the memory floor (OUT/data_plane.csv, "
+                            "REPORT.md's section)")
     sweep.set_defaults(run=results)
     kernel = commands.add_parser("kernels", help="Python vs numpy vs Numba reduction bandwidth")
     kernel.set_defaults(run=kernels)

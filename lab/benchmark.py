@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lab import collectives
+from lab import collectives, plans
 from lab.collectives import registry
 from lab.mesh import Mesh
 from lab.reference import ensure_gloo, gloo_collective
@@ -61,7 +61,8 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
                     iterations: int | None = None, warmup: int | None = None) -> list[int]:
     """In one rank: the duration (ns) of each timed call of ``collective`` through ``impl``.
 
-    ``impl`` is ``"lab"`` or ``"gloo"``; ``algorithm`` applies to the lab's collectives that
+    ``impl`` is ``"lab"`` (the plain call), ``"plan"`` (an allreduce plan, ``lab.allreduce_init``,
+    made before the loop) or ``"gloo"``; ``algorithm`` applies to the lab's collectives that
     have several (reduce and barrier have one each).
     """
     default_iterations, default_warmup = iterations_for(nbytes)
@@ -69,9 +70,14 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
     warmup = default_warmup if warmup is None else warmup
     ensure_gloo(mesh)  # for the barrier, and for impl == "gloo"
     x = _input(collective, nbytes, mesh.world_size, mesh.rank)
+    plan = None
     if impl == "gloo":
         def call() -> Any:
             return gloo_collective(mesh, collective, x)
+    elif impl == "plan":
+        if collective != "allreduce":
+            raise ValueError(f"impl 'plan' times allreduce plans only; got {collective!r}")
+        call = plan = plans.allreduce_init(mesh, x, algorithm=algorithm)
     elif not registry.choosable(collective):  # reduce and barrier: one algorithm, no argument
         call = {"reduce": lambda: collectives.reduce(mesh, x, dst=0),
                 "barrier": lambda: collectives.barrier(mesh)}[collective]
@@ -90,6 +96,8 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
             durations.append(elapsed)
         if collective in ("allreduce", "reduce"):
             x.mul_(1.0 / mesh.world_size)  # keep sums bounded across calls
+    if plan is not None:
+        plan.free()
     return durations
 
 
@@ -112,10 +120,22 @@ def measure(cluster: Any, collective: str, impl: str, nbytes: int, algorithm: st
             iterations: int | None = None) -> dict[str, Any]:
     """Run one case on a pool (``lab.launch``) and summarize it: the unit every sweep is made of."""
     per_rank = cluster.run(time_collective, collective, impl, nbytes, algorithm, iterations)
-    row = {"collective": collective, "impl": impl, "algorithm": algorithm if impl == "lab" else "gloo",
-           "transport": cluster.transport if impl == "lab" else "gloo", "world": cluster.world_size,
+    row = {"collective": collective, "impl": impl, "algorithm": "gloo" if impl == "gloo" else algorithm,
+           "transport": "gloo" if impl == "gloo" else cluster.transport, "world": cluster.world_size,
            "bytes": 0 if collective == "barrier" else nbytes}
     return {**row, **summarize(per_rank, collective, row["bytes"], cluster.world_size)}
+
+
+def copy_bandwidth(nbytes: int = 16 << 20, repeats: int = 20) -> float:
+    """GB/s of one numpy copy of ``nbytes`` in this process (bytes copied per second), median of
+    ``repeats``: the memory floor the large-tensor reports measure against."""
+    src, dst = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    times = []
+    for _ in range(repeats + 2):
+        start = time.perf_counter_ns()
+        np.copyto(dst, src)
+        times.append(time.perf_counter_ns() - start)
+    return nbytes / float(np.median(times[2:]))
 
 
 # -- reduction kernels alone (in this process) -----------------------------------------------------

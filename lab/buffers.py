@@ -22,9 +22,11 @@ from lab.ops import DType, dtype_of
 def _flat_storage(tensor: Any, dtype: DType) -> np.ndarray:
     """A 1-D numpy view of a contiguous tensor's elements, typed as ``dtype.storage``."""
     if isinstance(tensor, torch.Tensor):
+        if tensor.requires_grad:
+            tensor = tensor.detach()
         if dtype.bits is not None:
-            return tensor.detach().reshape(-1).view(dtype.bits).numpy()
-        return tensor.detach().numpy().reshape(-1)  # contiguous: a view either way, numpy's is cheaper
+            return tensor.reshape(-1).view(dtype.bits).numpy()
+        return tensor.numpy().reshape(-1)  # contiguous: a view either way, numpy's is cheaper
     return tensor.reshape(-1).view(dtype.storage)
 
 
@@ -74,7 +76,7 @@ def check_tensor(tensor: Any, name: str = "tensor") -> DType:
             raise TypeError(f"{name} has layout {tensor.layout}; collectives take dense (strided) tensors "
                             "(use .to_dense())")
     dtype = dtype_of(tensor, name)
-    if isinstance(tensor, torch.Tensor) and tensor.device.type != "cpu":
+    if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
         raise ValueError(f"{name} must be a CPU tensor; got device {tensor.device}")
     return dtype
 

@@ -79,6 +79,7 @@ class Exchange:
         self._next_any = 0  # recv(None) tries the ranks from this one on
         self._position = Position(membership.describe())
         self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
+        self.templates: dict = {}  # plain calls' checks and choices, by their arguments (lab.collectives)
         self.reset_stats()
 
     def _view(self, membership: Membership) -> Exchange:

@@ -139,6 +139,8 @@ def dtype_of(tensor: Any, name: str = "tensor") -> DType:
     """The :class:`DType` of a torch tensor or numpy array; ``TypeError`` listing the supported ones."""
     if isinstance(tensor, torch.Tensor):
         found = _BY_TORCH.get(tensor.dtype)
+        if found is not None:
+            return found
         shown = str(tensor.dtype).removeprefix("torch.")
     elif isinstance(tensor, np.ndarray):
         if not tensor.dtype.isnative:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from lab.chunking import row_bounds, split_bounds
 from lab.collectives.allreduce_double_tree import latency_bytes
 from lab.collectives.choice import ALGORITHMS, check_algorithm, choose, forced_algorithm, pick, segment_bytes
 from lab.collectives.gather_scatter import gather, prepare_gather, prepare_scatter, scatter
-from lab.collectives.prepared import Prepared, Signature, check_root, compiled_run, parse_op
+from lab.collectives.prepared import Prepared, Signature, check_root, compiled_run, parse_op, remembered
 from lab.ops import DTYPES, ReduceOp, check_reduces
 
 if TYPE_CHECKING:
@@ -53,30 +54,43 @@ def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str =
     """:func:`allreduce`'s checks and choices, done now; its communication, ready to run."""
     reduce_op = parse_op(op)
     buffer = as_buffer(tensor)
-    check_reduces(buffer.dtype, "allreduce")
-    kernels = mesh.kernels(reduce_op, buffer.dtype)
-    chosen = pick(mesh, "allreduce", algorithm, buffer.nbytes)
+    key = ("allreduce", reduce_op, algorithm, buffer.dtype, buffer.numel, os.environ.get("LAB_ALGO", ""))
+    signature, kernels, call = remembered(mesh, key, lambda: _allreduce_template(mesh, reduce_op, algorithm, buffer))
+    algorithm_run = ALLREDUCE_ALGORITHMS[signature.algorithm]
     options = {}
-    if chosen == "double_tree":  # its pipeline segments: forced, or sized from the tensor, N and the transport
+    if signature.algorithm == "double_tree":  # its segments: forced, or sized from the tensor, N and the transport
         options = {"segment_bytes": segment_bytes(),
                    "latency_bytes": latency_bytes(mesh.transport, getattr(mesh, "host_count", 1))}
-    signature = Signature("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value)
 
     def run() -> Any:
         flat = buffer.load()  # read now, after the collectives issued before this one
+        if call is not None and buffer.shared:  # one compiled call, made once
+            mesh.run_planned(signature, call, call.operands((flat, kernels)))
+            return tensor
         with mesh.collective(*signature):
             kernels.prepare(flat, mesh.world_size)
-            mesh.run(ALLREDUCE_ALGORITHMS[chosen], flat, kernels, **options)
+            mesh.run(algorithm_run, flat, kernels, **options)
         buffer.write_back()
         return tensor
 
     def planned() -> Callable[[], Any] | None:
-        if options or kernels.prescales:  # (a prescaling avg divides before the exchange)
-            return None
-        return compiled_run(mesh, signature, ALLREDUCE_ALGORITHMS[chosen], (buffer.flat, kernels),
-                            lambda: tensor, buffer.shared)
+        return compiled_run(mesh, signature, algorithm_run, (buffer.flat, kernels), lambda: tensor,
+                            call is not None and buffer.shared)
 
     return Prepared(run, signature, planned)
+
+
+def _allreduce_template(mesh: Mesh, reduce_op: ReduceOp, algorithm: str, buffer: Any) -> tuple:
+    """What an allreduce of ``buffer``'s dtype and size needs besides the tensor: checked, chosen,
+    and its compiled call made where it takes one (None: the Python path, or an ``avg`` that
+    divides before the exchange)."""
+    check_reduces(buffer.dtype, "allreduce")
+    kernels = mesh.kernels(reduce_op, buffer.dtype)
+    chosen = pick(mesh, "allreduce", algorithm, buffer.nbytes)
+    signature = Signature("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value)
+    compiled = chosen != "double_tree" and not kernels.prescales
+    call = mesh.compiled_call(signature, ALLREDUCE_ALGORITHMS[chosen], (None, kernels)) if compiled else None
+    return signature, kernels, call
 
 
 def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:

@@ -73,3 +73,25 @@ def compiled_run(mesh: Mesh, signature: Signature, algorithm: Any, args: tuple, 
         return after()
 
     return run
+
+
+#: Kept per mesh at most (a program's distinct shapes of call are few; past this, start over).
+MAX_REMEMBERED = 256
+
+
+def remembered(mesh: Mesh, key: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, kept in ``mesh.templates`` under ``key``: what a plain call needs besides its
+    tensor (checks passed, ``auto`` resolved, the compiled call looked up) is made once per
+    distinct ``key``. ``key`` must hold every argument ``make`` depends on; an unhashable one
+    (an algorithm given as a list, say) skips the memory and lets ``make`` raise."""
+    templates = mesh.templates
+    try:
+        found = templates.get(key)
+    except TypeError:
+        return make()
+    if found is None:
+        found = make()
+        if len(templates) >= MAX_REMEMBERED:
+            templates.clear()
+        templates[key] = found
+    return found

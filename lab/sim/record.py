@@ -68,6 +68,7 @@ class RecordingMesh:
         # The limits: once len(steps) reaches check_at, check() runs (it raises, or moves check_at on).
         self.check_at = sys.maxsize
         self.check: Callable[[], None] = lambda: None
+        self.templates: dict = {}  # the public calls' checks and choices (lab.collectives.prepared.remembered)
 
     @property
     def rank(self) -> int:
@@ -94,6 +95,9 @@ class RecordingMesh:
     def collective(self, name: str, algorithm: str, *args: Any, **kwargs: Any) -> Iterator[None]:
         self.ran.append((name, algorithm))
         yield
+
+    def compiled_call(self, *args: Any) -> None:
+        return None  # no compiled path: every algorithm records as Python
 
     def run(self, algorithm: Callable[..., None], *args: Any, **options: Any) -> None:
         """Run the algorithm on this recorder, as Python (what :meth:`lab.Mesh.run` does off shm)."""
