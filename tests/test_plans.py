@@ -176,18 +176,25 @@ def test_an_async_plan_completes_in_issue_order_with_p2p_in_flight(cluster):
         assert got == (rank - 1) % n
 
 
-def plan_after_close(mesh: lab.Mesh) -> str:
-    plan = lab.allreduce_init(mesh, torch.ones(2))
+def calls_after_close(mesh: lab.Mesh) -> list[str]:
+    x = torch.ones(2)
+    plan = lab.allreduce_init(mesh, x)
+    lab.allreduce(mesh, x)  # (and its compiled call, made on shm, kept by the mesh)
     mesh.close()
-    try:
-        plan()
-    except lab.LabError as exc:
-        return str(exc)
-    return "no error"
+    seen = []
+    for call in (plan, lambda: lab.allreduce(mesh, x), lambda: lab.broadcast(mesh, x), lambda: lab.barrier(mesh)):
+        try:
+            call()
+            seen.append("no error")
+        except lab.LabError as exc:
+            seen.append(str(exc))
+    return seen
 
 
-def test_a_plan_whose_mesh_closed_says_so():
-    assert all("mesh is closed" in m for m in lab.spawn(plan_after_close, 2, transport="queue"))
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_a_plan_or_a_call_on_a_closed_mesh_says_so(transport):
+    for seen in lab.spawn(calls_after_close, 2, transport=transport):
+        assert all("mesh is closed" in message for message in seen), seen
 
 
 def planned_bookkeeping(mesh: lab.Mesh) -> list:

@@ -75,7 +75,7 @@ def choose(collective: str, nbytes: int, world_size: int, transport: str) -> str
 
 def check_algorithm(algorithm: Any, collective: str = "allreduce") -> str:
     """``algorithm`` if ``collective`` has it (or it is ``"auto"``), else a ``ValueError`` listing them."""
-    if algorithm in ALGORITHMS[collective]:
+    if isinstance(algorithm, str) and algorithm in ALGORITHMS[collective]:
         return algorithm
     choices = [*ALGORITHMS[collective], "auto"]
     if algorithm not in choices:
