@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 import lab
-from lab import mpich
+from lab import benchmark, mpich
 from lab.reference import ensure_gloo
 
 IMPLS = ("lab", "python", "plan", "gloo", "mpich")
@@ -188,16 +188,8 @@ def _slowest(out: list) -> np.ndarray:
 
 def _launch(world: int, eager: int | None, environment: dict[str, str]) -> lab.Cluster:
     """A pool whose ranks see ``environment`` on top of ours (they take the caller's environment)."""
-    saved = {name: os.environ.get(name) for name in environment}
-    os.environ.update(environment)
-    try:
+    with benchmark.environment(**environment):
         return lab.launch(world, **({} if eager is None else {"eager_bytes": eager}))
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def measure(args: argparse.Namespace, world: int) -> dict:

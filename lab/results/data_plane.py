@@ -20,9 +20,7 @@ MPICH and gloo" into ``OUT/REPORT.md``, with the bars of the compiled plane met 
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -38,33 +36,18 @@ IMPLS = ["plain", "plan", "python", "gloo"]  # (and mpich, in processes of its o
 MARKER = "data-plane"
 
 
-@contextlib.contextmanager
-def _environment(**variables: str) -> Iterator[None]:
-    """Our environment with ``variables`` set (rank processes take the caller's)."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def measure(world_sizes: list[int], sizes: list[int]) -> pd.DataFrame:
     """Every impl at every size and world size (see the module docstring): one row each."""
     rows, load = [], round(os.getloadavg()[0], 1)  # before our ranks add their own
     for world in world_sizes:
-        with lab.launch(world, transport="shm") as lab_pool, _environment(LAB_COMPILED_MAX_BYTES="0"):
-            with lab.launch(world, transport="shm") as python_pool:
-                for nbytes in sizes:
-                    for impl in IMPLS:
-                        pool = python_pool if impl == "python" else lab_pool
-                        row = benchmark.measure(pool, "allreduce", {"plain": "lab", "python": "lab"}.get(impl, impl),
-                                                nbytes)
-                        rows.append({**row, "impl": impl})
+        with benchmark.environment(LAB_COMPILED_MAX_BYTES="0"):
+            python_pool = lab.launch(world, transport="shm")
+        with lab.launch(world, transport="shm") as lab_pool, python_pool:
+            for nbytes in sizes:
+                for impl in IMPLS:
+                    pool = python_pool if impl == "python" else lab_pool
+                    row = benchmark.measure(pool, "allreduce", {"plain": "lab", "python": "lab"}.get(impl, impl), nbytes)
+                    rows.append({**row, "impl": impl})
         if mpich.unavailable() is None:
             rows += [mpich.measure(world, nbytes) for nbytes in sizes]
     table = pd.DataFrame(rows)
@@ -113,12 +96,12 @@ def section(table: pd.DataFrame) -> str:
     times = table.pivot_table(index=["world", "bytes"], columns="impl", values="median_us")
     floors = table.groupby(["world", "bytes"])["floor_us"].first()
     lines = ["## The data plane against MPICH and gloo", "",
-             "`python -m lab results --data-plane` (`data_plane.csv`): allreduce on shm through the plain call "
-             "(`auto`), a plan (`lab.allreduce_init`), the plain call with the compiled path off (`python`), gloo "
-             "and MPICH, in one run, sizes interleaved; median µs of the slowest rank per call. **floor** is 4T "
-             "over one rank's copy bandwidth measured in the same run. Load average "
-             f"{table['load_average'].iloc[0]} when it started, on {table['cores'].iloc[0]} cores: with more ranks than cores "
-             "these times measure how each library waits as much as what it moves.", ""]
+             ("`python -m lab results --data-plane` (`data_plane.csv`): allreduce on shm through the plain call "
+              "(`auto`), a plan (`lab.allreduce_init`), the plain call with the compiled path off (`python`), gloo "
+              "and MPICH, in one run, sizes interleaved; median µs of the slowest rank per call. **floor** is 4T "
+              "over one rank's copy bandwidth measured in the same run. Load average "
+              f"{table['load_average'].iloc[0]} when it started, on {table['cores'].iloc[0]} cores: with more "
+              "ranks than cores these times measure how each library waits as much as what it moves."), ""]
     for world in sorted(table["world"].unique()):
         view = times.loc[world].copy()
         shown = pd.DataFrame({"size": [_size(b) for b in view.index]})
