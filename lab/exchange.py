@@ -309,8 +309,6 @@ class Exchange:
                compiled: bool) -> tuple[FlightRecord, int, tuple[int, int, int]]:
         """A collective's number, fingerprint, position and flight record; for its trace row,
         when it started, and the byte counters then and its tensor's bytes."""
-        if self._channels.closed:
-            raise LabError(f"{self._membership.who()}: this mesh is closed ({name} after mesh.close())")
         self._seq += 1
         self._tag = fingerprint.pack(self._membership.context, self._seq, name, algorithm, dtype.code, op, root,
                                      count)

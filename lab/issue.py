@@ -57,6 +57,7 @@ class IssueQueue:
         self._thread: ThreadPoolExecutor | None = None
         self._pending: list[Work] = []
         self._local = threading.local()  # .driving: this thread is running a call now
+        self.closed = False  # the mesh was closed: every later call is refused, on every transport
 
     def issue(self, run: Callable[[], Any], async_op: bool) -> Any:
         """Run ``run`` (a collective's communication) now, or on the communication thread.
@@ -105,6 +106,8 @@ class IssueQueue:
 
     def check_owner(self) -> None:
         """Refuse a process forked inside ``fn``: its messages would interleave with the rank's."""
+        if self.closed:
+            raise LabError(f"rank {self._rank}: this mesh is closed (a collective, plan or send/recv after mesh.close())")
         if os.getpid() != self._owner_pid:
             raise LabError(f"this mesh belongs to rank {self._rank}'s process (pid {self._owner_pid}); a process "
                            f"forked from it (pid {os.getpid()}) cannot use it")
@@ -124,6 +127,7 @@ class IssueQueue:
         """Stop the communication thread, after the transport closed: a call it is still running
         fails at once on the closed channels; queued ones are cancelled. Not joined: a call blocked
         on a live peer would hold us up to its deadline, and the process ends soon anyway."""
+        self.closed = True
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None

@@ -182,7 +182,9 @@ def calls_after_close(mesh: lab.Mesh) -> list[str]:
     lab.allreduce(mesh, x)  # (and its compiled call, made on shm, kept by the mesh)
     mesh.close()
     seen = []
-    for call in (plan, lambda: lab.allreduce(mesh, x), lambda: lab.broadcast(mesh, x), lambda: lab.barrier(mesh)):
+    peer = (mesh.rank + 1) % mesh.world_size
+    for call in (plan, lambda: lab.allreduce(mesh, x), lambda: lab.broadcast(mesh, x), lambda: lab.barrier(mesh),
+                 lambda: mesh.send(peer, x), lambda: mesh.recv(peer)):
         try:
             call()
             seen.append("no error")
@@ -192,7 +194,7 @@ def calls_after_close(mesh: lab.Mesh) -> list[str]:
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
-def test_a_plan_or_a_call_on_a_closed_mesh_says_so(transport):
+def test_a_plan_a_collective_or_a_send_on_a_closed_mesh_says_so(transport):
     for seen in lab.spawn(calls_after_close, 2, transport=transport):
         assert all("mesh is closed" in message for message in seen), seen
 
