@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lab import collectives
+from lab import checks, collectives
 from lab.backend_work import LabWork
-from lab.errors import LabError
+from lab.errors import DeadlineError, LabError
 from lab.issue import Work
 from lab.mesh import Mesh
+from lab.transport.base import Silence
 
 if TYPE_CHECKING:
     from lab.backend import Options
@@ -32,6 +33,8 @@ NAME = "lab"
 #: else is in flight: handing it to the communication thread and waking the caller again cost
 #: more than a small collective (measured: bench/torch_backend.py).
 RUN_NOW_MAX_BYTES = 64 * 1024
+#: A waiting receive runs the sends issued behind it every this many milliseconds.
+POLL_MS = 1.0
 
 # -- torch's arguments as the lab's
 
@@ -99,16 +102,24 @@ def check_count(tensors: list[torch.Tensor], world_size: int, name: str) -> None
         raise ValueError(f"{name} must hold one tensor per rank ({world_size}); got {len(tensors)}")
 
 
+def await_message(mesh: Mesh, src: int | None, tag: int, meanwhile: Callable[[], None]) -> int:
+    """``src`` (None: any rank) once its next tensor of ``tag`` has arrived, calling
+    ``meanwhile()`` between waits of ``POLL_MS``; DeadlineError after the mesh's
+    ``recv_timeout_ms`` without one."""
+    silence = Silence(mesh.recv_timeout_ms / 1000)
+    while (found := mesh.probe(src, tag, POLL_MS)) is None:
+        meanwhile()
+        if silence.expired():
+            peers = [src] if src is not None else [r for r in range(mesh.world_size) if r != mesh.rank]
+            raise DeadlineError(f"rank {mesh.rank} timed out waiting for a tensor of tag {tag} from rank(s) "
+                                f"{peers} (recv_timeout_ms={mesh.recv_timeout_ms:g})", peers)
+    return found
+
+
 def check_sizes(tensor: torch.Tensor, numel: int, name: str) -> None:
     if tensor.numel() != numel:
         raise ValueError(f"{name} must hold {numel} elements (the input's times the group's size); "
                          f"got {tensor.numel()}")
-
-
-def check_tag(tag: int) -> None:
-    if tag != 0:
-        raise ValueError(f"tag must be 0: the lab matches point-to-point messages in order per pair of "
-                         f"ranks, not by tag; got tag={tag}")
 
 
 class LabProcessGroup(dist.ProcessGroup):
@@ -140,14 +151,14 @@ class LabProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"lab process group {self._group_name or '?'} (rank {self.mesh.rank} of {self.mesh.world_size})"
 
-    def issue(self, run: Callable[[], Any], now: bool = False) -> Work:
+    def issue(self, run: Callable[[], Any], now: bool = False, p2p: str = "") -> Work:
         """``run`` in the mesh's issue order, on its communication thread; with ``now``, on this
         thread if nothing is in flight (:meth:`lab.issue.IssueQueue.issue_now`)."""
         if self.mesh.closed:
             raise dist.DistBackendError(f"{self}: the group was shut down")
         if now:
             return self.mesh.issue_now(run)
-        return self.mesh.issue(run, async_op=True)
+        return self.mesh.issue(run, async_op=True, p2p=p2p)
 
     def torch_error(self, exc: BaseException) -> BaseException:
         """``exc`` as torch raises backend failures: ``DistBackendError`` with the lab's message and
@@ -163,11 +174,12 @@ class LabProcessGroup(dist.ProcessGroup):
     def _algorithm(self, collective: str) -> str:
         return self.options.algorithms.get(collective, "auto")
 
-    def _work(self, run: Callable[[], Any], outputs: list[torch.Tensor], p2p: bool = False) -> LabWork:
+    def _work(self, run: Callable[[], Any], outputs: list[torch.Tensor], p2p: str = "") -> LabWork:
         """The Work of ``run``. A collective of at most ``RUN_NOW_MAX_BYTES`` of output runs before
         this returns when nothing else is in flight (the Work is then complete); point-to-point
-        always goes to the communication thread (an irecv posted before its isend must not block)."""
-        return LabWork(self, run, outputs, now=not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES)
+        (``p2p="send"``, ``"recv"``) always goes to the communication thread (an irecv posted
+        before its isend must not block)."""
+        return LabWork(self, run, outputs, now=not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES, p2p=p2p)
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
 
@@ -366,36 +378,32 @@ class LabProcessGroup(dist.ProcessGroup):
     # -- point-to-point
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> LabWork:
-        tensor = one(tensors, "send")
-        check_tag(tag)
-        return self._work(lambda: self.mesh.send(dst, tensor), tensors, p2p=True)
+        tensor, tag = one(tensors, "send"), checks.p2p_tag(tag)
+        return self._work(lambda: self.mesh.send(dst, tensor, tag), tensors, p2p="send")
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> LabWork:
-        tensor = one(tensors, "recv")
-        check_tag(tag)
-
-        def run() -> int:
-            self._receive_into(tensor, self.mesh.recv(src), src)
-            return src
-
-        return self._work(run, tensors, p2p=True)
+        return self._receive(one(tensors, "recv"), src, checks.p2p_tag(tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> LabWork:
-        tensor = one(tensors, "recv")
-        check_tag(tag)
+        return self._receive(one(tensors, "recv"), None, checks.p2p_tag(tag))
+
+    def _receive(self, tensor: torch.Tensor, src: int | None, tag: int) -> LabWork:
+        """Receive into ``tensor``; while the message has not arrived, run the sends issued
+        after this receive (torch posts ``irecv`` and ``isend`` at once: see
+        :meth:`lab.issue.IssueQueue.run_sends_behind`)."""
+        queue = self.mesh.issue_queue
+        issued = queue.issued
 
         def run() -> int:
-            src, received = self.mesh.recv(None)
-            self._receive_into(tensor, received, src)
-            return src
+            source = await_message(self.mesh, src, tag, lambda: queue.run_sends_behind(issued))
+            received = self.mesh.recv(source, tag=tag)
+            if received.dtype != tensor.dtype or received.numel() != tensor.numel():
+                raise LabError(f"rank {self.mesh.rank}: rank {source} sent {received.dtype}[{received.numel()}], "
+                               f"but this rank receives into {tensor.dtype}[{tensor.numel()}]")
+            tensor.copy_(received.view_as(tensor))
+            return source
 
-        return self._work(run, tensors, p2p=True)
-
-    def _receive_into(self, tensor: torch.Tensor, received: torch.Tensor, src: int) -> None:
-        if received.dtype != tensor.dtype or received.numel() != tensor.numel():
-            raise LabError(f"rank {self.mesh.rank}: rank {src} sent {received.dtype}[{received.numel()}], "
-                           f"but this rank receives into {tensor.dtype}[{tensor.numel()}]")
-        tensor.copy_(received.view_as(tensor))
+        return self._work(run, [tensor], p2p="recv")
 
     # -- lifetime
 

@@ -51,14 +51,14 @@ class LabWork(dist._Work):
     """A lab collective issued for torch: ``wait()``, ``is_completed()``, ``get_future()``."""
 
     def __init__(self, group: LabProcessGroup, run: Callable[[], Any], outputs: list[torch.Tensor],
-                 now: bool = False) -> None:
+                 now: bool = False, p2p: str = "") -> None:
         super().__init__()
         self._group, self._outputs = group, outputs
         self._future: torch.futures.Future = torch.futures.Future()
         self._error: BaseException | None = None
         self._converting = threading.Lock()
         self._source = -1
-        self._work = group.issue(run, now)
+        self._work = group.issue(run, now, p2p)
         self._work.add_done_callback(self._complete)
 
     def _torch_error(self, exc: BaseException) -> BaseException:

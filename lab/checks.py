@@ -36,6 +36,13 @@ def timeout_ms(value: Any, name: str) -> float | None:
     return float(value)
 
 
+def p2p_tag(value: Any, name: str = "tag") -> int:
+    """A point-to-point tag: an int in [0, 2**31) (MPI's tags; torch.distributed's ``tag``)."""
+    if not is_int(value) or not 0 <= value < 2**31:
+        raise ValueError(f"{name} must be an int in [0, 2**31); got {value!r}")
+    return int(value)
+
+
 def flag(value: Any, name: str) -> bool:
     """A real bool (``async_op="no"`` must not mean True)."""
     if not isinstance(value, bool):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -74,8 +74,8 @@ class Exchange:
         self._nbytes = 0  # the current collective's tensor bytes
         self._compiled = True  # the current collective may take the compiled path
         self._seq, self._tag = 0, b""
-        self._p2p_sent = [0] * membership.world_size  # point-to-point sequence numbers, per peer
-        self._p2p_received = [0] * membership.world_size
+        self._p2p_sent: Counter[tuple[int, int]] = Counter()  # point-to-point sequence numbers, per (peer, tag)
+        self._p2p_received: Counter[tuple[int, int]] = Counter()
         self._next_any = 0  # recv(None) tries the ranks from this one on
         self._position = Position(membership.describe())
         self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)

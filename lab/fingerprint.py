@@ -1,9 +1,10 @@
 """The fingerprint every message carries: which mesh, which collective, and its arguments.
 
-32 bytes, the transports' ``TAG_BYTES``: context (0: the root mesh; a sub-mesh's id), sequence
-number, collective, algorithm, dtype code, reduce op, root (-1: none), element count. The context
-comes first: a transport parks a message whose first ``CONTEXT_BYTES`` differ from the
-receive's (another mesh's). Ranks in different collectives, or with different arguments, are
+32 bytes, the transports' ``TAG_BYTES``: context (0: the root mesh; a sub-mesh's id),
+point-to-point tag (0 for collectives), sequence number, collective, algorithm, dtype code, reduce
+op, root (-1: none), element count. Context and tag come first: a transport parks a message whose
+first ``CONTEXT_BYTES`` differ from the receive's (another mesh's, or a send of another tag), as
+MPI matches by communicator, source and tag. Ranks in different collectives, or with different arguments, are
 caught at their first message by comparing fingerprints.
 
 Algorithm codes are registered by :mod:`lab.collectives.registry` (this module imports no
@@ -21,9 +22,11 @@ COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatt
                "barrier", "gather", "scatter", "split")
 REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 
-FINGERPRINT = struct.Struct("<IQBBBBqq")
+FINGERPRINT = struct.Struct("<IiQBBBBiq")
 #: Sub-mesh context ids are 4 bytes.
 MAX_CONTEXT = 2**32 - 1
+#: Point-to-point tags are in [0, MAX_TAG] (MPI's ``MPI_TAG_UB``).
+MAX_TAG = 2**31 - 1
 
 _ALGORITHM_CODES: dict[tuple[str, str], int] = {}
 _ALGORITHM_NAMES: dict[tuple[int, int], str] = {}
@@ -42,13 +45,13 @@ def pack(context: int, seq: int, collective: str, algorithm: str, dtype_code: in
          count: int) -> bytes:
     """The fingerprint of one collective's messages (``algorithm`` "": none, as in a split)."""
     code = _ALGORITHM_CODES[collective, algorithm] if algorithm else 0
-    return FINGERPRINT.pack(context, seq, COLLECTIVES.index(collective), code, dtype_code, REDUCE_OPS.index(op),
+    return FINGERPRINT.pack(context, 0, seq, COLLECTIVES.index(collective), code, dtype_code, REDUCE_OPS.index(op),
                             root, count)
 
 
-def pack_p2p(context: int, seq: int, dtype_code: int, count: int) -> bytes:
-    """The fingerprint of point-to-point message ``seq`` between a pair of ranks."""
-    return FINGERPRINT.pack(context, seq, 0, 0, dtype_code, 0, -1, count)
+def pack_p2p(context: int, tag: int, seq: int, dtype_code: int, count: int) -> bytes:
+    """The fingerprint of point-to-point message ``seq`` of ``tag`` between a pair of ranks."""
+    return FINGERPRINT.pack(context, tag, seq, 0, 0, dtype_code, 0, -1, count)
 
 
 def disagreeing(tag: bytes, unconsumed: dict[int, list[bytes]]) -> tuple[int, bytes] | None:
@@ -59,10 +62,10 @@ def disagreeing(tag: bytes, unconsumed: dict[int, list[bytes]]) -> tuple[int, by
     Ranks that disagree on, say, the root of a broadcast may never receive from each other; the
     message one of them sent is still waiting, unconsumed, and tells what happened.
     """
-    context, seq = FINGERPRINT.unpack_from(tag)[:2]
+    context, _, seq = FINGERPRINT.unpack_from(tag)[:3]
     for src, tags in unconsumed.items():
         for got in tags:
-            got_context, got_seq, coll = FINGERPRINT.unpack_from(got)[:3]
+            got_context, _, got_seq, coll = FINGERPRINT.unpack_from(got)[:4]
             if got_context == context and got_seq == seq and coll and got[: len(tag)] != tag:
                 return src, got
     return None
@@ -72,12 +75,14 @@ def describe(tag: bytes) -> str:
     """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag."""
     if len(tag) < FINGERPRINT.size:
         return f"an unrecognised message ({len(tag)}-byte tag)"
-    context, seq, coll, algo, code, op, root, count = FINGERPRINT.unpack_from(tag)
+    context, p2p_tag, seq, coll, algo, code, op, root, count = FINGERPRINT.unpack_from(tag)
     dtype = DTYPES_BY_CODE[code].name if code in DTYPES_BY_CODE else "meta"
     text = f"{COLLECTIVES[coll]} #{seq} {dtype}[{count}]"
     if op:
         text += f" {REDUCE_OPS[op]}"
     if root >= 0:
         text += f" root={root}"
+    if p2p_tag:
+        text += f" tag={p2p_tag}"
     text += f" ({_ALGORITHM_NAMES.get((coll, algo), f'algorithm {algo}')})" if algo else ""
     return text + (f" on sub-mesh {context:08x}" if context else "")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -57,13 +58,19 @@ class IssueQueue:
         self._thread: ThreadPoolExecutor | None = None
         self._pending: list[Work] = []
         self._local = threading.local()  # .driving: this thread is running a call now
+        # Point-to-point sends a waiting receive may run ahead of their turn (run_sends_behind),
+        # each with the number of other calls issued before it: it never overtakes one of those.
+        self.issued = 0
+        self._sends: deque[tuple[int, _Send]] = deque()
         self.closed = False  # the mesh was closed: every later call is refused, on every transport
 
-    def issue(self, run: Callable[[], Any], async_op: bool) -> Any:
+    def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "") -> Any:
         """Run ``run`` (a collective's communication) now, or on the communication thread.
 
         A call made by a ``run`` that is being driven (the torch backend's composite operations,
-        on the communication thread) runs inline: it is already in its place in the order."""
+        on the communication thread) runs inline: it is already in its place in the order.
+        ``p2p="send"``, ``"recv"``: a point-to-point call; a receive issued before an asynchronous
+        send may run it while waiting (:meth:`run_sends_behind`)."""
         self.check_owner()
         if getattr(self._local, "driving", False):
             result = run()
@@ -72,6 +79,11 @@ class IssueQueue:
             done: Future = Future()
             done.set_result(result)
             return Work(done)
+        if not p2p:
+            self.issued += 1
+        elif p2p == "send" and async_op:
+            run = _Send(run)
+            self._sends.append((self.issued, run))
         if checks.flag(async_op, "async_op"):
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lab-comm-{self._rank}")
@@ -88,6 +100,7 @@ class IssueQueue:
         self.check_owner()
         if getattr(self._local, "driving", False) or self.in_flight:
             return self.issue(run, async_op=True)
+        self.issued += 1
         done: Future = Future()
         try:
             self.wait_all()  # a failure of an earlier async call surfaces here, as a synchronous call's would
@@ -95,6 +108,20 @@ class IssueQueue:
         except BaseException as exc:  # noqa: BLE001 - the Work carries it to wait()
             done.set_exception(exc)
         return Work(done)
+
+    def run_sends_behind(self, issued: int) -> None:
+        """Run, on the communication thread, the asynchronous sends issued after a receive that
+        is waiting for its message, with no other call between (``issued``: :attr:`issued` when
+        the receive was issued). torch posts ``irecv`` and ``isend`` at once: two ranks that each
+        ``irecv`` and then ``isend`` to the other must not each wait for the other's send behind
+        their receive. A send never overtakes a collective: it would reach its peer inside it."""
+        while self._sends and self._sends[0][1].started:
+            self._sends.popleft()
+        for before, send in list(self._sends):
+            if before > issued:
+                break
+            if not send.started:
+                send.run_ahead()
 
     def _drive(self, run: Callable[[], Any]) -> Any:
         with self._driving:
@@ -131,3 +158,27 @@ class IssueQueue:
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None
+
+
+class _Send:
+    """An asynchronous send that a waiting receive may run ahead of its turn: it runs once, and
+    its turn returns (or raises) what it did."""
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self._run, self.started = run, False
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def run_ahead(self) -> None:
+        self.started = True
+        try:
+            self._result = self._run()
+        except BaseException as exc:  # noqa: BLE001 - raised in its own turn, to its own Work
+            self._error = exc
+
+    def __call__(self) -> Any:
+        if not self.started:
+            self.run_ahead()
+        if self._error is not None:
+            raise self._error
+        return self._result

@@ -1,32 +1,31 @@
 """``lab.Mesh``: one rank's handle on the mesh, what algorithms and users send and receive through.
 
 :class:`lab.exchange.Exchange` gives it the transfers algorithms use (fingerprint, deadlines,
-counters, flight recorder, trace); the mesh adds what users call: the launchers' constructors
-(:mod:`lab.bootstrap`), the issue order (``async_op``), point-to-point tensors, and sub-meshes.
+counters, flight recorder, trace), :class:`lab.point_to_point.PointToPoint` the issue order
+(``async_op``) and point-to-point tensors; the mesh adds the launchers' constructors
+(:mod:`lab.bootstrap`), ``close`` and sub-meshes.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from lab import checks, fingerprint, p2p
-from lab.buffers import as_buffer
-from lab.errors import DeadlineError
-from lab.exchange import Channels, Exchange
+from lab import checks
+from lab.exchange import Channels
 from lab.flight import TraceFile
 from lab.membership import Membership, agree_split
 from lab.ops import DTYPES
-from lab.transport.base import Recv, Send, Transport, silence_error
+from lab.point_to_point import PointToPoint
+from lab.transport.base import Recv, Send, Transport
 
 #: A receive that waits longer than this raises DeadlineError (override with recv_timeout_ms).
 DEFAULT_RECV_TIMEOUT_MS = 300_000
 
 
-class Mesh(Exchange):
+class Mesh(PointToPoint):
     """One rank's handle: ``rank``, ``world_size``, point-to-point ``send``/``recv``, ``stats``.
 
     Created for you in every rank by :func:`lab.spawn` / :func:`lab.launch`. ``host``,
@@ -120,28 +119,6 @@ class Mesh(Exchange):
         return cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
                    placement=placement, hosts=hosts)
 
-    # -- issuing collectives, synchronously or not ----------------------------------------------
-
-    def issue(self, run: Callable[[], Any], async_op: bool) -> Any:
-        """Run a collective's communication now, or on the communication thread (one issue order
-        for a root mesh and its sub-meshes: :class:`lab.issue.IssueQueue`)."""
-        return self._channels.issue.issue(run, async_op)
-
-    def issue_now(self, run: Callable[[], Any]) -> Any:
-        """``issue(run, async_op=True)``, run on this thread when nothing is in flight; the Work
-        returned is then complete (:meth:`lab.issue.IssueQueue.issue_now`)."""
-        return self._channels.issue.issue_now(run)
-
-    @property
-    def in_flight(self) -> bool:
-        """True while an asynchronous collective issued on this mesh (or its root, or any of the
-        root's sub-meshes: they share one issue order) has not completed."""
-        return self._channels.issue.in_flight
-
-    def wait_all(self) -> None:
-        """Wait for every asynchronous collective issued so far; raise the first failure."""
-        self._channels.issue.wait_all()
-
     def close(self) -> None:
         """Release the transport, then stop the communication thread (a collective it is still
         running fails at once on the closed channels; queued ones are cancelled). A sub-mesh owns
@@ -151,112 +128,6 @@ class Mesh(Exchange):
         self._channels.closed = True
         self._transport.close()
         self._channels.issue.close()
-
-    # -- public point-to-point -----------------------------------------------------------------
-
-    def _check_peer(self, peer: int, name: str) -> None:
-        if not checks.is_int(peer) or not 0 <= peer < self.world_size or peer == self.rank:
-            raise ValueError(
-                f"{name} must be another rank in [0, {self.world_size}); got {peer!r} on rank {self.rank}"
-            )
-
-    def _p2p_tag(self, seq: int, dtype_code: int, count: int) -> bytes:
-        return fingerprint.pack_p2p(self._membership.context, seq, dtype_code, count)
-
-    def send(self, dst: int, tensor: Any) -> None:
-        """Send ``tensor`` (torch or numpy, any shape) to rank ``dst``; ordered per pair of ranks.
-
-        Returns once the data is in the channel; a large tensor over ``"shm"`` waits until the
-        receiver has taken all but the last few segments (buffers are bounded). Like a
-        synchronous collective, it first waits for this mesh's asynchronous collectives: point-to-
-        point and collectives share one issue order.
-        """
-        self._check_peer(dst, "dst")
-        dst = int(dst)
-        buffer = as_buffer(tensor, writable=False)
-        header = p2p.encode_header(tensor, buffer.dtype)  # sent first, uncounted, then the payload
-
-        def run() -> None:
-            self._p2p_sent[dst] += 1
-            seq = self._p2p_sent[dst]
-            self._start_p2p("send", seq)
-            self._tag = self._p2p_tag(seq, 0, p2p.HEADER_WORDS)
-            self._exchange([Send(dst, header)], [], counted=False)
-            self._tag = self._p2p_tag(seq, buffer.dtype.code, buffer.numel)
-            self._exchange([Send(dst, buffer.load())], [])  # read now, after the async work before it
-
-        self.issue(run, async_op=False)
-
-    def recv(self, src: int | None, timeout_ms: float | None = None) -> Any:
-        """Receive the next tensor rank ``src`` sent to this rank: same kind, dtype and shape.
-
-        ``src=None``: from any source (``MPI_ANY_SOURCE``): the next tensor of whichever rank has
-        one waiting (one of them, if several have), returned as ``(src, tensor)``; each rank's
-        tensors still arrive in the order it sent them.
-        Waits at most ``timeout_ms`` of silence (from ``src``; with None, without a tensor from
-        anyone; default: the mesh's ``recv_timeout_ms``; ``math.inf``: no limit), then raises
-        :class:`lab.DeadlineError`. Waits first for this mesh's asynchronous collectives (one
-        issue order).
-
-            # N=3: ranks 1 and 2 each mesh.send(0, torch.tensor([mesh.rank]))
-            src, x = mesh.recv(None)          # rank 0: (1, tensor([1])) or (2, tensor([2]))
-            other, y = mesh.recv(None)        # rank 0: the other one
-        """
-        timeout_ms = checks.timeout_ms(timeout_ms, "timeout_ms")
-        if src is not None:
-            self._check_peer(src, "src")
-            src = int(src)
-        elif self.world_size == 1:
-            raise ValueError("src=None receives from any other rank; this mesh has only one rank")
-
-        def run() -> Any:
-            if src is not None:
-                return self._receive(src, timeout_ms)
-            chosen = self._ready_source(timeout_ms)
-            return chosen, self._receive(chosen, timeout_ms)
-
-        return self.issue(run, async_op=False)
-
-    def _ready_source(self, timeout_ms: float | None) -> int:
-        """The rank whose next tensor for this rank is waiting (``recv(None)``), trying them from
-        the one after the rank last chosen so that none is starved; DeadlineError after
-        ``timeout_ms`` with none."""
-        n = self.world_size
-        others = [(self._next_any + i) % n for i in range(n) if (self._next_any + i) % n != self.rank]
-        self._start_p2p("recv from any source", 0)
-        # Each one's next header: what recv(src) would wait for (a peer's collectives later in its
-        # issue order are not a tensor for us, and wait for their receive).
-        expected = {self._membership.to_global(r): self._p2p_tag(self._p2p_received[r] + 1, 0, p2p.HEADER_WORDS)
-                    for r in others}
-        timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
-        try:
-            found = self._transport.ready_source(expected, timeout_ms / 1000, self._position)
-        except BaseException:
-            self.clean = False  # (a lost peer, a forged frame: the channels cannot be trusted)
-            raise
-        if found is None:
-            raise DeadlineError(f"{silence_error(self.rank, others, self._position)} "
-                                f"(timeout_ms={timeout_ms:g})", others)
-        src = self._membership.from_global(found)
-        self._next_any = (src + 1) % n
-        return src
-
-    def _receive(self, src: int, timeout_ms: float | None) -> Any:
-        """The next tensor from ``src``: its header (kind, dtype, shape), then its payload."""
-        self._p2p_received[src] += 1
-        seq = self._p2p_received[src]
-        self._start_p2p("recv", seq)
-        header = np.empty(p2p.HEADER_WORDS, np.int64)
-        self._tag = self._p2p_tag(seq, 0, p2p.HEADER_WORDS)
-        self._exchange([], [Recv(src, header)], timeout_ms, counted=False)
-        incoming = p2p.decode_header(header)
-        self._tag = self._p2p_tag(seq, incoming.dtype.code, incoming.flat.size)
-        self._exchange([], [Recv(src, incoming.flat)], timeout_ms)
-        return incoming.tensor()
-
-    def _start_p2p(self, kind: str, seq: int) -> None:
-        position = self._position
-        position.collective, position.seq, position.algorithm, position.step = kind, seq, "", 0
 
     # -- sub-meshes ----------------------------------------------------------------------------
 

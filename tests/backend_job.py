@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -282,6 +283,52 @@ def send_recv_isend_irecv_and_batch(rank: int, n: int, gloo: dist.ProcessGroup) 
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     expect_equal(got, pattern(3, left, torch.int64), "batch_isend_irecv")
+
+
+@check
+def send_recv_with_tags(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
+    """As torch's test_send_recv_with_tag and test_batch_isend_irecv_gloo_tags: tags match sends
+    to receives, whatever order they are posted in."""
+    if n == 1:
+        return
+    right, left = (rank + 1) % n, (rank - 1) % n
+    sends = [dist.isend(pattern(5, rank + 10 * tag), dst=right, tag=tag) for tag in (1, 2, 3)]
+    for tag in (3, 1, 2):  # received in another order than sent
+        got = torch.empty(5)
+        dist.recv(got, src=left, tag=tag)
+        expect_equal(got, pattern(5, left + 10 * tag), f"recv tag={tag}")
+    for work in sends:
+        work.wait()
+    got = torch.empty(2, dtype=torch.int64)
+    ops = [dist.P2POp(dist.irecv, got, left, tag=left), dist.P2POp(dist.isend, pattern(2, rank, torch.int64),
+                                                                  right, tag=rank)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    expect_equal(got, pattern(2, left, torch.int64), "batch_isend_irecv with tags")
+    if rank == 0:  # any source, by tag: the tag-8 tensors first, though they were sent second
+        firsts = {dist.recv(got := torch.empty(1), tag=8): got for _ in range(n - 1)}
+        seconds = {dist.recv(got := torch.empty(1), tag=7): got for _ in range(n - 1)}
+        for r in range(1, n):
+            expect_equal(firsts[r], torch.tensor([r + 0.5]), f"any source tag=8 from {r}")
+            expect_equal(seconds[r], torch.tensor([float(r)]), f"any source tag=7 from {r}")
+    else:
+        dist.send(torch.tensor([float(rank)]), dst=0, tag=7)
+        dist.send(torch.tensor([rank + 0.5]), dst=0, tag=8)
+    # A send queued behind a collective never overtakes it to serve a waiting receive: rank 0's
+    # isend would reach rank 1 inside the all_reduce.
+    got, total = torch.empty(1), torch.ones(1)
+    if rank == 0:
+        works = [dist.irecv(got, src=1), dist.all_reduce(total, async_op=True), dist.isend(torch.ones(1), dst=1)]
+    else:
+        time.sleep(0.2 if rank == 1 else 0)  # rank 0's receive waits, with the send behind it
+        works = [dist.isend(torch.full((1,), 2.0), dst=0)] if rank == 1 else []
+        works.append(dist.all_reduce(total, async_op=True))
+        works += [dist.irecv(got, src=0)] if rank == 1 else []
+    for work in works:
+        work.wait()
+    expect_equal(total, torch.full((1,), float(n)), "all_reduce between the receive and the send")
+    if rank in (0, 1):
+        expect_equal(got, torch.full((1,), 2.0 - rank), "the send behind a collective")
 
 
 @check

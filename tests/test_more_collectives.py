@@ -289,6 +289,52 @@ def check_any_source(mesh: lab.Mesh, per_sender: int = 3) -> list[str]:
     return failures
 
 
+def check_tags(mesh: lab.Mesh) -> list[str]:
+    """Point-to-point tags: a receive of one tag never takes another's; each (sender, tag) keeps
+    its order; recv(None) with a tag takes only that tag; a large message of one tag waits aside
+    while a small one of another is received."""
+    n, rank, failures = mesh.world_size, mesh.rank, []
+    if n == 1:
+        return []
+    tags = (0, 5, 2**31 - 1)
+    for receiver in range(n):  # each rank in turn takes everyone's (sends are bounded)
+        if receiver != rank:
+            for tag in tags:  # sent in this order, received in the reverse one
+                for i in range(2):
+                    mesh.send(receiver, torch.tensor([rank, tag, i]), tag=tag)
+            continue
+        for tag in reversed(tags):
+            for src in range(n):
+                for i in range(2 * (src != rank)):
+                    got = mesh.recv(src, tag=tag)
+                    if not torch.equal(got, torch.tensor([src, tag, i])):
+                        failures.append(f"rank {rank} recv({src}, tag={tag}) #{i}: {got}")
+    lab.barrier(mesh)
+    # recv(None) of a tag skips what waits with another tag.
+    if rank == 0:
+        got = sorted(int(mesh.recv(None, tag=9)[1][0]) for _ in range(n - 1))
+        if got != list(range(1, n)):
+            failures.append(f"rank {rank} recv(None, tag=9): {got}")
+        got = sorted(int(mesh.recv(None, tag=3)[1][0]) for _ in range(n - 1))
+        if got != sorted(-r for r in range(1, n)):
+            failures.append(f"rank {rank} recv(None, tag=3): {got}")
+    else:
+        mesh.send(0, torch.tensor([-rank]), tag=3)
+        mesh.send(0, torch.tensor([rank]), tag=9)
+    lab.barrier(mesh)
+    # A large message parked while a later small one of another tag is received first.
+    large = torch.arange(65_536, dtype=torch.float32)
+    if rank == 1:
+        mesh.send(0, large, tag=1)
+        mesh.send(0, torch.tensor([7.0]), tag=2)
+    elif rank == 0:
+        small, big = mesh.recv(1, tag=2), mesh.recv(1, tag=1)
+        if not (torch.equal(small, torch.tensor([7.0])) and torch.equal(big, large)):
+            failures.append(f"rank {rank}: the large tagged message came back as {big[:4]}..., small {small}")
+    lab.barrier(mesh)
+    return failures
+
+
 # -- arguments checked before any message ---------------------------------------------------------
 
 
@@ -318,7 +364,11 @@ def bad_arguments(mesh: lab.Mesh) -> list[str]:
         (lambda: lab.reduce_scatter(mesh, torch.ones(3, dtype=torch.uint8)), TypeError,
          "reduce_scatter cannot reduce"),
         (lambda: mesh.recv(None, timeout_ms=-1), ValueError, "timeout_ms must be"),
+        (lambda: mesh.recv(None, tag=-1), ValueError, "tag must be an int in [0, 2**31)"),
     ]
+    if n > 1:
+        cases += [(lambda: mesh.send((mesh.rank + 1) % n, x, tag=2**31), ValueError, "tag must be an int"),
+                  (lambda: mesh.send((mesh.rank + 1) % n, x, tag=1.0), ValueError, "tag must be an int")]
     if n == 1:
         cases.append((lambda: mesh.recv(None), ValueError, "only one rank"))
     before = mesh.stats()
@@ -452,6 +502,10 @@ def test_uneven_all_to_all(cluster):
 
 def test_recv_from_any_source_keeps_each_senders_order(cluster):
     no_failures(cluster.run(check_any_source))
+
+
+def test_point_to_point_tags(cluster):
+    no_failures(cluster.run(check_tags))
 
 
 def test_bad_arguments_raise_before_any_message(cluster):

@@ -46,7 +46,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from lab.errors import LabError, PeerLostError  # noqa: E402
-from lab.transport.base import TAG_BYTES, Recv, Send, TagMismatch  # noqa: E402
+from lab.transport.base import CONTEXT_BYTES, TAG_BYTES, Recv, Send, TagMismatch  # noqa: E402
 from lab.transport.handshake import (  # noqa: E402
     _ACCEPTOR_KEY, _ACCEPTOR_PROOF, _CONNECTOR_KEY, _CONNECTOR_PROOF, _HELLO, _REFUSED_PROOF, _REFUSED_RANK,
     HANDSHAKE_TIMEOUT_S, MAGIC, MAX_PENDING_HANDSHAKES, VERSION, derive, transcript)
@@ -342,7 +342,7 @@ def test_a_frame_without_the_right_mac_is_refused(forgery):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(magic=st.sampled_from([MAGIC, b"LABX", b"\0\0\0\0"]), version=st.sampled_from([VERSION, 0, 1, 255]),
        kind=st.sampled_from([1, 0, 7]), length=st.sampled_from([16, 15, 0, 1 << 40, 2**64 - 1]),
-       tag=st.sampled_from([TAG, (TAG[:4] + b"other").ljust(TAG_BYTES, b"\0")]),
+       tag=st.sampled_from([TAG, (TAG[:CONTEXT_BYTES] + b"other").ljust(TAG_BYTES, b"\0")]),
        cut=st.integers(0, _HEAD_BYTES + 16 + MAC_BYTES), tail=st.binary(max_size=64))
 def test_malformed_and_truncated_frames_are_rejected_cleanly(magic, version, kind, length, tag, cut, tail):
     """Whatever arrives, the receive ends with a lab error (or succeeds on a valid frame) before its

@@ -20,7 +20,7 @@ import lab
 from conftest import pool
 from lab.errors import CollectiveMismatchError, DeadlineError
 from lab.transport import shm
-from lab.transport.base import Recv, Send, SharedFd, TagMismatch
+from lab.transport.base import CONTEXT_BYTES, Recv, Send, SharedFd, TagMismatch
 
 SIZES = [0, 1, 15, 16, 17, 1000, 40_001]
 
@@ -193,7 +193,8 @@ def test_a_size_or_tag_disagreement_across_the_threshold_is_caught():
         a.exchange([Send(1, np.zeros(65, np.uint8))], [], TAG, 5.0, "test")  # rendezvous
         with pytest.raises(CollectiveMismatchError, match="expected 64 bytes"):
             b.exchange([], [Recv(0, np.zeros(64, np.uint8))], TAG, 5.0, "test")
-        a.exchange([Send(1, np.zeros(8, np.uint8))], [], TAG[:4] + b"other".ljust(28, b"\0"), 5.0, "test")
+        other = TAG[:CONTEXT_BYTES] + b"other".ljust(32 - CONTEXT_BYTES, b"\0")  # same context, another tag
+        a.exchange([Send(1, np.zeros(8, np.uint8))], [], other, 5.0, "test")
         with pytest.raises(TagMismatch):
             b.exchange([], [Recv(0, np.zeros(8, np.uint8))], TAG, 5.0, "test")
     finally:

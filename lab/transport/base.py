@@ -14,9 +14,9 @@ step or op):
   :class:`TagMismatch`, which the mesh turns into a :class:`lab.CollectiveMismatchError`; a
   message of the right tag whose size differs from the receive's buffer raises that error
   directly;
-- its first ``CONTEXT_BYTES`` name the mesh or sub-mesh (``mesh.split``) that sent it: a message
-  of another context is not a mismatch but traffic of another mesh over the same channel, entered
-  in another order by its sender. The receiver parks it (MPI's unexpected-message queue, one per
+- its first ``CONTEXT_BYTES`` name the mesh or sub-mesh (``mesh.split``) that sent it and, for
+  point-to-point, the message's tag: a message of another context is not a mismatch but traffic
+  of another mesh (or tag) over the same channel, entered in another order by its sender. The receiver parks it (MPI's unexpected-message queue, one per
   source) and a later receive of that context takes it first, in arrival order.
 
 A wait raises :class:`lab.DeadlineError` after ``timeout_s`` seconds in which no awaited peer
@@ -41,8 +41,9 @@ Combine = Callable[[np.ndarray, np.ndarray], None]
 
 #: The longest tag a message can carry (the mesh's fingerprint fills it).
 TAG_BYTES = 32
-#: The first bytes of a tag: the context (mesh or sub-mesh) the message belongs to.
-CONTEXT_BYTES = 4
+#: The first bytes of a tag: the context (mesh or sub-mesh, and point-to-point tag) the message
+#: belongs to.
+CONTEXT_BYTES = 8
 
 
 def same_context(tag: bytes, other: bytes) -> bool:

@@ -277,9 +277,9 @@ class TcpTransport(Transport):
         if bound is None:
             return
         self._links[peer].sock.close()  # the stream stops mid-frame: the connection is unusable
-        context = int.from_bytes(got_tag[:CONTEXT_BYTES], "little")
+        context = int.from_bytes(got_tag[:CONTEXT_BYTES], "little")  # (the mesh's id and the tag)
         raise LabError(
-            f"rank {self.rank}: rank {peer} sent a {_size(nbytes)} message of another mesh (context {context:08x}) "
+            f"rank {self.rank}: rank {peer} sent a {_size(nbytes)} message of another mesh or tag (context {context:016x}) "
             f"while this rank waited in {where}; holding it until its receive would exceed "
             f"lab.transport.tcp.{bound}. The ranks enter the collectives of their meshes and sub-meshes in "
             "orders too far apart: enter them in the same order, or raise the bound in every rank; "
