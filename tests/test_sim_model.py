@@ -125,3 +125,46 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements(tmp_p
         assert fit.determined[name] > 0.005, name  # each one constrained by the synthetic cases
     assert np.allclose(table["ratio"], 1.0, rtol=1e-9)  # validation cases included
     assert best_agreement(table)["agree"].all()
+
+
+# -- eager and rendezvous -------------------------------------------------------------------------
+
+
+def test_a_large_message_waits_for_its_receive_and_a_small_one_does_not():
+    """Rank 1 receives a small message from rank 2, then a large one from rank 0. Eagerly the
+    large one takes rank 1's port first and the small one queues behind it; with rendezvous it
+    waits until rank 1 posts its receive, after the small one."""
+    from lab.sim.record import Schedule
+    from lab.sim.replay import replay
+
+    large, small = 1 << 20, 1000
+    one = np.array
+    s = Schedule("allreduce", "by hand", 3, large, one([0, 1, 3, 4]), one([1, -1, -1, 1]), one([large, 0, 0, small]),
+                 one([-1, 2, 0, -1]), one([0, small, large, 0]), one([False] * 4), 0.0)
+    net = sim.Network(alpha_us=20.0, gbit=10.0)
+    t_large, t_small = net.message_us(large), net.message_us(small)
+    eager = replay(s, sim.Network(alpha_us=20.0, gbit=10.0, eager_bytes=None))
+    assert eager.finish_us == pytest.approx([t_large, t_large + t_small, t_large + t_small], rel=1e-12)
+    rendezvous = replay(s, net)
+    assert rendezvous.finish_us == pytest.approx([t_small + t_large, t_small + t_large, t_small], rel=1e-12)
+    assert [(m.src, m.dst) for m in rendezvous.critical_path] == [(2, 1), (0, 1)]
+    assert replay(s, sim.Network(alpha_us=20.0, gbit=10.0, eager_bytes=large)).finish_us == \
+        pytest.approx(eager.finish_us, rel=1e-12)
+
+
+def test_rendezvous_lets_the_pipelined_double_tree_run_as_its_timetable_says():
+    """Eagerly, double-tree segments sent ahead of their receive block the ports of the ones
+    needed now; with rendezvous above 64 KiB the pipeline runs as its timetable says."""
+    times = {}
+    for eager in (None, 64 * 1024):
+        net = sim.Network(alpha_us=5.0, gbit=100.0, eager_bytes=eager)
+        times[eager] = {a: sim.simulate("allreduce", a, 256, 64 << 20, net).time_us for a in ("ring", "double_tree")}
+    # (256 ranks, 64 MB: 0.64x its eager time, 1.07x the ring's; at 1,024 ranks 0.71x the ring's)
+    assert times[64 * 1024]["double_tree"] < 0.7 * times[None]["double_tree"], times
+    assert times[64 * 1024]["double_tree"] < 1.1 * times[64 * 1024]["ring"], times
+
+
+@pytest.mark.parametrize("eager_bytes", [-1, 1.5, "64K"])
+def test_a_bad_eager_limit_is_a_value_error_that_names_it(eager_bytes):
+    with pytest.raises(ValueError, match="eager_bytes must be"):
+        sim.Network(eager_bytes=eager_bytes)

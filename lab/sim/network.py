@@ -51,6 +51,11 @@ class Network:
     duration, and a message inside a host costs ``intra_alpha_us + n * 8 / (intra_gbit * 1e3)``
     (both default to the inter-host values).
 
+    **Eager and rendezvous.** A message of at most ``eager_bytes`` (default 64 KiB, MPI's usual
+    eager limit; None: every message) leaves as soon as its sender is ready; a larger one waits
+    until its receiver has posted the receive (rendezvous), so a sender that runs ahead cannot
+    take a receiver's port with a message it does not need yet.
+
     **CPU** (LogGP's o, and the per-byte work a transport really does; all default to 0). Before
     a message of n bytes goes on the wire its sender works ``send_overhead_us + n *
     copy_us_per_byte`` µs (the call, the copy into shared memory or the socket, a frame's MAC);
@@ -84,6 +89,7 @@ class Network:
     copy_us_per_byte: float = 0.0
     cores: int | None = None
     ranks_per_cpu: int | None = None
+    eager_bytes: int | None = 64 * 1024
 
     def __post_init__(self) -> None:
         # Frozen: store the checked floats with object.__setattr__ (a numpy scalar becomes a float).
@@ -102,6 +108,14 @@ class Network:
         object.__setattr__(self, "cores", _check_count("cores", self.cores, MAX_CORES, "a core per rank"))
         object.__setattr__(self, "ranks_per_cpu", _check_count("ranks_per_cpu", self.ranks_per_cpu,
                                                                MAX_RANKS_PER_HOST, "ranks_per_host"))
+        if self.eager_bytes is not None and (not checks.is_int(self.eager_bytes) or self.eager_bytes < 0):
+            raise ValueError(f"eager_bytes must be a non-negative integer, or None (every message eager); "
+                             f"got {self.eager_bytes!r}")
+
+    @property
+    def eager_limit(self) -> int:
+        """The largest message that leaves before its receive is posted (``eager_bytes``; None: any)."""
+        return 2**62 if self.eager_bytes is None else int(self.eager_bytes)
 
     @property
     def beta_us_per_byte(self) -> float:

@@ -2,8 +2,11 @@
 
 The model (DESIGN.md, "Simulation"): each rank runs its steps in order; a step starts when the
 previous one has completed. A step's send first takes the sender's CPU for ``o_send + n·copy``;
-then the message leaves (eager) when the sender's port, the receiver's port (and, between hosts,
-both hosts' links) are free, first come first served, and holds them for ``α + n·β``. Once it
+then the message leaves when the sender's port, the receiver's port (and, between hosts, both hosts' links) are free,
+first come first served, and holds them for ``α + n·β``: at once (eager) up to ``eager_bytes``,
+larger ones only once the receiver has posted their receive (rendezvous, as MPI's large messages
+and NCCL's credits: a sender running ahead cannot fill a receiver's port with a message it does
+not need yet). A step with a held send posts its receive meanwhile. Once it
 has arrived and the receiver has posted the receive (its own send's CPU work done), the receiver
 works ``o_recv + n·copy`` (plus ``n·γ`` if it reduces). A step completes when its send has
 finished and its receive is done. CPU work waits for a free core of its rank's group when
@@ -134,7 +137,7 @@ def _cpu(t, work, group, message, core_free, core_holder):
 @numba.njit(cache=True)
 def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, match,
             alpha, beta, intra_alpha, intra_beta, gamma, ranks_per_host,
-            send_overhead, recv_overhead, copy, cores, ranks_per_cpu):
+            send_overhead, recv_overhead, copy, cores, ranks_per_cpu, eager_bytes):
     n = len(step_ptr) - 1
     steps = len(send_peer)
     hosts = (n + ranks_per_host - 1) // ranks_per_host
@@ -149,6 +152,20 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
     finish = np.zeros(n)
     finish_cause = np.full(n, -1, np.int64)
     cur = step_ptr[:-1].copy()
+    # Rendezvous (a message over eager_bytes leaves once its receive is posted): the sending step of
+    # each receiving step, each step's rank, the step whose receive each rank has posted, the send
+    # each rank holds back, and a step whose receive is done while its held send is not.
+    sender_step = np.full(steps, -1, np.int64)
+    rank_of = np.zeros(steps, np.int64)
+    for r in range(n):
+        rank_of[step_ptr[r]:step_ptr[r + 1]] = r
+    for k in range(steps):
+        if match[k] >= 0:
+            sender_step[match[k]] = k
+    posted_step = np.full(n, -1, np.int64)
+    held = np.full(n, -1, np.int64)
+    posted_cause = np.full(n, -1, np.int64)  # what completed the rank's previous step (not a core's holder)
+    received_t, received_cause = np.full(n, -1.0), np.full(n, -1, np.int64)
     # Ports: free-from time and the message holding it, per rank each way and per host link each way.
     send_free, send_holder = np.zeros(n), np.full(n, -1, np.int64)
     recv_free, recv_holder = np.zeros(n), np.full(n, -1, np.int64)
@@ -175,43 +192,67 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
             if posted[dst] and cur[dst] == j:
                 posted[dst] = False
                 size = _receive(dst, j, t, k, k, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu,
-                                core_free, core_holder, sent_t, sent_cause, step_ptr, cur, start_cause, finish,
-                                finish_cause, heap_t, heap_c, size, steps, n)
+                                core_free, core_holder, sent_t, sent_cause, held, received_t, received_cause,
+                                step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size, steps, n)
+            # A held send's step whose receive was done completes with its send.
+            r = rank_of[k]
+            if cur[r] == k and received_t[r] >= 0:
+                done, cause = (t, k) if t >= received_t[r] else (received_t[r], received_cause[r])
+                received_t[r] = -1.0
+                size = _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause,
+                                 heap_t, heap_c, size, steps, n)
             continue
         if code < steps + n:
             # A send's CPU work is done: the message takes the ports and goes on the wire.
             r = code - steps
             k = cur[r]
-            size = _wire(r, k, t, start_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
-                         ranks_per_host, send_free, send_holder, recv_free, recv_holder, up_free, up_holder,
-                         down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
-                         heap_t, heap_c, size)
         else:
             # A rank starts its next step: first the send's CPU work (copy into the transport).
             r = code - steps - n
             k = cur[r]
+            posted_cause[r] = start_cause[r]
             if send_peer[k] >= 0:
                 work = send_overhead + copy * send_bytes[k]
-                ready, cause = _cpu(t, work, r // ranks_per_cpu, k, core_free, core_holder)
+                # (the core is held in the name of the message before: this one may wait for its
+                # receive and leave later, and a cause must precede what it delays)
+                ready, cause = _cpu(t, work, r // ranks_per_cpu, start_cause[r], core_free, core_holder)
                 if cause >= 0:
                     start_cause[r] = cause
                 if ready > t:
                     size = _push(heap_t, heap_c, size, ready, steps + r)
                     continue
+            else:
+                sent_t[r], sent_cause[r] = t, start_cause[r]
+        if send_peer[k] >= 0:
+            if send_bytes[k] <= eager_bytes or posted_step[send_peer[k]] == match[k]:
                 size = _wire(r, k, t, start_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
                              ranks_per_host, send_free, send_holder, recv_free, recv_holder, up_free, up_holder,
                              down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
                              heap_t, heap_c, size)
             else:
-                sent_t[r], sent_cause[r] = t, start_cause[r]
+                held[r] = k  # its receiver has not posted the receive yet
         # The rank posts its receive (or, without one, its step completes when its send has).
         if recv_peer[k] < 0:
-            size = _complete(r, k, sent_t[r], sent_cause[r], step_ptr, cur, start_cause, finish, finish_cause,
-                             heap_t, heap_c, size, steps, n)
-        elif arrived[k] >= 0:
-            size = _receive(r, k, t, start_cause[r], arrived[k], recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu,
-                            core_free, core_holder, sent_t, sent_cause, step_ptr, cur, start_cause, finish,
-                            finish_cause, heap_t, heap_c, size, steps, n)
+            if held[r] == k:
+                received_t[r], received_cause[r] = t, start_cause[r]
+            else:
+                size = _complete(r, k, sent_t[r], sent_cause[r], step_ptr, cur, start_cause, finish, finish_cause,
+                                 heap_t, heap_c, size, steps, n)
+            continue
+        posted_step[r] = k
+        m = sender_step[k]
+        src = rank_of[m]
+        if held[src] == m:  # the sender waited for this receive: its message leaves now
+            held[src] = -1
+            size = _wire(src, m, t, posted_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
+                         ranks_per_host, send_free, send_holder, recv_free, recv_holder, up_free, up_holder,
+                         down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
+                         heap_t, heap_c, size)
+        if arrived[k] >= 0:
+            size = _receive(r, k, t, start_cause[r], arrived[k], recv_bytes, reduces, recv_overhead, copy, gamma,
+                            ranks_per_cpu, core_free, core_holder, sent_t, sent_cause, held, received_t,
+                            received_cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size,
+                            steps, n)
         else:
             posted[r] = True
     return finish, finish_cause, msg_start, msg_end, msg_cause, cur
@@ -251,14 +292,18 @@ def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra
 
 @numba.njit(cache=True)
 def _receive(r, k, t, t_cause, m, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu, core_free,
-             core_holder, sent_t, sent_cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size,
-             steps, n):
+             core_holder, sent_t, sent_cause, held, received_t, received_cause, step_ptr, cur, start_cause, finish,
+             finish_cause, heap_t, heap_c, size, steps, n):
     """Rank r's receive of step k (message m, arrived) starts its CPU work at t, which ``t_cause``
-    set (the message's arrival, or what started the step); the step then completes."""
+    set (the message's arrival, or what started the step); the step then completes, or, while
+    its own send waits for its receiver (rendezvous), completes when that send arrives."""
     work = recv_overhead + (copy + (gamma if reduces[k] else 0.0)) * recv_bytes[k]
     done, cause = _cpu(t, work, r // ranks_per_cpu, m, core_free, core_holder)
     if cause < 0:
         cause = t_cause
+    if held[r] == k:
+        received_t[r], received_cause[r] = done, cause
+        return size
     if sent_t[r] > done:
         done, cause = sent_t[r], sent_cause[r]
     return _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size,
@@ -284,7 +329,7 @@ def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.n
                    float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha,
                    network.intra_beta_us_per_byte, float(network.gamma_us_per_byte), network.ranks_per_host,
                    float(network.send_overhead_us), float(network.recv_overhead_us), float(network.copy_us_per_byte),
-                   network.cores or 0, min(network.cpu_group, max(s.world_size, 1)))
+                   network.cores or 0, min(network.cpu_group, max(s.world_size, 1)), network.eager_limit)
 
 
 def replay(s: Schedule, network: Network) -> Timing:
@@ -303,6 +348,8 @@ def replay(s: Schedule, network: Network) -> Timing:
         rank = int(np.argmax(finish))  # the first of the ranks that finish last
         m = int(finish_cause[rank])
         while m >= 0:
+            if len(path) > s.steps:
+                raise RuntimeError(f"{s.collective} ({s.algorithm}): the critical path loops at message {m}")
             sender = int(np.searchsorted(s.step_ptr, m, side="right")) - 1
             path.append(Message(sender, int(s.send_peer[m]), int(s.send_bytes[m]),
                                 float(msg_start[m]), float(msg_end[m]), m))
