@@ -82,6 +82,8 @@ class IssueQueue:
         if not p2p:
             self.issued += 1
         elif p2p == "send" and async_op:
+            while self._sends and self._sends[0][1].started:  # (done: no longer held)
+                self._sends.popleft()
             run = _Send(run)
             self._sends.append((self.issued, run))
         if checks.flag(async_op, "async_op"):
