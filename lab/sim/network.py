@@ -154,5 +154,6 @@ class Network:
         if self.gamma_us_per_byte:
             text += f", γ {self.gamma_us_per_byte:g} µs/B"
         if self.cores is not None:
-            text += f", {self.cores} cores per {self.cpu_group} ranks"
+            shared = "all ranks" if self.cpu_group == MAX_RANKS_PER_HOST else f"{self.cpu_group} ranks"
+            text += f", {self.cores} cores shared by {shared}"
         return text
