@@ -62,6 +62,7 @@ class IssueQueue:
         # each with the number of other calls issued before it: it never overtakes one of those.
         self.issued = 0
         self._sends: deque[tuple[int, _Send]] = deque()
+        self._counting = threading.Lock()  # (two user threads may issue at once: no lost count)
         self.closed = False  # the mesh was closed: every later call is refused, on every transport
 
     def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "") -> Any:
@@ -79,13 +80,8 @@ class IssueQueue:
             done: Future = Future()
             done.set_result(result)
             return Work(done)
-        if not p2p:
-            self.issued += 1
-        elif p2p == "send" and async_op:
-            while self._sends and self._sends[0][1].started:  # (done: no longer held)
-                self._sends.popleft()
-            run = _Send(run)
-            self._sends.append((self.issued, run))
+        if not p2p or (p2p == "send" and async_op):
+            run = self._count(run, p2p)
         if checks.flag(async_op, "async_op"):
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lab-comm-{self._rank}")
@@ -102,7 +98,7 @@ class IssueQueue:
         self.check_owner()
         if getattr(self._local, "driving", False) or self.in_flight:
             return self.issue(run, async_op=True)
-        self.issued += 1
+        self._count(run, "")
         done: Future = Future()
         try:
             self.wait_all()  # a failure of an earlier async call surfaces here, as a synchronous call's would
@@ -110,6 +106,19 @@ class IssueQueue:
         except BaseException as exc:  # noqa: BLE001 - the Work carries it to wait()
             done.set_exception(exc)
         return Work(done)
+
+    def _count(self, run: Callable[[], Any], p2p: str) -> Callable[[], Any]:
+        """Count a collective (``p2p=""``), or remember an asynchronous send for
+        :meth:`run_sends_behind` and return it wrapped to run once."""
+        with self._counting:
+            if not p2p:
+                self.issued += 1
+                return run
+            while self._sends and self._sends[0][1].started:  # (done: no longer held)
+                self._sends.popleft()
+            send = _Send(run)
+            self._sends.append((self.issued, send))
+            return send
 
     def run_sends_behind(self, issued: int) -> None:
         """Run, on the communication thread, the asynchronous sends issued after a receive that
