@@ -62,7 +62,8 @@ class Exchange:
         self._transport = channels.transport
         self._rank, self._world_size = membership.rank, membership.world_size
         self._lineage = [self, *parents]  # this mesh and its ancestors: a transfer counts in each one's stats
-        self._plane = channels.plane if membership.members is None else None  # (mailboxes speak global ranks)
+        #: The compiled data plane of this mesh's small collectives (lab.plane), or None.
+        self.plane = channels.plane if membership.members is None else None  # (mailboxes speak global ranks)
         self._trace = channels.trace
         self.transport, self.recv_timeout_ms = channels.transport_name, channels.recv_timeout_ms
         self.name = membership.name()
@@ -145,13 +146,13 @@ class Exchange:
     @property
     def compiled_max_bytes(self) -> int:
         """The largest tensor a collective on this mesh runs in one compiled call (0: none; lab.plane)."""
-        return 0 if self._plane is None else self._plane.max_bytes
+        return 0 if self.plane is None else self.plane.max_bytes
 
     def run(self, algorithm: Callable[..., None], *args: Any, **options: Any) -> None:
         """Run ``algorithm(self, *args, **options)``: one algorithm of the collective entered with
         :meth:`collective` (the public collectives call it). A small collective whose algorithm
         is compilable runs in one Numba call over the mailboxes where the transport has them."""
-        plane = self._plane
+        plane = self.plane
         if plane is None or options or not self._compiled or not plane.takes(algorithm, self._nbytes, args):
             algorithm(self, *args, **options)
             return
@@ -162,7 +163,7 @@ class Exchange:
         """The compiled call that the collective of ``signature`` running ``algorithm`` on ``args``
         would take, made now (a plan keeps it and calls :meth:`run_planned`), or None where it
         runs in Python."""
-        plane = self._plane
+        plane = self.plane
         nbytes = signature.count * signature.dtype.storage.itemsize
         if plane is None or not signature.compiled or not plane.takes(algorithm, nbytes, args):
             return None

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numba
 import numpy as np
 from numba import njit
 
@@ -79,6 +80,7 @@ class CompiledPlane:
         self.max_bytes = max_bytes_from_env()
         self._calls: dict[tuple, CompiledCall] = {}
         self._entries: dict[tuple[Compilable, bool], Callable[..., None]] = {}  # one compilation per algorithm
+        self._compiling_only = False  # compile_all's first pass: calls compile their share, run nothing
 
     def takes(self, algorithm: Any, nbytes: int, args: tuple = ()) -> bool:
         """Whether a collective of ``nbytes`` running ``algorithm`` (a registry entry) on ``args``
@@ -97,6 +99,9 @@ class CompiledPlane:
             entry_key = (algorithm.run, reduction is not None)
             if entry_key not in self._entries:
                 self._entries[entry_key] = _entry(*entry_key)
+            if self._compiling_only:  # (not kept: the second pass makes the real call)
+                mine = list(self._entries).index(entry_key) % int(self.config[WORLD_SIZE]) == self.config[RANK]
+                return _CompileOnly(self, self._entries[entry_key], reduction, mine)
             call = self._calls[key] = CompiledCall(self, self._entries[entry_key], reduction)
         return call
 
@@ -142,14 +147,49 @@ class CompiledCall:
                       config[PEER_FINGERPRINT:PEER_FINGERPRINT + 4].tobytes(), *self.counts())
 
 
+class _CompileOnly(CompiledCall):
+    """:func:`compile_all`'s first pass: compile the entry for these operands if it is this rank's
+    share (``mine``), run nothing, report success."""
+
+    def __init__(self, plane: CompiledPlane, entry: Callable[..., None], reduction: Reduction | None,
+                 mine: bool) -> None:
+        super().__init__(plane, entry, reduction)
+        self._mine = mine
+
+    def __call__(self, tag: bytes, timeout_ms: float, operands: tuple) -> int:
+        if self._mine:  # the arguments as a call passes them: the fixed ones, then *rest as one tuple
+            args = (self.region, self.config, *operands)
+            fixed = self._entry.py_func.__code__.co_argcount
+            self._entry.compile(tuple(numba.typeof(a) for a in (*args[:fixed], args[fixed:])))
+        return mb.OK
+
+
 def compile_all(mesh: Any) -> int:
     """Run every compilable collective once on ``mesh`` (every rank calls it), so that Numba has
     compiled, or loaded from its disk cache, what the compiled path calls: a process's first
-    compiled collective otherwise pays it (a minute or two of CPU per machine, once; then ~1 s per
-    process to load). Returns how many ran compiled (0 where the mesh has no mailboxes)."""
+    compiled collective otherwise pays it (minutes of CPU per machine, once; then ~1 s per
+    process to load). Each rank first compiles its share of the algorithms alone (where the
+    cache is cold, N ranks compile N at a time instead of each compiling all), then all run.
+    Returns how many ran compiled (0 where the mesh has no mailboxes)."""
     import lab  # the public calls (lab.collectives imports the mesh, which imports this module)
 
+    plane = mesh.plane
+    if plane is not None:
+        plane._compiling_only = True
+        try:
+            _run_each_compilable(mesh)
+        finally:
+            plane._compiling_only = False
+            mesh.templates.clear()  # plain calls remembered with a compile-only call
+        lab.barrier(mesh)  # every share compiled (and cached) before any rank runs one
     before = mesh.stats()["collectives_compiled"]
+    _run_each_compilable(mesh)
+    return mesh.stats()["collectives_compiled"] - before
+
+
+def _run_each_compilable(mesh: Any) -> None:
+    import lab
+
     x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
     calls = {"allreduce": lambda a: lab.allreduce(mesh, x, algorithm=a),
              "broadcast": lambda a: lab.broadcast(mesh, x, algorithm=a),
@@ -163,7 +203,6 @@ def compile_all(mesh: Any) -> int:
     for collective in registry.ALGORITHMS:  # a KeyError here: a new collective needs its call above
         for algorithm in registry.compiled(collective):
             calls[collective](algorithm)
-    return mesh.stats()["collectives_compiled"] - before
 
 
 def _bounds(arg: Any, itemsize: int) -> Any:

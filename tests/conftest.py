@@ -12,16 +12,18 @@ import pytest
 import lab
 
 
-def _shm_entries() -> set[str]:
+def shm_entries() -> set[str]:
+    """What /dev/shm holds, less multiprocessing's semaphores (another test process may be making
+    them; the lab's own memory is memfds, which never appear here)."""
     return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     """After all tests: no rank process alive and no new /dev/shm segment."""
-    before = _shm_entries()
+    before = shm_entries()
     yield
-    leaked = _shm_entries() - before
+    leaked = shm_entries() - before
     ranks = [p for p in multiprocessing.active_children() if p.name.startswith("lab-rank")]
     assert not ranks, f"rank processes left running: {ranks}"
     assert not leaked, f"/dev/shm segments left behind: {sorted(leaked)}"

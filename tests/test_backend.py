@@ -169,7 +169,9 @@ def test_a_silent_peer_ends_every_surviving_call_within_the_timeout():
 
 # -- torch's own DistributedTest, a chosen subset (tests/torch_suite.py runs all of it, by hand) --
 
-TORCH_SUITE_SUBSET = ["test_all_reduce_sum", "test_broadcast", "test_all_gather", "test_DistributedDataParallelCPU"]
+#: One collective and DDP: each case starts three fresh torch processes (~5 s of CPU each on a slow
+#: machine); every operation is checked by tests/backend_job.py above, and the whole suite by hand.
+TORCH_SUITE_SUBSET = ["test_all_reduce_sum", "test_DistributedDataParallelCPU"]
 
 
 def test_torch_s_own_distributed_tests_pass_on_the_lab():

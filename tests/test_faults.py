@@ -26,6 +26,7 @@ import time
 
 import pytest
 import torch
+from conftest import shm_entries
 
 import lab
 import lab.transport.shm
@@ -148,9 +149,9 @@ def forkserver_started():
 
 @pytest.fixture
 def shm_unchanged():
-    before = set(os.listdir("/dev/shm"))
+    before = shm_entries()
     yield
-    assert set(os.listdir("/dev/shm")) - before == set(), "a /dev/shm segment was left behind"
+    assert shm_entries() - before == set(), "a /dev/shm segment was left behind"
 
 
 @pytest.mark.parametrize("seed", range(16))
