@@ -168,3 +168,51 @@ def test_rendezvous_lets_the_pipelined_double_tree_run_as_its_timetable_says():
 def test_a_bad_eager_limit_is_a_value_error_that_names_it(eager_bytes):
     with pytest.raises(ValueError, match="eager_bytes must be"):
         sim.Network(eager_bytes=eager_bytes)
+
+
+# -- latency and gap (LogP's L and g) ---------------------------------------------------------------
+
+
+def test_a_gap_lets_a_sender_overlap_its_messages_latencies():
+    """Binomial broadcast of 1,000 bytes on 4 ranks, α 20 µs, 0.8 µs of bytes. The root sends two
+    messages (X then Z), X's receiver one (to Y).
+
+    The port held for all of α: X 0-20.8, then the root's Z and X's to Y both 20.8-41.6: every
+    rank finishes at 41.6 (the closed form, 2·(α + nβ)). A gap of 2 µs: X holds the root's port
+    0-2.8 and arrives at 20.8; Z leaves at 2.8 and arrives at 23.6; X's receiver sends at 20.8,
+    is done at 23.6, and Y receives at 41.6: the root finishes at 5.6, X and Z at 23.6, Y at 41.6.
+    """
+    whole = sim.simulate("broadcast", "binomial", 4, 1000, sim.Network(alpha_us=20.0, gbit=10.0))
+    assert whole.finish_us.tolist() == pytest.approx([41.6] * 4, rel=1e-12)
+    gapped = sim.simulate("broadcast", "binomial", 4, 1000, sim.Network(alpha_us=20.0, gbit=10.0, gap_us=2.0))
+    assert sorted(gapped.finish_us.tolist()) == pytest.approx([5.6, 23.6, 23.6, 41.6], rel=1e-12)
+    assert gapped.time_us == whole.time_us  # the critical path is a chain: one message per step
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_a_gap_leaves_the_closed_forms_of_chains_exact(world_size):
+    """Ring and tree send one message per rank per step and wait for it: the gap changes nothing."""
+    nbytes = world_size * 1000 * 4
+    for algorithm in ("ring", "tree"):
+        whole = sim.simulate("allreduce", algorithm, world_size, nbytes, sim.Network(alpha_us=20.0, gbit=10.0))
+        gapped = sim.simulate("allreduce", algorithm, world_size, nbytes,
+                              sim.Network(alpha_us=20.0, gbit=10.0, gap_us=0.5))
+        assert gapped.time_us == pytest.approx(whole.time_us, rel=1e-12)
+
+
+def test_the_double_tree_at_scale_costs_the_tree_s_latency_with_a_small_gap():
+    """256 ranks, 1 KB: each rank works in two trees at once; with the port held for all of α its
+    two trees' messages queue behind each other, with a NIC's gap they overlap (NCCL's model
+    gives the double tree one tree's latency)."""
+    times = {gap: {a: sim.simulate("allreduce", a, 256, 1024, sim.Network(alpha_us=5.0, gbit=100.0, gap_us=gap)).time_us
+                   for a in ("tree", "double_tree")} for gap in (None, 0.5)}
+    assert times[None]["double_tree"] > 1.9 * times[None]["tree"]
+    assert times[0.5]["double_tree"] < 1.5 * times[0.5]["tree"]
+    assert times[0.5]["tree"] == pytest.approx(times[None]["tree"], rel=1e-12)
+
+
+@pytest.mark.parametrize("gap_us, match", [(-1.0, "gap_us must be a number from 0 to 20"), (20.5, "at most alpha_us"),
+                                           ("1", "gap_us must be a number")])
+def test_a_bad_gap_is_a_value_error_that_names_it(gap_us, match):
+    with pytest.raises(ValueError, match=match):
+        sim.Network(alpha_us=20.0, gap_us=gap_us)

@@ -51,6 +51,14 @@ class Network:
     duration, and a message inside a host costs ``intra_alpha_us + n * 8 / (intra_gbit * 1e3)``
     (both default to the inter-host values).
 
+    **Latency and gap** (LogP's L and g). ``gap_us`` (default None: all of α) is the part of α
+    during which a message holds the ports and links it uses; the rest of α is flight time that
+    holds nothing. A message then frees its ports after ``gap_us + n·β`` and arrives after ``α +
+    n·β``, and its sender goes on once it has left: a rank sending to several peers (a node of
+    two trees at once) overlaps their latencies, as a NIC with several messages in flight does.
+    Inside a host the gap is ``min(gap_us, intra α)``. With the default, a port is held for the
+    whole of α, and the closed forms hold.
+
     **Eager and rendezvous.** A message of at most ``eager_bytes`` (default 64 KiB, MPI's usual
     eager limit; None: every message) leaves as soon as its sender is ready; a larger one waits
     until its receiver has posted the receive (rendezvous), so a sender that runs ahead cannot
@@ -68,11 +76,12 @@ class Network:
     served. With every CPU term at 0 the model is the links alone, and the closed forms hold.
 
     Ranges (a ``ValueError`` naming the parameter otherwise): ``alpha_us``, ``intra_alpha_us``,
-    ``send_overhead_us`` and ``recv_overhead_us`` 0 to 1e9 µs, ``gbit`` and ``intra_gbit`` 1e-6 to
+    ``send_overhead_us`` and ``recv_overhead_us`` 0 to 1e9 µs, ``gap_us`` 0 to ``alpha_us``, ``gbit`` and ``intra_gbit`` 1e-6 to
     1e9 Gbit/s, ``copy_us_per_byte`` and ``gamma_us_per_byte`` 0 to 1e6, ``ranks_per_host``,
     ``cores`` and ``ranks_per_cpu`` 1 to 2**24: every simulated time is then finite.
 
         lab.sim.Network(alpha_us=20.0, gbit=10.0)     # 1 MB: 20 + 838.9 µs per message
+        lab.sim.Network(alpha_us=5.0, gbit=100.0, gap_us=0.5)  # a NIC taking a message every 0.5 µs
         lab.sim.Network(alpha_us=5.0, gbit=10.0, send_overhead_us=30.0, recv_overhead_us=30.0,
                         copy_us_per_byte=1e-4, cores=2, ranks_per_cpu=8)   # 8 ranks on 2 cores
         lab.sim.Network(gbit=1e-320)                  # ValueError: gbit must be a number from 1e-06 to 1e+09 Gbit/s
@@ -90,6 +99,7 @@ class Network:
     cores: int | None = None
     ranks_per_cpu: int | None = None
     eager_bytes: int | None = 64 * 1024
+    gap_us: float | None = None
 
     def __post_init__(self) -> None:
         # Frozen: store the checked floats with object.__setattr__ (a numpy scalar becomes a float).
@@ -97,7 +107,8 @@ class Network:
                                  ("intra_alpha_us", ALPHA_US, "µs"), ("intra_gbit", GBIT, "Gbit/s"),
                                  ("gamma_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
                                  ("send_overhead_us", ALPHA_US, "µs"), ("recv_overhead_us", ALPHA_US, "µs"),
-                                 ("copy_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte")]:
+                                 ("copy_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
+                                 ("gap_us", (0.0, self.alpha_us), "µs (at most alpha_us)")]:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _check_number(name, value, span, unit))
@@ -127,6 +138,16 @@ class Network:
         return self.alpha_us if self.intra_alpha_us is None else float(self.intra_alpha_us)
 
     @property
+    def gap(self) -> float:
+        """µs of α a message holds its ports and links for between hosts (``gap_us``; None: α)."""
+        return self.alpha_us if self.gap_us is None else float(self.gap_us)
+
+    @property
+    def intra_gap(self) -> float:
+        """The same inside a host: ``min(gap_us, intra α)``."""
+        return min(self.gap, self.intra_alpha)
+
+    @property
     def intra_beta_us_per_byte(self) -> float:
         return 8.0 / ((self.gbit if self.intra_gbit is None else self.intra_gbit) * 1e3)
 
@@ -144,6 +165,8 @@ class Network:
     def describe(self) -> str:
         """``α 20 µs, 10 Gbit/s`` (and the host structure and CPU terms when there are some)."""
         text = f"α {self.alpha_us:g} µs, {self.gbit:g} Gbit/s"
+        if self.gap_us is not None:
+            text += f" (a message holds its port {self.gap_us:g} µs of α)"
         if self.ranks_per_host > 1:
             intra_gbit = self.gbit if self.intra_gbit is None else self.intra_gbit
             text += f", {self.ranks_per_host} ranks/host (inside: α {self.intra_alpha:g} µs, {intra_gbit:g} Gbit/s)"

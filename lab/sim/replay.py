@@ -2,9 +2,10 @@
 
 The model (DESIGN.md, "Simulation"): each rank runs its steps in order; a step starts when the
 previous one has completed. A step's send first takes the sender's CPU for ``o_send + n·copy``;
-then the message leaves when the sender's port, the receiver's port (and, between hosts, both hosts' links) are free,
-first come first served, and holds them for ``α + n·β``: at once (eager) up to ``eager_bytes``,
-larger ones only once the receiver has posted their receive (rendezvous, as MPI's large messages
+then the message leaves when the sender's port, the receiver's port (and, between hosts, both
+hosts' links) are free, first come first served, holds them for ``g + n·β`` (``g``, the gap: α
+unless ``gap_us`` is set) and arrives after ``α + n·β``; the sender goes on once it has left. It
+leaves at once (eager) up to ``eager_bytes``, larger ones only once the receiver has posted their receive (rendezvous, as MPI's large messages
 and NCCL's credits: a sender running ahead cannot fill a receiver's port with a message it does
 not need yet). A step with a held send posts its receive meanwhile. Once it
 has arrived and the receiver has posted the receive (its own send's CPU work done), the receiver
@@ -137,7 +138,7 @@ def _cpu(t, work, group, message, core_free, core_holder):
 @numba.njit(cache=True)
 def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, match,
             alpha, beta, intra_alpha, intra_beta, gamma, ranks_per_host,
-            send_overhead, recv_overhead, copy, cores, ranks_per_cpu, eager_bytes):
+            send_overhead, recv_overhead, copy, cores, ranks_per_cpu, eager_bytes, gap, intra_gap):
     n = len(step_ptr) - 1
     steps = len(send_peer)
     hosts = (n + ranks_per_host - 1) // ranks_per_host
@@ -176,8 +177,9 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
     core_free, core_holder = np.zeros((groups, cores)), np.full((groups, cores), -1, np.int64)
     # Events, in time order: a message arrives (code: its step, below every other code), a rank's
     # send leaves its CPU for the wire (steps + rank), a rank starts its next step (steps + n + rank).
-    # Each rank has at most one of the last two pending and one message in flight: 2n events at most.
-    heap_t, heap_c = np.zeros(2 * n), np.zeros(2 * n, np.int64)
+    # Each rank has at most one of the last two pending, and messages in flight: one per rank when
+    # a message holds its port until it arrives (gap = α), any number of a rank's otherwise.
+    heap_t, heap_c = np.zeros(2 * n + steps), np.zeros(2 * n + steps, np.int64)
     size = 0
     for r in range(n):
         if step_ptr[r] < step_ptr[r + 1]:
@@ -226,8 +228,8 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
         if send_peer[k] >= 0:
             if send_bytes[k] <= eager_bytes or posted_step[send_peer[k]] == match[k]:
                 size = _wire(r, k, t, start_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
-                             ranks_per_host, send_free, send_holder, recv_free, recv_holder, up_free, up_holder,
-                             down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
+                             gap, intra_gap, ranks_per_host, send_free, send_holder, recv_free, recv_holder,
+                             up_free, up_holder, down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
                              heap_t, heap_c, size)
             else:
                 held[r] = k  # its receiver has not posted the receive yet
@@ -245,8 +247,8 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
         if held[src] == m:  # the sender waited for this receive: its message leaves now
             held[src] = -1
             size = _wire(src, m, t, posted_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
-                         ranks_per_host, send_free, send_holder, recv_free, recv_holder, up_free, up_holder,
-                         down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
+                         gap, intra_gap, ranks_per_host, send_free, send_holder, recv_free, recv_holder,
+                         up_free, up_holder, down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
                          heap_t, heap_c, size)
         if arrived[k] >= 0:
             size = _receive(r, k, t, start_cause[r], arrived[k], recv_bytes, reduces, recv_overhead, copy, gamma,
@@ -259,8 +261,8 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
 
 
 @numba.njit(cache=True)
-def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta, ranks_per_host,
-          send_free, send_holder, recv_free, recv_holder, up_free, up_holder, down_free, down_holder,
+def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta, gap, intra_gap,
+          ranks_per_host, send_free, send_holder, recv_free, recv_holder, up_free, up_holder, down_free, down_holder,
           msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t, heap_c, size):
     """Rank r's message of step k takes the ports at t (first come first served) and goes on the wire."""
     dst = send_peer[k]
@@ -277,15 +279,18 @@ def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra
             start, cause = up_free[up], up_holder[up]
         if down_free[down] > start:
             start, cause = down_free[down], down_holder[down]
+        # It holds the ports and links for the gap and its bytes, and arrives after α and its bytes.
+        free = start + gap + beta * send_bytes[k]
         end = start + alpha + beta * send_bytes[k]
-        up_free[up], up_holder[up] = end, k
-        down_free[down], down_holder[down] = end, k
+        up_free[up], up_holder[up] = free, k
+        down_free[down], down_holder[down] = free, k
     else:
+        free = start + intra_gap + intra_beta * send_bytes[k]
         end = start + intra_alpha + intra_beta * send_bytes[k]
-    send_free[r], send_holder[r] = end, k
-    recv_free[dst], recv_holder[dst] = end, k
+    send_free[r], send_holder[r] = free, k
+    recv_free[dst], recv_holder[dst] = free, k
     msg_start[k], msg_end[k], msg_cause[k] = start, end, cause
-    sent_t[r], sent_cause[r] = end, k
+    sent_t[r], sent_cause[r] = free, k  # the sender goes on once it has left
     # It arrives at its end: an event, taken before any rank's step at the same time.
     return _push(heap_t, heap_c, size, end, k)
 
@@ -329,7 +334,8 @@ def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.n
                    float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha,
                    network.intra_beta_us_per_byte, float(network.gamma_us_per_byte), network.ranks_per_host,
                    float(network.send_overhead_us), float(network.recv_overhead_us), float(network.copy_us_per_byte),
-                   network.cores or 0, min(network.cpu_group, max(s.world_size, 1)), network.eager_limit)
+                   network.cores or 0, min(network.cpu_group, max(s.world_size, 1)), network.eager_limit,
+                   network.gap, network.intra_gap)
 
 
 def replay(s: Schedule, network: Network) -> Timing:

@@ -29,6 +29,10 @@ from lab.sim.network import Network
 from lab.sim.limits import DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_WORLD_SIZE, SimulationUnsupported
 from lab.sim.record import COLLECTIVES, algorithms
 
+#: ``--gap-us``'s default: a NIC takes a new message every 0.5 µs (2 million a second, well below
+#: what 100 Gbit/s NICs post), while α (5 µs by default) is mostly flight time.
+DEFAULT_GAP_US = 0.5
+
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -228,6 +232,9 @@ def at_scale(frame: pd.DataFrame, best_frame: pd.DataFrame, cross: pd.DataFrame,
                      f"(closed form {label_float(exact)}). Ring pays 2(N-1)·α, which grows linearly with N; "
                      "tree pays 2·log2N·α but moves T per step instead of T/N, so ring needs ever larger "
                      "tensors to win back its latency.")
+    double = _double_tree_line(grid, n)
+    if double:
+        lines.append(double)
     winners = best_frame[(best_frame["collective"] == "allreduce") & (best_frame["world"] == n)]
     if not winners.empty:
         runs = []
@@ -243,6 +250,19 @@ def at_scale(frame: pd.DataFrame, best_frame: pd.DataFrame, cross: pd.DataFrame,
     return "\n".join(lines) + "\n"
 
 
+def _double_tree_line(grid: pd.DataFrame, n: int) -> str:
+    """The double tree against the ring at the largest size and the tree at the smallest (NCCL's
+    reason for it: the ring's bandwidth at the tree's latency), or "" where one is missing."""
+    if not {"double_tree", "ring", "tree"} <= set(grid.columns) or grid.empty:
+        return ""
+    small, large = grid.index.min(), grid.index.max()
+    return (f"- **Double tree: the ring's bandwidth at the tree's latency**: at N = {n} it takes "
+            f"{grid.at[large, 'double_tree'] / grid.at[large, 'ring']:.2f}× the ring's time at "
+            f"{label(int(large))} and {grid.at[small, 'double_tree'] / grid.at[small, 'tree']:.2f}× the tree's "
+            f"at {label(int(small))}: each rank works in both trees at once, a send of one segment overlapping "
+            "the receive of the next.")
+
+
 def label_float(nbytes: float) -> str:
     if not math.isfinite(nbytes):
         return "never (in the sizes swept)"
@@ -252,7 +272,8 @@ def label_float(nbytes: float) -> str:
 
 def main(args: argparse.Namespace) -> int:
     network = Network(alpha_us=args.alpha_us, gbit=args.gbit, ranks_per_host=args.ranks_per_host,
-                      intra_alpha_us=args.intra_alpha_us, intra_gbit=args.intra_gbit)
+                      intra_alpha_us=args.intra_alpha_us, intra_gbit=args.intra_gbit,
+                      gap_us=min(DEFAULT_GAP_US, args.alpha_us) if args.gap_us is None else args.gap_us)
     table = algorithms()
     for collective in args.collectives:
         if collective not in table:
@@ -298,6 +319,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="sizes per rank (4096, 64KB, 16MB) or ranges A..B in powers of 4 (default 1KB..1GB)")
     cmd.add_argument("--gbit", type=float, default=100.0, help="link bandwidth, Gbit/s each way (default 100)")
     cmd.add_argument("--alpha-us", type=float, default=5.0, help="per-message latency, µs (default 5)")
+    cmd.add_argument("--gap-us", type=float, default=None,
+                     help=f"the part of α a message holds its port for (LogP's g; default {DEFAULT_GAP_US:g}, a NIC "
+                          "taking a message every 0.5 µs, or α if smaller; the rest of α is flight time); equal to "
+                          "--alpha-us, a port is held for all of α")
     cmd.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing one host link (default 1)")
     cmd.add_argument("--intra-alpha-us", type=float, default=None, help="latency inside a host (default: --alpha-us)")
     cmd.add_argument("--intra-gbit", type=float, default=None, help="bandwidth inside a host (default: --gbit)")
