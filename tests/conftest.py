@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 
@@ -44,6 +45,13 @@ def compiled_plane_warm():
 def pool(world_size: int, transport: str, **options) -> lab.Cluster:
     """A rank pool for one test module (the caller closes it)."""
     return lab.launch(world_size, transport=transport, recv_timeout_ms=60_000, **options)
+
+
+def sigint_as_ctrl_c() -> None:
+    """A ``preexec_fn`` for a child a test interrupts with SIGINT: a shell without job control
+    starts background jobs with SIGINT ignored, children inherit that, and Python then never
+    raises KeyboardInterrupt; the child gets the default back, as a terminal's program has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def child_env(**extra: str) -> dict[str, str]:

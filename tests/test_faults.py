@@ -26,7 +26,7 @@ import time
 
 import pytest
 import torch
-from conftest import shm_entries
+from conftest import shm_entries, sigint_as_ctrl_c
 
 import lab
 import lab.transport.shm
@@ -266,7 +266,8 @@ def test_an_interrupted_parent_takes_its_ranks_with_it(how, transport, tmp_path,
     script = tmp_path / "parent.py"
     script.write_text(PARENT_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    parent = subprocess.Popen([sys.executable, str(script), transport], stdout=subprocess.PIPE, env=env)
+    parent = subprocess.Popen([sys.executable, str(script), transport], stdout=subprocess.PIPE, env=env,
+                              preexec_fn=sigint_as_ctrl_c)
     try:
         output = b""
         while output.count(b"\n") < 3:  # the ranks are running once each has printed its pid

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import sigint_as_ctrl_c
 
 import lab
 from lab.hosts import Hosts
@@ -198,7 +199,7 @@ def test_an_exception_inside_the_pool_removes_everything():
 def owner(*extra: str) -> tuple[subprocess.Popen, dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     process = subprocess.Popen([sys.executable, str(SCRIPTS / "hosts_owner.py")], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env)
+                               stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_as_ctrl_c)
     line = process.stdout.readline()
     assert line, process.stderr.read()
     return process, json.loads(line)
