@@ -5,7 +5,8 @@ previous one has completed. A step's send first takes the sender's CPU for ``o_s
 then the message leaves when the sender's port, the receiver's port (and, between hosts, both
 hosts' links) are free, first come first served, holds them for ``g + n·β`` (``g``, the gap: α
 unless ``gap_us`` is set) and arrives after ``α + n·β``; the sender goes on once it has left. It
-leaves at once (eager) up to ``eager_bytes``, larger ones only once the receiver has posted their receive (rendezvous, as MPI's large messages
+leaves at once (eager) up to ``eager_bytes``, larger ones only once the receiver has posted
+their receive (rendezvous, as MPI's large messages
 and NCCL's credits: a sender running ahead cannot fill a receiver's port with a message it does
 not need yet). A step with a held send posts its receive meanwhile. Once it
 has arrived and the receiver has posted the receive (its own send's CPU work done), the receiver

@@ -259,8 +259,8 @@ def _double_tree_line(grid: pd.DataFrame, n: int) -> str:
     return (f"- **Double tree: the ring's bandwidth at the tree's latency**: at N = {n} it takes "
             f"{grid.at[large, 'double_tree'] / grid.at[large, 'ring']:.2f}× the ring's time at "
             f"{label(int(large))} and {grid.at[small, 'double_tree'] / grid.at[small, 'tree']:.2f}× the tree's "
-            f"at {label(int(small))}: each rank works in both trees at once, a send of one segment overlapping "
-            "the receive of the next.")
+            f"at {label(int(small))}: each rank works in both trees at once, its sends of one tree overlapping "
+            "the other's (the network's gap, not the whole of α, holds a port).")
 
 
 def label_float(nbytes: float) -> str:
