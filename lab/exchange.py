@@ -159,36 +159,25 @@ class Exchange:
         call = plane.call(algorithm, args)
         self._run_compiled(call, call.operands(args))
 
-    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple) -> CompiledCall | None:
-        """The compiled call that the collective of ``signature`` running ``algorithm`` on ``args``
-        would take, made now (a plan keeps it and calls :meth:`run_planned`), or None where it
-        runs in Python."""
+    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple) -> PlannedRun | None:
+        """The compiled call that the collective of ``signature`` running ``algorithm`` on
+        arguments like ``args`` takes, made once now (for a plan, or a plain call's template), or
+        None where it runs in Python."""
         plane = self.plane
         nbytes = signature.count * signature.dtype.storage.itemsize
         if plane is None or not signature.compiled or not plane.takes(algorithm, nbytes, args):
             return None
-        return plane.call(algorithm, args)
-
-    def run_planned(self, signature: Signature, call: CompiledCall, operands: tuple) -> None:
-        """One collective of ``signature`` through ``call`` on ``operands``, both made once by a
-        plan: :meth:`collective` and :meth:`run` without looking anything up again."""
-        record, start_ns, before = self._begin(*signature)
-        try:
-            self._run_compiled(call, operands)
-        except BaseException as exc:
-            self._failed(record, exc)
-            raise
-        self._done(record, start_ns, before)
+        return PlannedRun(self, signature, plane.call(algorithm, args))
 
     def _run_compiled(self, call: CompiledCall, operands: tuple) -> None:
         self._position.step += 1
         if call(self._tag, self.recv_timeout_ms, operands) != mailbox_status.OK:
-            report = call.report()
-            self.clean = False
-            if report.status != mailbox_status.MISMATCH:
-                self._raise_if_mismatched()  # the peer may be elsewhere because we disagree
-            raise _compiled_failure(self, report)
-        bytes_sent, bytes_received, messages_sent, messages_received = call.counts()
+            _raise_compiled_failure(self, call)
+        self._count_compiled(call.counts())
+
+    def _count_compiled(self, counts: list[int]) -> None:
+        """Count a compiled collective's bytes sent, bytes received, messages sent and received."""
+        bytes_sent, bytes_received, messages_sent, messages_received = counts
         for mesh in self._lineage:
             stats = mesh._stats
             stats["bytes_sent"] += bytes_sent
@@ -352,6 +341,55 @@ class Exchange:
         self._trace.write(rank=self.rank, world_size=self.world_size, transport=self.transport, **row)
 
 
+class PlannedRun:
+    """One compiled collective of a fixed signature, made once (by a plan, or by a plain call's
+    template): :meth:`Exchange.collective` and :meth:`Exchange.run` with everything but the
+    collective's number done ahead. The compiled call gets a config of its own with the
+    fingerprint and deadline written in; a run numbers the collective in that config, notes its
+    flight record, makes the one Numba call and adds its counts (the same at every run: the
+    messages depend on the sizes and ranks only). With a trace on, a run takes the full path:
+    its row needs the clock and the counters."""
+
+    def __init__(self, exchange: Exchange, signature: Signature, call: CompiledCall) -> None:
+        self._exchange, self._signature = exchange, signature
+        self._call = call.copy()
+        name, algorithm, dtype, count, op, root, _ = signature
+        self._call.prepare(fingerprint.pack(exchange._membership.context, 0, name, algorithm, dtype.code, op, root,
+                                            count), exchange.recv_timeout_ms)
+        self._record = (name, algorithm, dtype.name, count, op, root)
+        self._counts: list[int] | None = None
+
+    def operands(self, args: tuple) -> tuple:
+        """``args`` (the algorithm's arguments after the peers) as the compiled call takes them."""
+        return self._call.operands(args)
+
+    def __call__(self, operands: tuple) -> None:
+        """Run the collective on ``operands`` (from :meth:`operands`)."""
+        exchange, call = self._exchange, self._call
+        if exchange._trace is not None:
+            with exchange.collective(*self._signature):
+                exchange._run_compiled(call, operands)
+            return
+        exchange._seq = seq = exchange._seq + 1
+        call.number(seq)
+        position = exchange._position
+        position.collective, position.seq, position.algorithm, position.step = self._record[0], seq, self._record[1], 1
+        record = FlightRecord(seq, *self._record)
+        exchange._records.append(record)
+        try:
+            if call.run(operands) != mailbox_status.OK:
+                exchange._tag = call.tag()  # what the error describes
+                _raise_compiled_failure(exchange, call)
+        except BaseException as exc:
+            exchange._failed(record, exc)
+            raise
+        if self._counts is None:
+            self._counts = call.counts()
+        exchange._count_compiled(self._counts)
+        record.state, record.step = "done", 1
+        exchange._stats["collectives"] += 1
+
+
 @contextlib.contextmanager
 def _failures(exchange: Exchange, timeout_ms: float) -> Iterator[None]:
     """A transport's failure as the lab's error naming both sides; any failure leaves the
@@ -372,6 +410,15 @@ def _failures(exchange: Exchange, timeout_ms: float) -> Iterator[None]:
     except BaseException:
         exchange.clean = False
         raise
+
+
+def _raise_compiled_failure(exchange: Exchange, call: CompiledCall) -> None:
+    """Raise the failure of the compiled call that just returned a status other than OK."""
+    report = call.report()
+    exchange.clean = False
+    if report.status != mailbox_status.MISMATCH:
+        exchange._raise_if_mismatched()  # the peer may be elsewhere because we disagree
+    raise _compiled_failure(exchange, report)
 
 
 def _compiled_failure(exchange: Exchange, report: Report) -> LabError:

@@ -23,6 +23,8 @@ COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatt
 REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 
 FINGERPRINT = struct.Struct("<IiQBBBBiq")
+#: Where the sequence number lies (a plan writes its fingerprint once, then only this 8-byte word).
+SEQ_OFFSET = struct.calcsize("<Ii")
 #: Sub-mesh context ids are 4 bytes.
 MAX_CONTEXT = 2**32 - 1
 #: Point-to-point tags are in [0, MAX_TAG] (MPI's ``MPI_TAG_UB``).

@@ -19,6 +19,16 @@ from lab import checks
 from lab.errors import LabError
 
 
+def this_process() -> int:
+    """This process's pid, read without a system call (``os.getpid`` is one): kept up to date
+    across ``fork``. A child of a rank must not use the rank's channels, and every call checks."""
+    return _pid[0]
+
+
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
+
 class Work:
     """The handle of a collective issued with ``async_op=True`` (like ``torch.distributed.Work``).
 
@@ -53,11 +63,11 @@ class IssueQueue:
 
     def __init__(self, rank: int) -> None:
         self._rank = rank
-        self._owner_pid = os.getpid()  # a forked child must not touch the channels
+        self._owner_pid = this_process()  # a forked child must not touch the channels
         self._driving = threading.Lock()  # exactly one thread drives the transport at a time
         self._thread: ThreadPoolExecutor | None = None
         self._pending: list[Work] = []
-        self._local = threading.local()  # .driving: this thread is running a call now
+        self._local = _ThreadState()
         # Point-to-point sends a waiting receive may run ahead of their turn (run_sends_behind),
         # each with the number of other calls issued before it: it never overtakes one of those.
         self.issued = 0
@@ -72,8 +82,10 @@ class IssueQueue:
         on the communication thread) runs inline: it is already in its place in the order.
         ``p2p="send"``, ``"recv"``: a point-to-point call; a receive issued before an asynchronous
         send may run it while waiting (:meth:`run_sends_behind`)."""
+        if async_op is False and not p2p:
+            return self.run_collective(run)
         self.check_owner()
-        if getattr(self._local, "driving", False):
+        if self._local.driving:
             result = run()
             if not async_op:
                 return result
@@ -82,21 +94,41 @@ class IssueQueue:
             return Work(done)
         if not p2p or (p2p == "send" and async_op):
             run = self._count(run, p2p)
-        if checks.flag(async_op, "async_op"):
+        if async_op is not False and checks.flag(async_op, "async_op"):
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lab-comm-{self._rank}")
             work = Work(self._thread.submit(self._drive, run))
             self._pending.append(work)
             return work
-        self.wait_all()
+        if self._pending:
+            self.wait_all()
         return self._drive(run)
+
+    def run_collective(self, run: Callable[[], Any]) -> Any:
+        """``issue(run, async_op=False)`` for a collective, written out: a small collective's
+        whole cost is a few microseconds, and this is on its path."""
+        if self.closed or _pid[0] != self._owner_pid:
+            self.check_owner()
+        local = self._local
+        if local.driving:
+            return run()
+        with self._counting:
+            self.issued += 1
+        if self._pending:
+            self.wait_all()
+        with self._driving:
+            local.driving = True
+            try:
+                return run()
+            finally:
+                local.driving = False
 
     def issue_now(self, run: Callable[[], Any]) -> Work:
         """``issue(run, async_op=True)``, run on this thread when nothing is in flight: for a small
         collective the hand-off to the communication thread costs more than the collective. The
         Work returned is complete, with the result or the failure (raised by ``wait``)."""
         self.check_owner()
-        if getattr(self._local, "driving", False) or self.in_flight:
+        if self._local.driving or self.in_flight:
             return self.issue(run, async_op=True)
         self._count(run, "")
         done: Future = Future()
@@ -146,7 +178,7 @@ class IssueQueue:
         """Refuse a process forked inside ``fn``: its messages would interleave with the rank's."""
         if self.closed:
             raise LabError(f"rank {self._rank}: this mesh is closed (a collective, plan or send/recv after mesh.close())")
-        if os.getpid() != self._owner_pid:
+        if _pid[0] != self._owner_pid:
             raise LabError(f"this mesh belongs to rank {self._rank}'s process (pid {self._owner_pid}); a process "
                            f"forked from it (pid {os.getpid()}) cannot use it")
 
@@ -169,6 +201,13 @@ class IssueQueue:
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None
+
+
+class _ThreadState(threading.local):
+    """Per thread: ``driving``, whether this thread is running a call now (a class default, so
+    reading it in a thread that never set it costs no exception)."""
+
+    driving = False
 
 
 class _Send:

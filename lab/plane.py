@@ -23,6 +23,7 @@ transfer of the call returns at once, and the call returns the status (with
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from numba import njit
 
 from kernels import mailbox as mb
 from kernels.coded import coded_reduction
+from lab import fingerprint
 from lab.collectives import registry
 from lab.compiled import Compilable
 from lab.ops import Reduction
@@ -130,11 +132,33 @@ class CompiledCall:
 
     def __call__(self, tag: bytes, timeout_ms: float, operands: tuple) -> int:
         """Run one collective with ``tag`` (32 bytes) on every message; its status."""
-        config = self.config
+        self.prepare(tag, timeout_ms)
+        return self.run(operands)
+
+    def prepare(self, tag: bytes, timeout_ms: float) -> None:
+        """Write ``tag`` and the deadline into the config (what a call reads besides its operands)."""
         self._tag[:] = tag
-        config[DEADLINE_NS] = 0 if timeout_ms == float("inf") else int(timeout_ms * 1e6)
-        self._entry(self.region, config, *operands)
-        return int(config[STATUS])
+        self.config[DEADLINE_NS] = 0 if timeout_ms == float("inf") else int(timeout_ms * 1e6)
+
+    def run(self, operands: tuple) -> int:
+        """Run one collective with the tag and deadline the config holds; its status."""
+        self._entry(self.region, self.config, *operands)
+        return int(self.config[STATUS])
+
+    def number(self, seq: int) -> None:
+        """Write ``seq`` into the config's tag: the fingerprint's sequence number (its second word)."""
+        self.config[FINGERPRINT + fingerprint.SEQ_OFFSET // 8] = seq
+
+    def tag(self) -> bytes:
+        """The 32-byte tag the config holds."""
+        return self._tag.tobytes()
+
+    def copy(self) -> CompiledCall:
+        """This call with a config of its own (a plan's: its tag written once, then only numbered)."""
+        twin = copy.copy(self)
+        twin.config = self.config.copy()
+        twin._tag = memoryview(twin.config).cast("B")[FINGERPRINT * 8:FINGERPRINT * 8 + 32]
+        return twin
 
     def counts(self) -> list[int]:
         """The last call's bytes sent, bytes received, messages sent, messages received."""
@@ -156,7 +180,7 @@ class _CompileOnly(CompiledCall):
         super().__init__(plane, entry, reduction)
         self._mine = mine
 
-    def __call__(self, tag: bytes, timeout_ms: float, operands: tuple) -> int:
+    def run(self, operands: tuple) -> int:
         if self._mine:  # the arguments as a call passes them: the fixed ones, then *rest as one tuple
             args = (self.region, self.config, *operands)
             fixed = self._entry.py_func.__code__.co_argcount

@@ -25,7 +25,6 @@ and on sub-meshes; it belongs to the mesh and process that made it.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,7 +34,7 @@ from lab.collectives import (Prepared, allgather, prepare_all_to_all, prepare_al
                              prepare_barrier, prepare_broadcast, prepare_gather, prepare_reduce, prepare_reduce_scatter,
                              prepare_scatter)
 from lab.errors import CollectiveMismatchError, LabError
-from lab.issue import Work
+from lab.issue import Work, this_process
 
 if TYPE_CHECKING:
     from lab.mesh import Mesh
@@ -46,7 +45,8 @@ class Plan:
 
     def __init__(self, mesh: Mesh, prepared: Prepared) -> None:
         self._mesh, self._prepared = mesh, prepared
-        self._pid = os.getpid()
+        self._queue = mesh.issue_queue
+        self._pid = this_process()
         self._freed = False
         _agree(mesh, prepared)
         # Where the collective runs compiled on the caller's memory: its call made once, here.
@@ -63,11 +63,11 @@ class Plan:
 
     def __call__(self) -> Any:
         """Run the collective now on the tensor's current contents; return what the plain call does."""
-        return self._mesh.issue(self._run(), async_op=False)
+        return self._queue.run_collective(self._run())
 
     def start(self) -> Work:
         """Run it asynchronously (in issue order with this mesh's other calls); return a :class:`lab.Work`."""
-        return self._mesh.issue(self._run(), async_op=True)
+        return self._queue.issue(self._run(), async_op=True)
 
     def free(self) -> None:
         """Release the plan (idempotent); using it afterwards is a :class:`lab.LabError`."""
@@ -86,7 +86,7 @@ class Plan:
     def _run(self):
         if self._freed:
             raise LabError(f"this {self.collective} plan was freed; make a new one with lab.{self.collective}_init")
-        if os.getpid() != self._pid:
+        if this_process() != self._pid:
             raise LabError(f"this {self.collective} plan was made in process {self._pid}; a plan belongs to "
                            f"the process (and mesh) that made it")
         if self._mesh.closed:

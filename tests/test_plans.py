@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +31,7 @@ def inputs(mesh: lab.Mesh, count: int, run: int, dtype=torch.float32) -> torch.T
 def reuse_every_plan(mesh: lab.Mesh, count: int) -> list[str]:
     """Each collective's plan, run three times on new contents, against the plain call on a copy."""
     failures = []
-    n, root = mesh.world_size, mesh.world_size - 1
+    root = mesh.world_size - 1
     x = inputs(mesh, count, 0)
     rows = torch.empty(count)  # split along dim 0 as array_split does: counts not divisible by N too
     plans = {
@@ -209,7 +212,7 @@ def planned_bookkeeping(mesh: lab.Mesh) -> list:
         for plain, planned in [(lambda: lab.allreduce(mesh, x.clone()), plan),
                                (lambda: lab.broadcast(mesh, x.clone(), src=1), cast),
                                (lambda: lab.barrier(mesh), barrier)]:
-            for run in (plain, planned):
+            for run in (plain, planned, planned):  # a plan's second run counts as its first
                 mesh.reset_stats()
                 run()
                 seen.append((mesh.stats(), mesh.flight_records()[-1].cell()))
@@ -218,10 +221,70 @@ def planned_bookkeeping(mesh: lab.Mesh) -> list:
 
 def test_a_compiled_plan_counts_and_records_as_the_plain_call(cluster):
     for per_rank in cluster.run(planned_bookkeeping):
-        for (plain, plain_record), (planned, planned_record) in zip(per_rank[::2], per_rank[1::2], strict=True):
-            assert planned == plain and planned_record == plain_record, (plain, planned)
+        for plain, plain_record in per_rank[::3]:
             assert plain["collectives"] == 1 and plain_record.endswith(" ok")
             assert plain["collectives_compiled"] == (cluster.transport == "shm"), plain
+        for run in (1, 2):
+            for (plain, plain_record), (planned, planned_record) in zip(per_rank[::3], per_rank[run::3], strict=True):
+                assert planned == plain and planned_record == plain_record, (run, plain, planned)
+
+
+def plans_run_out_of_step(mesh: lab.Mesh) -> str:
+    """Every rank makes the same two plans; rank 1 then runs the second where the others run the first."""
+    small, large = lab.allreduce_init(mesh, torch.ones(10)), lab.allreduce_init(mesh, torch.ones(20))
+    small()
+    try:
+        (large if mesh.rank == 1 else small)()
+    except lab.CollectiveMismatchError as exc:
+        return f"{exc} | {mesh.flight_records()[-1].cell()}"
+    except lab.LabError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_plans_run_out_of_step_are_a_mismatch_naming_the_rank_and_both_plans(transport):
+    outputs = lab.spawn(plans_run_out_of_step, 2, transport=transport, recv_timeout_ms=5000)
+    for rank, message in enumerate(outputs):
+        assert "no error" not in message and f"rank {1 - rank}" in message, outputs
+        if "is in" in message:  # the rank that saw the other's message: both fingerprints, numbered #4
+            assert "allreduce #4 float32[10]" in message and "allreduce #4 float32[20]" in message, message
+            assert "FAILED" in message, message  # the flight recorder has the run, failed
+    assert any("is in" in message for message in outputs), outputs
+
+
+def silent_during_a_plan(mesh: lab.Mesh, how: str, out: str) -> str:
+    """Rank 1 makes the plan, then goes silent (or dies) while the others run it."""
+    plan = lab.allreduce_init(mesh, torch.ones(10), algorithm="recursive_doubling")
+    plan()
+    if mesh.rank == 1:
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(2.5)  # silent past the others' deadline (1 s), then gone quietly
+        return "slept"
+    try:
+        plan()
+        message = "no error"
+    except (lab.DeadlineError, lab.PeerLostError) as exc:
+        message = f"{type(exc).__name__}: {exc} | {mesh.flight_records()[-1].cell()}"
+    (Path(out) / f"rank{mesh.rank}").write_text(message)  # the pool may fail on rank 1's death
+    return message
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_a_silent_or_dead_peer_during_a_plan_is_named(how, tmp_path):
+    deadline_ms = 1000 if how == "stopped" else 60_000  # a death is seen at once, not at the deadline
+    with lab.launch(3, transport="shm", recv_timeout_ms=deadline_ms) as cluster:
+        if how == "killed":
+            with pytest.raises(lab.RankError, match="rank 1"):
+                cluster.run(silent_during_a_plan, how, str(tmp_path))
+        else:
+            cluster.run(silent_during_a_plan, how, str(tmp_path))
+    for rank in (0, 2):  # both exchange with rank 1 in recursive doubling at N=3
+        message = (tmp_path / f"rank{rank}").read_text()
+        expected = "DeadlineError" if how == "stopped" else "PeerLostError"
+        assert message.startswith(expected) and "rank 1" in message and "allreduce #3" in message, message
+        assert message.endswith("FAILED@1 " + expected), message
 
 
 def traced_plan(mesh: lab.Mesh) -> None:
