@@ -47,6 +47,11 @@ DEFAULT_MAX_BYTES = 64 * 1024
 #: measured on 2 cores (1 KB plan, µs, 2/4/8 ranks): 500 spins and 8 yields 5.3/99/374, this
 #: 5.4/31/105, blocking at once 6.0/101/227, spinning only 5.1/8,001/39,988 (a timeslice per wait).
 DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT = 50, 1000
+#: Where a host's ranks outnumber its cores a wait spins this many times (it yields at once, as
+#: Open MPI's ``mpi_yield_when_idle`` does when oversubscribed): a spin there only delays the yield
+#: that lets the awaited peer run. Measured on 2 cores, 1 KB, 5 alternating rounds, 50 spins ->
+#: none: plan 25.6 -> 18.4 µs at 4 ranks, 72 -> 59 at 8; plain call 35.7 -> 28.6 and 103 -> 100.
+OVERSUBSCRIBED_SPIN_LIMIT = 0
 
 # Words of the config array: what the compiled call reads (in) and reports (out).
 RANK, WORLD_SIZE, SLOT_BYTES, DEPTH, DEADLINE_NS, OP, FAMILY, KIND, DIVIDES = range(9)  # in
@@ -77,7 +82,7 @@ class CompiledPlane:
         n = mailbox.world_size
         self.config = np.zeros(LIVENESS + n, np.int64)
         self.config[[RANK, WORLD_SIZE, SLOT_BYTES, DEPTH]] = mailbox.rank, n, mailbox.slot_bytes, mailbox.depth
-        self.config[[SPIN_LIMIT, YIELD_LIMIT]] = waiting_policy_from_env()
+        self.config[[SPIN_LIMIT, YIELD_LIMIT]] = waiting_policy_from_env(n)
         self.config[LIVENESS:] = mailbox.liveness_fds
         self.max_bytes = max_bytes_from_env()
         self._calls: dict[tuple, CompiledCall] = {}
@@ -235,12 +240,16 @@ def _bounds(arg: Any, itemsize: int) -> Any:
     return np.asarray(arg, np.int64) * itemsize if isinstance(arg, list) else arg
 
 
-def waiting_policy_from_env() -> tuple[int, int]:
+def waiting_policy_from_env(local_ranks: int = 1) -> tuple[int, int]:
     """``LAB_COMPILED_SPIN`` and ``LAB_COMPILED_YIELD``: how many pause-spins a compiled wait makes
-    before it yields, and how many ``sched_yield`` calls before it sleeps on its futex
-    (:data:`DEFAULT_SPIN_LIMIT`, :data:`DEFAULT_YIELD_LIMIT` where unset)."""
+    before it yields, and how many ``sched_yield`` calls before it sleeps on its futex. Where
+    unset: :data:`DEFAULT_SPIN_LIMIT` spins, or :data:`OVERSUBSCRIBED_SPIN_LIMIT` where the
+    ``local_ranks`` sharing the mailboxes outnumber the cores this process may run on, and
+    :data:`DEFAULT_YIELD_LIMIT` yields."""
+    cores = len(os.sched_getaffinity(0))
+    spins = DEFAULT_SPIN_LIMIT if local_ranks <= cores else OVERSUBSCRIBED_SPIN_LIMIT
     policy = []
-    for name, default in (("LAB_COMPILED_SPIN", DEFAULT_SPIN_LIMIT), ("LAB_COMPILED_YIELD", DEFAULT_YIELD_LIMIT)):
+    for name, default in (("LAB_COMPILED_SPIN", spins), ("LAB_COMPILED_YIELD", DEFAULT_YIELD_LIMIT)):
         value = os.environ.get(name, "")
         if value and not value.isdigit():
             raise ValueError(f"{name} must be a non-negative count; got {value!r}")

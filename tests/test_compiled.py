@@ -20,7 +20,8 @@ import lab
 from conftest import pool
 from lab.collectives import registry
 from lab.ops import REDUCE_DTYPES
-from lab.plane import waiting_policy_from_env
+from lab.plane import (DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT, OVERSUBSCRIBED_SPIN_LIMIT,
+                       waiting_policy_from_env)
 
 STRIDE = 3
 MAX_BYTES = 4096  # the compiled path's threshold in these pools (LAB_COMPILED_MAX_BYTES): sizes around it stay small
@@ -272,3 +273,13 @@ def test_a_bad_waiting_policy_is_refused_naming_its_variable(monkeypatch, name):
         waiting_policy_from_env()
     monkeypatch.setenv(name, "7")
     assert 7 in waiting_policy_from_env()
+
+
+def test_oversubscribed_ranks_yield_at_once_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("LAB_COMPILED_SPIN", raising=False)
+    monkeypatch.delenv("LAB_COMPILED_YIELD", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert waiting_policy_from_env(cores) == (DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT)
+    assert waiting_policy_from_env(cores + 1) == (OVERSUBSCRIBED_SPIN_LIMIT, DEFAULT_YIELD_LIMIT)
+    monkeypatch.setenv("LAB_COMPILED_SPIN", "9")  # the variable wins either way
+    assert waiting_policy_from_env(cores + 1) == (9, DEFAULT_YIELD_LIMIT)
