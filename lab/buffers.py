@@ -26,7 +26,8 @@ def _flat_storage(tensor: Any, dtype: DType) -> np.ndarray:
             tensor = tensor.detach()
         if dtype.bits is not None:
             return tensor.reshape(-1).view(dtype.bits).numpy()
-        return tensor.numpy().reshape(-1)  # contiguous: a view either way, numpy's is cheaper
+        array = tensor.numpy()  # contiguous: a view either way, numpy's is cheaper than torch's
+        return array if array.ndim == 1 else array.reshape(-1)
     return tensor.reshape(-1).view(dtype.storage)
 
 
@@ -94,6 +95,8 @@ def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffe
     Nothing of the tensor's contents is read here: :meth:`Buffer.load` reads them.
     """
     dtype = check_tensor(tensor, name)
+    if type(tensor) is torch.Tensor and tensor.is_contiguous():  # the common case, first: it is on every call
+        return Buffer(tensor, dtype, _flat_storage(tensor, dtype), True, tensor.numel())
     contiguous = tensor.is_contiguous() if isinstance(tensor, torch.Tensor) else tensor.flags.c_contiguous
     if writable and isinstance(tensor, np.ndarray) and not tensor.flags.writeable:
         raise ValueError(f"{name} is a read-only numpy array; collectives write their result into it")
