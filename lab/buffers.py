@@ -95,15 +95,15 @@ def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffe
     Nothing of the tensor's contents is read here: :meth:`Buffer.load` reads them.
     """
     dtype = check_tensor(tensor, name)
-    if type(tensor) is torch.Tensor and tensor.is_contiguous():  # the common case, first: it is on every call
-        return Buffer(tensor, dtype, _flat_storage(tensor, dtype), True, tensor.numel())
-    contiguous = tensor.is_contiguous() if isinstance(tensor, torch.Tensor) else tensor.flags.c_contiguous
-    if writable and isinstance(tensor, np.ndarray) and not tensor.flags.writeable:
-        raise ValueError(f"{name} is a read-only numpy array; collectives write their result into it")
+    if isinstance(tensor, torch.Tensor):
+        contiguous, numel = tensor.is_contiguous(), tensor.numel()
+    else:
+        if writable and not tensor.flags.writeable:
+            raise ValueError(f"{name} is a read-only numpy array; collectives write their result into it")
+        contiguous, numel = tensor.flags.c_contiguous, tensor.size
     if writable and not contiguous and _overlaps(tensor):  # a contiguous tensor has no repeated elements
         raise ValueError(f"{name} has elements that share memory (an expand() or broadcast view), so an in-place "
                          "result cannot be written into it; pass a copy (.clone() / .copy())")
-    numel = tensor.numel() if isinstance(tensor, torch.Tensor) else tensor.size
     if contiguous:
         return Buffer(tensor, dtype, _flat_storage(tensor, dtype), True, numel)
     return Buffer(tensor, dtype, None, False, numel)  # copied by load(), when the collective runs

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from lab.collectives.prepared import Signature
 
 
+#: What a collective with no trace row passes as its counters before (see Exchange._begin).
+_UNTRACED = (0, 0, 0)
+
+
 class Channels:
     """What a root mesh and all its sub-meshes share: the transport, one issue order, the
     compiled plane, the trace file, the deadline, whether the channels are still usable, and
@@ -299,18 +303,23 @@ class Exchange:
                compiled: bool) -> tuple[FlightRecord, int, tuple[int, int, int]]:
         """A collective's number, fingerprint, position and flight record; for its trace row,
         when it started, and the byte counters then and its tensor's bytes."""
-        self._seq += 1
+        record = self._enter(name, algorithm, dtype.name, count, op, root)
         self._tag = fingerprint.pack(self._membership.context, self._seq, name, algorithm, dtype.code, op, root,
                                      count)
-        position = self._position
-        position.collective, position.seq, position.algorithm, position.step = name, self._seq, algorithm, 0
         self._nbytes = count * dtype.storage.itemsize
         self._compiled = compiled
-        record = FlightRecord(self._seq, name, algorithm, dtype.name, count, op, root)
-        self._records.append(record)
         if self._trace is None:
-            return record, 0, (0, 0, 0)
+            return record, 0, _UNTRACED
         return record, time.time_ns(), (self._stats["bytes_sent"], self._stats["bytes_received"], self._nbytes)
+
+    def _enter(self, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int) -> FlightRecord:
+        """Number the next collective, say where this rank is, and note it in the flight recorder."""
+        self._seq += 1
+        position = self._position
+        position.collective, position.seq, position.algorithm, position.step = name, self._seq, algorithm, 0
+        record = FlightRecord(self._seq, name, algorithm, dtype_name, count, op, root)
+        self._records.append(record)
+        return record
 
     def _failed(self, record: FlightRecord, exc: BaseException) -> None:
         record.state, record.step = f"failed ({type(exc).__name__})", self._position.step
@@ -370,12 +379,9 @@ class PlannedRun:
             with exchange.collective(*self._signature):
                 exchange._run_compiled(call, operands)
             return
-        exchange._seq = seq = exchange._seq + 1
-        call.number(seq)
-        position = exchange._position
-        position.collective, position.seq, position.algorithm, position.step = self._record[0], seq, self._record[1], 1
-        record = FlightRecord(seq, *self._record)
-        exchange._records.append(record)
+        record = exchange._enter(*self._record)
+        call.number(record.seq)
+        exchange._position.step = 1  # the one compiled call
         try:
             if call.run(operands) != mailbox_status.OK:
                 exchange._tag = call.tag()  # what the error describes
@@ -386,8 +392,7 @@ class PlannedRun:
         if self._counts is None:
             self._counts = call.counts()
         exchange._count_compiled(self._counts)
-        record.state, record.step = "done", 1
-        exchange._stats["collectives"] += 1
+        exchange._done(record, 0, _UNTRACED)
 
 
 @contextlib.contextmanager

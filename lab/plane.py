@@ -124,19 +124,17 @@ class CompiledCall:
         if reduction is not None:
             self.config[[OP, FAMILY, KIND, DIVIDES]] = reduction.codes
         # The fingerprint's 32 bytes, written in place at each call.
-        self._tag = memoryview(self.config).cast("B")[FINGERPRINT * 8:FINGERPRINT * 8 + 32]
+        self._tag = _tag_view(self.config)
 
     def operands(self, args: tuple) -> tuple:
         """``args`` as the compiled call takes them: buffers as bytes, bounds in bytes (the
         reduction's kind says what the bytes hold: one compilation serves every dtype), the
         reduction left out (its codes are in the config)."""
-        first = args[0] if args else None
-        if self._reduces and len(args) == 2:  # (buf, reduction): the plain allreduce's, on every call
-            return (first.view(np.uint8),)
-        itemsize = next((a.itemsize for a in args if isinstance(a, np.ndarray)), 1)
         if self._reduces:
-            args = (first, *args[2:])
-        return tuple(a.view(np.uint8) if isinstance(a, np.ndarray) else _bounds(a, itemsize) for a in args)
+            args = (args[0], *args[2:])
+        # Bounds are scaled by the buffers' itemsize; a lone operand (a buffer) has none to scale.
+        itemsize = next((a.itemsize for a in args if isinstance(a, np.ndarray)), 1) if len(args) > 1 else 1
+        return tuple([a.view(np.uint8) if isinstance(a, np.ndarray) else _bounds(a, itemsize) for a in args])
 
     def __call__(self, tag: bytes, timeout_ms: float, operands: tuple) -> int:
         """Run one collective with ``tag`` (32 bytes) on every message; its status."""
@@ -165,7 +163,7 @@ class CompiledCall:
         """This call with a config of its own (a plan's: its tag written once, then only numbered)."""
         twin = copy.copy(self)
         twin.config = self.config.copy()
-        twin._tag = memoryview(twin.config).cast("B")[FINGERPRINT * 8:FINGERPRINT * 8 + 32]
+        twin._tag = _tag_view(twin.config)
         return twin
 
     def counts(self) -> list[int]:
@@ -235,6 +233,11 @@ def _run_each_compilable(mesh: Any) -> None:
     for collective in registry.ALGORITHMS:  # a KeyError here: a new collective needs its call above
         for algorithm in registry.compiled(collective):
             calls[collective](algorithm)
+
+
+def _tag_view(config: np.ndarray) -> memoryview:
+    """The config's fingerprint words as 32 writable bytes."""
+    return memoryview(config).cast("B")[FINGERPRINT * 8:FINGERPRINT * 8 + 32]
 
 
 def _bounds(arg: Any, itemsize: int) -> Any:
