@@ -67,6 +67,27 @@ def test_plans_reused_with_new_contents_give_the_plain_calls_result(cluster, cou
     assert not [f for per_rank in cluster.run(reuse_every_plan, count) for f in per_rank]
 
 
+def plan_of_a_parameter(mesh: lab.Mesh) -> list:
+    """A plan over torch's own parameter type (a leaf that requires grad), run on new contents."""
+    weight = torch.nn.Parameter(torch.zeros(300))
+    seen = []
+    with lab.allreduce_init(mesh, weight, op="avg") as plan:
+        for run in range(3):
+            with torch.no_grad():
+                weight.copy_(inputs(mesh, 300, run))
+            got = plan()
+            seen.append((got is weight, weight.requires_grad, weight.detach().tolist()))
+    return seen
+
+
+def test_a_plan_of_a_parameter_averages_it_in_place(cluster):
+    for per_rank in cluster.run(plan_of_a_parameter):
+        n = cluster.world_size
+        for run, (same, requires_grad, got) in enumerate(per_rank):
+            expected = [(i * (n + 1) + 100 * run) + (n - 1) / 2 for i in range(300)]
+            assert same and requires_grad and got == pytest.approx(expected, rel=1e-6), (run, got[:4])
+
+
 def plan_on_sub_mesh(mesh: lab.Mesh) -> list[float]:
     pair = mesh.split(color=mesh.rank // 2)
     x = torch.zeros(3)
