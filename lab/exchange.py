@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,11 +23,11 @@ from kernels import mailbox as mailbox_status
 from lab import fingerprint
 from lab.buffers import new_flat
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
-from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, Position, TraceFile
+from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, FlightRecorder, Position, TraceFile
 from lab.issue import IssueQueue
 from lab.membership import Membership
 from lab.ops import DType, Reduction, reduction
-from lab.plane import CompiledCall, CompiledPlane, Report
+from lab.plane import BOOKED, LEDGER_WORDS, RING, SEQ, CompiledCall, CompiledPlane, Report
 from lab.transport.base import Recv, Send, TagMismatch, Transport, silence_error
 
 if TYPE_CHECKING:
@@ -78,12 +78,15 @@ class Exchange:
         self.host_count = membership.host_count  # hosts this mesh's ranks are on
         self._nbytes = 0  # the current collective's tensor bytes
         self._compiled = True  # the current collective may take the compiled path
-        self._seq, self._tag = 0, b""
+        # The collective number and the counts and flight records of compiled calls that keep
+        # their own books (lab.plane: SEQ, BOOKED, RING): the plane's, where this mesh has one.
+        self._ledger = self.plane.ledger if self.plane is not None else np.zeros(LEDGER_WORDS, np.int64)
+        self._tag = b""
         self._p2p_sent: Counter[tuple[int, int]] = Counter()  # point-to-point sequence numbers, per (peer, tag)
         self._p2p_received: Counter[tuple[int, int]] = Counter()
         self._next_any = 0  # recv(None) tries the ranks from this one on
         self._position = Position(membership.describe())
-        self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
+        self._recorder = FlightRecorder(self._ledger[RING:].reshape(FLIGHT_RECORDER_SIZE, 2))
         self.templates: dict = {}  # plain calls' checks and choices, by their arguments (lab.collectives)
         self.reset_stats()
 
@@ -130,13 +133,20 @@ class Exchange:
         ``bytes_sent_inter_host`` / ``bytes_received_inter_host``: the part to or from a rank on
         another host. A mesh's counters include its sub-meshes' traffic; a sub-mesh counts its own.
         """
-        return dict(self._stats)
+        stats = dict(self._stats)
+        booked = self._ledger[BOOKED:BOOKED + 5].tolist()  # (compiled: all on this host)
+        for key, value in zip(("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives"),
+                              booked, strict=True):
+            stats[key] += value
+        stats["collectives_compiled"] += booked[4]
+        return stats
 
     def reset_stats(self) -> None:
         self._stats = dict.fromkeys(
             ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives",
              "collectives_compiled", "bytes_sent_inter_host", "bytes_received_inter_host"), 0
         )
+        self._ledger[BOOKED:BOOKED + 5] = 0
 
     # -- what the public collectives take from the mesh ----------------------------------------
 
@@ -177,11 +187,7 @@ class Exchange:
         self._position.step += 1
         if call(self._tag, self.recv_timeout_ms, operands) != mailbox_status.OK:
             _raise_compiled_failure(self, call)
-        self._count_compiled(call.counts())
-
-    def _count_compiled(self, counts: list[int]) -> None:
-        """Count a compiled collective's bytes sent, bytes received, messages sent and received."""
-        bytes_sent, bytes_received, messages_sent, messages_received = counts
+        bytes_sent, bytes_received, messages_sent, messages_received = call.counts()
         for mesh in self._lineage:
             stats = mesh._stats
             stats["bytes_sent"] += bytes_sent
@@ -304,7 +310,7 @@ class Exchange:
         """A collective's number, fingerprint, position and flight record; for its trace row,
         when it started, and the byte counters then and its tensor's bytes."""
         record = self._enter(name, algorithm, dtype.name, count, op, root)
-        self._tag = fingerprint.pack(self._membership.context, self._seq, name, algorithm, dtype.code, op, root,
+        self._tag = fingerprint.pack(self._membership.context, record.seq, name, algorithm, dtype.code, op, root,
                                      count)
         self._nbytes = count * dtype.storage.itemsize
         self._compiled = compiled
@@ -314,12 +320,15 @@ class Exchange:
 
     def _enter(self, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int) -> FlightRecord:
         """Number the next collective, say where this rank is, and note it in the flight recorder."""
-        self._seq += 1
+        self._ledger[SEQ] += 1
+        return self._note(int(self._ledger[SEQ]), name, algorithm, dtype_name, count, op, root)
+
+    def _note(self, seq: int, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int,
+              step: int = 0) -> FlightRecord:
+        """Say where this rank is (collective ``seq`` at ``step``) and note it in the flight recorder."""
         position = self._position
-        position.collective, position.seq, position.algorithm, position.step = name, self._seq, algorithm, 0
-        record = FlightRecord(self._seq, name, algorithm, dtype_name, count, op, root)
-        self._records.append(record)
-        return record
+        position.collective, position.seq, position.algorithm, position.step = name, seq, algorithm, step
+        return self._recorder.note(FlightRecord(seq, name, algorithm, dtype_name, count, op, root))
 
     def _failed(self, record: FlightRecord, exc: BaseException) -> None:
         record.state, record.step = f"failed ({type(exc).__name__})", self._position.step
@@ -341,9 +350,7 @@ class Exchange:
 
     def flight_records(self) -> list[FlightRecord]:
         """This rank's last collectives, oldest first; a running one shows the step it reached."""
-        if self._records and self._records[-1].state == "running":
-            self._records[-1].step = self._position.step
-        return list(self._records)
+        return self._recorder.records(int(self._ledger[SEQ]), self._position.step)
 
     def _write_trace(self, **row: Any) -> None:
         row = {**self._membership.trace_fields(), **row}  # a sub-mesh's: which one, and the global rank
@@ -352,21 +359,23 @@ class Exchange:
 
 class PlannedRun:
     """One compiled collective of a fixed signature, made once (by a plan, or by a plain call's
-    template): :meth:`Exchange.collective` and :meth:`Exchange.run` with everything but the
-    collective's number done ahead. The compiled call gets a config of its own with the
-    fingerprint and deadline written in; a run numbers the collective in that config, notes its
-    flight record, makes the one Numba call and adds its counts (the same at every run: the
-    messages depend on the sizes and ranks only). With a trace on, a run takes the full path:
-    its row needs the clock and the counters."""
+    template): :meth:`Exchange.collective` and :meth:`Exchange.run` in one Numba call. Its
+    compiled call has a config of its own, with the fingerprint and deadline written in, and keeps
+    its own books (:meth:`lab.plane.CompiledCall.keeping_books`): it takes the collective's number
+    from the mesh's ledger and, where it succeeds, adds its counts and flight record there, so a
+    run that succeeds runs no Python of ours after the call. One that fails is recorded and raised
+    here; with a trace on, a run takes the full path (its row needs the clock and the counters)."""
 
     def __init__(self, exchange: Exchange, signature: Signature, call: CompiledCall) -> None:
         self._exchange, self._signature = exchange, signature
+        self._traced = call  # (the full path's: it numbers nothing itself)
         self._call = call.copy()
         name, algorithm, dtype, count, op, root, _ = signature
         self._call.prepare(fingerprint.pack(exchange._membership.context, 0, name, algorithm, dtype.code, op, root,
                                             count), exchange.recv_timeout_ms)
         self._record = (name, algorithm, dtype.name, count, op, root)
-        self._counts: list[int] | None = None
+        self._entry = self._call.keeping_books(exchange._recorder.book(self._record))
+        self._region, self._config, self._ledger = self._call.region, self._call.config, self._call.ledger
 
     def operands(self, args: tuple) -> tuple:
         """``args`` (the algorithm's arguments after the peers) as the compiled call takes them."""
@@ -374,25 +383,23 @@ class PlannedRun:
 
     def __call__(self, operands: tuple) -> None:
         """Run the collective on ``operands`` (from :meth:`operands`)."""
-        exchange, call = self._exchange, self._call
-        if exchange._trace is not None:
-            with exchange.collective(*self._signature):
-                exchange._run_compiled(call, operands)
-            return
-        record = exchange._enter(*self._record)
-        call.number(record.seq)
-        exchange._position.step = 1  # the one compiled call
+        if self._exchange._trace is not None:
+            with self._exchange.collective(*self._signature):
+                self._exchange._run_compiled(self._traced, operands)
+        elif self._entry(self._region, self._config, self._ledger, *operands) != mailbox_status.OK:
+            self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """The run that just returned a status other than OK: its flight record, failed at its
+        one step, and its error."""
+        exchange = self._exchange
+        record = exchange._note(int(self._ledger[SEQ]), *self._record, step=1)
+        exchange._tag = self._call.tag()  # what the error describes
         try:
-            if call.run(operands) != mailbox_status.OK:
-                exchange._tag = call.tag()  # what the error describes
-                _raise_compiled_failure(exchange, call)
+            _raise_compiled_failure(exchange, self._call)
         except BaseException as exc:
             exchange._failed(record, exc)
             raise
-        if self._counts is None:
-            self._counts = call.counts()
-        exchange._count_compiled(self._counts)
-        exchange._done(record, 0, _UNTRACED)
 
 
 @contextlib.contextmanager

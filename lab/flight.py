@@ -2,13 +2,14 @@
 
 :class:`Position` says where a rank is (``allreduce #7 (ring) step 3``) for error messages;
 :class:`FlightRecord` is one collective as this rank saw it, kept for the last
-``FLIGHT_RECORDER_SIZE``; :class:`TraceFile` appends the trace's rows (``trace=`` / ``LAB_TRACE``).
+``FLIGHT_RECORDER_SIZE`` by :class:`FlightRecorder`; :class:`TraceFile` appends the trace's rows (``trace=`` / ``LAB_TRACE``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,35 @@ class FlightRecord:
         what += f" root={self.root}" if self.root >= 0 else ""
         what += f" ({self.algorithm})" if self.algorithm else ""
         return f"{what}: {self.state}" + ("" if self.state == "done" else f" at step {self.step}")
+
+
+class FlightRecorder:
+    """The last ``FLIGHT_RECORDER_SIZE`` collectives of one mesh on this rank: those noted here
+    (:meth:`note`), merged with those that compiled calls noted themselves in ``ring``, an int64
+    array of (seq, record) rows at ``seq % FLIGHT_RECORDER_SIZE``, where ``record`` is the number
+    :meth:`book` gave the record's fields; such a collective is done at its one step."""
+
+    def __init__(self, ring: Any) -> None:
+        self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
+        self._ring = ring
+        self._booked: list[tuple] = []
+
+    def note(self, record: FlightRecord) -> FlightRecord:
+        self._records.append(record)
+        return record
+
+    def book(self, fields: tuple) -> int:
+        """The number under which a compiled call notes ``fields`` (a record's, after its seq)."""
+        self._booked.append(fields)
+        return len(self._booked) - 1
+
+    def records(self, last_seq: int, running_step: int) -> list[FlightRecord]:
+        """Oldest first, up to collective ``last_seq``; a running one shows ``running_step``."""
+        if self._records and self._records[-1].state == "running":
+            self._records[-1].step = running_step
+        booked = [FlightRecord(seq, *self._booked[record], state="done", step=1)
+                  for seq, record in self._ring.tolist() if seq > max(0, last_seq - FLIGHT_RECORDER_SIZE)]
+        return sorted([*self._records, *booked], key=lambda r: r.seq)[-FLIGHT_RECORDER_SIZE:]
 
 
 class TraceFile:

@@ -123,6 +123,17 @@ class IssueQueue:
             finally:
                 local.driving = False
 
+    def run_alone(self, run: Callable[[], Any]) -> Any:
+        """:meth:`run_collective` for a ``run`` that issues no call of its own (one compiled
+        collective): where nothing is pending and no thread drives, it runs at once, uncounted in
+        :attr:`issued` (no asynchronous send is held back, so none can be run ahead of it)."""
+        if self._pending or self.closed or _pid[0] != self._owner_pid or not self._driving.acquire(blocking=False):
+            return self.run_collective(run)  # (this thread driving: inline; another: wait for it)
+        try:
+            return run()
+        finally:
+            self._driving.release()
+
     def issue_now(self, run: Callable[[], Any]) -> Work:
         """``issue(run, async_op=True)``, run on this thread when nothing is in flight: for a small
         collective the hand-off to the communication thread costs more than the collective. The

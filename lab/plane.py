@@ -38,6 +38,7 @@ from kernels.coded import coded_reduction
 from lab import fingerprint
 from lab.collectives import registry
 from lab.compiled import Compilable
+from lab.flight import FLIGHT_RECORDER_SIZE
 from lab.ops import Reduction
 
 #: Tensors up to this many bytes take the compiled path (``LAB_COMPILED_MAX_BYTES``; 0: never).
@@ -58,7 +59,16 @@ RANK, WORLD_SIZE, SLOT_BYTES, DEPTH, DEADLINE_NS, OP, FAMILY, KIND, DIVIDES = ra
 STATUS, FAILED_PEER, PEER_BYTES, BYTES_SENT, BYTES_RECEIVED, MESSAGES_SENT, MESSAGES_RECEIVED = range(9, 16)  # out
 FINGERPRINT, PEER_FINGERPRINT = 16, 20  # 4 words each: ours (in), the failed peer's (out)
 SPIN_LIMIT, YIELD_LIMIT = 24, 25  # the waiting policy (in; kernels.mailbox)
-LIVENESS = 26  # one pipe descriptor per rank (-1: none)
+BOOKS, RECORD = 26, 27  # in: whether the call keeps its own books in the ledger, and under which record
+LIVENESS = 28  # one pipe descriptor per rank (-1: none)
+
+# Words of the ledger (CompiledPlane.ledger): the mesh's books, which a call with config[BOOKS] set
+# keeps itself (a plan's run, a plain call's template: no Python between the number and the counts).
+SEQ = 0  # the mesh's last collective number: every path numbers from here
+BOOKED = 1  # bytes sent, bytes received, messages sent, messages received, collectives: by such calls
+RING = 6  # then FLIGHT_RECORDER_SIZE (seq, record) pairs: those calls, each at seq % FLIGHT_RECORDER_SIZE
+LEDGER_WORDS = RING + 2 * FLIGHT_RECORDER_SIZE
+_SEQ_WORD = FINGERPRINT + fingerprint.SEQ_OFFSET // 8  # the collective's number in our fingerprint
 
 
 @dataclass
@@ -85,6 +95,8 @@ class CompiledPlane:
         self.config[[SPIN_LIMIT, YIELD_LIMIT]] = waiting_policy_from_env(n)
         self.config[LIVENESS:] = mailbox.liveness_fds
         self.max_bytes = max_bytes_from_env()
+        #: The books of the mesh this plane serves (see SEQ, BOOKED, RING).
+        self.ledger = np.zeros(LEDGER_WORDS, np.int64)
         self._calls: dict[tuple, CompiledCall] = {}
         self._entries: dict[tuple[Compilable, bool], Callable[..., None]] = {}  # one compilation per algorithm
         self._compiling_only = False  # compile_all's first pass: calls compile their share, run nothing
@@ -119,7 +131,7 @@ class CompiledCall:
     operands are :meth:`operands` of the algorithm's arguments, which a plan makes once."""
 
     def __init__(self, plane: CompiledPlane, entry: Callable[..., None], reduction: Reduction | None) -> None:
-        self.region, self.config, self._entry = plane.region, plane.config.copy(), entry
+        self.region, self.config, self.ledger, self._entry = plane.region, plane.config.copy(), plane.ledger, entry
         self._reduces = reduction is not None
         if reduction is not None:
             self.config[[OP, FAMILY, KIND, DIVIDES]] = reduction.codes
@@ -148,12 +160,15 @@ class CompiledCall:
 
     def run(self, operands: tuple) -> int:
         """Run one collective with the tag and deadline the config holds; its status."""
-        self._entry(self.region, self.config, *operands)
-        return int(self.config[STATUS])
+        return self._entry(self.region, self.config, self.ledger, *operands)
 
-    def number(self, seq: int) -> None:
-        """Write ``seq`` into the config's tag: the fingerprint's sequence number (its second word)."""
-        self.config[FINGERPRINT + fingerprint.SEQ_OFFSET // 8] = seq
+    def keeping_books(self, record: int) -> Callable[..., int]:
+        """From now on each run numbers its collective itself (the ledger's next number, written
+        into the tag) and, where it succeeds, adds its counts to the ledger and notes ``record``
+        with its number in the ledger's ring; the compiled entry, which a caller may call
+        directly as ``entry(region, config, ledger, *operands)`` (it returns the status)."""
+        self.config[BOOKS], self.config[RECORD] = 1, record
+        return self._entry
 
     def tag(self) -> bytes:
         """The 32-byte tag the config holds."""
@@ -188,7 +203,7 @@ class _CompileOnly(CompiledCall):
 
     def run(self, operands: tuple) -> int:
         if self._mine:  # the arguments as a call passes them: the fixed ones, then *rest as one tuple
-            args = (self.region, self.config, *operands)
+            args = (self.region, self.config, self.ledger, *operands)
             fixed = self._entry.py_func.__code__.co_argcount
             self._entry.compile(tuple(numba.typeof(a) for a in (*args[:fixed], args[fixed:])))
         return mb.OK
@@ -293,21 +308,47 @@ def _close(peers, config):
     config[PEER_FINGERPRINT:PEER_FINGERPRINT + 4] = peers.peer_fingerprint.view(np.int64)
 
 
-def _entry(run: Compilable, reduces: bool) -> Callable[..., None]:
-    """The compiled call of ``run``: the mailboxes and (where the algorithm reduces, as its second
-    argument) the reduction are built inside it, so only arrays and integers cross from Python
-    (any other Python object costs microseconds to type at every call). Cached on disk: Numba
-    keys a closure's cache on its variables' pickled bytes, and a ``Compilable`` pickles by name."""
+@njit(inline="always")
+def _number(config, ledger):
+    """A call that keeps its own books takes the mesh's next collective number."""
+    if config[BOOKS] != 0:
+        ledger[SEQ] += 1
+        config[_SEQ_WORD] = ledger[SEQ]
+
+
+@njit(inline="always")
+def _book(config, ledger):
+    """A call that keeps its own books and succeeded: its counts and its flight record."""
+    if config[BOOKS] != 0 and config[STATUS] == mb.OK:
+        for word in range(4):
+            ledger[BOOKED + word] += config[BYTES_SENT + word]
+        ledger[BOOKED + 4] += 1
+        slot = RING + 2 * (ledger[SEQ] % FLIGHT_RECORDER_SIZE)
+        ledger[slot], ledger[slot + 1] = ledger[SEQ], config[RECORD]
+
+
+def _entry(run: Compilable, reduces: bool) -> Callable[..., int]:
+    """The compiled call of ``run``, which returns its status: the mailboxes and (where the
+    algorithm reduces, as its second argument) the reduction are built inside it, so only arrays
+    and integers cross from Python (any other Python object costs microseconds to type at every
+    call). Cached on disk: Numba keys a closure's cache on its variables' pickled bytes, and a
+    ``Compilable`` pickles by name."""
     if reduces:
         @njit(nogil=True, cache=True)
-        def entry(region, config, buf, *rest):
+        def entry(region, config, ledger, buf, *rest):
+            _number(config, ledger)
             peers = _open(region, config)
             run(peers, buf, coded_reduction(config[OP], config[FAMILY], config[KIND], config[DIVIDES] != 0), *rest)
             _close(peers, config)
+            _book(config, ledger)
+            return config[STATUS]
     else:
         @njit(nogil=True, cache=True)
-        def entry(region, config, *args):
+        def entry(region, config, ledger, *args):
+            _number(config, ledger)
             peers = _open(region, config)
             run(peers, *args)
             _close(peers, config)
+            _book(config, ledger)
+            return config[STATUS]
     return entry

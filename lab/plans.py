@@ -50,7 +50,9 @@ class Plan:
         self._freed = False
         _agree(mesh, prepared)
         # Where the collective runs compiled on the caller's memory: its call made once, here.
-        self._run_now = prepared.planned and prepared.planned() or prepared.run
+        compiled = prepared.planned and prepared.planned()
+        self._run_now = compiled or prepared.run
+        self._issue = self._queue.run_alone if compiled else self._queue.run_collective
 
     @property
     def collective(self) -> str:
@@ -63,7 +65,7 @@ class Plan:
 
     def __call__(self) -> Any:
         """Run the collective now on the tensor's current contents; return what the plain call does."""
-        return self._queue.run_collective(self._run())
+        return self._issue(self._run())
 
     def start(self) -> Work:
         """Run it asynchronously (in issue order with this mesh's other calls); return a :class:`lab.Work`."""

@@ -240,6 +240,34 @@ def planned_bookkeeping(mesh: lab.Mesh) -> list:
     return seen
 
 
+def interleaved_numbering(mesh: lab.Mesh) -> tuple[list[tuple[int, str]], dict, list[int]]:
+    """A plan's runs between plain calls that take the Python path (a tensor over the compiled
+    size), then enough runs to fill the flight recorder: every collective numbered once, in order,
+    whichever path kept the books."""
+    small, large = inputs(mesh, 16, 0), inputs(mesh, mesh.compiled_max_bytes // 4 + 1, 0)
+    with lab.allreduce_init(mesh, small) as plan:
+        mesh.reset_stats()  # (after the plans' agreement, an allgather)
+        for run in (plan, plan, lambda: lab.allreduce(mesh, large), plan, lambda: lab.barrier(mesh), plan):
+            run()
+        first = [(r.seq, f"{r.collective} {r.count} {r.state}") for r in mesh.flight_records()[-6:]]
+        stats = mesh.stats()
+        for _ in range(40):
+            plan()
+    return first, stats, [r.seq for r in mesh.flight_records()]
+
+
+def test_plan_runs_and_plain_calls_share_one_numbering_and_one_flight_recorder(cluster):
+    for first, stats, last in cluster.run(interleaved_numbering):
+        start = first[0][0]
+        assert [seq for seq, _ in first] == list(range(start, start + 6)), first
+        small, large, barrier = "allreduce 16 done", f"allreduce {first[2][1].split()[1]} done", "barrier 0 done"
+        assert [what for _, what in first] == [small, small, large, small, barrier, small], first
+        assert stats["collectives"] == 6, stats
+        compiled = 5 if cluster.transport == "shm" else 0  # the plan's 4 runs and the barrier
+        assert stats["collectives_compiled"] == compiled, stats
+        assert last == list(range(start + 46 - 32, start + 46)), last  # the recorder's 32, the newest last
+
+
 def test_a_compiled_plan_counts_and_records_as_the_plain_call(cluster):
     for per_rank in cluster.run(planned_bookkeeping):
         for plain, plain_record in per_rank[::3]:
