@@ -73,7 +73,25 @@ def test_eight_ranks_on_two_cores_serialise_their_cpu_work():
     assert alone == pytest.approx(60.0, abs=1e-6) and shared == pytest.approx(240.0, abs=1e-6)
 
 
+def test_a_receiver_that_waits_asleep_pays_the_wake_up_after_its_message_arrives():
+    """The 2-rank ring above with a core each and a wake-up of 3 µs: in both steps both ranks have
+    posted their receive before the message arrives (at 32.2 and 86.4 µs), so each receive's work
+    starts 3 µs late: 94.4 + 2 · 3 = 100.4 µs."""
+    woken = sim.simulate("allreduce", "ring", 2, 8000, sim.Network(**CPU, wake_us=3.0))
+    assert woken.finish_us.tolist() == pytest.approx([100.4, 100.4], rel=1e-12)
+
+
+def test_a_receiver_that_finds_its_message_there_pays_no_wake_up():
+    """Linear gather to rank 0 of 3 ranks, 10 µs per message (one at a time into rank 0), waking
+    15 µs: rank 1's message arrives at 10 while rank 0 waits, so rank 0 takes it at 25; rank 2's
+    arrived at 20, before rank 0 asked for it, so it is taken at once: 25 µs, not 10 + 15 + 15."""
+    net = sim.Network(alpha_us=10.0, gbit=1e9, wake_us=15.0)
+    gathered = sim.simulate("gather", "linear", 3, 3 * 4, net)
+    assert gathered.finish_us[0] == pytest.approx(25.0, abs=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, match", [
+    ({"wake_us": -1.0}, r"wake_us must be a number from 0 to 1e\+09 µs"),
     ({"cores": 0}, r"cores must be an integer from 1 to 16,777,216 or None"),
     ({"cores": 2.5}, r"cores must be an integer"),
     ({"ranks_per_cpu": 0}, r"ranks_per_cpu must be an integer from 1"),
@@ -95,7 +113,7 @@ def test_times_stay_finite_with_every_cpu_term_at_its_largest():
 # -- calibration --------------------------------------------------------------------------------------
 
 TRUTH = sim.Network(alpha_us=30.0, gbit=5.0, send_overhead_us=12.0, recv_overhead_us=25.0, copy_us_per_byte=2e-4,
-                    gamma_us_per_byte=5e-4, cores=2, ranks_per_cpu=MAX_RANKS_PER_HOST)
+                    gamma_us_per_byte=5e-4, wake_us=15.0, cores=2, ranks_per_cpu=MAX_RANKS_PER_HOST)
 
 
 def _measured_from_model(directory, network: sim.Network) -> None:

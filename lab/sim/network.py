@@ -75,8 +75,13 @@ class Network:
     work that finds every core of its group busy waits for the first one free, first come first
     served. With every CPU term at 0 the model is the links alone, and the closed forms hold.
 
+    **Waking** (default 0). A receiver that has posted its receive and waits, asleep, for the
+    message starts the receive's work ``wake_us`` after the message arrives: the kernel wakes it
+    and, on shared cores, it waits for its turn. One that finds its message already there pays
+    none of it (a root taking N-1 messages that came while it worked wakes once, not N-1 times).
+
     Ranges (a ``ValueError`` naming the parameter otherwise): ``alpha_us``, ``intra_alpha_us``,
-    ``send_overhead_us`` and ``recv_overhead_us`` 0 to 1e9 µs, ``gap_us`` 0 to ``alpha_us``, ``gbit`` and ``intra_gbit`` 1e-6 to
+    ``send_overhead_us``, ``recv_overhead_us`` and ``wake_us`` 0 to 1e9 µs, ``gap_us`` 0 to ``alpha_us``, ``gbit`` and ``intra_gbit`` 1e-6 to
     1e9 Gbit/s, ``copy_us_per_byte`` and ``gamma_us_per_byte`` 0 to 1e6, ``ranks_per_host``,
     ``cores`` and ``ranks_per_cpu`` 1 to 2**24: every simulated time is then finite.
 
@@ -100,6 +105,7 @@ class Network:
     ranks_per_cpu: int | None = None
     eager_bytes: int | None = 64 * 1024
     gap_us: float | None = None
+    wake_us: float = 0.0
 
     def __post_init__(self) -> None:
         # Frozen: store the checked floats with object.__setattr__ (a numpy scalar becomes a float).
@@ -108,6 +114,7 @@ class Network:
                                  ("gamma_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
                                  ("send_overhead_us", ALPHA_US, "µs"), ("recv_overhead_us", ALPHA_US, "µs"),
                                  ("copy_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
+                                 ("wake_us", ALPHA_US, "µs"),
                                  ("gap_us", (0.0, self.alpha_us), "µs (at most alpha_us)")]:
             value = getattr(self, name)
             if value is not None:
@@ -172,6 +179,8 @@ class Network:
             text += f", {self.ranks_per_host} ranks/host (inside: α {self.intra_alpha:g} µs, {intra_gbit:g} Gbit/s)"
         if self.send_overhead_us or self.recv_overhead_us:
             text += f", o {self.send_overhead_us:g}/{self.recv_overhead_us:g} µs (send/receive)"
+        if self.wake_us:
+            text += f", wake {self.wake_us:g} µs"
         if self.copy_us_per_byte:
             text += f", copy {self.copy_us_per_byte:g} µs/B"
         if self.gamma_us_per_byte:

@@ -10,7 +10,8 @@ their receive (rendezvous, as MPI's large messages
 and NCCL's credits: a sender running ahead cannot fill a receiver's port with a message it does
 not need yet). A step with a held send posts its receive meanwhile. Once it
 has arrived and the receiver has posted the receive (its own send's CPU work done), the receiver
-works ``o_recv + n·copy`` (plus ``n·γ`` if it reduces). A step completes when its send has
+works ``o_recv + n·copy`` (plus ``n·γ`` if it reduces), ``wake_us`` after the message arrived
+if it was already waiting for it. A step completes when its send has
 finished and its receive is done. CPU work waits for a free core of its rank's group when
 ``cores`` is set (first come first served); work of zero µs needs no core. Ties go to the lower
 rank, so a replay is deterministic.
@@ -139,7 +140,7 @@ def _cpu(t, work, group, message, core_free, core_holder):
 @numba.njit(cache=True)
 def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, match,
             alpha, beta, intra_alpha, intra_beta, gamma, ranks_per_host,
-            send_overhead, recv_overhead, copy, cores, ranks_per_cpu, eager_bytes, gap, intra_gap):
+            send_overhead, recv_overhead, copy, cores, ranks_per_cpu, eager_bytes, gap, intra_gap, wake):
     n = len(step_ptr) - 1
     steps = len(send_peer)
     hosts = (n + ranks_per_host - 1) // ranks_per_host
@@ -188,13 +189,14 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
     while size:
         t, code, size = _pop(heap_t, heap_c, size)
         if code < steps:
-            # A message arrives: if its receiver has posted the receive, the receive's CPU work starts now.
+            # A message arrives: if its receiver has posted the receive (and sleeps), the receive's
+            # CPU work starts once the receiver is awake.
             k = code
             j, dst = match[k], send_peer[k]
             arrived[j] = k
             if posted[dst] and cur[dst] == j:
                 posted[dst] = False
-                size = _receive(dst, j, t, k, k, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu,
+                size = _receive(dst, j, t + wake, k, k, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu,
                                 core_free, core_holder, sent_t, sent_cause, held, received_t, received_cause,
                                 step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size, steps, n)
             # A held send's step whose receive was done completes with its send.
@@ -336,7 +338,7 @@ def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.n
                    network.intra_beta_us_per_byte, float(network.gamma_us_per_byte), network.ranks_per_host,
                    float(network.send_overhead_us), float(network.recv_overhead_us), float(network.copy_us_per_byte),
                    network.cores or 0, min(network.cpu_group, max(s.world_size, 1)), network.eager_limit,
-                   network.gap, network.intra_gap)
+                   network.gap, network.intra_gap, float(network.wake_us))
 
 
 def replay(s: Schedule, network: Network) -> Timing:
