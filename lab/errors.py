@@ -96,7 +96,8 @@ def format_flight_records(records: dict, last: int = 8) -> str:
             by_seq = {r.seq: r.cell() for r in recs}
             columns[rank] = [by_seq.get(seq, "-") for seq in seqs]
     width = max([len(f"rank {r}") for r in columns] + [len(c) for col in columns.values() for c in col]) + 2
-    lines = ["seq   " + "".join(f"rank {r}".ljust(width) for r in columns)]
+    seq_width = max(len(str(seqs[-1])) + 2, 6)  # (a long run's numbers pass 6 digits)
+    lines = ["seq".ljust(seq_width) + "".join(f"rank {r}".ljust(width) for r in columns)]
     for i, seq in enumerate(seqs):
-        lines.append(f"{seq:<6}" + "".join(col[i].ljust(width) for col in columns.values()))
+        lines.append(f"{seq:<{seq_width}}" + "".join(col[i].ljust(width) for col in columns.values()))
     return "\n".join(line.rstrip() for line in lines)

@@ -353,3 +353,14 @@ def test_a_compiled_plan_writes_the_plain_calls_trace_row(tmp_path):
         assert {k: v for k, v in plain.items() if k not in varying} == \
             {k: v for k, v in planned.items() if k not in varying}, (plain, planned)
         assert planned["seq"] > plain["seq"] and planned["bytes_sent"] > 0
+
+
+def test_the_flight_recorder_table_keeps_its_columns_past_six_digit_numbers():
+    """A long run's collective numbers (a plan run a million times) stay in their own column."""
+    from lab.errors import format_flight_records
+    from lab.flight import FlightRecord
+
+    records = {rank: [FlightRecord(seq, "allreduce", "tree", "float32", 256, "sum", -1, state="done")
+                      for seq in (999_999, 1_000_000)] for rank in (0, 1)}
+    header, *rows = format_flight_records(records).splitlines()
+    assert header.index("rank 0") == rows[0].index("allreduce") == rows[1].index("allreduce") > len("1000000")
