@@ -11,7 +11,9 @@ of 1 KB to 16 MB (float32) through:
 - ``mpich``: ``comm.Allreduce`` under ``mpiexec`` (where the ``peers`` extra is installed).
 
 Each is timed by :mod:`lab.benchmark`'s rules (warm-up, the slowest rank per call, the median;
-algbw and busbw as nccl-tests), sizes interleaved so that all see the same load. The memory floor
+algbw and busbw as nccl-tests), sizes interleaved so that all see the same load, in
+:data:`ROUNDS` rounds: a case's time is the median of its rounds' medians (one round of 100
+calls of a few µs is a fraction of a millisecond, which one stall of the machine can fill). The memory floor
 is one rank's copy bandwidth B measured in the same run: an allreduce in shared memory moves
 about 4T bytes through each rank's memory (T in, T read by the reduction, T read and written
 out), so ``floor = 4T / B``. Writes ``OUT/data_plane.csv`` and splices "The data plane against
@@ -34,6 +36,7 @@ SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 WORLD_SIZES = [2, 4, 8]
 IMPLS = ["plain", "plan", "python", "gloo"]  # (and mpich, in processes of its own)
 MARKER = "data-plane"
+ROUNDS = 3
 
 
 def measure(world_sizes: list[int], sizes: list[int]) -> pd.DataFrame:
@@ -43,16 +46,31 @@ def measure(world_sizes: list[int], sizes: list[int]) -> pd.DataFrame:
         with benchmark.environment(LAB_COMPILED_MAX_BYTES="0"):
             python_pool = lab.launch(world, transport="shm")
         with lab.launch(world, transport="shm") as lab_pool, python_pool:
-            for nbytes in sizes:
-                for impl in IMPLS:
-                    pool = python_pool if impl == "python" else lab_pool
-                    row = benchmark.measure(pool, "allreduce", {"plain": "lab", "python": "lab"}.get(impl, impl), nbytes)
-                    rows.append({**row, "impl": impl})
-        if mpich.unavailable() is None:
-            rows += [mpich.measure(world, nbytes) for nbytes in sizes]
-    table = pd.DataFrame(rows)
+            for _ in range(ROUNDS):
+                for nbytes in sizes:
+                    for impl in IMPLS:
+                        pool = python_pool if impl == "python" else lab_pool
+                        row = benchmark.measure(pool, "allreduce", {"plain": "lab", "python": "lab"}.get(impl, impl),
+                                                nbytes)
+                        rows.append({**row, "impl": impl})
+                    if mpich.unavailable() is None:
+                        rows.append(mpich.measure(world, nbytes))
+    table = _median_of_rounds(pd.DataFrame(rows))
     table["floor_us"] = 4 * table["bytes"] / (benchmark.copy_bandwidth() * 1e3)  # GB/s = 1e3 bytes per µs
     table["load_average"], table["cores"] = load, os.cpu_count()
+    return table
+
+
+def _median_of_rounds(rounds: pd.DataFrame) -> pd.DataFrame:
+    """One row per case from its rounds' rows: the median of their medians (and of their p10 and
+    p90), every call counted, the bandwidths of that median."""
+    case = ["impl", "world", "bytes"]
+    table = rounds.groupby(case, sort=False).agg(
+        {**{c: "first" for c in rounds.columns if c not in case}, "median_us": "median", "p10_us": "median",
+         "p90_us": "median", "calls": "sum"}).reset_index()[rounds.columns]
+    first = rounds.groupby(case, sort=False)[["median_us", "algbw_GBps", "busbw_GBps"]].first().reset_index()
+    scale = first["median_us"].to_numpy() / table["median_us"].to_numpy()  # bandwidths go as 1 / time
+    table["algbw_GBps"], table["busbw_GBps"] = first["algbw_GBps"] * scale, first["busbw_GBps"] * scale
     return table
 
 
@@ -98,7 +116,8 @@ def section(table: pd.DataFrame) -> str:
     lines = ["## The data plane against MPICH and gloo", "",
              ("`python -m lab results --data-plane` (`data_plane.csv`): allreduce on shm through the plain call "
               "(`auto`), a plan (`lab.allreduce_init`), the plain call with the compiled path off (`python`), gloo "
-              "and MPICH, in one run, sizes interleaved; median µs of the slowest rank per call. **floor** is 4T "
+              f"and MPICH, in one run, sizes interleaved, {ROUNDS} rounds; the median over rounds of the median µs of the "
+              "slowest rank per call. **floor** is 4T "
               "over one rank's copy bandwidth measured in the same run. Load average "
               f"{table['load_average'].iloc[0]} when it started, on {table['cores'].iloc[0]} cores: with more "
               "ranks than cores these times measure how each library waits as much as what it moves."), ""]
