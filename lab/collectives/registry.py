@@ -58,7 +58,7 @@ TABLE: tuple[Algorithm, ...] = (
     _entry("allreduce", allreduce_halving_doubling, "halving_doubling", 6),
     _entry("allreduce", allreduce_double_tree, "double_tree", 7),
     _entry("allreduce", allreduce_hierarchical, "hierarchical", 13, auto=False),  # weighed across hosts only
-    _entry("allreduce", allreduce_two_shot, "two_shot", 15, auto=False),  # shm's in-place form is not in the models yet
+    _entry("allreduce", allreduce_two_shot, "two_shot", 15),
     _entry("broadcast", broadcast_binomial, "binomial", 4, fallback="small"),
     _entry("broadcast", broadcast_scatter_allgather, "scatter_allgather", 9, fallback="large"),
     _entry("allgather", allgather_ring, "ring", 1, fallback="large"),
