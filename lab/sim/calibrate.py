@@ -66,7 +66,8 @@ ITERATIONS = 100
 POLISH_FACTORS = (0.5, 0.8, 0.95, 1.05, 1.2, 2.0)
 POLISH_EVALUATIONS = 3000
 #: Second measurements of some cases (``python -m lab results --ranks 4 --quick --keep-tuning --out
-#: results/repeat/4``), for :func:`repeatability`; never calibrated on.
+#: results/repeat/4``, ``python -m lab results --hosts 4 8 --link-gbit 1 --out results/repeat/hosts``),
+#: for :func:`repeatability`; never calibrated on.
 REPEATS = "repeat/*"
 CASE = ["setting", "collective", "algorithm", "world", "bytes"]
 
