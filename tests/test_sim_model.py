@@ -145,6 +145,23 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements(tmp_p
     assert best_agreement(table)["agree"].all()
 
 
+def test_repeatability_compares_the_cases_measured_again_with_their_first_measurement(tmp_path):
+    """A second run under repeat/ where 1 KB cases took 3x as long and the rest 1.2x or 1.3x: from
+    64 KB up those within 25 % are the 1.2x ones, and within 2x are all but the 1 KB ones."""
+    from lab.sim.calibrate import repeatability, validation_section
+
+    _measured_from_model(tmp_path, TRUTH)
+    first = pd.read_csv(tmp_path / "allreduce.csv")
+    again = first.copy()
+    again["median_us"] *= np.where(first["bytes"] == 1 << 10, 3.0, np.where(first["algorithm"] == "ring", 1.2, 1.3))
+    (tmp_path / "repeat" / "4").mkdir(parents=True)
+    again.to_csv(tmp_path / "repeat" / "4" / "allreduce.csv", index=False)
+    table = repeatability(tmp_path)
+    assert table.to_dict("records") == [{"setting": "shm", "cases": 60, "near": pytest.approx(1 / 3),
+                                         "within_2x": pytest.approx(0.8)}]
+    assert "| shm | 60 | 33% | 80% |" in validation_section(tmp_path, tmp_path)
+
+
 # -- eager and rendezvous -------------------------------------------------------------------------
 
 
