@@ -127,7 +127,7 @@ class IssueQueue:
         """:meth:`run_collective` for a ``run`` that issues no call of its own (one compiled
         collective): where nothing is pending and no thread drives, it runs at once, uncounted in
         :attr:`issued` (no asynchronous send is held back, so none can be run ahead of it)."""
-        if self._pending or self.closed or _pid[0] != self._owner_pid or not self._driving.acquire(blocking=False):
+        if self._pending or self.closed or _pid[0] != self._owner_pid or not self._driving.acquire(False):
             return self.run_collective(run)  # (this thread driving: inline; another: wait for it)
         try:
             return run()
