@@ -200,6 +200,27 @@ def test_an_async_plan_completes_in_issue_order_with_p2p_in_flight(cluster):
         assert got == (rank - 1) % n
 
 
+def plan_behind_async_work(mesh: lab.Mesh) -> list[str]:
+    """A plan run synchronously right after an async allreduce of its own tensor waits for it
+    (issue order): it reduces the already-reduced tensor, so the tensor ends N times the sum."""
+    x = torch.zeros(64)
+    wrong = []
+    with lab.allreduce_init(mesh, x) as plan:
+        for run in range(20):
+            x.copy_(inputs(mesh, 64, run))
+            total = sum(inputs(mesh, 64, run) - mesh.rank + r for r in range(mesh.world_size))
+            work = lab.allreduce(mesh, x, async_op=True)
+            plan()
+            work.wait()
+            if not torch.equal(x, total * mesh.world_size):
+                wrong.append(f"rank {mesh.rank} run {run}: {x[:4].tolist()} != {(total * mesh.world_size)[:4].tolist()}")
+    return wrong
+
+
+def test_a_plan_run_behind_async_work_waits_for_it(cluster):
+    assert cluster.run(plan_behind_async_work) == [[]] * cluster.world_size
+
+
 def calls_after_close(mesh: lab.Mesh) -> list[str]:
     x = torch.ones(2)
     plan = lab.allreduce_init(mesh, x)
