@@ -22,6 +22,7 @@ import numpy as np
 from kernels import mailbox as mailbox_status
 from lab import fingerprint
 from lab.buffers import new_flat
+from lab.counters import BOOKED_KEYS, Counters
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
 from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, FlightRecorder, Position, TraceFile
 from lab.issue import IssueQueue
@@ -87,8 +88,8 @@ class Exchange:
         self._next_any = 0  # recv(None) tries the ranks from this one on
         self._position = Position(membership.describe())
         self._recorder = FlightRecorder(self._ledger[RING:].reshape(FLIGHT_RECORDER_SIZE, 2))
+        self._counters = Counters(self._ledger[BOOKED:BOOKED + len(BOOKED_KEYS)])
         self.templates: dict = {}  # plain calls' checks and choices, by their arguments (lab.collectives)
-        self.reset_stats()
 
     def _view(self, membership: Membership) -> Exchange:
         """A mesh of this one's type over ``membership`` (a sub-mesh's): the same channels, its
@@ -133,20 +134,15 @@ class Exchange:
         ``bytes_sent_inter_host`` / ``bytes_received_inter_host``: the part to or from a rank on
         another host. A mesh's counters include its sub-meshes' traffic; a sub-mesh counts its own.
         """
-        stats = dict(self._stats)
-        booked = self._ledger[BOOKED:BOOKED + 5].tolist()  # (compiled: all on this host)
-        for key, value in zip(("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives"),
-                              booked, strict=True):
-            stats[key] += value
-        stats["collectives_compiled"] += booked[4]
-        return stats
+        return self._counters.snapshot()
 
     def reset_stats(self) -> None:
-        self._stats = dict.fromkeys(
-            ("bytes_sent", "bytes_received", "messages_sent", "messages_received", "collectives",
-             "collectives_compiled", "bytes_sent_inter_host", "bytes_received_inter_host"), 0
-        )
-        self._ledger[BOOKED:BOOKED + 5] = 0
+        self._counters.reset()
+
+    def _count(self, **counts: int) -> None:
+        """Count a transfer in this mesh's counters and its ancestors'."""
+        for mesh in self._lineage:
+            mesh._counters.add(**counts)
 
     # -- what the public collectives take from the mesh ----------------------------------------
 
@@ -188,13 +184,8 @@ class Exchange:
         if call(self._tag, self.recv_timeout_ms, operands) != mailbox_status.OK:
             _raise_compiled_failure(self, call)
         bytes_sent, bytes_received, messages_sent, messages_received = call.counts()
-        for mesh in self._lineage:
-            stats = mesh._stats
-            stats["bytes_sent"] += bytes_sent
-            stats["bytes_received"] += bytes_received
-            stats["messages_sent"] += messages_sent
-            stats["messages_received"] += messages_received
-            stats["collectives_compiled"] += 1
+        self._count(bytes_sent=bytes_sent, bytes_received=bytes_received, messages_sent=messages_sent,
+                    messages_received=messages_received, collectives_compiled=1)
 
     # -- what algorithms use -------------------------------------------------------------------
 
@@ -234,18 +225,10 @@ class Exchange:
             )
         if counted:
             hosts, host = self._membership.hosts, self.host
-            for mesh in self._lineage:
-                stats = mesh._stats
-                for send in sends:
-                    stats["bytes_sent"] += send.data.nbytes
-                    stats["messages_sent"] += 1
-                    if hosts[send.dst] != host:
-                        stats["bytes_sent_inter_host"] += send.data.nbytes
-                for recv in recvs:
-                    stats["bytes_received"] += recv.out.nbytes
-                    stats["messages_received"] += 1
-                    if hosts[recv.src] != host:
-                        stats["bytes_received_inter_host"] += recv.out.nbytes
+            self._count(bytes_sent=sum(s.data.nbytes for s in sends), messages_sent=len(sends),
+                        bytes_sent_inter_host=sum(s.data.nbytes for s in sends if hosts[s.dst] != host),
+                        bytes_received=sum(r.out.nbytes for r in recvs), messages_received=len(recvs),
+                        bytes_received_inter_host=sum(r.out.nbytes for r in recvs if hosts[r.src] != host))
 
     @property
     def scratch(self) -> Any:
@@ -264,10 +247,8 @@ class Exchange:
         self._position.step += 1
         with _failures(self, self.recv_timeout_ms):
             moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1000, self._position)
-        for mesh in self._lineage:
-            for key, value in (("bytes_sent", moved.bytes_sent), ("bytes_received", moved.bytes_received),
-                               ("messages_sent", moved.messages), ("messages_received", moved.messages)):
-                mesh._stats[key] += value
+        self._count(bytes_sent=moved.bytes_sent, bytes_received=moved.bytes_received, messages_sent=moved.messages,
+                    messages_received=moved.messages)
         return True
 
     def _mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError:
@@ -316,7 +297,7 @@ class Exchange:
         self._compiled = compiled
         if self._trace is None:
             return record, 0, _UNTRACED
-        return record, time.time_ns(), (self._stats["bytes_sent"], self._stats["bytes_received"], self._nbytes)
+        return record, time.time_ns(), (self._counters["bytes_sent"], self._counters["bytes_received"], self._nbytes)
 
     def _enter(self, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int) -> FlightRecord:
         """Number the next collective, say where this rank is, and note it in the flight recorder."""
@@ -337,14 +318,14 @@ class Exchange:
 
     def _done(self, record: FlightRecord, start_ns: int, before: tuple[int, int, int]) -> None:
         record.state, record.step = "done", self._position.step
-        self._stats["collectives"] += 1
+        self._counters.add(collectives=1)
         if self._trace is not None:
             self._write_trace(
                 kind="collective", op=record.collective, algorithm=record.algorithm, dtype=record.dtype,
                 count=record.count, nbytes=before[2], reduce_op=record.op or None,
                 root=None if record.root < 0 else record.root,
-                bytes_sent=self._stats["bytes_sent"] - before[0],
-                bytes_received=self._stats["bytes_received"] - before[1],
+                bytes_sent=self._counters["bytes_sent"] - before[0],
+                bytes_received=self._counters["bytes_received"] - before[1],
                 start_ns=start_ns, duration_ns=time.time_ns() - start_ns, seq=record.seq,
             )
 

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch.distributed as dist

@@ -4,6 +4,7 @@ and its report states each bar of the compiled data plane as met or not, from th
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from lab.results import data_plane
 
@@ -48,3 +49,17 @@ def test_a_small_run_measures_every_impl_and_splices_the_report(tmp_path):
     report = (tmp_path / "REPORT.md").read_text()
     assert report.startswith("# Results") and "## The data plane against MPICH and gloo" in report
     assert "**2 ranks**" in report and "| 1 KB |" in report
+
+
+def test_a_case_is_the_median_of_its_rounds_with_every_call_counted():
+    """Rounds of 10, 30 and 20 µs (a stall filled the second): the case is 20 µs over 300 calls,
+    its bandwidths those of 20 µs (busbw 2(N-1)/N of algbw for an allreduce on 4 ranks)."""
+    rounds = pd.DataFrame([{"collective": "allreduce", "impl": impl, "algorithm": "auto", "transport": "shm",
+                            "world": 4, "bytes": 1024, "median_us": us * scale, "p10_us": us * scale - 1,
+                            "p90_us": us * scale + 1, "algbw_GBps": 0.0, "busbw_GBps": 0.0, "calls": 100}
+                           for us in (10.0, 30.0, 20.0) for impl, scale in (("plan", 1), ("plain", 2))])
+    table = data_plane._median_of_rounds(rounds).set_index("impl")
+    assert table["median_us"].to_dict() == {"plan": 20.0, "plain": 40.0}
+    assert table.loc["plan", "p10_us"] == 19.0 and table.loc["plan", "calls"] == 300
+    assert table.loc["plan", "algbw_GBps"] == pytest.approx(1024 / 20e3)
+    assert table.loc["plan", "busbw_GBps"] == pytest.approx(1.5 * 1024 / 20e3)

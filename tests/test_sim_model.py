@@ -129,7 +129,8 @@ def _measured_from_model(directory, network: sim.Network) -> None:
 
 
 def test_calibration_recovers_known_parameters_from_synthetic_measurements(tmp_path):
-    from lab.sim.calibrate import PARAMETERS, best_agreement, calibrate
+    from lab.sim.calibrate import PARAMETERS, calibrate
+    from lab.sim.validation import best_agreement
 
     _measured_from_model(tmp_path, TRUTH)
     fits, table = calibrate(tmp_path)
@@ -148,7 +149,7 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements(tmp_p
 def test_repeatability_compares_the_cases_measured_again_with_their_first_measurement(tmp_path):
     """A second run under repeat/ where 1 KB cases took 3x as long and the rest 1.2x or 1.3x: from
     64 KB up those within 25 % are the 1.2x ones, and within 2x are all but the 1 KB ones."""
-    from lab.sim.calibrate import repeatability, validation_section
+    from lab.sim.validation import repeatability, validation_section
 
     _measured_from_model(tmp_path, TRUTH)
     first = pd.read_csv(tmp_path / "allreduce.csv")

@@ -68,9 +68,8 @@ def _median_of_rounds(rounds: pd.DataFrame) -> pd.DataFrame:
     table = rounds.groupby(case, sort=False).agg(
         {**{c: "first" for c in rounds.columns if c not in case}, "median_us": "median", "p10_us": "median",
          "p90_us": "median", "calls": "sum"}).reset_index()[rounds.columns]
-    first = rounds.groupby(case, sort=False)[["median_us", "algbw_GBps", "busbw_GBps"]].first().reset_index()
-    scale = first["median_us"].to_numpy() / table["median_us"].to_numpy()  # bandwidths go as 1 / time
-    table["algbw_GBps"], table["busbw_GBps"] = first["algbw_GBps"] * scale, first["busbw_GBps"] * scale
+    table["algbw_GBps"] = table["bytes"] / (table["median_us"] * 1e3)
+    table["busbw_GBps"] = table["algbw_GBps"] * [benchmark.bus_factor("allreduce", n) for n in table["world"]]
     return table
 
 

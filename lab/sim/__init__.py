@@ -12,7 +12,8 @@ saying how to raise the limit; :func:`estimate` says what a case would cost.
 How: :mod:`lab.sim.record` runs the public collective once per rank on a mesh that records
 each send and receive instead of moving data; :mod:`lab.sim.replay` times those steps in a
 discrete-event loop (Numba). :mod:`lab.sim.calibrate` fits a :class:`Network` to measured
-results, and :mod:`lab.sim.sweep` is ``python -m lab simulate``.
+results, :mod:`lab.sim.validation` scores the fit against them, and :mod:`lab.sim.sweep` is
+``python -m lab simulate``.
 """
 
 from lab.sim.core import SimResult, best_algorithm, estimate, predict, simulate

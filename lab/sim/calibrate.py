@@ -22,9 +22,6 @@ transports at N = 4 (``allreduce.csv``, ``collectives.csv``) and at other N (``r
 ``python -m lab results --ranks N --quick --keep-tuning --out results/ranks/N``), emulated hosts with one rank each
 (``hosts/allreduce.csv``) and with two (``hosts/hierarchical.csv``, shared memory inside a host:
 its intra-host link is the shm setting's).
-
-Repeatability: cases measured a second time (:data:`REPEATS`) are compared with their first
-measurement by the same tests (:func:`repeatability`), which bounds what any model can reach.
 """
 
 from __future__ import annotations
@@ -56,20 +53,10 @@ PARAMETERS = [("alpha_us", 20.0, (1e-3, 1e6), "α (µs)"), ("gbit", 10.0, (1e-3,
               ("gamma_us_per_byte", 1e-4, (1e-9, 1.0), "γ (µs/KB)"),
               ("wake_us", 10.0, (1e-3, 1e6), "wake (µs)")]
 CALIBRATION_WORLDS = (2, 4, 8)
-#: The targets of the validation (issue 21): within 25 % from 64 KB up, within 2× at every size,
-#: and the measured best named where it beats the second by more than 15 %.
-NEAR, NEAR_FROM_BYTES, NEAR_TARGET = 0.25, 64 << 10, 0.80
-WITHIN_2X_TARGET = 0.95
-DECISIVE_MARGIN, BEST_TARGET = 0.15, 0.90
 ITERATIONS = 100
 #: The one-parameter moves of the polish, and the most evaluations a fit takes with it.
 POLISH_FACTORS = (0.5, 0.8, 0.95, 1.05, 1.2, 2.0)
 POLISH_EVALUATIONS = 3000
-#: Second measurements of some cases (``python -m lab results --ranks 4 --quick --keep-tuning --out
-#: results/repeat/4``, ``python -m lab results --hosts 4 8 --link-gbit 1 --out results/repeat/hosts``),
-#: for :func:`repeatability`; never calibrated on.
-REPEATS = "repeat/*"
-CASE = ["setting", "collective", "algorithm", "world", "bytes"]
 
 
 def _input_bytes(collective: str, nbytes: int, world: int) -> int:
@@ -87,7 +74,7 @@ def calibrates(world: int, nbytes: int) -> bool:
     return (nbytes.bit_length() - 11) % 4 == 0
 
 
-def _measured_on(results_dir: Path, source: str) -> str:
+def measured_on(results_dir: Path, source: str) -> str:
     """When a measured CSV was written (its directory's ``machine.json``)."""
     info = Path(results_dir) / source
     info = info.parent / "machine.json"
@@ -263,160 +250,3 @@ def calibrate(results_dir: Path) -> tuple[dict[str, Fit], pd.DataFrame]:
         parts.append(rows)
     table = pd.concat(parts, ignore_index=True) if parts else frame.assign(predicted_us=[], ratio=[])
     return fits, table
-
-
-def best_agreement(table: pd.DataFrame) -> pd.DataFrame:
-    """Per setting, collective, N and size: the measured best algorithm, how much it beats the
-    second by (``margin``: second / best - 1), the predicted best, and whether they agree."""
-    rows = []
-    for key, group in table.groupby(["setting", "collective", "world", "bytes"], sort=True):
-        if len(group) < 2:
-            continue
-        ordered = group.sort_values("median_us", kind="stable")
-        measured_best = ordered["algorithm"].iloc[0]
-        predicted_best = group.loc[group["predicted_us"].idxmin(), "algorithm"]
-        rows.append(dict(zip(["setting", "collective", "world", "bytes"], key), role=group["role"].iloc[0],
-                         measured_best=measured_best, predicted_best=predicted_best,
-                         margin=ordered["median_us"].iloc[1] / ordered["median_us"].iloc[0] - 1.0,
-                         agree=measured_best == predicted_best))
-    return pd.DataFrame(rows)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
-
-
-def scores(rows: pd.DataFrame, agreement: pd.DataFrame) -> dict[str, float]:
-    """The validation's three numbers on ``rows`` (and their best-algorithm groups in ``agreement``)."""
-    large = rows[rows["bytes"] >= NEAR_FROM_BYTES]
-    decisive = agreement[agreement["margin"] > DECISIVE_MARGIN]
-    return {"cases": len(rows),
-            "near": ((large["ratio"] - 1).abs() <= NEAR).mean() if len(large) else np.nan,
-            "within_2x": ((rows["ratio"] <= 2) & (rows["ratio"] >= 0.5)).mean() if len(rows) else np.nan,
-            "decisive": len(decisive), "best": decisive["agree"].mean() if len(decisive) else np.nan}
-
-
-def _percent(value: float, target: float) -> str:
-    if not np.isfinite(value):
-        return "-"
-    return f"{value:.0%}" + (" ✓" if value >= target else "")
-
-
-def _parameter(name: str, value: float) -> str:
-    return f"{value * 1024:.3g}" if name.endswith("per_byte") else f"{value:.3g}"
-
-
-def repeatability(results_dir: Path) -> pd.DataFrame:
-    """Per setting, the cases measured again under :data:`REPEATS` against their first measurement:
-    how many, and the share whose medians agree within 25 % (from 64 KB up) and within 2×."""
-    first = measured(results_dir).set_index(CASE)["median_us"]
-    rows = []
-    for directory in sorted(Path(results_dir).glob(REPEATS)):
-        again = measured(directory).set_index(CASE)["median_us"]
-        ratio = (again / first).dropna()
-        for setting, r in ratio.groupby(level="setting"):
-            large = r[r.index.get_level_values("bytes") >= NEAR_FROM_BYTES]
-            rows.append({"setting": setting, "cases": len(r), "near": ((large - 1).abs() <= NEAR).mean(),
-                         "within_2x": ((r <= 2) & (r >= 0.5)).mean()})
-    return pd.DataFrame(rows)
-
-
-def validation_section(results_dir: Path, out: Path) -> str:
-    """REPORT.md's "Simulator vs measurement" (and ``calibration.csv``, ``validation.csv``,
-    ``best_agreement.csv`` in ``out``)."""
-    fits, table = calibrate(results_dir)
-    if table.empty:
-        return ""
-    agreement = best_agreement(table)
-    pd.DataFrame([{"setting": s, **{name: getattr(f.network, name) for name, *_ in PARAMETERS},
-                   "cores": f.network.cores, "ranks_per_host": f.network.ranks_per_host, "fit_error": f.error,
-                   "evaluations": f.evaluations, **{f"determined_{k}": v for k, v in f.determined.items()}}
-                  for s, f in fits.items()]).to_csv(out / "calibration.csv", index=False, float_format="%.6g")
-    table.to_csv(out / "validation.csv", index=False, float_format="%.6g")
-    agreement.to_csv(out / "best_agreement.csv", index=False, float_format="%.6g")
-    worlds = ", ".join(map(str, CALIBRATION_WORLDS))
-    lines = ["## Simulator vs measurement\n",
-             ("Each setting's network has link terms (α, bandwidth) and CPU terms: LogGP's per-message overhead on "
-             "the sender and on the receiver (o_send, o_recv), a per-byte copy on each side (into and out of "
-             "shared memory, the socket, a frame's MAC), the reduction's γ and the wake-up of a receiver that "
-             "waits asleep for its message, on the machine's cores, which all its ranks share, first come first "
-             "served (`lab.sim.Network`). The seven are fitted per setting to "
-             f"the **calibration** cases (N = {worlds} at 1 KB, 16 KB, 256 KB, 4 MB, 64 MB), minimising the mean "
-             "|log(predicted / measured)| (`lab.sim.calibrate`); every other case (N = 3, 5, 6, 7, and 4 KB, "
-             "64 KB, 1 MB, 16 MB at every N) is **validation**, never seen by the fit. Ratio = predicted / "
-             "measured.\n"),
-             ("Fitted parameters (copy and γ per KB), the machine's cores, and the fit error (mean |log ratio| "
-             "on the calibration cases):\n"),
-             "| setting | " + " | ".join(label for *_, label in PARAMETERS) + " | cores | fit error |",
-             "| --- " * (len(PARAMETERS) + 3) + "|"]
-    for setting, f in fits.items():
-        lines.append(f"| {setting} | " + " | ".join(_parameter(name, getattr(f.network, name))
-                                                    for name, *_ in PARAMETERS)
-                     + f" | {f.network.cores} | {f.error:.3f} |")
-    lines += [("\nHow well each parameter is determined: the fit error's rise when it alone moves ±20 % (the "
-              "smaller rise; under 1 % means the measurements hardly constrain it):\n"),
-              "| setting | " + " | ".join(label.split(" (")[0] for *_, label in PARAMETERS) + " |",
-              "| --- " * (len(PARAMETERS) + 1) + "|"]
-    for setting, f in fits.items():
-        lines.append(f"| {setting} | " + " | ".join(f"{f.determined[name]:+.1%}" for name, *_ in PARAMETERS) + " |")
-    lines += [(f"\nValidation against the targets (✓: met): within 25 % from 64 KB up (target "
-              f"{NEAR_TARGET:.0%}), within 2× at every size (target {WITHIN_2X_TARGET:.0%}), and where the measured "
-              f"best algorithm beats the second by more than {DECISIVE_MARGIN:.0%}, the predicted best is it "
-              f"(target {BEST_TARGET:.0%}). Calibration cases for comparison:\n"),
-              ("| setting | validation cases | within 25 % (≥ 64 KB) | within 2× | best named (clear wins) | "
-              "calibration cases | within 25 % (≥ 64 KB) | within 2× | best named (clear wins) |"),
-              "| --- " * 9 + "|"]
-    for setting in [*fits, "all"]:
-        cells = []
-        for role in ("validation", "calibration"):
-            rows = table[table["role"] == role]
-            groups = agreement[agreement["role"] == role]
-            if setting != "all":
-                rows, groups = rows[rows["setting"] == setting], groups[groups["setting"] == setting]
-            s = scores(rows, groups)
-            best = f"{_percent(s['best'], BEST_TARGET)} of {s['decisive']}" if s["decisive"] else "-"
-            cells += [str(s["cases"]), _percent(s["near"], NEAR_TARGET), _percent(s["within_2x"], WITHIN_2X_TARGET),
-                      best]
-        lines.append(f"| {'**all**' if setting == 'all' else setting} | " + " | ".join(cells) + " |")
-    again = repeatability(results_dir)
-    if len(again):
-        lines += [("\nHow well the measurement itself repeats: the cases measured a second time (`"
-                  f"{REPEATS}`, later, by the same command) against their first measurement, by the same two "
-                  "tests. A model cannot agree with one run much more often than two runs agree with each other:\n"),
-                  "| setting | cases measured twice | within 25 % (≥ 64 KB) | within 2× |", "| --- | --- | --- | --- |"]
-        lines += [f"| {r.setting} | {r.cases} | {r.near:.0%} | {r.within_2x:.0%} |" for r in again.itertuples()]
-    for setting in fits:
-        rows = table[(table["setting"] == setting) & (table["collective"] == "allreduce")]
-        if rows.empty:
-            continue
-        world = int(rows.groupby("world").size().idxmax())  # the N measured at the most sizes
-        grid = rows[rows["world"] == world].pivot_table(index="bytes", columns="algorithm", values="ratio")
-        grid.index = [_size(int(b)) + ("" if calibrates(world, int(b)) else " (v)") for b in grid.index]
-        lines.append(f"\nAllreduce on {setting}, N = {world}, predicted / measured ((v): validation):\n")
-        lines.append("| size | " + " | ".join(grid.columns) + " |")
-        lines.append("| --- | " + " | ".join("---" for _ in grid.columns) + " |")
-        lines += [f"| {size} | " + " | ".join(f"{v:.2f}" for v in values) + " |" for size, values in grid.iterrows()]
-    lines.append("\nWithin 2× by world size (every case, calibration and validation), and where each N was "
-                 "measured:\n")
-    measured_worlds = sorted(table["world"].unique())
-    lines += ["| setting | " + " | ".join(f"N = {w}" for w in measured_worlds) + " |",
-              "| --- " * (len(measured_worlds) + 1) + "|"]
-    for setting in fits:
-        rows = table[table["setting"] == setting]
-        cells = []
-        for w in measured_worlds:
-            at = rows[rows["world"] == w]
-            cells.append(f"{((at['ratio'] <= 2) & (at['ratio'] >= 0.5)).mean():.0%}" if len(at) else "")
-        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
-    sources = table.groupby("source")["world"].unique()
-    lines.append("\nMeasured: " + "; ".join(f"`{source}` (N = {', '.join(map(str, sorted(w)))}, "
-                                             f"{_measured_on(results_dir, source)})" for source, w in sources.items())
-                 + ".")
-    misses = agreement[(agreement["margin"] > DECISIVE_MARGIN) & ~agreement["agree"]]
-    if len(misses):
-        lines.append(f"\nClear wins (by more than {DECISIVE_MARGIN:.0%}) where the predicted best is not the measured "
-                     f"best ({len(misses)} of {int((agreement['margin'] > DECISIVE_MARGIN).sum())}): "
-                     + "; ".join(f"{r.setting} {r.collective} N={r.world} {_size(int(r.bytes))}: measured "
-                                 f"{r.measured_best} (by {r.margin:.0%}), predicted {r.predicted_best}"
-                                 for r in misses.head(12).itertuples()) + ".")
-    return "\n".join(lines) + "\n"

@@ -299,7 +299,7 @@ def main(args: argparse.Namespace) -> int:
         plot_crossover(cross, network, out / "crossover.png")
     text = at_scale(frame, best_frame, cross, network, images=out.name)
     if args.measured:
-        from lab.sim.calibrate import validation_section
+        from lab.sim.validation import validation_section
 
         text += validation_section(Path(args.measured), out)
     (out / "report.md").write_text(text)
