@@ -109,7 +109,7 @@ import sys
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.experimental import structref
 from numba.extending import intrinsic, overload, overload_method, register_jitable
@@ -404,6 +404,28 @@ def _memcpy(typingctx, dst_address, src_address, nbytes):
         return context.get_dummy_value()
 
     return types.void(dst_address, src_address, nbytes), codegen
+
+
+@intrinsic
+def _byte_pointer(typingctx, address):
+    """``address`` (an integer) as a ``uint8*``, for :func:`bytes_at`."""
+    if not _integers(address):
+        return None
+
+    def codegen(context, builder, signature, args):
+        value = context.cast(builder, args[0], signature.args[0], types.int64)
+        return builder.inttoptr(value, ir.IntType(8).as_pointer())
+
+    return types.CPointer(types.uint8)(address), codegen
+
+
+@njit(inline="always", cache=True)
+def bytes_at(address, nbytes):
+    """The ``nbytes`` bytes at ``address`` as a uint8 array (no copy): a caller passes a buffer
+    as two integers, which cross from Python for less than an array does (and need no array made
+    first: a torch tensor's ``data_ptr()`` is 40 ns, its ``numpy()`` 500). The memory must stay
+    alive for as long as the array is used, which the caller of a synchronous call guarantees."""
+    return carray(_byte_pointer(address), nbytes)
 
 
 CLOCK_MONOTONIC = 1

@@ -77,8 +77,12 @@ def check_tensor(tensor: Any, name: str = "tensor") -> DType:
             raise TypeError(f"{name} has layout {tensor.layout}; collectives take dense (strided) tensors "
                             "(use .to_dense())")
     dtype = dtype_of(tensor, name)
-    if isinstance(tensor, torch.Tensor) and not tensor.is_cpu:
-        raise ValueError(f"{name} must be a CPU tensor; got device {tensor.device}")
+    if isinstance(tensor, torch.Tensor):
+        if not tensor.is_cpu:
+            raise ValueError(f"{name} must be a CPU tensor; got device {tensor.device}")
+        if tensor.is_conj() or tensor.is_neg():  # its memory is not its values
+            raise ValueError(f"{name} is a lazy {'conjugate' if tensor.is_conj() else 'negative'} view; pass "
+                             f"{name}.resolve_conj().resolve_neg() (or a clone)")
     return dtype
 
 

@@ -169,15 +169,16 @@ class Exchange:
         call = plane.call(algorithm, args)
         self._run_compiled(call, call.operands(args))
 
-    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple) -> PlannedRun | None:
+    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple, at: bool = False) -> PlannedRun | None:
         """The compiled call that the collective of ``signature`` running ``algorithm`` on
         arguments like ``args`` takes, made once now (for a plan, or a plain call's template), or
-        None where it runs in Python."""
+        None where it runs in Python. ``at``: it takes its first buffer as an address and a byte
+        count (:meth:`lab.plane.CompiledPlane.call`)."""
         plane = self.plane
         nbytes = signature.count * signature.dtype.storage.itemsize
         if plane is None or not signature.compiled or not plane.takes(algorithm, nbytes, args):
             return None
-        return PlannedRun(self, signature, plane.call(algorithm, args))
+        return PlannedRun(self, signature, plane.call(algorithm, args, at))
 
     def _run_compiled(self, call: CompiledCall, operands: tuple) -> None:
         self._position.step += 1

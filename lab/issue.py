@@ -8,6 +8,7 @@ input after them, and its messages follow theirs on every channel).
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import deque
@@ -123,14 +124,15 @@ class IssueQueue:
             finally:
                 local.driving = False
 
-    def run_alone(self, run: Callable[[], Any]) -> Any:
-        """:meth:`run_collective` for a ``run`` that issues no call of its own (one compiled
-        collective): where nothing is pending and no thread drives, it runs at once, uncounted in
-        :attr:`issued` (no asynchronous send is held back, so none can be run ahead of it)."""
+    def run_alone(self, run: Callable[..., Any], *args: Any) -> Any:
+        """:meth:`run_collective` of ``run(*args)``, a run that issues no call of its own (one
+        compiled collective): where nothing is pending and no thread drives, it runs at once,
+        uncounted in :attr:`issued` (no asynchronous send is held back, so none can be run ahead
+        of it)."""
         if self._pending or self.closed or _pid[0] != self._owner_pid or not self._driving.acquire(False):
-            return self.run_collective(run)  # (this thread driving: inline; another: wait for it)
+            return self.run_collective(functools.partial(run, *args))  # (this thread driving: inline; another: wait)
         try:
-            return run()
+            return run(*args)
         finally:
             self._driving.release()
 

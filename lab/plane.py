@@ -31,6 +31,7 @@ from typing import Any
 
 import numba
 import numpy as np
+import torch
 from numba import njit
 
 from kernels import mailbox as mb
@@ -98,7 +99,7 @@ class CompiledPlane:
         #: The books of the mesh this plane serves (see SEQ, BOOKED, RING).
         self.ledger = np.zeros(LEDGER_WORDS, np.int64)
         self._calls: dict[tuple, CompiledCall] = {}
-        self._entries: dict[tuple[Compilable, bool], Callable[..., None]] = {}  # one compilation per algorithm
+        self._entries: dict[tuple[Compilable, bool, bool], Callable[..., None]] = {}  # one compilation per algorithm
         self._compiling_only = False  # compile_all's first pass: calls compile their share, run nothing
 
     def takes(self, algorithm: Any, nbytes: int, args: tuple = ()) -> bool:
@@ -108,14 +109,15 @@ class CompiledPlane:
             and isinstance(getattr(algorithm, "run", None), Compilable) \
             and not any(isinstance(a, Reduction) and a.codes is None for a in args)  # 0 is off, even for a barrier
 
-    def call(self, algorithm: Any, args: tuple) -> CompiledCall:
+    def call(self, algorithm: Any, args: tuple, at: bool = False) -> CompiledCall:
         """``algorithm``'s compiled call for arguments like ``args`` (its arguments after the
-        peers), made once per algorithm and reduction and kept."""
+        peers), made once per algorithm and reduction and kept. ``at``: the call takes its first
+        buffer as an address and a byte count (see :func:`_entry`)."""
         reduction = args[1] if len(args) > 1 and isinstance(args[1], Reduction) else None  # (buf, reduction, ...)
-        key = (algorithm.run, None if reduction is None else reduction.codes)
+        key = (algorithm.run, None if reduction is None else reduction.codes, at)
         call = self._calls.get(key)
         if call is None:
-            entry_key = (algorithm.run, reduction is not None)
+            entry_key = (algorithm.run, reduction is not None, at)
             if entry_key not in self._entries:
                 self._entries[entry_key] = _entry(*entry_key)
             if self._compiling_only:  # (not kept: the second pass makes the real call)
@@ -208,6 +210,9 @@ class _CompileOnly(CompiledCall):
             self._entry.compile(tuple(numba.typeof(a) for a in (*args[:fixed], args[fixed:])))
         return mb.OK
 
+    def keeping_books(self, record: int) -> Callable[..., int]:
+        return lambda region, config, ledger, *operands: self.run(operands)
+
 
 def compile_all(mesh: Any) -> int:
     """Run every compilable collective once on ``mesh`` (every rank calls it), so that Numba has
@@ -236,7 +241,8 @@ def _run_each_compilable(mesh: Any) -> None:
     import lab
 
     x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
-    calls = {"allreduce": lambda a: lab.allreduce(mesh, x, algorithm=a),
+    tensor = torch.ones(4)  # twice: the second call takes the lane the first made
+    calls = {"allreduce": lambda a: [lab.allreduce(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
              "broadcast": lambda a: lab.broadcast(mesh, x, algorithm=a),
              "allgather": lambda a: lab.allgather(mesh, x, algorithm=a),
              "reduce_scatter": lambda a: lab.reduce_scatter(mesh, rows, algorithm=a),
@@ -327,28 +333,51 @@ def _book(config, ledger):
         ledger[slot], ledger[slot + 1] = ledger[SEQ], config[RECORD]
 
 
-def _entry(run: Compilable, reduces: bool) -> Callable[..., int]:
+@njit(inline="always")
+def _begin(region, config, ledger):
+    """A call's first steps: its number, then its mailboxes."""
+    _number(config, ledger)
+    return _open(region, config)
+
+
+@njit(inline="always")
+def _end(peers, config, ledger):
+    """A call's last steps: its report and books; its status."""
+    _close(peers, config)
+    _book(config, ledger)
+    return config[STATUS]
+
+
+@njit(inline="always")
+def _reduction(config):
+    return coded_reduction(config[OP], config[FAMILY], config[KIND], config[DIVIDES] != 0)
+
+
+def _entry(run: Compilable, reduces: bool, at: bool) -> Callable[..., int]:
     """The compiled call of ``run``, which returns its status: the mailboxes and (where the
     algorithm reduces, as its second argument) the reduction are built inside it, so only arrays
     and integers cross from Python (any other Python object costs microseconds to type at every
-    call). Cached on disk: Numba keys a closure's cache on its variables' pickled bytes, and a
-    ``Compilable`` pickles by name."""
-    if reduces:
-        @njit(nogil=True, cache=True)
+    call). ``at``: its first buffer comes as two integers, address and bytes (a plain call's
+    lane, :class:`lab.collectives.prepared.Lane`). Cached on disk: Numba keys a closure's cache
+    on its variables' pickled bytes, and a ``Compilable`` pickles by name."""
+    if reduces and at:
+        def entry(region, config, ledger, address, nbytes, *rest):
+            peers = _begin(region, config, ledger)
+            run(peers, mb.bytes_at(address, nbytes), _reduction(config), *rest)
+            return _end(peers, config, ledger)
+    elif reduces:
         def entry(region, config, ledger, buf, *rest):
-            _number(config, ledger)
-            peers = _open(region, config)
-            run(peers, buf, coded_reduction(config[OP], config[FAMILY], config[KIND], config[DIVIDES] != 0), *rest)
-            _close(peers, config)
-            _book(config, ledger)
-            return config[STATUS]
+            peers = _begin(region, config, ledger)
+            run(peers, buf, _reduction(config), *rest)
+            return _end(peers, config, ledger)
+    elif at:
+        def entry(region, config, ledger, address, nbytes, *rest):
+            peers = _begin(region, config, ledger)
+            run(peers, mb.bytes_at(address, nbytes), *rest)
+            return _end(peers, config, ledger)
     else:
-        @njit(nogil=True, cache=True)
         def entry(region, config, ledger, *args):
-            _number(config, ledger)
-            peers = _open(region, config)
+            peers = _begin(region, config, ledger)
             run(peers, *args)
-            _close(peers, config)
-            _book(config, ledger)
-            return config[STATUS]
-    return entry
+            return _end(peers, config, ledger)
+    return njit(nogil=True, cache=True)(entry)

@@ -200,9 +200,10 @@ def test_an_async_plan_completes_in_issue_order_with_p2p_in_flight(cluster):
         assert got == (rank - 1) % n
 
 
-def plan_behind_async_work(mesh: lab.Mesh) -> list[str]:
-    """A plan run synchronously right after an async allreduce of its own tensor waits for it
-    (issue order): it reduces the already-reduced tensor, so the tensor ends N times the sum."""
+def plan_behind_async_work(mesh: lab.Mesh, planned: bool) -> list[str]:
+    """A plan run (or a plain call, from its lane after the first) synchronously right after an
+    async allreduce of its own tensor waits for it (issue order): it reduces the already-reduced
+    tensor, so the tensor ends N times the sum."""
     x = torch.zeros(64)
     wrong = []
     with lab.allreduce_init(mesh, x) as plan:
@@ -210,15 +211,19 @@ def plan_behind_async_work(mesh: lab.Mesh) -> list[str]:
             x.copy_(inputs(mesh, 64, run))
             total = sum(inputs(mesh, 64, run) - mesh.rank + r for r in range(mesh.world_size))
             work = lab.allreduce(mesh, x, async_op=True)
-            plan()
+            if planned:
+                plan()
+            else:
+                lab.allreduce(mesh, x)
             work.wait()
             if not torch.equal(x, total * mesh.world_size):
                 wrong.append(f"rank {mesh.rank} run {run}: {x[:4].tolist()} != {(total * mesh.world_size)[:4].tolist()}")
     return wrong
 
 
-def test_a_plan_run_behind_async_work_waits_for_it(cluster):
-    assert cluster.run(plan_behind_async_work) == [[]] * cluster.world_size
+@pytest.mark.parametrize("planned", [True, False], ids=["plan", "plain call"])
+def test_a_plan_run_behind_async_work_waits_for_it(cluster, planned):
+    assert cluster.run(plan_behind_async_work, planned) == [[]] * cluster.world_size
 
 
 def calls_after_close(mesh: lab.Mesh) -> list[str]:

@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from lab import checks
 from lab.buffers import as_buffer, check_tensor, to_caller_type
 from lab.chunking import row_bounds, split_bounds
 from lab.collectives.allreduce_double_tree import latency_bytes
-from lab.collectives.choice import ALGORITHMS, check_algorithm, choose, forced_algorithm, pick, segment_bytes
+from lab.collectives.choice import (ALGORITHMS, check_algorithm, choose, forced_algorithm, lab_algo, pick,
+                                    segment_bytes)
 from lab.collectives.gather_scatter import gather, prepare_gather, prepare_scatter, scatter
-from lab.collectives.prepared import Prepared, Signature, check_root, compiled_run, parse_op, remembered
+from lab.collectives.prepared import (Prepared, Signature, check_root, compiled_run, find_lane, lane_key, make_lane,
+                                      parse_op, remembered)
 from lab.ops import DTYPES, ReduceOp, check_reduces
 
 if TYPE_CHECKING:
@@ -47,6 +49,11 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
         x = torch.tensor([1.0, 2.0]) + mesh.rank   # rank 0: [1, 2]   rank 1: [2, 3]
         lab.allreduce(mesh, x)                     # both:   [3, 5]
     """
+    if async_op is False:
+        lane = find_lane(mesh, "allreduce", tensor, op, algorithm)
+        if lane is not None:  # (a call like one before, on a contiguous CPU tensor: see Lane)
+            lane(tensor)
+            return tensor
     return mesh.issue(prepare_allreduce(mesh, tensor, op, algorithm).run, async_op)
 
 
@@ -54,9 +61,11 @@ def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str =
     """:func:`allreduce`'s checks and choices, done now; its communication, ready to run."""
     reduce_op = parse_op(op)
     buffer = as_buffer(tensor)
-    key = ("allreduce", reduce_op, algorithm, buffer.dtype, buffer.numel, os.environ.get("LAB_ALGO", ""))
+    key = ("allreduce", reduce_op, algorithm, buffer.dtype, buffer.numel, lab_algo())
     signature, kernels, call = remembered(mesh, key, lambda: _allreduce_template(mesh, reduce_op, algorithm, buffer))
     algorithm_run = ALLREDUCE_ALGORITHMS[signature.algorithm]
+    if call is not None and buffer.shared and type(tensor) is torch.Tensor:
+        make_lane(mesh, lane_key("allreduce", tensor, op, algorithm), signature, algorithm_run, (None, kernels))
     options = {}
     if signature.algorithm == "double_tree":  # its segments: forced, or sized from the tensor, N and the transport
         options = {"segment_bytes": segment_bytes(),

@@ -10,11 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
+
 from lab import checks
+from lab.collectives.choice import lab_algo
 from lab.ops import DType, ReduceOp
 from lab.ops import parse_op as parse_any_op
 
 if TYPE_CHECKING:
+    from lab.exchange import PlannedRun
     from lab.mesh import Mesh
 
 _OPS_BY_NAME = {o.value: o for o in ReduceOp}
@@ -73,6 +77,52 @@ def compiled_run(mesh: Mesh, signature: Signature, algorithm: Any, args: tuple, 
         return after()
 
     return run
+
+
+class Lane:
+    """A plain call's shortest way, made by its first call and kept with its template: a later
+    call with the same arguments on an exact ``torch.Tensor`` of the same dtype and size,
+    contiguous and on the CPU, runs the compiled call on the tensor's memory by its address (no
+    checks repeated, no buffer wrapped, no numpy view made, nothing of the tensor kept), in issue
+    order as a plan's run (:meth:`lab.issue.IssueQueue.run_alone`)."""
+
+    __slots__ = ("_nbytes", "_run", "_run_alone")
+
+    def __init__(self, mesh: Mesh, run: PlannedRun, nbytes: int) -> None:
+        self._run, self._nbytes, self._run_alone = run, nbytes, mesh.issue_queue.run_alone
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        self._run_alone(self._run, (tensor.data_ptr(), self._nbytes))
+
+
+def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
+    """Where the :class:`Lane` of a plain call of ``collective`` on ``tensor`` with ``arguments``
+    (as the caller passed them) is kept in ``mesh.templates``."""
+    return (collective, tensor.dtype, tensor.numel(), lab_algo(), *arguments)
+
+
+def find_lane(mesh: Mesh, collective: str, tensor: Any, *arguments: Any) -> Lane | None:
+    """The :class:`Lane` that a plain call of ``collective`` on ``tensor`` with ``arguments`` may
+    take, or None (the full path: its first call, a numpy array, a subclass, a view whose memory
+    is not its elements in order, an argument that is wrong or unhashable)."""
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_nested:
+        return None
+    try:
+        lane = mesh.templates.get(lane_key(collective, tensor, *arguments))
+    except TypeError:
+        return None
+    if lane is None or not tensor.is_contiguous() or not tensor.is_cpu or tensor.is_conj() or tensor.is_neg():
+        return None
+    return lane
+
+
+def make_lane(mesh: Mesh, key: tuple, signature: Signature, algorithm: Any, args: tuple) -> None:
+    """Keep a :class:`Lane` under ``key`` (:func:`lane_key`) for the compiled call of ``signature``
+    running ``algorithm`` on arguments like ``args``, whose first is the tensor's buffer."""
+    if key not in mesh.templates:
+        run = mesh.compiled_call(signature, algorithm, args, at=True)
+        if run is not None:
+            remembered(mesh, key, lambda: Lane(mesh, run, signature.count * signature.dtype.storage.itemsize))
 
 
 #: Kept per mesh at most (a program's distinct shapes of call are few; past this, start over).
