@@ -22,19 +22,17 @@ issue order. ``wait()`` raises ``torch.distributed.DistBackendError`` carrying t
 error when anything reads it (torch's C++ consumers, DDP among them, crash on a future completed
 with an exception): DDP's ``backward()`` then raises it too.
 
-Here: ``Options``, and the creator torch calls; the process group is
-:class:`lab.backend_group.LabProcessGroup`, its handles :class:`lab.backend_work.LabWork`.
+Here: the creator torch calls; the process group is :class:`lab.backend_group.LabProcessGroup`
+(with its ``Options``, re-exported here), its handles :class:`lab.backend_work.LabWork`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch.distributed as dist
 
-from lab import collectives
-from lab.backend_group import NAME, LabProcessGroup
+from lab.backend_group import NAME, LabProcessGroup, Options
 from lab.backend_work import LabWork
 from lab.errors import LabError
 from lab.fingerprint import MAX_CONTEXT
@@ -42,29 +40,6 @@ from lab.mesh import Mesh
 
 #: Sub-groups' context ids count down from here (``Mesh.split``'s count up from 1).
 _GROUP_CONTEXT_TOP = MAX_CONTEXT
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The lab's ``pg_options``: ``dist.init_process_group("lab", pg_options=lab.backend.Options(...))``.
-
-    ``algorithms`` maps a collective to one of its algorithms (``{"allreduce": "ring"}``; the
-    others stay ``"auto"``; ``LAB_ALGO`` still wins); ``recv_timeout_ms`` overrides the
-    ``timeout=`` torch passes; ``trace`` is a JSONL path (``LAB_TRACE`` also works);
-    ``transport`` is ``"auto"`` (shm inside a host, tcp across) or ``"tcp"``.
-    """
-
-    algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
-    recv_timeout_ms: float | None = None
-    trace: str | None = None
-    transport: str = "auto"
-
-    def __post_init__(self) -> None:
-        for collective, algorithm in self.algorithms.items():
-            if collective not in collectives.ALGORITHMS:
-                raise ValueError(f"Options.algorithms has no collective {collective!r}; collectives: "
-                                 f"{', '.join(collectives.ALGORITHMS)}")
-            collectives.check_algorithm(algorithm, collective)
 
 
 # -- creation ---------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ flattened into one tensor per collective, as gloo does.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,9 +25,6 @@ from lab.errors import DeadlineError, LabError
 from lab.issue import Work
 from lab.mesh import Mesh
 from lab.transport.base import Silence
-
-if TYPE_CHECKING:
-    from lab.backend import Options
 
 NAME = "lab"
 #: A collective with at most this many bytes of output runs on the calling thread when nothing
@@ -120,6 +118,29 @@ def check_sizes(tensor: torch.Tensor, numel: int, name: str) -> None:
     if tensor.numel() != numel:
         raise ValueError(f"{name} must hold {numel} elements (the input's times the group's size); "
                          f"got {tensor.numel()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The lab's ``pg_options``: ``dist.init_process_group("lab", pg_options=lab.backend.Options(...))``.
+
+    ``algorithms`` maps a collective to one of its algorithms (``{"allreduce": "ring"}``; the
+    others stay ``"auto"``; ``LAB_ALGO`` still wins); ``recv_timeout_ms`` overrides the
+    ``timeout=`` torch passes; ``trace`` is a JSONL path (``LAB_TRACE`` also works);
+    ``transport`` is ``"auto"`` (shm inside a host, tcp across) or ``"tcp"``.
+    """
+
+    algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
+    recv_timeout_ms: float | None = None
+    trace: str | None = None
+    transport: str = "auto"
+
+    def __post_init__(self) -> None:
+        for collective, algorithm in self.algorithms.items():
+            if collective not in collectives.ALGORITHMS:
+                raise ValueError(f"Options.algorithms has no collective {collective!r}; collectives: "
+                                 f"{', '.join(collectives.ALGORITHMS)}")
+            collectives.check_algorithm(algorithm, collective)
 
 
 class LabProcessGroup(dist.ProcessGroup):

@@ -13,15 +13,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from lab.issue import Work
 
-if TYPE_CHECKING:
-    from lab.backend_group import LabProcessGroup
+
+class Issuer(Protocol):
+    """What a :class:`LabWork` needs of its group (:class:`lab.backend_group.LabProcessGroup`)."""
+
+    def issue(self, run: Callable[[], Any], now: bool, p2p: str) -> Work: ...
+
+    def torch_error(self, exc: BaseException) -> BaseException: ...
 
 
 class Failed:
@@ -50,7 +55,7 @@ class Failed:
 class LabWork(dist._Work):
     """A lab collective issued for torch: ``wait()``, ``is_completed()``, ``get_future()``."""
 
-    def __init__(self, group: LabProcessGroup, run: Callable[[], Any], outputs: list[torch.Tensor],
+    def __init__(self, group: Issuer, run: Callable[[], Any], outputs: list[torch.Tensor],
                  now: bool = False, p2p: str = "") -> None:
         super().__init__()
         self._group, self._outputs = group, outputs

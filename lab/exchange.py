@@ -32,7 +32,7 @@ from lab.plane import BOOKED, LEDGER_WORDS, RING, SEQ, CompiledCall, CompiledPla
 from lab.transport.base import Recv, Send, TagMismatch, Transport, silence_error
 
 if TYPE_CHECKING:
-    from lab.collectives.prepared import Signature
+    from lab.fingerprint import Signature
 
 
 #: What a collective with no trace row passes as its counters before (see Exchange._begin).

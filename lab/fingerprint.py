@@ -14,8 +14,9 @@ algorithm), unique within a collective.
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
-from lab.ops import DTYPES_BY_CODE
+from lab.ops import DTYPES_BY_CODE, DType
 
 #: Wire codes: a collective's position in this tuple (0: point-to-point; split: Mesh.split's exchange).
 COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all",
@@ -88,3 +89,16 @@ def describe(tag: bytes) -> str:
         text += f" tag={p2p_tag}"
     text += f" ({_ALGORITHM_NAMES.get((coll, algo), f'algorithm {algo}')})" if algo else ""
     return text + (f" on sub-mesh {context:08x}" if context else "")
+
+
+class Signature(NamedTuple):
+    """What every rank must agree on for one collective: :meth:`lab.Mesh.collective`'s arguments
+    (they make its fingerprint)."""
+
+    collective: str
+    algorithm: str
+    dtype: DType
+    count: int
+    op: str = ""
+    root: int = -1
+    compiled: bool = True  # may take the compiled path (lab.plane) when small enough

@@ -15,8 +15,6 @@ from lab.mesh import Mesh
 from lab.ops import parse_op
 from lab.rendezvous import env_store, pool_store
 
-REFERENCE_OPS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather",
-                 "scatter")
 _EPSILON = {torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 _TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG", "band": "BAND",
                      "bor": "BOR", "bxor": "BXOR"}
@@ -49,65 +47,92 @@ def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
     is_numpy = isinstance(tensor, np.ndarray)
     t = torch.from_numpy(np.ascontiguousarray(tensor)) if is_numpy else tensor.contiguous()
     reduce_op = getattr(dist.ReduceOp, _TORCH_REDUCE_OPS[parse_op(options.get("op", "sum")).value])
-    n = mesh.world_size
-    if op == "allreduce":
-        dist.all_reduce(t, op=reduce_op)
-        result = t
-    elif op == "broadcast":
-        dist.broadcast(t, src=options.get("src", 0))
-        result = t
-    elif op == "allgather":
-        flat = t.reshape(-1)
-        out = torch.empty(n * flat.numel(), dtype=t.dtype)
-        dist.all_gather_single(out, flat)  # all_gather_into_tensor, renamed in torch 2.13
-        shape = tuple(t.shape) or (1,)
-        result = out.reshape(n * shape[0], *shape[1:])
-    elif op == "reduce_scatter":
-        blocks = [t[a:b].contiguous() for a, b in split_bounds(t.shape[0], n)]
-        result = torch.empty_like(blocks[mesh.rank])
-        dist.reduce_scatter(result, blocks, op=reduce_op)
-    elif op == "reduce":
-        dst = options.get("dst", 0)
-        result = t if mesh.rank == dst else t.clone()  # gloo may use a non-root buffer as scratch
-        dist.reduce(result, dst=dst, op=reduce_op)
-        result = t
-    elif op == "all_to_all":
-        rows = [b - a for a, b in split_bounds(t.shape[0], n)]
-        sends = list(options.get("input_split_sizes") or rows)
-        receives = list(options.get("output_split_sizes") or [rows[mesh.rank]] * n)
-        result = torch.empty((sum(receives), *t.shape[1:]), dtype=t.dtype)
-        dist.all_to_all_single(result, t, receives, sends)
-    elif op == "gather":
-        dst = options.get("dst", 0)
-        flat = t.reshape(tuple(t.shape) or (1,))
-        pieces = [torch.empty_like(flat) for _ in range(n)] if mesh.rank == dst else None
-        dist.gather(flat, pieces, dst=dst)
-        if pieces is None:
-            return None
-        result = torch.cat(pieces)
-    elif op == "scatter":
-        src = options.get("src", 0)
-        blocks = [t[a:b].contiguous() for a, b in split_bounds(t.shape[0], n)]
-        result = torch.empty_like(blocks[mesh.rank])
-        if t.shape[0] % n == 0:
-            dist.scatter(result, blocks if mesh.rank == src else None, src=src)
-        else:  # gloo's scatter takes equal blocks only: the same exchange as an all_to_all from src alone
-            sends = [b.shape[0] for b in blocks] if mesh.rank == src else [0] * n
-            receives = [blocks[mesh.rank].shape[0] if i == src else 0 for i in range(n)]
-            dist.all_to_all_single(result, t if mesh.rank == src else t[:0], receives, sends)
-    else:
-        dist.barrier()
+    result = _GLOO[op](t, mesh.rank, mesh.world_size, reduce_op, options)
+    if result is None:
         return None
     if is_numpy:
         result = result.numpy()
-        if op in ("allreduce", "broadcast", "reduce"):
+        if op in _IN_PLACE:
             tensor[...] = result
             return tensor
         return result
-    if op in ("allreduce", "broadcast", "reduce") and result is not tensor:
+    if op in _IN_PLACE and result is not tensor:
         tensor.copy_(result)
         return tensor
     return result
+
+
+# Each collective through gloo: (contiguous tensor, rank, world size, reduce op, options) -> result.
+
+def _allreduce(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor:
+    dist.all_reduce(t, op=reduce_op)
+    return t
+
+
+def _broadcast(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor:
+    dist.broadcast(t, src=options.get("src", 0))
+    return t
+
+
+def _allgather(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor:
+    flat = t.reshape(-1)
+    out = torch.empty(n * flat.numel(), dtype=t.dtype)
+    dist.all_gather_single(out, flat)  # all_gather_into_tensor, renamed in torch 2.13
+    shape = tuple(t.shape) or (1,)
+    return out.reshape(n * shape[0], *shape[1:])
+
+
+def _reduce_scatter(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor:
+    blocks = [t[a:b].contiguous() for a, b in split_bounds(t.shape[0], n)]
+    result = torch.empty_like(blocks[rank])
+    dist.reduce_scatter(result, blocks, op=reduce_op)
+    return result
+
+
+def _reduce(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor:
+    dst = options.get("dst", 0)
+    dist.reduce(t if rank == dst else t.clone(), dst=dst, op=reduce_op)  # gloo may use a non-root buffer as scratch
+    return t
+
+
+def _all_to_all(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor:
+    rows = [b - a for a, b in split_bounds(t.shape[0], n)]
+    sends = list(options.get("input_split_sizes") or rows)
+    receives = list(options.get("output_split_sizes") or [rows[rank]] * n)
+    result = torch.empty((sum(receives), *t.shape[1:]), dtype=t.dtype)
+    dist.all_to_all_single(result, t, receives, sends)
+    return result
+
+
+def _gather(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor | None:
+    dst = options.get("dst", 0)
+    flat = t.reshape(tuple(t.shape) or (1,))
+    pieces = [torch.empty_like(flat) for _ in range(n)] if rank == dst else None
+    dist.gather(flat, pieces, dst=dst)
+    return None if pieces is None else torch.cat(pieces)
+
+
+def _scatter(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor:
+    src = options.get("src", 0)
+    blocks = [t[a:b].contiguous() for a, b in split_bounds(t.shape[0], n)]
+    result = torch.empty_like(blocks[rank])
+    if t.shape[0] % n == 0:
+        dist.scatter(result, blocks if rank == src else None, src=src)
+    else:  # gloo's scatter takes equal blocks only: the same exchange as an all_to_all from src alone
+        sends = [b.shape[0] for b in blocks] if rank == src else [0] * n
+        receives = [blocks[rank].shape[0] if i == src else 0 for i in range(n)]
+        dist.all_to_all_single(result, t if rank == src else t[:0], receives, sends)
+    return result
+
+
+def _barrier(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> None:
+    dist.barrier()
+
+
+_GLOO = {"allreduce": _allreduce, "broadcast": _broadcast, "allgather": _allgather, "reduce_scatter": _reduce_scatter,
+         "reduce": _reduce, "all_to_all": _all_to_all, "barrier": _barrier, "gather": _gather, "scatter": _scatter}
+REFERENCE_OPS = tuple(_GLOO)
+_IN_PLACE = ("allreduce", "broadcast", "reduce")  # the result is the caller's tensor
 
 
 def tolerance(stack: torch.Tensor, op: Any = "sum") -> torch.Tensor:

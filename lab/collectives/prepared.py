@@ -14,7 +14,8 @@ import torch
 
 from lab import checks
 from lab.collectives.choice import lab_algo
-from lab.ops import DType, ReduceOp
+from lab.fingerprint import Signature
+from lab.ops import ReduceOp
 from lab.ops import parse_op as parse_any_op
 
 if TYPE_CHECKING:
@@ -35,19 +36,6 @@ def check_root(mesh: Mesh, root: Any, name: str) -> int:
         raise ValueError(f"{name} must be a rank in [0, {mesh.world_size}); got {root!r}")
     return int(root)
 
-
-
-class Signature(NamedTuple):
-    """What every rank must agree on for one collective: :meth:`lab.Mesh.collective`'s arguments
-    (they make its fingerprint)."""
-
-    collective: str
-    algorithm: str
-    dtype: DType
-    count: int
-    op: str = ""
-    root: int = -1
-    compiled: bool = True  # may take the compiled path (lab.plane) when small enough
 
 
 class Prepared(NamedTuple):

@@ -91,15 +91,27 @@ def validation_section(results_dir: Path, out: Path) -> str:
     if table.empty:
         return ""
     agreement = best_agreement(table)
+    _write_tables(fits, table, agreement, out)
+    lines = ["## Simulator vs measurement\n", *_fitted_lines(fits), *_target_lines(fits, table, agreement),
+             *_repeat_lines(results_dir), *_grid_lines(fits, table), *_world_lines(fits, table),
+             *_source_lines(results_dir, table, agreement)]
+    return "\n".join(lines) + "\n"
+
+
+def _write_tables(fits: dict, table: pd.DataFrame, agreement: pd.DataFrame, out: Path) -> None:
     pd.DataFrame([{"setting": s, **{name: getattr(f.network, name) for name, *_ in PARAMETERS},
                    "cores": f.network.cores, "ranks_per_host": f.network.ranks_per_host, "fit_error": f.error,
                    "evaluations": f.evaluations, **{f"determined_{k}": v for k, v in f.determined.items()}}
                   for s, f in fits.items()]).to_csv(out / "calibration.csv", index=False, float_format="%.6g")
     table.to_csv(out / "validation.csv", index=False, float_format="%.6g")
     agreement.to_csv(out / "best_agreement.csv", index=False, float_format="%.6g")
+
+
+def _fitted_lines(fits: dict) -> list[str]:
+    """The model, the calibration cases, and each setting's fitted parameters and how well the
+    measurements determine them."""
     worlds = ", ".join(map(str, CALIBRATION_WORLDS))
-    lines = ["## Simulator vs measurement\n",
-             ("Each setting's network has link terms (α, bandwidth) and CPU terms: LogGP's per-message overhead on "
+    lines = [("Each setting's network has link terms (α, bandwidth) and CPU terms: LogGP's per-message overhead on "
              "the sender and on the receiver (o_send, o_recv), a per-byte copy on each side (into and out of "
              "shared memory, the socket, a frame's MAC), the reduction's γ and the wake-up of a receiver that "
              "waits asleep for its message, on the machine's cores, which all its ranks share, first come first "
@@ -122,13 +134,18 @@ def validation_section(results_dir: Path, out: Path) -> str:
               "| --- " * (len(PARAMETERS) + 1) + "|"]
     for setting, f in fits.items():
         lines.append(f"| {setting} | " + " | ".join(f"{f.determined[name]:+.1%}" for name, *_ in PARAMETERS) + " |")
-    lines += [(f"\nValidation against the targets (✓: met): within 25 % from 64 KB up (target "
+    return lines
+
+
+def _target_lines(fits: dict, table: pd.DataFrame, agreement: pd.DataFrame) -> list[str]:
+    """Each setting's validation and calibration cases against the targets."""
+    lines = [(f"\nValidation against the targets (✓: met): within 25 % from 64 KB up (target "
               f"{NEAR_TARGET:.0%}), within 2× at every size (target {WITHIN_2X_TARGET:.0%}), and where the measured "
               f"best algorithm beats the second by more than {DECISIVE_MARGIN:.0%}, the predicted best is it "
               f"(target {BEST_TARGET:.0%}). Calibration cases for comparison:\n"),
-              ("| setting | validation cases | within 25 % (≥ 64 KB) | within 2× | best named (clear wins) | "
+             ("| setting | validation cases | within 25 % (≥ 64 KB) | within 2× | best named (clear wins) | "
               "calibration cases | within 25 % (≥ 64 KB) | within 2× | best named (clear wins) |"),
-              "| --- " * 9 + "|"]
+             "| --- " * 9 + "|"]
     for setting in [*fits, "all"]:
         cells = []
         for role in ("validation", "calibration"):
@@ -141,13 +158,24 @@ def validation_section(results_dir: Path, out: Path) -> str:
             cells += [str(s["cases"]), _percent(s["near"], NEAR_TARGET), _percent(s["within_2x"], WITHIN_2X_TARGET),
                       best]
         lines.append(f"| {'**all**' if setting == 'all' else setting} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _repeat_lines(results_dir: Path) -> list[str]:
+    """How well the measurement itself repeats (where it was measured twice)."""
     again = repeatability(results_dir)
-    if len(again):
-        lines += [("\nHow well the measurement itself repeats: the cases measured a second time (`"
-                  f"{REPEATS}`, later, by the same command) against their first measurement, by the same two "
-                  "tests. A model cannot agree with one run much more often than two runs agree with each other:\n"),
-                  "| setting | cases measured twice | within 25 % (≥ 64 KB) | within 2× |", "| --- | --- | --- | --- |"]
-        lines += [f"| {r.setting} | {r.cases} | {r.near:.0%} | {r.within_2x:.0%} |" for r in again.itertuples()]
+    if not len(again):
+        return []
+    return [("\nHow well the measurement itself repeats: the cases measured a second time (`"
+             f"{REPEATS}`, later, by the same command) against their first measurement, by the same two "
+             "tests. A model cannot agree with one run much more often than two runs agree with each other:\n"),
+            "| setting | cases measured twice | within 25 % (≥ 64 KB) | within 2× |", "| --- | --- | --- | --- |",
+            *(f"| {r.setting} | {r.cases} | {r.near:.0%} | {r.within_2x:.0%} |" for r in again.itertuples())]
+
+
+def _grid_lines(fits: dict, table: pd.DataFrame) -> list[str]:
+    """Per setting, allreduce's ratios at the world size measured at the most sizes."""
+    lines = []
     for setting in fits:
         rows = table[(table["setting"] == setting) & (table["collective"] == "allreduce")]
         if rows.empty:
@@ -159,11 +187,16 @@ def validation_section(results_dir: Path, out: Path) -> str:
         lines.append("| size | " + " | ".join(grid.columns) + " |")
         lines.append("| --- | " + " | ".join("---" for _ in grid.columns) + " |")
         lines += [f"| {size} | " + " | ".join(f"{v:.2f}" for v in values) + " |" for size, values in grid.iterrows()]
-    lines.append("\nWithin 2× by world size (every case, calibration and validation), and where each N was "
-                 "measured:\n")
+    return lines
+
+
+def _world_lines(fits: dict, table: pd.DataFrame) -> list[str]:
+    """Within 2x per setting and world size."""
     measured_worlds = sorted(table["world"].unique())
-    lines += ["| setting | " + " | ".join(f"N = {w}" for w in measured_worlds) + " |",
-              "| --- " * (len(measured_worlds) + 1) + "|"]
+    lines = ["\nWithin 2× by world size (every case, calibration and validation), and where each N was "
+             "measured:\n",
+             "| setting | " + " | ".join(f"N = {w}" for w in measured_worlds) + " |",
+             "| --- " * (len(measured_worlds) + 1) + "|"]
     for setting in fits:
         rows = table[table["setting"] == setting]
         cells = []
@@ -171,10 +204,15 @@ def validation_section(results_dir: Path, out: Path) -> str:
             at = rows[rows["world"] == w]
             cells.append(f"{((at['ratio'] <= 2) & (at['ratio'] >= 0.5)).mean():.0%}" if len(at) else "")
         lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _source_lines(results_dir: Path, table: pd.DataFrame, agreement: pd.DataFrame) -> list[str]:
+    """Where each world size was measured, and the clear wins the simulator names wrongly."""
     sources = table.groupby("source")["world"].unique()
-    lines.append("\nMeasured: " + "; ".join(f"`{source}` (N = {', '.join(map(str, sorted(w)))}, "
-                                             f"{measured_on(results_dir, source)})" for source, w in sources.items())
-                 + ".")
+    lines = ["\nMeasured: " + "; ".join(f"`{source}` (N = {', '.join(map(str, sorted(w)))}, "
+                                        f"{measured_on(results_dir, source)})" for source, w in sources.items())
+             + "."]
     misses = agreement[(agreement["margin"] > DECISIVE_MARGIN) & ~agreement["agree"]]
     if len(misses):
         lines.append(f"\nClear wins (by more than {DECISIVE_MARGIN:.0%}) where the predicted best is not the measured "
@@ -182,4 +220,4 @@ def validation_section(results_dir: Path, out: Path) -> str:
                      + "; ".join(f"{r.setting} {r.collective} N={r.world} {_size(int(r.bytes))}: measured "
                                  f"{r.measured_best} (by {r.margin:.0%}), predicted {r.predicted_best}"
                                  for r in misses.head(12).itertuples()) + ".")
-    return "\n".join(lines) + "\n"
+    return lines
