@@ -19,9 +19,7 @@ import torch
 from lab import checks
 from lab.buffers import as_buffer, check_tensor, to_caller_type
 from lab.chunking import row_bounds, split_bounds
-from lab.collectives.allreduce_double_tree import latency_bytes
-from lab.collectives.choice import (ALGORITHMS, check_algorithm, choose, forced_algorithm, lab_algo, pick,
-                                    segment_bytes)
+from lab.collectives.choice import ALGORITHMS, check_algorithm, choose, forced_algorithm, lab_algo, pick
 from lab.collectives.gather_scatter import gather, prepare_gather, prepare_scatter, scatter
 from lab.collectives.prepared import (Prepared, Signature, check_root, compiled_run, find_lane, lane_key, make_lane,
                                       parse_op, remembered)
@@ -66,10 +64,7 @@ def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str =
     algorithm_run = ALLREDUCE_ALGORITHMS[signature.algorithm]
     if call is not None and buffer.shared and type(tensor) is torch.Tensor:
         make_lane(mesh, lane_key("allreduce", tensor, op, algorithm), signature, algorithm_run, (None, kernels))
-    options = {}
-    if signature.algorithm == "double_tree":  # its segments: forced, or sized from the tensor, N and the transport
-        options = {"segment_bytes": segment_bytes(),
-                   "latency_bytes": latency_bytes(mesh.transport, getattr(mesh, "host_count", 1))}
+    options = algorithm_run.options(mesh) if algorithm_run.options else {}  # (double tree's segments)
 
     def run() -> Any:
         flat = buffer.load()  # read now, after the collectives issued before this one
@@ -97,8 +92,7 @@ def _allreduce_template(mesh: Mesh, reduce_op: ReduceOp, algorithm: str, buffer:
     kernels = mesh.kernels(reduce_op, buffer.dtype)
     chosen = pick(mesh, "allreduce", algorithm, buffer.nbytes)
     signature = Signature("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value)
-    compiled = chosen != "double_tree" and not kernels.prescales
-    call = mesh.compiled_call(signature, ALLREDUCE_ALGORITHMS[chosen], (None, kernels)) if compiled else None
+    call = None if kernels.prescales else mesh.compiled_call(signature, ALLREDUCE_ALGORITHMS[chosen], (None, kernels))
     return signature, kernels, call
 
 

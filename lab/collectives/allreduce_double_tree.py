@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+import os
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -29,6 +30,24 @@ def latency_bytes(transport: str, hosts: int = 1) -> int:
     """α/β for ``transport`` (``"auto"``: shared memory on one host, tcp across hosts)."""
     one_host = transport in ("shm", "queue") or (transport == "auto" and hosts == 1)
     return HOST_LATENCY_BYTES if one_host else NETWORK_LATENCY_BYTES
+
+
+def forced_segment_bytes() -> int | None:
+    """Double tree's largest pipeline segment: ``LAB_SEGMENT_BYTES``, or None: sized from the
+    tensor and N (tests force many segments)."""
+    value = os.environ.get("LAB_SEGMENT_BYTES", "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LAB_SEGMENT_BYTES must be a positive number of bytes; got {value!r}")
+    return int(value)
+
+
+def call_options(mesh: Any) -> dict[str, Any]:
+    """The keyword arguments a call on ``mesh`` passes (the registry's ``options``): the segment
+    cap, and α/β for its transport."""
+    return {"segment_bytes": forced_segment_bytes(),
+            "latency_bytes": latency_bytes(mesh.transport, getattr(mesh, "host_count", 1))}
 
 
 def binary_tree(world_size: int, rank: int) -> tuple[int, list[int]]:

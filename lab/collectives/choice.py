@@ -137,14 +137,3 @@ def _auto(collective: str, nbytes: int, world_size: int, transport: str, hosts: 
     if transport == "auto":
         transport = "tcp" if hosts > 1 else "shm"
     return choose(collective, nbytes, world_size, transport)
-
-
-def segment_bytes() -> int | None:
-    """Double tree's largest pipeline segment: ``LAB_SEGMENT_BYTES``, or None: sized from the
-    tensor and N (tests force many segments)."""
-    value = os.environ.get("LAB_SEGMENT_BYTES", "")
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"LAB_SEGMENT_BYTES must be a positive number of bytes; got {value!r}")
-    return int(value)

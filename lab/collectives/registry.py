@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lab import fingerprint
 from lab.compiled import Compilable
@@ -38,6 +39,7 @@ class Algorithm:
     fallback: str = ""  # "small" or "large": auto's pick without fitted models
     bytes_sent: Callable[[int, int, int], tuple[int, str]] | None = None  # (rank, N, T) -> (bytes, formula)
     uneven: bool = True  # an all_to_all algorithm that takes uneven split sizes (Bruck's does not)
+    options: Callable[[Any], dict[str, Any]] | None = None  # mesh -> the keyword arguments a call passes
 
     def __call__(self, *args, **kwargs) -> None:
         """Run the algorithm (its function's arguments)."""
@@ -47,7 +49,7 @@ class Algorithm:
 def _entry(collective: str, module, name: str, code: int, **options) -> Algorithm:
     run = getattr(module, f"{collective}_{name}")
     return Algorithm(collective, name, run, module.shape, code, bytes_sent=getattr(module, "bytes_sent", None),
-                     **options)
+                     options=getattr(module, "call_options", None), **options)
 
 
 TABLE: tuple[Algorithm, ...] = (
