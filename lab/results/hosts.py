@@ -20,7 +20,6 @@ counters here serve :mod:`lab.results.hierarchy` too.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import sys
 import time
@@ -52,11 +51,11 @@ CROSSOVER_CLAIM = "ring overtakes tree at the α-β crossover (bytes)"
 
 
 def link_model_us(algorithm: str, world: int, nbytes: int, gbit: float) -> float:
-    """The link-bound time of one allreduce of ``nbytes`` (no latency term), or NaN if unmodelled."""
-    n, levels = world, math.ceil(math.log2(world)) if world > 1 else 0
-    factor = {"ring": 2 * (n - 1) / n, "halving_doubling": 2 * (n - 1) / n, "naive": 2 * (n - 1),
-              "tree": 2 * levels, "recursive_doubling": levels}.get(algorithm)
-    return np.nan if factor is None else factor * nbytes * 8 / (gbit * 1e3)
+    """The link-bound time of one allreduce of ``nbytes`` (no latency term: the bytes through the
+    busiest rank, from the registry's cost shape, at ``gbit``), or NaN for an impl that is not a
+    lab algorithm (gloo)."""
+    entry = registry.ALGORITHMS["allreduce"].get(algorithm)
+    return np.nan if entry is None else entry.shape(world)[1] * nbytes * 8 / (gbit * 1e3)
 
 
 def calls_for(nbytes: int) -> int:
