@@ -23,21 +23,20 @@ transfer of the call returns at once, and the call returns the status (with
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numba
 import numpy as np
-import torch
 from numba import njit
 
 from kernels import mailbox as mb
 from kernels.coded import coded_reduction
 from lab import fingerprint
-from lab.collectives import registry
 from lab.compiled import Compilable
 from lab.flight import FLIGHT_RECORDER_SIZE
 from lab.ops import Reduction
@@ -100,7 +99,18 @@ class CompiledPlane:
         self.ledger = np.zeros(LEDGER_WORDS, np.int64)
         self._calls: dict[tuple, CompiledCall] = {}
         self._entries: dict[tuple[Compilable, bool, bool], Callable[..., None]] = {}  # one compilation per algorithm
-        self._compiling_only = False  # compile_all's first pass: calls compile their share, run nothing
+        self._compiling_only = False  # see compiling_only
+
+    @contextlib.contextmanager
+    def compiling_only(self) -> Iterator[None]:
+        """Within it, a compiled call made compiles its entry if it is this rank's share of the
+        entries (the N ranks of a cold disk cache compile N at a time) and runs nothing
+        (:func:`lab.warmup.compile_all`'s first pass)."""
+        self._compiling_only = True
+        try:
+            yield
+        finally:
+            self._compiling_only = False
 
     def takes(self, algorithm: Any, nbytes: int, args: tuple = ()) -> bool:
         """Whether a collective of ``nbytes`` running ``algorithm`` (a registry entry) on ``args``
@@ -195,8 +205,8 @@ class CompiledCall:
 
 
 class _CompileOnly(CompiledCall):
-    """:func:`compile_all`'s first pass: compile the entry for these operands if it is this rank's
-    share (``mine``), run nothing, report success."""
+    """:func:`lab.warmup.compile_all`'s first pass: compile the entry for these operands if it is
+    this rank's share (``mine``), run nothing, report success."""
 
     def __init__(self, plane: CompiledPlane, entry: Callable[..., None], reduction: Reduction | None,
                  mine: bool) -> None:
@@ -212,48 +222,6 @@ class _CompileOnly(CompiledCall):
 
     def keeping_books(self, record: int) -> Callable[..., int]:
         return lambda region, config, ledger, *operands: self.run(operands)
-
-
-def compile_all(mesh: Any) -> int:
-    """Run every compilable collective once on ``mesh`` (every rank calls it), so that Numba has
-    compiled, or loaded from its disk cache, what the compiled path calls: a process's first
-    compiled collective otherwise pays it (minutes of CPU per machine, once; then ~1 s per
-    process to load). Each rank first compiles its share of the algorithms alone (where the
-    cache is cold, N ranks compile N at a time instead of each compiling all), then all run.
-    Returns how many ran compiled (0 where the mesh has no mailboxes)."""
-    import lab  # the public calls (lab.collectives imports the mesh, which imports this module)
-
-    plane = mesh.plane
-    if plane is not None:
-        plane._compiling_only = True
-        try:
-            _run_each_compilable(mesh)
-        finally:
-            plane._compiling_only = False
-            mesh.templates.clear()  # plain calls remembered with a compile-only call
-        lab.barrier(mesh)  # every share compiled (and cached) before any rank runs one
-    before = mesh.stats()["collectives_compiled"]
-    _run_each_compilable(mesh)
-    return mesh.stats()["collectives_compiled"] - before
-
-
-def _run_each_compilable(mesh: Any) -> None:
-    import lab
-
-    x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
-    tensor = torch.ones(4)  # twice: the second call takes the lane the first made
-    calls = {"allreduce": lambda a: [lab.allreduce(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
-             "broadcast": lambda a: lab.broadcast(mesh, x, algorithm=a),
-             "allgather": lambda a: lab.allgather(mesh, x, algorithm=a),
-             "reduce_scatter": lambda a: lab.reduce_scatter(mesh, rows, algorithm=a),
-             "reduce": lambda a: lab.reduce(mesh, x),
-             "all_to_all": lambda a: lab.all_to_all(mesh, rows, algorithm=a),
-             "barrier": lambda a: lab.barrier(mesh),
-             "gather": lambda a: lab.gather(mesh, x, algorithm=a),
-             "scatter": lambda a: lab.scatter(mesh, rows, algorithm=a)}
-    for collective in registry.ALGORITHMS:  # a KeyError here: a new collective needs its call above
-        for algorithm in registry.compiled(collective):
-            calls[collective](algorithm)
 
 
 def _tag_view(config: np.ndarray) -> memoryview:

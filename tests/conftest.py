@@ -35,7 +35,7 @@ def compiled_plane_warm():
     """Compile the compiled data plane once (two ranks), before any test's pool: on a clean clone
     Numba's disk cache is empty, and every rank of every pool would compile it at once."""
     from lab.collectives import registry
-    from lab.plane import compile_all
+    from lab.warmup import compile_all
 
     ran = lab.spawn(compile_all, 2, transport="shm")
     # one call per compilable algorithm, and allreduce's twice more (a torch tensor: its lane's call)

@@ -1,0 +1,55 @@
+"""Numba's compilations paid up front: every compilable collective run once on a mesh.
+
+A process's first compiled collective otherwise pays its compilation (minutes of CPU per machine,
+once, into Numba's disk cache; then about a second per process to load), inside a collective
+whose peers wait for it. Benchmarks and the test session call :func:`compile_all` before timing.
+
+Per rank, N=2::
+
+    from lab.warmup import compile_all
+    compile_all(mesh)                     # every rank; returns how many collectives ran compiled
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lab import collectives
+from lab.collectives import registry
+from lab.mesh import Mesh
+
+
+def compile_all(mesh: Mesh) -> int:
+    """Run every compilable collective once on ``mesh`` (every rank calls it). Each rank first
+    compiles its share of the entries alone (where the cache is cold, N ranks compile N at a time
+    instead of each compiling all), then all run. Returns how many ran compiled (0 where the mesh
+    has no mailboxes)."""
+    plane = mesh.plane
+    if plane is not None:
+        with plane.compiling_only():
+            try:
+                _run_each_compilable(mesh)
+            finally:
+                mesh.templates.clear()  # plain calls remembered with a compile-only call
+        collectives.barrier(mesh)  # every share compiled (and cached) before any rank runs one
+    before = mesh.stats()["collectives_compiled"]
+    _run_each_compilable(mesh)
+    return mesh.stats()["collectives_compiled"] - before
+
+
+def _run_each_compilable(mesh: Mesh) -> None:
+    x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
+    tensor = torch.ones(4)  # twice: the second call takes the lane the first made
+    calls = {"allreduce": lambda a: [collectives.allreduce(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
+             "broadcast": lambda a: collectives.broadcast(mesh, x, algorithm=a),
+             "allgather": lambda a: collectives.allgather(mesh, x, algorithm=a),
+             "reduce_scatter": lambda a: collectives.reduce_scatter(mesh, rows, algorithm=a),
+             "reduce": lambda a: collectives.reduce(mesh, x),
+             "all_to_all": lambda a: collectives.all_to_all(mesh, rows, algorithm=a),
+             "barrier": lambda a: collectives.barrier(mesh),
+             "gather": lambda a: collectives.gather(mesh, x, algorithm=a),
+             "scatter": lambda a: collectives.scatter(mesh, rows, algorithm=a)}
+    for collective in registry.ALGORITHMS:  # a KeyError here: a new collective needs its call above
+        for algorithm in registry.compiled(collective):
+            calls[collective](algorithm)
