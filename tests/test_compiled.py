@@ -292,6 +292,75 @@ def stalled(mesh: lab.Mesh, how: str, out: str) -> str:
     return message
 
 
+def each_compiled(mesh: lab.Mesh, collective: str, count: int) -> None:
+    """``collective`` on ``count`` elements per rank through its first compiled algorithm (the
+    barrier moves nothing); broadcast and scatter from rank 1, reduce and gather to rank 0 (so
+    that some rank waits on rank 1's messages)."""
+    x, rows = torch.ones(count), torch.ones(count * mesh.world_size)
+    algorithm = {"algorithm": registry.compiled(collective)[0]} if registry.choosable(collective) else {}
+    {"allreduce": lambda: lab.allreduce(mesh, x, **algorithm),
+     "broadcast": lambda: lab.broadcast(mesh, x, src=1, **algorithm),
+     "allgather": lambda: lab.allgather(mesh, x, **algorithm),
+     "reduce_scatter": lambda: lab.reduce_scatter(mesh, rows, **algorithm),
+     "reduce": lambda: lab.reduce(mesh, x),
+     "all_to_all": lambda: lab.all_to_all(mesh, rows, **algorithm),
+     "barrier": lambda: lab.barrier(mesh),
+     "gather": lambda: lab.gather(mesh, x, **algorithm),
+     "scatter": lambda: lab.scatter(mesh, rows, src=1, **algorithm)}[collective]()
+
+
+def failing_in_each(mesh: lab.Mesh, collective: str, how: str, out: str) -> str:
+    """Rank 1 of 3 stops (sleeps past the deadline), dies, or (``"mismatched"``) calls the
+    collective on another size (the barrier: an allreduce instead): what each rank sees."""
+    if mesh.rank == 1 and how in ("stopped", "killed"):
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(2.0)
+        return "slept"
+    start = time.monotonic()
+    try:
+        if how == "mismatched" and mesh.rank == 1 and collective == "barrier":
+            lab.allreduce(mesh, torch.ones(1), algorithm="recursive_doubling")
+        else:
+            each_compiled(mesh, collective, 11 if how == "mismatched" and mesh.rank == 1 else 10)
+        message = "no error"
+    except lab.LabError as exc:
+        message = f"{type(exc).__name__} after {time.monotonic() - start:.1f} s: {exc}"
+    with open(os.path.join(out, f"rank{mesh.rank}"), "w") as file:  # the pool may fail on rank 1's death
+        file.write(message)
+    return message
+
+
+def names_the_other_side(rank: int, message: str) -> bool:
+    """Whether the error names the failing rank, rank 1 (raised on rank 1 itself: another rank)."""
+    text = message.split(": ", 1)[1].replace(f"rank {rank}", "")  # (the rank that raised it aside)
+    return "rank 1" in text if rank != 1 else "rank " in text
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed", "mismatched"])
+@pytest.mark.parametrize("collective", list(registry.ALGORITHMS))
+def test_each_compiled_collective_names_a_stopped_dead_or_mismatched_rank(compiled_env, collective, how, tmp_path):
+    """Inside every compiled collective: a rank that exchanges with the failing one gets the error
+    naming it (DeadlineError after the 1 s deadline, PeerLostError before the 3 s one, or
+    CollectiveMismatchError naming the other side); a rank that waits on one of those gets a
+    DeadlineError naming whom it waited on; a rank that never depends on it finishes; nobody hangs."""
+    deadline_ms = 3000 if how == "killed" else 1000
+    with lab.launch(3, recv_timeout_ms=deadline_ms) as cluster:
+        if how == "killed":
+            with pytest.raises(lab.RankError, match="rank 1"):
+                cluster.run(failing_in_each, collective, how, str(tmp_path))
+        else:
+            cluster.run(failing_in_each, collective, how, str(tmp_path))
+    expected = {"stopped": "DeadlineError", "killed": "PeerLostError", "mismatched": "CollectiveMismatchError"}[how]
+    files = {rank: tmp_path / f"rank{rank}" for rank in ((0, 2) if how != "mismatched" else (0, 1, 2))}
+    seen = {rank: f.read_text() for rank, f in files.items() if f.exists()}  # (a pool torn down by a death: maybe not all)
+    assert any(m.startswith(expected) and names_the_other_side(rank, m) for rank, m in seen.items()), seen
+    for message in seen.values():
+        assert message == "no error" or message.startswith((expected, "DeadlineError")), seen
+        if message != "no error":
+            assert float(message.split(" after ")[1].split(" s")[0]) < 30, seen  # the deadline at most: no hang
+
+
 #: LAB_COMPILED_SPIN, LAB_COMPILED_YIELD: the waiting policies a deadline and a death must get through.
 POLICIES = {"default": None, "spin only": ("1000000000000", "0"), "block at once": ("0", "0")}
 
