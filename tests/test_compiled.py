@@ -141,7 +141,7 @@ def lanes(mesh: lab.Mesh) -> list[str]:
     everyone = mesh.split(color=0)
     n, rank, wrong = mesh.world_size, mesh.rank, []
     for name, dtype in REDUCE_DTYPES.items():
-        for count in (1, 2 * n + 1):
+        for count in (0, 1, 2 * n + 1):
             for op in OPS:
                 if op == "avg" and not dtype.is_floating:
                     continue
