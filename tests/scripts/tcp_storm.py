@@ -6,6 +6,7 @@ Reads the listener's ``host:port`` under KEY in the job's store (it has no authe
 local user can), opens IDLE connections that never send a byte and TRICKLE ones that send a
 plausible lab hello one byte every 0.25 s, and reopens each one the listener closes, for as long
 as the listener accepts. Prints ``ready`` (and sets READY_KEY in the store) once all are open. When stdin closes it stops reopening,
+sends one byte on every connection still open (so that one whose other end is gone gets a reset),
 waits (up to 30 s) for the listener to have closed every connection, and prints one JSON line:
 ``opened``, ``closed_by_listener``, ``refused`` (connects refused: the listener is gone),
 ``still_open``.
@@ -88,6 +89,16 @@ while True:
             if not sys.stdin.readline():  # the test is done: stop reopening, count what is left
                 selector.unregister(sys.stdin)
                 reopening, give_up = False, time.monotonic() + 30
+                # An idle socket learns that its other end is gone only when it sends: one that
+                # connected as the listener closed may never have been told (no RST came). Each
+                # sends a byte now, which a closed end answers with a reset.
+                for probed in [k.fileobj for k in selector.get_map().values() if k.data is not None]:
+                    try:
+                        probed.send(b"\0")
+                    except BlockingIOError:
+                        pass
+                    except OSError:
+                        forget(probed)
             continue
         if closed(event.fileobj):
             forget(event.fileobj)
