@@ -42,7 +42,7 @@ def _run_each_compilable(mesh: Mesh) -> None:
     x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
     tensor = torch.ones(4)  # twice: the second call takes the lane the first made
     calls = {"allreduce": lambda a: [collectives.allreduce(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
-             "broadcast": lambda a: collectives.broadcast(mesh, x, algorithm=a),
+             "broadcast": lambda a: [collectives.broadcast(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
              "allgather": lambda a: collectives.allgather(mesh, x, algorithm=a),
              "reduce_scatter": lambda a: collectives.reduce_scatter(mesh, rows, algorithm=a),
              "reduce": lambda a: collectives.reduce(mesh, x),

@@ -38,9 +38,9 @@ def compiled_plane_warm():
     from lab.warmup import compile_all
 
     ran = lab.spawn(compile_all, 2, transport="shm")
-    # one call per compilable algorithm, and allreduce's twice more (a torch tensor: its lane's call)
+    # one call per compilable algorithm, and allreduce's and broadcast's twice more (a torch tensor: the lane's call)
     expected = sum(len(registry.compiled(collective)) for collective in registry.ALGORITHMS) \
-        + 2 * len(registry.compiled("allreduce"))
+        + 2 * (len(registry.compiled("allreduce")) + len(registry.compiled("broadcast")))
     assert ran == [expected] * 2, f"the compiled plane's warm-up ran {ran} compiled collectives, expected {expected}"
 
 

@@ -135,9 +135,10 @@ def test_auto_takes_the_compiled_path_and_the_results_are_exact(cluster):
 
 
 def lanes(mesh: lab.Mesh) -> list[str]:
-    """A plain allreduce like one before, on an exact contiguous CPU torch tensor, takes its lane
-    (the tensor by its address): the Python path's bits for every compilable algorithm, dtype and
-    op, the caller's tensor returned; the tensors a lane must leave to the full path get it."""
+    """A plain allreduce or broadcast like one before, on an exact contiguous CPU torch tensor,
+    takes its lane (the tensor by its address): the Python path's bits for every compilable
+    algorithm, dtype, op and root, the caller's tensor returned; the tensors a lane must leave to
+    the full path get it."""
     everyone = mesh.split(color=0)
     n, rank, wrong = mesh.world_size, mesh.rank, []
     for name, dtype in REDUCE_DTYPES.items():
@@ -160,6 +161,20 @@ def lanes(mesh: lab.Mesh) -> list[str]:
                     no_lane = n == 1 or (op == "avg" and dtype.family in ("float16", "bfloat16"))
                     if compiled != 3 * (n > 1) or (lane is None) != no_lane:
                         wrong.append(f"rank {rank} {algorithm} {name}[{count}] {op}: lane {lane}, {compiled} compiled")
+    for name, dtype in REDUCE_DTYPES.items():
+        for count in (0, 1, 2 * n + 1):
+            for root in {0, n - 1}:
+                expected = lab.broadcast(everyone, pattern(count, rank, dtype.torch_dtype), src=root)
+                before = mesh.stats()["collectives_compiled"]
+                for call in range(3):
+                    x = pattern(count, rank, dtype.torch_dtype)
+                    if lab.broadcast(mesh, x, src=root, algorithm="binomial") is not x or not same_bits(x, expected):
+                        wrong.append(f"rank {rank} call {call} broadcast {name}[{count}] from {root}: "
+                                     f"{x[:4].tolist()} != {expected[:4].tolist()}")
+                compiled = mesh.stats()["collectives_compiled"] - before
+                lane = find_lane(mesh, "broadcast", x, root, "binomial")
+                if compiled != 3 * (n > 1) or (lane is None) != (n == 1):
+                    wrong.append(f"rank {rank} broadcast {name}[{count}] from {root}: lane {lane}, {compiled} compiled")
     count = 5
     total = torch.arange(count, dtype=torch.float32) * STRIDE * n + sum(range(n))
     lab.allreduce(mesh, pattern(count, rank, torch.float32))  # (the lane for the tensors below)

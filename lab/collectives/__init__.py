@@ -107,25 +107,33 @@ def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", as
         x = torch.full((2,), float(mesh.rank))     # rank 0: [0, 0]  rank 1: [1, 1]  rank 2: [2, 2]
         lab.broadcast(mesh, x, src=1)              # all:    [1, 1]
     """
+    if async_op is False:
+        lane = find_lane(mesh, "broadcast", tensor, src, algorithm)
+        if lane is not None:  # (a call like one before, on a contiguous CPU tensor: see Lane)
+            lane(tensor)
+            return tensor
     return mesh.issue(prepare_broadcast(mesh, tensor, src, algorithm).run, async_op)
 
 
 def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
     """:func:`broadcast`'s checks and choices, done now; its communication, ready to run."""
-    src = check_root(mesh, src, "src")
+    root = check_root(mesh, src, "src")
     buffer = as_buffer(tensor)
     chosen = pick(mesh, "broadcast", algorithm, buffer.nbytes)
-    signature = Signature("broadcast", chosen, buffer.dtype, buffer.numel, root=src)
+    signature = Signature("broadcast", chosen, buffer.dtype, buffer.numel, root=root)
+    if buffer.shared and type(tensor) is torch.Tensor:
+        make_lane(mesh, lane_key("broadcast", tensor, src, algorithm), signature, ALGORITHMS["broadcast"][chosen],
+                  (buffer.flat, root))
 
     def run() -> Any:
         flat = buffer.load()
         with mesh.collective(*signature):
-            mesh.run(ALGORITHMS["broadcast"][chosen], flat, src)
+            mesh.run(ALGORITHMS["broadcast"][chosen], flat, root)
         buffer.write_back()
         return tensor
 
     def planned() -> Callable[[], Any] | None:
-        return compiled_run(mesh, signature, ALGORITHMS["broadcast"][chosen], (buffer.flat, src),
+        return compiled_run(mesh, signature, ALGORITHMS["broadcast"][chosen], (buffer.flat, root),
                             lambda: tensor, buffer.shared)
 
     return Prepared(run, signature, planned)

@@ -68,19 +68,19 @@ def compiled_run(mesh: Mesh, signature: Signature, algorithm: Any, args: tuple, 
 
 
 class Lane:
-    """A plain call's shortest way, made by its first call and kept with its template: a later
-    call with the same arguments on an exact ``torch.Tensor`` of the same dtype and size,
-    contiguous and on the CPU, runs the compiled call on the tensor's memory by its address (no
-    checks repeated, no buffer wrapped, no numpy view made, nothing of the tensor kept), in issue
-    order as a plan's run (:meth:`lab.issue.IssueQueue.run_alone`)."""
+    """A plain allreduce's or broadcast's shortest way, made by its first call and kept with its
+    template: a later call with the same arguments on an exact ``torch.Tensor`` of the same dtype
+    and size, contiguous and on the CPU, runs the compiled call on the tensor's memory by its
+    address (no checks repeated, no buffer wrapped, no numpy view made, nothing of the tensor
+    kept), in issue order as a plan's run (:meth:`lab.issue.IssueQueue.run_alone`)."""
 
-    __slots__ = ("_nbytes", "_run", "_run_alone")
+    __slots__ = ("_nbytes", "_rest", "_run", "_run_alone")
 
-    def __init__(self, mesh: Mesh, run: PlannedRun, nbytes: int) -> None:
-        self._run, self._nbytes, self._run_alone = run, nbytes, mesh.issue_queue.run_alone
+    def __init__(self, mesh: Mesh, run: PlannedRun, nbytes: int, rest: tuple) -> None:
+        self._run, self._nbytes, self._rest, self._run_alone = run, nbytes, rest, mesh.issue_queue.run_alone
 
     def __call__(self, tensor: torch.Tensor) -> None:
-        self._run_alone(self._run, (tensor.data_ptr(), self._nbytes))
+        self._run_alone(self._run, (tensor.data_ptr(), self._nbytes, *self._rest))
 
 
 def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
@@ -109,8 +109,9 @@ def make_lane(mesh: Mesh, key: tuple, signature: Signature, algorithm: Any, args
     running ``algorithm`` on arguments like ``args``, whose first is the tensor's buffer."""
     if key not in mesh.templates:
         run = mesh.compiled_call(signature, algorithm, args, at=True)
-        if run is not None:
-            remembered(mesh, key, lambda: Lane(mesh, run, signature.count * signature.dtype.storage.itemsize))
+        if run is not None:  # (the operands after the buffer, as the compiled call takes them)
+            nbytes = signature.count * signature.dtype.storage.itemsize
+            remembered(mesh, key, lambda: Lane(mesh, run, nbytes, run.operands(args)[1:]))
 
 
 #: Kept per mesh at most (a program's distinct shapes of call are few; past this, start over).
