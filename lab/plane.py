@@ -221,6 +221,7 @@ class _CompileOnly(CompiledCall):
         return mb.OK
 
     def keeping_books(self, record: int) -> Callable[..., int]:
+        """An "entry" that compiles (this rank's share) and runs nothing, as :meth:`run`."""
         return lambda region, config, ledger, *operands: self.run(operands)
 
 
