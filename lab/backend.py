@@ -22,8 +22,9 @@ issue order. ``wait()`` raises ``torch.distributed.DistBackendError`` carrying t
 error when anything reads it (torch's C++ consumers, DDP among them, crash on a future completed
 with an exception): DDP's ``backward()`` then raises it too.
 
-Here: the creator torch calls; the process group is :class:`lab.backend_group.LabProcessGroup`
-(with its ``Options``, re-exported here), its handles :class:`lab.backend_work.LabWork`.
+Here: the creator torch calls; the process group is :class:`lab.backend_group.LabProcessGroup`,
+torch's arguments as it takes them :mod:`lab.backend_args` (``Options`` among them, re-exported
+here), its handles :class:`lab.backend_work.LabWork`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lab.backend_group import NAME, LabProcessGroup, Options
+from lab.backend_args import Options
+from lab.backend_group import NAME, LabProcessGroup
 from lab.backend_work import LabWork
 from lab.errors import LabError
 from lab.fingerprint import MAX_CONTEXT

@@ -1,0 +1,130 @@
+"""torch's arguments as the lab takes them, for the ``"lab"`` backend's process group
+(:mod:`lab.backend_group`): its ``pg_options`` (:class:`Options`), reduce ops, tensor lists
+flattened into one tensor and back, counts checked, and a receive that waits for its message.
+
+    lab_op(dist.ReduceOp.AVG)                 # ("avg", None)
+    flatten_into(flat, [a, b])                # a and b, one after the other, in flat
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lab import collectives
+from lab.errors import DeadlineError
+from lab.mesh import Mesh
+from lab.transport.base import Silence
+
+#: A waiting receive runs the sends issued behind it every this many milliseconds.
+POLL_MS = 1.0
+
+_REDUCE_OPS = {
+    dist.ReduceOp.RedOpType.SUM: "sum", dist.ReduceOp.RedOpType.PRODUCT: "prod",
+    dist.ReduceOp.RedOpType.MIN: "min", dist.ReduceOp.RedOpType.MAX: "max",
+    dist.ReduceOp.RedOpType.AVG: "avg", dist.ReduceOp.RedOpType.PREMUL_SUM: "sum",
+    dist.ReduceOp.RedOpType.BAND: "band", dist.ReduceOp.RedOpType.BOR: "bor", dist.ReduceOp.RedOpType.BXOR: "bxor",
+}
+
+
+def lab_op(reduce_op: Any) -> tuple[str, float | None]:
+    """torch's ReduceOp as the lab's op name, and PREMUL_SUM's factor (None otherwise)."""
+    kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
+    if kind not in _REDUCE_OPS:
+        raise ValueError(f"reduce op {kind} is not supported by the lab backend; supported: "
+                         f"{', '.join(str(k).split('.')[-1] for k in _REDUCE_OPS)}")
+    factor = None
+    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+        factor = reduce_op.factor
+        factor = factor.item() if isinstance(factor, torch.Tensor) else float(factor)
+    return _REDUCE_OPS[kind], factor
+
+
+def flatten_into(flat: torch.Tensor, tensors: list[torch.Tensor], factor: float | None = None) -> None:
+    """Copy ``tensors`` one after the other into ``flat`` (times PREMUL_SUM's ``factor``)."""
+    offset = 0
+    for tensor in tensors:
+        part = flat[offset:offset + tensor.numel()]
+        if factor is None:
+            part.copy_(tensor.reshape(-1))
+        else:
+            torch.mul(tensor.reshape(-1), factor, out=part)
+        offset += tensor.numel()
+
+
+def unflatten_into(flat: torch.Tensor, outputs: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` into ``outputs``, each in its own shape."""
+    offset = 0
+    for out in outputs:
+        out.copy_(flat[offset:offset + out.numel()].view_as(out))
+        offset += out.numel()
+
+
+def one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+    """The one CPU tensor of ``tensors`` (a ``ValueError`` naming the call ``what`` otherwise)."""
+    if len(tensors) != 1:
+        raise ValueError(f"the lab backend takes one tensor per call ({what}); got {len(tensors)}")
+    tensor = tensors[0]
+    if tensor.device.type != "cpu":
+        raise ValueError(f"the lab backend moves CPU tensors; got one on {tensor.device}")
+    return tensor
+
+
+# -- checks (before anything is sent: torch raises these in the caller)
+
+
+def output_bytes(outputs: list) -> int:
+    """The bytes of a list of tensors, or of lists of them (an allgather's output lists)."""
+    return sum(output_bytes(t) if isinstance(t, list) else t.numel() * t.element_size() for t in outputs)
+
+
+def check_count(tensors: list[torch.Tensor], world_size: int, name: str) -> None:
+    if len(tensors) != world_size:
+        raise ValueError(f"{name} must hold one tensor per rank ({world_size}); got {len(tensors)}")
+
+
+def await_message(mesh: Mesh, src: int | None, tag: int, meanwhile: Callable[[], None]) -> int:
+    """``src`` (None: any rank) once its next tensor of ``tag`` has arrived, calling
+    ``meanwhile()`` between waits of ``POLL_MS``; DeadlineError after the mesh's
+    ``recv_timeout_ms`` without one."""
+    silence = Silence(mesh.recv_timeout_ms / 1000)
+    while (found := mesh.probe(src, tag, POLL_MS)) is None:
+        meanwhile()
+        if silence.expired():
+            peers = [src] if src is not None else [r for r in range(mesh.world_size) if r != mesh.rank]
+            raise DeadlineError(f"rank {mesh.rank} timed out waiting for a tensor of tag {tag} from rank(s) "
+                                f"{peers} (recv_timeout_ms={mesh.recv_timeout_ms:g})", peers)
+    return found
+
+
+def check_sizes(tensor: torch.Tensor, numel: int, name: str) -> None:
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} must hold {numel} elements (the input's times the group's size); "
+                         f"got {tensor.numel()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The lab's ``pg_options``: ``dist.init_process_group("lab", pg_options=lab.backend.Options(...))``.
+
+    ``algorithms`` maps a collective to one of its algorithms (``{"allreduce": "ring"}``; the
+    others stay ``"auto"``; ``LAB_ALGO`` still wins); ``recv_timeout_ms`` overrides the
+    ``timeout=`` torch passes; ``trace`` is a JSONL path (``LAB_TRACE`` also works);
+    ``transport`` is ``"auto"`` (shm inside a host, tcp across) or ``"tcp"``.
+    """
+
+    algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
+    recv_timeout_ms: float | None = None
+    trace: str | None = None
+    transport: str = "auto"
+
+    def __post_init__(self) -> None:
+        for collective, algorithm in self.algorithms.items():
+            if collective not in collectives.ALGORITHMS:
+                raise ValueError(f"Options.algorithms has no collective {collective!r}; collectives: "
+                                 f"{', '.join(collectives.ALGORITHMS)}")
+            collectives.check_algorithm(algorithm, collective)
