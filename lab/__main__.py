@@ -68,7 +68,8 @@ def results(args: argparse.Namespace) -> int:
             return hierarchy.main(args.out, args.hosts, args.ranks_per_host, args.link_gbit[0],
                                   sizes if args.quick else None)
         return hosts.main(args.out, args.hosts, args.link_gbit, sizes if args.quick else None)
-    return results_module.main(args.out, args.ranks, args.transports, sizes, update_tuning=not args.keep_tuning)
+    return results_module.main(args.out, args.ranks, args.transports, sizes, update_tuning=not args.keep_tuning,
+                               rounds=args.rounds)
 
 
 def kernels(args: argparse.Namespace) -> int:
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--ranks", type=int, default=4)
     sweep.add_argument("--transports", nargs="+", default=["shm", "queue", "tcp"], choices=["shm", "queue", "tcp"])
     sweep.add_argument("--quick", action="store_true", help="1 KB, 1 MB and 16 MB only")
+    sweep.add_argument("--rounds", type=int, default=5,
+                       help="rounds of every case, the least round's median kept (default 5; 1 is 5x faster)")
     sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
     sweep.add_argument("--calibrate-only", action="store_true",
                        help="measure nothing: refit the simulator's network per transport to OUT's CSVs into "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+_BLOCK = re.compile(r"<!-- (?P<marker>[\w-]+):begin -->\n.*?\n<!-- (?P=marker):end -->", re.S)
 
 
 def splice(report_path: Path, section: str, marker: str) -> None:
@@ -18,3 +21,12 @@ def splice(report_path: Path, section: str, marker: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     report_path.write_text(text)
+
+
+def with_spliced(report_path: Path, text: str) -> str:
+    """``text`` (a freshly rendered report) followed by the sections other commands spliced into
+    the report at ``report_path``, in their order: each names the run that measured it, and
+    regenerating the main results does not drop them."""
+    old = report_path.read_text() if report_path.exists() else ""
+    blocks = [match.group(0) for match in _BLOCK.finditer(old)]
+    return "\n\n".join([text.rstrip("\n"), *blocks]) + "\n"

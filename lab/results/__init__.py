@@ -19,30 +19,31 @@ from pathlib import Path
 import pandas as pd
 
 from lab.benchmark import SIZES
+from lab.report import with_spliced
 from lab.results import plots, report
 from lab.results.fits import fit_alpha_beta, models, tuning_from
-from lab.results.sweeps import kernel_sweep, measure_all, save_machine, save_tables
+from lab.results.sweeps import ROUNDS, kernel_sweep, measure_all, save_machine, save_tables
 from lab.tuning import TUNING_PATH, networks_from
 
 __all__ = ["fit_alpha_beta", "kernel_sweep", "main", "models", "tuning_from"]
 
 
 def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | None = None,
-         sizes: list[int] | None = None, update_tuning: bool = True) -> int:
+         sizes: list[int] | None = None, update_tuning: bool = True, rounds: int = ROUNDS) -> int:
     """Measure, fit, plot and report into ``out_dir``; refresh ``lab/tuning.json`` unless told not
     to. Returns 1 if a primitive disagreed with gloo, else 0."""
     transports = transports or ["shm", "queue", "tcp"]
     sizes = sizes or SIZES
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    run = measure_all(world_size, transports, sizes)
+    run = measure_all(world_size, transports, sizes, rounds)
     model = models(pd.concat([run.allreduce, run.others]))
     save_tables(out, {"allreduce": run.allreduce, "collectives": run.others, "kernels": run.kernels,
                       "model": model, "gloo_check": run.check, "latency_floor": run.floor,
                       "bucketing": run.bucketing, "overlap": run.overlap})
     save_machine(out, run.info)
     plots.draw(out, run, model)
-    (out / "REPORT.md").write_text(report.render(run, model))
+    (out / "REPORT.md").write_text(with_spliced(out / "REPORT.md", report.render(run, model)))
     if update_tuning:
         fitted = {"generated": run.info, "world": world_size, "worlds": [world_size], "models": tuning_from(model),
                   "networks": networks_from(out)}  # the simulator's, for auto at other world sizes

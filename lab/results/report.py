@@ -60,10 +60,17 @@ def header(run: Measurements) -> list[str]:
         f"numpy {info['numpy']}, pandas {info['pandas']}.  ",
         f"**Method**: {run.world} ranks on {info['cores']} cores (oversubscribed when ranks > cores); float32; "
         "time inside the ranks per call of a back-to-back loop after warm-up; a call's time is the slowest "
-        "rank's; medians (p10/p90 in the CSVs); gloo runs in the same pools, in the same run"
+        f"rank's; per case the median over calls, measured in {rounds_of(run)} interleaved rounds and the least "
+        "round's median kept (noise on shared cores only adds time; p10/p90 in the CSVs); gloo runs in the "
+        "same pools, in the same run"
         + (", and so does MPICH's allreduce (`mpiexec`, same timing rules)." if mpich
            else "; MPICH was not measured (install the `peers` extra)."), "",
     ]
+
+
+def rounds_of(run: Measurements) -> int:
+    """How many rounds the sweep measured each case in (1 for tables from before rounds)."""
+    return int(run.allreduce["rounds"].max()) if "rounds" in run.allreduce else 1
 
 
 # -- allreduce ---------------------------------------------------------------------------------------
