@@ -1,4 +1,8 @@
-"""Is ``auto`` within 25 % of the best allreduce algorithm at a world size the fits never measured?
+"""Is ``auto`` within 25 % of the best allreduce algorithm, measured afresh?
+
+At a world size ``tuning.json`` has models for (``worlds``: 4 and the ``results/ranks/N`` runs)
+``auto`` follows the medians measured there; at any other it asks the simulator. This measures
+what either picks against every candidate, in a run of its own.
 
     python bench/auto_choice.py                           # 8 ranks, shm, 1 KB, 1 MB and 16 MB
     python bench/auto_choice.py --ranks 6 8 --sizes 1K 256K 1M --rounds 3 --transport tcp
@@ -7,8 +11,7 @@ Per ranks and size: every ``auto`` candidate and ``auto`` itself, timed in one p
 :func:`lab.benchmark.measure` (median of the slowest rank per call), ``--rounds`` times
 alternating, keeping each case's best median (shared cores: noise only ever adds time). Prints
 what ``auto`` runs there (its own call inside a rank, compiled path included), what the fitted
-models alone would have picked (``tuning.choose`` without networks: ``auto`` before it asked the
-simulator), auto's median over the best candidate's, and the picked algorithm's own median
+models alone would have picked (``tuning.choose`` without networks: no simulator), auto's median over the best candidate's, and the picked algorithm's own median
 over the best's (the same choice, measured as a candidate: on a loaded machine the two differ by noise). The load average is printed: on a
 shared machine compare runs only at similar loads.
 """

@@ -48,11 +48,14 @@ def results(args: argparse.Namespace) -> int:
 
     sizes = [1 << 10, 1 << 20, 16 << 20] if args.quick else SIZES
     if args.calibrate_only:  # refit the simulator's networks from OUT's CSVs, measure nothing
-        from lab.tuning import TUNING_PATH, store_networks
+        from lab.tuning import TUNING_PATH, store_fits
 
-        networks = store_networks(args.out)
-        print(f"Wrote the networks of {', '.join(networks) or 'no transport'} (fitted to {args.out}/) to {TUNING_PATH}")
+        table = store_fits(args.out)
+        print(f"Wrote the networks of {', '.join(table['networks']) or 'no transport'} and the models at N = "
+              f"{', '.join(map(str, table['worlds']))} (fitted to {args.out}/) to {TUNING_PATH}")
         return 0
+    if args.report_only:  # rewrite OUT/REPORT.md from OUT's CSVs, measure nothing
+        return results_module.report_only(args.out)
     if args.data_plane is not None:  # plain call, plan, Python path, gloo, MPICH: OUT/data_plane.csv
         from lab.results import data_plane
 
@@ -118,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="rounds of every case, the least round's median kept (default 5; 1 is 5x faster)")
     sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
     sweep.add_argument("--calibrate-only", action="store_true",
-                       help="measure nothing: refit the simulator's network per transport to OUT's CSVs into "
-                            "lab/tuning.json (what auto simulates at world sizes never measured)")
+                       help="measure nothing: refit to OUT's CSVs (and OUT/ranks/N's) the simulator's network per "
+                            "transport and the models of every world size measured into lab/tuning.json")
+    sweep.add_argument("--report-only", action="store_true",
+                       help="measure nothing: rewrite OUT/REPORT.md from OUT's CSVs and machine.json (keeping the "
+                            "sections other commands spliced in)")
     sweep.add_argument("--hosts", nargs="+", type=int, metavar="H",
                        help="instead: allreduce across H emulated hosts, one rank each (writes OUT/hosts/)")
     sweep.add_argument("--link-gbit", nargs="+", type=float, default=[1.0], metavar="G",

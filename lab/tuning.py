@@ -8,9 +8,11 @@ with steps (latency terms on the critical path) and volume (bytes through the bu
 tensor byte) from the algorithm's structure, :func:`algorithm_shape`, and α_step, β_byte fitted
 per transport, collective and algorithm by ``python -m lab results`` into ``lab/tuning.json``.
 ``auto`` compares the algorithms that have a fitted model for the transport (among the registry's
-``auto`` candidates) at the world sizes the fits were measured at (``tuning.json``'s ``worlds``),
-at every size: below the smallest swept size the fitted latency term dominates, above the largest
-the bandwidth term, and both were measured per algorithm. At a world size never swept, or for a
+``auto`` candidates) at the world sizes they were measured at (``tuning.json``'s ``worlds``: the
+main sweep's ``models`` and ``models_by_world``, from ``results/ranks/N``). There each follows its
+measured medians: between two measured sizes the straight line through them (an α and a β per
+interval, so a measured size predicts what was measured there), below the smallest that size's
+time, above the largest the fitted per-byte term on top. At a world size never swept, or for a
 transport or collective with fewer than two fits, it asks the simulator (:mod:`lab.sim`): every
 candidate replayed on the transport's network as :mod:`lab.sim.calibrate` fitted it (``tuning.json``'s
 ``networks``), the least simulated time wins. That choice is made once per (collective, transport,
@@ -26,6 +28,7 @@ allgather and gather result, the reduce_scatter, all_to_all and scatter input.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from dataclasses import dataclass
@@ -74,6 +77,15 @@ def fitted_models() -> dict:
     return tuning_table().get("models", {})
 
 
+def measured_models(world_size: int) -> dict:
+    """The fits measured at ``world_size`` (the main sweep's :func:`fitted_models` at its world,
+    ``models_by_world`` at the others), or ``{}``."""
+    table = tuning_table()
+    if world_size == table.get("world"):
+        return fitted_models()
+    return table.get("models_by_world", {}).get(str(world_size), {})
+
+
 def swept_worlds() -> tuple[int, ...]:
     """The world sizes the fitted models were measured at (``tuning.json``'s ``worlds``, or its
     ``world``): ``auto`` trusts the fits there and asks the simulator elsewhere."""
@@ -97,8 +109,34 @@ def predict_us(algorithm: str, nbytes: int, world_size: int, transport: str, col
     fit = (fitted_models() if models is None else models).get(transport, {}).get(collective, {}).get(algorithm)
     if fit is None:
         return None
+    return sum(fitted_terms(fit, algorithm, nbytes, world_size, collective))
+
+
+def fitted_terms(fit: dict, algorithm: str, nbytes: int, world_size: int, collective: str = "allreduce"
+                 ) -> tuple[float, float]:
+    """(latency µs, per-byte µs) of one fitted model for an ``nbytes`` call on ``world_size`` ranks.
+
+    At the world size its ``points`` were measured at: between two measured sizes the line
+    through their medians, below the smallest its median, above the largest the largest's median
+    plus the fitted per-byte term for the bytes beyond. Elsewhere the α-β fit scaled by the
+    algorithm's shape, steps(N)·α_step and volume(N)·n·β_byte. The per-byte part is the line's
+    slope times n (none where the medians fall with size: noise)."""
     steps, volume = algorithm_shape(algorithm, world_size, collective)
-    return steps * fit["alpha_step_us"] + volume * nbytes * fit["beta_byte_us"]
+    points = fit.get("points") if fit.get("world") == world_size else None
+    if not points:
+        return steps * fit["alpha_step_us"], volume * nbytes * fit["beta_byte_us"]
+    sizes = [size for size, _ in points]
+    at = bisect.bisect_left(sizes, nbytes)
+    if at == 0:  # at or below the smallest measured size
+        return points[0][1], 0.0
+    if at == len(points):  # above the largest
+        slope = volume * max(fit["beta_byte_us"], 0.0)
+        last_bytes, last_us = points[-1]
+        return last_us - slope * last_bytes, slope * nbytes
+    (low_bytes, low_us), (high_bytes, high_us) = points[at - 1], points[at]
+    slope = max((high_us - low_us) / (high_bytes - low_bytes), 0.0)
+    time_us = low_us + (high_us - low_us) * (nbytes - low_bytes) / (high_bytes - low_bytes)
+    return time_us - slope * nbytes, slope * nbytes
 
 
 def predict_hierarchical_us(nbytes: int, world_size: int, hosts: int, intra: str, models: dict | None = None
@@ -143,15 +181,21 @@ def networks_from(results_dir: str | Path) -> dict[str, dict]:
     return {setting: dataclasses.asdict(fit.network) for setting, fit in fits.items() if setting in TRANSPORTS}
 
 
-def store_networks(results_dir: str | Path) -> dict[str, dict]:
-    """Refit :func:`networks_from` ``results_dir`` into ``tuning.json``, keeping its fitted models
-    (``python -m lab results --calibrate-only``); returns them."""
+def store_fits(results_dir: str | Path) -> dict:
+    """Refit into ``tuning.json``, from the measured CSVs in ``results_dir`` and its
+    ``ranks/N/``, the simulator's networks (:func:`networks_from`) and the models of every world
+    size measured there (``models_by_world``, ``worlds``), keeping the main sweep's models
+    (``python -m lab results --calibrate-only``); returns what it wrote."""
+    from lab.results.fits import models_by_world
+
     table = tuning_table()
-    networks = networks_from(results_dir)
-    TUNING_PATH.write_text(json.dumps({**table, "networks": networks}, indent=2) + "\n")
+    by_world = {str(n): fits for n, fits in models_by_world(Path(results_dir)).items() if n != table.get("world")}
+    worlds = sorted({*map(int, by_world), *([table["world"]] if "world" in table else [])})
+    table = {**table, "worlds": worlds, "models_by_world": by_world, "networks": networks_from(results_dir)}
+    TUNING_PATH.write_text(json.dumps(table, indent=2) + "\n")
     tuning_table.cache_clear()
     fitted_models.cache_clear()
-    return networks
+    return table
 
 
 @dataclass(frozen=True)
@@ -198,7 +242,7 @@ def _fitted_predictions(nbytes: int, world_size: int, transport: str, collective
         if fit is None:
             continue
         steps, volume = algorithm_shape(algorithm, world_size, collective)
-        latency, bandwidth = steps * fit["alpha_step_us"], volume * nbytes * fit["beta_byte_us"]
+        latency, bandwidth = fitted_terms(fit, algorithm, nbytes, world_size, collective)
         out[algorithm] = Prediction(algorithm, latency + bandwidth, "fitted model", round(steps), volume * nbytes,
                                     latency, bandwidth)
     return out
@@ -257,6 +301,15 @@ def _usable_network(networks: dict, transport: str) -> dict | None:
     return network
 
 
+def _tables(world_size: int, models: dict | None, networks: dict | None, worlds: tuple[int, ...] | None
+            ) -> tuple[dict, dict, tuple[int, ...] | None]:
+    """:func:`decide`'s models, networks and worlds: those passed in, else ``tuning.json``'s (the
+    models measured at ``world_size``, else the main sweep's)."""
+    if models is None:
+        models, worlds = measured_models(world_size) or fitted_models(), swept_worlds() if worlds is None else worlds
+    return models, calibrated_networks() if networks is None else networks, worlds
+
+
 def decide(nbytes: int, world_size: int, transport: str, collective: str = "allreduce",
            models: dict | None = None, networks: dict | None = None,
            worlds: tuple[int, ...] | None = None) -> Choice:
@@ -264,17 +317,17 @@ def decide(nbytes: int, world_size: int, transport: str, collective: str = "allr
     ``transport``, with every prediction it compared (``LAB_ALGO`` aside).
 
     In order: the fitted models, if at least two candidates have one and ``world_size`` is one
-    they were measured at; else the simulator on the transport's calibrated network, at
-    :func:`size_bucket` of ``nbytes``; else the fitted models extrapolated to this world size;
-    else the size threshold. ``models``, ``networks`` and ``worlds`` default to ``tuning.json``'s
-    (:func:`fitted_models`, :func:`calibrated_networks`, :func:`swept_worlds`); models passed in
-    count as measured at every world size unless ``worlds`` says otherwise.
+    they were measured at (following the measured medians there: :func:`fitted_terms`); else
+    the simulator on the transport's calibrated network, at :func:`size_bucket` of ``nbytes``;
+    else the fitted models extrapolated to this world size; else the size threshold. ``models``,
+    ``networks`` and ``worlds`` default to ``tuning.json``'s (:func:`measured_models` at
+    ``world_size``, else :func:`fitted_models`; :func:`calibrated_networks`,
+    :func:`swept_worlds`); models passed in count as measured at every world size unless
+    ``worlds`` says otherwise.
 
         decide(1 << 20, 8, "shm").algorithm     # at 8 ranks, never swept: the simulator's pick
     """
-    if models is None:
-        models, worlds = fitted_models(), swept_worlds() if worlds is None else worlds
-    networks = calibrated_networks() if networks is None else networks
+    models, networks, worlds = _tables(world_size, models, networks, worlds)
     fitted = _fitted_predictions(nbytes, world_size, transport, collective, models)
     if len(fitted) >= 2 and (worlds is None or world_size in worlds):
         return Choice(min(fitted, key=lambda a: fitted[a].time_us), "fitted model", nbytes, fitted, {}, None)
@@ -296,9 +349,7 @@ def choose(nbytes: int, world_size: int, transport: str, collective: str = "allr
     """The algorithm ``auto`` runs: :func:`decide`'s pick. The simulator's picks are kept per
     (collective, transport, N, size bucket, network): a later call in the same bucket replays
     nothing."""
-    if models is None:
-        models, worlds = fitted_models(), swept_worlds() if worlds is None else worlds
-    networks = calibrated_networks() if networks is None else networks
+    models, networks, worlds = _tables(world_size, models, networks, worlds)
     fitted = _fitted_predictions(nbytes, world_size, transport, collective, models)
     if len(fitted) >= 2 and (worlds is None or world_size in worlds):
         return min(fitted, key=lambda a: fitted[a].time_us)

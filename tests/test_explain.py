@@ -22,6 +22,7 @@ NETWORK = {"alpha_us": 20.0, "gbit": 10.0}
 def simulator_only(monkeypatch):
     """A tuning table with no fits and one calibrated network, shm's: auto can only simulate."""
     monkeypatch.setattr(tuning, "fitted_models", dict)
+    monkeypatch.setattr(tuning, "measured_models", lambda world_size: {})
     monkeypatch.setattr(tuning, "calibrated_networks", lambda: {"shm": NETWORK})
     monkeypatch.delenv("LAB_ALGO", raising=False)
     monkeypatch.setattr(tuning, "_SIMULATED", {})

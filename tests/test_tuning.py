@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -135,3 +138,70 @@ def test_lab_algo_applies_per_collective_where_the_name_is_valid(monkeypatch):
         with pytest.raises(ValueError, match="LAB_ALGO") as info:
             forced_algorithm("allgather")
         assert message in str(info.value)
+
+
+def bent_sweep(world: int = 8) -> pd.DataFrame:
+    """Two allreduce algorithms measured at 1 KB, 1 MB and 16 MB on ``world`` ranks, as the queue
+    transport measured them at 8 ranks: the ring is fast at 1 MB and slow at 16 MB, a bend that no
+    single α-β line through the three sizes follows."""
+    medians = {"ring": [3517.0, 6784.0, 310473.0], "halving_doubling": [2112.0, 10285.0, 143775.0]}
+    return pd.DataFrame([{"transport": "queue", "collective": "allreduce", "algorithm": algorithm, "world": world,
+                          "impl": "lab", "bytes": nbytes, "median_us": us}
+                         for algorithm, times in medians.items()
+                         for nbytes, us in zip([1 << 10, 1 << 20, 16 << 20], times)])
+
+
+def test_at_a_measured_world_size_auto_follows_the_measured_medians():
+    measured = bent_sweep()
+    fitted = tuning_from(models(measured), measured)
+    ring = fitted["queue"]["allreduce"]["ring"]
+    assert ring["world"] == 8 and ring["points"] == [[1024, 3517.0], [1 << 20, 6784.0], [16 << 20, 310473.0]]
+    # the single line through the three sizes is far off at 16 MB (the bend), so it alone picks the ring there
+    steps, volume = tuning.algorithm_shape("ring", 8)
+    line_16mb = steps * ring["alpha_step_us"] + volume * (16 << 20) * ring["beta_byte_us"]
+    assert line_16mb < 143775.0 < 310473.0
+    # each measured size predicts what was measured there; between two, the line through them
+    for nbytes, us in ring["points"]:
+        assert tuning.predict_us("ring", nbytes, 8, "queue", models=fitted) == pytest.approx(us)
+    middle = (1 << 20) + ((16 << 20) - (1 << 20)) // 2
+    assert tuning.predict_us("ring", middle, 8, "queue", models=fitted) == pytest.approx((6784.0 + 310473.0) / 2,
+                                                                                         rel=1e-6)
+    # below the smallest size: its time; above the largest: its time plus the fitted per-byte term
+    assert tuning.predict_us("ring", 100, 8, "queue", models=fitted) == pytest.approx(3517.0)
+    above = tuning.predict_us("ring", 32 << 20, 8, "queue", models=fitted)
+    assert above == pytest.approx(310473.0 + volume * (16 << 20) * ring["beta_byte_us"])
+    decide = functools.partial(tuning.decide, world_size=8, transport="queue", models=fitted, networks={}, worlds=(8,))
+    assert decide(16 << 20).algorithm == "halving_doubling"  # measured: 143,775 µs against the ring's 310,473
+    assert decide(1 << 20).algorithm == "ring"  # measured: 6,784 against 10,285
+    # at a world size the points were not measured at, the α-β fit scaled by the shape, as before
+    steps4, volume4 = tuning.algorithm_shape("ring", 4)
+    assert tuning.predict_us("ring", 16 << 20, 4, "queue", models=fitted) == pytest.approx(
+        steps4 * ring["alpha_step_us"] + volume4 * (16 << 20) * ring["beta_byte_us"])
+
+
+def test_calibrate_only_stores_the_models_of_every_measured_world_size(tmp_path, monkeypatch):
+    for world in (2, 8):
+        folder = tmp_path / "ranks" / str(world)
+        folder.mkdir(parents=True)
+        measured = bent_sweep(world)
+        measured.to_csv(folder / "allreduce.csv", index=False)
+        models(measured).to_csv(folder / "model.csv", index=False)
+    main = tuning_from(models(full_sweep()), full_sweep().assign(impl="lab"))
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"world": 4, "worlds": [4], "models": main}))
+    monkeypatch.setattr(tuning, "TUNING_PATH", path)
+    monkeypatch.setattr(tuning, "networks_from", lambda results_dir: {})  # the calibration has tests of its own
+    tuning.tuning_table.cache_clear()
+    tuning.fitted_models.cache_clear()
+    try:
+        table = tuning.store_fits(tmp_path)
+        assert table["worlds"] == [2, 4, 8] and set(table["models_by_world"]) == {"2", "8"}
+        assert tuning.swept_worlds() == (2, 4, 8)
+        assert tuning.measured_models(8)["queue"]["allreduce"]["ring"]["world"] == 8
+        assert tuning.measured_models(4) == main and tuning.measured_models(16) == {}
+        choice = tuning.decide(16 << 20, 8, "queue")
+        assert (choice.algorithm, choice.source) == ("halving_doubling", "fitted model")
+        assert tuning.decide(1 << 10, 4, "tcp").algorithm == "recursive_doubling"  # the main sweep's, kept
+    finally:
+        tuning.tuning_table.cache_clear()
+        tuning.fitted_models.cache_clear()

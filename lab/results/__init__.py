@@ -16,13 +16,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pandas as pd
-
 from lab.benchmark import SIZES
 from lab.report import with_spliced
 from lab.results import plots, report
 from lab.results.fits import fit_alpha_beta, models, tuning_from
-from lab.results.sweeps import ROUNDS, kernel_sweep, measure_all, save_machine, save_tables
+from lab.results.sweeps import ROUNDS, kernel_sweep, load, measure_all, save_machine, save_tables
 from lab.tuning import TUNING_PATH, networks_from
 
 __all__ = ["fit_alpha_beta", "kernel_sweep", "main", "models", "tuning_from"]
@@ -37,7 +35,7 @@ def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     run = measure_all(world_size, transports, sizes, rounds)
-    model = models(pd.concat([run.allreduce, run.others]))
+    model = models(run.cases)
     save_tables(out, {"allreduce": run.allreduce, "collectives": run.others, "kernels": run.kernels,
                       "model": model, "gloo_check": run.check, "latency_floor": run.floor,
                       "bucketing": run.bucketing, "overlap": run.overlap})
@@ -45,8 +43,19 @@ def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | 
     plots.draw(out, run, model)
     (out / "REPORT.md").write_text(with_spliced(out / "REPORT.md", report.render(run, model)))
     if update_tuning:
-        fitted = {"generated": run.info, "world": world_size, "worlds": [world_size], "models": tuning_from(model),
+        fitted = {"generated": run.info, "world": world_size, "worlds": [world_size],
+                  "models": tuning_from(model, run.lab_cases),
                   "networks": networks_from(out)}  # the simulator's, for auto at other world sizes
         TUNING_PATH.write_text(json.dumps(fitted, indent=2) + "\n")
     print(f"Wrote {out}/ (REPORT.md, CSVs, PNGs)" + (f" and {TUNING_PATH}" if update_tuning else ""))
     return 0 if (run.check["result"] == "PASS").all() else 1
+
+
+def report_only(out_dir: str = "results") -> int:
+    """Rewrite ``out_dir/REPORT.md`` from the CSVs and ``machine.json`` of the run there (keeping the
+    sections other commands spliced in), measuring nothing: ``python -m lab results --report-only``."""
+    out = Path(out_dir)
+    run = load(out)
+    (out / "REPORT.md").write_text(with_spliced(out / "REPORT.md", report.render(run, models(run.cases))))
+    print(f"Wrote {out}/REPORT.md from the run of {run.info['date']}")
+    return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -89,15 +90,37 @@ def with_crossovers(table: pd.DataFrame, allreduce: pd.DataFrame) -> pd.DataFram
     return table
 
 
-def tuning_from(model: pd.DataFrame) -> dict:
+def tuning_from(model: pd.DataFrame, measured: pd.DataFrame | None = None) -> dict:
     """Per transport, collective and algorithm, the per-step latency and per-byte time behind the
-    fitted line, so ``auto`` can predict any world size: t = steps(N)·α_step + volume(N)·n·β_byte."""
+    fitted line, so ``auto`` can predict any world size: t = steps(N)·α_step + volume(N)·n·β_byte;
+    with ``measured`` (the sweep's rows), also the world size and the medians the line was fitted
+    to (``points``: [bytes, µs] by size), which ``auto`` follows between measured sizes."""
     fitted: dict = {}
     for row in model.itertuples():
         if row.algorithm not in registry.ALGORITHMS.get(row.collective, ()):  # not auto, not gloo
             continue
         steps, volume = algorithm_shape(row.algorithm, row.world, row.collective)
-        fitted.setdefault(row.transport, {}).setdefault(row.collective, {})[row.algorithm] = {
-            "alpha_step_us": row.alpha_us / steps, "beta_byte_us": row.beta_us_per_byte / volume,
-        }
+        fit = {"alpha_step_us": row.alpha_us / steps, "beta_byte_us": row.beta_us_per_byte / volume}
+        if measured is not None:
+            rows = measured[(measured["transport"] == row.transport) & (measured["collective"] == row.collective)
+                            & (measured["algorithm"] == row.algorithm) & (measured["world"] == row.world)]
+            fit["world"] = int(row.world)
+            medians = rows.sort_values("bytes")[["bytes", "median_us"]].to_numpy()
+            fit["points"] = [[int(nbytes), float(us)] for nbytes, us in medians]
+        fitted.setdefault(row.transport, {}).setdefault(row.collective, {})[row.algorithm] = fit
     return fitted
+
+
+def models_by_world(results_dir: Path) -> dict[int, dict]:
+    """:func:`tuning_from` of every ``results_dir/ranks/N/`` sweep (``python -m lab results --ranks
+    N --out results/ranks/N``), by N: what ``auto`` follows at the world sizes measured there."""
+    by_world = {}
+    for model_csv in sorted(Path(results_dir).glob("ranks/*/model.csv")):
+        folder = model_csv.parent
+        measured = pd.concat([pd.read_csv(folder / name) for name in ("allreduce.csv", "collectives.csv")
+                              if (folder / name).exists()])
+        measured = measured[measured["impl"] == "lab"]
+        model = pd.read_csv(model_csv)
+        if len(model):
+            by_world[int(model["world"].iloc[0])] = tuning_from(model, measured)
+    return by_world

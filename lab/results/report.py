@@ -36,7 +36,7 @@ def markdown(frame: pd.DataFrame) -> str:
 
 def render(run: Measurements, model: pd.DataFrame) -> str:
     """The whole of ``REPORT.md`` for one run and the models fitted to it."""
-    fitted = tuning_from(model)  # what auto would choose from, as it will after this run
+    fitted = tuning_from(model, run.lab_cases)  # what auto will choose from after this run
     return "\n".join([*header(run), *allreduce_section(run, fitted), *fits_section(run.allreduce, model),
                       *collectives_section(run, model, fitted), *kernels_section(run.kernels),
                       *training_section(run), *check_section(run.check)])

@@ -83,6 +83,17 @@ class Measurements:
         """The ranks of the collective sweeps."""
         return int(self.allreduce["world"].iloc[0])
 
+    @property
+    def cases(self) -> pd.DataFrame:
+        """Every collective's rows, the references' included."""
+        return pd.concat([self.allreduce, self.others])
+
+    @property
+    def lab_cases(self) -> pd.DataFrame:
+        """Every collective's rows measured through the lab's own calls (the models ``auto`` follows)."""
+        cases = self.cases
+        return cases[cases["impl"] == "lab"]
+
 
 def measure_all(world_size: int, transports: list[str], sizes: list[int], rounds: int = ROUNDS) -> Measurements:
     """Every sweep of ``python -m lab results``, in order, saying on stderr which one runs."""
@@ -258,6 +269,16 @@ def machine() -> dict[str, str]:
         "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "numba": numba.__version__, "numpy": np.__version__, "pandas": pd.__version__, "commit": commit(),
     }
+
+
+def load(out: Path) -> Measurements:
+    """The :class:`Measurements` that :func:`save_tables` and :func:`save_machine` wrote to ``out``."""
+    def table(name: str) -> pd.DataFrame:
+        return pd.read_csv(out / f"{name}.csv")
+
+    return Measurements(json.loads((out / "machine.json").read_text()), table("allreduce"), table("collectives"),
+                        table("latency_floor"), table("bucketing"), table("overlap"), table("kernels"),
+                        table("gloo_check"))
 
 
 def save_machine(out: Path, info: dict[str, str]) -> None:

@@ -42,9 +42,11 @@ def _why_source(choice: tuning.Choice, world_size: int, transport: str, collecti
                 f" at {_size(choice.nbytes)}, the choice auto keeps for every size from {choice.nbytes:,} to "
                 f"{max(2 * choice.nbytes - 1, 0):,} bytes")
     if choice.source == "fitted model":
-        measured = world_size in tuning.swept_worlds()
-        return (f"fitted model: {transport}'s α-β fits, measured at N = {worlds}"
-                + ("" if measured else f", extrapolated to N = {world_size} (no calibrated network for {transport})"))
+        if world_size in tuning.swept_worlds():
+            return (f"fitted model: {transport}'s medians measured at N = {world_size} (tuning.json; between two "
+                    "measured sizes the line through them, past the largest its α-β fit's per-byte term)")
+        return (f"fitted model: {transport}'s α-β fits, measured at N = {worlds}, extrapolated to N = {world_size} "
+                f"(no calibrated network for {transport})")
     small, large = registry.fallback(collective)
     return (f"size threshold: no fits and no calibrated network for {transport}, so {large} from "
             f"{_size(tuning.AUTO_LARGE_MIN_BYTES)} up, {small} below")
