@@ -16,7 +16,9 @@ How well each parameter is determined: the fit error's rise when that parameter 
 the measurements hardly constrain it (another parameter does its work, or it does not matter).
 
 Split: a case calibrates when its world size is 2, 4 or 8 and its size is 1 KB·16^k (1 KB, 16 KB,
-256 KB, 4 MB, 64 MB); every other case (N = 3, 5, 6, 7, and 4 KB, 64 KB, 1 MB, 16 MB at every N)
+256 KB, 4 MB, 64 MB) or the largest its setting measured (16 MB on one machine, 64 MB across
+hosts), so that validation sizes lie between calibrated ones and never beyond them; every other
+case (N = 3, 5, 6, 7 at every size, and 4 KB, 64 KB, 1 MB and on hosts 16 MB at N = 2, 4, 8)
 validates. Measured inputs, as ``python -m lab results`` writes them (:data:`SOURCES`): the pool's
 transports at N = 4 (``allreduce.csv``, ``collectives.csv``) and at other N (``ranks/N/``, from
 ``python -m lab results --ranks N --quick --keep-tuning --out results/ranks/N``), emulated hosts with one rank each
@@ -67,11 +69,14 @@ def _input_bytes(collective: str, nbytes: int, world: int) -> int:
     return numel * 4
 
 
-def calibrates(world: int, nbytes: int) -> bool:
-    """Whether a case is one the fit uses (N = 2, 4, 8 at 1 KB·16^k) rather than one it is validated on."""
-    if world not in CALIBRATION_WORLDS or nbytes < 1024 or nbytes & (nbytes - 1):
+def calibrates(world: int, nbytes: int, largest: int) -> bool:
+    """Whether a case is one the fit uses (N = 2, 4, 8 at 1 KB·16^k or at ``largest``, the largest
+    size its setting measured) rather than one it is validated on."""
+    if world not in CALIBRATION_WORLDS:
         return False
-    return (nbytes.bit_length() - 11) % 4 == 0
+    if nbytes == largest:  # the top of the range: validation interpolates, it does not extrapolate
+        return True
+    return nbytes >= 1024 and not nbytes & (nbytes - 1) and (nbytes.bit_length() - 11) % 4 == 0
 
 
 def measured_on(results_dir: Path, source: str) -> str:
@@ -117,8 +122,9 @@ def measured(results_dir: Path) -> pd.DataFrame:
         return pd.DataFrame(columns=columns)
     frame = pd.concat(frames, ignore_index=True)
     frame["sim_bytes"] = [_input_bytes(c, b, w) for c, b, w in zip(frame["collective"], frame["bytes"], frame["world"])]
-    frame["role"] = ["calibration" if calibrates(int(w), int(b)) else "validation"
-                     for w, b in zip(frame["world"], frame["bytes"])]
+    largest = frame.groupby("setting")["bytes"].transform("max")
+    frame["role"] = ["calibration" if calibrates(int(w), int(b), int(top)) else "validation"
+                     for w, b, top in zip(frame["world"], frame["bytes"], largest)]
     return frame[columns]
 
 
