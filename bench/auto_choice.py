@@ -11,9 +11,10 @@ Per ranks and size: every ``auto`` candidate and ``auto`` itself, timed in one p
 :func:`lab.benchmark.measure` (median of the slowest rank per call), ``--rounds`` times
 alternating, keeping each case's best median (shared cores: noise only ever adds time). Prints
 what ``auto`` runs there (its own call inside a rank, compiled path included), what the fitted
-models alone would have picked (``tuning.choose`` without networks: no simulator), auto's median over the best candidate's, and the picked algorithm's own median
-over the best's (the same choice, measured as a candidate: on a loaded machine the two differ by noise). The load average is printed: on a
-shared machine compare runs only at similar loads.
+models alone would have picked (``tuning.choose`` without networks: no simulator), auto's median
+over the best candidate's, and the picked algorithm's own median over the best's (the same
+choice, measured as a candidate: on a loaded machine the two differ by noise). The load average
+is printed: on a shared machine compare runs only at similar loads.
 """
 
 from __future__ import annotations

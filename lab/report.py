@@ -1,4 +1,5 @@
-"""Sections that other commands (``--hosts``, ``simulate``) splice into ``results/REPORT.md``."""
+"""Sections that other commands (``--hosts``, ``simulate``) splice into ``results/REPORT.md``, and
+keeping them when the main report is written again."""
 
 from __future__ import annotations
 
