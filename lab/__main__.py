@@ -101,6 +101,13 @@ def timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    """An argparse type: a whole number from 1 up (the error names the option, before anything runs)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 up; got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lab",
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--ranks", type=int, default=4)
     sweep.add_argument("--transports", nargs="+", default=["shm", "queue", "tcp"], choices=["shm", "queue", "tcp"])
     sweep.add_argument("--quick", action="store_true", help="1 KB, 1 MB and 16 MB only")
-    sweep.add_argument("--rounds", type=int, default=5,
+    sweep.add_argument("--rounds", type=_at_least_one, default=5,
                        help="rounds of every case, the least round's median kept (default 5; 1 is 5x faster)")
     sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
     sweep.add_argument("--calibrate-only", action="store_true",

@@ -9,12 +9,17 @@ from pathlib import Path
 _BLOCK = re.compile(r"<!-- (?P<marker>[\w-]+):begin -->\n.*?\n<!-- (?P=marker):end -->", re.S)
 
 
+def _markers(marker: str) -> tuple[str, str]:
+    """The lines around a spliced section (:data:`_BLOCK` finds them again)."""
+    return f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+
+
 def splice(report_path: Path, section: str, marker: str) -> None:
     """Put ``section`` into the report between ``<!-- marker:begin/end -->`` (replacing an older
     one), if the report exists: ``python -m lab results`` writes it first."""
     if not report_path.exists():
         return
-    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    begin, end = _markers(marker)
     text = report_path.read_text()
     block = f"{begin}\n{section}\n{end}"
     if begin in text and end in text:

@@ -186,7 +186,7 @@ def store_fits(results_dir: str | Path) -> dict:
     ``ranks/N/``, the simulator's networks (:func:`networks_from`) and the models of every world
     size measured there (``models_by_world``, ``worlds``), keeping the main sweep's models
     (``python -m lab results --calibrate-only``); returns what it wrote."""
-    from lab.results.fits import models_by_world
+    from lab.results import models_by_world
 
     table = tuning_table()
     by_world = {str(n): fits for n, fits in models_by_world(Path(results_dir)).items() if n != table.get("world")}

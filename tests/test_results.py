@@ -31,9 +31,13 @@ def test_each_case_keeps_its_least_round_with_that_rounds_spread():
     assert list(least_of_rounds(rows, case).columns) == [*rows.columns, "rounds"]
 
 
-def test_a_sweep_needs_a_round():
+def test_a_sweep_needs_a_round(capsys):
     with pytest.raises(ValueError, match="rounds must be at least 1; got 0"):
         sweep(4, ["shm"], [1024], rounds=0)
+    with pytest.raises(SystemExit) as exit_info:  # the command refuses it before measuring anything
+        main(["results", "--rounds", "0"])
+    assert exit_info.value.code == 2
+    assert "--rounds: must be a whole number from 1 up; got '0'" in capsys.readouterr().err
 
 
 def test_regenerating_the_report_keeps_the_spliced_sections(tmp_path):

@@ -180,12 +180,14 @@ def test_at_a_measured_world_size_auto_follows_the_measured_medians():
 
 
 def test_calibrate_only_stores_the_models_of_every_measured_world_size(tmp_path, monkeypatch):
-    for world in (2, 8):
+    for world in (2, 8):  # what python -m lab results --ranks N --out DIR/ranks/N writes, the sweep made up
         folder = tmp_path / "ranks" / str(world)
         folder.mkdir(parents=True)
-        measured = bent_sweep(world)
-        measured.to_csv(folder / "allreduce.csv", index=False)
-        models(measured).to_csv(folder / "model.csv", index=False)
+        bent_sweep(world).to_csv(folder / "allreduce.csv", index=False)
+        bent_sweep(world).iloc[:0].to_csv(folder / "collectives.csv", index=False)
+        for name in ("latency_floor", "bucketing", "overlap", "kernels", "gloo_check"):
+            pd.DataFrame({"unused": [0]}).to_csv(folder / f"{name}.csv", index=False)
+        (folder / "machine.json").write_text(json.dumps({"date": "today"}))
     main = tuning_from(models(full_sweep()), full_sweep().assign(impl="lab"))
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps({"world": 4, "worlds": [4], "models": main}))

@@ -59,3 +59,13 @@ def report_only(out_dir: str = "results") -> int:
     (out / "REPORT.md").write_text(with_spliced(out / "REPORT.md", report.render(run, models(run.cases))))
     print(f"Wrote {out}/REPORT.md from the run of {run.info['date']}")
     return 0
+
+
+def models_by_world(results_dir: str | Path) -> dict[int, dict]:
+    """:func:`tuning_from` of every ``results_dir/ranks/N/`` run (``python -m lab results --ranks N
+    --out results/ranks/N``), by N: what ``auto`` follows at the world sizes measured there."""
+    by_world = {}
+    for folder in sorted(path.parent for path in Path(results_dir).glob("ranks/*/machine.json")):
+        run = load(folder)
+        by_world[run.world] = tuning_from(models(run.cases), run.lab_cases)
+    return by_world

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -110,17 +109,3 @@ def tuning_from(model: pd.DataFrame, measured: pd.DataFrame | None = None) -> di
         fitted.setdefault(row.transport, {}).setdefault(row.collective, {})[row.algorithm] = fit
     return fitted
 
-
-def models_by_world(results_dir: Path) -> dict[int, dict]:
-    """:func:`tuning_from` of every ``results_dir/ranks/N/`` sweep (``python -m lab results --ranks
-    N --out results/ranks/N``), by N: what ``auto`` follows at the world sizes measured there."""
-    by_world = {}
-    for model_csv in sorted(Path(results_dir).glob("ranks/*/model.csv")):
-        folder = model_csv.parent
-        measured = pd.concat([pd.read_csv(folder / name) for name in ("allreduce.csv", "collectives.csv")
-                              if (folder / name).exists()])
-        measured = measured[measured["impl"] == "lab"]
-        model = pd.read_csv(model_csv)
-        if len(model):
-            by_world[int(model["world"].iloc[0])] = tuning_from(model, measured)
-    return by_world
