@@ -63,6 +63,47 @@ def test_each_cpu_term_moves_the_prediction_by_its_share():
         assert sim.simulate("allreduce", "ring", 2, 8000, net).time_us == pytest.approx(plain + extra, rel=1e-12)
 
 
+def test_local_passes_are_recorded_and_cost_a_copy_each_on_the_rank_s_core():
+    """reduce_scatter copies its T-byte input into a work buffer and its T/N-byte block into the
+    result; Bruck rotates T bytes in, packs two slots of T/4 per step (2 steps at N = 4) and rotates
+    T bytes out; ring allreduce works in place. Each pass costs ``copy`` per byte and no message.
+
+    reduce_scatter of 8,000 bytes on 2 ranks, copy 0.001 µs/B alone: the work copy 8 µs, the
+    step's send copy 4, the wire 20 + 3.2, the receive's copy 4, the block's copy 4: 43.2 µs.
+    """
+    from lab.sim.record import record
+
+    T = 1 << 20
+    scatter = record("reduce_scatter", "ring", 4, T)
+    assert scatter.per_rank(scatter.pass_bytes).tolist() == [T + T // 4] * 4
+    bruck = record("all_to_all", "bruck", 4, T)
+    assert bruck.per_rank(bruck.pass_bytes).tolist() == [T + 2 * (2 * T // 4) + T] * 4
+    ring = record("allreduce", "ring", 4, T)
+    assert ring.per_rank(ring.pass_bytes).tolist() == [0] * 4
+    net = sim.Network(alpha_us=20.0, gbit=10.0, copy_us_per_byte=0.001)
+    assert sim.simulate("reduce_scatter", "ring", 2, 8000, net).finish_us.tolist() == pytest.approx([43.2, 43.2])
+    assert sim.simulate("reduce_scatter", "ring", 2, 8000, sim.Network(alpha_us=20.0, gbit=10.0)).time_us \
+        == pytest.approx(23.2)  # no CPU terms: the wire alone, passes or not
+
+
+def test_a_back_to_back_loop_lets_the_senders_of_a_gather_run_ahead():
+    """Linear gather on 3 ranks, o_send 5, o_recv 10, α 1 µs, bytes free. One call from a common
+    start: the senders' messages arrive at 6 and 7, the root takes them 6-16 and 16-26: 26 µs. In a
+    loop, as lab.benchmark times it, a sender's call ends once its message has left (6 µs) and it
+    starts the next, so from the second call on the root finds its messages there: 20 µs a call."""
+    from lab.sim.calibrate import benchmark_us
+    from lab.sim.record import record
+    from lab.sim.replay import loop_times, match_messages
+
+    net = sim.Network(alpha_us=1.0, gbit=1e9, send_overhead_us=5.0, recv_overhead_us=10.0)
+    assert sim.simulate("gather", "linear", 3, 1024, net).time_us == pytest.approx(26.0, abs=1e-3)
+    loop = record("gather", "linear", 3, 1024).repeated(4)
+    assert loop.steps == 4 * 4 and loop.step_ptr.tolist() == [0, 8, 12, 16]
+    assert loop_times(loop, match_messages(loop), net, 4).tolist() == pytest.approx([26.0, 20.0, 20.0, 20.0],
+                                                                                    abs=1e-3)
+    assert benchmark_us(loop, match_messages(loop), net) == pytest.approx(20.0, abs=1e-3)
+
+
 def test_eight_ranks_on_two_cores_serialise_their_cpu_work():
     """Recursive doubling on 8 ranks, no wire time: 3 steps of 8 sends and 8 receives of 10 µs each,
     2 cores: 3 · 2 · 8 · 10 / 2 = 240 µs (a core each: 3 · 20 = 60 µs)."""
@@ -117,10 +158,13 @@ TRUTH = sim.Network(alpha_us=30.0, gbit=5.0, send_overhead_us=12.0, recv_overhea
 
 
 def _measured_from_model(directory, network: sim.Network) -> None:
-    """A results directory whose 'measurements' are the simulator's own times on ``network``
-    (calibration cases at N = 2, 4, 8 and 1 KB·16^k; validation cases at N = 3 and 64 KB)."""
+    """A results directory whose 'measurements' are the simulator's own times on ``network``, of a
+    back-to-back loop as the benchmark runs it (calibration cases at N = 2, 4, 8 and 1 KB·16^k;
+    validation cases at N = 3 and 64 KB)."""
+    from lab.sim.calibrate import benchmark_schedule, benchmark_us
+
     rows = [{"collective": "allreduce", "impl": "lab", "algorithm": a, "transport": "shm", "world": n, "bytes": b,
-             "median_us": sim.simulate("allreduce", a, n, b, network).time_us}
+             "median_us": benchmark_us(*benchmark_schedule("allreduce", a, n, b), network)}
             for a in ("ring", "tree", "naive") for n in (2, 3, 4, 8)
             for b in (1 << 10, 16 << 10, 64 << 10, 256 << 10, 4 << 20)]
     directory.mkdir(exist_ok=True)

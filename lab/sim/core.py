@@ -17,7 +17,7 @@ from lab.sim.record import ROOTED, Schedule, algorithms, record
 from lab.sim.replay import Message, replay
 
 #: Recorded schedules up to this many steps are kept (a calibration replays the same ones often),
-#: up to this many steps in all (about 33 bytes a step: 130 MB), the oldest dropped first.
+#: up to this many steps in all (about 41 bytes a step: 164 MB), the oldest dropped first.
 _CACHE_MAX_STEPS = 200_000
 _CACHE_TOTAL_STEPS = 4_000_000
 _cache: dict[tuple, Schedule] = {}

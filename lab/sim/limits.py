@@ -17,7 +17,7 @@ from typing import Protocol
 
 from lab.errors import LabError
 
-STEP_FIELDS = 5  # a recorded step: dst, bytes sent, src, bytes received, reduces (-1 / 0 where there is none)
+STEP_FIELDS = 6  # a recorded step: dst, bytes sent, src, bytes received, reduces, bytes of local passes before it
 
 #: The default limits of ``simulate``, ``predict``, ``best_algorithm`` and ``python -m lab simulate``.
 DEFAULT_MAX_STEPS = 10_000_000  # about 1.7 GB at peak, 10-40 s (a 1,024-rank ring is 2.1 million)

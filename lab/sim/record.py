@@ -5,7 +5,10 @@ they send (peer, chunk bounds) depends on the rank, the world size and the eleme
 on the values. So :class:`RecordingMesh` runs the public call (``lab.allreduce(mesh, x,
 algorithm=...)``) once per rank, one rank after the other: every send returns at once, every
 receive returns at once without touching its buffer (no reduction kernel runs), and each call
-is written down as one *step*: (destination, bytes sent, source, bytes received, reduces?).
+is written down as one *step*: (destination, bytes sent, source, bytes received, reduces?, bytes
+of local passes before it). Local passes are the copies and writes a rank makes between its
+messages (reduce_scatter's work copy, Bruck's rotations, a result filled from the input): CPU
+work on its core that moves no message; those after its last message are a step of their own.
 
 Data is never touched, copied or allocated at full size. The input is an anonymous mapping that
 is never written (reading it maps the kernel's zero page: no memory), viewed as a
@@ -37,7 +40,7 @@ from lab.collectives import registry
 from lab.ops import DType, Reduction
 from lab.sim.limits import (STEP_FIELDS, Estimate, Meter, SimulationTooLarge, SimulationUnsupported,
                             at_least_one_step_per_rank, describe, sample_ranks, too_many_steps)
-from lab.sim.virtual import mapped_input, virtual
+from lab.sim.virtual import counting_passes, mapped_input, virtual
 
 #: Every collective the lab may have, in the order tables and reports list them.
 COLLECTIVES = registry.COLLECTIVES
@@ -63,6 +66,7 @@ class RecordingMesh:
     def __init__(self, world_size: int, ranks_per_host: int = 1) -> None:
         self._world_size, self._ranks_per_host = world_size, ranks_per_host
         self.steps = array("q")  # STEP_FIELDS int64 per step, every rank's steps one after the other
+        self.passes = 0  # bytes of local passes since the rank's last step
         self.ran: list[tuple[str, str]] = []  # (collective, algorithm) of each collective() entered
         self.rank = 0
         # The limits: once len(steps) reaches check_at, check() runs (it raises, or moves check_at on).
@@ -105,8 +109,21 @@ class RecordingMesh:
 
     def _step(self, step: tuple[int, int, int, int, int]) -> None:
         self.steps.extend(step)
+        self.steps.append(self.passes)
+        self.passes = 0
         if len(self.steps) >= self.check_at:  # one comparison per step until a limit is near
             self.check()
+
+    def _passed(self, nbytes: int) -> None:
+        self.passes += nbytes
+
+    def call(self, rank: int, collective: str, x: np.ndarray, algorithm: str | None, root: int) -> None:
+        """Record ``rank``'s call: its steps, then a step for the local passes after its last message."""
+        self.rank, self.passes = rank, 0
+        with counting_passes(self._passed):
+            _call(collective, self, x, algorithm, root)
+        if self.passes:
+            self._step((-1, 0, -1, 0, 0))
 
     def send_buffer(self, dst: int, data: np.ndarray) -> None:
         self._step((dst, data.nbytes, -1, 0, 0))
@@ -158,10 +175,29 @@ class Schedule:
     recv_bytes: np.ndarray
     reduces: np.ndarray  # bool per step: the receive is folded into the buffer (combine)
     record_s: float  # wall time spent recording
+    passes: np.ndarray | None = None  # int64 per step: bytes of local passes before it (None: none)
+
+    @property
+    def pass_bytes(self) -> np.ndarray:
+        """Bytes of local passes before each step (zeros when none were recorded)."""
+        return np.zeros(self.steps, np.int64) if self.passes is None else self.passes
 
     @property
     def steps(self) -> int:
         return len(self.send_peer)
+
+    def repeated(self, calls: int) -> Schedule:
+        """The calls of a back-to-back loop as one schedule: each rank's steps ``calls`` times over
+        (a rank starts its next call once it has finished its last; each channel keeps its order).
+
+            record("gather", "linear", 4, 4096).repeated(3).steps    # 3 × 6
+        """
+        spans = [np.tile(np.arange(a, b), calls) for a, b in zip(self.step_ptr[:-1], self.step_ptr[1:])]
+        index = np.concatenate([np.zeros(0, np.int64), *spans])
+        return Schedule(self.collective, self.algorithm, self.world_size, self.nbytes,
+                        np.concatenate(([0], np.cumsum(np.diff(self.step_ptr) * calls))), self.send_peer[index],
+                        self.send_bytes[index], self.recv_peer[index], self.recv_bytes[index], self.reduces[index],
+                        self.record_s, self.pass_bytes[index])
 
     def per_rank(self, values: np.ndarray) -> np.ndarray:
         """Sum a per-step integer array over each rank's steps (exact)."""
@@ -224,8 +260,7 @@ def estimate(collective: str, algorithm: str | None, world_size: int, nbytes: in
     x = mapped_input(nbytes // 4)
     for rank, special in ranks:
         meter.begin(special)
-        mesh.rank = rank
-        _call(collective, mesh, x, algorithm, root)
+        mesh.call(rank, collective, x, algorithm, root)
         meter.end()
     return meter.finish()
 
@@ -248,8 +283,7 @@ def _record(collective: str, algorithm: str | None, world_size: int, nbytes: int
     x = mapped_input(nbytes // 4)  # never written: the same input serves every rank
     step_ptr = np.zeros(world_size + 1, dtype=np.int64)
     for rank in range(world_size):
-        mesh.rank = rank
-        _call(collective, mesh, x, algorithm, root)
+        mesh.call(rank, collective, x, algorithm, root)
         step_ptr[rank + 1] = len(mesh.steps) // STEP_FIELDS
     ran = {a for _, a in mesh.ran}
     if len(ran) > 1:
@@ -285,4 +319,4 @@ def record(collective: str, algorithm: str, world_size: int, nbytes: int, root: 
         collective=collective, algorithm=ran or algorithm, world_size=world_size, nbytes=nbytes,
         step_ptr=step_ptr, send_peer=steps[:, 0].copy(), send_bytes=steps[:, 1].copy(),
         recv_peer=steps[:, 2].copy(), recv_bytes=steps[:, 3].copy(), reduces=steps[:, 4].astype(bool),
-        record_s=time.perf_counter() - started)
+        record_s=time.perf_counter() - started, passes=steps[:, 5].copy())

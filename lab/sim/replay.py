@@ -1,7 +1,8 @@
 """Time a recorded schedule on a :class:`~lab.sim.network.Network`: a discrete-event loop in Numba.
 
 The model (DESIGN.md, "Simulation"): each rank runs its steps in order; a step starts when the
-previous one has completed. A step's send first takes the sender's CPU for ``o_send + n·copy``;
+previous one has completed. A step first takes its rank's CPU for its local passes (``p·copy``
+for the p bytes the rank copied or wrote since its last step) and, if it sends, ``o_send + n·copy``;
 then the message leaves when the sender's port, the receiver's port (and, between hosts, both
 hosts' links) are free, first come first served, holds them for ``g + n·β`` (``g``, the gap: α
 unless ``gap_us`` is set) and arrives after ``α + n·β``; the sender goes on once it has left. It
@@ -138,7 +139,7 @@ def _cpu(t, work, group, message, core_free, core_holder):
 
 
 @numba.njit(cache=True)
-def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, match,
+def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, passes, match,
             alpha, beta, intra_alpha, intra_beta, gamma, ranks_per_host,
             send_overhead, recv_overhead, copy, cores, ranks_per_cpu, eager_bytes, gap, intra_gap, wake):
     n = len(step_ptr) - 1
@@ -153,6 +154,7 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
     sent_cause = np.full(n, -1, np.int64)
     start_cause = np.full(n, -1, np.int64)
     finish = np.zeros(n)
+    completed = np.zeros(steps)  # per step: when it completed
     finish_cause = np.full(n, -1, np.int64)
     cur = step_ptr[:-1].copy()
     # Rendezvous (a message over eager_bytes leaves once its receive is posted): the sending step of
@@ -198,37 +200,38 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
                 posted[dst] = False
                 size = _receive(dst, j, t + wake, k, k, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu,
                                 core_free, core_holder, sent_t, sent_cause, held, received_t, received_cause,
-                                step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size, steps, n)
+                                step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size, steps, n)
             # A held send's step whose receive was done completes with its send.
             r = rank_of[k]
             if cur[r] == k and received_t[r] >= 0:
                 done, cause = (t, k) if t >= received_t[r] else (received_t[r], received_cause[r])
                 received_t[r] = -1.0
-                size = _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause,
+                size = _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, completed,
                                  heap_t, heap_c, size, steps, n)
             continue
         if code < steps + n:
-            # A send's CPU work is done: the message takes the ports and goes on the wire.
+            # A step's CPU work is done: its message (if any) takes the ports and goes on the wire.
             r = code - steps
             k = cur[r]
         else:
-            # A rank starts its next step: first the send's CPU work (copy into the transport).
+            # A rank starts its next step: first its CPU work (local passes, the copy into the transport).
             r = code - steps - n
             k = cur[r]
             posted_cause[r] = start_cause[r]
+            work = copy * passes[k]  # the local passes before the step (a rotation, a work copy)
             if send_peer[k] >= 0:
-                work = send_overhead + copy * send_bytes[k]
-                # (the core is held in the name of the message before: this one may wait for its
-                # receive and leave later, and a cause must precede what it delays)
-                ready, cause = _cpu(t, work, r // ranks_per_cpu, start_cause[r], core_free, core_holder)
-                if cause >= 0:
-                    start_cause[r] = cause
-                if ready > t:
-                    size = _push(heap_t, heap_c, size, ready, steps + r)
-                    continue
-            else:
-                sent_t[r], sent_cause[r] = t, start_cause[r]
-        if send_peer[k] >= 0:
+                work += send_overhead + copy * send_bytes[k]
+            # (the core is held in the name of the message before: this one may wait for its
+            # receive and leave later, and a cause must precede what it delays)
+            ready, cause = _cpu(t, work, r // ranks_per_cpu, start_cause[r], core_free, core_holder)
+            if cause >= 0:
+                start_cause[r] = cause
+            if ready > t:
+                size = _push(heap_t, heap_c, size, ready, steps + r)
+                continue
+        if send_peer[k] < 0:
+            sent_t[r], sent_cause[r] = t, start_cause[r]
+        else:
             if send_bytes[k] <= eager_bytes or posted_step[send_peer[k]] == match[k]:
                 size = _wire(r, k, t, start_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
                              gap, intra_gap, ranks_per_host, send_free, send_holder, recv_free, recv_holder,
@@ -241,7 +244,7 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
             if held[r] == k:
                 received_t[r], received_cause[r] = t, start_cause[r]
             else:
-                size = _complete(r, k, sent_t[r], sent_cause[r], step_ptr, cur, start_cause, finish, finish_cause,
+                size = _complete(r, k, sent_t[r], sent_cause[r], step_ptr, cur, start_cause, finish, finish_cause, completed,
                                  heap_t, heap_c, size, steps, n)
             continue
         posted_step[r] = k
@@ -256,11 +259,11 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, mat
         if arrived[k] >= 0:
             size = _receive(r, k, t, start_cause[r], arrived[k], recv_bytes, reduces, recv_overhead, copy, gamma,
                             ranks_per_cpu, core_free, core_holder, sent_t, sent_cause, held, received_t,
-                            received_cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size,
+                            received_cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size,
                             steps, n)
         else:
             posted[r] = True
-    return finish, finish_cause, msg_start, msg_end, msg_cause, cur
+    return finish, finish_cause, msg_start, msg_end, msg_cause, cur, completed
 
 
 @numba.njit(cache=True)
@@ -301,7 +304,7 @@ def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra
 @numba.njit(cache=True)
 def _receive(r, k, t, t_cause, m, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu, core_free,
              core_holder, sent_t, sent_cause, held, received_t, received_cause, step_ptr, cur, start_cause, finish,
-             finish_cause, heap_t, heap_c, size, steps, n):
+             finish_cause, completed, heap_t, heap_c, size, steps, n):
     """Rank r's receive of step k (message m, arrived) starts its CPU work at t, which ``t_cause``
     set (the message's arrival, or what started the step); the step then completes, or, while
     its own send waits for its receiver (rendezvous), completes when that send arrives."""
@@ -314,14 +317,16 @@ def _receive(r, k, t, t_cause, m, recv_bytes, reduces, recv_overhead, copy, gamm
         return size
     if sent_t[r] > done:
         done, cause = sent_t[r], sent_cause[r]
-    return _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size,
+    return _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size,
                      steps, n)
 
 
 @numba.njit(cache=True)
-def _complete(r, k, t, cause, step_ptr, cur, start_cause, finish, finish_cause, heap_t, heap_c, size, steps, n):
+def _complete(r, k, t, cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size,
+              steps, n):
     """Step k of rank r completed at t: start the next one then, or record the finish."""
     cur[r] = k + 1
+    completed[k] = t
     if k + 1 < step_ptr[r + 1]:
         start_cause[r] = cause
         return _push(heap_t, heap_c, size, t, steps + n + r)
@@ -333,7 +338,7 @@ def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.n
     """The event loop on ``s`` (with ``match`` from :func:`match_messages`): per rank the finish time and
     the message it waited for last, per message its start, end and cause, and per rank the step it
     stopped at. A calibration calls this many times on one schedule, pairing its messages once."""
-    return _replay(s.step_ptr, s.send_peer, s.send_bytes, s.recv_peer, s.recv_bytes, s.reduces, match,
+    return _replay(s.step_ptr, s.send_peer, s.send_bytes, s.recv_peer, s.recv_bytes, s.reduces, s.pass_bytes, match,
                    float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha,
                    network.intra_beta_us_per_byte, float(network.gamma_us_per_byte), network.ranks_per_host,
                    float(network.send_overhead_us), float(network.recv_overhead_us), float(network.copy_us_per_byte),
@@ -341,11 +346,25 @@ def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.n
                    network.gap, network.intra_gap, float(network.wake_us))
 
 
+def loop_times(s: Schedule, match: np.ndarray, network: Network, calls: int) -> np.ndarray:
+    """Each call's time in a back-to-back loop of ``calls``, as :mod:`lab.benchmark` times it: every
+    rank times its own call, from the end of its last one to the end of this one, and a call takes
+    its slowest rank's time. ``s`` is one call's schedule :meth:`~lab.sim.record.Schedule.repeated`
+    ``calls`` times (``match`` its pairing). The ranks of a rooted collective that only send run
+    ahead into the next call while the root takes their messages, as they do in the real loop.
+    """
+    completed = finish_times(s, match, network)[6]
+    per_call = np.diff(s.step_ptr) // calls
+    last = s.step_ptr[:-1, None] + per_call[:, None] * np.arange(1, calls + 1) - 1  # [rank, call]: its last step
+    ends = np.where(per_call[:, None] > 0, completed[np.maximum(last, 0)] if s.steps else 0.0, 0.0)
+    return np.diff(ends, axis=1, prepend=0.0).max(axis=0, initial=0.0)
+
+
 def replay(s: Schedule, network: Network) -> Timing:
     """Time ``s`` on ``network``: each rank's finish time and the critical path."""
     started = time.perf_counter()
     match = match_messages(s)
-    finish, finish_cause, msg_start, msg_end, msg_cause, cur = finish_times(s, match, network)
+    finish, finish_cause, msg_start, msg_end, msg_cause, cur, _ = finish_times(s, match, network)
     stuck = np.flatnonzero(cur < s.step_ptr[1:])
     if len(stuck):
         r = int(stuck[0])

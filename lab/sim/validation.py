@@ -4,7 +4,9 @@
 every case against issue 21's targets (:data:`NEAR_TARGET`, :data:`WITHIN_2X_TARGET`,
 :data:`BEST_TARGET`), names the measured and the predicted best algorithm
 (:func:`best_agreement`), and compares cases measured a second time (:data:`REPEATS`) with their
-first measurement by the same tests (:func:`repeatability`), which bounds what any model can reach.
+first measurement by the same tests (:func:`repeatability`), which bounds what any model can reach,
+and reads each validation case off its measured neighbours (:func:`interpolated`): how far a model
+smooth in size and N can follow them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,37 @@ def repeatability(results_dir: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _between(x: float, xs: np.ndarray, ys: np.ndarray) -> float | None:
+    """``y`` at ``x`` on the broken line through the points (``xs`` ascending), or None outside them."""
+    if not len(xs) or not xs[0] <= x <= xs[-1]:
+        return None
+    return float(np.interp(x, xs, ys))
+
+
+def interpolated(table: pd.DataFrame) -> pd.DataFrame:
+    """The validation cases read off their neighbours, with no model at all: each one's time from
+    the calibration measurements of its own setting, collective and algorithm, interpolated
+    linearly in size at each calibrated N (an α-β line is linear in size), then linearly in N
+    (``read_us``; a case outside the calibrated sizes or N is left out). How far the measured times
+    are regular enough to be read off each other.
+
+        its algorithm's 256 KB and 4 MB at N = 4 took 300 and 1,800 µs -> 1 MB at N = 4 reads 600 µs
+    """
+    calibration = table[table["role"] == "calibration"]
+    rows = []
+    for key, cases in table[table["role"] == "validation"].groupby(["setting", "collective", "algorithm"]):
+        near = calibration[(calibration["setting"] == key[0]) & (calibration["collective"] == key[1])
+                           & (calibration["algorithm"] == key[2])].sort_values("bytes")
+        for case in cases.itertuples(index=False):
+            at_world = [(w, _between(case.bytes, g["bytes"].to_numpy(float), g["median_us"].to_numpy(float)))
+                        for w, g in near.groupby("world")]
+            at_world = [(w, y) for w, y in at_world if y is not None]
+            read = _between(case.world, np.array([w for w, _ in at_world], float), np.array([y for _, y in at_world]))
+            if read is not None:
+                rows.append({**case._asdict(), "read_us": read})
+    return pd.DataFrame(rows, columns=[*table.columns, "read_us"])
+
+
 def validation_section(results_dir: Path, out: Path) -> str:
     """REPORT.md's "Simulator vs measurement" (and ``calibration.csv``, ``validation.csv``,
     ``best_agreement.csv`` in ``out``)."""
@@ -93,7 +126,7 @@ def validation_section(results_dir: Path, out: Path) -> str:
     agreement = best_agreement(table)
     _write_tables(fits, table, agreement, out)
     lines = ["## Simulator vs measurement\n", *_fitted_lines(fits), *_target_lines(fits, table, agreement),
-             *_repeat_lines(results_dir), *_grid_lines(fits, table), *_world_lines(fits, table),
+             *_repeat_lines(results_dir), *_smoothness_lines(fits, table), *_grid_lines(fits, table), *_world_lines(fits, table),
              *_source_lines(results_dir, table, agreement)]
     return "\n".join(lines) + "\n"
 
@@ -172,6 +205,28 @@ def _repeat_lines(results_dir: Path) -> list[str]:
              "tests. A model cannot agree with one run much more often than two runs agree with each other:\n"),
             "| setting | cases measured twice | within 25 % (≥ 64 KB) | within 2× |", "| --- | --- | --- | --- |",
             *(f"| {r.setting} | {r.cases} | {r.near:.0%} | {r.within_2x:.0%} |" for r in again.itertuples())]
+
+
+def _smoothness_lines(fits: dict, table: pd.DataFrame) -> list[str]:
+    """The validation cases read off their measured neighbours (:func:`interpolated`), against the model on them."""
+    read = interpolated(table)
+    if read.empty:
+        return []
+    lines = [("\nHow regular the measurements are: each validation case read off the calibration measurements "
+              "of its own collective and algorithm around it (interpolated linearly in size, then in N; no model: "
+              "`lab.sim.validation.interpolated`), against the model on the same cases. Where the measured "
+              "neighbours of a case do not predict it, a model that is smooth in size and N will not either:\n"),
+             "| setting | cases read | read off: within 25 % (≥ 64 KB) | within 2× | model: within 25 % (≥ 64 KB) "
+             "| within 2× |", "| --- " * 6 + "|"]
+    for setting in [*fits, "all"]:
+        rows = read if setting == "all" else read[read["setting"] == setting]
+        if rows.empty:
+            continue
+        own = scores(rows.assign(ratio=rows["read_us"] / rows["median_us"]), rows.iloc[:0].assign(margin=[]))
+        model = scores(rows, rows.iloc[:0].assign(margin=[]))
+        lines.append(f"| {'**all**' if setting == 'all' else setting} | {len(rows)} | {own['near']:.0%} | "
+                     f"{own['within_2x']:.0%} | {model['near']:.0%} | {model['within_2x']:.0%} |")
+    return lines
 
 
 def _grid_lines(fits: dict, table: pd.DataFrame) -> list[str]:
