@@ -163,11 +163,15 @@ def benchmark_schedule(collective: str, algorithm: str, world: int, nbytes: int,
 
 
 class _Cases:
-    """The cases of one setting, recorded and paired once, replayed on any network."""
+    """The cases of one setting, recorded and paired once, replayed on any network.
 
-    def __init__(self, rows: pd.DataFrame, ranks_per_host: int) -> None:
+    ``ranks_per_host`` is how the cases' ranks were laid out on hosts; None: every case's ranks on
+    one machine, one host (so hierarchical allreduce records as it ran there: inside one host).
+    """
+
+    def __init__(self, rows: pd.DataFrame, ranks_per_host: int | None) -> None:
         self.schedules = [benchmark_schedule(row.collective, row.algorithm, int(row.world), int(row.sim_bytes),
-                                             ranks_per_host) for row in rows.itertuples(index=False)]
+                                             ranks_per_host or int(row.world)) for row in rows.itertuples(index=False)]
         self.measured_us = rows["median_us"].to_numpy(dtype=float)
 
     def predict(self, network: Network) -> np.ndarray:
@@ -278,8 +282,11 @@ def calibrate(results_dir: Path) -> tuple[dict[str, Fit], pd.DataFrame]:
             base = replace(base, intra_alpha_us=inside.alpha_us, intra_gbit=inside.gbit)
         if not (rows["role"] == "calibration").any():
             rows["role"] = "calibration"  # nothing to calibrate on but these: they validate nothing
-        fits[setting] = result = fit(_Cases(rows[rows["role"] == "calibration"], per_host), base)
-        rows["predicted_us"] = _Cases(rows, per_host).predict(result.network)
+        # One machine's ranks are one host to the algorithms; to the replay, with no host links
+        # and the same α inside as between, one host or one per rank times alike.
+        layout = per_host if "hosts" in setting else None
+        fits[setting] = result = fit(_Cases(rows[rows["role"] == "calibration"], layout), base)
+        rows["predicted_us"] = _Cases(rows, layout).predict(result.network)
         rows["ratio"] = rows["predicted_us"] / rows["median_us"]
         parts.append(rows)
     table = pd.concat(parts, ignore_index=True) if parts else frame.assign(predicted_us=[], ratio=[])
