@@ -154,7 +154,8 @@ def test_times_stay_finite_with_every_cpu_term_at_its_largest():
 # -- calibration --------------------------------------------------------------------------------------
 
 TRUTH = sim.Network(alpha_us=30.0, gbit=5.0, send_overhead_us=12.0, recv_overhead_us=25.0, copy_us_per_byte=2e-4,
-                    gamma_us_per_byte=5e-4, wake_us=15.0, cores=2, ranks_per_cpu=MAX_RANKS_PER_HOST)
+                    gamma_us_per_byte=5e-4, wake_us=15.0, memory_us_per_byte=3e-4, cache_bytes=8 << 20, cores=2,
+                    ranks_per_cpu=MAX_RANKS_PER_HOST)
 
 
 def _measured_from_model(directory, network: sim.Network) -> None:
@@ -169,7 +170,8 @@ def _measured_from_model(directory, network: sim.Network) -> None:
             for b in (1 << 10, 16 << 10, 64 << 10, 256 << 10, 4 << 20)]
     directory.mkdir(exist_ok=True)
     pd.DataFrame(rows).to_csv(directory / "allreduce.csv", index=False)
-    (directory / "machine.json").write_text(json.dumps({"cores": str(network.cores)}))
+    (directory / "machine.json").write_text(json.dumps({"cores": str(network.cores),
+                                                        "last_level_cache_bytes": str(network.cache_bytes)}))
 
 
 def test_calibration_recovers_known_parameters_from_synthetic_measurements(tmp_path):
@@ -182,7 +184,7 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements(tmp_p
     assert set(table.loc[table["world"] == 3, "role"]) == {"validation"}
     assert set(table.loc[table["bytes"] == 64 << 10, "role"]) == {"validation"}
     fit = fits["shm"]
-    assert fit.network.cores == 2 and fit.error < 1e-9
+    assert fit.network.cores == 2 and fit.network.cache_bytes == 8 << 20 and fit.error < 1e-9
     for name, *_ in PARAMETERS:
         assert getattr(fit.network, name) == pytest.approx(getattr(TRUTH, name), rel=1e-6), name
         assert fit.determined[name] > 0.005, name  # each one constrained by the synthetic cases

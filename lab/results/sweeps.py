@@ -25,6 +25,7 @@ import lab
 from lab import mpich
 from lab.benchmark import measure, time_bucketing, time_kernel, time_overlap, transformer_gradients
 from lab.collectives import registry
+from lab.sim.network import last_level_cache_bytes
 from lab.validate import validation_table
 
 KERNEL_SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -258,7 +259,8 @@ def commit() -> str:
 
 
 def machine() -> dict[str, str]:
-    """What the report names as the source of its figures: date, CPU, cores, memory, versions, commit."""
+    """What the report names as the source of its figures: date, CPU, cores, memory, last-level cache
+    (the simulator's calibration reads it), versions, commit."""
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor() or "unknown")
     memory_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
@@ -266,6 +268,7 @@ def machine() -> dict[str, str]:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cpu": cpu, "cores": str(os.cpu_count()), "memory": f"{memory_kib / 2**20:.1f} GiB",
+        "last_level_cache_bytes": str(last_level_cache_bytes() or 0),
         "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "numba": numba.__version__, "numpy": np.__version__, "pandas": pd.__version__, "commit": commit(),
     }

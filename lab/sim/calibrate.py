@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from lab.sim.core import recorded_schedule
-from lab.sim.network import MAX_RANKS_PER_HOST, Network
+from lab.sim.network import MAX_RANKS_PER_HOST, Network, last_level_cache_bytes
 from lab.sim.record import Schedule, algorithms
 from lab.sim.replay import loop_times, match_messages
 
@@ -57,16 +57,21 @@ PARAMETERS = [("alpha_us", 20.0, (1e-3, 1e6), "α (µs)"), ("gbit", 10.0, (1e-3,
               ("recv_overhead_us", 10.0, (1e-3, 1e6), "o_recv (µs)"),
               ("copy_us_per_byte", 1e-4, (1e-9, 1.0), "copy (µs/KB)"),
               ("gamma_us_per_byte", 1e-4, (1e-9, 1.0), "γ (µs/KB)"),
-              ("wake_us", 10.0, (1e-3, 1e6), "wake (µs)")]
+              ("wake_us", 10.0, (1e-3, 1e6), "wake (µs)"),
+              ("memory_us_per_byte", 1e-4, (1e-9, 1.0), "memory (µs/KB)")]
 CALIBRATION_WORLDS = (2, 4, 8)
 #: Calls of the back-to-back loop a case is replayed as (lab.benchmark's loop, shortened).
 LOOP_CALLS = 4
 ITERATIONS = 100
 #: The steps (in the logarithm of each parameter) of the Jacobian's differences, one fit each.
 DIFFERENCE_STEPS = (1e-2, 1e-3)
-#: The one-parameter moves of the polish, and the most evaluations a fit takes with it.
+#: Points drawn to start from (each parameter up to e^SPREAD, 7.4×, either side of its usual start),
+#: and how many of the best of them the fit starts from.
+SCREENED, SCREENED_STARTS, SPREAD = 64, 3, 2.0
+#: The factors of the polish's moves (one parameter, or two the opposite ways), and the most
+#: evaluations a fit takes with it.
 POLISH_FACTORS = (0.5, 0.8, 0.95, 1.05, 1.2, 2.0)
-POLISH_EVALUATIONS = 3000
+POLISH_EVALUATIONS = 6000
 
 
 def _input_bytes(collective: str, nbytes: int, world: int) -> int:
@@ -94,12 +99,20 @@ def measured_on(results_dir: Path, source: str) -> str:
     return json.loads(info.read_text()).get("date", "?") if info.exists() else "?"
 
 
-def _cores(csv: Path) -> int:
-    """The cores of the machine a CSV was measured on (its directory's ``machine.json``), else this one's."""
+def _machine(csv: Path) -> dict:
+    """What the machine a CSV was measured on said of itself (its directory's ``machine.json``)."""
     info = csv.parent / "machine.json"
-    if info.exists():
-        return int(json.loads(info.read_text()).get("cores", os.cpu_count() or 1))
-    return os.cpu_count() or 1
+    return json.loads(info.read_text()) if info.exists() else {}
+
+
+def _cores(csv: Path) -> int:
+    """The cores of the machine a CSV was measured on, else this one's."""
+    return int(_machine(csv).get("cores", os.cpu_count() or 1))
+
+
+def _cache_bytes(csv: Path) -> int:
+    """The last-level cache of the machine a CSV was measured on, else this one's (0: unknown)."""
+    return int(_machine(csv).get("last_level_cache_bytes", last_level_cache_bytes() or 0))
 
 
 def measured(results_dir: Path) -> pd.DataFrame:
@@ -120,12 +133,12 @@ def measured(results_dir: Path) -> pd.DataFrame:
             else:
                 frame["ranks_per_host"] = 1
                 frame["setting"] = frame["transport"]
-            frame["cores"] = _cores(path)
+            frame["cores"], frame["cache_bytes"] = _cores(path), _cache_bytes(path)
             frame["source"] = path.relative_to(results_dir).as_posix()
             frames.append(frame[["setting", "collective", "algorithm", "world", "bytes", "median_us",
-                                 "ranks_per_host", "cores", "source"]])
+                                 "ranks_per_host", "cores", "cache_bytes", "source"]])
     columns = ["setting", "collective", "algorithm", "world", "bytes", "median_us", "ranks_per_host", "cores",
-               "source", "sim_bytes", "role"]
+               "cache_bytes", "source", "sim_bytes", "role"]
     if not frames:
         return pd.DataFrame(columns=columns)
     frame = pd.concat(frames, ignore_index=True)
@@ -235,28 +248,41 @@ def fit(cases: _Cases, base: Network) -> Fit:
         return cases.residuals(_network(base, x))
 
     bounds = np.log([bounds for _, _, bounds, _ in PARAMETERS])
+    low, high = bounds[:, 0], bounds[:, 1]
     start = np.log([start for _, start, _, _ in PARAMETERS])
-    # A replayed loop's times are piecewise linear in the parameters (an event order changes at
-    # each kink), so a Jacobian by one difference step can point into a kink: try two, keep the best.
-    x, best, evaluations = None, math.inf, 0
-    for step in DIFFERENCE_STEPS:
-        candidate, error, spent = least_absolute(residuals, start, bounds[:, 0], bounds[:, 1], step=step)
-        evaluations += spent
-        if error < best:
-            x, best = candidate, error
+    # The error has local minima: a replayed loop's times are piecewise linear in the parameters
+    # (an event order changes at each kink) and some trade against each other (o_send for o_recv,
+    # α for the wake-up). So the least-squares steps start from the usual start and from the
+    # SCREENED_STARTS best of SCREENED points drawn around it (the same every time), each with
+    # Jacobians of two difference steps (one can point into a kink); the best fit is kept.
+    drawn = np.clip(start + np.random.default_rng(0).uniform(-SPREAD, SPREAD, (SCREENED, len(start))), low, high)
+    screened = sorted(drawn, key=lambda point: float(np.abs(residuals(point)).mean()))[:SCREENED_STARTS]
+    x, best, evaluations = start, math.inf, SCREENED
+    for origin in (start, *screened):
+        for step in DIFFERENCE_STEPS:
+            candidate, error, spent = least_absolute(residuals, origin, low, high, step=step)
+            evaluations += spent
+            if error < best:
+                x, best = candidate, error
     # Polish: reweighting can stop short of the least absolute error where a path changes; move one
-    # parameter at a time while that lowers it (so no ±20 % move below lowers it either).
+    # parameter, or two the opposite ways, while that lowers it (so no ±20 % move below lowers it
+    # either), and let the least-squares steps go on from each better point.
+    moves = [*np.eye(len(x)), *(a - b for i, a in enumerate(np.eye(len(x))) for b in np.eye(len(x))[i + 1:])]
     improved = True
     while improved and evaluations < POLISH_EVALUATIONS:
         improved = False
-        for i in range(len(x)):
+        for move in moves:
             for factor in POLISH_FACTORS:
-                trial = x.copy()
-                trial[i] = np.clip(trial[i] + math.log(factor), bounds[i, 0], bounds[i, 1])
+                trial = np.clip(x + move * math.log(factor), low, high)
                 error = float(np.abs(residuals(trial)).mean())
                 evaluations += 1
                 if error < best * (1 - 1e-9):
                     x, best, improved = trial, error, True
+        if improved:
+            candidate, error, spent = least_absolute(residuals, x, low, high, step=DIFFERENCE_STEPS[0])
+            evaluations += spent
+            if error < best:
+                x, best = candidate, error
     network = _network(base, x)
     determined = {}
     for name, _, _, _ in PARAMETERS:
@@ -276,7 +302,8 @@ def calibrate(results_dir: Path) -> tuple[dict[str, Fit], pd.DataFrame]:
     for setting in settings:
         rows = frame[frame["setting"] == setting].copy()
         per_host = int(rows["ranks_per_host"].iloc[0])
-        base = Network(ranks_per_host=per_host, cores=int(rows["cores"].iloc[0]), ranks_per_cpu=MAX_RANKS_PER_HOST)
+        base = Network(ranks_per_host=per_host, cores=int(rows["cores"].iloc[0]), ranks_per_cpu=MAX_RANKS_PER_HOST,
+                       cache_bytes=int(rows["cache_bytes"].iloc[0]) or None)
         if per_host > 1 and "shm" in fits:
             inside = fits["shm"].network
             base = replace(base, intra_alpha_us=inside.alpha_us, intra_gbit=inside.gbit)

@@ -5,6 +5,7 @@ cores a host's ranks share."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from lab import checks
 
@@ -14,9 +15,29 @@ from lab import checks
 ALPHA_US = (0.0, 1e9)  # up to 1,000 s per message
 GBIT = (1e-6, 1e9)  # 1 kbit/s to 1 Ebit/s
 GAMMA_US_PER_BYTE = (0.0, 1e6)
-#: The most ranks per host (as many as the simulator takes ranks at all), and the most cores.
+#: The most ranks per host (as many as the simulator takes ranks at all), the most cores, the largest cache.
 MAX_RANKS_PER_HOST = 1 << 24
 MAX_CORES = 1 << 24
+MAX_CACHE_BYTES = 1 << 50
+#: Where Linux describes the first CPU's caches (index0..N: level, size).
+_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes() -> int | None:
+    """This machine's last-level cache (the highest level sysfs lists), in bytes; None if unknown.
+
+        last_level_cache_bytes()      # 33554432 on a machine with a 32 MiB L3
+    """
+    sizes = {}
+    for index in sorted(_CACHES.glob("index*")):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        digits, unit = size.rstrip("KMG"), size[len(size.rstrip("KMG")):]
+        if digits.isdigit():
+            sizes[level] = int(digits) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(unit, 1)
+    return sizes[max(sizes)] if sizes else None
 
 
 def _check_number(name: str, value: object, span: tuple[float, float], unit: str) -> float:
@@ -75,6 +96,12 @@ class Network:
     work that finds every core of its group busy waits for the first one free, first come first
     served. With every CPU term at 0 the model is the links alone, and the closed forms hold.
 
+    **Memory** (default: none). A case whose working set W (every rank's input plus the bytes it
+    receives, in one call) outgrows the ``cache_bytes`` its ranks share streams from memory: each
+    byte it copies costs ``memory_us_per_byte · (1 - cache_bytes / W)`` more, the share of W the
+    cache cannot hold paying memory's extra. Without ``cache_bytes``, or with W within the cache,
+    a copy costs ``copy_us_per_byte``.
+
     **Waking** (default 0). A receiver that has posted its receive and waits, asleep, for the
     message starts the receive's work ``wake_us`` after the message arrives: the kernel wakes it
     and, on shared cores, it waits for its turn. One that finds its message already there pays
@@ -83,12 +110,14 @@ class Network:
     Ranges (a ``ValueError`` naming the parameter otherwise): ``alpha_us``, ``intra_alpha_us``,
     ``send_overhead_us``, ``recv_overhead_us`` and ``wake_us`` 0 to 1e9 µs, ``gap_us`` 0 to ``alpha_us``, ``gbit`` and ``intra_gbit`` 1e-6 to
     1e9 Gbit/s, ``copy_us_per_byte`` and ``gamma_us_per_byte`` 0 to 1e6, ``ranks_per_host``,
-    ``cores`` and ``ranks_per_cpu`` 1 to 2**24: every simulated time is then finite.
+    ``cores`` and ``ranks_per_cpu`` 1 to 2**24, ``cache_bytes`` 1 to 2**50, ``memory_us_per_byte``
+    0 to 1e6: every simulated time is then finite.
 
         lab.sim.Network(alpha_us=20.0, gbit=10.0)     # 1 MB: 20 + 838.9 µs per message
         lab.sim.Network(alpha_us=5.0, gbit=100.0, gap_us=0.5)  # a NIC taking a message every 0.5 µs
         lab.sim.Network(alpha_us=5.0, gbit=10.0, send_overhead_us=30.0, recv_overhead_us=30.0,
                         copy_us_per_byte=1e-4, cores=2, ranks_per_cpu=8)   # 8 ranks on 2 cores
+        lab.sim.Network(copy_us_per_byte=1e-4, cache_bytes=32 << 20, memory_us_per_byte=1e-4)  # 2x per byte at W = ∞
         lab.sim.Network(gbit=1e-320)                  # ValueError: gbit must be a number from 1e-06 to 1e+09 Gbit/s
     """
 
@@ -106,6 +135,8 @@ class Network:
     eager_bytes: int | None = 64 * 1024
     gap_us: float | None = None
     wake_us: float = 0.0
+    cache_bytes: int | None = None
+    memory_us_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         # Frozen: store the checked floats with object.__setattr__ (a numpy scalar becomes a float).
@@ -114,7 +145,7 @@ class Network:
                                  ("gamma_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
                                  ("send_overhead_us", ALPHA_US, "µs"), ("recv_overhead_us", ALPHA_US, "µs"),
                                  ("copy_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
-                                 ("wake_us", ALPHA_US, "µs"),
+                                 ("wake_us", ALPHA_US, "µs"), ("memory_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
                                  ("gap_us", (0.0, self.alpha_us), "µs (at most alpha_us)")]:
             value = getattr(self, name)
             if value is not None:
@@ -126,6 +157,8 @@ class Network:
         object.__setattr__(self, "cores", _check_count("cores", self.cores, MAX_CORES, "a core per rank"))
         object.__setattr__(self, "ranks_per_cpu", _check_count("ranks_per_cpu", self.ranks_per_cpu,
                                                                MAX_RANKS_PER_HOST, "ranks_per_host"))
+        object.__setattr__(self, "cache_bytes", _check_count("cache_bytes", self.cache_bytes, MAX_CACHE_BYTES,
+                                                             "no cache limit"))
         if self.eager_bytes is not None and (not checks.is_int(self.eager_bytes) or self.eager_bytes < 0):
             raise ValueError(f"eager_bytes must be a non-negative integer, or None (every message eager); "
                              f"got {self.eager_bytes!r}")
@@ -163,6 +196,13 @@ class Network:
         """How many ranks share one group of ``cores``: ``ranks_per_cpu``, else ``ranks_per_host``."""
         return self.ranks_per_host if self.ranks_per_cpu is None else self.ranks_per_cpu
 
+    def copy_cost(self, working_set_bytes: float) -> float:
+        """µs per byte copied in a case of this working set: ``copy_us_per_byte``, plus memory's
+        extra on the share of the working set beyond the cache."""
+        if self.cache_bytes is None or working_set_bytes <= self.cache_bytes:
+            return self.copy_us_per_byte
+        return self.copy_us_per_byte + self.memory_us_per_byte * (1.0 - self.cache_bytes / working_set_bytes)
+
     def message_us(self, nbytes: int, *, intra: bool = False) -> float:
         """The time of one message of ``nbytes`` bytes on an idle link (the wire alone, no CPU)."""
         if intra:
@@ -185,6 +225,8 @@ class Network:
             text += f", copy {self.copy_us_per_byte:g} µs/B"
         if self.gamma_us_per_byte:
             text += f", γ {self.gamma_us_per_byte:g} µs/B"
+        if self.cache_bytes is not None and self.memory_us_per_byte:
+            text += f", memory {self.memory_us_per_byte:g} µs/B beyond a {self.cache_bytes / 2**20:g} MiB cache"
         if self.cores is not None:
             shared = "all ranks" if self.cpu_group == MAX_RANKS_PER_HOST else f"{self.cpu_group} ranks"
             text += f", {self.cores} cores shared by {shared}"

@@ -176,6 +176,12 @@ class Schedule:
     reduces: np.ndarray  # bool per step: the receive is folded into the buffer (combine)
     record_s: float  # wall time spent recording
     passes: np.ndarray | None = None  # int64 per step: bytes of local passes before it (None: none)
+    calls: int = 1  # how many calls of the collective the steps are (:meth:`repeated`)
+
+    @property
+    def working_set_bytes(self) -> float:
+        """The bytes one call touches: every rank's input and every byte it receives."""
+        return self.world_size * self.nbytes + float(self.recv_bytes.sum(dtype=np.float64)) / self.calls
 
     @property
     def pass_bytes(self) -> np.ndarray:
@@ -197,7 +203,7 @@ class Schedule:
         return Schedule(self.collective, self.algorithm, self.world_size, self.nbytes,
                         np.concatenate(([0], np.cumsum(np.diff(self.step_ptr) * calls))), self.send_peer[index],
                         self.send_bytes[index], self.recv_peer[index], self.recv_bytes[index], self.reduces[index],
-                        self.record_s, self.pass_bytes[index])
+                        self.record_s, self.pass_bytes[index], self.calls * calls)
 
     def per_rank(self, values: np.ndarray) -> np.ndarray:
         """Sum a per-step integer array over each rank's steps (exact)."""

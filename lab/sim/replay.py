@@ -336,12 +336,15 @@ def _complete(r, k, t, cause, step_ptr, cur, start_cause, finish, finish_cause, 
 
 def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.ndarray, ...]:
     """The event loop on ``s`` (with ``match`` from :func:`match_messages`): per rank the finish time and
-    the message it waited for last, per message its start, end and cause, and per rank the step it
-    stopped at. A calibration calls this many times on one schedule, pairing its messages once."""
+    the message it waited for last, per message its start, end and cause, per rank the step it
+    stopped at, and per step when it completed. A calibration calls this many times on one
+    schedule, pairing its messages once. A byte copied costs what the case's working set makes it
+    (:meth:`Network.copy_cost`)."""
     return _replay(s.step_ptr, s.send_peer, s.send_bytes, s.recv_peer, s.recv_bytes, s.reduces, s.pass_bytes, match,
                    float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha,
                    network.intra_beta_us_per_byte, float(network.gamma_us_per_byte), network.ranks_per_host,
-                   float(network.send_overhead_us), float(network.recv_overhead_us), float(network.copy_us_per_byte),
+                   float(network.send_overhead_us), float(network.recv_overhead_us),
+                   float(network.copy_cost(s.working_set_bytes)),
                    network.cores or 0, min(network.cpu_group, max(s.world_size, 1)), network.eager_limit,
                    network.gap, network.intra_gap, float(network.wake_us))
 
