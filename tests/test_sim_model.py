@@ -192,6 +192,26 @@ def test_calibration_recovers_known_parameters_from_synthetic_measurements(tmp_p
     assert best_agreement(table)["agree"].all()
 
 
+def test_interpolated_reads_a_validation_case_off_its_calibrated_neighbours():
+    """256 KB and 4 MB at N = 4 took 300 and 1,800 µs: 1 MB at N = 4 reads 600 µs (linear in size);
+    at 1 MB, N = 2, 4 and 8 then read 100, 600 and 700 µs: N = 6 reads 650 µs (linear in N); a
+    case outside the calibrated sizes or N, or of another algorithm, is left out."""
+    from lab.sim.validation import interpolated
+
+    def row(algorithm, world, nbytes, median, role):
+        return {"setting": "shm", "collective": "allreduce", "algorithm": algorithm, "world": world,
+                "bytes": nbytes, "median_us": median, "role": role, "ratio": 1.0}
+
+    calibration = [row("ring", 4, 256 << 10, 300.0, "calibration"), row("ring", 4, 4 << 20, 1800.0, "calibration"),
+                   row("ring", 2, 1 << 20, 100.0, "calibration"), row("ring", 8, 1 << 20, 700.0, "calibration")]
+    validation = [row("ring", 4, 1 << 20, 650.0, "validation"), row("ring", 6, 1 << 20, 480.0, "validation"),
+                  row("ring", 4, 16 << 20, 9000.0, "validation"), row("ring", 16, 1 << 20, 2000.0, "validation"),
+                  row("tree", 4, 1 << 20, 500.0, "validation")]
+    table = pd.DataFrame(calibration + validation)
+    read = interpolated(table)
+    assert read[["world", "bytes", "read_us"]].values.tolist() == [[4, 1 << 20, 600.0], [6, 1 << 20, 650.0]]
+
+
 def test_repeatability_compares_the_cases_measured_again_with_their_first_measurement(tmp_path):
     """A second run under repeat/ where 1 KB cases took 3x as long and the rest 1.2x or 1.3x: from
     64 KB up those within 25 % are the 1.2x ones, and within 2x are all but the 1 KB ones."""

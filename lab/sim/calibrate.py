@@ -1,11 +1,13 @@
 """Fit :class:`~lab.sim.network.Network` to measured results per setting, then validate it on cases the fit never saw.
 
 The model has link terms (α, bandwidth), CPU terms (per-message overheads ``o_send`` and
-``o_recv``, a per-byte ``copy`` on each side and the reduction's ``γ``) and ``wake`` (a receiver
-waiting asleep starts that long after its message arrived), and the measured machine's
-cores, which every rank of one machine shares (``cores`` from the run's ``machine.json``;
-emulated hosts are namespaces on that one machine, so their ranks share them too). A setting's
-seven parameters minimise the mean ``|log(predicted / measured)|`` of its calibration cases (a
+``o_recv``, a per-byte ``copy`` on each side and the reduction's ``γ``), ``wake`` (a receiver
+waiting asleep starts that long after its message arrived) and ``memory`` (what a byte copied
+costs more in a case whose working set outgrows the machine's last-level cache), and the
+measured machine's cores and cache, which every rank of one machine shares (``cores`` and
+``last_level_cache_bytes`` from the run's ``machine.json``, else this machine's; emulated hosts
+are namespaces on that one machine, so their ranks share them too). A setting's eight
+parameters minimise the mean ``|log(predicted / measured)|`` of its calibration cases (a
 robust fit: 1 KB counts as much as 16 MB, and a case the model cannot describe shifts it by its
 rank, not its size), by Levenberg–Marquardt on reweighted least squares of the parameters'
 logarithms (positive, scale-free). Every evaluation replays every calibration case on the lab's

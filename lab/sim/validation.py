@@ -146,22 +146,26 @@ def _fitted_lines(fits: dict) -> list[str]:
     worlds = ", ".join(map(str, CALIBRATION_WORLDS))
     lines = [("Each setting's network has link terms (α, bandwidth) and CPU terms: LogGP's per-message overhead on "
              "the sender and on the receiver (o_send, o_recv), a per-byte copy on each side (into and out of "
-             "shared memory, the socket, a frame's MAC), the reduction's γ and the wake-up of a receiver that "
-             "waits asleep for its message, on the machine's cores, which all its ranks share, first come first "
-             "served (`lab.sim.Network`). The seven are fitted per setting to "
+             "shared memory, the socket, a frame's MAC), the reduction's γ, the wake-up of a receiver that "
+             "waits asleep for its message, and what a byte copied costs more (memory) on the share of a case's "
+             "working set (inputs and received bytes) beyond the machine's last-level cache, on the machine's "
+             "cores, which all its ranks share, first come first served (`lab.sim.Network`). Each case is "
+             "replayed as the benchmark ran it: calls back to back, each rank timing its own "
+             "(`lab.sim.calibrate.benchmark_us`). The eight are fitted per setting to "
              f"the **calibration** cases (N = {worlds} at 1 KB, 16 KB, 256 KB, 4 MB, 64 MB and at the largest "
              "size the setting measured: 16 MB on one machine), minimising the mean |log(predicted / measured)| "
              "(`lab.sim.calibrate`); every other case (N = 3, 5, 6, 7 at every size, and the sizes between: "
              "4 KB, 64 KB, 1 MB, and 16 MB across hosts) is **validation**, never seen by the fit. Ratio = "
              "predicted / measured.\n"),
-             ("Fitted parameters (copy and γ per KB), the machine's cores, and the fit error (mean |log ratio| "
-             "on the calibration cases):\n"),
-             "| setting | " + " | ".join(label for *_, label in PARAMETERS) + " | cores | fit error |",
-             "| --- " * (len(PARAMETERS) + 3) + "|"]
+             ("Fitted parameters (copy, γ and memory per KB), the machine's cores and last-level cache, and the "
+             "fit error (mean |log ratio| on the calibration cases):\n"),
+             "| setting | " + " | ".join(label for *_, label in PARAMETERS) + " | cores | cache (MiB) | fit error |",
+             "| --- " * (len(PARAMETERS) + 4) + "|"]
     for setting, f in fits.items():
+        cache = f"{f.network.cache_bytes / 2**20:g}" if f.network.cache_bytes else "-"
         lines.append(f"| {setting} | " + " | ".join(_parameter(name, getattr(f.network, name))
                                                     for name, *_ in PARAMETERS)
-                     + f" | {f.network.cores} | {f.error:.3f} |")
+                     + f" | {f.network.cores} | {cache} | {f.error:.3f} |")
     lines += [("\nHow well each parameter is determined: the fit error's rise when it alone moves ±20 % (the "
               "smaller rise; under 1 % means the measurements hardly constrain it):\n"),
               "| setting | " + " | ".join(label.split(" (")[0] for *_, label in PARAMETERS) + " |",
