@@ -210,23 +210,23 @@ class Network:
         return self.alpha_us + nbytes * self.beta_us_per_byte
 
     def describe(self) -> str:
-        """``α 20 µs, 10 Gbit/s`` (and the host structure and CPU terms when there are some)."""
-        text = f"α {self.alpha_us:g} µs, {self.gbit:g} Gbit/s"
+        """``α 20 µs, 10 Gbit/s`` (and the host structure and CPU terms when there are some; 3 digits each)."""
+        text = f"α {self.alpha_us:.3g} µs, {self.gbit:.3g} Gbit/s"
         if self.gap_us is not None:
-            text += f" (a message holds its port {self.gap_us:g} µs of α)"
+            text += f" (a message holds its port {self.gap_us:.3g} µs of α)"
         if self.ranks_per_host > 1:
             intra_gbit = self.gbit if self.intra_gbit is None else self.intra_gbit
-            text += f", {self.ranks_per_host} ranks/host (inside: α {self.intra_alpha:g} µs, {intra_gbit:g} Gbit/s)"
+            text += f", {self.ranks_per_host} ranks/host (inside: α {self.intra_alpha:.3g} µs, {intra_gbit:.3g} Gbit/s)"
         if self.send_overhead_us or self.recv_overhead_us:
-            text += f", o {self.send_overhead_us:g}/{self.recv_overhead_us:g} µs (send/receive)"
+            text += f", o {self.send_overhead_us:.3g}/{self.recv_overhead_us:.3g} µs (send/receive)"
         if self.wake_us:
-            text += f", wake {self.wake_us:g} µs"
+            text += f", wake {self.wake_us:.3g} µs"
         if self.copy_us_per_byte:
-            text += f", copy {self.copy_us_per_byte:g} µs/B"
+            text += f", copy {self.copy_us_per_byte:.3g} µs/B"
         if self.gamma_us_per_byte:
-            text += f", γ {self.gamma_us_per_byte:g} µs/B"
+            text += f", γ {self.gamma_us_per_byte:.3g} µs/B"
         if self.cache_bytes is not None and self.memory_us_per_byte:
-            text += f", memory {self.memory_us_per_byte:g} µs/B beyond a {self.cache_bytes / 2**20:g} MiB cache"
+            text += f", memory {self.memory_us_per_byte:.3g} µs/B beyond a {self.cache_bytes / 2**20:g} MiB cache"
         if self.cores is not None:
             shared = "all ranks" if self.cpu_group == MAX_RANKS_PER_HOST else f"{self.cpu_group} ranks"
             text += f", {self.cores} cores shared by {shared}"

@@ -13,6 +13,8 @@ only here).
 
 from __future__ import annotations
 
+import textwrap
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +138,9 @@ def draw(schedule: Schedule, critical_path: list[Message], path: str | Path, tit
     step_ticks = range(columns) if columns <= 40 else range(0, columns, max(1, columns // 20))
     ax.set_xticks([c + 0.5 for c in step_ticks], [str(c) for c in step_ticks])
     ax.set_xlabel("step (a message leaves when its sender's step starts and lands by the end of its receiver's)")
-    ax.set_title(title, fontsize=10)
+    # The title's lines wrap to the figure's width (about 12 characters an inch at 10 points).
+    width = int(fig.get_size_inches()[0] * 12)
+    ax.set_title("\n".join(textwrap.fill(line, width) for line in title.splitlines()), fontsize=10)
     ax.legend(handles=[Line2D([], [], color="tab:orange", lw=1.5, label="reduce: added into the receiver's chunk"),
                        Line2D([], [], color="tab:blue", lw=1.5, label="copy: stored as received"),
                        Line2D([], [], color="red", lw=5, alpha=0.35, label="critical path")],
