@@ -145,7 +145,8 @@ class Network:
                                  ("gamma_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
                                  ("send_overhead_us", ALPHA_US, "µs"), ("recv_overhead_us", ALPHA_US, "µs"),
                                  ("copy_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
-                                 ("wake_us", ALPHA_US, "µs"), ("memory_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
+                                 ("wake_us", ALPHA_US, "µs"),
+                                 ("memory_us_per_byte", GAMMA_US_PER_BYTE, "µs per byte"),
                                  ("gap_us", (0.0, self.alpha_us), "µs (at most alpha_us)")]:
             value = getattr(self, name)
             if value is not None:
@@ -216,7 +217,8 @@ class Network:
             text += f" (a message holds its port {self.gap_us:.3g} µs of α)"
         if self.ranks_per_host > 1:
             intra_gbit = self.gbit if self.intra_gbit is None else self.intra_gbit
-            text += f", {self.ranks_per_host} ranks/host (inside: α {self.intra_alpha:.3g} µs, {intra_gbit:.3g} Gbit/s)"
+            text += (f", {self.ranks_per_host} ranks/host (inside: α {self.intra_alpha:.3g} µs, "
+                     f"{intra_gbit:.3g} Gbit/s)")
         if self.send_overhead_us or self.recv_overhead_us:
             text += f", o {self.send_overhead_us:.3g}/{self.recv_overhead_us:.3g} µs (send/receive)"
         if self.wake_us:

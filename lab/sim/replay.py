@@ -200,7 +200,8 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
                 posted[dst] = False
                 size = _receive(dst, j, t + wake, k, k, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu,
                                 core_free, core_holder, sent_t, sent_cause, held, received_t, received_cause,
-                                step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size, steps, n)
+                                step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size,
+                                steps, n)
             # A held send's step whose receive was done completes with its send.
             r = rank_of[k]
             if cur[r] == k and received_t[r] >= 0:
@@ -244,8 +245,8 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
             if held[r] == k:
                 received_t[r], received_cause[r] = t, start_cause[r]
             else:
-                size = _complete(r, k, sent_t[r], sent_cause[r], step_ptr, cur, start_cause, finish, finish_cause, completed,
-                                 heap_t, heap_c, size, steps, n)
+                size = _complete(r, k, sent_t[r], sent_cause[r], step_ptr, cur, start_cause, finish, finish_cause,
+                                 completed, heap_t, heap_c, size, steps, n)
             continue
         posted_step[r] = k
         m = sender_step[k]
@@ -259,8 +260,8 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
         if arrived[k] >= 0:
             size = _receive(r, k, t, start_cause[r], arrived[k], recv_bytes, reduces, recv_overhead, copy, gamma,
                             ranks_per_cpu, core_free, core_holder, sent_t, sent_cause, held, received_t,
-                            received_cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size,
-                            steps, n)
+                            received_cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c,
+                            size, steps, n)
         else:
             posted[r] = True
     return finish, finish_cause, msg_start, msg_end, msg_cause, cur, completed
@@ -317,8 +318,8 @@ def _receive(r, k, t, t_cause, m, recv_bytes, reduces, recv_overhead, copy, gamm
         return size
     if sent_t[r] > done:
         done, cause = sent_t[r], sent_cause[r]
-    return _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size,
-                     steps, n)
+    return _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c,
+                     size, steps, n)
 
 
 @numba.njit(cache=True)

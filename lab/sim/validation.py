@@ -126,8 +126,8 @@ def validation_section(results_dir: Path, out: Path) -> str:
     agreement = best_agreement(table)
     _write_tables(fits, table, agreement, out)
     lines = ["## Simulator vs measurement\n", *_fitted_lines(fits), *_target_lines(fits, table, agreement),
-             *_repeat_lines(results_dir), *_smoothness_lines(fits, table), *_grid_lines(fits, table), *_world_lines(fits, table),
-             *_source_lines(results_dir, table, agreement)]
+             *_repeat_lines(results_dir), *_smoothness_lines(fits, table), *_grid_lines(fits, table),
+             *_world_lines(fits, table), *_source_lines(results_dir, table, agreement)]
     return "\n".join(lines) + "\n"
 
 
