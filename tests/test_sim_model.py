@@ -63,6 +63,20 @@ def test_each_cpu_term_moves_the_prediction_by_its_share():
         assert sim.simulate("allreduce", "ring", 2, 8000, net).time_us == pytest.approx(plain + extra, rel=1e-12)
 
 
+def test_copies_beyond_the_cache_pay_memory_s_extra_as_a_hand_calculation_says():
+    """The 2-rank ring of the hand calculation above (8,000 bytes, a core each) touches W = 2 ·
+    8,000 of input + 2 · 8,000 received = 32,000 bytes. With an 8,000-byte cache, 3/4 of W is
+    beyond it: a byte copied costs 0.001 + 0.75 · 0.002 = 0.0025 µs. Step 1: send 5 + 10, wire
+    23.2, receive 7 + 10 + 8 (γ, unchanged) = 63.2; step 2: 15 + 23.2 + 17 = 118.4 µs. A cache
+    that holds W, or no cache given, leaves the 94.4 µs of the copy alone."""
+    memory = {**CPU, "memory_us_per_byte": 0.002}
+    net = sim.Network(**memory, cache_bytes=8000)
+    assert net.copy_cost(32000) == pytest.approx(0.0025, rel=1e-12)
+    assert sim.simulate("allreduce", "ring", 2, 8000, net).finish_us.tolist() == pytest.approx([118.4, 118.4])
+    for roomy in (sim.Network(**memory, cache_bytes=32000), sim.Network(**memory)):
+        assert sim.simulate("allreduce", "ring", 2, 8000, roomy).time_us == pytest.approx(94.4, rel=1e-12)
+
+
 def test_local_passes_are_recorded_and_cost_a_copy_each_on_the_rank_s_core():
     """reduce_scatter copies its T-byte input into a work buffer and its T/N-byte block into the
     result; Bruck rotates T bytes in, packs two slots of T/4 per step (2 steps at N = 4) and rotates
@@ -139,6 +153,8 @@ def test_a_receiver_that_finds_its_message_there_pays_no_wake_up():
     ({"send_overhead_us": -1.0}, r"send_overhead_us must be a number from 0 to 1e\+09 µs"),
     ({"recv_overhead_us": math.inf}, r"recv_overhead_us must be a number"),
     ({"copy_us_per_byte": 1e300}, r"copy_us_per_byte must be a number from 0 to 1e\+06"),
+    ({"memory_us_per_byte": -1e-4}, r"memory_us_per_byte must be a number from 0 to 1e\+06"),
+    ({"cache_bytes": 0}, r"cache_bytes must be an integer from 1 to"),
 ])
 def test_bad_cpu_terms_are_value_errors_that_name_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):

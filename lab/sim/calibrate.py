@@ -114,7 +114,8 @@ def _cores(csv: Path) -> int:
 
 def _cache_bytes(csv: Path) -> int:
     """The last-level cache of the machine a CSV was measured on, else this one's (0: unknown)."""
-    return int(_machine(csv).get("last_level_cache_bytes", last_level_cache_bytes() or 0))
+    recorded = _machine(csv).get("last_level_cache_bytes")
+    return int(recorded) if recorded is not None else last_level_cache_bytes() or 0
 
 
 def measured(results_dir: Path) -> pd.DataFrame:
@@ -136,11 +137,11 @@ def measured(results_dir: Path) -> pd.DataFrame:
                 frame["ranks_per_host"] = 1
                 frame["setting"] = frame["transport"]
             frame["cores"], frame["cache_bytes"] = _cores(path), _cache_bytes(path)
-            frame["source"] = path.relative_to(results_dir).as_posix()
+            frame["source"], frame["kind"] = path.relative_to(results_dir).as_posix(), kind
             frames.append(frame[["setting", "collective", "algorithm", "world", "bytes", "median_us",
-                                 "ranks_per_host", "cores", "cache_bytes", "source"]])
+                                 "ranks_per_host", "cores", "cache_bytes", "source", "kind"]])
     columns = ["setting", "collective", "algorithm", "world", "bytes", "median_us", "ranks_per_host", "cores",
-               "cache_bytes", "source", "sim_bytes", "role"]
+               "cache_bytes", "source", "kind", "sim_bytes", "role"]
     if not frames:
         return pd.DataFrame(columns=columns)
     frame = pd.concat(frames, ignore_index=True)
@@ -188,6 +189,13 @@ class _Cases:
         self.schedules = [benchmark_schedule(row.collective, row.algorithm, int(row.world), int(row.sim_bytes),
                                              ranks_per_host or int(row.world)) for row in rows.itertuples(index=False)]
         self.measured_us = rows["median_us"].to_numpy(dtype=float)
+
+    def subset(self, keep: np.ndarray) -> _Cases:
+        """The cases where ``keep`` (a bool per case) is true, their schedules not recorded again."""
+        part = object.__new__(_Cases)
+        part.schedules = [s for s, kept in zip(self.schedules, keep) if kept]
+        part.measured_us = self.measured_us[keep]
+        return part
 
     def predict(self, network: Network) -> np.ndarray:
         return np.array([benchmark_us(s, match, network) for s, match in self.schedules])
@@ -313,9 +321,9 @@ def calibrate(results_dir: Path) -> tuple[dict[str, Fit], pd.DataFrame]:
             rows["role"] = "calibration"  # nothing to calibrate on but these: they validate nothing
         # One machine's ranks are one host to the algorithms; to the replay, with no host links
         # and the same α inside as between, one host or one per rank times alike.
-        layout = per_host if "hosts" in setting else None
-        fits[setting] = result = fit(_Cases(rows[rows["role"] == "calibration"], layout), base)
-        rows["predicted_us"] = _Cases(rows, layout).predict(result.network)
+        cases = _Cases(rows, per_host if rows["kind"].iloc[0] == "hosts" else None)
+        fits[setting] = result = fit(cases.subset((rows["role"] == "calibration").to_numpy()), base)
+        rows["predicted_us"] = cases.predict(result.network)
         rows["ratio"] = rows["predicted_us"] / rows["median_us"]
         parts.append(rows)
     table = pd.concat(parts, ignore_index=True) if parts else frame.assign(predicted_us=[], ratio=[])
