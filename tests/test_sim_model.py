@@ -100,6 +100,24 @@ def test_local_passes_are_recorded_and_cost_a_copy_each_on_the_rank_s_core():
         == pytest.approx(23.2)  # no CPU terms: the wire alone, passes or not
 
 
+def test_recordings_in_two_threads_count_their_own_local_passes():
+    """The pass counter is a context variable: eight recordings at once, in threads, each find
+    what one alone finds (Bruck's 3T per rank, reduce_scatter's T + T/N)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lab.sim.record import record
+
+    def passes(case):
+        schedule = record(*case)
+        return schedule.per_rank(schedule.pass_bytes).tolist()
+
+    cases = [("all_to_all", "bruck", 4, 1 << 20), ("reduce_scatter", "ring", 4, 1 << 20)] * 4
+    alone = [passes(case) for case in cases[:2]] * 4
+    with ThreadPoolExecutor(8) as pool:
+        assert list(pool.map(passes, cases)) == alone
+    assert alone[:2] == [[3 << 20] * 4, [(1 << 20) + (1 << 18)] * 4]
+
+
 def test_a_back_to_back_loop_lets_the_senders_of_a_gather_run_ahead():
     """Linear gather on 3 ranks, o_send 5, o_recv 10, α 1 µs, bytes free. One call from a common
     start: the senders' messages arrive at 6 and 7, the root takes them 6-16 and 16-26: 26 µs. In a

@@ -27,6 +27,7 @@ while it records, should the sample have guessed low. The arrays that hold no da
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 from array import array
@@ -178,12 +179,13 @@ class Schedule:
     passes: np.ndarray | None = None  # int64 per step: bytes of local passes before it (None: none)
     calls: int = 1  # how many calls of the collective the steps are (:meth:`repeated`)
 
-    @property
+    @functools.cached_property
     def working_set_bytes(self) -> float:
-        """The bytes one call touches: every rank's input and every byte it receives."""
+        """The bytes one call touches: every rank's input and every byte it receives (kept: a
+        calibration replays one schedule thousands of times)."""
         return self.world_size * self.nbytes + float(self.recv_bytes.sum(dtype=np.float64)) / self.calls
 
-    @property
+    @functools.cached_property
     def pass_bytes(self) -> np.ndarray:
         """Bytes of local passes before each step (zeros when none were recorded)."""
         return np.zeros(self.steps, np.int64) if self.passes is None else self.passes
