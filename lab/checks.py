@@ -67,6 +67,20 @@ def env_flag(variable: str) -> bool:
                      f"got {os.environ[variable]!r}")
 
 
+def env_int(variable: str, default: int, low: int = 0, high: int = 2**31 - 1, multiple: int = 1) -> int:
+    """An integer environment variable in ``[low, high]`` (a multiple of ``multiple``), or
+    ``default`` where it is unset or empty. Only ASCII digits count (``'²'.isdigit()`` is True,
+    ``int(' 7')`` takes spaces): anything else is a ``ValueError`` naming the variable and its range."""
+    text = os.environ.get(variable, "")
+    if not text:
+        return default
+    value = int(text) if text.isascii() and text.isdigit() else None
+    if value is None or not low <= value <= high or value % multiple:
+        what = f"a multiple of {multiple:,} " if multiple > 1 else "an integer "
+        raise ValueError(f"environment variable {variable} must be {what}in [{low:,}, {high:,}]; got {text!r}")
+    return value
+
+
 def trace_path(value: Any, name: str = "trace") -> str | None:
     """A JSONL file to append to: its directory must exist and it must not be a directory."""
     if value is None or value == "":

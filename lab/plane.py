@@ -36,7 +36,7 @@ from numba import njit
 
 from kernels import mailbox as mb
 from kernels.coded import coded_reduction
-from lab import fingerprint
+from lab import checks, fingerprint
 from lab.compiled import Compilable
 from lab.flight import FLIGHT_RECORDER_SIZE
 from lab.ops import Reduction
@@ -53,6 +53,8 @@ DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT = 50, 1000
 #: that lets the awaited peer run. Measured on 2 cores, 1 KB, 5 alternating rounds, 50 spins ->
 #: none: plan 25.6 -> 18.4 µs at 4 ranks, 72 -> 59 at 8; plain call 35.7 -> 28.6 and 103 -> 100.
 OVERSUBSCRIBED_SPIN_LIMIT = 0
+#: The largest ``LAB_COMPILED_SPIN``/``LAB_COMPILED_YIELD`` and ``LAB_COMPILED_MAX_BYTES`` taken.
+MAX_WAIT_COUNT, MAX_COMPILED_BYTES = 2**31 - 1, 2**62
 
 # Words of the config array: what the compiled call reads (in) and reports (out).
 RANK, WORLD_SIZE, SLOT_BYTES, DEPTH, DEADLINE_NS, OP, FAMILY, KIND, DIVIDES = range(9)  # in
@@ -244,23 +246,13 @@ def waiting_policy_from_env(local_ranks: int = 1) -> tuple[int, int]:
     :data:`DEFAULT_YIELD_LIMIT` yields."""
     cores = len(os.sched_getaffinity(0))
     spins = DEFAULT_SPIN_LIMIT if local_ranks <= cores else OVERSUBSCRIBED_SPIN_LIMIT
-    policy = []
-    for name, default in (("LAB_COMPILED_SPIN", spins), ("LAB_COMPILED_YIELD", DEFAULT_YIELD_LIMIT)):
-        value = os.environ.get(name, "")
-        if value and not value.isdigit():
-            raise ValueError(f"{name} must be a non-negative count; got {value!r}")
-        policy.append(int(value) if value else default)
-    return policy[0], policy[1]
+    return (checks.env_int("LAB_COMPILED_SPIN", spins, high=MAX_WAIT_COUNT),
+            checks.env_int("LAB_COMPILED_YIELD", DEFAULT_YIELD_LIMIT, high=MAX_WAIT_COUNT))
 
 
 def max_bytes_from_env() -> int:
     """``LAB_COMPILED_MAX_BYTES``: the largest tensor the compiled path takes (0: none)."""
-    value = os.environ.get("LAB_COMPILED_MAX_BYTES", "")
-    if not value:
-        return DEFAULT_MAX_BYTES
-    if not value.isdigit():
-        raise ValueError(f"LAB_COMPILED_MAX_BYTES must be a non-negative number of bytes; got {value!r}")
-    return int(value)
+    return checks.env_int("LAB_COMPILED_MAX_BYTES", DEFAULT_MAX_BYTES, high=MAX_COMPILED_BYTES)
 
 
 @njit(inline="always")

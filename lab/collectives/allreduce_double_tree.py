@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from lab import checks
 from lab.chunking import split_bounds
 from lab.collectives.fold import power_terms
 from lab.ops import Reduction
@@ -35,12 +35,7 @@ def latency_bytes(transport: str, hosts: int = 1) -> int:
 def forced_segment_bytes() -> int | None:
     """Double tree's largest pipeline segment: ``LAB_SEGMENT_BYTES``, or None: sized from the
     tensor and N (tests force many segments)."""
-    value = os.environ.get("LAB_SEGMENT_BYTES", "")
-    if not value:
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"LAB_SEGMENT_BYTES must be a positive number of bytes; got {value!r}")
-    return int(value)
+    return checks.env_int("LAB_SEGMENT_BYTES", 0, low=1, high=2**62) or None
 
 
 def call_options(mesh: Any) -> dict[str, Any]:

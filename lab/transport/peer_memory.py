@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import two_shot as flags
+from lab import checks
 from lab.chunking import split_bounds
 from lab.errors import CollectiveMismatchError, LabError, PeerLostError
 from lab.ops import Reduction
@@ -52,12 +53,10 @@ def arena_bytes_from_env() -> int:
 
 
 def _bytes_from_env(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    if not value:
-        return default
-    if not value.isdigit() or int(value) < 4096 or int(value) % 4096:
-        raise ValueError(f"{name} must be a positive multiple of 4096 bytes; got {value!r}")
-    return int(value)
+    """At most this machine's memory: the region is sparse, but a size beyond what can be mapped
+    would fail later as a bare ENOMEM."""
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return checks.env_int(name, default, low=4096, high=memory // 4096 * 4096, multiple=4096)
 
 
 def region_bytes(world_size: int, slot_bytes: int, arena_bytes: int) -> int:

@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from lab import checks
 from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
 from lab.transport.base import (
     TAG_BYTES,
@@ -395,9 +396,4 @@ class _PipePoller:
 def _spin_from_env() -> int:
     """``LAB_SHM_SPIN``: how many non-blocking polls (each followed by ``sched_yield``) a wait tries
     before it blocks; default 50, which measured fastest at 2, 4 and 8 ranks on 2 quiet cores (see docs/how-it-works.md)."""
-    value = os.environ.get("LAB_SHM_SPIN", "")
-    if not value:
-        return DEFAULT_SPIN
-    if not value.isdigit():
-        raise ValueError(f"LAB_SHM_SPIN must be a non-negative number of polls; got {value!r}")
-    return int(value)
+    return checks.env_int("LAB_SHM_SPIN", DEFAULT_SPIN)
