@@ -269,6 +269,22 @@ def test_simulate_command_writes_results_and_the_report_section(tmp_path):
     assert (tmp_path / "REPORT.md").read_text().count("<!-- simulation:begin -->") == 1  # replaced, not added
 
 
+@pytest.mark.parametrize("gap", [[], ["--gap-us", "0.5"]])
+def test_the_command_and_the_api_describe_one_cluster_alike(tmp_path, gap):
+    """One default gap: ``simulate --alpha-us 5`` is ``Network(alpha_us=5)``, ``--gap-us`` is ``gap_us``
+    (a 1 KB double tree at 1,024 ranks is where the port's hold shows: 2.13x the tree at all of α)."""
+    from lab.__main__ import main
+    import pandas as pd
+
+    main(["simulate", "--world-sizes", "1024", "--sizes", "1KB", "--gbit", "100", "--alpha-us", "5", *gap,
+          "--out", str(tmp_path), "--measured", ""])
+    frame = pd.read_csv(tmp_path / "sim.csv").set_index("algorithm")
+    net = sim.Network(alpha_us=5.0, gbit=100.0, gap_us=float(gap[1]) if gap else None)
+    for algorithm in ("double_tree", "tree"):
+        api = sim.simulate("allreduce", algorithm, 1024, 1 << 10, net).time_us
+        assert frame.at[algorithm, "time_us"] == pytest.approx(api, rel=1e-5)
+
+
 def test_max_steps_skips_a_case_instead_of_recording_it():
     with pytest.raises(sim.SimulationTooLarge, match="max_steps=100"):
         sim.simulate("allreduce", "ring", 64, 4096, NET, max_steps=100)

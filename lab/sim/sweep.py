@@ -1,7 +1,7 @@
 """``python -m lab simulate``: every algorithm at every (N, size) on a network you describe, into ``results/sim/``.
 
     python -m lab simulate --world-sizes 2 4 8 16 32 64 128 256 512 1024 --sizes 1KB..1GB \\
-        --gbit 100 --alpha-us 5                       # add --ranks-per-host 8 for hosts of 8
+        --gbit 100 --alpha-us 5 --gap-us 0.5          # add --ranks-per-host 8 for hosts of 8
 
 Writes into ``--out`` (default ``results/sim/``) ``sim.csv`` (one row per collective, algorithm, N and size), ``best.csv`` and
 ``best_<collective>.png`` (the fastest algorithm per N and size), ``crossover.csv`` and
@@ -28,10 +28,6 @@ from lab.sim.core import check_limits, simulate
 from lab.sim.network import Network
 from lab.sim.limits import DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_WORLD_SIZE, SimulationUnsupported
 from lab.sim.record import COLLECTIVES, algorithms
-
-#: ``--gap-us``'s default: a NIC takes a new message every 0.5 µs (2 million a second, well below
-#: what 100 Gbit/s NICs post), while α (5 µs by default) is mostly flight time.
-DEFAULT_GAP_US = 0.5
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -273,7 +269,7 @@ def label_float(nbytes: float) -> str:
 def main(args: argparse.Namespace) -> int:
     network = Network(alpha_us=args.alpha_us, gbit=args.gbit, ranks_per_host=args.ranks_per_host,
                       intra_alpha_us=args.intra_alpha_us, intra_gbit=args.intra_gbit,
-                      gap_us=min(DEFAULT_GAP_US, args.alpha_us) if args.gap_us is None else args.gap_us)
+                      gap_us=args.gap_us)
     table = algorithms()
     for collective in args.collectives:
         if collective not in table:
@@ -320,9 +316,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--gbit", type=float, default=100.0, help="link bandwidth, Gbit/s each way (default 100)")
     cmd.add_argument("--alpha-us", type=float, default=5.0, help="per-message latency, µs (default 5)")
     cmd.add_argument("--gap-us", type=float, default=None,
-                     help=f"the part of α a message holds its port for (LogP's g; default {DEFAULT_GAP_US:g}, a NIC "
-                          "taking a message every 0.5 µs, or α if smaller; the rest of α is flight time); equal to "
-                          "--alpha-us, a port is held for all of α")
+                     help="the part of α a message holds its port for (LogP's g; the rest of α is flight time; "
+                          "default: all of α, as lab.sim.Network's gap_us=None; 0.5: a NIC taking a message "
+                          "every 0.5 µs)")
     cmd.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing one host link (default 1)")
     cmd.add_argument("--intra-alpha-us", type=float, default=None, help="latency inside a host (default: --alpha-us)")
     cmd.add_argument("--intra-gbit", type=float, default=None, help="bandwidth inside a host (default: --gbit)")
