@@ -22,10 +22,25 @@ import time
 import pandas as pd
 
 
+def compile_plane() -> None:
+    """Numba's compilation of the compiled data plane, paid before the table and said out loud: a
+    machine's first run compiles for about a minute (once, into Numba's disk cache)."""
+    import lab
+    from lab.warmup import cache_is_cold, compile_all
+
+    if cache_is_cold():
+        print("Compiling the compiled data plane with Numba: about a minute on a machine's first run "
+              "(once, into Numba's disk cache; later runs load it in about 3 s) ...", flush=True)
+    started = time.monotonic()
+    lab.spawn(compile_all, 2, transport="shm")
+    print(f"Compiled data plane ready ({time.monotonic() - started:.1f} s).\n", flush=True)
+
+
 def validate(args: argparse.Namespace) -> int:
     from lab.validate import byte_table, validation_table
 
     started = time.monotonic()
+    compile_plane()
     table = validation_table(args.transports, args.world_sizes, args.elements, args.seed)
     pd.set_option("display.width", 200)
     print("Validation: lab vs torch.distributed (gloo), random inputs, same ranks\n")

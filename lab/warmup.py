@@ -12,9 +12,13 @@ Per rank, N=2::
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numba
 import numpy as np
 import torch
 
+import kernels
 from lab import collectives
 from lab.collectives import registry
 from lab.mesh import Mesh
@@ -36,6 +40,13 @@ def compile_all(mesh: Mesh) -> int:
     before = mesh.stats()["collectives_compiled"]
     _run_each_compilable(mesh)
     return mesh.stats()["collectives_compiled"] - before
+
+
+def cache_is_cold() -> bool:
+    """Whether Numba's disk cache holds none of the compiled data plane (a machine's first run:
+    ``NUMBA_CACHE_DIR``, else ``kernels/__pycache__``)."""
+    root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(kernels.__file__).parent / "__pycache__"
+    return not any(root.rglob("mailbox.*.nbi"))
 
 
 def _run_each_compilable(mesh: Mesh) -> None:

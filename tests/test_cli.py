@@ -26,3 +26,20 @@ def test_validation_table_is_green():
 def test_bad_option_is_refused():
     done = run_lab("validate", "--transports", "pigeon")
     assert done.returncode == 2 and "invalid choice" in done.stderr
+
+
+def test_a_first_run_says_it_compiles_and_a_later_one_does_not(tmp_path, monkeypatch):
+    """The cache test behind ``python -m lab``'s first line: an empty Numba cache is a first run
+    (a minute of compiling, announced), one holding the mailboxes' index is not; and every run's
+    first line says how long the compiled plane took."""
+    import numba
+
+    from lab.warmup import cache_is_cold
+
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
+    assert cache_is_cold()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "mailbox._exchange-833.py311.nbi").write_bytes(b"")
+    assert not cache_is_cold()
+    done = run_lab("--world-sizes", "2", "--transports", "queue")
+    assert done.returncode == 0 and "Compiled data plane ready (" in done.stdout.splitlines()[0]
