@@ -30,7 +30,15 @@ def nothing_left_behind():
     assert not leaked, f"/dev/shm segments left behind: {sorted(leaked)}"
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
+def _compiled_before_ranks(request):
+    """The compiled plane's warm-up, once, before the first test of a module that starts ranks
+    (a module marked ``no_ranks`` starts none and never pays for it)."""
+    if request.node.get_closest_marker("no_ranks") is None:
+        request.getfixturevalue("compiled_plane_warm")
+
+
+@pytest.fixture(scope="session")
 def compiled_plane_warm():
     """Compile the compiled data plane once (two ranks), before any test's pool: on a clean clone
     Numba's disk cache is empty, and every rank of every pool would compile it at once."""

@@ -55,6 +55,7 @@ def results(tmp_path_factory) -> dict[int, list[dict[str, str]]]:
     return outcomes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("name", list(backend_job.CHECKS))
 def test_every_operation_on_every_rank(results, n, name):
@@ -135,6 +136,7 @@ def run_ranks(n: int, how: str, init: str | None = None) -> list[str]:
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("init", ["tcp", "file"])
 def test_init_methods(init, tmp_path):
     method = f"tcp://127.0.0.1:{free_port()}" if init == "tcp" else f"file://{tmp_path / 'store'}"
@@ -149,6 +151,7 @@ def test_a_mismatch_ends_every_rank_s_call_with_the_lab_s_error():
     assert all("flight recorder" in o for o in outputs), outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "ddp-killed"])
 def test_a_dead_peer_ends_every_surviving_call(how):
     outputs = run_ranks(3, how)
@@ -158,6 +161,7 @@ def test_a_dead_peer_ends_every_surviving_call(how):
         assert float(output.split(" after ")[1].split(" s")[0]) < 60, output  # not a hang (the deadline is 2 s)
 
 
+@pytest.mark.slow
 def test_a_silent_peer_ends_every_surviving_call_within_the_timeout():
     outputs = run_ranks(3, "silent")
     for output in outputs[:2]:
@@ -173,6 +177,7 @@ def test_a_silent_peer_ends_every_surviving_call_within_the_timeout():
 TORCH_SUITE_SUBSET = ["test_all_reduce_sum", "test_DistributedDataParallelCPU"]
 
 
+@pytest.mark.slow
 def test_torch_s_own_distributed_tests_pass_on_the_lab():
     """torch's DistributedTest cases, unmodified, at WORLD_SIZE=3 against BACKEND=lab: each must
     run and pass (a skip would hide that it no longer runs here)."""

@@ -8,6 +8,8 @@ import pytest
 
 from lab.chunking import row_bounds, split_bounds
 
+pytestmark = pytest.mark.no_ranks
+
 
 def _array_split_bounds(length: int, parts: int) -> list[tuple[int, int]]:
     """Bounds of numpy.array_split's pieces, read off the pieces of an arange."""

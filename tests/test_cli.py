@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from lab.validate import DTYPES, byte_algorithms, cases
 
 
@@ -14,6 +16,7 @@ def run_lab(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lab", *args], capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_validation_table_is_green():
     done = run_lab("--world-sizes", "2", "3", "--transports", "shm", "queue")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -28,6 +31,7 @@ def test_bad_option_is_refused():
     assert done.returncode == 2 and "invalid choice" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_first_run_says_it_compiles_and_a_later_one_does_not(tmp_path, monkeypatch):
     """The cache test behind ``python -m lab``'s first line: an empty Numba cache is a first run
     (a minute of compiling, announced), one holding the mailboxes' index is not; and every run's

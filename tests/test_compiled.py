@@ -277,6 +277,7 @@ def compiled_env(monkeypatch):
     monkeypatch.setenv("LAB_COMPILED_MAX_BYTES", str(MAX_BYTES))  # ranks take the caller's environment
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["size", "op", "op, each from its lane", "collective", "across the threshold"])
 def test_a_rank_in_another_collective_is_a_mismatch_naming_it(compiled_env, what):
     outputs = lab.spawn(mismatched, 3, args=(what,), recv_timeout_ms=3000)
@@ -352,6 +353,7 @@ def names_the_other_side(rank: int, message: str) -> bool:
     return "rank 1" in text if rank != 1 else "rank " in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["stopped", "killed", "mismatched"])
 @pytest.mark.parametrize("collective", list(registry.ALGORITHMS))
 def test_each_compiled_collective_names_a_stopped_dead_or_mismatched_rank(compiled_env, collective, how, tmp_path):
@@ -380,6 +382,7 @@ def test_each_compiled_collective_names_a_stopped_dead_or_mismatched_rank(compil
 POLICIES = {"default": None, "spin only": ("1000000000000", "0"), "block at once": ("0", "0")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("how", "policy"), [("stopped", "default"), ("killed", "default"),
                                              ("stopped", "spin only"), ("killed", "block at once")])
 def test_a_silent_or_dead_peer_inside_a_compiled_collective_is_named(compiled_env, monkeypatch, how, policy,

@@ -8,6 +8,8 @@ import pytest
 
 from lab.results import data_plane
 
+pytestmark = pytest.mark.no_ranks
+
 
 def synthetic(times: dict[tuple[int, int, str], float]) -> pd.DataFrame:
     rows = [{"world": world, "bytes": nbytes, "impl": impl, "median_us": us, "floor_us": nbytes / 1e4,

@@ -149,6 +149,7 @@ def slow_stream_allreduce(mesh: lab.Mesh, segments: int, pause_s: float) -> tupl
     return bool(torch.all(x == 3.0)), took
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_peer_streaming_a_large_tensor_is_busy_not_silent(transport):
     """A transfer that lasts several deadlines completes, because the peer is never silent for
@@ -194,6 +195,7 @@ def test_a_child_forked_inside_fn_cannot_answer_for_the_rank(cluster):
 # -- 8. a rank failing during start-up -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_rank_failing_at_start_ends_the_pool_within_the_grace():
     """Rank 1 dies while the others wait for it in the tcp handshake: spawn fails once the
     failure grace is over, not at the 60 s connection timeout (ranks start with spawn here; the
@@ -208,6 +210,7 @@ def test_a_rank_failing_at_start_ends_the_pool_within_the_grace():
 # -- 9. the forkserver stopped or killed, and LAB_START_METHOD -------------------------------------
 
 
+@pytest.mark.slow
 def test_a_stopped_or_killed_forkserver_is_named():
     done = subprocess.run([sys.executable, str(SCRIPTS / "forkserver_faults.py")], capture_output=True, text=True,
                           timeout=180, env=child_env())

@@ -172,6 +172,7 @@ def check_results(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
+@pytest.mark.slow
 def test_results_bits_and_bytes_on_the_smallest_buffers(smallest_buffers):
     failures = [f for per_rank in smallest_buffers.run(check_results) for f in per_rank]
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:20])

@@ -12,6 +12,8 @@ from lab.plane import DEFAULT_MAX_BYTES, DEFAULT_YIELD_LIMIT, max_bytes_from_env
 from lab.transport import peer_memory
 from lab.transport.shm import DEFAULT_SPIN, _spin_from_env
 
+pytestmark = pytest.mark.no_ranks
+
 #: Each variable, the function that reads it, and what it reads where unset.
 READERS = {
     "LAB_COMPILED_SPIN": (lambda: waiting_policy_from_env(1)[0], None),

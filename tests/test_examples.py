@@ -8,6 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# Slow, the whole module: each example run as a user runs it, DDP and FSDP2 among them.
+pytestmark = pytest.mark.slow
+
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

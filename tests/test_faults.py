@@ -31,6 +31,9 @@ from conftest import shm_entries, sigint_as_ctrl_c
 import lab
 import lab.transport.shm
 
+# Slow, the whole module: killed, stopped and interrupted ranks, a soak.
+pytestmark = pytest.mark.slow
+
 DEADLINE_MS = 1500  # the deadline of the stall cases: peers give up on a stalled rank after it
 DEATH_DEADLINE_MS = 30_000  # the death cases: a death reported before this did not wait for a deadline
 EXIT_GUARD_S = 120  # an interrupted parent must exit: far past its grace periods, only a hang fails it

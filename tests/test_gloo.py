@@ -120,8 +120,8 @@ def large_allreduce(mesh: lab.Mesh, count: int) -> tuple[list[str], list[str]]:
     return failures, digests
 
 
-@pytest.fixture(scope="module", params=[(t, n) for t in ("shm", "queue", "tcp") for n in (1, 2, 3, 4, 7)],
-                ids=lambda p: f"{p[0]}-N{p[1]}")
+@pytest.fixture(scope="module", params=[pytest.param((t, n), id=f"{t}-N{n}", marks=[pytest.mark.slow] if n == 7 else [])
+                                        for t in ("shm", "queue", "tcp") for n in (1, 2, 3, 4, 7)])
 def cluster(request):
     transport, world_size = request.param
     with pool(world_size, transport) as c:

@@ -271,6 +271,7 @@ def hosts_cluster(request):
         yield c
 
 
+@pytest.mark.slow
 def test_the_collective_matrix_across_hosts_with_auto(hosts_cluster):
     """The wire set of tests/test_collectives.py (every collective, algorithm, count, root and
     shape; each element width): "auto" routes each message to shm or tcp by its peer's host and
@@ -336,6 +337,7 @@ def test_sub_meshes_know_their_hosts_and_reduce_across_them(hosts_cluster):
 TORCHRUN_SCRIPT = Path(__file__).parent / "scripts" / "torchrun_groups.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nodes, per_node", [(2, 2), (1, 3)], ids=["2-nodes-x2", "1-node-x3"])
 def test_torchrun_nodes_with_auto_transport(nodes, per_node):
     """Two torchrun processes with --nnodes 2 (a node each) as two machines would run them: shm

@@ -33,6 +33,9 @@ from test_faults import (DEADLINE_MS, DEATH_DEADLINE_MS, EXIT_GUARD_S,
                          assert_death_reported_without_a_deadline, assert_stall_ended_by_the_pool, faulty_job)
 from test_gloo import assert_matches_and_identical, compare_with_gloo, large_allreduce
 
+# Slow, the whole module: emulated hosts (namespaces, capped links).
+pytestmark = pytest.mark.slow
+
 SCRIPTS = Path(__file__).parent / "scripts"
 
 

@@ -27,6 +27,8 @@ from kernels.reduce import (
 )
 from lab.ops import DTYPES, REDUCE_DTYPES, ReduceOp, Reduction, check_reduces, dtype_of, parse_op, reduction
 
+pytestmark = pytest.mark.no_ranks
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPS = ("sum", "prod", "min", "max")
 BITWISE = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}

@@ -43,6 +43,9 @@ from lab.rendezvous import (
 )
 from lab.transport.mixed import HELLO_TIMEOUT_S, connect_hand_out
 
+# Slow, the whole module: jobs launched as torchrun does, one process per rank.
+pytestmark = pytest.mark.slow
+
 SCRIPTS = Path(__file__).parent / "scripts"
 RANK = SCRIPTS / "launcher_rank.py"
 STRANGER = SCRIPTS / "launcher_shm_stranger.py"

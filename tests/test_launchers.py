@@ -350,6 +350,7 @@ def test_mpiexec_job(transport):
     assert len({line.split("port ")[1] for line in oks}) == 1, oks  # every rank derived the same port
 
 
+@pytest.mark.slow
 def test_faked_srun_job_on_two_nodes():
     """Three processes with Slurm's variables as srun sets them for ``-N 2 -n 3`` (2 tasks on the
     first node, 1 on the second): the store's host is the first host of SLURM_STEP_NODELIST, the

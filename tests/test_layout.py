@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.no_ranks
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lab"
 MAX_MODULE_LINES = 450

@@ -246,6 +246,7 @@ def compiled():
 # --- the primitives -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_primitives():
     words64 = np.zeros(4, np.int64)
     words32 = words64.view(np.int32)

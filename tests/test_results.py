@@ -14,6 +14,8 @@ from lab.collectives import registry
 from lab.report import splice, with_spliced
 from lab.results.sweeps import least_of_rounds, sweep
 
+pytestmark = pytest.mark.no_ranks
+
 
 def test_each_case_keeps_its_least_round_with_that_rounds_spread():
     case = ["collective", "algorithm", "bytes"]

@@ -13,6 +13,8 @@ import pytest
 from lab import sim
 from lab.sim.network import MAX_RANKS_PER_HOST
 
+pytestmark = pytest.mark.no_ranks
+
 #: The hand calculation's network: 4,000-byte chunks cost 20 + 3.2 µs on the wire.
 CPU = {"alpha_us": 20.0, "gbit": 10.0, "send_overhead_us": 5.0, "recv_overhead_us": 7.0, "copy_us_per_byte": 0.001,
            "gamma_us_per_byte": 0.002}
@@ -208,6 +210,7 @@ def _measured_from_model(directory, network: sim.Network) -> None:
                                                         "last_level_cache_bytes": str(network.cache_bytes)}))
 
 
+@pytest.mark.slow
 def test_calibration_recovers_known_parameters_from_synthetic_measurements(tmp_path):
     from lab.sim.calibrate import PARAMETERS, calibrate
     from lab.sim.validation import best_agreement
@@ -246,6 +249,7 @@ def test_interpolated_reads_a_validation_case_off_its_calibrated_neighbours():
     assert read[["world", "bytes", "read_us"]].values.tolist() == [[4, 1 << 20, 600.0], [6, 1 << 20, 650.0]]
 
 
+@pytest.mark.slow
 def test_repeatability_compares_the_cases_measured_again_with_their_first_measurement(tmp_path):
     """A second run under repeat/ where 1 KB cases took 3x as long and the rest 1.2x or 1.3x: from
     64 KB up those within 25 % are the 1.2x ones, and within 2x are all but the 1 KB ones."""

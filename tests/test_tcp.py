@@ -18,6 +18,7 @@ from conftest import child_env, free_port
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_job.py"
 
 
+@pytest.mark.slow
 def test_torchrun_three_local_processes():
     """Mesh.from_env() under torchrun: every collective matches gloo on every rank."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
@@ -339,6 +340,7 @@ def test_a_frame_without_the_right_mac_is_refused(forgery):
     played.sock.close()
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(magic=st.sampled_from([MAGIC, b"LABX", b"\0\0\0\0"]), version=st.sampled_from([VERSION, 0, 1, 255]),
        kind=st.sampled_from([1, 0, 7]), length=st.sampled_from([16, 15, 0, 1 << 40, 2**64 - 1]),
@@ -395,6 +397,7 @@ def test_a_frame_of_another_mesh_waits_aside_until_its_receive():
     played.sock.close()
 
 
+@pytest.mark.slow
 def test_parking_beyond_the_per_peer_bound_is_a_clear_error(monkeypatch):
     """A peer (the real one: its headers are authentic) that sends more of another mesh's traffic
     ahead than one peer may park gets a LabError naming the bound, raised before the frame is
@@ -650,6 +653,7 @@ def tx_bytes(namespace: str, device: str) -> int:
     return int(run("ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{device}/statistics/tx_bytes").stdout)
 
 
+@pytest.mark.slow
 def test_two_ranks_in_two_network_namespaces(two_hosts):
     """Rank 0 and rank 1 each in its own namespace: the collectives cross a real interface."""
     master = two_hosts[0][2]
@@ -677,6 +681,7 @@ STORM = Path(__file__).parent / "scripts" / "tcp_storm.py"
 JOB = Path(__file__).parent / "scripts" / "tcp_job.py"
 
 
+@pytest.mark.slow
 def test_a_connection_storm_does_not_stop_the_job():
     """An attacker reads rank 0's listener address from the unauthenticated store and keeps 200
     idle and 8 trickling connections open to it (reopening each one closed); ranks 1 and 2 connect

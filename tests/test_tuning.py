@@ -14,6 +14,8 @@ from lab.benchmark import ALGORITHMS
 from lab.collectives import choose, forced_algorithm, registry
 from lab.results import fit_alpha_beta, models, tuning_from
 
+pytestmark = pytest.mark.no_ranks
+
 
 def test_the_fit_recovers_a_known_line():
     sizes = np.array([1 << k for k in range(10, 25, 2)], dtype=float)
