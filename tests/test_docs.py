@@ -10,6 +10,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.no_ranks
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The packages whose every module docs/layout.md gives a line.
