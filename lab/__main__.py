@@ -63,9 +63,9 @@ def results(args: argparse.Namespace) -> int:
 
     sizes = [1 << 10, 1 << 20, 16 << 20] if args.quick else SIZES
     if args.calibrate_only:  # refit the simulator's networks from OUT's CSVs, measure nothing
-        from lab.tuning import TUNING_PATH, store_fits
+        from lab.tuning import TUNING_PATH
 
-        table = store_fits(args.out)
+        table = results_module.store_fits(args.out)
         print(f"Wrote the networks of {', '.join(table['networks']) or 'no transport'} and the models at N = "
               f"{', '.join(map(str, table['worlds']))} (fitted to {args.out}/) to {TUNING_PATH}")
         return 0

@@ -13,9 +13,10 @@ main sweep's ``models`` and ``models_by_world``, from ``results/ranks/N``). Ther
 measured medians: between two measured sizes the straight line through them (an α and a β per
 interval, so a measured size predicts what was measured there), below the smallest that size's
 time, above the largest the fitted per-byte term on top. At a world size never swept, or for a
-transport or collective with fewer than two fits, it asks the simulator (:mod:`lab.sim`): every
-candidate replayed on the transport's network as :mod:`lab.sim.calibrate` fitted it (``tuning.json``'s
-``networks``), the least simulated time wins. That choice is made once per (collective, transport,
+transport or collective with fewer than two fits, it asks the registered advisors
+(:func:`register_advisor`; this module imports nothing above it): :mod:`lab.sim` registers the
+simulator, which replays every candidate on the transport's network as :mod:`lab.sim.calibrate`
+fitted it (``tuning.json``'s ``networks``), the least simulated time winning. That choice is made once per (collective, transport,
 N, power-of-two size bucket), simulated at the bucket's smallest size, so a steady-state call costs
 a dictionary look-up. With neither fits nor a network it falls back to a fixed size threshold,
 ``AUTO_LARGE_MIN_BYTES``, between a latency-bound and a bandwidth-bound algorithm (the registry's
@@ -31,6 +32,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,15 +42,23 @@ TUNING_PATH = Path(__file__).with_name("tuning.json")
 
 #: Without fitted models, ``auto`` picks the bandwidth-bound algorithm from this many bytes up.
 AUTO_LARGE_MIN_BYTES = 256 * 1024
-#: ``auto``'s simulations stop at this many recorded steps (a 64-rank ring allreduce is 8,064):
-#: a candidate past it is left out of the comparison, a decision made on step counts only, so
-#: every rank of a job leaves out the same ones (a time limit could differ between ranks).
-SIMULATION_MAX_STEPS = 200_000
 #: The transports ``python -m lab results`` measures, each with its fitted models and network.
 TRANSPORTS = ("shm", "queue", "tcp")
-#: The simulator's choices: (collective, transport, N, size bucket, network) -> algorithm.
+#: Who predicts the candidates' times where no fitted model decides, by name (the way NCCL's tuner
+#: plugins plug in): ``advisor(collective, nbytes, world_size, network)`` -> ``(predictions, left
+#: out with why)``, or None where it cannot use ``network`` (``tuning.json``'s keyword arguments
+#: for the transport). :mod:`lab.sim` registers ``"simulator"`` when it is imported; this module
+#: knows nothing above it.
+ADVISORS: dict[str, Callable[[str, int, int, dict], tuple[dict, dict] | None]] = {}
+#: The advisors' choices: (collective, transport, N, size bucket, network) -> algorithm.
 _SIMULATED: dict[tuple, str] = {}
 _MAX_SIMULATED = 4096
+
+
+def register_advisor(name: str, advisor: Callable[[str, int, int, dict], tuple[dict, dict] | None]) -> None:
+    """Let ``advisor`` predict where no fitted model decides (:data:`ADVISORS`); ``name`` is the
+    :class:`Choice`'s ``source`` when it decides. Registering a name again replaces it."""
+    ADVISORS[name] = advisor
 
 
 def algorithm_shape(algorithm: str, world_size: int, collective: str = "allreduce") -> tuple[float, float]:
@@ -168,36 +178,6 @@ def choose_across_hosts(nbytes: int, world_size: int, hosts: int, intra: str = "
     return "hierarchical" if hierarchical < flat_us else flat
 
 
-def networks_from(results_dir: str | Path) -> dict[str, dict]:
-    """``{transport: Network keyword arguments}`` fitted by :func:`lab.sim.calibrate.calibrate` to
-    the measured CSVs in ``results_dir`` (the transports' settings; emulated hosts are left out):
-    what ``python -m lab results`` stores as ``tuning.json``'s ``networks``. Every field of
-    ``Network`` is kept, so parameters the calibration learns to fit travel with it."""
-    import dataclasses
-
-    from lab.sim.calibrate import calibrate
-
-    fits, _ = calibrate(Path(results_dir))
-    return {setting: dataclasses.asdict(fit.network) for setting, fit in fits.items() if setting in TRANSPORTS}
-
-
-def store_fits(results_dir: str | Path) -> dict:
-    """Refit into ``tuning.json``, from the measured CSVs in ``results_dir`` and its
-    ``ranks/N/``, the simulator's networks (:func:`networks_from`) and the models of every world
-    size measured there (``models_by_world``, ``worlds``), keeping the main sweep's models
-    (``python -m lab results --calibrate-only``); returns what it wrote."""
-    from lab.results import models_by_world
-
-    table = tuning_table()
-    by_world = {str(n): fits for n, fits in models_by_world(Path(results_dir)).items() if n != table.get("world")}
-    worlds = sorted({*map(int, by_world), *([table["world"]] if "world" in table else [])})
-    table = {**table, "worlds": worlds, "models_by_world": by_world, "networks": networks_from(results_dir)}
-    TUNING_PATH.write_text(json.dumps(table, indent=2) + "\n")
-    tuning_table.cache_clear()
-    fitted_models.cache_clear()
-    return table
-
-
 @dataclass(frozen=True)
 class Prediction:
     """One algorithm's predicted time, split into its α-β terms.
@@ -254,53 +234,6 @@ def size_bucket(nbytes: int) -> int:
     return 1 << (nbytes.bit_length() - 1) if nbytes > 0 else 0
 
 
-def _simulated_input(collective: str, nbytes: int, world_size: int) -> int:
-    """Each rank's input for the simulator (float32 elements, so a multiple of 4) for a call
-    whose size is ``nbytes`` as ``auto`` counts it (allgather's and gather's: the result)."""
-    per_rank = nbytes // world_size if collective in ("allgather", "gather") else nbytes
-    return per_rank - per_rank % 4
-
-
-def simulated_predictions(nbytes: int, world_size: int, collective: str, network: dict
-                          ) -> tuple[dict[str, Prediction], dict[str, str]]:
-    """Each ``auto`` candidate simulated on ``Network(**network)``, and those left out with why
-    (the recorder cannot run it, or it records more than :data:`SIMULATION_MAX_STEPS` steps)."""
-    from lab.sim import Network, SimulationTooLarge, SimulationUnsupported, simulate
-
-    net = Network(**network)
-    sim_bytes = _simulated_input(collective, nbytes, world_size)
-    out, left_out = {}, {}
-    for algorithm in registry.auto_candidates(collective):
-        try:
-            result = simulate(collective, algorithm, world_size, sim_bytes, net,
-                              max_steps=SIMULATION_MAX_STEPS, max_seconds=None)
-        except SimulationTooLarge:
-            left_out[algorithm] = f"records more than {SIMULATION_MAX_STEPS:,} steps"
-            continue
-        except SimulationUnsupported as exc:
-            left_out[algorithm] = f"not simulated: {exc}"
-            continue
-        steps = len(result.critical_path)
-        path_bytes = sum(m.nbytes for m in result.critical_path)
-        out[algorithm] = Prediction(algorithm, result.time_us, "simulator", steps, path_bytes,
-                                    steps * net.alpha_us, path_bytes * net.beta_us_per_byte)
-    return out, left_out
-
-
-def _usable_network(networks: dict, transport: str) -> dict | None:
-    """The transport's calibrated Network keyword arguments, if ``Network`` accepts them."""
-    from lab.sim import Network
-
-    network = networks.get(transport)
-    if not isinstance(network, dict):
-        return None
-    try:
-        Network(**network)
-    except (TypeError, ValueError):  # written by another version of the lab: not this Network's
-        return None
-    return network
-
-
 def _tables(world_size: int, models: dict | None, networks: dict | None, worlds: tuple[int, ...] | None
             ) -> tuple[dict, dict, tuple[int, ...] | None]:
     """:func:`decide`'s models, networks and worlds: those passed in, else ``tuning.json``'s (the
@@ -331,13 +264,15 @@ def decide(nbytes: int, world_size: int, transport: str, collective: str = "allr
     fitted = _fitted_predictions(nbytes, world_size, transport, collective, models)
     if len(fitted) >= 2 and (worlds is None or world_size in worlds):
         return Choice(min(fitted, key=lambda a: fitted[a].time_us), "fitted model", nbytes, fitted, {}, None)
-    network = _usable_network(networks, transport)
-    if network is not None:
+    network = networks.get(transport)
+    if isinstance(network, dict):
         bucket = size_bucket(nbytes)
-        simulated, left_out = simulated_predictions(bucket, world_size, collective, network)
-        if simulated:
-            return Choice(min(simulated, key=lambda a: simulated[a].time_us), "simulator", bucket, simulated,
-                          left_out, network)
+        for source, advisor in ADVISORS.items():
+            advised = advisor(collective, bucket, world_size, network)
+            if advised is not None and advised[0]:
+                predicted, left_out = advised
+                return Choice(min(predicted, key=lambda a: predicted[a].time_us), source, bucket, predicted,
+                              left_out, network)
     if len(fitted) >= 2:
         return Choice(min(fitted, key=lambda a: fitted[a].time_us), "fitted model", nbytes, fitted, {}, None)
     small, large = registry.fallback(collective)
@@ -360,7 +295,7 @@ def choose(nbytes: int, world_size: int, transport: str, collective: str = "allr
     if chosen is not None:
         return chosen
     choice = decide(nbytes, world_size, transport, collective, models, networks, worlds)
-    if choice.source == "simulator":  # the same for the whole bucket (the others depend on nbytes)
+    if choice.source in ADVISORS:  # the same for the whole bucket (the others depend on nbytes)
         if len(_SIMULATED) >= _MAX_SIMULATED:
             _SIMULATED.clear()
         _SIMULATED[key] = choice.algorithm

@@ -64,7 +64,7 @@ def test_a_size_bucket_is_simulated_once(simulator_only, monkeypatch):
 
     def no_more(*args):
         raise AssertionError("simulated again")
-    monkeypatch.setattr(tuning, "simulated_predictions", no_more)
+    monkeypatch.setitem(tuning.ADVISORS, "simulator", no_more)
     assert tuning.choose(1 << 20, 8, "shm") == tuning.choose((2 << 20) - 4, 8, "shm") == first
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab import tuning
+from lab import results, tuning
 from lab.benchmark import ALGORITHMS
 from lab.collectives import choose, forced_algorithm, registry
 from lab.results import fit_alpha_beta, models, tuning_from
@@ -194,11 +194,11 @@ def test_calibrate_only_stores_the_models_of_every_measured_world_size(tmp_path,
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps({"world": 4, "worlds": [4], "models": main}))
     monkeypatch.setattr(tuning, "TUNING_PATH", path)
-    monkeypatch.setattr(tuning, "networks_from", lambda results_dir: {})  # the calibration has tests of its own
+    monkeypatch.setattr(results, "networks_from", lambda results_dir: {})  # the calibration has tests of its own
     tuning.tuning_table.cache_clear()
     tuning.fitted_models.cache_clear()
     try:
-        table = tuning.store_fits(tmp_path)
+        table = results.store_fits(tmp_path)
         assert table["worlds"] == [2, 4, 8] and set(table["models_by_world"]) == {"2", "8"}
         assert tuning.swept_worlds() == (2, 4, 8)
         assert tuning.measured_models(8)["queue"]["allreduce"]["ring"]["world"] == 8
@@ -209,3 +209,27 @@ def test_calibrate_only_stores_the_models_of_every_measured_world_size(tmp_path,
     finally:
         tuning.tuning_table.cache_clear()
         tuning.fitted_models.cache_clear()
+
+
+def test_auto_asks_the_registered_advisor_where_no_fit_decides(monkeypatch):
+    """lab.tuning knows no simulator: at a world size never measured it asks each registered
+    advisor in turn; one that cannot use the network (None) passes, the next decides, by name."""
+    asked = []
+
+    def cannot(collective, nbytes, world_size, network):
+        asked.append("cannot")
+        return None
+
+    def tree_wins(collective, nbytes, world_size, network):
+        asked.append((collective, nbytes, world_size, network["alpha_us"]))
+        return {a: tuning.Prediction(a, 1.0 if a == "tree" else 2.0, "mine", 1, 0.0, 1.0, 0.0)
+                for a in ("ring", "tree")}, {"naive": "not asked"}
+
+    monkeypatch.setattr(tuning, "ADVISORS", {})
+    tuning.register_advisor("cannot", cannot)
+    tuning.register_advisor("mine", tree_wins)
+    choice = tuning.decide(3 << 19, 8, "shm", models={}, networks={"shm": {"alpha_us": 7.0}}, worlds=(4,))
+    assert (choice.algorithm, choice.source, choice.nbytes) == ("tree", "mine", 1 << 20)
+    assert choice.left_out == {"naive": "not asked"} and asked == ["cannot", ("allreduce", 1 << 20, 8, 7.0)]
+    monkeypatch.setattr(tuning, "ADVISORS", {})
+    assert tuning.decide(3 << 19, 8, "shm", models={}, networks={"shm": {"alpha_us": 7.0}}).source == "size threshold"

@@ -13,17 +13,19 @@ names; ``lab/tuning.json`` (the fitted models ``algorithm="auto"`` uses) is refr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+from lab import tuning
 from lab.benchmark import SIZES
 from lab.report import with_spliced
 from lab.results import plots, report
 from lab.results.fits import fit_alpha_beta, models, tuning_from
 from lab.results.sweeps import ROUNDS, kernel_sweep, load, measure_all, save_machine, save_tables
-from lab.tuning import TUNING_PATH, networks_from
+from lab.sim.calibrate import calibrate
 
-__all__ = ["fit_alpha_beta", "kernel_sweep", "main", "models", "tuning_from"]
+__all__ = ["fit_alpha_beta", "kernel_sweep", "main", "models", "store_fits", "tuning_from"]
 
 
 def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | None = None,
@@ -43,11 +45,10 @@ def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | 
     plots.draw(out, run, model)
     (out / "REPORT.md").write_text(with_spliced(out / "REPORT.md", report.render(run, model)))
     if update_tuning:
-        fitted = {"generated": run.info, "world": world_size, "worlds": [world_size],
-                  "models": tuning_from(model, run.lab_cases),
-                  "networks": networks_from(out)}  # the simulator's, for auto at other world sizes
-        TUNING_PATH.write_text(json.dumps(fitted, indent=2) + "\n")
-    print(f"Wrote {out}/ (REPORT.md, CSVs, PNGs)" + (f" and {TUNING_PATH}" if update_tuning else ""))
+        write_tuning({"generated": run.info, "world": world_size, "worlds": [world_size],
+                      "models": tuning_from(model, run.lab_cases),
+                      "networks": networks_from(out)})  # the simulator's, for auto at other world sizes
+    print(f"Wrote {out}/ (REPORT.md, CSVs, PNGs)" + (f" and {tuning.TUNING_PATH}" if update_tuning else ""))
     return 0 if (run.check["result"] == "PASS").all() else 1
 
 
@@ -69,3 +70,33 @@ def models_by_world(results_dir: str | Path) -> dict[int, dict]:
         run = load(folder)
         by_world[run.world] = tuning_from(models(run.cases), run.lab_cases)
     return by_world
+
+
+def networks_from(results_dir: str | Path) -> dict[str, dict]:
+    """``{transport: Network keyword arguments}`` fitted by :func:`lab.sim.calibrate.calibrate` to
+    the measured CSVs in ``results_dir`` (the transports' settings; emulated hosts are left out):
+    ``tuning.json``'s ``networks``. Every field of ``Network`` is kept, so parameters the
+    calibration learns to fit travel with it."""
+    fits, _ = calibrate(Path(results_dir))
+    return {setting: dataclasses.asdict(fit.network) for setting, fit in fits.items()
+            if setting in tuning.TRANSPORTS}
+
+
+def store_fits(results_dir: str | Path) -> dict:
+    """Refit into ``tuning.json``, from the measured CSVs in ``results_dir`` and its
+    ``ranks/N/``, the simulator's networks (:func:`networks_from`) and the models of every world
+    size measured there (:func:`models_by_world`), keeping the main sweep's models (``python -m
+    lab results --calibrate-only``); returns what it wrote."""
+    table = tuning.tuning_table()
+    by_world = {str(n): fits for n, fits in models_by_world(Path(results_dir)).items() if n != table.get("world")}
+    worlds = sorted({*map(int, by_world), *([table["world"]] if "world" in table else [])})
+    table = {**table, "worlds": worlds, "models_by_world": by_world, "networks": networks_from(results_dir)}
+    write_tuning(table)
+    return table
+
+
+def write_tuning(table: dict) -> None:
+    """Write ``lab/tuning.json`` (the one place that does) and forget what was read of it before."""
+    tuning.TUNING_PATH.write_text(json.dumps(table, indent=2) + "\n")
+    tuning.tuning_table.cache_clear()
+    tuning.fitted_models.cache_clear()

@@ -16,12 +16,16 @@ results, :mod:`lab.sim.validation` scores the fit against them, and :mod:`lab.si
 ``python -m lab simulate``.
 """
 
+from lab import tuning
+from lab.sim.advisor import advise
 from lab.sim.core import SimResult, best_algorithm, estimate, predict, simulate
 from lab.sim.network import Network
 from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, Estimate, SimulationTooLarge,
                             SimulationUnsupported)
 from lab.sim.record import algorithms
 from lab.sim.replay import Message, ScheduleError
+
+tuning.register_advisor("simulator", advise)  # auto's advice at world sizes never measured
 
 __all__ = ["Network", "simulate", "best_algorithm", "predict", "estimate", "algorithms", "SimResult", "Message",
            "Estimate", "SimulationUnsupported", "SimulationTooLarge", "ScheduleError", "DEFAULT_MAX_STEPS",
