@@ -10,6 +10,7 @@
     outs = lab.spawn(step, world_size=4, args=(2.0,))         # one result per rank, rank order
 """
 
+from lab import compiled_sources  # noqa: F401  (first: compiled code is never older than its sources)
 from lab.collectives import (all_to_all, allgather, allreduce, barrier, broadcast, gather, reduce, reduce_scatter,
                              scatter)
 from lab.errors import (CollectiveMismatchError, DeadlineError, EmulationUnavailable, LabError, PeerLostError,
