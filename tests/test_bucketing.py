@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lab
-from conftest import pool
+from helpers import pool
 from lab.bucketing import allreduce_coalesced, plan_buckets
 
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env
+from helpers import child_env
 from kernels import cache
 from lab.compiled_sources import ROOT, SOURCES
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lab
-from conftest import pool
+from helpers import pool
 from lab.collectives import registry
 from lab.collectives.prepared import find_lane
 from lab.ops import REDUCE_DTYPES

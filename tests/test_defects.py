@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import lab
-from conftest import child_env, free_port, pool
+from helpers import child_env, free_port, pool
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

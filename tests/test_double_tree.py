@@ -13,7 +13,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from conftest import pool
+from helpers import pool
 
 import lab
 from lab.collectives.allreduce_double_tree import (

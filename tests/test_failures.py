@@ -12,7 +12,7 @@ import torch
 
 import lab
 import lab.lesson
-from conftest import pool
+from helpers import pool
 
 
 def raise_on_rank_two(mesh: lab.Mesh) -> None:

@@ -26,7 +26,9 @@ import time
 
 import pytest
 import torch
-from conftest import shm_entries, sigint_as_ctrl_c
+from helpers import (DEADLINE_MS, DEATH_DEADLINE_MS, EXIT_GUARD_S, assert_death_reported_without_a_deadline,
+                     assert_stall_ended_by_the_pool, faulty_job, inject, run_collective, shm_entries,
+                     sigint_as_ctrl_c)
 
 import lab
 import lab.transport.shm
@@ -34,10 +36,6 @@ import lab.transport.shm
 # Slow, the whole module: killed, stopped and interrupted ranks, a soak.
 pytestmark = pytest.mark.slow
 
-DEADLINE_MS = 1500  # the deadline of the stall cases: peers give up on a stalled rank after it
-DEATH_DEADLINE_MS = 30_000  # the death cases: a death reported before this did not wait for a deadline
-EXIT_GUARD_S = 120  # an interrupted parent must exit: far past its grace periods, only a hang fails it
-STALL_S = 20 * DEADLINE_MS / 1000  # a stalled rank sleeps this long, unless the pool ends it first
 COLLECTIVES = ["allreduce-ring", "allreduce-tree", "allreduce-naive", "broadcast", "allgather", "reduce_scatter"]
 
 
@@ -53,49 +51,6 @@ def python_path_only():
         del os.environ["LAB_COMPILED_MAX_BYTES"]
     else:
         os.environ["LAB_COMPILED_MAX_BYTES"] = saved
-
-
-def run_collective(mesh: lab.Mesh, which: str, numel: int) -> None:
-    x = torch.arange(numel, dtype=torch.float32) + mesh.rank
-    if which.startswith("allreduce"):
-        lab.allreduce(mesh, x, algorithm=which.split("-")[1])
-    elif which == "broadcast":
-        lab.broadcast(mesh, x, src=mesh.world_size - 1)
-    else:
-        getattr(lab, which)(mesh, x)
-
-
-def inject(mesh: lab.Mesh, victim: int, at_transfer: int, fault: str, stamp: str) -> None:
-    """Make rank ``victim`` die or stall at its ``at_transfer``-th transfer, after writing the
-    moment (``time.time()``) to the file ``stamp``."""
-    if mesh.rank != victim:
-        return
-    transport = mesh._transport
-    original = transport.exchange
-    count = 0
-
-    def faulty_exchange(*args, **kwargs):
-        nonlocal count
-        count += 1
-        if count == at_transfer:
-            with open(stamp, "w") as file:
-                file.write(repr(time.time()))
-            if fault == "sigkill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif fault == "exit":
-                os._exit(3)
-            else:  # stall far past everyone's deadline: the pool ends this rank long before it wakes
-                time.sleep(STALL_S)
-        return original(*args, **kwargs)
-
-    transport.exchange = faulty_exchange
-
-
-def faulty_job(mesh: lab.Mesh, which: str, numel: int, victim: int, at_transfer: int, fault: str,
-               stamp: str) -> None:
-    inject(mesh, victim, at_transfer, fault, stamp)
-    for _ in range(100):  # every rank transfers at least once per call: the fault always fires
-        run_collective(mesh, which, numel)
 
 
 def fault_case(seed: int) -> dict:
@@ -119,18 +74,6 @@ def run_faulty(job, case: dict, fault: str, stamp, **options) -> tuple[lab.RankE
                   args=(case["which"], case["numel"], case["victim"], case["at_transfer"], fault, str(stamp)))
     caught = time.time()
     return info.value, caught - float(stamp.read_text())
-
-
-def assert_death_reported_without_a_deadline(error: lab.RankError, since_fault: float, case) -> None:
-    """The peers learned of the death from the closed pipe/connection (no deadline fired)."""
-    assert "DeadlineError" not in error.others, (case, str(error))
-    assert since_fault < DEATH_DEADLINE_MS / 1000, f"{since_fault:.1f} s after the fault: {case}"
-
-
-def assert_stall_ended_by_the_pool(error: lab.RankError, since_fault: float, case) -> None:
-    """The peers' deadlines fired and the pool ended the stalled rank before it woke up."""
-    assert f"recv_timeout_ms={DEADLINE_MS}" in error.others, (case, str(error))
-    assert since_fault < STALL_S, f"{since_fault:.1f} s after the stall began: {case}"
 
 
 def no_rank_left() -> None:

@@ -19,12 +19,9 @@ import torch
 
 import lab
 import lab.sim as sim
-from conftest import pool
+from helpers import (assert_no_failures, check_all_to_all, check_allgather, check_allreduce, check_broadcast,
+                     check_reduce, check_reduce_scatter, child_env, free_port, pool, require_hosts)
 from lab.collectives import ALGORITHMS
-from test_collectives import (assert_no_failures, check_all_to_all, check_allgather, check_allreduce,
-                              check_broadcast, check_reduce, check_reduce_scatter)
-from test_hosts import require_hosts
-from conftest import child_env, free_port
 
 
 def inputs(count: int, global_rank: int) -> torch.Tensor:

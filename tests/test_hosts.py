@@ -8,7 +8,6 @@ no root and no unprivileged user namespaces); argument checks run everywhere.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -23,36 +22,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import sigint_as_ctrl_c
+from helpers import (DEADLINE_MS, DEATH_DEADLINE_MS, EXIT_GUARD_S, assert_death_reported_without_a_deadline,
+                     assert_matches_and_identical, assert_no_failures, assert_stall_ended_by_the_pool,
+                     check_allgather, check_allreduce, check_broadcast, check_other_inputs,
+                     check_reduce_scatter, compare_with_gloo, faulty_job, large_allreduce, require_hosts,
+                     sigint_as_ctrl_c)
 
 import lab
 from lab.hosts import Hosts
-from test_collectives import (assert_no_failures, check_allgather, check_allreduce, check_broadcast,
-                              check_other_inputs, check_reduce_scatter)
-from test_faults import (DEADLINE_MS, DEATH_DEADLINE_MS, EXIT_GUARD_S,
-                         assert_death_reported_without_a_deadline, assert_stall_ended_by_the_pool, faulty_job)
-from test_gloo import assert_matches_and_identical, compare_with_gloo, large_allreduce
 
 # Slow, the whole module: emulated hosts (namespaces, capped links).
 pytestmark = pytest.mark.slow
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-@functools.cache
-def unavailable() -> str | None:
-    """Why emulated hosts cannot be made here (None: they can)."""
-    try:
-        Hosts(1).close()
-    except lab.EmulationUnavailable as exc:
-        return str(exc)
-    return None
-
-
-def require_hosts() -> None:
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
 
 
 def run(*command: str) -> str:

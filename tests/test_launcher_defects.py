@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import child_env, free_port
+from helpers import child_env, free_port
 
 from lab.errors import DeadlineError, LabError
 from lab.rendezvous import (

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from helpers import child_env
 
 import lab
 from lab import launchers

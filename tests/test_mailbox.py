@@ -32,7 +32,7 @@ from typing import Self
 
 import numpy as np
 import pytest
-from conftest import child_env
+from helpers import child_env
 from numba import njit, typeof
 
 from kernels import mailbox

@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import pool
+from helpers import assert_no_failures, pool
 
 import lab
 from lab.ops import DTYPES, REDUCE_DTYPES
@@ -480,44 +480,39 @@ def cluster(request):
         pytest.skip(f"two emulated hosts: {exc}")
 
 
-def no_failures(outputs: list[list[str]]) -> None:
-    failures = [f for per_rank in outputs for f in per_rank]
-    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:25])
-
-
 def test_gather_scatter_every_algorithm_count_root_dtype(cluster):
-    no_failures(cluster.run(check_gather_scatter))
-    no_failures(cluster.run(check_compiled_path))
+    assert_no_failures(cluster.run(check_gather_scatter))
+    assert_no_failures(cluster.run(check_compiled_path))
 
 
 def test_gather_scatter_byte_counts(cluster):
     if cluster.transport != "shm":
         pytest.skip("the counters count what the algorithm sends, whatever the transport: shm's pools check them")
-    no_failures(cluster.run(check_byte_counts))
+    assert_no_failures(cluster.run(check_byte_counts))
 
 
 def test_uneven_all_to_all(cluster):
-    no_failures(cluster.run(check_uneven_all_to_all))
+    assert_no_failures(cluster.run(check_uneven_all_to_all))
 
 
 def test_recv_from_any_source_keeps_each_senders_order(cluster):
-    no_failures(cluster.run(check_any_source))
+    assert_no_failures(cluster.run(check_any_source))
 
 
 def test_point_to_point_tags(cluster):
-    no_failures(cluster.run(check_tags))
+    assert_no_failures(cluster.run(check_tags))
 
 
 def test_bad_arguments_raise_before_any_message(cluster):
-    no_failures(cluster.run(bad_arguments))
+    assert_no_failures(cluster.run(bad_arguments))
 
 
 def test_bitwise_ops(cluster):
-    no_failures(cluster.run(bitwise_ops))
+    assert_no_failures(cluster.run(bitwise_ops))
 
 
 def test_plans(cluster):
-    no_failures(cluster.run(plans))
+    assert_no_failures(cluster.run(plans))
 
 
 def test_mismatched_split_sizes_raise(cluster):
@@ -532,7 +527,7 @@ def test_mismatched_split_sizes_raise(cluster):
 @pytest.mark.parametrize("world_size", [3, 5])
 def test_against_gloo(world_size):
     with pool(world_size, "shm") as c:
-        no_failures(c.run(against_gloo))
+        assert_no_failures(c.run(against_gloo))
 
 
 def test_numpy_dtypes_map_to_their_own():

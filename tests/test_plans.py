@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lab
-from conftest import pool
+from helpers import pool
 
 TRANSPORTS = {"shm": 4, "queue": 3, "tcp": 2}
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lab
-from conftest import pool
+from helpers import pool
 from lab.collectives import registry
 
 STRIDE = 3

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import lab
-from conftest import pool
+from helpers import pool
 from lab.collectives import ALGORITHMS
 
 STRIDE = 3

@@ -20,7 +20,7 @@ import torch
 import lab
 import lab.collectives
 import lab.sim as sim
-from conftest import pool
+from helpers import pool
 from lab.sim.record import ROOTED, Schedule
 from lab.sim.replay import replay
 

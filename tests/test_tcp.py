@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import child_env, free_port
+from helpers import child_env, free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_job.py"
 

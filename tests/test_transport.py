@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lab
-from conftest import pool
+from helpers import pool
 from lab.errors import CollectiveMismatchError, DeadlineError
 from lab.transport import shm
 from lab.transport.base import CONTEXT_BYTES, Recv, Send, SharedFd, TagMismatch

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import pool
+from helpers import pool
 
 import lab
 from lab.ops import REDUCE_DTYPES
