@@ -1,0 +1,115 @@
+"""Workloads: a training job's communication, recorded once and replayed at any scale.
+
+    w = lab.workload.load("step.jsonl")                     # lab.workload.format: the file
+    r = lab.workload.replay(w, world_size=1024, network=lab.sim.Network(alpha_us=5, gbit=100))
+    r.step_us; r.compute_us; r.exposed_comm_us              # per recorded step
+    r.breakdown                                             # one row per operation
+    r.timeline("sim.json")                                  # the simulated step, for Perfetto
+
+Re-targeting (:mod:`lab.workload.retarget`) keeps an allreduce's or broadcast's per-rank bytes and
+a sharded group's model total; the replay (:mod:`lab.workload.replay`) runs each rank's compute
+and operations in order, each collective timed by the simulator running the lab's own algorithm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from lab import tuning
+from lab.collectives import registry
+from lab.sim.network import Network
+from lab.workload.format import Event, Workload, load
+from lab.workload.replay import Replay, ReplayResult
+from lab.workload.retarget import Layout
+
+__all__ = ["Event", "ReplayResult", "Workload", "load", "network_named", "replay"]
+
+
+def network_named(network: Any) -> Network:
+    """``network`` as a :class:`lab.sim.Network`: one, or the name of a transport whose network
+    the lab fitted (``tuning.json``'s ``networks``: shm, queue, tcp)."""
+    if isinstance(network, Network):
+        return network
+    fitted = tuning.calibrated_networks()
+    if isinstance(network, str) and isinstance(fitted.get(network), dict):
+        return Network(**fitted[network])
+    raise ValueError(
+        f"network must be a lab.sim.Network or one of {', '.join(sorted(fitted)) or 'no fitted name'} "
+        f"(lab/tuning.json); got {network!r}"
+    )
+
+
+def replay(
+    workload: Workload,
+    world_size: int | None = None,
+    network: Any = None,
+    *,
+    algorithms: dict[str, str] | None = None,
+    compute_scale: float = 1.0,
+    stragglers: dict[int, float] | None = None,
+    jitter: float = 0.0,
+    seed: int = 0,
+    dims: dict[str, int] | None = None,
+    shard: str = "strong",
+    timeline: bool = True,
+) -> ReplayResult:
+    """Replay ``workload``'s whole steps on ``world_size`` ranks (or the mesh ``dims``; default:
+    as recorded) over ``network`` (default: ``Network()``'s).
+
+    ``algorithms``: the algorithm per collective (``{"allreduce": "ring"}``; default: the least
+    simulated of ``auto``'s candidates). ``compute_scale`` multiplies every rank's recorded
+    compute; ``stragglers={rank: factor}`` multiplies one rank's more; ``jitter`` draws every
+    rank's factor from ``1 + jitter * |N(0, 1)|`` (``seed``). ``shard``: ``"strong"`` keeps a sharded
+    group's model total, ``"weak"`` its per-rank bytes (:mod:`lab.workload.retarget`).
+
+        r = lab.workload.replay(w, world_size=8, network=lab.sim.Network(alpha_us=5, gbit=100))
+        r.step_us           # array([...]): one value per recorded step
+    """
+    if not isinstance(workload, Workload):
+        raise TypeError(f"workload must be what lab.workload.load returns; got {type(workload).__name__}")
+    if workload.steps == 0:
+        raise ValueError(
+            f"{workload.path or 'the workload'} has no whole step: call lab.workload.mark_step() "
+            "after each optimizer.step() while recording"
+        )
+    layout = Layout.of(workload, world_size, dims, shard)
+    net = Network() if network is None else network_named(network)
+    algorithms = dict(algorithms or {})
+    for collective, name in algorithms.items():
+        if name not in registry_names(collective):
+            raise ValueError(
+                f"algorithms[{collective!r}] must be one of {', '.join(registry_names(collective))}; "
+                f"got {name!r}"
+            )
+    factors = _factors(layout.world_size, compute_scale, stragglers, jitter, seed)
+    run = Replay(workload, layout, net, algorithms, factors, timeline)
+    run.run()
+    return run.result()
+
+
+def registry_names(collective: str) -> tuple[str, ...]:
+    """The algorithms a replay can time ``collective`` with (``ValueError`` for an unknown collective)."""
+    if collective not in registry.ALGORITHMS:
+        raise ValueError(f"algorithms: {collective!r} is not a collective ({', '.join(registry.ALGORITHMS)})")
+    return tuple(registry.names(collective))
+
+
+def _factors(
+    world_size: int, compute_scale: float, stragglers: dict[int, float] | None, jitter: float, seed: int
+) -> np.ndarray:
+    """Each rank's compute factor."""
+    for name, value in (("compute_scale", compute_scale), ("jitter", jitter)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a finite number >= 0; got {value!r}")
+    factors = np.full(world_size, float(compute_scale))
+    if jitter:
+        factors *= 1 + jitter * np.abs(np.random.default_rng(seed).standard_normal(world_size))
+    for rank, factor in (stragglers or {}).items():
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"stragglers: {rank!r} is not a rank in [0, {world_size})")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor < float("inf"):
+            raise ValueError(f"stragglers[{rank}] must be a finite factor > 0; got {factor!r}")
+        factors[rank] *= factor
+    return factors

@@ -1,0 +1,251 @@
+"""A workload file: what a training job's ranks issued to the lab, one JSON object a line.
+
+Version 1. The first line describes the recording; every other line is one event of one rank, in
+the order that rank issued it::
+
+    {"format": "lab-workload", "version": 1, "world_size": 4, "dims": {"dp": 4}, "recorded": {...}}
+    {"rank": 0, "step": 0, "kind": "op", "index": 0, "op": "allreduce", "group": [0, 1, 2, 3],
+     "dim": "dp", "dtype": "float32", "count": 6553600, "out_count": 6553600, "reduce_op": "sum",
+     "root": null, "async": true, "compute_us": 812.5, "issued_us": 812.5, "completed_us": 4020.1}
+    {"rank": 0, "step": 0, "kind": "wait", "index": 0, "compute_us": 30.2}
+    {"rank": 0, "step": 0, "kind": "step", "compute_us": 95.0}
+
+- ``kind`` ``"op"``: a collective or point-to-point call. ``index`` numbers the rank's operations
+  from 0; ``group`` is the global ranks the call ran on (its mesh, or torch's process group);
+  ``dim`` the DeviceMesh dimension that made the group (null: none); ``count`` and ``out_count``
+  the elements of the input and of the output; ``reduce_op`` for reductions; ``root`` for rooted
+  collectives, ``peer`` (the global rank) and ``tag`` for ``send``/``recv``; ``split_sizes``
+  ``{"in": [...], "out": [...]}`` for an uneven all_to_all; ``async`` whether the call returned a
+  Work at once. ``issued_us``, ``waited_us`` and ``completed_us`` are measured on the rank's clock
+  from the start of the recording (informative; the replay does not read them).
+- ``kind`` ``"wait"``: the program waited on its operation ``index`` (``Work.wait()``).
+- ``kind`` ``"step"``: the end of a training step (``lab.workload.mark_step()``).
+- ``compute_us`` on every event: the rank's host time since its previous event that was not spent
+  inside the lab (the forward, backward and optimizer work between calls).
+
+:func:`load` reads and checks a file: a field missing or of the wrong kind, an unknown version or
+an event that names an operation the rank never issued is a ``ValueError`` naming the file, the
+line and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT, VERSION = "lab-workload", 1
+COLLECTIVES = (
+    "allreduce",
+    "broadcast",
+    "allgather",
+    "reduce_scatter",
+    "reduce",
+    "all_to_all",
+    "barrier",
+    "gather",
+    "scatter",
+)
+POINT_TO_POINT = ("send", "recv")
+KINDS = ("op", "wait", "step")
+DTYPE_BYTES = {
+    "float32": 4,
+    "float64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+@dataclass
+class Event:
+    """One line after the header: what rank ``rank`` did, and the compute before it."""
+
+    rank: int
+    step: int
+    kind: str
+    compute_us: float
+    index: int = -1  # the operation's (op) or the one waited on (wait)
+    op: str = ""
+    group: tuple[int, ...] = ()
+    dim: str | None = None
+    dtype: str = "float32"
+    count: int = 0
+    out_count: int = 0
+    reduce_op: str | None = None
+    root: int | None = None
+    peer: int | None = None
+    tag: int = 0
+    split_sizes: dict | None = None
+    is_async: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the input, as the simulator and nccl-tests count a collective's size."""
+        return self.count * DTYPE_BYTES[self.dtype]
+
+
+@dataclass
+class Workload:
+    """A loaded workload: the header's fields and each rank's events in issue order."""
+
+    world_size: int
+    dims: dict[str, int] | None
+    recorded: dict
+    events: dict[int, list[Event]] = field(default_factory=dict)
+    path: str = ""
+
+    @property
+    def steps(self) -> int:
+        """How many steps every rank marked (a rank's events after its last mark are left out)."""
+        return min((sum(e.kind == "step" for e in events) for events in self.events.values()), default=0)
+
+
+def _need(row: dict, name: str, kinds: type | tuple, where: str) -> Any:
+    value = row.get(name)
+    if not isinstance(value, kinds) or isinstance(value, bool) and kinds in (int, (int, float)):
+        raise ValueError(f"{where}: field {name!r} must be {_kind_name(kinds)}; got {value!r}")
+    return value
+
+
+def _kind_name(kinds: type | tuple) -> str:
+    if kinds == (int, float):
+        return "a number"
+    return {int: "an integer", str: "a string", list: "a list", dict: "an object", bool: "true or false"}[
+        kinds
+    ]
+
+
+def _count(row: dict, name: str, where: str) -> int:
+    value = _need(row, name, int, where)
+    if value < 0:
+        raise ValueError(f"{where}: field {name!r} must be an integer >= 0; got {value}")
+    return value
+
+
+def _non_negative(row: dict, name: str, where: str) -> float:
+    value = _need(row, name, (int, float), where)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: field {name!r} must be a finite number >= 0; got {value!r}")
+    return float(value)
+
+
+def _header(row: Any, where: str) -> tuple[int, dict | None, dict]:
+    if not isinstance(row, dict) or row.get("format") != FORMAT:
+        raise ValueError(f'{where}: not a lab workload (the first line must have "format": "{FORMAT}")')
+    version = row.get("version")
+    if version != VERSION:
+        raise ValueError(f"{where}: field 'version' is {version!r}; this lab reads version {VERSION}")
+    world_size = _need(row, "world_size", int, where)
+    if world_size < 1:
+        raise ValueError(f"{where}: field 'world_size' must be >= 1; got {world_size}")
+    dims = row.get("dims")
+    if dims is not None and (
+        not isinstance(dims, dict)
+        or not all(isinstance(v, int) and v >= 1 for v in dims.values())
+        or math.prod(dims.values()) != world_size
+    ):
+        raise ValueError(
+            f"{where}: field 'dims' must map names to sizes whose product is world_size "
+            f"({world_size}); got {dims!r}"
+        )
+    return world_size, dims, row.get("recorded") or {}
+
+
+def _event(row: Any, world_size: int, where: str) -> Event:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: an event must be a JSON object; got {type(row).__name__}")
+    rank = _need(row, "rank", int, where)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{where}: field 'rank' must be in [0, {world_size}); got {rank}")
+    kind = _need(row, "kind", str, where)
+    if kind not in KINDS:
+        raise ValueError(f"{where}: field 'kind' must be one of {', '.join(KINDS)}; got {kind!r}")
+    event = Event(rank, _need(row, "step", int, where), kind, _non_negative(row, "compute_us", where))
+    if kind == "step":
+        return event
+    event.index = _need(row, "index", int, where)
+    if kind == "wait":
+        return event
+    event.op = _need(row, "op", str, where)
+    if event.op not in COLLECTIVES + POINT_TO_POINT:
+        raise ValueError(
+            f"{where}: field 'op' must be one of {', '.join(COLLECTIVES + POINT_TO_POINT)}; got {event.op!r}"
+        )
+    group = _need(row, "group", list, where)
+    if (
+        not group
+        or len(set(group)) != len(group)
+        or not all(isinstance(g, int) and 0 <= g < world_size for g in group)
+        or rank not in group
+    ):
+        raise ValueError(
+            f"{where}: field 'group' must list distinct ranks in [0, {world_size}) that include "
+            f"rank {rank}; got {group!r}"
+        )
+    event.group = tuple(group)
+    event.dim = row.get("dim")
+    event.dtype = _need(row, "dtype", str, where)
+    if event.dtype not in DTYPE_BYTES:
+        raise ValueError(
+            f"{where}: field 'dtype' must be one of {', '.join(DTYPE_BYTES)}; got {event.dtype!r}"
+        )
+    event.count, event.out_count = _count(row, "count", where), _count(row, "out_count", where)
+    event.reduce_op, event.root, event.split_sizes = (
+        row.get("reduce_op"),
+        row.get("root"),
+        row.get("split_sizes"),
+    )
+    event.is_async = bool(_need(row, "async", bool, where))
+    if event.op in POINT_TO_POINT:
+        event.peer = _need(row, "peer", int, where)
+        event.tag = int(row.get("tag") or 0)
+        if not 0 <= event.peer < world_size or event.peer == rank:
+            raise ValueError(
+                f"{where}: field 'peer' must be another rank in [0, {world_size}); got {event.peer}"
+            )
+    elif event.root is not None and event.root not in event.group:
+        raise ValueError(f"{where}: field 'root' must be a member of the group; got {event.root!r}")
+    return event
+
+
+def load(path: str | Path) -> Workload:
+    """Read and check the workload at ``path`` (see the module's docstring for the format)."""
+    path = Path(path)
+    rows = []
+    with open(path) as file:
+        for number, line in enumerate(file, 1):
+            if line.strip():
+                try:
+                    rows.append((number, json.loads(line)))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+    if not rows:
+        raise ValueError(f"{path}: empty (a workload's first line is its header)")
+    world_size, dims, recorded = _header(rows[0][1], f"{path}:{rows[0][0]}")
+    workload = Workload(world_size, dims, recorded, {rank: [] for rank in range(world_size)}, str(path))
+    for number, row in rows[1:]:
+        event = _event(row, world_size, f"{path}:{number}")
+        events = workload.events[event.rank]
+        issued = sum(e.kind == "op" for e in events)
+        if event.kind == "op" and event.index != issued:
+            raise ValueError(
+                f"{path}:{number}: field 'index' must be {issued} (rank {event.rank}'s next "
+                f"operation); got {event.index}"
+            )
+        if event.kind == "wait" and not 0 <= event.index < issued:
+            raise ValueError(
+                f"{path}:{number}: field 'index': rank {event.rank} waits on operation "
+                f"{event.index}, which it has not issued"
+            )
+        events.append(event)
+    return workload

@@ -1,0 +1,366 @@
+"""Replaying a workload: every rank's compute and communication, timed on a network model.
+
+Each target rank runs its template rank's events in order (:mod:`lab.workload.retarget`):
+compute for its ``compute_us`` (times ``compute_scale`` and its straggler factor), then the
+event. A synchronous operation blocks the rank until it completes; an asynchronous one runs
+beside the rank's compute until a ``wait`` on it. A rank's operations run one after another, in
+issue order (the lab's one issue order per mesh, NCCL's stream): an operation is ready on a rank
+once issued and once the rank's previous operation completed. A collective starts when its last
+member is ready and ends, on every member, after the simulator's time for the lab's own
+algorithm at the group's size and bytes (:func:`lab.sim.simulate`, cached per collective,
+algorithm, group size, bytes and root); a send and its receive take one message's α + n·β.
+
+What it does not model: contention between collectives of different groups that run at once
+(each is timed as if alone on the network), compute slowed by communication, and anything the
+recording did not see (data loading outside the lab's calls is compute).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from lab.collectives import registry
+from lab.sim.core import simulate
+from lab.sim.limits import SimulationTooLarge, SimulationUnsupported
+from lab.sim.network import Network
+from lab.workload.format import POINT_TO_POINT, Event, Workload
+from lab.workload.retarget import Layout
+
+#: The simulator's step limit when the replay picks an algorithm: a candidate past it is left out.
+CHOICE_MAX_STEPS = 2_000_000
+
+
+@functools.lru_cache(maxsize=4096)
+def collective_us(
+    collective: str, algorithm: str | None, group_size: int, nbytes: int, root: int, network: Network
+) -> tuple[float, str]:
+    """µs of one ``collective`` of ``nbytes`` per rank on ``group_size`` ranks, and the algorithm
+    timed: ``algorithm``, or (None) the least simulated of the registry's ``auto`` candidates."""
+    if group_size == 1:
+        return 0.0, algorithm or "none"
+    if algorithm is not None:
+        return simulate(
+            collective, algorithm, group_size, nbytes, network, root=root, max_seconds=None
+        ).time_us, algorithm
+    best: tuple[float, str] | None = None
+    for candidate in registry.auto_candidates(collective):
+        try:
+            time_us = simulate(
+                collective,
+                candidate,
+                group_size,
+                nbytes,
+                network,
+                root=root,
+                max_steps=CHOICE_MAX_STEPS,
+                max_seconds=None,
+            ).time_us
+        except (SimulationTooLarge, SimulationUnsupported):
+            continue
+        if best is None or time_us < best[0]:
+            best = (time_us, candidate)
+    if best is None:
+        raise ValueError(
+            f"no algorithm of {collective} can be simulated at {group_size} ranks and {nbytes} bytes "
+            f"within {CHOICE_MAX_STEPS:,} steps: name one in algorithms="
+        )
+    return best
+
+
+@dataclass
+class _Op:
+    """One issued operation of one target rank."""
+
+    event: Event
+    rank: int
+    position: int  # in the rank's issue order
+    key: tuple
+    size: int
+    issued: float
+    ready: float | None = None
+    done: float | None = None
+    start: float | None = None
+
+
+@dataclass
+class ReplayResult:
+    """What :func:`lab.workload.replay` found: per step and per operation.
+
+    ``step_us``, ``compute_us``, ``exposed_comm_us``: numpy arrays, one value a step (the rank that
+    finished the step last: its compute, and the rest of the step, spent waiting on communication).
+    ``breakdown``: one row per operation of the step (by its index in the template rank's issue
+    order): op, group size, bytes, algorithm, predicted µs, exposed µs (the longest any member was
+    blocked on it) and its share of the step."""
+
+    world_size: int
+    network: Network
+    step_us: np.ndarray
+    compute_us: np.ndarray
+    exposed_comm_us: np.ndarray
+    breakdown: pd.DataFrame
+    slices: list[dict]
+
+    def timeline(self, path: str | Path) -> None:
+        """The simulated steps as a Chrome/Perfetto trace (``python -m lab timeline``'s format): per
+        rank, a compute track and a communication track."""
+        events = []
+        for rank in sorted({s["rank"] for s in self.slices}):
+            events += [
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": 0,
+                    "tid": 2 * rank,
+                    "args": {"name": f"rank {rank}"},
+                },
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": 0,
+                    "tid": 2 * rank + 1,
+                    "args": {"name": f"rank {rank} comm"},
+                },
+            ]
+        for s in self.slices:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": s["name"],
+                    "cat": s["cat"],
+                    "pid": 0,
+                    "tid": 2 * s["rank"] + (s["cat"] != "compute"),
+                    "ts": s["start_us"],
+                    "dur": max(s["end_us"] - s["start_us"], 0.0),
+                }
+            )
+        Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
+
+
+def _whole_steps(events: list[Event], steps: int) -> list[Event]:
+    """``events`` up to the end of the ``steps``-th step (what follows the last mark is left out)."""
+    seen = 0
+    for i, event in enumerate(events):
+        seen += event.kind == "step"
+        if seen == steps:
+            return events[: i + 1]
+    return []
+
+
+class Replay:
+    """The event loop of one replay (see the module's docstring)."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        layout: Layout,
+        network: Network,
+        algorithms: dict[str, str],
+        factors: np.ndarray,
+        record_slices: bool,
+    ) -> None:
+        self.workload, self.layout, self.network, self.algorithms = workload, layout, network, algorithms
+        n = layout.world_size
+        self.factors, self.record_slices = factors, record_slices
+        self.templates = [layout.template(r) for r in range(n)]
+        self.pos, self.clock = [0] * n, np.zeros(n)
+        self.charged = [-1] * n  # the event whose compute was added already
+        self.blocked_since: list[float | None] = [None] * n
+        self.ops: list[list[_Op]] = [[] for _ in range(n)]
+        self.counters: list[dict] = [{} for _ in range(n)]
+        self.instances: dict[tuple, list[_Op]] = {}  # a collective's members ready so far
+        self.arriving: deque[_Op] = deque()
+        self.step_end = np.zeros((n, workload.steps))
+        self.step_compute = np.zeros((n, workload.steps))
+        self.exposed: dict[tuple[int, int], float] = {}  # (step, index) -> longest block on it
+        self.rows: dict[tuple[int, int], dict] = {}
+        self.slices: list[dict] = []
+        self.spans: dict[tuple[int, int], tuple[bool, ...]] = {}
+        self.events = {
+            template: _whole_steps(workload.events[template], workload.steps)
+            for template in set(self.templates)
+        }
+
+    def run(self) -> None:
+        ranks = range(self.layout.world_size)
+        progressed = True
+        while progressed:
+            progressed = False
+            for rank in ranks:
+                progressed |= self._advance(rank)
+        stuck = [r for r in ranks if self.pos[r] < len(self._events(r))]
+        if stuck:
+            rank = stuck[0]
+            event = self._events(rank)[self.pos[rank]]
+            raise ValueError(
+                f"the replay cannot go on: rank {rank} waits on its {event.kind} of step {event.step} "
+                f"(operation {event.index}), which some member of its group never issues "
+                f"({len(stuck)} ranks stuck)"
+            )
+
+    def _events(self, rank: int) -> list[Event]:
+        return self.events[self.templates[rank]]
+
+    def _charge(self, rank: int, event: Event) -> None:
+        """The compute before the rank's current event, once."""
+        if self.charged[rank] == self.pos[rank]:
+            return
+        self.charged[rank] = self.pos[rank]
+        compute = event.compute_us * self.factors[rank]
+        if self.record_slices and compute > 0:
+            self.slices.append(
+                {
+                    "rank": rank,
+                    "cat": "compute",
+                    "name": "compute",
+                    "start_us": self.clock[rank],
+                    "end_us": self.clock[rank] + compute,
+                }
+            )
+        self.clock[rank] += compute
+        if event.step < self.step_compute.shape[1]:
+            self.step_compute[rank, event.step] += compute
+
+    def _advance(self, rank: int) -> bool:
+        """Run ``rank``'s events until it blocks; whether it moved."""
+        events, moved = self._events(rank), False
+        while self.pos[rank] < len(events):
+            event = events[self.pos[rank]]
+            self._charge(rank, event)
+            if event.kind == "op" and len(self.ops[rank]) == event.index:
+                self._issue(rank, event)
+            if event.kind in ("op", "wait"):
+                op = self.ops[rank][event.index]
+                if event.kind == "op" and event.is_async:
+                    pass
+                elif op.done is None:
+                    if self.blocked_since[rank] is None:
+                        self.blocked_since[rank] = self.clock[rank]
+                    return moved
+                else:
+                    self._unblock(rank, event, op)
+            else:  # the end of a step
+                self.step_end[rank, event.step] = self.clock[rank]
+            self.pos[rank] += 1
+            moved = True
+        return moved
+
+    def _unblock(self, rank: int, event: Event, op: _Op) -> None:
+        since = self.clock[rank] if self.blocked_since[rank] is None else self.blocked_since[rank]
+        self.clock[rank] = max(self.clock[rank], op.done)
+        row = (op.event.step, op.event.index)
+        self.exposed[row] = max(self.exposed.get(row, 0.0), self.clock[rank] - since)
+        self.blocked_since[rank] = None
+
+    def _issue(self, rank: int, event: Event) -> None:
+        if event.op in POINT_TO_POINT:
+            peer = self.layout.peer_of(rank, event)
+            src, dst = (rank, peer) if event.op == "send" else (peer, rank)
+            base, size = ("p2p", src, dst, event.tag), 2
+        else:
+            key = (self.templates[rank], event.index)
+            if key not in self.spans:
+                self.spans[key] = self.layout.spanned(event)
+            spans = self.spans[key]
+            group_key, size = self.layout.group_of(rank, event, spans)
+            base = ("collective", spans, group_key)
+        seq = self.counters[rank].get(base, 0)
+        self.counters[rank][base] = seq + 1
+        op = _Op(event, rank, len(self.ops[rank]), (*base, seq), size, self.clock[rank])
+        self.ops[rank].append(op)
+        if op.position == 0 or self.ops[rank][op.position - 1].done is not None:
+            self.arriving.append(op)
+            while self.arriving:  # a worklist, not recursion: a resolved collective readies the next ones
+                self._arrive(self.arriving.popleft())
+
+    def _arrive(self, op: _Op) -> None:
+        """``op`` is ready (issued, and its rank's previous operation done); resolve its collective
+        once every member is."""
+        op.ready = max(op.issued, self.ops[op.rank][op.position - 1].done if op.position else 0.0)
+        instance = self.instances.setdefault(op.key, [])
+        if instance:
+            self._check_same(instance[0], op)
+        instance.append(op)
+        if len(instance) == op.size:
+            del self.instances[op.key]
+            self._resolve(instance)
+
+    def _check_same(self, first: _Op, op: _Op) -> None:
+        a, b = first.event, op.event
+        if (a.op, a.count, a.dtype) != (b.op, b.count, b.dtype) and b.op not in POINT_TO_POINT:
+            raise ValueError(
+                f"the recording's ranks disagree: one calls {a.op} of {a.count} {a.dtype} where rank "
+                f"{op.rank} (recorded rank {b.rank}) calls {b.op} of {b.count} {b.dtype} on the same group"
+            )
+
+    def _resolve(self, instance: list[_Op]) -> None:
+        first = instance[0]
+        event = first.event
+        start = max(op.ready for op in instance)
+        if event.op in POINT_TO_POINT:
+            duration, algorithm = (
+                self.network.alpha_us + event.nbytes * self.network.beta_us_per_byte,
+                "message",
+            )
+        else:
+            nbytes = self.layout.nbytes(event, first.size)
+            root = 0
+            if event.root is not None:
+                root = min(event.group.index(event.root), first.size - 1)
+            duration, algorithm = collective_us(
+                event.op, self.algorithms.get(event.op), first.size, nbytes, root, self.network
+            )
+        row = self.rows.setdefault(
+            (event.step, event.index),
+            {
+                "step": event.step,
+                "index": event.index,
+                "op": event.op,
+                "group_size": first.size,
+                "dim": event.dim,
+                "nbytes": event.nbytes
+                if event.op in POINT_TO_POINT
+                else self.layout.nbytes(event, first.size),
+                "algorithm": algorithm,
+                "async": event.is_async,
+                "predicted_us": duration,
+            },
+        )
+        row["predicted_us"] = max(row["predicted_us"], duration)
+        for op in instance:
+            op.start, op.done = start, start + duration
+            if self.record_slices:
+                self.slices.append(
+                    {
+                        "rank": op.rank,
+                        "cat": "communication",
+                        "name": f"{event.op} {algorithm}",
+                        "start_us": start,
+                        "end_us": op.done,
+                    }
+                )
+            ops = self.ops[op.rank]
+            if op.position + 1 < len(ops) and ops[op.position + 1].ready is None:
+                self.arriving.append(ops[op.position + 1])
+
+    def result(self) -> ReplayResult:
+        ends = self.step_end
+        finish = ends.max(axis=0)
+        starts = np.concatenate([[0.0], finish[:-1]])
+        step_us = finish - starts
+        last = ends.argmax(axis=0)
+        compute = self.step_compute[last, np.arange(ends.shape[1])]
+        exposed = np.maximum(step_us - compute, 0.0)
+        frame = pd.DataFrame(sorted(self.rows.values(), key=lambda r: (r["step"], r["index"])))
+        if not frame.empty:
+            frame["exposed_us"] = [
+                self.exposed.get((s, i), 0.0) for s, i in zip(frame["step"], frame["index"])
+            ]
+            frame["share"] = frame["exposed_us"] / frame["step"].map(dict(enumerate(step_us)))
+        return ReplayResult(self.layout.world_size, self.network, step_us, compute, exposed, frame, self.slices)

@@ -1,0 +1,249 @@
+"""Workloads: the file format's checks, re-targeting by hand, and replays against step times
+computed by hand (compute, overlap, a blocking wait, a straggler)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import lab.sim as sim
+from lab import workload
+from lab.workload.retarget import Layout
+
+pytestmark = pytest.mark.no_ranks
+
+NET = sim.Network(alpha_us=10.0, gbit=8.0)  # 1 byte = 1e-3 µs: a message of n bytes costs 10 + n/1000 µs
+
+
+def header(world_size: int, dims: dict | None = None) -> dict:
+    return {"format": "lab-workload", "version": 1, "world_size": world_size, "dims": dims, "recorded": {}}
+
+
+def op(
+    rank: int,
+    index: int,
+    name: str,
+    group: list[int],
+    count: int,
+    compute: float,
+    is_async: bool = False,
+    step: int = 0,
+    **extra,
+) -> dict:
+    return {
+        "rank": rank,
+        "step": step,
+        "kind": "op",
+        "index": index,
+        "op": name,
+        "group": group,
+        "dim": None,
+        "dtype": "float32",
+        "count": count,
+        "out_count": extra.pop("out_count", count),
+        "reduce_op": "sum" if name in ("allreduce", "reduce_scatter", "reduce") else None,
+        "root": None,
+        "async": is_async,
+        "compute_us": compute,
+        **extra,
+    }
+
+
+def wait(rank: int, index: int, compute: float, step: int = 0) -> dict:
+    return {"rank": rank, "step": step, "kind": "wait", "index": index, "compute_us": compute}
+
+
+def step_end(rank: int, compute: float, step: int = 0) -> dict:
+    return {"rank": rank, "step": step, "kind": "step", "compute_us": compute}
+
+
+def written(tmp_path, rows: list[dict], name: str = "w.jsonl") -> workload.Workload:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return workload.load(path)
+
+
+def ring_us(world_size: int, nbytes: int) -> float:
+    """Ring allreduce's closed form on NET (N dividing the count)."""
+    return 2 * (world_size - 1) * (10.0 + nbytes / world_size / 1000)
+
+
+def ddp_like(world_size: int, compute: tuple[float, float, float] = (100.0, 50.0, 20.0)) -> list[dict]:
+    """Per rank: 100 µs of compute, an async allreduce of 4000 floats, 50 µs more, its wait, 20 µs
+    more, the end of the step."""
+    group = list(range(world_size))
+    rows = [header(world_size)]
+    for rank in range(world_size):
+        rows += [
+            op(rank, 0, "allreduce", group, 4000, compute[0], is_async=True),
+            wait(rank, 0, compute[1]),
+            step_end(rank, compute[2]),
+        ]
+    return rows
+
+
+def test_an_async_allreduce_overlaps_compute_until_its_wait(tmp_path):
+    w = written(tmp_path, ddp_like(4))
+    r = workload.replay(w, network=NET, algorithms={"allreduce": "ring"})
+    comm = ring_us(4, 16000)  # 6 · (10 + 4) = 84 µs, from 100 to 184; the wait at 150 blocks 34 µs
+    assert comm == pytest.approx(84.0)
+    assert r.step_us.tolist() == pytest.approx([100 + comm + 20])
+    assert r.compute_us.tolist() == pytest.approx([170.0])
+    assert r.exposed_comm_us.tolist() == pytest.approx([comm - 50])
+    row = r.breakdown.iloc[0]
+    assert (row["op"], row["group_size"], row["nbytes"], row["algorithm"]) == ("allreduce", 4, 16000, "ring")
+    assert row["predicted_us"] == pytest.approx(comm) and row["exposed_us"] == pytest.approx(comm - 50)
+
+
+def test_a_synchronous_call_blocks_and_the_last_member_starts_it(tmp_path):
+    rows = [header(2)]
+    for rank, compute in ((0, 10.0), (1, 70.0)):
+        rows += [op(rank, 0, "allreduce", [0, 1], 2000, compute), step_end(rank, 5.0)]
+    r = workload.replay(written(tmp_path, rows), network=NET, algorithms={"allreduce": "ring"})
+    comm = ring_us(2, 8000)  # 2 · (10 + 4) = 28 µs, from 70 (rank 1's issue)
+    assert r.step_us.tolist() == pytest.approx([70 + comm + 5])
+    assert r.breakdown.iloc[0]["exposed_us"] == pytest.approx(60 + comm)  # rank 0 waited from 10 to 98
+
+
+def test_a_straggler_delays_exactly_the_collectives_it_joins(tmp_path):
+    rows = [header(4)]
+    for rank in range(4):
+        pair = [0, 1] if rank < 2 else [2, 3]
+        rows += [op(rank, 0, "allreduce", pair, 2000, 100.0), step_end(rank, 0.0)]
+    w = written(tmp_path, rows)
+    even = workload.replay(w, network=NET, algorithms={"allreduce": "ring"}, dims=None)
+    slow = workload.replay(
+        w, network=NET, algorithms={"allreduce": "ring"}, stragglers={3: 2.0}, timeline=True
+    )
+    comm = ring_us(2, 8000)
+    assert even.step_us.tolist() == pytest.approx([100 + comm])
+    assert slow.step_us.tolist() == pytest.approx([200 + comm])  # ranks 2 and 3 finish late
+    ends = {s["rank"]: s["end_us"] for s in slow.slices if s["cat"] == "communication"}
+    assert ends[0] == ends[1] == pytest.approx(100 + comm) and ends[2] == ends[3] == pytest.approx(200 + comm)
+
+
+def test_operations_of_one_rank_run_one_after_another(tmp_path):
+    """Two async allreduces issued back to back: the second starts when the first ends."""
+    rows = [header(2)]
+    for rank in range(2):
+        rows += [
+            op(rank, 0, "allreduce", [0, 1], 2000, 0.0, True),
+            op(rank, 1, "allreduce", [0, 1], 2000, 0.0, True),
+            wait(rank, 0, 0.0),
+            wait(rank, 1, 0.0),
+            step_end(rank, 0.0),
+        ]
+    r = workload.replay(written(tmp_path, rows), network=NET, algorithms={"allreduce": "ring"})
+    assert r.step_us.tolist() == pytest.approx([2 * ring_us(2, 8000)])
+
+
+def test_replay_retargets_an_allreduce_keeping_its_bytes(tmp_path):
+    w = written(tmp_path, ddp_like(4))
+    r = workload.replay(w, world_size=16, network=NET, algorithms={"allreduce": "ring"})
+    comm = ring_us(16, 16000)  # 30 · (10 + 1) = 330 µs
+    assert r.breakdown.iloc[0]["nbytes"] == 16000 and r.breakdown.iloc[0]["group_size"] == 16
+    assert r.step_us.tolist() == pytest.approx([100 + comm + 20])
+
+
+def test_retargeting_by_hand():
+    """An FSDP allgather's shard shrinks M ways (strong) or stays (weak); reduce_scatter keeps its
+    input; a 2-D mesh re-targets each dimension by name."""
+    rows = [header(4)]
+    gather = workload.Event(0, 0, "op", 0.0, 0, "allgather", (0, 1, 2, 3), None, "float32", 1000, 4000)
+    scatter = workload.Event(0, 0, "op", 0.0, 1, "reduce_scatter", (0, 1, 2, 3), None, "float32", 4000, 1000)
+    w = workload.Workload(4, None, {}, {r: [] for r in range(4)})
+    strong, weak = Layout.of(w, 16), Layout.of(w, 16, shard="weak")
+    assert strong.nbytes(gather, 16) == 1000 and weak.nbytes(gather, 16) == 4000
+    assert strong.nbytes(scatter, 16) == 16000 and weak.nbytes(scatter, 16) == 64000
+    assert len(rows) == 1
+    mesh = workload.Workload(8, {"dp": 4, "tp": 2}, {}, {r: [] for r in range(8)})
+    layout = Layout.of(mesh, dims={"dp": 128, "tp": 8})
+    tp_group = workload.Event(2, 0, "op", 0.0, 0, "allreduce", (2, 3), "tp", "float32", 10, 10)
+    dp_group = workload.Event(2, 0, "op", 0.0, 1, "allreduce", (0, 2, 4, 6), "dp", "float32", 10, 10)
+    assert layout.spanned(tp_group) == (False, True) and layout.spanned(dp_group) == (True, False)
+    rank = 8 * 5 + 3  # dp 5, tp 3
+    assert layout.template(rank) == 2 * 1 + 1  # dp 5 % 4 = 1, tp 3 % 2 = 1
+    assert layout.group_of(rank, tp_group, (False, True)) == ((5, None), 8)
+    assert layout.group_of(rank, dp_group, (True, False)) == ((None, 3), 128)
+    with pytest.raises(ValueError, match="dims="):
+        Layout.of(mesh, world_size=1024)
+    with pytest.raises(ValueError, match="dims must give"):
+        Layout.of(mesh, dims={"tp": 8, "dp": 128})
+
+
+def test_a_2d_mesh_replays_each_dimension_at_its_new_size(tmp_path):
+    rows = [header(4, {"dp": 2, "tp": 2})]
+    for rank in range(4):
+        dp, tp = divmod(rank, 2)
+        rows += [
+            op(rank, 0, "allreduce", [2 * dp, 2 * dp + 1], 2000, 0.0),  # tp group
+            op(rank, 1, "allreduce", [tp, 2 + tp], 4000, 0.0),  # dp group
+            step_end(rank, 0.0),
+        ]
+    r = workload.replay(
+        written(tmp_path, rows), dims={"dp": 8, "tp": 4}, network=NET, algorithms={"allreduce": "ring"}
+    )
+    sizes = r.breakdown.set_index("index")["group_size"].to_dict()
+    assert sizes == {0: 4, 1: 8}
+    assert r.step_us.tolist() == pytest.approx([ring_us(4, 8000) + ring_us(8, 16000)])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda rows: rows[0].update(version=2), "field 'version' is 2"),
+        (lambda rows: rows[1].update(count="many"), "field 'count' must be an integer; got 'many'"),
+        (lambda rows: rows[1].update(group=[0, 0, 1, 2]), "field 'group' must list distinct ranks"),
+        (lambda rows: rows[1].update(op="allsum"), "field 'op' must be one of"),
+        (lambda rows: rows[1].update(compute_us=-1), "field 'compute_us' must be a finite number >= 0"),
+        (lambda rows: rows[2].update(index=3), "waits on operation 3, which it has not issued"),
+        (lambda rows: rows[1].update(index=1), "field 'index' must be 0"),
+        (lambda rows: rows[0].update(dims={"dp": 3}), "field 'dims'"),
+        (lambda rows: rows[1].pop("async"), "field 'async' must be true or false"),
+    ],
+)
+def test_a_bad_file_is_an_error_naming_the_line_and_the_field(tmp_path, change, message):
+    rows = ddp_like(4)
+    change(rows)
+    with pytest.raises(ValueError, match=message) as info:
+        written(tmp_path, rows)
+    assert str(tmp_path / "w.jsonl") + ":" in str(info.value)
+
+
+def test_bad_arguments_are_named(tmp_path):
+    w = written(tmp_path, ddp_like(4))
+    with pytest.raises(ValueError, match=r"algorithms\['allreduce'\]"):
+        workload.replay(w, network=NET, algorithms={"allreduce": "fastest"})
+    with pytest.raises(ValueError, match=r"stragglers\[1\]"):
+        workload.replay(w, network=NET, stragglers={1: 0})
+    with pytest.raises(ValueError, match="network must be"):
+        workload.replay(w, network="pigeon")
+    with pytest.raises(ValueError, match="compute_scale"):
+        workload.replay(w, network=NET, compute_scale=-1.0)
+    (tmp_path / "empty.jsonl").write_text(json.dumps(header(2)) + "\n")
+    with pytest.raises(ValueError, match="no whole step"):
+        workload.replay(workload.load(tmp_path / "empty.jsonl"), network=NET)
+
+
+def test_ranks_that_disagree_or_never_join_are_named(tmp_path):
+    rows = [header(2), op(0, 0, "allreduce", [0, 1], 10, 0.0), step_end(0, 0.0), step_end(1, 0.0)]
+    with pytest.raises(ValueError, match="rank 0 waits on its op of step 0"):
+        workload.replay(written(tmp_path, rows), network=NET)
+    rows = [
+        header(2),
+        op(0, 0, "allreduce", [0, 1], 10, 0.0),
+        step_end(0, 0.0),
+        op(1, 0, "allreduce", [0, 1], 20, 0.0),
+        step_end(1, 0.0),
+    ]
+    with pytest.raises(ValueError, match="disagree"):
+        workload.replay(written(tmp_path, rows, "b.jsonl"), network=NET)
+
+
+def test_a_timeline_is_written(tmp_path):
+    r = workload.replay(written(tmp_path, ddp_like(2)), network=NET, algorithms={"allreduce": "ring"})
+    r.timeline(tmp_path / "sim.json")
+    trace = json.loads((tmp_path / "sim.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert names == {"compute", "allreduce ring"}
