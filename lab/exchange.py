@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -356,7 +357,9 @@ class PlannedRun:
         self._call.prepare(fingerprint.pack(exchange._membership.context, 0, name, algorithm, dtype.code, op, root,
                                             count), exchange.recv_timeout_ms)
         self._record = (name, algorithm, dtype.name, count, op, root)
-        self._entry = self._call.keeping_books(exchange._recorder.book(self._record))
+        number = exchange._recorder.book(self._record)
+        self._entry = self._call.keeping_books(number)
+        weakref.finalize(self, exchange._recorder.release, number)  # booked while this run lives
         self._region, self._config, self._ledger = self._call.region, self._call.config, self._call.ledger
 
     def operands(self, args: tuple) -> tuple:

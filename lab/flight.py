@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -69,12 +70,19 @@ class FlightRecorder:
     """The last ``FLIGHT_RECORDER_SIZE`` collectives of one mesh on this rank: those noted here
     (:meth:`note`), merged with those that compiled calls noted themselves in ``ring``, an int64
     array of (seq, record) rows at ``seq % FLIGHT_RECORDER_SIZE``, where ``record`` is the number
-    :meth:`book` gave the record's fields; such a collective is done at its one step."""
+    :meth:`book` gave the record's fields; such a collective is done at its one step.
+
+    A number is booked per compiled call that keeps its own books and is given back by
+    :meth:`release` when that call goes (a plan freed, a plain call's template forgotten), so the
+    books hold the live calls' fields and at most ``FLIGHT_RECORDER_SIZE`` released ones the ring
+    still shows: a released number is reused only once no row of the ring holds it."""
 
     def __init__(self, ring: Any) -> None:
         self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
         self._ring = ring
-        self._booked: list[tuple] = []
+        self._booked: list[tuple] = []  # by number: a record's fields, after its seq
+        self._released: list[int] = []  # numbers no call notes any more
+        self._lock = threading.Lock()  # (two threads may make calls on one mesh)
 
     def note(self, record: FlightRecord) -> FlightRecord:
         self._records.append(record)
@@ -82,8 +90,20 @@ class FlightRecorder:
 
     def book(self, fields: tuple) -> int:
         """The number under which a compiled call notes ``fields`` (a record's, after its seq)."""
-        self._booked.append(fields)
-        return len(self._booked) - 1
+        with self._lock:
+            in_ring = set(self._ring[:, 1].tolist())
+            for index, number in enumerate(self._released):
+                if number not in in_ring:
+                    del self._released[index]
+                    self._booked[number] = fields
+                    return number
+            self._booked.append(fields)
+            return len(self._booked) - 1
+
+    def release(self, number: int) -> None:
+        """The call that noted under ``number`` is gone: the number may be booked again. (No
+        lock: it may run from the garbage collector inside :meth:`book`; an append is atomic.)"""
+        self._released.append(number)
 
     def records(self, last_seq: int, running_step: int) -> list[FlightRecord]:
         """Oldest first, up to collective ``last_seq``; a running one shows ``running_step``."""

@@ -73,7 +73,7 @@ class Plan:
 
     def free(self) -> None:
         """Release the plan (idempotent); using it afterwards is a :class:`lab.LabError`."""
-        self._freed = True
+        self._freed, self._run_now = True, None  # (its compiled call goes: lab.flight.FlightRecorder.release)
 
     def __enter__(self) -> Plan:
         return self
