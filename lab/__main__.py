@@ -9,6 +9,7 @@
     python -m lab simulate --world-sizes 64 1024 --sizes 1KB..1GB --gbit 100 --alpha-us 5   # results/sim/
     python -m lab explain allreduce --ranks 8 --bytes 1M   # what auto picks, each algorithm's time, why
     python -m lab explain allreduce ring --ranks 8 --bytes 256K --plot ring.png   # and its schedule, drawn
+    python -m lab workload replay step.jsonl --ranks 1024 --network tcp   # a recorded step at 1,024 ranks
 
 Exits non-zero if any validation row fails.
 """
@@ -172,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     trace.set_defaults(run=timeline)
     from lab.sim.explain import add_parser as add_explain  # python -m lab explain (lab/sim/explain.py)
     from lab.sim.sweep import add_parser as add_simulate  # python -m lab simulate (lab/sim/sweep.py)
+    from lab.workload.cli import add_parser as add_workload  # python -m lab workload (lab/workload/cli.py)
 
     add_simulate(commands)
     add_explain(commands)
+    add_workload(commands)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*commands.choices, "-h", "--help"):
         argv = ["validate", *argv]  # the validation table is the default command

@@ -247,3 +247,25 @@ def test_a_timeline_is_written(tmp_path):
     trace = json.loads((tmp_path / "sim.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert names == {"compute", "allreduce ring"}
+
+
+def test_the_command_prints_the_step_and_what_dominates(tmp_path, capsys):
+    from lab.__main__ import main
+
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ddp_like(4)))
+    assert main(["workload", "replay", str(path), "--ranks", "16", "--alpha-us", "10", "--gbit", "8",
+                 "--algorithm", "allreduce=ring", "--timeline", str(tmp_path / "sim.json")]) == 0
+    out = capsys.readouterr().out
+    comm = ring_us(16, 16000)
+    assert f"step 0: {100 + comm + 20:,.1f} µs = compute 170.0 µs" in out
+    assert "dominates: allreduce #0 of step 0 on 16 ranks (16,000 bytes, ring)" in out
+    assert (tmp_path / "sim.json").exists()
+    assert main(["workload", "replay", str(path), "--alpha-us", "10", "--gbit", "8", "--json",
+                 "--algorithm", "allreduce=ring"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["step_us"] == pytest.approx([100 + ring_us(4, 16000) + 20])
+    assert result["breakdown"][0]["algorithm"] == "ring"
+    with pytest.raises(SystemExit):
+        main(["workload", "replay", str(path), "--algorithm", "allreduce"])
+    assert "--algorithm takes NAME=VALUE pairs" in capsys.readouterr().err

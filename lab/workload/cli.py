@@ -1,0 +1,139 @@
+"""``python -m lab workload replay``: a recorded step replayed at any scale, and where it goes.
+
+    python -m lab workload replay step.jsonl --ranks 1024 --network tcp
+    python -m lab workload replay step.jsonl --dims dp=128 tp=8 --algorithm allreduce=ring --json
+    python -m lab workload replay step.jsonl --ranks 64 --alpha-us 5 --gbit 100 --timeline sim.json
+
+Prints the step time, the compute and the exposed communication per step, the breakdown table
+(one row per operation) and what dominates; ``--json`` prints one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from lab.sim.network import Network
+from lab.workload import load, network_named, replay
+
+
+def _pairs(texts: list[str], option: str, value: type) -> dict:
+    out = {}
+    for text in texts or []:
+        name, sep, given = text.partition("=")
+        try:
+            out[name] = value(given)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise argparse.ArgumentTypeError(f"{option} takes NAME=VALUE pairs; got {text!r}")
+    return out
+
+
+def _network(args: argparse.Namespace) -> Network:
+    if args.network is not None:
+        if args.alpha_us is not None or args.gbit is not None:
+            raise ValueError("--network and --alpha-us/--gbit describe the network twice: give one")
+        return network_named(args.network)
+    return Network(
+        alpha_us=20.0 if args.alpha_us is None else args.alpha_us,
+        gbit=10.0 if args.gbit is None else args.gbit,
+    )
+
+
+def summary(result, top: int = 10) -> str:
+    """The step, compute and exposed times per step, the operations that expose the most, and
+    what dominates."""
+    lines = [f"{result.world_size:,} ranks on {result.network.describe()}", ""]
+    for step, (total, compute, exposed) in enumerate(
+        zip(result.step_us, result.compute_us, result.exposed_comm_us)
+    ):
+        lines.append(
+            f"step {step}: {total:,.1f} µs = compute {compute:,.1f} µs + exposed communication "
+            f"{exposed:,.1f} µs ({exposed / total:.0%})"
+            if total
+            else f"step {step}: 0 µs"
+        )
+    frame = result.breakdown
+    if not frame.empty:
+        shown = frame.sort_values("exposed_us", ascending=False).head(top)
+        lines += ["", shown.to_string(index=False, float_format=lambda v: f"{v:,.1f}"), ""]
+        worst = shown.iloc[0]
+        total = float(result.step_us.sum())
+        lines.append(
+            f"dominates: {worst['op']} #{worst['index']} of step {worst['step']} on {worst['group_size']} "
+            f"ranks ({worst['nbytes']:,} bytes, {worst['algorithm']}), {worst['exposed_us']:,.1f} µs "
+            f"exposed ({worst['exposed_us'] / total:.0%} of the steps)"
+            if total
+            else ""
+        )
+    return "\n".join(lines)
+
+
+def as_json(result) -> dict:
+    """The result as one JSON object."""
+
+    def finite(values):
+        return [float(v) if math.isfinite(v) else None for v in values]
+
+    return {
+        "world_size": result.world_size,
+        "step_us": finite(result.step_us),
+        "compute_us": finite(result.compute_us),
+        "exposed_comm_us": finite(result.exposed_comm_us),
+        "breakdown": json.loads(result.breakdown.to_json(orient="records")),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        algorithms = _pairs(args.algorithm, "--algorithm", str)
+        dims = _pairs(args.dims, "--dims", int) or None
+        result = replay(
+            load(args.workload),
+            args.ranks,
+            _network(args),
+            algorithms=algorithms,
+            dims=dims,
+            compute_scale=args.compute_scale,
+            shard=args.shard,
+            timeline=args.timeline is not None,
+        )
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        args.parser.error(str(exc))
+    if args.timeline:
+        result.timeline(args.timeline)
+    print(json.dumps(as_json(result)) if args.json else summary(result))
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """``python -m lab workload``."""
+    parser = commands.add_parser("workload", help="replay a recorded training step at any scale")
+    actions = parser.add_subparsers(dest="action", required=True)
+    run = actions.add_parser("replay", help="replay a workload file on M ranks and say where the step goes")
+    run.add_argument("workload", help="the JSONL file recorded with workload= or LAB_WORKLOAD")
+    run.add_argument("--ranks", type=int, metavar="M", help="world size (default: as recorded)")
+    run.add_argument(
+        "--dims", nargs="+", metavar="NAME=SIZE", help="a DeviceMesh recording's sizes per dimension"
+    )
+    run.add_argument("--network", help="a fitted network by name (shm, queue, tcp: lab/tuning.json)")
+    run.add_argument("--alpha-us", type=float, help="per-message latency, µs (default 20)")
+    run.add_argument("--gbit", type=float, help="link bandwidth, Gbit/s each way (default 10)")
+    run.add_argument(
+        "--algorithm",
+        nargs="+",
+        metavar="COLLECTIVE=NAME",
+        help="the algorithm per collective (default: the least simulated of auto's candidates)",
+    )
+    run.add_argument("--compute-scale", type=float, default=1.0, help="multiply every rank's compute")
+    run.add_argument(
+        "--shard",
+        choices=["strong", "weak"],
+        default="strong",
+        help="a sharded group keeps the model's total (strong) or per-rank bytes (weak)",
+    )
+    run.add_argument("--timeline", metavar="FILE.json", help="also write the simulated steps for Perfetto")
+    run.add_argument("--json", action="store_true", help="print one JSON object")
+    run.set_defaults(run=main, parser=run)
