@@ -254,18 +254,112 @@ def test_the_command_prints_the_step_and_what_dominates(tmp_path, capsys):
 
     path = tmp_path / "w.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in ddp_like(4)))
-    assert main(["workload", "replay", str(path), "--ranks", "16", "--alpha-us", "10", "--gbit", "8",
-                 "--algorithm", "allreduce=ring", "--timeline", str(tmp_path / "sim.json")]) == 0
+    assert (
+        main(
+            [
+                "workload",
+                "replay",
+                str(path),
+                "--ranks",
+                "16",
+                "--alpha-us",
+                "10",
+                "--gbit",
+                "8",
+                "--algorithm",
+                "allreduce=ring",
+                "--timeline",
+                str(tmp_path / "sim.json"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     comm = ring_us(16, 16000)
     assert f"step 0: {100 + comm + 20:,.1f} µs = compute 170.0 µs" in out
     assert "dominates: allreduce #0 of step 0 on 16 ranks (16,000 bytes, ring)" in out
     assert (tmp_path / "sim.json").exists()
-    assert main(["workload", "replay", str(path), "--alpha-us", "10", "--gbit", "8", "--json",
-                 "--algorithm", "allreduce=ring"]) == 0
+    assert (
+        main(
+            [
+                "workload",
+                "replay",
+                str(path),
+                "--alpha-us",
+                "10",
+                "--gbit",
+                "8",
+                "--json",
+                "--algorithm",
+                "allreduce=ring",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["step_us"] == pytest.approx([100 + ring_us(4, 16000) + 20])
     assert result["breakdown"][0]["algorithm"] == "ring"
     with pytest.raises(SystemExit):
         main(["workload", "replay", str(path), "--algorithm", "allreduce"])
     assert "--algorithm takes NAME=VALUE pairs" in capsys.readouterr().err
+
+
+def test_goal_export_writes_the_lab_s_messages_with_their_dependencies(tmp_path, capsys):
+    """Two ranks, ring allreduce of 16,000 bytes: a reduce-scatter step and an allgather step of
+    8,000 bytes each way, between the compute before it and the wait after the next compute."""
+    from lab.__main__ import main
+
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ddp_like(2)))
+    assert (
+        main(
+            [
+                "workload",
+                "export",
+                str(path),
+                "--goal",
+                str(tmp_path / "s.goal"),
+                "--algorithm",
+                "allreduce=ring",
+            ]
+        )
+        == 0
+    )
+    assert (
+        capsys.readouterr().out
+        == f"Wrote {tmp_path / 's.goal'} (2 operations across its ranks; LogGOPSim's txt2bin reads it)\n"
+    )
+    text = (tmp_path / "s.goal").read_text()
+    assert text.startswith("num_ranks 2\n")
+    rank0 = text.split("rank 0 {\n")[1].split("\n}")[0].splitlines()
+    assert rank0 == [
+        "l1: calc 100000",
+        "l2: send 8000b to 1 tag 1",
+        "l2 requires l1",
+        "l3: recv 8000b from 1 tag 1",
+        "l3 requires l1",
+        "l4: send 8000b to 1 tag 1",
+        "l4 requires l2",
+        "l4 requires l3",
+        "l5: recv 8000b from 1 tag 1",
+        "l5 requires l2",
+        "l5 requires l3",
+        "l6: calc 50000",
+        "l6 requires l1",
+        "l7: calc 20000",
+        "l7 requires l6",
+        "l7 requires l4",
+        "l7 requires l5",
+    ]
+    assert "rank 1 {\nl1: calc 100000\nl2: send 8000b to 0 tag 1" in text
+
+
+def test_goal_export_retargets_like_the_replay(tmp_path):
+    from lab.workload.goal import export_goal
+
+    w = written(tmp_path, ddp_like(2))
+    assert export_goal(w, tmp_path / "s.goal", 8, network=NET, algorithms={"allreduce": "ring"}) == 8
+    text = (tmp_path / "s.goal").read_text()
+    assert text.startswith("num_ranks 8\n") and text.count("rank ") == 8
+    rank3 = text.split("rank 3 {\n")[1].split("\n}")[0]
+    assert rank3.count(": send 2000b to 4 tag 1") == 14 and rank3.count(": recv 2000b from 2 tag 1") == 14

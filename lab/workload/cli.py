@@ -3,6 +3,7 @@
     python -m lab workload replay step.jsonl --ranks 1024 --network tcp
     python -m lab workload replay step.jsonl --dims dp=128 tp=8 --algorithm allreduce=ring --json
     python -m lab workload replay step.jsonl --ranks 64 --alpha-us 5 --gbit 100 --timeline sim.json
+    python -m lab workload export step.jsonl --ranks 64 --goal step.goal   # for LogGOPSim, ATLAHS
 
 Prints the step time, the compute and the exposed communication per step, the breakdown table
 (one row per operation) and what dominates; ``--json`` prints one JSON object instead.
@@ -16,6 +17,7 @@ import math
 
 from lab.sim.network import Network
 from lab.workload import load, network_named, replay
+from lab.workload.goal import export_goal
 
 
 def _pairs(texts: list[str], option: str, value: type) -> dict:
@@ -86,6 +88,23 @@ def as_json(result) -> dict:
     }
 
 
+def export(args: argparse.Namespace) -> int:
+    try:
+        written = export_goal(
+            load(args.workload),
+            args.goal,
+            args.ranks,
+            dims=_pairs(args.dims, "--dims", int) or None,
+            network=_network(args),
+            algorithms=_pairs(args.algorithm, "--algorithm", str),
+            shard=args.shard,
+        )
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        args.parser.error(str(exc))
+    print(f"Wrote {args.goal} ({written:,} operations across its ranks; LogGOPSim's txt2bin reads it)")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         algorithms = _pairs(args.algorithm, "--algorithm", str)
@@ -113,27 +132,31 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("workload", help="replay a recorded training step at any scale")
     actions = parser.add_subparsers(dest="action", required=True)
     run = actions.add_parser("replay", help="replay a workload file on M ranks and say where the step goes")
-    run.add_argument("workload", help="the JSONL file recorded with workload= or LAB_WORKLOAD")
-    run.add_argument("--ranks", type=int, metavar="M", help="world size (default: as recorded)")
-    run.add_argument(
-        "--dims", nargs="+", metavar="NAME=SIZE", help="a DeviceMesh recording's sizes per dimension"
-    )
-    run.add_argument("--network", help="a fitted network by name (shm, queue, tcp: lab/tuning.json)")
-    run.add_argument("--alpha-us", type=float, help="per-message latency, µs (default 20)")
-    run.add_argument("--gbit", type=float, help="link bandwidth, Gbit/s each way (default 10)")
-    run.add_argument(
-        "--algorithm",
-        nargs="+",
-        metavar="COLLECTIVE=NAME",
-        help="the algorithm per collective (default: the least simulated of auto's candidates)",
-    )
+    goal = actions.add_parser("export", help="write the re-targeted steps as GOAL (LogGOPSim, ATLAHS)")
+    for command in (run, goal):
+        command.add_argument("workload", help="the JSONL file recorded with workload= or LAB_WORKLOAD")
+        command.add_argument("--ranks", type=int, metavar="M", help="world size (default: as recorded)")
+        command.add_argument(
+            "--dims", nargs="+", metavar="NAME=SIZE", help="a DeviceMesh recording's sizes per dimension"
+        )
+        command.add_argument("--network", help="a fitted network by name (shm, queue, tcp: lab/tuning.json)")
+        command.add_argument("--alpha-us", type=float, help="per-message latency, µs (default 20)")
+        command.add_argument("--gbit", type=float, help="link bandwidth, Gbit/s each way (default 10)")
+        command.add_argument(
+            "--algorithm",
+            nargs="+",
+            metavar="COLLECTIVE=NAME",
+            help="the algorithm per collective (default: the least simulated of auto's candidates)",
+        )
+        command.add_argument(
+            "--shard",
+            choices=["strong", "weak"],
+            default="strong",
+            help="a sharded group keeps the model's total (strong) or per-rank bytes (weak)",
+        )
     run.add_argument("--compute-scale", type=float, default=1.0, help="multiply every rank's compute")
-    run.add_argument(
-        "--shard",
-        choices=["strong", "weak"],
-        default="strong",
-        help="a sharded group keeps the model's total (strong) or per-rank bytes (weak)",
-    )
     run.add_argument("--timeline", metavar="FILE.json", help="also write the simulated steps for Perfetto")
     run.add_argument("--json", action="store_true", help="print one JSON object")
     run.set_defaults(run=main, parser=run)
+    goal.add_argument("--goal", required=True, metavar="FILE.goal", help="where to write the GOAL schedule")
+    goal.set_defaults(run=export, parser=goal)

@@ -143,7 +143,7 @@ class ReplayResult:
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
 
 
-def _whole_steps(events: list[Event], steps: int) -> list[Event]:
+def whole_steps(events: list[Event], steps: int) -> list[Event]:
     """``events`` up to the end of the ``steps``-th step (what follows the last mark is left out)."""
     seen = 0
     for i, event in enumerate(events):
@@ -183,7 +183,7 @@ class Replay:
         self.slices: list[dict] = []
         self.spans: dict[tuple[int, int], tuple[bool, ...]] = {}
         self.events = {
-            template: _whole_steps(workload.events[template], workload.steps)
+            template: whole_steps(workload.events[template], workload.steps)
             for template in set(self.templates)
         }
 
