@@ -10,6 +10,10 @@ the unsigned integers of its width (:attr:`lab.ops.DType.bits`).
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +96,41 @@ def _overlaps(tensor: Any) -> bool:
     return any(stride == 0 and size > 1 for stride, size in zip(strides, tensor.shape))
 
 
+#: ``madvise(2)``'s "fault these pages in as a write would" (Linux 5.14): it fails (EFAULT, or
+#: EINVAL on a mapping without write permission) where a write would fault, and writes nothing.
+_MADV_POPULATE_WRITE = 23
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's ``madvise``, or None where ``MADV_POPULATE_WRITE`` is unknown (asked once, of a page of ours)."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    probe = ctypes.create_string_buffer(2 * mmap.PAGESIZE)
+    page = (ctypes.addressof(probe) + mmap.PAGESIZE - 1) & -mmap.PAGESIZE
+    return madvise if madvise(page, mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0 else None
+
+
+def check_writable(tensor: torch.Tensor, name: str) -> None:
+    """Refuse a tensor over memory a write would fault on (``np.memmap(mode="r")``: the rank would
+    die of SIGSEGV at the collective's first write), with a ``ValueError`` naming ``name``.
+
+    Only memory torch did not allocate can be read-only (``from_numpy``, ``frombuffer``: a storage
+    that cannot resize); of that, the pages of its first and last element are asked. A read-only
+    Python object on writable memory (``torch.frombuffer(bytes)``, which torch warns of) cannot be
+    told from a writable one."""
+    madvise = _madvise()
+    if madvise is None or tensor.numel() == 0 or tensor.untyped_storage().resizable():
+        return
+    last = tensor.data_ptr() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) \
+        * tensor.element_size()
+    for address in {tensor.data_ptr(), last}:
+        if madvise(address & -mmap.PAGESIZE, mmap.PAGESIZE, _MADV_POPULATE_WRITE) != 0 \
+                and ctypes.get_errno() in (errno.EFAULT, errno.EINVAL):
+            raise ValueError(f"{name} is over read-only memory (a read-only np.memmap or mmap?); collectives "
+                             "write their result into it: pass a writable copy (.clone())")
+
+
 def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffer:
     """Wrap a caller's tensor; ``ValueError``/``TypeError`` naming ``name`` if it is unusable.
 
@@ -101,6 +140,8 @@ def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffe
     dtype = check_tensor(tensor, name)
     if isinstance(tensor, torch.Tensor):
         contiguous, numel = tensor.is_contiguous(), tensor.numel()
+        if writable:
+            check_writable(tensor, name)
     else:
         if writable and not tensor.flags.writeable:
             raise ValueError(f"{name} is a read-only numpy array; collectives write their result into it")

@@ -92,14 +92,16 @@ def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
 def find_lane(mesh: Mesh, collective: str, tensor: Any, *arguments: Any) -> Lane | None:
     """The :class:`Lane` that a plain call of ``collective`` on ``tensor`` with ``arguments`` may
     take, or None (the full path: its first call, a numpy array, a subclass, a view whose memory
-    is not its elements in order, an argument that is wrong or unhashable)."""
+    is not its elements in order, memory torch did not allocate (it may be read-only: the full
+    path asks), an argument that is wrong or unhashable)."""
     if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_nested:
         return None
     try:
         lane = mesh.templates.get(lane_key(collective, tensor, *arguments))
     except TypeError:
         return None
-    if lane is None or not tensor.is_contiguous() or not tensor.is_cpu or tensor.is_conj() or tensor.is_neg():
+    if lane is None or not tensor.is_contiguous() or not tensor.is_cpu or tensor.is_conj() or tensor.is_neg() \
+            or not tensor.untyped_storage().resizable():
         return None
     return lane
 
