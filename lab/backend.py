@@ -46,8 +46,20 @@ _GROUP_CONTEXT_TOP = MAX_CONTEXT
 
 # -- creation ---------------------------------------------------------------------------------
 
-#: The world's mesh in this process, which every group of the world shares.
-_world: dict[str, Mesh] = {}
+#: The world's mesh in this process, which every group of the world shares ("mesh"), the prefix of
+#: the lab's keys for this incarnation of the world ("prefix", :func:`_next_prefix`) and the store
+#: under it ("store"); how many incarnations this process has made ("made").
+_world: dict[str, Any] = {}
+
+
+def _next_prefix() -> str:
+    """The store prefix of a new incarnation of the world's group: after ``destroy_process_group()``
+    torch hands the next ``init_process_group`` the same store under the same prefix, where the last
+    incarnation's keys would pass for this one's. Every rank makes the world as many times (each
+    init is collective), so the count agrees."""
+    made = _world.get("made", 0)
+    _world["made"] = made + 1
+    return f"lab/{made}/"
 
 
 def create(options: Any, pg_options: Any = None) -> LabProcessGroup:
@@ -64,9 +76,11 @@ def create(options: Any, pg_options: Any = None) -> LabProcessGroup:
         timeout_ms = lab_options.recv_timeout_ms
         if timeout_ms is None:
             timeout_ms = options.timeout.total_seconds() * 1000
-        world = Mesh.from_store(options.store, options.group_rank, options.group_size, transport=lab_options.transport,
+        prefix = _next_prefix()
+        store = dist.PrefixStore(prefix, options.store)
+        world = Mesh.from_store(store, options.group_rank, options.group_size, transport=lab_options.transport,
                                 recv_timeout_ms=timeout_ms, trace=lab_options.trace)
-        _world["mesh"] = world
+        _world.update(mesh=world, prefix=prefix, store=store)
         return LabProcessGroup(world, lab_options)
     # A new_group (any group after the world's, even one of every rank: its collectives may
     # interleave with the world's in any order): a sub-mesh with a context id of its own.
@@ -75,17 +89,17 @@ def create(options: Any, pg_options: Any = None) -> LabProcessGroup:
 
 
 def _agree_context(options: Any) -> int:
-    """A context id for a new group, the same on its every member: its rank 0 draws the next one
-    from a counter in the world's store and leaves it in the group's (c10d gives each group its
-    own store prefix)."""
-    store = options.store
+    """A context id for a new group, the same on its every member and unlike every other live
+    group's: its rank 0 draws the next one from a counter of this incarnation of the world (in the
+    world's store: the store torch hands a group is one of its own) and leaves it in the group's
+    store, under this incarnation's name (torch names groups afresh after a destroy)."""
+    key = f"{_world['prefix']}context"
     if options.group_rank == 0:
-        drawn = store.underlying_store.add("lab/groups", 1) if hasattr(store, "underlying_store") else \
-            store.add("lab/groups", 1)
+        drawn = _world["store"].add("groups", 1)
         if drawn >= _GROUP_CONTEXT_TOP // 2:
             raise LabError(f"this job has made {drawn - 1:,} lab groups; context ids are spent")
-        store.set("lab/context", str(_GROUP_CONTEXT_TOP - drawn))
-    return int(store.get("lab/context"))
+        options.store.set(key, str(_GROUP_CONTEXT_TOP - drawn))
+    return int(options.store.get(key))
 
 
 def register() -> None:

@@ -87,6 +87,25 @@ def check_count(tensors: list[torch.Tensor], world_size: int, name: str) -> None
         raise ValueError(f"{name} must hold one tensor per rank ({world_size}); got {len(tensors)}")
 
 
+def check_like(tensor: torch.Tensor, numel: int | None, dtype: torch.dtype, name: str) -> None:
+    """``tensor`` is a CPU tensor of ``dtype`` with ``numel`` elements (None: any number), or a
+    ``ValueError`` naming ``name`` (gloo's "invalid tensor size" and "type"): a copy into or out of
+    it would convert or drop elements silently."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor (the lab backend moves CPU tensors); got one on {tensor.device}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, as the collective's other tensors; got {tensor.dtype}")
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(f"{name} must hold {numel} elements; got {tensor.numel()} (shape {list(tensor.shape)})")
+
+
+def check_list(tensors: list[torch.Tensor], world_size: int, numel: int | None, dtype: torch.dtype, name: str) -> None:
+    """One tensor per rank, each as :func:`check_like` wants."""
+    check_count(tensors, world_size, name)
+    for i, tensor in enumerate(tensors):
+        check_like(tensor, numel, dtype, f"{name}[{i}]")
+
+
 def await_message(mesh: Mesh, src: int | None, tag: int, meanwhile: Callable[[], None]) -> int:
     """``src`` (None: any rank) once its next tensor of ``tag`` has arrived, calling
     ``meanwhile()`` between waits of ``POLL_MS``; DeadlineError after the mesh's
@@ -99,12 +118,6 @@ def await_message(mesh: Mesh, src: int | None, tag: int, meanwhile: Callable[[],
             raise DeadlineError(f"rank {mesh.rank} timed out waiting for a tensor of tag {tag} from rank(s) "
                                 f"{peers} (recv_timeout_ms={mesh.recv_timeout_ms:g})", peers)
     return found
-
-
-def check_sizes(tensor: torch.Tensor, numel: int, name: str) -> None:
-    if tensor.numel() != numel:
-        raise ValueError(f"{name} must hold {numel} elements (the input's times the group's size); "
-                         f"got {tensor.numel()}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from lab import checks, collectives
-from lab.backend_args import (Options, await_message, check_count, check_sizes, flatten_into, lab_op, one,
-                              output_bytes, unflatten_into)
+from lab.backend_args import (Options, await_message, check_count, check_like, check_list, flatten_into, lab_op,
+                              one, output_bytes, unflatten_into)
 from lab.backend_work import LabWork
 from lab.errors import LabError
 from lab.issue import Work
@@ -142,9 +142,10 @@ class LabProcessGroup(dist.ProcessGroup):
                   opts: Any = None) -> LabWork:
         tensor = one(inputs, "all_gather")
         outputs = output_lists[0]
-        check_count(outputs, self.mesh.world_size, "tensor_list")
-        prepared = collectives.prepare_allgather(self.mesh, tensor.reshape(-1), self._algorithm("allgather"))
-        return self._work(lambda: unflatten_into(prepared.run(), outputs), output_lists)
+        check_list(outputs, self.mesh.world_size, tensor.numel(), tensor.dtype, "tensor_list")
+        # the tensor itself: read when the gather runs, after the collectives issued before it
+        prepared = collectives.prepare_allgather(self.mesh, tensor, self._algorithm("allgather"))
+        return self._work(lambda: unflatten_into(prepared.run().reshape(-1), outputs), output_lists)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -156,25 +157,25 @@ class LabProcessGroup(dist.ProcessGroup):
                             opts: Any = None) -> LabWork:
         # output_lists[r][i]: rank r's inputs[i] (torch's layout: one list per rank)
         check_count(output_lists, self.mesh.world_size, "output_tensor_lists")
-        for outputs in output_lists:
+        for r, outputs in enumerate(output_lists):
             if len(outputs) != len(inputs):
-                raise ValueError(f"output_tensor_lists[r] must hold one tensor per input ({len(inputs)}); "
+                raise ValueError(f"output_tensor_lists[{r}] must hold one tensor per input ({len(inputs)}); "
                                  f"got {len(outputs)}")
-        prepared = [collectives.prepare_allgather(self.mesh, tensor.reshape(-1), self._algorithm("allgather"))
-                    for tensor in inputs]
+            for i, (output, tensor) in enumerate(zip(outputs, inputs, strict=True)):
+                check_like(output, tensor.numel(), tensor.dtype, f"output_tensor_lists[{r}][{i}]")
+        prepared = [collectives.prepare_allgather(self.mesh, tensor, self._algorithm("allgather")) for tensor in inputs]
 
         def run() -> None:
             for i, gather in enumerate(prepared):
-                unflatten_into(gather.run(), [outputs[i] for outputs in output_lists])
+                unflatten_into(gather.run().reshape(-1), [outputs[i] for outputs in output_lists])
 
         return self._work(run, [t for outputs in output_lists for t in outputs])
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> LabWork:
         for output, tensor in zip(outputs, inputs, strict=True):
-            check_sizes(output, tensor.numel() * self.mesh.world_size, "output_tensor")
-        prepared = [collectives.prepare_allgather(self.mesh, tensor.reshape(-1), self._algorithm("allgather"))
-                    for tensor in inputs]
+            check_like(output, tensor.numel() * self.mesh.world_size, tensor.dtype, "output_tensor")
+        prepared = [collectives.prepare_allgather(self.mesh, tensor, self._algorithm("allgather")) for tensor in inputs]
 
         def run() -> None:
             for output, gather in zip(outputs, prepared, strict=True):
@@ -186,9 +187,7 @@ class LabProcessGroup(dist.ProcessGroup):
                        opts: Any = None) -> LabWork:
         output = one(outputs, "reduce_scatter")
         inputs = input_lists[0]
-        check_count(inputs, self.mesh.world_size, "input_list")
-        for tensor in inputs:
-            check_sizes(tensor, output.numel(), "input_list[i]")
+        check_list(inputs, self.mesh.world_size, output.numel(), output.dtype, "input_list")
         op, factor = lab_op(opts.reduceOp)
         flat = torch.empty(output.numel() * self.mesh.world_size, dtype=output.dtype)
         prepared = collectives.prepare_reduce_scatter(self.mesh, flat, op, self._algorithm("reduce_scatter"))
@@ -210,22 +209,28 @@ class LabProcessGroup(dist.ProcessGroup):
         op, factor = lab_op(opts.reduceOp)
         steps = []
         for output, tensor in zip(outputs, inputs, strict=True):
-            check_sizes(tensor, output.numel() * self.mesh.world_size, "input")
-            # PREMUL_SUM reduces a scaled copy: torch leaves the input as it was
-            source = tensor.reshape(-1) if factor is None else torch.empty(tensor.numel(), dtype=tensor.dtype)
+            check_like(tensor, output.numel() * self.mesh.world_size, output.dtype, "input")
+            # Blocks are split along a flat input. A copy (staged) where it cannot be a view, made
+            # when the collective runs (an earlier async collective may still write the input);
+            # PREMUL_SUM reduces a scaled copy: torch leaves the input as it was.
+            staged = factor is not None or not tensor.is_contiguous()
+            source = torch.empty(tensor.numel(), dtype=tensor.dtype) if staged else tensor.view(-1)
             prepared = collectives.prepare_reduce_scatter(self.mesh, source, op, self._algorithm("reduce_scatter"))
-            steps.append((output, tensor, source, prepared))
+            steps.append((output, tensor, staged, source, prepared))
 
         def run() -> None:
-            for output, tensor, source, prepared in steps:
-                if factor is not None:
-                    torch.mul(tensor.reshape(-1), factor, out=source)
+            for output, tensor, staged, source, prepared in steps:
+                if staged:
+                    flatten_into(source, [tensor], factor)
                 output.copy_(prepared.run().view_as(output))
 
         return self._work(run, outputs)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> LabWork:
+        row = input[0].numel() if input.dim() else 1
+        check_like(output, sum(output_split_sizes) * row if output_split_sizes else input.numel(), input.dtype,
+                   "output")
         prepared = collectives.prepare_all_to_all(self.mesh, input, output_split_sizes=list(output_split_sizes) or None,
                                                   input_split_sizes=list(input_split_sizes) or None,
                                                   algorithm=self._algorithm("all_to_all"))
@@ -251,13 +256,13 @@ class LabProcessGroup(dist.ProcessGroup):
         dst = opts.rootRank
         outputs = output_lists[0] if self.mesh.rank == dst else []
         if self.mesh.rank == dst:
-            check_count(outputs, self.mesh.world_size, "gather_list")
-        prepared = collectives.prepare_gather(self.mesh, tensor.reshape(-1), dst)
+            check_list(outputs, self.mesh.world_size, tensor.numel(), tensor.dtype, "gather_list")
+        prepared = collectives.prepare_gather(self.mesh, tensor, dst)  # read when it runs, in issue order
 
         def run() -> None:
             gathered = prepared.run()
             if gathered is not None:
-                unflatten_into(gathered, outputs)
+                unflatten_into(gathered.reshape(-1), outputs)
 
         return self._work(run, outputs)
 
@@ -266,7 +271,7 @@ class LabProcessGroup(dist.ProcessGroup):
         src = opts.rootRank
         inputs = input_lists[0] if self.mesh.rank == src else []
         if self.mesh.rank == src:
-            check_count(inputs, self.mesh.world_size, "scatter_list")
+            check_list(inputs, self.mesh.world_size, output.numel(), output.dtype, "scatter_list")
         # every rank passes the whole tensor's shape; only src's contents are read
         whole = torch.empty(output.numel() * self.mesh.world_size, dtype=output.dtype)
         prepared = collectives.prepare_scatter(self.mesh, whole, src)
