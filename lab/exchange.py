@@ -28,7 +28,7 @@ from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLos
 from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, FlightRecorder, Position, TraceFile
 from lab.issue import IssueQueue
 from lab.membership import Membership
-from lab.ops import DType, Reduction, reduction
+from lab.ops import DTYPES, DType, Reduction, reduction
 from lab.plane import BOOKED, LEDGER_WORDS, RING, SEQ, CompiledCall, CompiledPlane, Report
 from lab.transport.base import Recv, Send, TagMismatch, Transport, silence_error
 
@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 
 #: What a collective with no trace row passes as its counters before (see Exchange._begin).
 _UNTRACED = (0, 0, 0)
+#: A fingerprint as the int64 words ranks exchange to agree (Exchange.agree).
+FINGERPRINT_WORDS = fingerprint.FINGERPRINT.size // 8
+_INT64 = DTYPES["int64"]
+#: Rooted signatures an Exchange remembers as agreed at most (past this, ranks agree again).
+MAX_AGREED = 256
 
 
 class Channels:
@@ -51,12 +56,29 @@ class Channels:
             transport, transport_name, recv_timeout_ms, trace
         self.placement = placement
         self.issue = IssueQueue(transport.rank)  # shared by every sub-mesh: one issue order
+        # What a long wait in the shared memory (the mailboxes, the two-shot) calls: it drains the
+        # pipes meanwhile (kernels.mailbox.call_hook). Held weakly: the hook must not keep us alive.
+        park_pending = getattr(transport, "park_pending", None)
+        self.hook = 0 if park_pending is None else mailbox_status.register_hook(_parking(weakref.WeakMethod(park_pending)))
+        weakref.finalize(self, mailbox_status.unregister_hook, self.hook)
         # Small collectives in one Numba call, where the transport has mailboxes (shm): lab.plane
         mailbox = getattr(transport, "mailbox", None)
-        self.plane = CompiledPlane(mailbox) if mailbox is not None else None
+        self.plane = CompiledPlane(mailbox, self.hook) if mailbox is not None else None
+        if getattr(transport, "scratch", None) is not None:
+            transport.scratch.hook = self.hook
         self.clean = True  # False once a transfer failed half-way: peers may hold its messages
         self.closed = False
         self.next_context = 1  # past every sub-mesh context id this rank has used (Mesh.split)
+
+
+def _parking(park_pending: weakref.WeakMethod) -> Callable[[np.ndarray], None]:
+    """The hook of a transport's ``park_pending`` (while it lives), for the collective whose
+    fingerprint a compiled wait hands it."""
+    def hook(tag: np.ndarray) -> None:
+        park = park_pending()
+        if park is not None:
+            park(tag.tobytes(), "a wait in the shared memory")
+    return hook
 
 
 class Exchange:
@@ -91,6 +113,9 @@ class Exchange:
         self._recorder = FlightRecorder(self._ledger[RING:].reshape(FLIGHT_RECORDER_SIZE, 2))
         self._counters = Counters(self._ledger[BOOKED:BOOKED + len(BOOKED_KEYS)])
         self.templates: dict = {}  # plain calls' checks and choices, by their arguments (lab.collectives)
+        # The rooted collectives' signatures every rank has agreed on (see collective): added in
+        # issue order, and cleared at the same size, on every rank alike.
+        self._agreed: set[tuple] = set()
 
     def _view(self, membership: Membership) -> Exchange:
         """A mesh of this one's type over ``membership`` (a sub-mesh's): the same channels, its
@@ -183,7 +208,11 @@ class Exchange:
 
     def _run_compiled(self, call: CompiledCall, operands: tuple) -> None:
         self._position.step += 1
-        if call(self._tag, self.recv_timeout_ms, operands) != mailbox_status.OK:
+        try:
+            status = call(self._tag, self.recv_timeout_ms, operands)
+        except BaseException as exc:  # raised by a long wait's hook (a signal handler's, a mismatch)
+            raise mailbox_status.hook_error(exc) from None
+        if status != mailbox_status.OK:
             _raise_compiled_failure(self, call)
         bytes_sent, bytes_received, messages_sent, messages_received = call.counts()
         self._count(bytes_sent=bytes_sent, bytes_received=bytes_received, messages_sent=messages_sent,
@@ -282,11 +311,62 @@ class Exchange:
         """
         record, start_ns, before = self._begin(name, algorithm, dtype, count, op, root, compiled)
         try:
+            signature = (name, algorithm, dtype.code, count, op, root)
+            if root >= 0 and signature not in self._agreed:
+                self._agree_on_root(signature)
             yield
         except BaseException as exc:
             self._failed(record, exc)
             raise
         self._done(record, start_ns, before)
+
+    def _agree_on_root(self, signature: tuple) -> None:
+        """At the first run of a rooted collective of ``signature``, compare every rank's
+        fingerprint of it (its root above all) before any of its messages: ranks that disagree on
+        the root may never receive from each other (two roots that only send return their own
+        data), so its own messages cannot catch them. Once agreed, later runs of the signature
+        (and its lane, :func:`lab.collectives.prepared.make_lane`) go without."""
+        tag = self._tag
+        everyone = self._fingerprints(tag)
+        self._tag, self._position.step = tag, 0  # every message taken: nothing in flight, ranks in step
+        for src, theirs in enumerate(everyone):
+            if theirs != tag:
+                raise self._mismatch(self._membership.to_global(src), theirs)
+        if len(self._agreed) >= MAX_AGREED:
+            self._agreed.clear()
+        self._agreed.add(signature)
+
+    def agree(self, signature: Signature) -> list[bytes]:
+        """Every rank's fingerprint of ``signature`` (numbered 0), in rank order, from one
+        internal collective numbered as a collective (a plan's ranks compare their plans with it
+        at init, :mod:`lab.plans`). A rooted signature that every rank holds is agreed, as at
+        its collective's first run."""
+        name, algorithm, dtype, count, op, root, _ = signature
+        record = self._enter("agree", "", "int64", FINGERPRINT_WORDS, "", -1)
+        mine = fingerprint.pack(self._membership.context, 0, name, algorithm, dtype.code, op, root, count)
+        try:
+            everyone = self._fingerprints(mine)
+        except BaseException as exc:
+            self._failed(record, exc)
+            raise
+        record.state, record.step = "done", self._position.step
+        if root >= 0 and everyone.count(mine) == len(everyone):
+            self._agreed.add((name, algorithm, dtype.code, count, op, root))
+        return everyone
+
+    def _fingerprints(self, mine: bytes) -> list[bytes]:
+        """Every rank's ``mine``, in rank order: this rank's sent to every other rank in one step,
+        under the fingerprint of an "agree" collective (which no user call has) of the current
+        number. Not counted: no payload of the program's."""
+        everyone = np.zeros((self.world_size, FINGERPRINT_WORDS), np.int64)
+        everyone[self.rank] = np.frombuffer(mine, np.int64)
+        others = [r for r in range(self.world_size) if r != self.rank]
+        self._tag = fingerprint.pack(self._membership.context, int(self._ledger[SEQ]), "agree", "", _INT64.code,
+                                     "", -1, FINGERPRINT_WORDS)
+        if others:
+            self._exchange([Send(r, everyone[self.rank]) for r in others],
+                           [Recv(r, everyone[r]) for r in others], counted=False)
+        return [row.tobytes() for row in everyone]
 
     def _begin(self, name: str, algorithm: str, dtype: DType, count: int, op: str, root: int,
                compiled: bool) -> tuple[FlightRecord, int, tuple[int, int, int]]:
@@ -306,6 +386,13 @@ class Exchange:
         self._ledger[SEQ] += 1
         return self._note(int(self._ledger[SEQ]), name, algorithm, dtype_name, count, op, root)
 
+    def refused(self) -> None:
+        """Number a collective that was refused before it ran (an earlier asynchronous call's
+        failure raised in its place: :meth:`lab.issue.IssueQueue.wait_all`). Its peers ran theirs:
+        this rank's next collective takes the number after it, and meets a mismatch there rather
+        than pair with the wrong call of theirs."""
+        self._enter("(refused)", "", "", 0, "", -1).state = "failed (refused: an earlier failure was raised)"
+
     def _note(self, seq: int, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int,
               step: int = 0) -> FlightRecord:
         """Say where this rank is (collective ``seq`` at ``step``) and note it in the flight recorder."""
@@ -314,9 +401,16 @@ class Exchange:
         return self._recorder.note(FlightRecord(seq, name, algorithm, dtype_name, count, op, root))
 
     def _failed(self, record: FlightRecord, exc: BaseException) -> None:
-        record.state, record.step = f"failed ({type(exc).__name__})", self._position.step
+        """Record the failure; where the channels are left unclean, tell the peers what this rank
+        found, and raise instead the root cause a peer's notice names, if any
+        (:meth:`lab.transport.base.Transport.share_failure`)."""
         if self._position.step:  # messages may be in flight: this mesh can't be reused
             self.clean = False
+        cause = exc if self.clean or not isinstance(exc, LabError) else \
+            self._transport.share_failure(exc, self._position, self.recv_timeout_ms / 1000)
+        record.state, record.step = f"failed ({type(cause).__name__})", self._position.step
+        if cause is not exc:
+            raise cause from exc
 
     def _done(self, record: FlightRecord, start_ns: int, before: tuple[int, int, int]) -> None:
         record.state, record.step = "done", self._position.step
@@ -371,7 +465,14 @@ class PlannedRun:
         if self._exchange._trace is not None:
             with self._exchange.collective(*self._signature):
                 self._exchange._run_compiled(self._traced, operands)
-        elif self._entry(self._region, self._config, self._ledger, *operands) != mailbox_status.OK:
+            return
+        try:
+            status = self._entry(self._region, self._config, self._ledger, *operands)
+        except BaseException as exc:  # raised by a long wait's hook (a signal handler's, a mismatch)
+            exchange, raised = self._exchange, mailbox_status.hook_error(exc)
+            exchange._failed(exchange._note(int(self._ledger[SEQ]), *self._record, step=1), raised)
+            raise raised from None
+        if status != mailbox_status.OK:
             self._raise_failure()
 
     def _raise_failure(self) -> None:

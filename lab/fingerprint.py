@@ -18,9 +18,13 @@ from typing import NamedTuple
 
 from lab.ops import DTYPES_BY_CODE, DType
 
-#: Wire codes: a collective's position in this tuple (0: point-to-point; split: Mesh.split's exchange).
+#: Wire codes: a collective's position in this tuple (0: point-to-point). The last two are the lab's
+#: own, which no user call makes: split (Mesh.split's exchange) and agree (ranks comparing their
+#: fingerprints: a plan's at init, a rooted collective's at its first call; Exchange.agree).
 COLLECTIVES = ("send/recv", "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all",
-               "barrier", "gather", "scatter", "split")
+               "barrier", "gather", "scatter", "split", "agree")
+#: The collectives a program calls (and registers algorithms for).
+PUBLIC_COLLECTIVES = COLLECTIVES[1:-2]
 REDUCE_OPS = ("", "sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 
 FINGERPRINT = struct.Struct("<IiQBBBBiq")
@@ -74,15 +78,17 @@ def disagreeing(tag: bytes, unconsumed: dict[int, list[bytes]]) -> tuple[int, by
     return None
 
 
-def describe(tag: bytes) -> str:
-    """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag."""
+def describe(tag: bytes, numbered: bool = True) -> str:
+    """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag (any bytes: a field out of
+    range is shown as its number); ``numbered`` False leaves out the ``#7``."""
     if len(tag) < FINGERPRINT.size:
         return f"an unrecognised message ({len(tag)}-byte tag)"
     context, p2p_tag, seq, coll, algo, code, op, root, count = FINGERPRINT.unpack_from(tag)
     dtype = DTYPES_BY_CODE[code].name if code in DTYPES_BY_CODE else "meta"
-    text = f"{COLLECTIVES[coll]} #{seq} {dtype}[{count}]"
+    text = COLLECTIVES[coll] if coll < len(COLLECTIVES) else f"collective {coll}"
+    text += f" #{seq} {dtype}[{count}]" if numbered else f" {dtype}[{count}]"
     if op:
-        text += f" {REDUCE_OPS[op]}"
+        text += f" {REDUCE_OPS[op]}" if op < len(REDUCE_OPS) else f" op {op}"
     if root >= 0:
         text += f" root={root}"
     if p2p_tag:

@@ -40,10 +40,12 @@ class Work:
 
     def __init__(self, future: Future) -> None:
         self._future = future
+        self.raised = False  # its failure reached the program (wait, result): no later call raises it again
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the collective completes; re-raise its error if it failed. Returns True."""
-        self._future.result(timeout)
+        """Block until the collective completes; re-raise its error if it failed (the program has
+        it then: a later call on the mesh does not raise it again). Returns True."""
+        self._outcome(timeout)
         return True
 
     def is_completed(self) -> bool:
@@ -55,8 +57,16 @@ class Work:
         self._future.add_done_callback(lambda _: callback(self))
 
     def result(self) -> Any:
-        """What the synchronous call would have returned (waits first)."""
-        return self._future.result()
+        """What the synchronous call would have returned (waits first; raises as :meth:`wait`)."""
+        return self._outcome(None)
+
+    def _outcome(self, timeout: float | None) -> Any:
+        try:
+            return self._future.result(timeout)
+        except BaseException:
+            if self._future.done():  # (not our wait's own limit)
+                self.raised = True
+            raise
 
 
 class IssueQueue:
@@ -76,15 +86,17 @@ class IssueQueue:
         self._counting = threading.Lock()  # (two user threads may issue at once: no lost count)
         self.closed = False  # the mesh was closed: every later call is refused, on every transport
 
-    def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "") -> Any:
+    def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "",
+              refused: Callable[[], None] | None = None) -> Any:
         """Run ``run`` (a collective's communication) now, or on the communication thread.
 
         A call made by a ``run`` that is being driven (the torch backend's composite operations,
         on the communication thread) runs inline: it is already in its place in the order.
         ``p2p="send"``, ``"recv"``: a point-to-point call; a receive issued before an asynchronous
-        send may run it while waiting (:meth:`run_sends_behind`)."""
+        send may run it while waiting (:meth:`run_sends_behind`). ``refused``: what numbers the
+        collective of ``run`` where an earlier failure is raised in its place (see :meth:`wait_all`)."""
         if async_op is False and not p2p:
-            return self.run_collective(run)
+            return self.run_collective(run, refused)
         self.check_owner()
         if self._local.driving:
             result = run()
@@ -105,9 +117,9 @@ class IssueQueue:
             self.wait_all()
         return self._drive(run)
 
-    def run_collective(self, run: Callable[[], Any]) -> Any:
-        """``issue(run, async_op=False)`` for a collective, written out: a small collective's
-        whole cost is a few microseconds, and this is on its path."""
+    def run_collective(self, run: Callable[[], Any], refused: Callable[[], None] | None = None) -> Any:
+        """``issue(run, async_op=False, refused=refused)`` for a collective, written out: a small
+        collective's whole cost is a few microseconds, and this is on its path."""
         if self.closed or _pid[0] != self._owner_pid:
             self.check_owner()
         local = self._local
@@ -116,27 +128,33 @@ class IssueQueue:
         with self._counting:
             self.issued += 1
         if self._pending:
-            self.wait_all()
+            self._wait_all_before(refused)
         with self._driving:
             local.driving = True
             try:
                 return run()
+            except Exception as exc:
+                if self.closed:  # (the closed channels fail it at once, in whatever way they happen to)
+                    raise self._closed_error(exc) from exc
+                raise
             finally:
                 local.driving = False
 
-    def run_alone(self, run: Callable[..., Any], *args: Any) -> Any:
+    def run_alone(self, run: Callable[..., Any], *args: Any,
+                  refused: Callable[[], None] | None = None) -> Any:
         """:meth:`run_collective` of ``run(*args)``, a run that issues no call of its own (one
         compiled collective): where nothing is pending and no thread drives, it runs at once,
         uncounted in :attr:`issued` (no asynchronous send is held back, so none can be run ahead
         of it)."""
         if self._pending or self.closed or _pid[0] != self._owner_pid or not self._driving.acquire(False):
-            return self.run_collective(functools.partial(run, *args))  # (this thread driving: inline; another: wait)
+            # (this thread driving: inline; another: wait)
+            return self.run_collective(functools.partial(run, *args), refused)
         try:
             return run(*args)
         finally:
             self._driving.release()
 
-    def issue_now(self, run: Callable[[], Any]) -> Work:
+    def issue_now(self, run: Callable[[], Any], refused: Callable[[], None] | None = None) -> Work:
         """``issue(run, async_op=True)``, run on this thread when nothing is in flight: for a small
         collective the hand-off to the communication thread costs more than the collective. The
         Work returned is complete, with the result or the failure (raised by ``wait``)."""
@@ -146,7 +164,7 @@ class IssueQueue:
         self._count(run, "")
         done: Future = Future()
         try:
-            self.wait_all()  # a failure of an earlier async call surfaces here, as a synchronous call's would
+            self._wait_all_before(refused)  # an earlier async failure surfaces here, as in a synchronous call
             done.set_result(self._drive(run))
         except BaseException as exc:  # noqa: BLE001 - the Work carries it to wait()
             done.set_exception(exc)
@@ -184,8 +202,17 @@ class IssueQueue:
             self._local.driving = True
             try:
                 return run()
+            except Exception as exc:
+                if self.closed:  # (the closed channels fail it at once, in whatever way they happen to)
+                    raise self._closed_error(exc) from exc
+                raise
             finally:
                 self._local.driving = False
+
+    def _closed_error(self, exc: Exception) -> LabError:
+        """The error of a call that failed with ``exc`` because the mesh was closed while it ran."""
+        return LabError(f"rank {self._rank}: the mesh was closed while this call ran "
+                        f"(it failed with {type(exc).__name__}: {exc})")
 
     def check_owner(self) -> None:
         """Refuse a process forked inside ``fn``: its messages would interleave with the rank's."""
@@ -201,15 +228,38 @@ class IssueQueue:
         return any(not work.is_completed() for work in self._pending)
 
     def wait_all(self) -> None:
-        """Wait for every asynchronous call issued so far; raise the first failure."""
+        """Wait for every asynchronous call issued so far; raise the first failure the program
+        has not had yet (from the Work's ``wait`` or ``result``, or an earlier ``wait_all``)."""
         pending, self._pending = self._pending, []
+        first: BaseException | None = None
         for work in pending:
-            work.wait()
+            had = work.raised
+            try:
+                work.wait()
+            except BaseException as exc:
+                if not work.is_completed():
+                    raise  # our own wait interrupted (Ctrl-C), not the call's failure
+                if first is None and not had:
+                    first = exc
+        if first is not None:
+            raise first
+
+    def _wait_all_before(self, refused: Callable[[], None] | None) -> None:
+        """:meth:`wait_all` before a call runs. Where a failure is raised in its place, the call
+        does not run, and ``refused`` numbers its collective all the same: its peers ran theirs,
+        and this rank's next collective must not pair with the wrong one of theirs (it meets a
+        mismatch instead: :meth:`lab.exchange.Exchange.refused`)."""
+        try:
+            self.wait_all()
+        except BaseException:
+            if refused is not None:
+                refused()
+            raise
 
     def close(self) -> None:
-        """Stop the communication thread, after the transport closed: a call it is still running
-        fails at once on the closed channels; queued ones are cancelled. Not joined: a call blocked
-        on a live peer would hold us up to its deadline, and the process ends soon anyway."""
+        """Stop the communication thread, before the transport closes: queued calls are
+        cancelled, and one still running fails on the closed channels with a LabError saying so.
+        Not joined: the process ends soon anyway."""
         self.closed = True
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)

@@ -120,14 +120,15 @@ class Mesh(PointToPoint):
                    placement=placement, hosts=hosts)
 
     def close(self) -> None:
-        """Release the transport, then stop the communication thread (a collective it is still
-        running fails at once on the closed channels; queued ones are cancelled). A sub-mesh owns
-        nothing: closing it does nothing (its root's close ends it)."""
+        """Stop the communication thread, then release the transport: queued collectives are
+        cancelled, and one still running fails at once on the closed channels, with a
+        :class:`lab.LabError` saying the mesh was closed. A sub-mesh owns nothing: closing it does
+        nothing (its root's close ends it)."""
         if self._membership.members is not None:
             return
         self._channels.closed = True
+        self._channels.issue.close()  # (first: what fails on the closed channels is told apart)
         self._transport.close()
-        self._channels.issue.close()
 
     # -- sub-meshes ----------------------------------------------------------------------------
 

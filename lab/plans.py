@@ -27,10 +27,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from lab import fingerprint
-from lab.collectives import (Prepared, allgather, prepare_all_to_all, prepare_allgather, prepare_allreduce,
+from lab.collectives import (Prepared, prepare_all_to_all, prepare_allgather, prepare_allreduce,
                              prepare_barrier, prepare_broadcast, prepare_gather, prepare_reduce, prepare_reduce_scatter,
                              prepare_scatter)
 from lab.errors import CollectiveMismatchError, LabError
@@ -53,6 +51,7 @@ class Plan:
         compiled = prepared.planned and prepared.planned()
         self._run_now = compiled or prepared.run
         self._issue = self._queue.run_alone if compiled else self._queue.run_collective
+        self._refused = mesh.refused  # (numbers a run refused for an earlier failure: lab.issue)
 
     @property
     def collective(self) -> str:
@@ -65,7 +64,7 @@ class Plan:
 
     def __call__(self) -> Any:
         """Run the collective now on the tensor's current contents; return what the plain call does."""
-        return self._issue(self._run())
+        return self._issue(self._run(), refused=self._refused)
 
     def start(self) -> Work:
         """Run it asynchronously (in issue order with this mesh's other calls); return a :class:`lab.Work`."""
@@ -97,19 +96,18 @@ class Plan:
 
 
 def _agree(mesh: Mesh, prepared: Prepared) -> None:
-    """Every rank's plan, compared on every rank (one allgather of 32-byte fingerprints)."""
-    sig = prepared.signature
-    mine = fingerprint.pack(0, 0, sig.collective, sig.algorithm, sig.dtype.code, sig.op, sig.root, sig.count)
-    words = np.frombuffer(mine, np.int64).copy()  # 32 bytes as four int64 words
-    everyone = allgather(mesh, words).reshape(mesh.world_size, words.size)
+    """Every rank's plan, compared on every rank (their fingerprints exchanged in the lab's own
+    "agree" collective, which no user call can be taken for: :meth:`lab.Mesh.agree`)."""
+    everyone = mesh.issue(lambda: mesh.agree(prepared.signature), async_op=False)
+    mine = everyone[mesh.rank]
     for rank, theirs in enumerate(everyone):
-        if theirs.tobytes() != mine:
-            raise CollectiveMismatchError(
-                f"plans differ: rank {mesh.rank}'s is {_shown(mine)}; rank {rank}'s is {_shown(theirs.tobytes())}")
+        if theirs != mine:
+            raise CollectiveMismatchError(f"plans differ: rank {mesh.rank}'s is {_shown(mine)}; "
+                                          f"rank {rank}'s is {_shown(theirs)}")
 
 
 def _shown(tag: bytes) -> str:
-    return fingerprint.describe(tag).replace(" #0", "")
+    return fingerprint.describe(tag, numbered=False)
 
 
 def allreduce_init(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Plan:

@@ -26,11 +26,12 @@ class PointToPoint(Exchange):
 
     # -- issuing collectives, synchronously or not ----------------------------------------------
 
-    def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "") -> Any:
+    def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "", numbered: bool = True) -> Any:
         """Run a collective's (or, ``p2p="send"``/``"recv"``, a send's or receive's)
         communication now, or on the communication thread (one issue order for a root mesh and
-        its sub-meshes: :class:`lab.issue.IssueQueue`)."""
-        return self._channels.issue.issue(run, async_op, p2p)
+        its sub-meshes: :class:`lab.issue.IssueQueue`). ``numbered`` False: ``run`` is no
+        collective (a synchronous send, receive or probe), so a refusal numbers none."""
+        return self._channels.issue.issue(run, async_op, p2p, self.refused if numbered and not p2p else None)
 
     @property
     def issue_queue(self) -> IssueQueue:
@@ -40,7 +41,7 @@ class PointToPoint(Exchange):
     def issue_now(self, run: Callable[[], Any]) -> Any:
         """``issue(run, async_op=True)``, run on this thread when nothing is in flight; the Work
         returned is then complete (:meth:`lab.issue.IssueQueue.issue_now`)."""
-        return self._channels.issue.issue_now(run)
+        return self._channels.issue.issue_now(run, self.refused)
 
     @property
     def in_flight(self) -> bool:
@@ -92,7 +93,7 @@ class PointToPoint(Exchange):
             self._tag = self._p2p_tag(tag, seq, buffer.dtype.code, buffer.numel)
             self._exchange([Send(dst, buffer.load())], [])  # read now, after the async work before it
 
-        self.issue(run, async_op=False)
+        self.issue(run, async_op=False, numbered=False)
 
     def recv(self, src: int | None, timeout_ms: float | None = None, tag: int = 0) -> Any:
         """Receive the next tensor rank ``src`` sent to this rank with ``tag``: same kind, dtype
@@ -129,7 +130,7 @@ class PointToPoint(Exchange):
                                     others)
             return chosen, self._receive(chosen, tag, timeout_ms)
 
-        return self.issue(run, async_op=False)
+        return self.issue(run, async_op=False, numbered=False)
 
     def probe(self, src: int | None, tag: int = 0, timeout_ms: float | None = None) -> int | None:
         """The rank whose next tensor of ``tag`` for this rank has arrived: ``src``, or with
@@ -147,7 +148,7 @@ class PointToPoint(Exchange):
             src = int(src)
         elif self.world_size == 1:
             raise ValueError("src=None probes any other rank; this mesh has only one rank")
-        return self.issue(lambda: self._ready_source(src, tag, timeout_ms), async_op=False)
+        return self.issue(lambda: self._ready_source(src, tag, timeout_ms), async_op=False, numbered=False)
 
     def _ready_source(self, src: int | None, tag: int, timeout_ms: float | None) -> int | None:
         """``src`` (None: any rank) if its next tensor of ``tag`` has arrived within ``timeout_ms``, else None."""

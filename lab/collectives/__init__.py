@@ -121,15 +121,16 @@ def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "a
     buffer = as_buffer(tensor)
     chosen = pick(mesh, "broadcast", algorithm, buffer.nbytes)
     signature = Signature("broadcast", chosen, buffer.dtype, buffer.numel, root=root)
-    if buffer.shared and type(tensor) is torch.Tensor:
-        make_lane(mesh, lane_key("broadcast", tensor, src, algorithm), signature, ALGORITHMS["broadcast"][chosen],
-                  (buffer.flat, root))
+    lane_under = lane_key("broadcast", tensor, src, algorithm) if buffer.shared and type(tensor) is torch.Tensor \
+        else None
 
     def run() -> Any:
         flat = buffer.load()
         with mesh.collective(*signature):
             mesh.run(ALGORITHMS["broadcast"][chosen], flat, root)
         buffer.write_back()
+        if lane_under is not None:  # once the ranks agreed on the root (at its first run: Mesh.collective)
+            make_lane(mesh, lane_under, signature, ALGORITHMS["broadcast"][chosen], (buffer.flat, root))
         return tensor
 
     def planned() -> Callable[[], Any] | None:

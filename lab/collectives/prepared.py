@@ -68,25 +68,28 @@ def compiled_run(mesh: Mesh, signature: Signature, algorithm: Any, args: tuple, 
 
 
 class Lane:
-    """A plain allreduce's or broadcast's shortest way, made by its first call and kept with its
-    template: a later call with the same arguments on an exact ``torch.Tensor`` of the same dtype
-    and size, contiguous and on the CPU, runs the compiled call on the tensor's memory by its
-    address (no checks repeated, no buffer wrapped, no numpy view made, nothing of the tensor
-    kept), in issue order as a plan's run (:meth:`lab.issue.IssueQueue.run_alone`)."""
+    """A plain allreduce's or broadcast's shortest way, made by its first call (a broadcast's once
+    that call ran: its ranks agreed on the root) and kept with its template: a later call with the
+    same arguments on an exact ``torch.Tensor`` of the same dtype and size, contiguous and on the
+    CPU, runs the compiled call on the tensor's memory by its address (no checks repeated, no
+    buffer wrapped, no numpy view made, nothing of the tensor kept), in issue order as a plan's
+    run (:meth:`lab.issue.IssueQueue.run_alone`)."""
 
-    __slots__ = ("_nbytes", "_rest", "_run", "_run_alone")
+    __slots__ = ("_nbytes", "_refused", "_rest", "_run", "_run_alone")
 
     def __init__(self, mesh: Mesh, run: PlannedRun, nbytes: int, rest: tuple) -> None:
         self._run, self._nbytes, self._rest, self._run_alone = run, nbytes, rest, mesh.issue_queue.run_alone
+        self._refused = mesh.refused
 
     def __call__(self, tensor: torch.Tensor) -> None:
-        self._run_alone(self._run, (tensor.data_ptr(), self._nbytes, *self._rest))
+        self._run_alone(self._run, (tensor.data_ptr(), self._nbytes, *self._rest), refused=self._refused)
 
 
 def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
     """Where the :class:`Lane` of a plain call of ``collective`` on ``tensor`` with ``arguments``
-    (as the caller passed them) is kept in ``mesh.templates``."""
-    return (collective, tensor.dtype, tensor.numel(), lab_algo(), *arguments)
+    (as the caller passed them) is kept in ``mesh.templates``. Keyed by their types too: ``True``,
+    ``1.0`` and ``1+0j`` hash as ``1`` does, and a call with one of them must meet its checks."""
+    return (collective, tensor.dtype, tensor.numel(), lab_algo(), *arguments, *map(type, arguments))
 
 
 def find_lane(mesh: Mesh, collective: str, tensor: Any, *arguments: Any) -> Lane | None:

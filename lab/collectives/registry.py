@@ -88,7 +88,7 @@ def register(algorithm: Algorithm) -> None:
 
     The table above calls it for the lab's own; a program can call it for one of its own (in a
     module every rank imports, so that every rank's registry holds it)."""
-    collectives = fingerprint.COLLECTIVES[1:-1]  # not point-to-point, not split
+    collectives = fingerprint.PUBLIC_COLLECTIVES
     if algorithm.collective not in collectives:
         raise ValueError(f"collective must be one of {', '.join(collectives)}; got {algorithm.collective!r}")
     known = ALGORITHMS.setdefault(algorithm.collective, {})
