@@ -44,9 +44,12 @@ after raising its sleeping flag; a sender or receiver that makes progress bumps 
 a sleeping peer and wakes it. While waiting it reads the monotonic clock: past ``deadline_ns``
 without progress the status becomes SILENCE; every millisecond it polls the liveness pipe of
 each peer it waits for, and a pipe whose writer died (POLLHUP/POLLERR) makes it PEER_LOST,
-unless a last look finds the peer's message published after all. Failures never raise nor hang
-inside compiled code: ``status`` is set, every later transfer of the collective returns at once,
-and the caller checks ``status`` after the call and raises a proper Python error. After a
+unless a last look finds the peer's message published after all. A mailbox whose ``hook`` is
+set (:func:`register_hook`) calls it every 10 ms of a wait and whenever a peer's pipe has
+something (:func:`call_hook`: signal handlers run, the pipes are drained). Failures never raise
+nor hang inside compiled code: ``status`` is set, every later transfer of the collective returns
+at once, and the caller checks ``status`` after the call and raises a proper Python error; only
+what a hook (or a signal handler) raises propagates (:func:`hook_error` finds it). After a
 failure the rings of that mesh are not reusable (a message may be half sent).
 :func:`pending_fingerprints` reads, from plain Python after a failure, the fingerprint of each
 message published to a rank and not yet taken.
@@ -105,12 +108,15 @@ from __future__ import annotations
 
 import platform
 import sys
+import warnings
+from collections.abc import Callable
 
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import carray, njit, types
+from numba import carray, njit, objmode, types
 from numba.core import cgutils
+from numba.core.errors import NumbaWarning
 from numba.experimental import structref
 from numba.extending import intrinsic, overload, overload_method, register_jitable
 
@@ -152,6 +158,7 @@ DEFAULT_YIELD_LIMIT = 8  # sched_yield calls before sleeping on the futex
 FUTEX_TIMEOUT_NS = 1_000_000  # a sleep's longest nap: bounds a missed wake and the clock checks
 LIVENESS_INTERVAL_NS = 1_000_000  # how often a wait polls its peers' liveness pipes
 CLOCK_EVERY_SPINS = 256  # a spinning wait reads the clock only this often
+HOOK_INTERVAL_NS = 10_000_000  # how often a wait calls its hook when no pipe has anything (see call_hook)
 
 
 # Plain Python that compiled code calls too (register_jitable): the shm transport sizes the region
@@ -431,9 +438,9 @@ def bytes_at(address, nbytes):
 CLOCK_MONOTONIC = 1
 SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(_MACHINE, -1)
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # not FUTEX_PRIVATE_FLAG: the word is shared between processes
-POLLERR, POLLHUP = 0x008, 0x010
-# struct pollfd {int fd; short events; short revents} in one int64 word: where fd and revents sit.
-_FD_SHIFT, _REVENTS_SHIFT = (0, 48) if sys.byteorder == "little" else (32, 0)
+POLLIN, POLLERR, POLLHUP = 0x001, 0x008, 0x010
+# struct pollfd {int fd; short events; short revents} in one int64 word: where fd, events and revents sit.
+_FD_SHIFT, _EVENTS_SHIFT, _REVENTS_SHIFT = (0, 32, 48) if sys.byteorder == "little" else (32, 16, 0)
 
 
 @njit(inline="always", cache=True)
@@ -485,6 +492,78 @@ def peer_gone(fd):
     return ((pollfd[0] >> _REVENTS_SHIFT) & (POLLHUP | POLLERR)) != 0
 
 
+# --- a long wait's hook into Python -----------------------------------------------------------------
+# A compiled wait holds no GIL and runs no bytecode, so while it lasts the main thread's signal
+# handlers cannot run and nobody reads the pipes that the Python path's messages travel on (a peer
+# that sends a large message there waits for credits this rank would return). So a wait with a
+# hook calls it, with the GIL, every HOOK_INTERVAL_NS and whenever a peer's pipe has something:
+# entering Python runs the pending handlers, and the hook drains the pipes. What a handler or the
+# hook raises propagates through the compiled caller (a collective interrupted half-way: its rings
+# are not reusable, as after a failure).
+
+#: Python callables by number (``MailboxPeers.hook``; 0: none), each taking the waiting
+#: collective's fingerprint (uint8[32]); see :func:`register_hook`.
+_HOOKS: dict[int, Callable[[np.ndarray], None]] = {}
+# Entering object mode from a nogil function is what call_hook is for: Numba's warning says so.
+warnings.filterwarnings("ignore", message="Code running in object mode won't allow parallel execution",
+                        category=NumbaWarning)
+
+
+def register_hook(hook: Callable[[np.ndarray], None]) -> int:
+    """Register ``hook`` for waits to call (see :func:`call_hook`); its number (never 0)."""
+    number = max(_HOOKS, default=0) + 1
+    _HOOKS[number] = hook
+    return number
+
+
+def unregister_hook(number: int) -> None:
+    """Forget hook ``number`` (a wait that still names it calls nothing)."""
+    _HOOKS.pop(number, None)
+
+
+def _run_hook(number: int, fingerprint: np.ndarray) -> None:
+    hook = _HOOKS.get(number)
+    if hook is not None:
+        hook(fingerprint)
+
+
+def hook_error(exc: BaseException) -> BaseException:
+    """What a hook, or a signal handler run as the hook was entered, raised out of a compiled
+    call, from what the call raised: Numba's object mode misses an error at one point where a
+    pending handler may raise (its own Python helper), and CPython then reports SystemErrors
+    chained to the real one."""
+    while isinstance(exc, SystemError) and exc.__cause__ is not None \
+            and "returned a result with an exception set" in str(exc):
+        exc = exc.__cause__
+    return exc
+
+
+@njit(cache=True, nogil=True)
+def call_hook(number, fingerprint):
+    """Call hook ``number`` (0: none) with ``fingerprint``, holding the GIL meanwhile."""
+    if number != 0:
+        with objmode():
+            _run_hook(number, fingerprint)
+
+
+@njit(cache=True, nogil=True)
+def pipes_readable(fds):
+    """Whether any of the pipes ``fds`` (-1: none) has something to read now."""
+    pollfd = stack_words(1)
+    for fd in fds:
+        if fd >= 0:
+            pollfd[0] = ((fd & 0xFFFFFFFF) << _FD_SHIFT) | (POLLIN << _EVENTS_SHIFT)
+            if _poll(address_of(pollfd), 1, 0) > 0 and ((pollfd[0] >> _REVENTS_SHIFT) & POLLIN) != 0:
+                return True
+    return False
+
+
+@njit(cache=True, nogil=True)
+def hook_due(hook, fds, now, last_called):
+    """Whether a wait that last called ``hook`` at ``last_called`` calls it at ``now``."""
+    return hook != 0 and (now - last_called >= HOOK_INTERVAL_NS or pipes_readable(fds))
+
+
 # --- the mailbox --------------------------------------------------------------------------------
 
 # Rows of MailboxPeers.rings (one column per peer): where the two channels with that peer start,
@@ -494,8 +573,8 @@ OUT_CHANNEL, IN_CHANNEL = 0, 1  # byte offsets of the channels rank -> peer and 
 SENT_BY_ME, TAKEN_BY_PEER = 2, 3  # of the channel rank -> peer
 TAKEN_BY_ME, SENT_BY_PEER = 4, 5  # of the channel peer -> rank
 # MailboxPeers.waiting: the current wait's rounds without progress, when it began (0: not yet
-# timed) and when it last polled liveness.
-IDLE_ROUNDS, WAIT_STARTED, LIVENESS_CHECKED = 0, 1, 2
+# timed), when it last polled liveness and when it last called its hook.
+IDLE_ROUNDS, WAIT_STARTED, LIVENESS_CHECKED, HOOK_CALLED = 0, 1, 2, 3
 
 _FIELDS = [
     ("region", types.uint8[::1]),
@@ -521,6 +600,7 @@ _FIELDS = [
     ("yield_limit", types.int64),
     ("rings", types.int64[:, ::1]),
     ("waiting", types.int64[::1]),
+    ("hook", types.int64),
 ]
 
 
@@ -536,7 +616,7 @@ mailbox_peers_type = MailboxPeersType(_FIELDS)
 
 # Fields as the Python proxy reads them: the scalars in one call, the arrays in another.
 _SCALARS = ("rank", "world_size", "slot_bytes", "depth", "status", "failed_peer", "peer_bytes", "deadline_ns",
-            "spin_limit", "yield_limit")
+            "spin_limit", "yield_limit", "hook")
 _ARRAYS = ("region", "liveness_fds", "fingerprint", "peer_fingerprint", "bytes_sent", "bytes_received",
            "messages_sent", "messages_received")
 
@@ -588,7 +668,8 @@ def open_mailbox(region, rank, world_size, slot_bytes, depth, liveness_fds):
         rings[TAKEN_BY_ME, peer] = load_acquire(words, (in_channel + TAKEN) >> 3)
         rings[SENT_BY_PEER, peer] = load_acquire(words, (in_channel + SENT) >> 3)
     peers.rings = rings
-    peers.waiting = np.zeros(3, np.int64)
+    peers.waiting = np.zeros(4, np.int64)
+    peers.hook = 0
     return peers
 
 
@@ -813,7 +894,7 @@ def _py_sendrecv(peers, dst, data, src, out):
 @njit(cache=True)
 def _scalars(peers):
     return (peers.rank, peers.world_size, peers.slot_bytes, peers.depth, peers.status, peers.failed_peer,
-            peers.peer_bytes, peers.deadline_ns, peers.spin_limit, peers.yield_limit)
+            peers.peer_bytes, peers.deadline_ns, peers.spin_limit, peers.yield_limit, peers.hook)
 
 
 @njit(cache=True)
@@ -985,7 +1066,7 @@ def _idle(peers, dst, src):
         _sleep(peers, dst, src)
     now = monotonic_ns()
     if waiting[WAIT_STARTED] == 0:
-        waiting[WAIT_STARTED] = waiting[LIVENESS_CHECKED] = now
+        waiting[WAIT_STARTED] = waiting[LIVENESS_CHECKED] = waiting[HOOK_CALLED] = now
         return
     if peers.deadline_ns > 0 and now - waiting[WAIT_STARTED] >= peers.deadline_ns:
         if not _ready(peers, dst, src):
@@ -1001,6 +1082,9 @@ def _idle(peers, dst, src):
         # A last look: what the peer published before it died is still delivered.
         if lost >= 0 and not _ready(peers, dst if dst == lost else -1, src if src == lost else -1):
             peers.status, peers.failed_peer = PEER_LOST, lost
+        elif hook_due(peers.hook, peers.liveness_fds, now, waiting[HOOK_CALLED]):
+            waiting[HOOK_CALLED] = now
+            call_hook(peers.hook, peers.fingerprint)
 
 
 @njit(cache=True, nogil=True)

@@ -21,12 +21,14 @@ look" against "counter, then look", as in :mod:`kernels.mailbox`).
 Waiting spins (``pause``), then yields, then sleeps on the doorbell (at most 1 ms a nap); it
 reads the clock to give up after ``deadline_ns`` (0: never) and polls each awaited peer's liveness
 pipe every millisecond (a pipe whose writer died: the peer is lost, unless its counter moved after
-all). Nothing raises: :func:`wait_all` returns a status and the peer it concerns.
+all). :func:`wait_all` returns a status and the peer it concerns; a wait given a hook calls it
+as the mailboxes' waits do (:func:`kernels.mailbox.call_hook`: signal handlers run, the pipes are
+drained), and what the hook raises is all that propagates.
 
 Per rank, after copying its input into its slot and writing its header::
 
     publish(region, rank, world_size, FILLED, round + 1)
-    status, peer = wait_all(region, rank, world_size, FILLED, round + 1, deadline_ns, liveness_fds)
+    status, peer = wait_all(region, rank, world_size, FILLED, round + 1, deadline_ns, liveness_fds, 0, fingerprint)
     # status OK: every rank's input of this round is readable; SILENCE or PEER_LOST: ``peer``'s is not
 
 This module imports nothing from ``lab``.
@@ -47,10 +49,12 @@ from kernels.mailbox import (
     PEER_LOST,
     SILENCE,
     atomic_add,
+    call_hook,
     cpu_relax,
     fence_seq_cst,
     futex_wait,
     futex_wake,
+    hook_due,
     load_acquire,
     monotonic_ns,
     peer_gone,
@@ -104,11 +108,13 @@ def _sleep(words, doorbells, rank, index, target):
 
 
 @njit(cache=True, nogil=True)
-def _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fd):
-    """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST."""
+def _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds, hook, fingerprint):
+    """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST.
+    Every millisecond it polls ``peer``'s liveness pipe and, where due, calls ``hook`` with
+    ``fingerprint`` (:func:`kernels.mailbox.call_hook`: it drains ``liveness_fds``, the pipes)."""
     index = (peer * AREA_BYTES + field) >> 3
     rounds = 0
-    started = checked = monotonic_ns()
+    started = checked = hooked = monotonic_ns()
     while load_acquire(words, index) < target:
         rounds += 1
         if rounds <= DEFAULT_SPIN_LIMIT:
@@ -124,26 +130,31 @@ def _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fd)
             return SILENCE if load_acquire(words, index) < target else OK
         if now - checked >= LIVENESS_INTERVAL_NS:
             checked = now
-            if peer_gone(liveness_fd):  # a last look: what it published before it died still counts
+            if peer_gone(liveness_fds[peer]):  # a last look: what it published before it died still counts
                 return PEER_LOST if load_acquire(words, index) < target else OK
+            if hook_due(hook, liveness_fds, now, hooked):
+                hooked = now
+                call_hook(hook, fingerprint)
     return OK
 
 
 @njit(cache=True, nogil=True)
-def wait_all(region, rank, world_size, field, target, deadline_ns, liveness_fds):
+def wait_all(region, rank, world_size, field, target, deadline_ns, liveness_fds, hook, fingerprint):
     """Wait until every other rank's counter ``field`` is at least ``target`` (``deadline_ns``
-    without progress per peer, 0: never). Returns ``(status, peer)``: ``(OK, -1)``, or the first
-    peer that fell silent (SILENCE) or died (PEER_LOST)."""
+    without progress per peer, 0: never; ``liveness_fds[r]``: rank r's pipe; ``hook``: see
+    :func:`_wait`). Returns ``(status, peer)``: ``(OK, -1)``, or the first peer that fell silent
+    (SILENCE) or died (PEER_LOST)."""
     words, doorbells = region.view(np.int64), region.view(np.int32)
     for step in range(1, world_size):
         peer = (rank + step) % world_size
-        status = _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds[peer])
+        status = _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds, hook, fingerprint)
         if status != OK:
             return status, peer
     return OK, -1
 
 
 @njit(cache=True, nogil=True)
-def wait_one(region, rank, peer, field, target, deadline_ns, liveness_fd):
+def wait_one(region, rank, peer, field, target, deadline_ns, liveness_fds, hook, fingerprint):
     """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST."""
-    return _wait(region.view(np.int64), region.view(np.int32), rank, peer, field, target, deadline_ns, liveness_fd)
+    return _wait(region.view(np.int64), region.view(np.int32), rank, peer, field, target, deadline_ns,
+                 liveness_fds, hook, fingerprint)

@@ -12,8 +12,13 @@ hang-up (``PeerLostError``), and the counters, flight recorder and trace rows se
 
 Failures never raise inside compiled code: the mailbox records the first one, every later
 transfer of the call returns at once, and the call returns the status (with
-:meth:`CompiledCall.report`) that :meth:`lab.Mesh.run` turns into the error. The waiting policy is
-``LAB_COMPILED_SPIN`` and ``LAB_COMPILED_YIELD`` (see :func:`waiting_policy_from_env`).
+:meth:`CompiledCall.report`) that :meth:`lab.Mesh.run` turns into the error. A wait that lasts
+calls the plane's hook (``kernels.mailbox.call_hook``) every few milliseconds and whenever a pipe
+has something: the main thread's signal handlers run then, the pipes are drained (another
+mesh's messages parked, so their senders go on), and what a handler or the hook raises (a
+message of this mesh on the pipes: the ranks took different paths) propagates out of the call.
+The waiting policy is ``LAB_COMPILED_SPIN`` and ``LAB_COMPILED_YIELD`` (see
+:func:`waiting_policy_from_env`).
 
     plane = CompiledPlane(transport.mailbox)
     if plane.takes(algorithm, nbytes, args):
@@ -62,7 +67,10 @@ STATUS, FAILED_PEER, PEER_BYTES, BYTES_SENT, BYTES_RECEIVED, MESSAGES_SENT, MESS
 FINGERPRINT, PEER_FINGERPRINT = 16, 20  # 4 words each: ours (in), the failed peer's (out)
 SPIN_LIMIT, YIELD_LIMIT = 24, 25  # the waiting policy (in; kernels.mailbox)
 BOOKS, RECORD = 26, 27  # in: whether the call keeps its own books in the ledger, and under which record
-LIVENESS = 28  # one pipe descriptor per rank (-1: none)
+HOOK = 28  # in: the Python hook a long wait calls (kernels.mailbox.register_hook; 0: none)
+LIVENESS = 29  # one pipe descriptor per rank (-1: none)
+#: Deadlines past this many nanoseconds (292 years: what int64 holds) are no deadline.
+MAX_DEADLINE_NS = 2**63 - 1
 
 # Words of the ledger (CompiledPlane.ledger): the mesh's books, which a call with config[BOOKS] set
 # keeps itself (a plan's run, a plain call's template: no Python between the number and the counts).
@@ -89,12 +97,13 @@ class Report:
 class CompiledPlane:
     """One rank's compiled data plane over its transport's mailboxes (see the module docstring)."""
 
-    def __init__(self, mailbox: Any) -> None:
+    def __init__(self, mailbox: Any, hook: int = 0) -> None:
         self.region = mailbox.region
         n = mailbox.world_size
         self.config = np.zeros(LIVENESS + n, np.int64)
         self.config[[RANK, WORLD_SIZE, SLOT_BYTES, DEPTH]] = mailbox.rank, n, mailbox.slot_bytes, mailbox.depth
         self.config[[SPIN_LIMIT, YIELD_LIMIT]] = waiting_policy_from_env(n)
+        self.config[HOOK] = hook
         self.config[LIVENESS:] = mailbox.liveness_fds
         self.max_bytes = max_bytes_from_env()
         #: The books of the mesh this plane serves (see SEQ, BOOKED, RING).
@@ -170,7 +179,7 @@ class CompiledCall:
     def prepare(self, tag: bytes, timeout_ms: float) -> None:
         """Write ``tag`` and the deadline into the config (what a call reads besides its operands)."""
         self._tag[:] = tag
-        self.config[DEADLINE_NS] = 0 if timeout_ms == float("inf") else int(timeout_ms * 1e6)
+        self.config[DEADLINE_NS] = deadline_ns(timeout_ms)
 
     def run(self, operands: tuple) -> int:
         """Run one collective with the tag and deadline the config holds; its status."""
@@ -238,6 +247,14 @@ def _bounds(arg: Any, itemsize: int) -> Any:
     return np.asarray(arg, np.int64) * itemsize if isinstance(arg, list) else arg
 
 
+def deadline_ns(timeout_ms: float) -> int:
+    """``timeout_ms`` as a compiled wait's deadline in nanoseconds: 0 (none) for ``math.inf`` and
+    for what int64 nanoseconds cannot hold, at least 1 for any other (a deadline of under a
+    nanosecond is the shortest one, not none)."""
+    nanoseconds = timeout_ms * 1e6
+    return 0 if nanoseconds >= MAX_DEADLINE_NS else max(1, int(nanoseconds))
+
+
 def waiting_policy_from_env(local_ranks: int = 1) -> tuple[int, int]:
     """``LAB_COMPILED_SPIN`` and ``LAB_COMPILED_YIELD``: how many pause-spins a compiled wait makes
     before it yields, and how many ``sched_yield`` calls before it sleeps on its futex. Where
@@ -262,7 +279,7 @@ def _open(region, config):
     peers = mb.open_mailbox(region, config[RANK], n, config[SLOT_BYTES], config[DEPTH],
                             config[LIVENESS:LIVENESS + n].astype(np.int32))
     peers.begin(config[FINGERPRINT:FINGERPRINT + 4].view(np.uint8), config[DEADLINE_NS])
-    peers.spin_limit, peers.yield_limit = config[SPIN_LIMIT], config[YIELD_LIMIT]
+    peers.spin_limit, peers.yield_limit, peers.hook = config[SPIN_LIMIT], config[YIELD_LIMIT], config[HOOK]
     return peers
 
 

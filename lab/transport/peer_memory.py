@@ -29,10 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import two_shot as flags
+from kernels.mailbox import hook_error
 from lab import checks
 from lab.chunking import split_bounds
 from lab.errors import CollectiveMismatchError, LabError, PeerLostError
 from lab.ops import Reduction
+from lab.plane import deadline_ns as compiled_deadline_ns
 from lab.transport.base import TagMismatch, silence_error
 
 DEFAULT_SLOT_BYTES = 4 * 1024 * 1024
@@ -101,6 +103,8 @@ class SharedScratch:
         self._free = [(0, arena_bytes)]  # (offset in the arena, bytes): first fit
         self._block = np.empty(BLOCK_BYTES, np.uint8)
         self.rounds = 0  # two-shot rounds this rank has completed (every rank agrees)
+        #: What a long wait calls to drain the pipes and let signal handlers run (kernels.mailbox.call_hook; 0: none).
+        self.hook = 0
         self.closed = False
 
     # -- registered buffers --------------------------------------------------------------------
@@ -149,8 +153,9 @@ class SharedScratch:
         module docstring); every rank calls it with the same ``tag`` and size. Raises
         TagMismatch, CollectiveMismatchError, DeadlineError or PeerLostError naming the peer."""
         n, itemsize = self.world_size, buf.itemsize
-        deadline_ns = 0 if timeout_s == float("inf") else max(1, int(timeout_s * 1e9))
+        deadline_ns = compiled_deadline_ns(timeout_s * 1000)
         fingerprint = np.frombuffer(tag[:32].ljust(32, b"\0"), np.int64)
+        self._fingerprint = fingerprint.view(np.uint8)  # what a wait hands its hook
         registered = self.registered_offset(buf)
         data = buf.view(np.uint8)
         per_round = max(1, self.slot_bytes // itemsize)
@@ -233,12 +238,19 @@ class SharedScratch:
                 self.region[own + offset:own + offset + nbytes] = acc.view(np.uint8)
 
     def _wait_all(self, field: int, target: int, deadline_ns: int, where: object) -> None:
-        status, peer = flags.wait_all(self.region, self.rank, self.world_size, field, target, deadline_ns,
-                                      self.liveness_fds)
+        try:
+            status, peer = flags.wait_all(self.region, self.rank, self.world_size, field, target, deadline_ns,
+                                          self.liveness_fds, self.hook, self._fingerprint)
+        except SystemError as exc:  # see kernels.mailbox.hook_error
+            raise hook_error(exc) from None
         self._raise(status, peer, where)
 
     def _wait_one(self, peer: int, field: int, target: int, deadline_ns: int, where: object) -> None:
-        status = flags.wait_one(self.region, self.rank, peer, field, target, deadline_ns, self.liveness_fds[peer])
+        try:
+            status = flags.wait_one(self.region, self.rank, peer, field, target, deadline_ns, self.liveness_fds,
+                                    self.hook, self._fingerprint)
+        except SystemError as exc:
+            raise hook_error(exc) from None
         self._raise(status, peer, where)
 
     def _raise(self, status: int, peer: int, where: object) -> None:

@@ -38,23 +38,26 @@ import select
 import struct
 import termios
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lab import checks
+from lab import checks, fingerprint
 from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
 from lab.transport.base import (
     TAG_BYTES,
+    AbortNotice,
     Recv,
     Send,
     Silence,
     TagMismatch,
     Transport,
+    root_cause,
     same_context,
     silence_error,
 )
 from lab.transport.shm_endpoints import (
+    ABORT,
     CREDIT,
     CREDIT_FRAME,
     DATA,
@@ -78,6 +81,9 @@ from lab.transport.shm_endpoints import (
 
 #: Non-blocking polls before a wait blocks (``LAB_SHM_SPIN`` overrides).
 DEFAULT_SPIN = 50
+#: A wait on the pipes looks at the shared memory this often: a peer that took the compiled path
+#: or the two-shot for this collective (or left an earlier one's message there) has nothing to send here.
+SHARED_LOOK_S = 0.01
 _DRAIN_BYTES = 64 * 1024  # a whole pipe per read
 
 #: Also lab.transport.shm_endpoints' public names, re-exported: tests and older imports take them from here.
@@ -128,6 +134,7 @@ class ShmTransport(Transport):
         self._arrived: dict[int, deque] = {p: deque() for p in peers}  # descriptors not yet consumed
         self._parked: dict[int, list] = {p: [] for p in peers}  # other contexts' messages, copied out
         self._partial = {p: b"" for p in peers}  # the start of a frame whose rest is still in the pipe
+        self._notices: list[AbortNotice] = []  # what failing peers told this rank, in arrival order
         self._closed = False
 
     # -- the exchange loop -------------------------------------------------------------------
@@ -169,8 +176,8 @@ class ShmTransport(Transport):
                 # Wait for the peers that hold us up: senders out of credit, receivers with nothing queued.
                 awaited = frozenset([job.peer for job in sending] + [job.peer for job in receiving
                                                                     if not self._arrived[job.peer]])
-                if awaited:
-                    self._wait(silence, where, awaited)
+                if awaited and not self._wait(silence, where, awaited):
+                    self._raise_if_behind(self._shared.pending_fingerprints(), tag, "the shared memory", where)
 
     def _can_send(self, job: _Job) -> bool:
         return (self._eager_credits if job.eager else self._credits)[job.peer] > 0
@@ -281,6 +288,7 @@ class ShmTransport(Transport):
         while True:
             for src in expected:
                 self._drain(src, where)  # non-blocking: what is in the pipe now
+            self._raise_if_told(where)
             for src, prefix in expected.items():
                 parked = next((entry[3] for entry in self._parked[src] if same_context(entry[3], prefix)), None)
                 first = parked if parked is not None else (
@@ -296,13 +304,52 @@ class ShmTransport(Transport):
 
     # -- reading the pipes ---------------------------------------------------------------------
 
-    def _wait(self, silence: Silence, where: object, peers: frozenset[int]) -> None:
-        """Wait until one of ``peers`` sends something (spin, then poll), then take in everything they sent."""
+    def _wait(self, silence: Silence, where: object, peers: frozenset[int]) -> bool:
+        """Wait until one of ``peers`` sends something (spin, then poll), then take in everything
+        they sent; False if nothing came in a slice (at most :data:`SHARED_LOOK_S`)."""
         readable = self._poller.readable(peers, silence)
         if not readable and silence.expired():
             raise silence_error(self.rank, peers, where)
         for peer in readable:  # none: a long wait taken in slices
             self._drain(peer, where)
+        self._raise_if_told(where)
+        return bool(readable)
+
+    def _raise_if_told(self, where: object) -> None:
+        """A peer's abort notice has come that names a root cause: raised now (the wait is in vain)."""
+        cause = root_cause(self._notices, self.rank, consequences=False)
+        if cause is not None:
+            raise cause.error(self.rank, where)
+
+    def park_pending(self, tag: bytes, where: object) -> None:
+        """While this rank waits in the shared memory (the compiled path's mailboxes, the
+        two-shot's flags) in the collective of ``tag``: drain every pipe, parking other meshes'
+        messages as a receive parks them (their senders get their credits back and go on). A
+        message of this mesh's collective or an earlier one there is a mismatch, raised now."""
+        heads = {}
+        for peer in self._arrived:
+            with contextlib.suppress(PeerLostError):  # a lost peer is the wait's to report
+                self._drain(peer, where)
+            first = next((entry[3] for entry in self._parked[peer] if same_context(entry[3], tag)), None)
+            if first is None and self._ready(peer, tag, where):
+                first = self._arrived[peer][0][3]
+            if first is not None:
+                heads[peer] = [first]
+        self._raise_if_behind(heads, tag, "the pipes", where)
+
+    def _raise_if_behind(self, pending: Mapping[int, list[bytes]], tag: bytes, queue: str, where: object) -> None:
+        """``pending`` (messages by sender) holds one of this mesh's collectives not later than
+        ``tag``'s, on ``queue``, the other queue than this rank's: a CollectiveMismatchError."""
+        context, _, seq = fingerprint.FINGERPRINT.unpack_from(tag)[:3]
+        for peer, tags in pending.items():
+            for got in tags:
+                got_context, p2p_tag, got_seq, collective = fingerprint.FINGERPRINT.unpack_from(got)[:4]
+                if got_context == context and collective and not p2p_tag and got_seq <= seq:
+                    why = ("the ranks disagree on which path it takes (LAB_COMPILED_MAX_BYTES?)" if got_seq == seq
+                           else "a message this rank never received")
+                    raise CollectiveMismatchError(
+                        f"rank {self.rank} is in {fingerprint.describe(tag)} ({where}); rank {peer} sent "
+                        f"{fingerprint.describe(got)} through {queue}: {why}")
 
     def _drain(self, peer: int, where: object) -> None:
         """Read every frame waiting in ``peer``'s pipe: credits count, descriptors queue."""
@@ -318,11 +365,14 @@ class ShmTransport(Transport):
         position = 0
         while position + header <= size:
             kind, slot, nbytes, tag = DESCRIPTOR.unpack_from(data, position)
-            if kind == EAGER:
+            if kind in (EAGER, ABORT):
                 end = position + header + nbytes
                 if end > size:
                     break  # the rest of this frame is still in the pipe
-                arrived.append((kind, 0, nbytes, tag, memoryview(data)[position + header : end]))
+                if kind == EAGER:
+                    arrived.append((kind, 0, nbytes, tag, memoryview(data)[position + header : end]))
+                else:
+                    self._notices.append(AbortNotice.decode(bytes(data[position + header : end]), peer))
                 position = end
                 continue
             position += header
@@ -353,6 +403,33 @@ class ShmTransport(Transport):
         for peer, pending in self._shared.pending_fingerprints().items():
             tags.setdefault(peer, []).extend(pending)
         return tags
+
+    def send_notice(self, notice: AbortNotice) -> None:
+        """One frame per peer, written whole (at most ``PIPE_BUF`` bytes) or not at all: a pipe
+        with no room for it, or whose reader is gone, is skipped."""
+        if self._closed:
+            return
+        frame = DESCRIPTOR.pack(ABORT, 0, len(payload := notice.encode()), b"") + payload
+        for fd in self._write_fd.values():
+            os.set_blocking(fd, False)
+            try:
+                os.write(fd, frame)
+            except OSError:
+                pass
+            finally:
+                os.set_blocking(fd, True)
+
+    def notices(self, awaited: Iterable[int], grace_s: float) -> list[AbortNotice]:
+        if self._closed:
+            return []
+        awaited, grace = frozenset(awaited), Silence(grace_s)
+        while True:
+            for peer in self._arrived:
+                with contextlib.suppress(PeerLostError):  # (what it sent before it went is read)
+                    self._drain(peer, "a failure")
+            if not awaited or grace.expired() or any(notice.via in awaited for notice in self._notices):
+                return list(self._notices)
+            self._poller.readable(awaited, grace)
 
     def close(self) -> None:
         if self._closed:
@@ -389,7 +466,7 @@ class _PipePoller:
                 break
             os.sched_yield()
         if not events and not silence.expired():
-            events = poller.poll(silence.wait_s() * 1000)
+            events = poller.poll(min(silence.wait_s(), SHARED_LOOK_S) * 1000)
         return [self._peer_of_fd[fd] for fd, _ in events] if events else []
 
 
