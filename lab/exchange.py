@@ -59,7 +59,8 @@ class Channels:
         # What a long wait in the shared memory (the mailboxes, the two-shot) calls: it drains the
         # pipes meanwhile (kernels.mailbox.call_hook). Held weakly: the hook must not keep us alive.
         park_pending = getattr(transport, "park_pending", None)
-        self.hook = 0 if park_pending is None else mailbox_status.register_hook(_parking(weakref.WeakMethod(park_pending)))
+        self.hook = 0 if park_pending is None else \
+            mailbox_status.register_hook(_parking(weakref.WeakMethod(park_pending)))
         weakref.finalize(self, mailbox_status.unregister_hook, self.hook)
         # Small collectives in one Numba call, where the transport has mailboxes (shm): lab.plane
         mailbox = getattr(transport, "mailbox", None)
@@ -210,7 +211,7 @@ class Exchange:
         self._position.step += 1
         try:
             status = call(self._tag, self.recv_timeout_ms, operands)
-        except BaseException as exc:  # raised by a long wait's hook (a signal handler's, a mismatch)
+        except SystemError as exc:  # see kernels.mailbox.hook_error
             raise mailbox_status.hook_error(exc) from None
         if status != mailbox_status.OK:
             _raise_compiled_failure(self, call)
@@ -471,7 +472,9 @@ class PlannedRun:
         except BaseException as exc:  # raised by a long wait's hook (a signal handler's, a mismatch)
             exchange, raised = self._exchange, mailbox_status.hook_error(exc)
             exchange._failed(exchange._note(int(self._ledger[SEQ]), *self._record, step=1), raised)
-            raise raised from None
+            if raised is not exc:
+                raise raised from None
+            raise
         if status != mailbox_status.OK:
             self._raise_failure()
 
