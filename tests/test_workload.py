@@ -363,3 +363,35 @@ def test_goal_export_retargets_like_the_replay(tmp_path):
     assert text.startswith("num_ranks 8\n") and text.count("rank ") == 8
     rank3 = text.split("rank 3 {\n")[1].split("\n}")[0]
     assert rank3.count(": send 2000b to 4 tag 1") == 14 and rank3.count(": recv 2000b from 2 tag 1") == 14
+
+
+def test_a_recording_counts_the_compute_between_calls_and_replays(tmp_path):
+    """A fake clock (ns): 100 µs of compute, an async allreduce, 50 µs, its wait (blocked 30 µs),
+    20 µs, the step's end; the replay at the recorded size reproduces the compute."""
+    from lab.workload.record import Recorder, write_header
+
+    path = tmp_path / "rec.jsonl"
+    write_header(path, 2)
+    for rank in range(2):
+        now = [0]
+        recorder = Recorder(path, rank, 2, clock=lambda: now[0])
+        now[0] += 100_000
+        index = recorder.operation("allreduce", [0, 1], "float32", 2000, 2000, reduce_op="sum", is_async=True)
+        now[0] += 5_000  # inside the lab: not compute
+        recorder.returned()
+        now[0] += 50_000
+        recorder.wait(index)
+        now[0] += 30_000
+        recorder.returned()
+        now[0] += 20_000
+        recorder.mark_step()
+        recorder.operation(
+            "barrier", [0, 1], "float32", 0, 0, is_async=False
+        )  # after the last step: left out
+        recorder.close()
+    w = workload.load(path)
+    assert w.steps == 1 and [e.compute_us for e in w.events[0]] == [100.0, 50.0, 20.0, 0.0]
+    r = workload.replay(w, network=NET, algorithms={"allreduce": "ring"})
+    assert r.compute_us.tolist() == pytest.approx([170.0])
+    assert ring_us(2, 8000) < 50  # done at 128: the wait at 150 finds it done, the step is its compute
+    assert r.step_us.tolist() == pytest.approx([170.0]) and r.exposed_comm_us.tolist() == pytest.approx([0.0])
