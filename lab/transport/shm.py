@@ -345,11 +345,11 @@ class ShmTransport(Transport):
             for got in tags:
                 got_context, p2p_tag, got_seq, collective = fingerprint.FINGERPRINT.unpack_from(got)[:4]
                 if got_context == context and collective and not p2p_tag and got_seq <= seq:
-                    why = ("the ranks disagree on which path it takes (LAB_COMPILED_MAX_BYTES?)" if got_seq == seq
-                           else "a message this rank never received")
+                    why = (": the ranks disagree on which path it takes (LAB_COMPILED_MAX_BYTES?)"
+                           if got[:fingerprint.FINGERPRINT.size] == tag[:fingerprint.FINGERPRINT.size] else ", which this rank never received" if got_seq < seq else "")
                     raise CollectiveMismatchError(
                         f"rank {self.rank} is in {fingerprint.describe(tag)} ({where}); rank {peer} sent "
-                        f"{fingerprint.describe(got)} through {queue}: {why}")
+                        f"{fingerprint.describe(got)} through {queue}{why}")
 
     def _drain(self, peer: int, where: object) -> None:
         """Read every frame waiting in ``peer``'s pipe: credits count, descriptors queue."""
