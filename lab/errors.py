@@ -4,7 +4,12 @@ from __future__ import annotations
 
 
 class LabError(Exception):
-    """Base class of the lab's errors."""
+    """Base class of the lab's errors.
+
+    A collective's error that a peer's abort notice told this rank (the peer found the failure,
+    this rank raises what it found: :class:`lab.transport.base.AbortNotice`) has ``notice``: the
+    rank that found it (``notice.origin``), the kind and the message.
+    """
 
 
 class DeadlineError(LabError, TimeoutError):

@@ -13,10 +13,18 @@ tells its peers under a launcher.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import child_env, free_port
 
 import lab
 from lab.collectives.prepared import MAX_REMEMBERED
@@ -85,3 +93,101 @@ def test_a_freed_plan_releases_its_booking(world_size):
     """Only the shm transport has the compiled plane, whose calls book numbers (tcp and queue book none)."""
     outputs = lab.spawn(plans_made_and_freed, world_size, args=(300,), transport="shm")
     assert outputs == [[]] * world_size, outputs
+
+
+# -- 15, 23: what a failing rank tells its peers under a launcher --------------------------------
+
+#: The transports a launcher's ranks take: TCP, and shared memory on one host (its compiled plane too).
+LAUNCHER_TRANSPORTS = ["tcp", "auto"]
+#: The silent rank's peers' deadline (item 23: 2 s).
+STOPPED_DEADLINE_MS = 2000
+#: What a rank process runs (this module is importable there: the tests' folder is on its path).
+RANK_PROGRAM = "import test_abort_defects; test_abort_defects.rank_program()"
+
+
+def rank_program() -> None:
+    """One rank of a job started as torchrun starts it (``LAB_TEST_SCENARIO``, ``LAB_TEST_TRANSPORT``):
+
+    - ``mismatch``: rank 0 allreduces 4 floats, the others 8;
+    - ``stopped``: the last rank stops itself (SIGSTOP) where the others enter a recursive
+      doubling allreduce: at N = 3 rank 0 waits on it through rank 1, at N = 4 through rank 2.
+
+    Prints ``OK <result>`` or ``FAILED <type> after <seconds> s: <message>`` and exits 1, as an
+    uncaught error ends a rank under torchrun."""
+    scenario = os.environ["LAB_TEST_SCENARIO"]
+    deadline_ms = STOPPED_DEADLINE_MS if scenario == "stopped" else 60_000
+    mesh = lab.Mesh.from_env(recv_timeout_ms=deadline_ms, transport=os.environ["LAB_TEST_TRANSPORT"])
+    rank, n = mesh.rank, mesh.world_size
+    count = 4 if scenario == "mismatch" and rank == 0 else 8
+    x = torch.arange(count, dtype=torch.float32) * n + rank
+    if scenario == "stopped" and rank == n - 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        lab.allreduce(mesh, x, algorithm="recursive_doubling")
+    except lab.LabError as exc:
+        print(f"FAILED {type(exc).__name__} after {time.monotonic() - started:.1f} s: {exc}", flush=True)
+        sys.exit(1)
+    print(f"OK {x.tolist()}", flush=True)
+    mesh.close()
+
+
+def launched(scenario: str, transport: str, world_size: int, xdg: Path) -> list[subprocess.Popen]:
+    """The job's ranks, each with torchrun's variables, on one host; its secret files under ``xdg``."""
+    port, ranks = free_port(), []
+    for rank in range(world_size):
+        env = child_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                        LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port), XDG_RUNTIME_DIR=str(xdg), LAB_TEST_SCENARIO=scenario,
+                        LAB_TEST_TRANSPORT=transport)
+        env.pop("LAB_TCP_SECRET", None)
+        ranks.append(subprocess.Popen([sys.executable, "-c", RANK_PROGRAM], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return ranks
+
+
+def outcomes(ranks: list[subprocess.Popen], timeout: float = 120) -> list[str]:
+    """Each rank's last line of output (a rank still running at ``timeout`` is a hang: killed)."""
+    lines = []
+    for rank, proc in enumerate(ranks):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            raise AssertionError(f"rank {rank} hung") from None
+        last = out.strip().splitlines()[-1:]
+        lines.append(last[0] if last else f"exit {proc.returncode}: {err[-2000:]}")
+    return lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", LAUNCHER_TRANSPORTS)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_mismatch_one_rank_finds_reaches_every_rank_as_that_mismatch(transport, world_size, tmp_path):
+    """Rank 0 passes 4 floats, the others 8: every rank raises CollectiveMismatchError naming both
+    sizes (the ranks that did not see rank 0's message were told by a peer), none "rank 0 is gone"."""
+    lines = outcomes(launched("mismatch", transport, world_size, tmp_path))
+    for line in lines:
+        assert line.startswith("FAILED CollectiveMismatchError"), lines
+        assert "float32[4]" in line and "float32[8]" in line, lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", LAUNCHER_TRANSPORTS)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_survivor_names_the_stopped_rank_not_the_one_between(transport, world_size, tmp_path):
+    """The last rank stops; every other rank raises DeadlineError about its deadline (not a hang),
+    and every rank it names as waited for is the stopped one, also where it waited through another."""
+    ranks = launched("stopped", transport, world_size, tmp_path)
+    try:
+        lines = outcomes(ranks[:-1])
+    finally:
+        ranks[-1].kill()  # (stopped: SIGKILL ends it all the same)
+        ranks[-1].communicate()
+    stopped = world_size - 1
+    for line in lines:
+        assert line.startswith("FAILED DeadlineError"), lines
+        assert float(line.split(" after ")[1].split(" s")[0]) < 10 * STOPPED_DEADLINE_MS / 1000, lines
+        waited_for = re.findall(r"waiting for ranks? ([\d, ]+)", line)
+        assert waited_for and all(ranks_named.strip() == str(stopped) for ranks_named in waited_for), lines

@@ -35,6 +35,7 @@ class RankFailure:
     records: list[FlightRecord] | None = None  # the rank's flight recorder
     waiting_for: tuple[int, ...] = ()  # a DeadlineError's silent peers
     in_flight: bool = False  # asynchronous collectives had not completed when it failed
+    told: bool = False  # its error is what another rank found, passed on in an abort notice
 
 
 def death(rank: int, process: mp.process.BaseProcess, forkserver_pid: int | None) -> RankFailure:
@@ -92,11 +93,12 @@ def diagnose(failures: dict[int, RankFailure], waiting: set[int],
 
 def _most_specific(failures: dict[int, RankFailure]) -> int:
     """The root cause among the reports: a user exception or a dead process, then a mismatch,
-    then a deadline, and a lost peer last (those are usually consequences), earliest first."""
-    def specificity(rank: int) -> tuple[int, int, int]:
+    then a deadline, and a lost peer last (those are usually consequences); of one kind, the
+    rank that found it before those it told (which may report first), earliest first."""
+    def specificity(rank: int) -> tuple[int, bool, int, int]:
         failure = failures[rank]
         kind = _CONSEQUENCES.index(failure.exc_type) if failure.exc_type in _CONSEQUENCES else -1
-        return kind, failure.at_ns, rank
+        return kind, failure.told, failure.at_ns, rank
 
     return min(failures, key=specificity)
 

@@ -127,6 +127,7 @@ def _failure(exc: BaseException, mesh: Mesh | None, in_flight: bool = False) -> 
         clean=mesh is not None and mesh.clean and not in_flight,
         records=mesh.flight_records() if mesh else None,
         waiting_for=exc.peers if isinstance(exc, DeadlineError) else (), in_flight=in_flight,
+        told=getattr(exc, "notice", None) is not None,
     )
 
 

@@ -22,20 +22,30 @@ step or op):
 A wait raises :class:`lab.DeadlineError` after ``timeout_s`` seconds in which no awaited peer
 made progress (:class:`Silence`): the deadline measures silence, so a peer streaming a large
 tensor is never timed out, however long the transfer takes (``timeout_s`` may be ``math.inf``).
+
+Abort notices. A rank whose collective fails tells its peers what it found before it raises
+(:meth:`Transport.share_failure`): an :class:`AbortNotice` on every link, out of band (a frame
+kind of its own, authenticated as any frame on tcp). A peer that reads one, in a wait or when its
+own wait fails, raises the root cause it names (a mismatch, the silent rank at the end of a chain
+of waits) instead of what it saw itself ("rank 0 is gone", a deadline on an innocent rank that was
+waiting too). Under a launcher, where no parent collects the ranks' reports, this is how every
+rank learns why the job failed. The ``"queue"`` transport (``lab.spawn``'s only, whose parent
+diagnoses) carries none.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import reduction
 
 import numpy as np
 
-from lab.errors import DeadlineError
+from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
 
@@ -89,6 +99,108 @@ def silence_error(rank: int, peers: Iterable[int], where: object) -> DeadlineErr
     peers = sorted(peers)
     names = ", ".join(str(p) for p in peers)
     return DeadlineError(f"rank {rank} timed out waiting for rank {names} in {where}", peers=peers)
+
+
+#: The longest message an abort notice carries, in characters (a notice fits one pipe write).
+NOTICE_TEXT_CHARS = 900
+#: The most bytes an encoded notice takes (4 per character at most, and its other fields).
+MAX_NOTICE_BYTES = 4 * NOTICE_TEXT_CHARS + 128
+#: After its own deadline, how long a rank waits at most for the peers it waited on to say what
+#: they found (they wait too, and their deadlines expire about when this rank's does), as a part of
+#: the deadline and in seconds.
+NOTICE_GRACE_PART, NOTICE_GRACE_S = 0.1, 0.5
+#: How a rank that did not find a failure itself names what a notice told it, by its kind.
+_TOLD = {
+    "CollectiveMismatchError": (CollectiveMismatchError, "rank {origin} found a mismatch: {message}"),
+    "DeadlineError": (DeadlineError, "{silent} silent: {message}"),
+    "PeerLostError": (PeerLostError, "rank {origin} lost a peer: {message}"),
+}
+
+
+@dataclass(frozen=True)
+class AbortNotice:
+    """What rank ``origin`` found when a collective failed there: its error's class name
+    (``kind``) and message and, for a deadline, the ``silent`` ranks it waited for. ``via``: the
+    peer this rank read it from (``origin``, or a rank that was told and passed it on; -1: this
+    rank's own); not sent."""
+
+    origin: int
+    kind: str
+    message: str
+    silent: tuple[int, ...] = ()
+    via: int = field(default=-1, compare=False)
+
+    @classmethod
+    def of(cls, error: BaseException, rank: int) -> AbortNotice:
+        """The notice of ``error``: what this rank found, or what a peer's notice told it."""
+        told = told_by(error)
+        if told is not None:
+            return told
+        message = str(error)
+        if len(message) > NOTICE_TEXT_CHARS:
+            message = message[:NOTICE_TEXT_CHARS - 3] + "..."
+        silent = error.peers if isinstance(error, DeadlineError) else ()
+        return cls(rank, type(error).__name__, message, silent)
+
+    def encode(self) -> bytes:
+        fields = [self.origin, self.kind, self.message, list(self.silent)]
+        return json.dumps(fields, ensure_ascii=False).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, sender: int) -> AbortNotice:
+        """The notice ``sender`` sent as ``data``; one that cannot be read says so, as ``sender``'s."""
+        try:
+            origin, kind, message, silent = json.loads(data)
+            return cls(int(origin), str(kind), str(message), tuple(int(peer) for peer in silent), sender)
+        except (ValueError, TypeError):
+            unread = f"rank {sender} failed, and its abort notice could not be read"
+            return cls(sender, "LabError", unread, (), sender)
+
+    def error(self, rank: int, where: object) -> LabError:
+        """What rank ``rank``, told this in ``where``, raises: the root cause, of its kind (a
+        :class:`lab.LabError` for a kind not of the wires), with this notice as ``.notice``."""
+        kind, text = _TOLD.get(self.kind, (LabError, "rank {origin} failed with {kind}: {message}"))
+        silent = f"rank {self.silent[0]} is" if len(self.silent) == 1 else \
+            f"ranks {', '.join(map(str, self.silent))} are"
+        text = text.format(origin=self.origin, kind=self.kind, message=self.message, silent=silent)
+        text += f" (rank {rank} was told in {where})"
+        error = kind(text, self.silent) if kind is DeadlineError else kind(text)
+        error.notice = self
+        return error
+
+
+def told_by(error: BaseException) -> AbortNotice | None:
+    """The notice that told this rank ``error``, or None where it found it itself; also for the
+    same error raised again in its place (as the mesh raises a deadline again, with its timeout)."""
+    again = error.__context__
+    raised_again = getattr(again, "notice", None) if type(again) is type(error) else None
+    return getattr(error, "notice", None) or raised_again
+
+
+def root_cause(heard: Sequence[AbortNotice], rank: int, mine: AbortNotice | None = None,
+               consequences: bool = True) -> AbortNotice | None:
+    """Of the notices rank ``rank`` ``heard`` (in arrival order) and its own finding ``mine``, the
+    one that names the root cause, as :mod:`lab.launch.diagnosis` ranks reports: a failure not of
+    the wires first, then a mismatch, then a deadline on silent ranks, then a lost peer. Of one
+    standing, this rank's own deadline comes before one heard, and a lost peer heard before its
+    own (the peer may have gone because of it); what this rank found, passed back to it, is left
+    out. A deadline on ranks that are all alive (this one, and every rank that sent or passed on
+    a notice) is a consequence: it waited on ranks that were waiting too. It comes last, or not
+    at all (``consequences`` False: a wait does not end on it, the live ranks' findings follow)."""
+    alive = {rank} | {notice.origin for notice in heard} | {notice.via for notice in heard}
+    heard = [notice for notice in heard if notice.origin != rank]
+
+    def standing(notice: AbortNotice) -> int:
+        if notice.kind == "DeadlineError":
+            return _CONSEQUENCE if set(notice.silent) <= alive else 2
+        return {"CollectiveMismatchError": 1, "PeerLostError": 3}.get(notice.kind, 0)
+
+    ordered = heard if mine is None else [mine, *heard] if mine.kind == "DeadlineError" else [*heard, mine]
+    candidates = [notice for notice in ordered if consequences or standing(notice) != _CONSEQUENCE]
+    return min(candidates, key=standing, default=None)  # (the first of a standing)
+
+
+_CONSEQUENCE = 4  # (root_cause's standing of a deadline on live ranks)
 
 
 @dataclass
@@ -145,6 +257,36 @@ class Transport(ABC):
         after a deadline: a message from the same collective with another fingerprint means the
         ranks disagree). Transports that cannot look without consuming return ``{}``."""
         return {}
+
+    def send_notice(self, notice: AbortNotice) -> None:
+        """Tell every peer ``notice``, where a link can carry it: best effort, never blocking for
+        long, never raising. Transports without notices send nothing."""
+
+    def notices(self, awaited: Iterable[int], grace_s: float) -> list[AbortNotice]:
+        """The notices peers sent this rank, in arrival order: what has come from any peer, and
+        for up to ``grace_s`` more while none has come from ``awaited``. Never raises."""
+        return []
+
+    def share_failure(self, error: LabError, where: object, timeout_s: float) -> LabError:
+        """What this rank raises for ``error``, the failure of its collective in ``where``, after
+        telling its peers (:class:`AbortNotice`). A deadline or a lost peer may be the consequence
+        of what a peer found: after a deadline, the peers waited for get a grace (a part of
+        ``timeout_s``) to say so; the root cause among the notices heard and ``error``
+        (:func:`root_cause`) is returned. A mismatch found here, or a failure not of the wires,
+        is a root cause itself; a notice already raised is passed on."""
+        mine = AbortNotice.of(error, self.rank)
+        if told_by(error) is None and isinstance(error, (DeadlineError, PeerLostError)):
+            awaited = error.peers if isinstance(error, DeadlineError) else ()
+            if awaited:  # first, for the ranks waiting on this one: their graces run too
+                self.send_notice(mine)
+            grace_s = min(timeout_s * NOTICE_GRACE_PART, NOTICE_GRACE_S) if awaited else 0.0
+            found = root_cause(self.notices(awaited, grace_s), self.rank, mine)
+            if found is mine and awaited:
+                return error
+            if found is not mine:
+                error, mine = found.error(self.rank, where), found
+        self.send_notice(mine)
+        return error
 
     @abstractmethod
     def close(self) -> None:

@@ -12,6 +12,7 @@ deadlines are the mesh's, as with any transport; the mesh counts the bytes that 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -21,13 +22,13 @@ import selectors
 import socket
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lab.errors import DeadlineError, LabError
 from lab.transport import shm_endpoints
-from lab.transport.base import Recv, Send, SharedFd, Transport, recv_available
+from lab.transport.base import AbortNotice, Recv, Send, SharedFd, Transport, recv_available
 from lab.transport.shm import ShmTransport
 from lab.transport.shm_endpoints import ShmEndpoints
 from lab.transport.tcp import TcpTransport
@@ -126,6 +127,24 @@ class MixedTransport(Transport):
         if self._remote is not None:
             tags.update(self._remote.unconsumed_tags())
         return tags
+
+    def send_notice(self, notice: AbortNotice) -> None:
+        """To this host's ranks through the pipes, to the others' on TCP."""
+        self._local.send_notice(notice)
+        if self._remote is not None:
+            self._remote.send_notice(notice, [p for p in range(self.world_size) if not self._is_local(p)])
+
+    def notices(self, awaited: Iterable[int], grace_s: float) -> list[AbortNotice]:
+        """This host's ranks' (their ``via`` made global), then the other hosts'; the grace is
+        spent on whichever side the awaited ranks are."""
+        awaited = list(awaited)
+        local_awaited = [peer - self._first for peer in awaited if self._is_local(peer)]
+        heard = [dataclasses.replace(notice, via=notice.via + self._first)
+                 for notice in self._local.notices(local_awaited, grace_s if local_awaited else 0.0)]
+        if self._remote is not None:
+            remote_awaited = [peer for peer in awaited if not self._is_local(peer)]
+            heard += self._remote.notices(remote_awaited, grace_s if remote_awaited and not heard else 0.0)
+        return heard
 
     def close(self) -> None:
         self._local.close()

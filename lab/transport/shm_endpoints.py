@@ -39,8 +39,8 @@ MAILBOX_BUDGET_BYTES = 64 * 1024 * 1024
 EAGER_CREDITS = 8
 
 #: The kinds of frame: a rendezvous segment's descriptor, a slot handed back, an eager message,
-#: a batch of eager credits handed back.
-DATA, CREDIT, EAGER, EAGER_CREDIT = 1, 2, 3, 4
+#: a batch of eager credits handed back, an abort notice (its payload inline, as an eager one's).
+DATA, CREDIT, EAGER, EAGER_CREDIT, ABORT = 1, 2, 3, 4, 5
 DESCRIPTOR = struct.Struct(f"<BxxxIQ{TAG_BYTES}s")  # kind, slot (eager credits: count), nbytes, tag: 48 bytes
 CREDIT_FRAME = DESCRIPTOR.pack(CREDIT, 0, 0, b"")
 EAGER_CREDIT_FRAME = DESCRIPTOR.pack(EAGER_CREDIT, EAGER_CREDITS // 2, 0, b"")

@@ -36,18 +36,30 @@ import math
 import selectors
 import socket
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import blake3
 import numpy as np
 
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
-from lab.transport.base import (CONTEXT_BYTES, TAG_BYTES, Recv, Send, Silence, TagMismatch, Transport,
-                                same_context, silence_error)
+from lab.transport.base import (
+    CONTEXT_BYTES,
+    MAX_NOTICE_BYTES,
+    TAG_BYTES,
+    AbortNotice,
+    Recv,
+    Send,
+    Silence,
+    TagMismatch,
+    Transport,
+    root_cause,
+    same_context,
+    silence_error,
+)
 from lab.transport.handshake import MAGIC, VERSION, Link, connect_mesh
 
-_DATA = 1
+_DATA, _ABORT = 1, 2  # frame kinds: a message; an abort notice (lab.transport.base.AbortNotice) as payload
 _HEADER = struct.Struct(f"<4sBBxx{TAG_BYTES}sQ")  # magic, version, kind, tag, payload bytes: 48
 MAC_BYTES = 32  # keyed BLAKE3: after the header, and after the payload
 _HEAD_BYTES = _HEADER.size + MAC_BYTES  # what a receiver reads and checks before believing a length
@@ -59,6 +71,9 @@ MAX_FRAME_BYTES = 1 << 36
 MAX_PARKED_BYTES_PER_PEER = 1 << 30
 MAX_PARKED_BYTES = 4 << 30
 SCRATCH_BYTES = 256 * 1024
+#: How long a failing rank's abort notice may take to go out on one connection, and to come in
+#: whole once its header has (its sender writes it in one piece).
+NOTICE_IO_S = 0.2
 
 
 def frame_mac(key: bytes, sequence: int) -> blake3.blake3:
@@ -166,6 +181,8 @@ class TcpTransport(Transport):
         self._parked_bytes = {p: 0 for p in self._links}  # their payload bytes, per peer
         self._silence_s = math.inf  # the current exchange's timeout_s (each exchange sets it; parking reads it)
         self._watched: dict[int, int] = {}  # peer -> selector events currently registered
+        self._notices: list[AbortNotice] = []  # what failing peers told this rank, in arrival order
+        self._torn: set[int] = set()  # peers whose connection holds a frame this rank sent only in part
         self._peer_of = {}
         for peer, link in self._links.items():
             link.sock.setblocking(False)
@@ -192,7 +209,20 @@ class TcpTransport(Transport):
             # its header arrives (frames of other meshes may come first, and take theirs).
             receiving[recv.src] = _Job(recv.src, recv.out, None, recv.combine)
         self._silence_s = timeout_s
-        self._run(sending, receiving, tag, timeout_s, where)
+        try:
+            self._run(sending, receiving, tag, timeout_s, where)
+        except BaseException:
+            self._left_unsent(sending)
+            raise
+
+    def _left_unsent(self, sending: dict[int, _Job]) -> None:
+        """After a failed exchange: a frame never started gives its sequence number back, so that
+        an abort notice can take it; a connection left in the middle of a frame carries no more."""
+        for peer, job in sending.items():
+            if job.header_done == 0:
+                self._links[peer].sent -= 1
+            elif not job.done:
+                self._torn.add(peer)
 
     def _take_parked(self, recv: Recv, tag: bytes, where: object) -> bool:
         """Serve ``recv`` from a parked frame of its context, if one arrived earlier."""
@@ -209,26 +239,33 @@ class TcpTransport(Transport):
             recv.combine(recv.out, payload.view(recv.out.dtype))
         return True
 
-    def _judge(self, peer: int, head_bytes: bytes, where: object) -> tuple[bytes, int, blake3.blake3]:
-        """(tag, payload bytes, the frame's running MAC) of the next frame's header from ``peer``,
-        MAC first: nothing in it is believed before. A forged or malformed header raises."""
+    def _judge(self, peer: int, head_bytes: bytes, where: object) -> tuple[int, bytes, int, blake3.blake3]:
+        """(kind, tag, payload bytes, the frame's running MAC) of the next frame's header from
+        ``peer``, MAC first: nothing in it is believed before. A forged or malformed header raises."""
         link = self._links[peer]
         header, header_mac = head_bytes[:_HEADER.size], head_bytes[_HEADER.size:]
         expected, mac = head(link.recv_key, link.received, header)
         if not hmac.compare_digest(header_mac, expected):
             self._forged(peer, "frame header", where)
         magic, version, kind, got_tag, nbytes = _HEADER.unpack(header)
-        if magic != MAGIC or version != VERSION or kind != _DATA or nbytes > MAX_FRAME_BYTES:
+        longest = {_DATA: MAX_FRAME_BYTES, _ABORT: MAX_NOTICE_BYTES}.get(kind, -1)  # (-1: no such kind)
+        if magic != MAGIC or version != VERSION or nbytes > longest:
             link.sock.close()
             raise PeerLostError(f"rank {self.rank}: rejected a malformed frame from rank {peer} "
-                                f"(magic {magic!r}, version {version}, length {nbytes}); connection closed")
-        return got_tag, nbytes, mac
+                                f"(magic {magic!r}, version {version}, kind {kind}, length {nbytes}); "
+                                "connection closed")
+        return kind, got_tag, nbytes, mac
 
     def _open(self, job: _Job, tag: bytes, where: object) -> None:
         """Judge the header ``job`` has just read (:meth:`_judge`). A frame of another context is
         parked, and ``job`` waits for the next header; one that is not what ``job`` expects raises."""
-        got_tag, nbytes, mac = self._judge(job.peer, bytes(job.header), where)
+        kind, got_tag, nbytes, mac = self._judge(job.peer, bytes(job.header), where)
         self._links[job.peer].received += 1
+        if kind == _ABORT:
+            self._take_notice(job.peer, nbytes, mac, where)
+            self._raise_if_told(where)
+            job.header_done = 0  # (a deadline on live ranks: their findings follow)
+            return
         if not same_context(got_tag, tag):
             self._park(job.peer, got_tag, nbytes, mac, where)
             job.header_done = 0
@@ -415,7 +452,13 @@ class TcpTransport(Transport):
                 raise PeerLostError(f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})")
             if len(data) < _HEAD_BYTES:
                 return None
-            got_tag, nbytes, mac = self._judge(peer, data, where)
+            kind, got_tag, nbytes, mac = self._judge(peer, data, where)
+            if kind == _ABORT:
+                link.sock.recv(_HEAD_BYTES)
+                link.received += 1
+                self._take_notice(peer, nbytes, mac, where)
+                self._raise_if_told(where)
+                continue
             if same_context(got_tag, prefix):
                 return got_tag
             # Another mesh's frame: take its header off the wire (it is all here), then park it whole.
@@ -432,9 +475,94 @@ class TcpTransport(Transport):
                 data = link.sock.recv(_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 if len(data) == _HEAD_BYTES:
                     header, header_mac = data[:_HEADER.size], data[_HEADER.size:]
-                    if hmac.compare_digest(header_mac, head(link.recv_key, link.received, header)[0]):
+                    if hmac.compare_digest(header_mac, head(link.recv_key, link.received, header)[0]) \
+                            and _HEADER.unpack(header)[2] == _DATA:
                         tags[peer] = [_HEADER.unpack(header)[3]]
         return tags
+
+    def _raise_if_told(self, where: object) -> None:
+        """A peer's abort notice has come that names a root cause: raised now (the wait is in vain)."""
+        cause = root_cause(self._notices, self.rank, consequences=False)
+        if cause is not None:
+            raise cause.error(self.rank, where)
+
+    def _take_notice(self, peer: int, nbytes: int, mac, where: object) -> None:
+        """Read the rest of an abort notice whose authentic header was just taken, check its MAC
+        and keep it (in :attr:`_notices`)."""
+        link = self._links[peer]
+        payload = bytearray(nbytes + MAC_BYTES)
+        link.sock.settimeout(NOTICE_IO_S)
+        try:
+            done = 0
+            while done < len(payload):
+                done += recv_some(link.sock, memoryview(payload)[done:])
+        except OSError as exc:
+            raise PeerLostError(f"rank {self.rank}: rank {peer} sent part of an abort notice ({exc}) "
+                                f"in {where}") from None
+        finally:
+            link.sock.setblocking(False)
+        mac.update(payload[:nbytes])
+        if not hmac.compare_digest(bytes(payload[nbytes:]), mac.digest()):
+            self._forged(peer, "abort notice", where)
+        self._notices.append(AbortNotice.decode(bytes(payload[:nbytes]), peer))
+
+    def send_notice(self, notice: AbortNotice, to: Iterable[int] | None = None) -> None:
+        """One frame per connection (to the peers ``to``; None: all), sequenced and MACed as any
+        frame; none on a connection left in the middle of a frame. One whose peer does not take
+        it within ``NOTICE_IO_S`` carries no more."""
+        if self._closed:
+            return
+        payload = notice.encode()
+        for peer in self._links if to is None else to:
+            link = self._links[peer]
+            if peer in self._torn:
+                continue
+            header = _HEADER.pack(MAGIC, VERSION, _ABORT, bytes(TAG_BYTES), len(payload))
+            header_mac, mac = head(link.send_key, link.sent, header)
+            mac.update(payload)
+            link.sent += 1
+            link.sock.settimeout(NOTICE_IO_S)
+            try:
+                link.sock.sendall(header + header_mac + payload + mac.digest())
+            except OSError:
+                self._torn.add(peer)  # (it may have gone out in part)
+            finally:
+                with contextlib.suppress(OSError):
+                    link.sock.setblocking(False)
+
+    def notices(self, awaited: Iterable[int], grace_s: float) -> list[AbortNotice]:
+        """The notices at the head of each connection (behind a message, one is not seen), and
+        those ``awaited`` send within ``grace_s``."""
+        if self._closed:
+            return []
+        awaited, grace = [peer for peer in awaited if peer in self._links], Silence(grace_s)
+        while True:
+            for peer in self._links:
+                with contextlib.suppress(LabError, OSError):  # (a lost or unreadable peer tells nothing)
+                    while self._notice_next(peer):
+                        pass
+            if not awaited or grace.expired() or any(notice.via in awaited for notice in self._notices):
+                return list(self._notices)
+            self._watch(dict.fromkeys(awaited, selectors.EVENT_READ))
+            self._selector.select(grace.wait_s())
+
+    def _notice_next(self, peer: int) -> bool:
+        """Take the next frame from ``peer`` if it is an abort notice whose header has come."""
+        link = self._links[peer]
+        data = link.sock.recv(_HEAD_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        if len(data) < _HEAD_BYTES:
+            return False
+        header, header_mac = data[:_HEADER.size], data[_HEADER.size:]
+        expected, mac = head(link.recv_key, link.received, header)
+        if not hmac.compare_digest(header_mac, expected):
+            return False  # (a frame this rank read in part: what follows is not a header)
+        _, _, kind, _, nbytes = _HEADER.unpack(header)
+        if kind != _ABORT or nbytes > MAX_NOTICE_BYTES:
+            return False
+        link.sock.recv(_HEAD_BYTES)
+        link.received += 1
+        self._take_notice(peer, nbytes, mac, "a failure")
+        return True
 
     def close(self) -> None:
         if self._closed:
