@@ -22,6 +22,9 @@ until every peer has copied its slice out, since the caller may write the tensor
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import mmap
 import os
 import weakref
 from dataclasses import dataclass
@@ -59,6 +62,43 @@ def _bytes_from_env(name: str, default: int) -> int:
     would fail later as a bare ENOMEM."""
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return checks.env_int(name, default, low=4096, high=memory // 4096 * 4096, multiple=4096)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+
+
+def unmap(mapping: mmap.mmap, file: tuple[int, int], keep: list[tuple[int, int]] = ()) -> None:
+    """Let go of a shared mapping now, whoever still holds views of it: ``mapping.close()``, or,
+    while numpy views of it live (a plan, a lane, a traceback), its pages replaced in place by
+    private anonymous memory (``MAP_FIXED``) and its descriptor by /dev/null, so the memfd and
+    its resident pages go at once and a view still used reads plain memory instead of faulting. ``keep``: ``(offset, bytes)``
+    ranges whose contents stay (the registered tensors that outlive the mesh); ``file``: the
+    memfd's ``(st_dev, st_ino)``."""
+    try:
+        mapping.close()
+        return
+    except BufferError:
+        pass
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    kept = [(offset, bytes(mapping[offset:offset + nbytes])) for offset, nbytes in keep]
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
+    placed = _libc.mmap(address, len(mapping), mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if placed != address:
+        raise OSError(ctypes.get_errno(), f"replacing a closed mesh's shared mapping: {os.strerror(ctypes.get_errno())}")
+    for offset, data in kept:
+        ctypes.memmove(address + offset, data, len(data))
+    # The mmap object holds its own duplicate of the memfd until the views go: point that
+    # descriptor at /dev/null (the object still closes it, once), so the memfd goes now.
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            with contextlib.suppress(OSError):  # (the listing's own descriptor, gone by now)
+                if fd != null and (os.fstat(fd).st_dev, os.fstat(fd).st_ino) == file:
+                    os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
 
 
 def region_bytes(world_size: int, slot_bytes: int, arena_bytes: int) -> int:
@@ -125,6 +165,17 @@ class SharedScratch:
         used = self.arena_bytes - sum(free for _, free in self._free)
         raise LabError(f"rank {self.rank}: lab.empty cannot place {nbytes} bytes: {used} of this rank's "
                        f"{self.arena_bytes} registered bytes are in use (LAB_SHM_REGISTERED_BYTES sets the size)")
+
+    def in_use(self) -> list[tuple[int, int]]:
+        """This rank's registered blocks still handed out, as ``(offset in the region, bytes)``."""
+        used, at = [], 0
+        for offset, size in sorted(self._free):
+            if offset > at:
+                used.append((self._mine + at, offset - at))
+            at = offset + size
+        if at < self.arena_bytes:
+            used.append((self._mine + at, self.arena_bytes - at))
+        return used
 
     def _release(self, offset: int, size: int) -> None:
         # Merge the freed range with its neighbours so the arena does not fragment.

@@ -17,7 +17,6 @@ memory there in place, with no descriptor and no pipe.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import select
@@ -154,10 +153,9 @@ class ShmMappings:
         self.world_size = endpoints.world_size
         self.slots = endpoints.slots
         self.segment_bytes = endpoints.segment_bytes
-        self._maps = []
+        self._maps, self._files = [], []  # the mappings, and their memfds' (st_dev, st_ino)
         for segment in endpoints.segments:
-            self._maps.append(mmap.mmap(segment.fd, os.fstat(segment.fd).st_size))
-            segment.close()
+            self._map(segment)
         self.segments = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
         #: The two-shot allreduce and registered buffers (lab.transport.peer_memory).
         self.scratch: peer_memory.SharedScratch | None = None
@@ -165,16 +163,21 @@ class ShmMappings:
         shared = endpoints.mailbox
         if shared is None:
             return
-        self._maps.append(mmap.mmap(shared.fd, os.fstat(shared.fd).st_size))  # page-aligned: 64-byte aligned
-        shared.close()
+        self._map(shared)  # page-aligned: 64-byte aligned
         region = np.frombuffer(self._maps[-1], np.uint8)
         if endpoints.scratch_slot_bytes:
-            start = _scratch_offset(self.world_size, endpoints.mailbox_slot_bytes)
+            start = self._scratch_start = _scratch_offset(self.world_size, endpoints.mailbox_slot_bytes)
             self.scratch = peer_memory.SharedScratch(region[start:], endpoints.rank, self.world_size,
                                                         endpoints.scratch_slot_bytes, endpoints.scratch_arena_bytes,
                                                         liveness_fds)
         self.mailbox = Mailbox(region, endpoints.rank, self.world_size, endpoints.mailbox_slot_bytes,
                                endpoints.mailbox_depth, liveness_fds)
+
+    def _map(self, shared: SharedFd) -> None:
+        stat = os.fstat(shared.fd)
+        self._maps.append(mmap.mmap(shared.fd, stat.st_size))
+        self._files.append((stat.st_dev, stat.st_ino))
+        shared.close()
 
     def slot(self, owner: int, dst: int, slot: int) -> np.ndarray:
         """Slot ``slot`` of the region in ``owner``'s segment that carries data to ``dst``."""
@@ -197,13 +200,14 @@ class ShmMappings:
         return tags
 
     def close(self) -> None:
-        """Unmap, once whoever holds :attr:`mailbox` and :attr:`scratch` has let them go."""
+        """Unmap now, whoever still holds views (a plan, a lane, a failed transfer's traceback):
+        :func:`lab.transport.peer_memory.unmap`; a registered tensor outliving the mesh keeps its
+        contents, as plain memory from now on."""
+        keep = []
         if self.scratch is not None:
-            self.scratch.closed = True  # a registered tensor outliving the mesh is plain memory from now on
+            self.scratch.closed = True
+            keep = [(self._scratch_start + offset, nbytes) for offset, nbytes in self.scratch.in_use()]
         self.segments, self.mailbox, self.scratch = [], None, None
-        for m in self._maps:
-            # A failed transfer's traceback may still hold views of a slot; the mapping then goes
-            # when they do (and with the process), so there is nothing to force here.
-            with contextlib.suppress(BufferError):
-                m.close()
-        self._maps = []
+        for m, file in zip(self._maps, self._files):
+            peer_memory.unmap(m, file, keep if m is self._maps[-1] else [])
+        self._maps, self._files = [], []
