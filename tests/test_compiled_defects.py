@@ -219,3 +219,29 @@ def test_what_a_signal_handler_raises_ends_the_wait(world_size, algorithm):
     outs = lab.spawn(allreduce_while_an_alarm_goes_off, world_size, args=(algorithm, True),
                      recv_timeout_ms=TIMEOUT_MS)
     assert outs[0][0] == "Preempted" and outs[0][1] < 0.5, outs[0]
+
+
+# -- 21: the barrier's lane --------------------------------------------------------------------------
+
+
+def barriers_made(mesh: lab.Mesh, calls: int) -> tuple[int, int]:
+    """How often ``calls`` barriers prepared a barrier (checks, signature, compiled-call lookup),
+    and how many ran compiled."""
+    import lab.collectives as collectives
+
+    made, real = [], collectives.prepare_barrier
+    collectives.prepare_barrier = lambda m: made.append(1) or real(m)
+    try:
+        before = mesh.stats()["collectives_compiled"]
+        for _ in range(calls):
+            lab.barrier(mesh)
+        return len(made), mesh.stats()["collectives_compiled"] - before
+    finally:
+        collectives.prepare_barrier = real
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_barrier_like_one_before_takes_its_lane(world_size):
+    """The plain barrier, the cheapest collective, is prepared once and then runs its compiled call
+    straight from the caller, as an allreduce's lane does (the figures: bench/, not here)."""
+    assert lab.spawn(barriers_made, world_size, args=(50,)) == [(1, 50)] * world_size

@@ -355,6 +355,11 @@ def barrier(mesh: Mesh, async_op: bool = False) -> Any:
 
         lab.barrier(mesh)   # neither rank returns before both have called it
     """
+    if async_op is False:
+        # The compiled call, made once (a barrier's lane; False: none, on a transport without mailboxes)
+        call = remembered(mesh, ("barrier", lab_algo()), lambda: prepare_barrier(mesh).planned() or False)
+        if call:
+            return mesh.issue_queue.run_alone(call, refused=mesh.refused)
     return mesh.issue(prepare_barrier(mesh).run, async_op)
 
 
