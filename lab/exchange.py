@@ -59,8 +59,9 @@ class Channels:
         # What a long wait in the shared memory (the mailboxes, the two-shot) calls: it drains the
         # pipes meanwhile (kernels.mailbox.call_hook). Held weakly: the hook must not keep us alive.
         park_pending = getattr(transport, "park_pending", None)
-        self.hook = 0 if park_pending is None else \
-            mailbox_status.register_hook(_parking(weakref.WeakMethod(park_pending)))
+        parking = None if park_pending is None else \
+            _parking(weakref.WeakMethod(park_pending), _closed_flag(weakref.ref(self)))
+        self.hook = 0 if parking is None else mailbox_status.register_hook(parking)
         weakref.finalize(self, mailbox_status.unregister_hook, self.hook)
         # Small collectives in one Numba call, where the transport has mailboxes (shm): lab.plane
         mailbox = getattr(transport, "mailbox", None)
@@ -72,10 +73,17 @@ class Channels:
         self.next_context = 1  # past every sub-mesh context id this rank has used (Mesh.split)
 
 
-def _parking(park_pending: weakref.WeakMethod) -> Callable[[np.ndarray], None]:
+def _closed_flag(channels: weakref.ref) -> Callable[[], bool]:
+    """Whether the (weakly held) channels are closed, or gone."""
+    return lambda: channels() is None or channels().closed
+
+
+def _parking(park_pending: weakref.WeakMethod, closed: Callable[[], bool]) -> Callable[[np.ndarray], None]:
     """The hook of a transport's ``park_pending`` (while it lives), for the collective whose
-    fingerprint a compiled wait hands it."""
+    fingerprint a compiled wait hands it; once the mesh is ``closed()``, the wait ends."""
     def hook(tag: np.ndarray) -> None:
+        if closed():  # (its descriptors are gone, and may be another file's by now)
+            raise LabError("the mesh was closed while this call waited in the shared memory")
         park = park_pending()
         if park is not None:
             park(tag.tobytes(), "a wait in the shared memory")

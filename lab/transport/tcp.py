@@ -71,6 +71,9 @@ MAX_FRAME_BYTES = 1 << 36
 MAX_PARKED_BYTES_PER_PEER = 1 << 30
 MAX_PARKED_BYTES = 4 << 30
 SCRATCH_BYTES = 256 * 1024
+#: A wait looks up at least this often (seconds): a close() on another thread does not wake a
+#: selector, and a call still waiting when its mesh closes must fail at once, not at its deadline.
+CLOSED_LOOK_S = 0.05
 #: How long a failing rank's abort notice may take to go out on one connection, and to come in
 #: whole once its header has (its sender writes it in one piece).
 NOTICE_IO_S = 0.2
@@ -335,7 +338,7 @@ class TcpTransport(Transport):
             if not pending:
                 return
             self._watch(pending)
-            ready = self._selector.select(silence.wait_s())
+            ready = self._selector.select(min(silence.wait_s(), CLOSED_LOOK_S))
             if not ready:
                 if not silence.expired():
                     continue  # a long wait taken in slices
@@ -431,7 +434,7 @@ class TcpTransport(Transport):
             if silence.expired():
                 return None
             self._watch(dict.fromkeys(expected, selectors.EVENT_READ))
-            self._selector.select(silence.wait_s())
+            self._selector.select(min(silence.wait_s(), CLOSED_LOOK_S))
 
     def _next_tag(self, peer: int, prefix: bytes, where: object) -> bytes | None:
         """The tag of the first frame of ``prefix``'s context from ``peer``, parked or next on the
