@@ -20,7 +20,8 @@ issue order. ``wait()`` raises ``torch.distributed.DistBackendError`` carrying t
 (rank, peer, collective, step) and the group's flight recorder, with the lab's exception as its
 ``__cause__``. A failed collective's future is completed with a value that raises that same
 error when anything reads it (torch's C++ consumers, DDP among them, crash on a future completed
-with an exception): DDP's ``backward()`` then raises it too.
+with an exception): DDP's ``backward()`` then raises a ``RuntimeError`` carrying its message
+(torch's C++ converts it; docs/backend.md says what a training loop catches).
 
 Here: the creator torch calls; the process group is :class:`lab.backend_group.LabProcessGroup`,
 torch's arguments as it takes them :mod:`lab.backend_args` (``Options`` among them, re-exported

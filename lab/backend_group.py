@@ -12,7 +12,6 @@ flattened into one tensor per collective, as gloo does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -285,9 +284,6 @@ class LabProcessGroup(dist.ProcessGroup):
 
     def barrier(self, opts: Any = None) -> LabWork:
         return self._work(collectives.prepare_barrier(self.mesh).run, [])
-
-    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
-        self.barrier().wait()
 
     # -- point-to-point
 

@@ -33,8 +33,9 @@ class Failed:
     """The value of a failed collective's future: reading it in any way raises the failure.
 
     C++ consumers take the tensors out of a future's Python value by pickling it, so
-    ``__reduce__`` raising turns into an exception where they are (DDP's backward), where a
-    future completed with ``set_exception`` would crash them."""
+    ``__reduce__`` raising turns into an exception where they are (DDP's backward: a
+    ``RuntimeError`` whose message carries this error's), where a future completed with
+    ``set_exception`` would crash them (its value is the exception, which holds no tensors)."""
 
     def __init__(self, error: BaseException) -> None:
         self.error = error

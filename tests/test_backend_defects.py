@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import lab
-from helpers import pool
+from helpers import free_port, pool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STRIDE = 3
@@ -178,6 +179,14 @@ def an_all_reduce_on_read_only_memory_is_refused(rank: int, n: int) -> None:
         still_in_step(rank, n, "the refused all_reduce")
 
 
+# -- item 24: what docs/backend.md says of monitored_barrier ----------------------------------
+
+@check
+def monitored_barrier_is_refused_by_torch(rank: int, n: int) -> None:
+    expect_refused(lambda: dist.monitored_barrier(), "only implemented for GLOO backend", "monitored_barrier")
+    still_in_step(rank, n, "the refused monitored_barrier")
+
+
 def refuses_read_only_memory(mesh: lab.Mesh) -> list[str]:
     """lab.allreduce and lab.broadcast on a tensor over a read-only np.memmap: refused before
     anything is sent, after a call on writable memory of the same shape made its lane."""
@@ -201,6 +210,22 @@ def refuses_read_only_memory(mesh: lab.Mesh) -> list[str]:
             if not torch.equal(writable, sum(pattern(8, r) for r in range(mesh.world_size))):
                 wrong.append(f"rank {mesh.rank}: allreduce after the refused calls: {writable.tolist()}")
     return wrong
+
+
+def ddp_with_a_dead_peer(rank: int, n: int, init: str) -> None:
+    """One rank of a DDP job whose last rank dies before the backward: the others print what
+    ``except RuntimeError`` caught (item 17), as ``RESULT <type>: <message>``."""
+    dist.init_process_group("lab", init_method=init, rank=rank, world_size=n, timeout=timedelta(seconds=120),
+                            pg_options=lab.backend.Options(recv_timeout_ms=2000))
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+    if rank == n - 1:
+        os.kill(os.getpid(), 9)
+    try:
+        model(pattern(16, rank).reshape(2, 8)).sum().backward()
+        print("RESULT no error", flush=True)
+    except RuntimeError as exc:
+        print(f"RESULT {type(exc).__name__}: {exc}".replace("\n", " | "), flush=True)
+    os._exit(0)  # a peer is gone: skip the process group's teardown
 
 
 def main(out: str, transport: str) -> None:
@@ -233,22 +258,35 @@ def main(out: str, transport: str) -> None:
 # -- the tests ---------------------------------------------------------------------------------
 
 LAUNCHES = [(2, "auto"), (3, "auto"), (2, "tcp"), (3, "tcp")]  # "auto" is shm on one host
+LAUNCH_TIMEOUT_S = 300  # a launch takes 10-30 s; each check's collectives end within the 60 s deadline
+
+
+def job_env() -> dict[str, str]:
+    """Ranks import the lab under test (this checkout), one thread each."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[tuple[int, str], list[dict[str, str]]]:
     """Each launch's per-rank results (one torchrun launch each)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = job_env()
     outcomes = {}
     for n, transport in LAUNCHES:
         out = tmp_path_factory.mktemp(f"backend{n}{transport}")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                    os.path.abspath(__file__), str(out), transport]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        # its own session: a launch that hangs is killed with its ranks, and its log still reported
+        launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                  start_new_session=True)
+        try:
+            _, log = launch.communicate(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)
+            _, log = launch.communicate()
         outcomes[n, transport] = [
             json.loads((out / f"rank{rank}.json").read_text()) if (out / f"rank{rank}.json").exists() else
-            {"launch": f"rank {rank} wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"}
+            {"launch": f"rank {rank} wrote nothing (exit {launch.returncode}):\n{log[-4000:]}"}
             for rank in range(n)]
     return outcomes
 
@@ -273,5 +311,28 @@ def test_lab_collectives_refuse_read_only_memory(n, transport):
         assert cluster.run(refuses_read_only_memory) == [[]] * n
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_ddp_backward_with_a_dead_peer_raises_what_the_docs_say_to_catch(n):
+    """docs/backend.md: DDP's backward raises a RuntimeError whose message carries the
+    DistBackendError and the lab's error (torch's C++ reducer converts it)."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    processes = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "ddp-dead-peer", str(rank), str(n), init],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
+                 for rank in range(n)]
+    try:
+        outputs = [process.communicate(timeout=120) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert processes[-1].returncode == -9, outputs[-1][1][-2000:]  # the victim
+    for stdout, stderr in outputs[:-1]:
+        results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        assert results, stderr[-2000:]
+        assert results[0].startswith("RESULT RuntimeError: Cannot extract tensors from value: DistBackendError: "), results
+        assert "PeerLostError" in results[0] or "DeadlineError" in results[0], results
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "ddp-dead-peer":
+        ddp_with_a_dead_peer(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     main(*sys.argv[1:])
