@@ -79,8 +79,9 @@ def create(options: Any, pg_options: Any = None) -> LabProcessGroup:
             timeout_ms = options.timeout.total_seconds() * 1000
         prefix = _next_prefix()
         store = dist.PrefixStore(prefix, options.store)
-        world = Mesh.from_store(store, options.group_rank, options.group_size, transport=lab_options.transport,
-                                recv_timeout_ms=timeout_ms, trace=lab_options.trace)
+        world = Mesh.from_store(store, options.group_rank, options.group_size,
+                                transport=lab_options.transport, recv_timeout_ms=timeout_ms,
+                                trace=lab_options.trace)
         _world.update(mesh=world, prefix=prefix, store=store)
         return LabProcessGroup(world, lab_options)
     # A new_group (any group after the world's, even one of every rank: its collectives may

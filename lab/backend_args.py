@@ -92,14 +92,17 @@ def check_like(tensor: torch.Tensor, numel: int | None, dtype: torch.dtype, name
     ``ValueError`` naming ``name`` (gloo's "invalid tensor size" and "type"): a copy into or out of
     it would convert or drop elements silently."""
     if tensor.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor (the lab backend moves CPU tensors); got one on {tensor.device}")
+        raise ValueError(f"{name} must be a CPU tensor (the lab backend moves CPU tensors); got one on "
+                         f"{tensor.device}")
     if tensor.dtype != dtype:
         raise ValueError(f"{name} must be {dtype}, as the collective's other tensors; got {tensor.dtype}")
     if numel is not None and tensor.numel() != numel:
-        raise ValueError(f"{name} must hold {numel} elements; got {tensor.numel()} (shape {list(tensor.shape)})")
+        raise ValueError(f"{name} must hold {numel} elements; got {tensor.numel()} "
+                         f"(shape {list(tensor.shape)})")
 
 
-def check_list(tensors: list[torch.Tensor], world_size: int, numel: int | None, dtype: torch.dtype, name: str) -> None:
+def check_list(tensors: list[torch.Tensor], world_size: int, numel: int | None, dtype: torch.dtype,
+               name: str) -> None:
     """One tensor per rank, each as :func:`check_like` wants."""
     check_count(tensors, world_size, name)
     for i, tensor in enumerate(tensors):

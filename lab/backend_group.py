@@ -162,7 +162,8 @@ class LabProcessGroup(dist.ProcessGroup):
                                  f"got {len(outputs)}")
             for i, (output, tensor) in enumerate(zip(outputs, inputs, strict=True)):
                 check_like(output, tensor.numel(), tensor.dtype, f"output_tensor_lists[{r}][{i}]")
-        prepared = [collectives.prepare_allgather(self.mesh, tensor, self._algorithm("allgather")) for tensor in inputs]
+        algorithm = self._algorithm("allgather")
+        prepared = [collectives.prepare_allgather(self.mesh, tensor, algorithm) for tensor in inputs]
 
         def run() -> None:
             for i, gather in enumerate(prepared):
@@ -174,7 +175,8 @@ class LabProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> LabWork:
         for output, tensor in zip(outputs, inputs, strict=True):
             check_like(output, tensor.numel() * self.mesh.world_size, tensor.dtype, "output_tensor")
-        prepared = [collectives.prepare_allgather(self.mesh, tensor, self._algorithm("allgather")) for tensor in inputs]
+        algorithm = self._algorithm("allgather")
+        prepared = [collectives.prepare_allgather(self.mesh, tensor, algorithm) for tensor in inputs]
 
         def run() -> None:
             for output, gather in zip(outputs, prepared, strict=True):
@@ -228,8 +230,8 @@ class LabProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> LabWork:
         row = input[0].numel() if input.dim() else 1
-        check_like(output, sum(output_split_sizes) * row if output_split_sizes else input.numel(), input.dtype,
-                   "output")
+        received = sum(output_split_sizes) * row if output_split_sizes else input.numel()
+        check_like(output, received, input.dtype, "output")
         prepared = collectives.prepare_all_to_all(self.mesh, input, output_split_sizes=list(output_split_sizes) or None,
                                                   input_split_sizes=list(input_split_sizes) or None,
                                                   algorithm=self._algorithm("all_to_all"))

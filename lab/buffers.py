@@ -103,7 +103,7 @@ _MADV_POPULATE_WRITE = 23
 
 @functools.cache
 def _madvise() -> Any:
-    """libc's ``madvise``, or None where ``MADV_POPULATE_WRITE`` is unknown (asked once, of a page of ours)."""
+    """libc's ``madvise``, or None where ``MADV_POPULATE_WRITE`` is unknown (asked once, of our page)."""
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     probe = ctypes.create_string_buffer(2 * mmap.PAGESIZE)
@@ -122,8 +122,9 @@ def check_writable(tensor: torch.Tensor, name: str) -> None:
     madvise = _madvise()
     if madvise is None or tensor.numel() == 0 or tensor.untyped_storage().resizable():
         return
-    last = tensor.data_ptr() + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) \
-        * tensor.element_size()
+    shape, strides = tensor.shape, tensor.stride()
+    last_element = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+    last = tensor.data_ptr() + last_element * tensor.element_size()
     for address in {tensor.data_ptr(), last}:
         if madvise(address & -mmap.PAGESIZE, mmap.PAGESIZE, _MADV_POPULATE_WRITE) != 0 \
                 and ctypes.get_errno() in (errno.EFAULT, errno.EINVAL):

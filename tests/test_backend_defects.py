@@ -33,6 +33,7 @@ from helpers import free_port, pool
 HERE = os.path.dirname(os.path.abspath(__file__))
 STRIDE = 3
 INCARNATIONS = 2
+DESTROYED = "destroy closes the world's mesh"
 #: More than lab.backend_group.RUN_NOW_MAX_BYTES: an all_reduce of it goes to the communication thread.
 QUEUED_NUMEL = 24_000
 
@@ -54,9 +55,11 @@ def expect_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                              f"want {want.dtype}{list(want.shape)} {want.reshape(-1)[:6].tolist()}")
 
 
-def expect_refused(call: Callable[[], object], words: str, what: str) -> None:
+def expect_refused(words: str, what: str, call: Callable[..., object], *args: object,
+                   **kwargs: object) -> None:
+    """``call(*args, **kwargs)`` raises a ValueError saying ``words``."""
     try:
-        call()
+        call(*args, **kwargs)
     except ValueError as exc:
         if words not in str(exc):
             raise AssertionError(f"{what}: ValueError without {words!r}: {exc}") from exc
@@ -96,29 +99,30 @@ def two_groups_of_the_same_members_keep_their_messages_apart(rank: int, n: int) 
 def list_arguments_of_the_wrong_size_or_dtype_are_refused(rank: int, n: int) -> None:
     x = pattern(4, rank)
     short = [torch.empty(4) for _ in range(n - 1)] + [torch.empty(3)]
-    expect_refused(lambda: dist.all_gather(short, x), "tensor_list[", "all_gather, a short tensor")
+    expect_refused("tensor_list[", "all_gather, a short tensor", dist.all_gather, short, x)
     coalesced = [[torch.empty(4), torch.empty(2)] for _ in range(n)]
     coalesced[-1][1] = torch.empty(1)
-    expect_refused(lambda: dist.all_gather_coalesced(coalesced, [x, pattern(2, rank)]), "output_tensor_lists",
-                   "all_gather_coalesced, a short output")
-    expect_refused(lambda: dist.all_gather_into_tensor(torch.empty(4 * n, dtype=torch.float64), x),
-                   "must be torch.float32, as", "all_gather_into_tensor, a float64 output")
-    expect_refused(lambda: dist.reduce_scatter(torch.empty(4), [pattern(4, rank)] * (n - 1) + [torch.empty(5)]),
-                   "input_list[", "reduce_scatter, a long input")
-    expect_refused(lambda: dist.all_to_all_single(torch.empty(2 * n - 1), pattern(2 * n, rank)), "output must hold",
-                   "all_to_all_single, a short output")
+    expect_refused("output_tensor_lists", "all_gather_coalesced, a short output", dist.all_gather_coalesced,
+                   coalesced, [x, pattern(2, rank)])
+    expect_refused("must be torch.float32, as", "all_gather_into_tensor, a float64 output",
+                   dist.all_gather_into_tensor, torch.empty(4 * n, dtype=torch.float64), x)
+    expect_refused("input_list[", "reduce_scatter, a long input", dist.reduce_scatter, torch.empty(4),
+                   [pattern(4, rank)] * (n - 1) + [torch.empty(5)])
+    expect_refused("output must hold", "all_to_all_single, a short output", dist.all_to_all_single,
+                   torch.empty(2 * n - 1), pattern(2 * n, rank))
     still_in_step(rank, n, "the refused collectives")
     # rooted: only the root holds (and checks) the list; the others would wait, so they skip it
     for root in range(n):
         if rank == root:
-            expect_refused(lambda: dist.gather(x, gather_list=short, dst=root), "gather_list[",
-                           f"gather to {root}, a short tensor")
+            expect_refused("gather_list[", f"gather to {root}, a short tensor", dist.gather, x,
+                           gather_list=short, dst=root)
             pieces = [pattern(4, 10 * r) for r in range(n - 1)] + [torch.empty(2)]
-            expect_refused(lambda: dist.scatter(torch.empty(4), scatter_list=pieces, src=root), "scatter_list[",
-                           f"scatter from {root}, a short tensor")
+            expect_refused("scatter_list[", f"scatter from {root}, a short tensor", dist.scatter,
+                           torch.empty(4), scatter_list=pieces, src=root)
         still_in_step(rank, n, f"root {root}'s refused gather and scatter")  # nothing of theirs arrived
         out = torch.empty(4)
-        dist.scatter(out, scatter_list=[pattern(4, 10 * r) for r in range(n)] if rank == root else None, src=root)
+        pieces = [pattern(4, 10 * r) for r in range(n)] if rank == root else None
+        dist.scatter(out, scatter_list=pieces, src=root)
         expect_equal(out, pattern(4, 10 * rank), f"scatter from {root} after the refused one")
 
 
@@ -173,8 +177,8 @@ def an_all_reduce_on_read_only_memory_is_refused(rank: int, n: int) -> None:
     with tempfile.TemporaryDirectory() as directory:
         dist.all_reduce(pattern(8, rank))  # its lane: the read-only tensor below must not take it
         read_only = read_only_tensor(8, rank, directory)
-        expect_refused(lambda: dist.all_reduce(read_only), "read-only memory", "all_reduce")
-        expect_refused(lambda: dist.broadcast(read_only, src=0), "read-only memory", "broadcast")
+        expect_refused("read-only memory", "all_reduce", dist.all_reduce, read_only)
+        expect_refused("read-only memory", "broadcast", dist.broadcast, read_only, src=0)
         expect_equal(read_only, pattern(8, rank), "the refused tensor")
         still_in_step(rank, n, "the refused all_reduce")
 
@@ -183,7 +187,7 @@ def an_all_reduce_on_read_only_memory_is_refused(rank: int, n: int) -> None:
 
 @check
 def monitored_barrier_is_refused_by_torch(rank: int, n: int) -> None:
-    expect_refused(lambda: dist.monitored_barrier(), "only implemented for GLOO backend", "monitored_barrier")
+    expect_refused("only implemented for GLOO backend", "monitored_barrier", dist.monitored_barrier)
     still_in_step(rank, n, "the refused monitored_barrier")
 
 
@@ -193,12 +197,13 @@ def refuses_read_only_memory(mesh: lab.Mesh) -> list[str]:
     wrong = []
     with tempfile.TemporaryDirectory() as directory:
         read_only = read_only_tensor(8, mesh.rank, directory)
-        for name, call in [("allreduce", lambda t: lab.allreduce(mesh, t)), ("broadcast", lambda t: lab.broadcast(mesh, t))]:
+        for call in (lab.allreduce, lab.broadcast):
             writable = pattern(8, mesh.rank)
-            call(writable)
-            call(writable)  # the lane's call
+            call(mesh, writable)
+            call(mesh, writable)  # the lane's call
+            name = call.__name__
             try:
-                call(read_only)
+                call(mesh, read_only)
                 wrong.append(f"rank {mesh.rank}: {name} on read-only memory was not refused")
             except ValueError as exc:
                 if "tensor is over read-only memory" not in str(exc):
@@ -250,7 +255,7 @@ def main(out: str, transport: str) -> None:
                 results[f"{name} #{incarnation}"] = "".join(traceback.format_exception(exc))[-3000:]
             dist.barrier()  # a failed check must not leave a rank behind in the next
         dist.destroy_process_group()
-        results[f"destroy closes the world's mesh #{incarnation}"] = "ok" if world.mesh.closed else "still open"
+        results[f"{DESTROYED} #{incarnation}"] = "ok" if world.mesh.closed else "still open"
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump(results, file)
 
@@ -263,8 +268,8 @@ LAUNCH_TIMEOUT_S = 300  # a launch takes 10-30 s; each check's collectives end w
 
 def job_env() -> dict[str, str]:
     """Ranks import the lab under test (this checkout), one thread each."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}
+    paths = [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +296,7 @@ def results(tmp_path_factory) -> dict[tuple[int, str], list[dict[str, str]]]:
     return outcomes
 
 
-EXPECTED = [f"{name} #{i}" for i in range(INCARNATIONS) for name in [*CHECKS, "destroy closes the world's mesh"]]
+EXPECTED = [f"{name} #{i}" for i in range(INCARNATIONS) for name in [*CHECKS, DESTROYED]]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=[f"{n}-{transport}" for n, transport in LAUNCHES])
@@ -316,9 +321,9 @@ def test_ddp_backward_with_a_dead_peer_raises_what_the_docs_say_to_catch(n):
     """docs/backend.md: DDP's backward raises a RuntimeError whose message carries the
     DistBackendError and the lab's error (torch's C++ reducer converts it)."""
     init = f"tcp://127.0.0.1:{free_port()}"
-    processes = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "ddp-dead-peer", str(rank), str(n), init],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=job_env())
-                 for rank in range(n)]
+    job = [sys.executable, os.path.abspath(__file__), "ddp-dead-peer"]
+    processes = [subprocess.Popen([*job, str(rank), str(n), init], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=job_env()) for rank in range(n)]
     try:
         outputs = [process.communicate(timeout=120) for process in processes]
     finally:
@@ -328,7 +333,8 @@ def test_ddp_backward_with_a_dead_peer_raises_what_the_docs_say_to_catch(n):
     for stdout, stderr in outputs[:-1]:
         results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
         assert results, stderr[-2000:]
-        assert results[0].startswith("RESULT RuntimeError: Cannot extract tensors from value: DistBackendError: "), results
+        caught = "RESULT RuntimeError: Cannot extract tensors from value: DistBackendError: "
+        assert results[0].startswith(caught), results
         assert "PeerLostError" in results[0] or "DeadlineError" in results[0], results
 
 

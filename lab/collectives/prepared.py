@@ -103,8 +103,8 @@ def find_lane(mesh: Mesh, collective: str, tensor: Any, *arguments: Any) -> Lane
         lane = mesh.templates.get(lane_key(collective, tensor, *arguments))
     except TypeError:
         return None
-    if lane is None or not tensor.is_contiguous() or not tensor.is_cpu or tensor.is_conj() or tensor.is_neg() \
-            or not tensor.untyped_storage().resizable():
+    if lane is None or not tensor.is_contiguous() or not tensor.is_cpu or tensor.is_conj() \
+            or tensor.is_neg() or not tensor.untyped_storage().resizable():
         return None
     return lane
 
