@@ -108,7 +108,7 @@ MAX_NOTICE_BYTES = 4 * NOTICE_TEXT_CHARS + 128
 #: After its own deadline, how long a rank waits at most for the peers it waited on to say what
 #: they found (they wait too, and their deadlines expire about when this rank's does), as a part of
 #: the deadline and in seconds.
-NOTICE_GRACE_PART, NOTICE_GRACE_S = 0.1, 0.5
+NOTICE_GRACE_PART, NOTICE_GRACE_S = 0.25, 0.5
 #: How a rank that did not find a failure itself names what a notice told it, by its kind.
 _TOLD = {
     "CollectiveMismatchError": (CollectiveMismatchError, "rank {origin} found a mismatch: {message}"),
@@ -178,15 +178,17 @@ def told_by(error: BaseException) -> AbortNotice | None:
 
 
 def root_cause(heard: Sequence[AbortNotice], rank: int, mine: AbortNotice | None = None,
-               consequences: bool = True) -> AbortNotice | None:
+               deadlines: bool = True) -> AbortNotice | None:
     """Of the notices rank ``rank`` ``heard`` (in arrival order) and its own finding ``mine``, the
     one that names the root cause, as :mod:`lab.launch.diagnosis` ranks reports: a failure not of
     the wires first, then a mismatch, then a deadline on silent ranks, then a lost peer. Of one
     standing, this rank's own deadline comes before one heard, and a lost peer heard before its
     own (the peer may have gone because of it); what this rank found, passed back to it, is left
     out. A deadline on ranks that are all alive (this one, and every rank that sent or passed on
-    a notice) is a consequence: it waited on ranks that were waiting too. It comes last, or not
-    at all (``consequences`` False: a wait does not end on it, the live ranks' findings follow)."""
+    a notice) is a consequence, last: it waited on ranks that were waiting too. ``deadlines``
+    False leaves deadlines out, as a wait that reads a notice does: whether one is a consequence
+    shows only once the ranks it names have told theirs, and this rank's own deadline will weigh
+    it against what this rank waited for."""
     alive = {rank} | {notice.origin for notice in heard} | {notice.via for notice in heard}
     heard = [notice for notice in heard if notice.origin != rank]
 
@@ -196,7 +198,7 @@ def root_cause(heard: Sequence[AbortNotice], rank: int, mine: AbortNotice | None
         return {"CollectiveMismatchError": 1, "PeerLostError": 3}.get(notice.kind, 0)
 
     ordered = heard if mine is None else [mine, *heard] if mine.kind == "DeadlineError" else [*heard, mine]
-    candidates = [notice for notice in ordered if consequences or standing(notice) != _CONSEQUENCE]
+    candidates = [notice for notice in ordered if deadlines or notice.kind != "DeadlineError"]
     return min(candidates, key=standing, default=None)  # (the first of a standing)
 
 

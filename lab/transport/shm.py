@@ -316,8 +316,9 @@ class ShmTransport(Transport):
         return bool(readable)
 
     def _raise_if_told(self, where: object) -> None:
-        """A peer's abort notice has come that names a root cause: raised now (the wait is in vain)."""
-        cause = root_cause(self._notices, self.rank, consequences=False)
+        """A peer's abort notice has come of a failure other than a deadline: its root cause,
+        raised now (the wait is in vain; see :func:`lab.transport.base.root_cause`)."""
+        cause = root_cause(self._notices, self.rank, deadlines=False)
         if cause is not None:
             raise cause.error(self.rank, where)
 
@@ -325,7 +326,8 @@ class ShmTransport(Transport):
         """While this rank waits in the shared memory (the compiled path's mailboxes, the
         two-shot's flags) in the collective of ``tag``: drain every pipe, parking other meshes'
         messages as a receive parks them (their senders get their credits back and go on). A
-        message of this mesh's collective or an earlier one there is a mismatch, raised now."""
+        message of this mesh's collective or an earlier one there is a mismatch, raised now, as is
+        the root cause a peer's abort notice names."""
         heads = {}
         for peer in self._arrived:
             with contextlib.suppress(PeerLostError):  # a lost peer is the wait's to report
@@ -335,6 +337,7 @@ class ShmTransport(Transport):
                 first = self._arrived[peer][0][3]
             if first is not None:
                 heads[peer] = [first]
+        self._raise_if_told(where)
         self._raise_if_behind(heads, tag, "the pipes", where)
 
     def _raise_if_behind(self, pending: Mapping[int, list[bytes]], tag: bytes, queue: str, where: object) -> None:

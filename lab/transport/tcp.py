@@ -267,7 +267,7 @@ class TcpTransport(Transport):
         if kind == _ABORT:
             self._take_notice(job.peer, nbytes, mac, where)
             self._raise_if_told(where)
-            job.header_done = 0  # (a deadline on live ranks: their findings follow)
+            job.header_done = 0  # (a deadline's notice: weighed when this rank's own wait ends)
             return
         if not same_context(got_tag, tag):
             self._park(job.peer, got_tag, nbytes, mac, where)
@@ -484,8 +484,9 @@ class TcpTransport(Transport):
         return tags
 
     def _raise_if_told(self, where: object) -> None:
-        """A peer's abort notice has come that names a root cause: raised now (the wait is in vain)."""
-        cause = root_cause(self._notices, self.rank, consequences=False)
+        """A peer's abort notice has come of a failure other than a deadline: its root cause,
+        raised now (the wait is in vain; see :func:`lab.transport.base.root_cause`)."""
+        cause = root_cause(self._notices, self.rank, deadlines=False)
         if cause is not None:
             raise cause.error(self.rank, where)
 
