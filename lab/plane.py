@@ -59,7 +59,7 @@ DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT = 50, 1000
 #: none: plan 25.6 -> 18.4 µs at 4 ranks, 72 -> 59 at 8; plain call 35.7 -> 28.6 and 103 -> 100.
 OVERSUBSCRIBED_SPIN_LIMIT = 0
 #: The largest ``LAB_COMPILED_SPIN``/``LAB_COMPILED_YIELD`` and ``LAB_COMPILED_MAX_BYTES`` taken.
-MAX_WAIT_COUNT, MAX_COMPILED_BYTES = 2**31 - 1, 2**62
+MAX_WAIT_COUNT, MAX_COMPILED_BYTES = 2**62, 2**62
 
 # Words of the config array: what the compiled call reads (in) and reports (out).
 RANK, WORLD_SIZE, SLOT_BYTES, DEPTH, DEADLINE_NS, OP, FAMILY, KIND, DIVIDES = range(9)  # in

@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 
 import lab
-from helpers import child_env, free_port, pool, shm_entries, sigint_as_ctrl_c  # noqa: F401
+from helpers import shm_entries
 
 
 @pytest.fixture(scope="session", autouse=True)
