@@ -41,8 +41,6 @@ _UNTRACED = (0, 0, 0)
 #: A fingerprint as the int64 words ranks exchange to agree (Exchange.agree).
 FINGERPRINT_WORDS = fingerprint.FINGERPRINT.size // 8
 _INT64 = DTYPES["int64"]
-#: Rooted signatures an Exchange remembers as agreed at most (past this, ranks agree again).
-MAX_AGREED = 256
 
 
 class Channels:
@@ -122,9 +120,6 @@ class Exchange:
         self._recorder = FlightRecorder(self._ledger[RING:].reshape(FLIGHT_RECORDER_SIZE, 2))
         self._counters = Counters(self._ledger[BOOKED:BOOKED + len(BOOKED_KEYS)])
         self.templates: dict = {}  # plain calls' checks and choices, by their arguments (lab.collectives)
-        # The rooted collectives' signatures every rank has agreed on (see collective): added in
-        # issue order, and cleared at the same size, on every rank alike.
-        self._agreed: set[tuple] = set()
 
     def _view(self, membership: Membership) -> Exchange:
         """A mesh of this one's type over ``membership`` (a sub-mesh's): the same channels, its
@@ -320,36 +315,16 @@ class Exchange:
         """
         record, start_ns, before = self._begin(name, algorithm, dtype, count, op, root, compiled)
         try:
-            signature = (name, algorithm, dtype.code, count, op, root)
-            if root >= 0 and signature not in self._agreed:
-                self._agree_on_root(signature)
             yield
         except BaseException as exc:
             self._failed(record, exc)
             raise
         self._done(record, start_ns, before)
 
-    def _agree_on_root(self, signature: tuple) -> None:
-        """At the first run of a rooted collective of ``signature``, compare every rank's
-        fingerprint of it (its root above all) before any of its messages: ranks that disagree on
-        the root may never receive from each other (two roots that only send return their own
-        data), so its own messages cannot catch them. Once agreed, later runs of the signature
-        (and its lane, :func:`lab.collectives.prepared.make_lane`) go without."""
-        tag = self._tag
-        everyone = self._fingerprints(tag)
-        self._tag, self._position.step = tag, 0  # every message taken: nothing in flight, ranks in step
-        for src, theirs in enumerate(everyone):
-            if theirs != tag:
-                raise self._mismatch(self._membership.to_global(src), theirs)
-        if len(self._agreed) >= MAX_AGREED:
-            self._agreed.clear()
-        self._agreed.add(signature)
-
     def agree(self, signature: Signature) -> list[bytes]:
         """Every rank's fingerprint of ``signature`` (numbered 0), in rank order, from one
         internal collective numbered as a collective (a plan's ranks compare their plans with it
-        at init, :mod:`lab.plans`). A rooted signature that every rank holds is agreed, as at
-        its collective's first run."""
+        at init, :mod:`lab.plans`)."""
         name, algorithm, dtype, count, op, root, _ = signature
         record = self._enter("agree", "", "int64", FINGERPRINT_WORDS, "", -1)
         mine = fingerprint.pack(self._membership.context, 0, name, algorithm, dtype.code, op, root, count)
@@ -359,8 +334,6 @@ class Exchange:
             self._failed(record, exc)
             raise
         record.state, record.step = "done", self._position.step
-        if root >= 0 and everyone.count(mine) == len(everyone):
-            self._agreed.add((name, algorithm, dtype.code, count, op, root))
         return everyone
 
     def _fingerprints(self, mine: bytes) -> list[bytes]:

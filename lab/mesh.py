@@ -142,8 +142,7 @@ class Mesh(PointToPoint):
         sequence numbers and a context id agreed in that allgather, distinct from that of every
         other live mesh sharing a rank with it, so its messages never pass for another's:
         collectives on the two interleave freely, even entered in different orders by different
-        ranks (a message of another context waits aside), but for the first call of a rooted
-        collective's shape, which waits for every rank's fingerprint (docs/groups.md).
+        ranks (a message of another context waits aside).
         It shares this mesh's issue order (an asynchronous collective on either completes before a
         later synchronous one on either) and counts its bytes in this mesh's ``stats()`` too.
 

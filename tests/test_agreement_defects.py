@@ -75,8 +75,16 @@ def disagreeing_roots(mesh: lab.Mesh) -> list[str]:
     return wrong
 
 
-def test_ranks_that_disagree_on_the_root_raise_a_mismatch(cluster):
-    for wrong in cluster.run(disagreeing_roots):
+@pytest.mark.slow  # the disagreeing ranks wait out their deadlines
+@pytest.mark.xfail(strict=True, reason=(
+    "two ranks that each take themselves for the root only send and return: catching it at the call "
+    "takes a wait of every rank, which deadlocks sub-meshes entered in different orders "
+    "(tests/test_silent_results.py's contexts, round 2); the message left unread is a mismatch at the "
+    "next collective instead (below)"))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_that_disagree_on_the_root_raise_a_mismatch(transport, world_size):
+    for wrong in lab.spawn(disagreeing_roots, world_size, transport=transport):  # (its own ranks: left apart)
         assert not wrong, wrong
 
 

@@ -129,7 +129,7 @@ def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "a
         with mesh.collective(*signature):
             mesh.run(ALGORITHMS["broadcast"][chosen], flat, root)
         buffer.write_back()
-        if lane_under is not None:  # once the ranks agreed on the root (at its first run: Mesh.collective)
+        if lane_under is not None:  # once a first run went through (its ranks met on the root)
             make_lane(mesh, lane_under, signature, ALGORITHMS["broadcast"][chosen], (buffer.flat, root))
         return tensor
 

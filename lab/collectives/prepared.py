@@ -69,7 +69,7 @@ def compiled_run(mesh: Mesh, signature: Signature, algorithm: Any, args: tuple, 
 
 class Lane:
     """A plain allreduce's or broadcast's shortest way, made by its first call (a broadcast's once
-    that call ran: its ranks agreed on the root) and kept with its template: a later call with the
+    that call went through) and kept with its template: a later call with the
     same arguments on an exact ``torch.Tensor`` of the same dtype and size, contiguous and on the
     CPU, runs the compiled call on the tensor's memory by its address (no checks repeated, no
     buffer wrapped, no numpy view made, nothing of the tensor kept), in issue order as a plan's
