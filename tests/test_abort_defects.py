@@ -162,6 +162,7 @@ def outcomes(ranks: list[subprocess.Popen], timeout: float = 120) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", LAUNCHER_TRANSPORTS)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_a_mismatch_one_rank_finds_reaches_every_rank_as_that_mismatch(transport, world_size, tmp_path):
@@ -173,6 +174,7 @@ def test_a_mismatch_one_rank_finds_reaches_every_rank_as_that_mismatch(transport
         assert "float32[4]" in line and "float32[8]" in line, lines
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", LAUNCHER_TRANSPORTS)
 @pytest.mark.parametrize("world_size", [2, 3, 4])

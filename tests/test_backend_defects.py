@@ -299,6 +299,7 @@ def results(tmp_path_factory) -> dict[tuple[int, str], list[dict[str, str]]]:
 EXPECTED = [f"{name} #{i}" for i in range(INCARNATIONS) for name in [*CHECKS, DESTROYED]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launch", LAUNCHES, ids=[f"{n}-{transport}" for n, transport in LAUNCHES])
 @pytest.mark.parametrize("name", EXPECTED)
 def test_every_rank_of_every_incarnation(results, launch, name):
@@ -316,6 +317,7 @@ def test_lab_collectives_refuse_read_only_memory(n, transport):
         assert cluster.run(refuses_read_only_memory) == [[]] * n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
 def test_ddp_backward_with_a_dead_peer_raises_what_the_docs_say_to_catch(n):
     """docs/backend.md: DDP's backward raises a RuntimeError whose message carries the
