@@ -84,7 +84,8 @@ def disagreeing_roots(mesh: lab.Mesh) -> list[str]:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_that_disagree_on_the_root_raise_a_mismatch(transport, world_size):
-    for wrong in lab.spawn(disagreeing_roots, world_size, transport=transport):  # (its own ranks: left apart)
+    for wrong in lab.spawn(disagreeing_roots, world_size, transport=transport,  # (its own ranks: left apart)
+                           recv_timeout_ms=2000):
         assert not wrong, wrong
 
 

@@ -331,13 +331,14 @@ def test_plans_run_out_of_step_are_a_mismatch_naming_the_rank_and_both_plans(tra
 def silent_during_a_plan(mesh: lab.Mesh, how: str, out: str) -> str:
     """Rank 1 makes the plan, then goes silent (or dies) while the others run it."""
     plan = lab.allreduce_init(mesh, torch.ones(10), algorithm="recursive_doubling")
-    plan()
     if mesh.rank == 1:
+        plan()
         if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(2.5)  # silent past the others' deadline (1 s), then gone quietly
         return "slept"
-    try:
+    try:  # (a rank still in the first run when the other survivor's abort notice comes fails there)
+        plan()
         plan()
         message = "no error"
     except (lab.DeadlineError, lab.PeerLostError) as exc:
@@ -358,7 +359,8 @@ def test_a_silent_or_dead_peer_during_a_plan_is_named(how, tmp_path):
     for rank in (0, 2):  # both exchange with rank 1 in recursive doubling at N=3
         message = (tmp_path / f"rank{rank}").read_text()
         expected = "DeadlineError" if how == "stopped" else "PeerLostError"
-        assert message.startswith(expected) and "rank 1" in message and "allreduce #3" in message, message
+        assert message.startswith(expected) and "rank 1" in message, message
+        assert "allreduce #3" in message or "allreduce #2" in message, message
         assert message.endswith("FAILED@1 " + expected), message
 
 
