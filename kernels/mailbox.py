@@ -49,7 +49,7 @@ set (:func:`register_hook`) calls it every 10 ms of a wait and whenever a peer's
 something (:func:`call_hook`: signal handlers run, the pipes are drained). Failures never raise
 nor hang inside compiled code: ``status`` is set, every later transfer of the collective returns
 at once, and the caller checks ``status`` after the call and raises a proper Python error; only
-what a hook (or a signal handler) raises propagates (:func:`hook_error` finds it). After a
+what a hook (or a signal handler) raises propagates. After a
 failure the rings of that mesh are not reusable (a message may be half sent).
 :func:`pending_fingerprints` reads, from plain Python after a failure, the fingerprint of each
 message published to a rank and not yet taken.
@@ -108,15 +108,13 @@ from __future__ import annotations
 
 import platform
 import sys
-import warnings
 from collections.abc import Callable
 
 import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba import carray, njit, objmode, types
+from numba import carray, njit, types
 from numba.core import cgutils
-from numba.core.errors import NumbaWarning
 from numba.experimental import structref
 from numba.extending import intrinsic, overload, overload_method, register_jitable
 
@@ -500,16 +498,18 @@ def peer_gone(fd):
 # entering Python runs the pending handlers, and the hook drains the pipes. What a handler or the
 # hook raises propagates through the compiled caller (a collective interrupted half-way: its rings
 # are not reusable, as after a failure).
+#
+# The call goes through the C API alone (no object mode): object mode enters Python through
+# Numba's own Python helpers (unpickling the callee, boxing arrays), and a pending handler that
+# raises in one of those leaves the call without its callee or arguments, so what propagates is a
+# SystemError or TypeError of Numba's instead of what the handler raised.
 
 #: Python callables by number (``MailboxPeers.hook``; 0: none), each taking the waiting
-#: collective's fingerprint (uint8[32]); see :func:`register_hook`.
-_HOOKS: dict[int, Callable[[np.ndarray], None]] = {}
-# Entering object mode from a nogil function is what call_hook is for: Numba's warning says so.
-warnings.filterwarnings("ignore", message="Code running in object mode won't allow parallel execution",
-                        category=NumbaWarning)
+#: collective's fingerprint (32 bytes); see :func:`register_hook`.
+_HOOKS: dict[int, Callable[[bytes], None]] = {}
 
 
-def register_hook(hook: Callable[[np.ndarray], None]) -> int:
+def register_hook(hook: Callable[[bytes], None]) -> int:
     """Register ``hook`` for waits to call (see :func:`call_hook`); its number (never 0)."""
     number = max(_HOOKS, default=0) + 1
     _HOOKS[number] = hook
@@ -521,29 +521,42 @@ def unregister_hook(number: int) -> None:
     _HOOKS.pop(number, None)
 
 
-def _run_hook(number: int, fingerprint: np.ndarray) -> None:
+def _run_hook(number: int, fingerprint: bytes) -> None:
+    """What :func:`call_hook` calls: hook ``number``, if it is still registered."""
     hook = _HOOKS.get(number)
     if hook is not None:
         hook(fingerprint)
 
 
-def hook_error(exc: BaseException) -> BaseException:
-    """What a hook, or a signal handler run as the hook was entered, raised out of a compiled
-    call, from what the call raised: Numba's object mode misses an error at one point where a
-    pending handler may raise (its own Python helper), and CPython then reports SystemErrors
-    chained to the real one."""
-    while isinstance(exc, SystemError) and exc.__cause__ is not None \
-            and "returned a result with an exception set" in str(exc):
-        exc = exc.__cause__
-    return exc
+@intrinsic
+def _call_run_hook(typingctx, number, fingerprint_address):
+    """``_run_hook(number, the 32 bytes at fingerprint_address)`` with the GIL held; what it
+    raises is raised by the compiled caller."""
+    def codegen(context, builder, signature, args):
+        pyapi = context.get_python_api(builder)
+        gil = pyapi.gil_ensure()
+        add_module = pyapi._get_function(ir.FunctionType(pyapi.pyobj, [pyapi.cstring]), name="PyImport_AddModule")
+        module = builder.call(add_module, [context.insert_const_string(builder.module, __name__)])  # borrowed
+        run_hook = pyapi.object_getattr_string(module, "_run_hook")
+        arguments = [pyapi.long_from_longlong(args[0]),
+                     pyapi.bytes_from_string_and_size(builder.inttoptr(args[1], pyapi.cstring),
+                                                      context.get_constant(types.intp, FINGERPRINT_BYTES))]
+        result = pyapi.call_function_objargs(run_hook, arguments)
+        raised = cgutils.is_null(builder, result)
+        for obj in (result, run_hook, *arguments):
+            pyapi.decref(obj)  # (Py_DecRef: NULL is nothing)
+        pyapi.gil_release(gil)
+        with builder.if_then(raised, likely=False):
+            context.call_conv.return_exc(builder)  # the exception is set: the wrapper raises it
+        return context.get_dummy_value()
+    return types.none(types.int64, types.int64), codegen
 
 
 @njit(cache=True, nogil=True)
 def call_hook(number, fingerprint):
     """Call hook ``number`` (0: none) with ``fingerprint``, holding the GIL meanwhile."""
     if number != 0:
-        with objmode():
-            _run_hook(number, fingerprint)
+        _call_run_hook(number, address_of(fingerprint))
 
 
 @njit(cache=True, nogil=True)

@@ -76,15 +76,15 @@ def _closed_flag(channels: weakref.ref) -> Callable[[], bool]:
     return lambda: channels() is None or channels().closed
 
 
-def _parking(park_pending: weakref.WeakMethod, closed: Callable[[], bool]) -> Callable[[np.ndarray], None]:
+def _parking(park_pending: weakref.WeakMethod, closed: Callable[[], bool]) -> Callable[[bytes], None]:
     """The hook of a transport's ``park_pending`` (while it lives), for the collective whose
     fingerprint a compiled wait hands it; once the mesh is ``closed()``, the wait ends."""
-    def hook(tag: np.ndarray) -> None:
+    def hook(tag: bytes) -> None:
         if closed():  # (its descriptors are gone, and may be another file's by now)
             raise LabError("the mesh was closed while this call waited in the shared memory")
         park = park_pending()
         if park is not None:
-            park(tag.tobytes(), "a wait in the shared memory")
+            park(tag, "a wait in the shared memory")
     return hook
 
 
@@ -212,10 +212,7 @@ class Exchange:
 
     def _run_compiled(self, call: CompiledCall, operands: tuple) -> None:
         self._position.step += 1
-        try:
-            status = call(self._tag, self.recv_timeout_ms, operands)
-        except SystemError as exc:  # see kernels.mailbox.hook_error
-            raise mailbox_status.hook_error(exc) from None
+        status = call(self._tag, self.recv_timeout_ms, operands)
         if status != mailbox_status.OK:
             _raise_compiled_failure(self, call)
         bytes_sent, bytes_received, messages_sent, messages_received = call.counts()
@@ -451,10 +448,8 @@ class PlannedRun:
         try:
             status = self._entry(self._region, self._config, self._ledger, *operands)
         except BaseException as exc:  # raised by a long wait's hook (a signal handler's, a mismatch)
-            exchange, raised = self._exchange, mailbox_status.hook_error(exc)
-            exchange._failed(exchange._note(int(self._ledger[SEQ]), *self._record, step=1), raised)
-            if raised is not exc:
-                raise raised from None
+            exchange = self._exchange
+            exchange._failed(exchange._note(int(self._ledger[SEQ]), *self._record, step=1), exc)
             raise
         if status != mailbox_status.OK:
             self._raise_failure()

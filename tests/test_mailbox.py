@@ -650,3 +650,53 @@ def test_message_of_a_peer_that_exited_is_still_delivered():
     assert first_status == mailbox.OK
     np.testing.assert_array_equal(first_out, data(5, 1, np.float32))
     assert second == (mailbox.PEER_LOST, 1)
+
+
+# --- a long wait's hook ---------------------------------------------------------------------------
+
+
+class Preempted(Exception):
+    """What the test's signal handler raises."""
+
+
+@njit(nogil=True)
+def call_the_hook_for_ever(number, fingerprint, calls):
+    """Call hook ``number`` ``calls`` times with a copy of ``fingerprint`` made here (an array
+    without a Python object, as a mailbox's own)."""
+    own = fingerprint.copy()
+    for _ in range(calls):
+        mailbox.call_hook(number, own)
+
+
+def test_the_hook_gets_the_fingerprint_and_what_a_signal_handler_raises_propagates():
+    """A hook is called with the waiting collective's fingerprint; a SIGALRM handler that raises
+    while compiled code calls the hook over and over ends the call with the handler's own
+    exception, whenever the alarm comes (300 alarms at 0.5-1.1 ms: it lands before, inside and
+    between the hook's calls)."""
+    received = []
+    number = mailbox.register_hook(received.append)
+    fingerprint = np.arange(32, dtype=np.uint8)
+    call_the_hook_for_ever(number, fingerprint, 3)
+    assert received == [fingerprint.tobytes()] * 3
+
+    def on_alarm(signum, frame):
+        raise Preempted("checkpoint now")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    raised = []
+    try:
+        for trial in range(300):
+            signal.setitimer(signal.ITIMER_REAL, 0.0005 + (trial % 7) * 0.0001)
+            try:
+                call_the_hook_for_ever(number, fingerprint, 10**9)  # minutes: only the alarm ends it
+            except BaseException as exc:
+                raised.append(exc)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        mailbox.unregister_hook(number)
+    assert len(raised) == 300
+    assert {(type(exc), str(exc)) for exc in raised} == {(Preempted, "checkpoint now")}
+    call_the_hook_for_ever(number, fingerprint, 3)  # unregistered: called, it does nothing
+    assert len(received) > 3 and set(received) == {fingerprint.tobytes()}

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import two_shot as flags
-from kernels.mailbox import hook_error
 from lab import checks
 from lab.chunking import split_bounds
 from lab.errors import CollectiveMismatchError, LabError, PeerLostError
@@ -289,19 +288,13 @@ class SharedScratch:
                 self.region[own + offset:own + offset + nbytes] = acc.view(np.uint8)
 
     def _wait_all(self, field: int, target: int, deadline_ns: int, where: object) -> None:
-        try:
-            status, peer = flags.wait_all(self.region, self.rank, self.world_size, field, target, deadline_ns,
-                                          self.liveness_fds, self.hook, self._fingerprint)
-        except SystemError as exc:  # see kernels.mailbox.hook_error
-            raise hook_error(exc) from None
+        status, peer = flags.wait_all(self.region, self.rank, self.world_size, field, target, deadline_ns,
+                                      self.liveness_fds, self.hook, self._fingerprint)
         self._raise(status, peer, where)
 
     def _wait_one(self, peer: int, field: int, target: int, deadline_ns: int, where: object) -> None:
-        try:
-            status = flags.wait_one(self.region, self.rank, peer, field, target, deadline_ns, self.liveness_fds,
-                                    self.hook, self._fingerprint)
-        except SystemError as exc:
-            raise hook_error(exc) from None
+        status = flags.wait_one(self.region, self.rank, peer, field, target, deadline_ns, self.liveness_fds,
+                                self.hook, self._fingerprint)
         self._raise(status, peer, where)
 
     def _raise(self, status: int, peer: int, where: object) -> None:
