@@ -22,6 +22,7 @@ from lab.sim.core import SimResult, best_algorithm, estimate, predict, simulate
 from lab.sim.network import Network
 from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, Estimate, SimulationTooLarge,
                             SimulationUnsupported)
+from lab.sim.logs import read_nccl_tests, read_osu
 from lab.sim.record import algorithms
 from lab.sim.replay import Message, ScheduleError
 
@@ -29,4 +30,4 @@ tuning.register_advisor("simulator", advise)  # auto's advice at world sizes nev
 
 __all__ = ["Network", "simulate", "best_algorithm", "predict", "estimate", "algorithms", "SimResult", "Message",
            "Estimate", "SimulationUnsupported", "SimulationTooLarge", "ScheduleError", "DEFAULT_MAX_STEPS",
-           "DEFAULT_MAX_SECONDS"]
+           "DEFAULT_MAX_SECONDS", "read_nccl_tests", "read_osu"]
