@@ -25,6 +25,7 @@ from lab.plans import (Plan, all_to_all_init, allgather_init, allreduce_init, ba
 from lab.reference import gloo_reference
 from lab.registered import empty
 from lab import backend, bucketing, ddp, sim  # lab.backend, lab.bucketing, lab.ddp and lab.sim work after `import lab`
+from lab import workload  # lab.workload too; importing it registers the recorder (lab.recording)
 
 backend.register()  # torch.distributed.init_process_group("lab")
 
@@ -32,7 +33,8 @@ __all__ = [
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather", "scatter",
     "ReduceOp", "allreduce_init", "broadcast_init", "allgather_init", "reduce_scatter_init", "reduce_init",
     "all_to_all_init", "barrier_init", "gather_init", "scatter_init", "Plan",
-    "backend", "bucketing", "ddp", "sim", "spawn", "launch", "launcher_env", "Cluster", "Mesh", "Work",
+    "backend", "bucketing", "ddp", "sim", "workload", "spawn", "launch", "launcher_env", "Cluster", "Mesh",
+    "Work",
     "gloo_reference", "empty",
     "LabError", "DeadlineError", "PeerLostError", "CollectiveMismatchError", "RankError", "EmulationUnavailable",
 ]

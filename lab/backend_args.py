@@ -15,11 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab import collectives
+from lab import checks, collectives
 from lab.errors import DeadlineError
 from lab.mesh import Mesh
+from lab.ops import DTYPES, dtype_of
+from lab.recording import Operation
 from lab.transport.base import Silence
 
+NAME = "lab"
 #: A waiting receive runs the sends issued behind it every this many milliseconds.
 POLL_MS = 1.0
 
@@ -82,6 +85,35 @@ def output_bytes(outputs: list) -> int:
     return sum(output_bytes(t) if isinstance(t, list) else t.numel() * t.element_size() for t in outputs)
 
 
+def flat_list(tensors: list) -> list[torch.Tensor]:
+    """A list of tensors, or of lists of them (an allgather's output lists), as one list."""
+    return [t for item in tensors for t in (flat_list(item) if isinstance(item, list) else [item])]
+
+
+def describe(mesh: Mesh, dim: str | None, op: str, inputs: list, outputs: list,
+             split_sizes: tuple | None = None, **rest: Any) -> Operation | None:
+    """torch's operation ``op`` on the group of ``mesh`` (made for DeviceMesh dimension ``dim``)
+    as a recording notes it (None where nothing records): elements in and out counted over its
+    tensors (lists of lists too) in the first one's dtype; an all_to_all's ``split_sizes`` (in,
+    out; none given: even); ``rest``: roots and peers as the group's ranks, and the rest of
+    :class:`lab.recording.Operation`'s fields. A receive from any source learns its sender from
+    what its run returns.
+
+        describe(mesh, "dp", "allreduce", [grads], [grads], reduce_op="sum")
+    """
+    if not mesh.recording:
+        return None
+    first = next(iter(flat_list(inputs) or flat_list(outputs)), None)
+    dtype = DTYPES["float32"] if first is None else dtype_of(first)
+    size = dtype.storage.itemsize  # (a coalesced call's tensors of other dtypes: counted in bytes)
+    if split_sizes is not None and any(split_sizes):
+        rest["split_sizes"] = {"in": list(split_sizes[0]), "out": list(split_sizes[1])}
+    if op == "recv" and rest.get("peer") is None:
+        rest["learn"] = lambda source: {"peer": mesh.global_ranks[source]}
+    counts = output_bytes(inputs) // size, output_bytes(outputs) // size
+    return mesh.describe(op, dtype, *counts, dim=dim, **rest)
+
+
 def check_count(tensors: list[torch.Tensor], world_size: int, name: str) -> None:
     if len(tensors) != world_size:
         raise ValueError(f"{name} must hold one tensor per rank ({world_size}); got {len(tensors)}")
@@ -130,17 +162,52 @@ class Options:
     ``algorithms`` maps a collective to one of its algorithms (``{"allreduce": "ring"}``; the
     others stay ``"auto"``; ``LAB_ALGO`` still wins); ``recv_timeout_ms`` overrides the
     ``timeout=`` torch passes; ``trace`` is a JSONL path (``LAB_TRACE`` also works);
-    ``transport`` is ``"auto"`` (shm inside a host, tcp across) or ``"tcp"``.
+    ``transport`` is ``"auto"`` (shm inside a host, tcp across) or ``"tcp"``; ``workload``, a
+    file every rank records its operations into (:mod:`lab.workload`; ``LAB_WORKLOAD`` also
+    works; rank 0 writes its header), given to the world's group.
     """
 
     algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
     recv_timeout_ms: float | None = None
     trace: str | None = None
     transport: str = "auto"
+    workload: str | None = None
 
     def __post_init__(self) -> None:
+        checks.trace_path(self.workload, "Options.workload")
         for collective, algorithm in self.algorithms.items():
             if collective not in collectives.ALGORITHMS:
                 raise ValueError(f"Options.algorithms has no collective {collective!r}; collectives: "
                                  f"{', '.join(collectives.ALGORITHMS)}")
             collectives.check_algorithm(algorithm, collective)
+
+
+class NamedGroup(dist.ProcessGroup):
+    """What c10d asks of every process group besides its operations: its backend's name, its own
+    name and description, which torch sets; ``dim``, the DeviceMesh dimension that made it."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__(rank, world_size)
+        self._group_name, self._group_desc = "", ""
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def dim(self) -> str | None:
+        """The DeviceMesh dimension that made this group (torch describes its groups as
+        ``mesh_<name>``, the one of every rank ``mesh_default``), or None."""
+        desc = self._group_desc
+        return desc[5:] if desc.startswith("mesh_") and desc != "mesh_default" else None

@@ -18,55 +18,39 @@ import torch
 import torch.distributed as dist
 
 from lab import checks, collectives
-from lab.backend_args import (Options, await_message, check_count, check_like, check_list, flatten_into, lab_op,
-                              one, output_bytes, unflatten_into)
+from lab.backend_args import (NamedGroup, Options, await_message, check_count, check_like, check_list, describe,
+                              flatten_into, lab_op, one, output_bytes, unflatten_into)
 from lab.backend_work import LabWork
 from lab.errors import LabError
 from lab.issue import Work
 from lab.mesh import Mesh
+from lab.recording import Operation
 
-NAME = "lab"
 #: A collective with at most this many bytes of output runs on the calling thread when nothing
 #: else is in flight: handing it to the communication thread and waking the caller again cost
 #: more than a small collective (measured: bench/torch_backend.py).
 RUN_NOW_MAX_BYTES = 64 * 1024
-class LabProcessGroup(dist.ProcessGroup):
+class LabProcessGroup(NamedGroup):
     """A ``torch.distributed`` process group whose every operation is a lab collective on
-    ``mesh`` (the world's mesh, or a sub-mesh of it for ``new_group``)."""
+    ``mesh`` (the world's mesh, or a sub-mesh of it for ``new_group``; not ``owns_mesh``: the
+    program's, :func:`lab.backend.init_process_group`)."""
 
-    def __init__(self, mesh: Mesh, options: Options) -> None:
+    def __init__(self, mesh: Mesh, options: Options, owns_mesh: bool = True) -> None:
         super().__init__(mesh.rank, mesh.world_size)
-        self.mesh, self.options = mesh, options
-        self._group_name, self._group_desc = "", ""
-
-    # -- what c10d asks of every process group
-
-    def getBackendName(self) -> str:
-        return NAME
-
-    def getGroupName(self) -> str:
-        return self._group_name
-
-    def setGroupName(self, name: str) -> None:
-        self._group_name = name
-
-    def getGroupDesc(self) -> str:
-        return self._group_desc
-
-    def setGroupDesc(self, desc: str) -> None:
-        self._group_desc = desc
+        self.mesh, self.options, self.owns_mesh = mesh, options, owns_mesh
 
     def __repr__(self) -> str:
         return f"lab process group {self._group_name or '?'} (rank {self.mesh.rank} of {self.mesh.world_size})"
 
-    def issue(self, run: Callable[[], Any], now: bool = False, p2p: str = "") -> Work:
+    def issue(self, run: Callable[[], Any], now: bool = False, p2p: str = "",
+              what: Operation | None = None) -> Work:
         """``run`` in the mesh's issue order, on its communication thread; with ``now``, on this
-        thread if nothing is in flight (:meth:`lab.issue.IssueQueue.issue_now`)."""
+        thread if nothing is in flight (:meth:`lab.issue.IssueQueue.issue_now`); noted as ``what``."""
         if self.mesh.closed:
             raise dist.DistBackendError(f"{self}: the group was shut down")
         if now:
-            return self.mesh.issue_now(run)
-        return self.mesh.issue(run, async_op=True, p2p=p2p)
+            return self.mesh.issue_now(run, what)
+        return self.mesh.issue(run, async_op=True, p2p=p2p, what=what)
 
     def torch_error(self, exc: BaseException) -> BaseException:
         """``exc`` as torch raises backend failures: ``DistBackendError`` with the lab's message and
@@ -82,12 +66,14 @@ class LabProcessGroup(dist.ProcessGroup):
     def _algorithm(self, collective: str) -> str:
         return self.options.algorithms.get(collective, "auto")
 
-    def _work(self, run: Callable[[], Any], outputs: list[torch.Tensor], p2p: str = "") -> LabWork:
-        """The Work of ``run``. A collective of at most ``RUN_NOW_MAX_BYTES`` of output runs before
-        this returns when nothing else is in flight (the Work is then complete); point-to-point
-        (``p2p="send"``, ``"recv"``) always goes to the communication thread (an irecv posted
-        before its isend must not block)."""
-        return LabWork(self, run, outputs, now=not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES, p2p=p2p)
+    def _work(self, run: Callable[[], Any], outputs: list, op: str, inputs: list, **rest: Any) -> LabWork:
+        """The Work of ``run``, torch's ``op`` of ``inputs`` into ``outputs`` (noted as
+        :func:`lab.backend_args.describe` says). A collective of at most ``RUN_NOW_MAX_BYTES`` of
+        output runs before this returns when nothing else is in flight (the Work is then complete);
+        a send or receive always goes to the communication thread (an irecv must not block)."""
+        p2p, now = (op, False) if op in ("send", "recv") else ("", output_bytes(outputs) <= RUN_NOW_MAX_BYTES)
+        what = describe(self.mesh, self.dim, op, inputs, outputs, **rest)
+        return LabWork(self, run, outputs, now, p2p, what)
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
 
@@ -101,7 +87,7 @@ class LabProcessGroup(dist.ProcessGroup):
                 tensor.mul_(factor)  # in place anyway: the result replaces it
             prepared.run()
 
-        return self._work(run, tensors)
+        return self._work(run, tensors, "allreduce", tensors, reduce_op=op)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         op, factor = lab_op(opts.reduceOp)
@@ -113,12 +99,12 @@ class LabProcessGroup(dist.ProcessGroup):
             prepared.run()
             unflatten_into(flat, tensors)
 
-        return self._work(run, tensors)
+        return self._work(run, tensors, "allreduce", tensors, reduce_op=op)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(tensors, "broadcast")
         prepared = collectives.prepare_broadcast(self.mesh, tensor, opts.rootRank, self._algorithm("broadcast"))
-        return self._work(prepared.run, tensors)
+        return self._work(prepared.run, tensors, "broadcast", tensors, root=opts.rootRank)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(tensors, "reduce")
@@ -135,7 +121,7 @@ class LabProcessGroup(dist.ProcessGroup):
             if factor is not None and self.mesh.rank == dst:
                 tensor.copy_(source)
 
-        return self._work(run, tensors)
+        return self._work(run, tensors, "reduce", tensors, root=dst, reduce_op=op)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> LabWork:
@@ -144,7 +130,8 @@ class LabProcessGroup(dist.ProcessGroup):
         check_list(outputs, self.mesh.world_size, tensor.numel(), tensor.dtype, "tensor_list")
         # the tensor itself: read when the gather runs, after the collectives issued before it
         prepared = collectives.prepare_allgather(self.mesh, tensor, self._algorithm("allgather"))
-        return self._work(lambda: unflatten_into(prepared.run().reshape(-1), outputs), output_lists)
+        run = lambda: unflatten_into(prepared.run().reshape(-1), outputs)
+        return self._work(run, output_lists, "allgather", inputs)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -169,7 +156,7 @@ class LabProcessGroup(dist.ProcessGroup):
             for i, gather in enumerate(prepared):
                 unflatten_into(gather.run().reshape(-1), [outputs[i] for outputs in output_lists])
 
-        return self._work(run, [t for outputs in output_lists for t in outputs])
+        return self._work(run, [t for outputs in output_lists for t in outputs], "allgather", inputs)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> LabWork:
@@ -182,7 +169,7 @@ class LabProcessGroup(dist.ProcessGroup):
             for output, gather in zip(outputs, prepared, strict=True):
                 output.copy_(gather.run().view_as(output))
 
-        return self._work(run, outputs)
+        return self._work(run, outputs, "allgather", inputs)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any = None) -> LabWork:
@@ -197,7 +184,7 @@ class LabProcessGroup(dist.ProcessGroup):
             flatten_into(flat, inputs, factor)
             output.copy_(prepared.run().view_as(output))
 
-        return self._work(run, outputs)
+        return self._work(run, outputs, "reduce_scatter", input_lists, reduce_op=op)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -225,7 +212,7 @@ class LabProcessGroup(dist.ProcessGroup):
                     flatten_into(source, [tensor], factor)
                 output.copy_(prepared.run().view_as(output))
 
-        return self._work(run, outputs)
+        return self._work(run, outputs, "reduce_scatter", inputs, reduce_op=op)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> LabWork:
@@ -235,7 +222,8 @@ class LabProcessGroup(dist.ProcessGroup):
         prepared = collectives.prepare_all_to_all(self.mesh, input, output_split_sizes=list(output_split_sizes) or None,
                                                   input_split_sizes=list(input_split_sizes) or None,
                                                   algorithm=self._algorithm("all_to_all"))
-        return self._work(lambda: output.copy_(prepared.run().view_as(output)), [output])
+        return self._work(lambda: output.copy_(prepared.run().view_as(output)), [output], "all_to_all",
+                          [input], split_sizes=(input_split_sizes, output_split_sizes))
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> LabWork:
         check_count(outputs, self.mesh.world_size, "output_tensor_list")
@@ -250,7 +238,8 @@ class LabProcessGroup(dist.ProcessGroup):
             flatten_into(flat, inputs)
             unflatten_into(prepared.run(), outputs)
 
-        return self._work(run, outputs)
+        splits = ([t.numel() for t in inputs], [t.numel() for t in outputs])
+        return self._work(run, outputs, "all_to_all", inputs, split_sizes=splits)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(inputs, "gather")
@@ -265,7 +254,7 @@ class LabProcessGroup(dist.ProcessGroup):
             if gathered is not None:
                 unflatten_into(gathered.reshape(-1), outputs)
 
-        return self._work(run, outputs)
+        return self._work(run, outputs, "gather", inputs, root=dst)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> LabWork:
         output = one(outputs, "scatter")
@@ -282,16 +271,18 @@ class LabProcessGroup(dist.ProcessGroup):
                 flatten_into(whole, inputs)
             output.copy_(prepared.run().view_as(output))
 
-        return self._work(run, outputs)
+        # every rank counts the whole, as lab.scatter takes it (only the root's is read)
+        return self._work(run, outputs, "scatter", [whole], root=src)
 
     def barrier(self, opts: Any = None) -> LabWork:
-        return self._work(collectives.prepare_barrier(self.mesh).run, [])
+        return self._work(collectives.prepare_barrier(self.mesh).run, [], "barrier", [])
 
     # -- point-to-point
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> LabWork:
         tensor, tag = one(tensors, "send"), checks.p2p_tag(tag)
-        return self._work(lambda: self.mesh.send(dst, tensor, tag), tensors, p2p="send")
+        run = lambda: self.mesh.send(dst, tensor, tag)
+        return self._work(run, tensors, "send", tensors, peer=dst, tag=tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> LabWork:
         return self._receive(one(tensors, "recv"), src, checks.p2p_tag(tag))
@@ -315,12 +306,13 @@ class LabProcessGroup(dist.ProcessGroup):
             tensor.copy_(received.view_as(tensor))
             return source
 
-        return self._work(run, [tensor], p2p="recv")
+        return self._work(run, [tensor], "recv", [tensor], peer=src, tag=tag)
 
     # -- lifetime
 
     def shutdown(self) -> None:
-        self.mesh.close()
+        if self.owns_mesh:  # (the program's mesh outlives torch's groups)
+            self.mesh.close()
 
     def abort(self) -> None:
-        self.mesh.close()
+        self.shutdown()

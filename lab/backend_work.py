@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 
 from lab.issue import Work
+from lab.recording import Operation
 
 
 class Issuer(Protocol):
     """What a :class:`LabWork` needs of its group (:class:`lab.backend_group.LabProcessGroup`)."""
 
-    def issue(self, run: Callable[[], Any], now: bool, p2p: str) -> Work: ...
+    def issue(self, run: Callable[[], Any], now: bool, p2p: str, what: Operation | None) -> Work: ...
 
     def torch_error(self, exc: BaseException) -> BaseException: ...
 
@@ -57,14 +58,14 @@ class LabWork(dist._Work):
     """A lab collective issued for torch: ``wait()``, ``is_completed()``, ``get_future()``."""
 
     def __init__(self, group: Issuer, run: Callable[[], Any], outputs: list[torch.Tensor],
-                 now: bool = False, p2p: str = "") -> None:
+                 now: bool = False, p2p: str = "", what: Operation | None = None) -> None:
         super().__init__()
         self._group, self._outputs = group, outputs
         self._future: torch.futures.Future = torch.futures.Future()
         self._error: BaseException | None = None
         self._converting = threading.Lock()
         self._source = -1
-        self._work = group.issue(run, now, p2p)
+        self._work = group.issue(run, now, p2p, what)  # (what: noted where the rank records)
         self._work.add_done_callback(self._complete)
 
     def _torch_error(self, exc: BaseException) -> BaseException:

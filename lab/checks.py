@@ -94,3 +94,9 @@ def trace_path(value: Any, name: str = "trace") -> str | None:
     if not os.path.isdir(directory):
         raise ValueError(f"{name}: the directory of {path!r} does not exist")
     return path
+
+
+def workload_path(value: Any) -> str | None:
+    """Where a rank records its workload: ``value`` (a ``workload=`` argument), else
+    ``LAB_WORKLOAD``; None: nowhere. Checked as :func:`trace_path` checks a trace's."""
+    return trace_path(value, "workload") or trace_path(os.environ.get("LAB_WORKLOAD"), "LAB_WORKLOAD")

@@ -18,6 +18,7 @@ from typing import Any
 
 from lab import checks
 from lab.errors import LabError
+from lab.recording import Operation, Recording, record
 
 
 def this_process() -> int:
@@ -41,11 +42,13 @@ class Work:
     def __init__(self, future: Future) -> None:
         self._future = future
         self.raised = False  # its failure reached the program (wait, result): no later call raises it again
+        #: (the recording, the operation's index) where the rank records: the program's waits are noted
+        self.recorded: tuple[Recording, int] | None = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the collective completes; re-raise its error if it failed (the program has
         it then: a later call on the mesh does not raise it again). Returns True."""
-        self._outcome(timeout)
+        self._waited(timeout)
         return True
 
     def is_completed(self) -> bool:
@@ -58,7 +61,18 @@ class Work:
 
     def result(self) -> Any:
         """What the synchronous call would have returned (waits first; raises as :meth:`wait`)."""
-        return self._outcome(None)
+        return self._waited(None)
+
+    def _waited(self, timeout: float | None) -> Any:
+        """:meth:`_outcome`, a wait of the program's: noted where the rank records."""
+        if self.recorded is None:
+            return self._outcome(timeout)
+        recorder, index = self.recorded
+        recorder.wait(index)
+        try:
+            return self._outcome(timeout)
+        finally:
+            recorder.returned()
 
     def _outcome(self, timeout: float | None) -> Any:
         try:
@@ -85,16 +99,23 @@ class IssueQueue:
         self._sends: deque[tuple[int, _Send]] = deque()
         self._counting = threading.Lock()  # (two user threads may issue at once: no lost count)
         self.closed = False  # the mesh was closed: every later call is refused, on every transport
+        #: Where the rank records its calls (lab.recording): set by the layer that starts a recording.
+        self.recorder: Recording | None = None
 
     def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "",
-              refused: Callable[[], None] | None = None) -> Any:
+              refused: Callable[[], None] | None = None, what: Operation | None = None) -> Any:
         """Run ``run`` (a collective's communication) now, or on the communication thread.
 
         A call made by a ``run`` that is being driven (the torch backend's composite operations,
-        on the communication thread) runs inline: it is already in its place in the order.
-        ``p2p="send"``, ``"recv"``: a point-to-point call; a receive issued before an asynchronous
-        send may run it while waiting (:meth:`run_sends_behind`). ``refused``: what numbers the
-        collective of ``run`` where an earlier failure is raised in its place (see :meth:`wait_all`)."""
+        on the communication thread) runs inline: it is already in its place in the order (and in
+        a recording, part of the call that made it). ``p2p="send"``, ``"recv"``: a point-to-point
+        call; a receive issued before an asynchronous send may run it while waiting
+        (:meth:`run_sends_behind`). ``refused``: what numbers the collective of ``run`` where an
+        earlier failure is raised in its place (see :meth:`wait_all`). ``what``: the call as the
+        program issued it, noted where the rank records (:mod:`lab.recording`)."""
+        if what is not None and self.recorder is not None and not self._local.driving:
+            return record(self.recorder, what, checks.flag(async_op, "async_op"),
+                          lambda noted: self.issue(noted, async_op, p2p, refused), run)
         if async_op is False and not p2p:
             return self.run_collective(run, refused)
         self.check_owner()
@@ -117,9 +138,12 @@ class IssueQueue:
             self.wait_all()
         return self._drive(run)
 
-    def run_collective(self, run: Callable[[], Any], refused: Callable[[], None] | None = None) -> Any:
-        """``issue(run, async_op=False, refused=refused)`` for a collective, written out: a small
-        collective's whole cost is a few microseconds, and this is on its path."""
+    def run_collective(self, run: Callable[[], Any], refused: Callable[[], None] | None = None,
+                       what: Operation | None = None) -> Any:
+        """``issue(run, async_op=False, refused=refused, what=what)`` for a collective, written out:
+        a small collective's whole cost is a few microseconds, and this is on its path."""
+        if what is not None and self.recorder is not None and not self._local.driving:
+            return record(self.recorder, what, False, lambda noted: self.run_collective(noted, refused), run)
         if self.closed or _pid[0] != self._owner_pid:
             self.check_owner()
         local = self._local
@@ -141,23 +165,26 @@ class IssueQueue:
                 local.driving = False
 
     def run_alone(self, run: Callable[..., Any], *args: Any,
-                  refused: Callable[[], None] | None = None) -> Any:
+                  refused: Callable[[], None] | None = None, what: Operation | None = None) -> Any:
         """:meth:`run_collective` of ``run(*args)``, a run that issues no call of its own (one
         compiled collective): where nothing is pending and no thread drives, it runs at once,
         uncounted in :attr:`issued` (no asynchronous send is held back, so none can be run ahead
-        of it)."""
-        if self._pending or self.closed or _pid[0] != self._owner_pid or not self._driving.acquire(False):
-            # (this thread driving: inline; another: wait)
-            return self.run_collective(functools.partial(run, *args), refused)
+        of it). A call to record (``what``, and a recorder) takes :meth:`run_collective`."""
+        if self._pending or self.closed or _pid[0] != self._owner_pid or (what and self.recorder) \
+                or not self._driving.acquire(False):  # (this thread driving: inline; another: wait)
+            return self.run_collective(functools.partial(run, *args), refused, what)
         try:
             return run(*args)
         finally:
             self._driving.release()
 
-    def issue_now(self, run: Callable[[], Any], refused: Callable[[], None] | None = None) -> Work:
+    def issue_now(self, run: Callable[[], Any], refused: Callable[[], None] | None = None,
+                  what: Operation | None = None) -> Work:
         """``issue(run, async_op=True)``, run on this thread when nothing is in flight: for a small
         collective the hand-off to the communication thread costs more than the collective. The
         Work returned is complete, with the result or the failure (raised by ``wait``)."""
+        if what is not None and self.recorder is not None and not self._local.driving:
+            return record(self.recorder, what, True, lambda noted: self.issue_now(noted, refused), run)
         self.check_owner()
         if self._local.driving or self.in_flight:
             return self.issue(run, async_op=True)
@@ -227,15 +254,20 @@ class IssueQueue:
         """True while an asynchronous call has not completed."""
         return any(not work.is_completed() for work in self._pending)
 
-    def wait_all(self) -> None:
+    def wait_all(self, recorded: bool = False) -> None:
         """Wait for every asynchronous call issued so far; raise the first failure the program
-        has not had yet (from the Work's ``wait`` or ``result``, or an earlier ``wait_all``)."""
+        has not had yet (from the Work's ``wait`` or ``result``, or an earlier ``wait_all``).
+        ``recorded``: the program's own wait (``mesh.wait_all()``), noted where the rank records;
+        not the wait a synchronous call makes first (its issue order says it)."""
         pending, self._pending = self._pending, []
         first: BaseException | None = None
         for work in pending:
             had = work.raised
             try:
-                work.wait()
+                if recorded:
+                    work.wait()
+                else:
+                    work._outcome(None)
             except BaseException as exc:
                 if not work.is_completed():
                     raise  # our own wait interrupted (Ctrl-C), not the call's failure
@@ -264,6 +296,8 @@ class IssueQueue:
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None
+        if self.recorder is not None:
+            self.recorder.close()  # (lines after the last step's end, kept in memory until now)
 
 
 class _ThreadState(threading.local):

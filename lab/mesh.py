@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lab import checks
+from lab import checks, recording
 from lab.exchange import Channels
 from lab.flight import TraceFile
 from lab.membership import Membership, agree_split
@@ -62,7 +62,7 @@ class Mesh(PointToPoint):
 
     @classmethod
     def from_env(cls, *, recv_timeout_ms: float | None = None, trace: str | None = None,
-                 transport: str = "tcp") -> Mesh:
+                 transport: str = "tcp", workload: str | None = None) -> Mesh:
         """This process's handle on a TCP mesh, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
         ``MASTER_PORT`` (as ``torchrun`` sets them), on one host or several; under ``mpiexec``
         (MPICH, Open MPI) or Slurm's ``srun``, from their variables (:mod:`lab.launchers`).
@@ -83,18 +83,26 @@ class Mesh(PointToPoint):
         the job with the secret ``LAB_TCP_SECRET``, which ranks on several hosts must set; on one
         host, without it, rank 0 draws a secret into a file only this user can read. The
         variables are checked first (``ValueError`` naming the variable).
+
+        ``workload`` (or ``LAB_WORKLOAD``): record this rank's calls into that file
+        (:meth:`record_workload`; rank 0 writes its header first).
         """
         from lab.bootstrap import connect_from_env
+        from lab.rendezvous import env_store
 
         recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
-        trace = checks.trace_path(trace)
+        trace, workload = checks.trace_path(trace), checks.workload_path(workload)
         wire, placement, hosts = connect_from_env(transport)
-        return cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
+        mesh = cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
                    placement=placement, hosts=hosts)
+        if workload:
+            mesh.record_workload(workload, env_store())
+        return mesh
 
     @classmethod
     def from_store(cls, store: Any, rank: int, world_size: int, *, transport: str = "auto",
-                   recv_timeout_ms: float | None = None, trace: str | None = None) -> Mesh:
+                   recv_timeout_ms: float | None = None, trace: str | None = None,
+                   workload: str | None = None) -> Mesh:
         """This process's handle on a mesh whose ranks meet through ``store`` (a
         ``torch.distributed.Store`` every rank reaches, e.g. the one ``init_process_group`` made),
         as rank ``rank`` of ``world_size``: what the ``"lab"`` torch.distributed backend builds.
@@ -106,6 +114,8 @@ class Mesh(PointToPoint):
 
             store = torch.distributed.TCPStore("127.0.0.1", 29500, 2, is_master=rank == 0)
             mesh = lab.Mesh.from_store(store, rank, 2)
+
+        ``workload`` (or ``LAB_WORKLOAD``): as for :meth:`from_env`, through ``store``.
         """
         from lab.bootstrap import connect_with_store
 
@@ -114,10 +124,29 @@ class Mesh(PointToPoint):
         if not checks.is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an int in [0, {world_size}); got {rank!r}")
         recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
-        trace = checks.trace_path(trace)
+        trace, workload = checks.trace_path(trace), checks.workload_path(workload)
         wire, placement, hosts = connect_with_store(store, int(rank), int(world_size), transport)
-        return cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
+        mesh = cls(wire, transport_name=transport, recv_timeout_ms=recv_timeout_ms, trace=trace,
                    placement=placement, hosts=hosts)
+        if workload:
+            mesh.record_workload(workload, store)
+        return mesh
+
+    def record_workload(self, path: str, store: Any = None, recorded: dict | None = None) -> None:
+        """Record every collective and point-to-point call of this rank (on this mesh and its
+        sub-meshes) into the workload file ``path`` (:mod:`lab.workload`), from now on.
+
+        ``store``: the ranks meet there so that rank 0 writes the file's header before any rank
+        records (under a launcher); without one, the header is written already (``lab.spawn``'s
+        parent writes it). ``recorded``: what the header says of the run, besides this mesh's
+        transport and hosts. A process already recording into ``path`` goes on with it.
+
+            mesh.record_workload("step.jsonl", store)   # every rank, once
+        """
+        about = {"transport": self.transport, "hosts": self.host_count,
+                 "ranks_per_host": self.local_world_size, **(recorded or {})}
+        membership = self._membership  # (a sub-mesh records as its root: global ranks)
+        recording.attach(self.issue_queue, path, membership.global_rank, len(membership.hosts), store, about)
 
     def close(self) -> None:
         """Stop the communication thread, then release the transport: queued collectives are

@@ -64,11 +64,11 @@ class Plan:
 
     def __call__(self) -> Any:
         """Run the collective now on the tensor's current contents; return what the plain call does."""
-        return self._issue(self._run(), refused=self._refused)
+        return self._issue(self._run(), refused=self._refused, what=self._prepared.what)
 
     def start(self) -> Work:
         """Run it asynchronously (in issue order with this mesh's other calls); return a :class:`lab.Work`."""
-        return self._queue.issue(self._run(), async_op=True)
+        return self._queue.issue(self._run(), async_op=True, what=self._prepared.what)
 
     def free(self) -> None:
         """Release the plan (idempotent); using it afterwards is a :class:`lab.LabError`."""

@@ -8,6 +8,7 @@ a message of another tag waits aside until its receive, as MPI matches by source
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,8 @@ from lab.buffers import as_buffer
 from lab.errors import DeadlineError
 from lab.exchange import Exchange
 from lab.issue import IssueQueue
+from lab.ops import DTYPES, DType, dtype_of
+from lab.recording import Operation
 from lab.transport.base import Recv, Send, silence_error
 
 
@@ -26,22 +29,25 @@ class PointToPoint(Exchange):
 
     # -- issuing collectives, synchronously or not ----------------------------------------------
 
-    def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "", numbered: bool = True) -> Any:
+    def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "", numbered: bool = True,
+              what: Operation | None = None) -> Any:
         """Run a collective's (or, ``p2p="send"``/``"recv"``, a send's or receive's)
         communication now, or on the communication thread (one issue order for a root mesh and
         its sub-meshes: :class:`lab.issue.IssueQueue`). ``numbered`` False: ``run`` is no
-        collective (a synchronous send, receive or probe), so a refusal numbers none."""
-        return self._channels.issue.issue(run, async_op, p2p, self.refused if numbered and not p2p else None)
+        collective (a synchronous send, receive or probe), so a refusal numbers none. ``what``:
+        the call as the program issued it, where the rank records (:meth:`describe`)."""
+        refused = self.refused if numbered and not p2p else None
+        return self._channels.issue.issue(run, async_op, p2p, refused, what)
 
     @property
     def issue_queue(self) -> IssueQueue:
         """The issue order this mesh shares with its root and the root's sub-meshes."""
         return self._channels.issue
 
-    def issue_now(self, run: Callable[[], Any]) -> Any:
+    def issue_now(self, run: Callable[[], Any], what: Operation | None = None) -> Any:
         """``issue(run, async_op=True)``, run on this thread when nothing is in flight; the Work
         returned is then complete (:meth:`lab.issue.IssueQueue.issue_now`)."""
-        return self._channels.issue.issue_now(run, self.refused)
+        return self._channels.issue.issue_now(run, self.refused, what)
 
     @property
     def in_flight(self) -> bool:
@@ -51,7 +57,33 @@ class PointToPoint(Exchange):
 
     def wait_all(self) -> None:
         """Wait for every asynchronous collective issued so far; raise the first failure."""
-        self._channels.issue.wait_all()
+        self._channels.issue.wait_all(recorded=True)
+
+    # -- what a recording notes (lab.recording) ------------------------------------------------
+
+    @property
+    def recording(self) -> bool:
+        """True while this rank records its calls (``lab.spawn(..., workload=)``, ``LAB_WORKLOAD``)."""
+        return self._channels.issue.recorder is not None
+
+    @functools.cached_property
+    def global_ranks(self) -> tuple[int, ...]:
+        """This mesh's ranks as global ranks, in its rank order."""
+        members = self._membership.members
+        return tuple(range(self.world_size)) if members is None else tuple(members)
+
+    def describe(self, op: str, dtype: DType, count: int, out_count: int, *, root: int | None = None,
+                 peer: int | None = None, dim: str | None = None, **rest: Any) -> Operation:
+        """A call of ``op`` on this mesh as a recording notes it (``root``, ``peer``: this mesh's
+        ranks; ``rest``: :class:`lab.recording.Operation`'s other fields). Callers build it only
+        where the rank records (:attr:`recording`).
+
+            mesh.describe("broadcast", DTYPES["float32"], 256, 256, root=1)   # N=2: group (0, 1)
+        """
+        group = self.global_ranks
+        return Operation(op, group, dtype.name, dtype.storage.itemsize, count, out_count, dim,
+                         root=None if root is None else group[root],
+                         peer=None if peer is None else group[peer], **rest)
 
     # -- public point-to-point -----------------------------------------------------------------
 
@@ -93,7 +125,9 @@ class PointToPoint(Exchange):
             self._tag = self._p2p_tag(tag, seq, buffer.dtype.code, buffer.numel)
             self._exchange([Send(dst, buffer.load())], [])  # read now, after the async work before it
 
-        self.issue(run, async_op=False, numbered=False)
+        what = self.describe("send", buffer.dtype, buffer.numel, buffer.numel, peer=dst, tag=tag) \
+            if self.recording else None
+        self.issue(run, async_op=False, numbered=False, what=what)
 
     def recv(self, src: int | None, timeout_ms: float | None = None, tag: int = 0) -> Any:
         """Receive the next tensor rank ``src`` sent to this rank with ``tag``: same kind, dtype
@@ -130,7 +164,20 @@ class PointToPoint(Exchange):
                                     others)
             return chosen, self._receive(chosen, tag, timeout_ms)
 
-        return self.issue(run, async_op=False, numbered=False)
+        # (the tensor's dtype and size, and from any source its sender, come with it: learned)
+        what = self.describe("recv", DTYPES["uint8"], 0, 0, peer=src, tag=tag, learn=self._learned) \
+            if self.recording else None
+        return self.issue(run, async_op=False, numbered=False, what=what)
+
+    def _learned(self, received: Any) -> dict:
+        """What a received tensor (from any source: ``(src, tensor)``) tells the receive's recorded line."""
+        source, tensor = received if isinstance(received, tuple) else (None, received)
+        dtype, numel = dtype_of(tensor), int(np.prod(tensor.shape))
+        learned = {"dtype": dtype.name, "itemsize": dtype.storage.itemsize, "count": numel,
+                   "out_count": numel}
+        if source is not None:
+            learned["peer"] = self.global_ranks[source]
+        return learned
 
     def probe(self, src: int | None, tag: int = 0, timeout_ms: float | None = None) -> int | None:
         """The rank whose next tensor of ``tag`` for this rank has arrived: ``src``, or with

@@ -21,8 +21,8 @@ from lab.buffers import as_buffer, check_tensor, to_caller_type
 from lab.chunking import row_bounds, split_bounds
 from lab.collectives.choice import ALGORITHMS, check_algorithm, choose, forced_algorithm, lab_algo, pick
 from lab.collectives.gather_scatter import gather, prepare_gather, prepare_scatter, scatter
-from lab.collectives.prepared import (Prepared, Signature, check_root, compiled_run, find_lane, lane_key, make_lane,
-                                      parse_op, remembered)
+from lab.collectives.prepared import (Prepared, Signature, check_root, compiled_run, describe, find_lane,
+                                      issue, lane_key, make_lane, parse_op, recording, remembered)
 from lab.ops import DTYPES, ReduceOp, check_reduces
 
 if TYPE_CHECKING:
@@ -47,12 +47,12 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
         x = torch.tensor([1.0, 2.0]) + mesh.rank   # rank 0: [1, 2]   rank 1: [2, 3]
         lab.allreduce(mesh, x)                     # both:   [3, 5]
     """
-    if async_op is False:
+    if async_op is False and not recording(mesh):  # (a recorded call takes the full path, which notes it)
         lane = find_lane(mesh, "allreduce", tensor, op, algorithm)
         if lane is not None:  # (a call like one before, on a contiguous CPU tensor: see Lane)
             lane(tensor)
             return tensor
-    return mesh.issue(prepare_allreduce(mesh, tensor, op, algorithm).run, async_op)
+    return issue(mesh, prepare_allreduce(mesh, tensor, op, algorithm), async_op)
 
 
 def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
@@ -81,7 +81,8 @@ def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str =
         return compiled_run(mesh, signature, algorithm_run, (buffer.flat, kernels), lambda: tensor,
                             call is not None and buffer.shared)
 
-    return Prepared(run, signature, planned)
+    what = describe(mesh, "allreduce", buffer.dtype, buffer.numel, buffer.numel, reduce_op=reduce_op.value)
+    return Prepared(run, signature, planned, what)
 
 
 def _allreduce_template(mesh: Mesh, reduce_op: ReduceOp, algorithm: str, buffer: Any) -> tuple:
@@ -107,12 +108,12 @@ def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", as
         x = torch.full((2,), float(mesh.rank))     # rank 0: [0, 0]  rank 1: [1, 1]  rank 2: [2, 2]
         lab.broadcast(mesh, x, src=1)              # all:    [1, 1]
     """
-    if async_op is False:
+    if async_op is False and not recording(mesh):  # (a recorded call takes the full path, which notes it)
         lane = find_lane(mesh, "broadcast", tensor, src, algorithm)
         if lane is not None:  # (a call like one before, on a contiguous CPU tensor: see Lane)
             lane(tensor)
             return tensor
-    return mesh.issue(prepare_broadcast(mesh, tensor, src, algorithm).run, async_op)
+    return issue(mesh, prepare_broadcast(mesh, tensor, src, algorithm), async_op)
 
 
 def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
@@ -137,7 +138,8 @@ def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "a
         return compiled_run(mesh, signature, ALGORITHMS["broadcast"][chosen], (buffer.flat, root),
                             lambda: tensor, buffer.shared)
 
-    return Prepared(run, signature, planned)
+    return Prepared(run, signature, planned,
+                    describe(mesh, "broadcast", buffer.dtype, buffer.numel, buffer.numel, root=root))
 
 
 def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -151,7 +153,7 @@ def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool =
 
         lab.allgather(mesh, torch.tensor([mesh.rank, 10 + mesh.rank]))   # both: [0, 10, 1, 11]
     """
-    return mesh.issue(prepare_allgather(mesh, tensor, algorithm).run, async_op)
+    return issue(mesh, prepare_allgather(mesh, tensor, algorithm), async_op)
 
 
 def prepare_allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Prepared:
@@ -174,7 +176,7 @@ def prepare_allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Prepa
             mesh.run(ALGORITHMS["allgather"][chosen], out, bounds)
         return to_caller_type(out, dtype, out_shape, like=tensor)
 
-    return Prepared(run, signature)
+    return Prepared(run, signature, what=describe(mesh, "allgather", dtype, numel, mesh.world_size * numel))
 
 
 def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -190,7 +192,7 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "a
         x = torch.arange(4.0) + mesh.rank          # rank 0: [0, 1, 2, 3]  rank 1: [1, 2, 3, 4]
         lab.reduce_scatter(mesh, x)                # rank 0: [1, 3]        rank 1: [5, 7]
     """
-    return mesh.issue(prepare_reduce_scatter(mesh, tensor, op, algorithm).run, async_op)
+    return issue(mesh, prepare_reduce_scatter(mesh, tensor, op, algorithm), async_op)
 
 
 def prepare_reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
@@ -217,7 +219,8 @@ def prepare_reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: 
             mesh.run(ALGORITHMS["reduce_scatter"][chosen], work, kernels, bounds)
         return to_caller_type(work[start:stop].copy(), dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
 
-    return Prepared(run, signature)
+    what = describe(mesh, "reduce_scatter", dtype, math.prod(shape), stop - start, reduce_op=reduce_op.value)
+    return Prepared(run, signature, what=what)
 
 
 def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: bool = False) -> Any:
@@ -230,7 +233,7 @@ def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: boo
         x = torch.tensor([1.0, 2.0]) + mesh.rank   # rank 0: [1, 2]  rank 1: [2, 3]  rank 2: [3, 4]
         lab.reduce(mesh, x, dst=1)                 # rank 1: [6, 9]; ranks 0 and 2 unchanged
     """
-    return mesh.issue(prepare_reduce(mesh, tensor, dst, op).run, async_op)
+    return issue(mesh, prepare_reduce(mesh, tensor, dst, op), async_op)
 
 
 def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Prepared:
@@ -253,7 +256,9 @@ def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Pr
             buffer.write_back()
         return tensor
 
-    return Prepared(run, signature)
+    what = describe(mesh, "reduce", buffer.dtype, buffer.numel, buffer.numel, root=dst,
+                         reduce_op=reduce_op.value)
+    return Prepared(run, signature, what=what)
 
 
 def all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
@@ -282,7 +287,7 @@ def all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, input_sp
                                                           # rank 0: [0, 10, 11]  rank 1: [1, 2, 12]
     """
     prepared = prepare_all_to_all(mesh, tensor, output_split_sizes, input_split_sizes, algorithm)
-    return mesh.issue(prepared.run, async_op)
+    return issue(mesh, prepared, async_op)
 
 
 def _split_sizes(sizes: Any, name: str, world_size: int, rows: int | None = None) -> list[int]:
@@ -345,7 +350,9 @@ def prepare_all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, 
             mesh.run(ALGORITHMS["all_to_all"][chosen], buffer.load(), out, send_bounds, recv_bounds)
         return to_caller_type(out, dtype, (sum(receives), *shape[1:]), like=tensor)
 
-    return Prepared(run, signature)
+    what = describe(mesh, "all_to_all", dtype, math.prod(shape), sum(receives) * row,
+                         split_sizes={"in": sends, "out": receives} if uneven else None)
+    return Prepared(run, signature, what=what)
 
 
 def barrier(mesh: Mesh, async_op: bool = False) -> Any:
@@ -355,12 +362,12 @@ def barrier(mesh: Mesh, async_op: bool = False) -> Any:
 
         lab.barrier(mesh)   # neither rank returns before both have called it
     """
-    if async_op is False:
+    if async_op is False and not recording(mesh):  # (a recorded call takes the full path, which notes it)
         # The compiled call, made once (a barrier's lane; False: none, on a transport without mailboxes)
         call = remembered(mesh, ("barrier", lab_algo()), lambda: prepare_barrier(mesh).planned() or False)
         if call:
             return mesh.issue_queue.run_alone(call, refused=mesh.refused)
-    return mesh.issue(prepare_barrier(mesh).run, async_op)
+    return issue(mesh, prepare_barrier(mesh), async_op)
 
 
 def prepare_barrier(mesh: Mesh) -> Prepared:
@@ -372,7 +379,8 @@ def prepare_barrier(mesh: Mesh) -> Prepared:
             mesh.run(ALGORITHMS["barrier"][_BARRIER])
 
     return Prepared(run, signature, lambda: compiled_run(mesh, signature, ALGORITHMS["barrier"][_BARRIER], (),
-                                                         lambda: None))
+                                                         lambda: None),
+                    describe(mesh, "barrier", DTYPES["float32"], 0, 0))
 
 
 __all__ = [

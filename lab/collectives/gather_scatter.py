@@ -10,7 +10,7 @@ import numpy as np
 from lab.buffers import as_buffer, check_tensor, to_caller_type
 from lab.chunking import row_bounds, split_bounds
 from lab.collectives.choice import ALGORITHMS, pick
-from lab.collectives.prepared import Prepared, Signature, check_root
+from lab.collectives.prepared import Prepared, Signature, check_root, describe, issue
 
 if TYPE_CHECKING:
     from lab.mesh import Mesh
@@ -29,7 +29,7 @@ def gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto", async
         lab.gather(mesh, torch.tensor([mesh.rank, 10 + mesh.rank]), dst=1)
         # rank 1: tensor([0, 10, 1, 11, 2, 12]);  ranks 0 and 2: None
     """
-    return mesh.issue(prepare_gather(mesh, tensor, dst, algorithm).run, async_op)
+    return issue(mesh, prepare_gather(mesh, tensor, dst, algorithm), async_op)
 
 
 def prepare_gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto") -> Prepared:
@@ -55,7 +55,8 @@ def prepare_gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto
             return None
         return to_caller_type(out, dtype, (n * shape[0], *shape[1:]), like=tensor)
 
-    return Prepared(run, signature)
+    what = describe(mesh, "gather", dtype, numel, n * numel if mesh.rank == dst else 0, root=dst)
+    return Prepared(run, signature, what=what)
 
 
 def scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
@@ -71,7 +72,7 @@ def scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", asyn
         x = torch.arange(4.0) + 10 * mesh.rank     # rank 1: [10, 11, 12, 13]
         lab.scatter(mesh, x, src=1)                # rank 0: [10, 11]  rank 1: [12]  rank 2: [13]
     """
-    return mesh.issue(prepare_scatter(mesh, tensor, src, algorithm).run, async_op)
+    return issue(mesh, prepare_scatter(mesh, tensor, src, algorithm), async_op)
 
 
 def prepare_scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
@@ -98,4 +99,4 @@ def prepare_scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "aut
             mesh.run(ALGORITHMS["scatter"][chosen], send, out, bounds, src)
         return to_caller_type(out, dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
 
-    return Prepared(run, signature)
+    return Prepared(run, signature, what=describe(mesh, "scatter", dtype, numel, stop - start, root=src))

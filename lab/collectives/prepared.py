@@ -17,6 +17,7 @@ from lab.collectives.choice import lab_algo
 from lab.fingerprint import Signature
 from lab.ops import ReduceOp
 from lab.ops import parse_op as parse_any_op
+from lab.recording import Operation
 
 if TYPE_CHECKING:
     from lab.exchange import PlannedRun
@@ -42,11 +43,33 @@ class Prepared(NamedTuple):
     """A collective whose arguments are checked and whose algorithm is chosen: ``run()`` does its
     communication on the tensor's current contents and returns what the public call returns.
     ``planned()``, where given, makes a leaner ``run`` for a plan (the compiled call looked up
-    once), or returns None where there is none."""
+    once), or returns None where there is none. ``what``: the call as a recording notes it (None
+    where nothing records: :func:`describe`)."""
 
     run: Callable[[], Any]
     signature: Signature
     planned: Callable[[], Callable[[], Any] | None] | None = None
+    what: Operation | None = None
+
+
+def recording(mesh: Mesh) -> bool:
+    """Whether ``mesh``'s rank records its calls (:attr:`lab.Mesh.recording`; the simulator's
+    recording mesh, which moves nothing, never does)."""
+    return getattr(mesh, "recording", False)
+
+
+def describe(mesh: Mesh, op: str, dtype: Any, count: int, out_count: int, **rest: Any) -> Operation | None:
+    """A call of ``op`` as a recording notes it (:meth:`lab.Mesh.describe`), or None where nothing
+    records: an unrecorded call builds nothing."""
+    return mesh.describe(op, dtype, count, out_count, **rest) if recording(mesh) else None
+
+
+def issue(mesh: Mesh, prepared: Prepared, async_op: bool) -> Any:
+    """Run ``prepared`` in ``mesh``'s issue order, now or (``async_op``) on its communication
+    thread; noted as ``prepared.what`` where the rank records."""
+    if prepared.what is None:
+        return mesh.issue(prepared.run, async_op)
+    return mesh.issue(prepared.run, async_op, what=prepared.what)
 
 
 def compiled_run(mesh: Mesh, signature: Signature, algorithm: Any, args: tuple, after: Callable[[], Any],

@@ -33,15 +33,20 @@ def launch(world_size: int, **options: Any) -> Cluster:
     """Start a persistent pool of rank processes; use it as a context manager.
 
     Same options as :func:`spawn` (``transport``, ``recv_timeout_ms``, ``trace``, ``segment_bytes``,
-    ``slots``, ``eager_bytes``, ``hosts``, ``link_gbit``); ``segment_bytes`` and ``slots`` size the
-    shm transport's per-peer buffers (``slots`` buffers of ``segment_bytes`` per directed edge);
-    shm messages of at most ``eager_bytes`` (0 to 4,048; default 4,048) travel inline in the pipe.
+    ``slots``, ``eager_bytes``, ``hosts``, ``link_gbit``, ``workload``); ``segment_bytes`` and
+    ``slots`` size the shm transport's per-peer buffers (``slots`` buffers of ``segment_bytes`` per
+    directed edge); shm messages of at most ``eager_bytes`` (0 to 4,048; default 4,048) travel
+    inline in the pipe.
 
     ``hosts=H`` places the ranks on H emulated hosts (:mod:`lab.hosts`: a network namespace each,
     one switch, each host's link capped at ``link_gbit`` Gbit/s each way, uncapped if None); host
     h holds ranks ``[h*L, (h+1)*L)``, ``L = world_size // H``. With ``H > 1`` the transport must be
     ``"tcp"`` or ``"auto"`` (shared memory inside a host, TCP between hosts). Raises
     :class:`lab.EmulationUnavailable` where namespaces cannot be made.
+
+    ``workload="step.jsonl"`` (or ``LAB_WORKLOAD``) records every rank's collective and
+    point-to-point calls, and the compute between them, into that file (:mod:`lab.workload`;
+    the parent writes its header, each rank its lines at each ``lab.workload.mark_step()``).
 
         with lab.launch(4, transport="queue") as cluster:
             first = cluster.run(step, 1.0)

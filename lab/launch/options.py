@@ -37,6 +37,7 @@ class PoolOptions:
     eager_bytes: int = shm_endpoints.DEFAULT_EAGER_BYTES
     hosts: int | None = None
     link_gbit: float | None = None
+    workload: str | None = None
 
     @property
     def wire(self) -> PoolTransport:
@@ -58,12 +59,14 @@ class PoolOptions:
         checks.trace_path(self.trace)
         checks.trace_path(os.environ.get("LAB_TRACE"), "LAB_TRACE")
         checks.env_flag("LAB_TRACE_STEPS")
+        workload = checks.workload_path(self.workload)  # (or LAB_WORKLOAD's)
         self._check_buffers(world_size)
         _ensure_descriptors(3 * world_size + self.wire.descriptors(world_size))
         self._check_hosts(world_size)
         hosts = None if self.hosts is None else int(self.hosts)
         return replace(self, segment_bytes=int(self.segment_bytes), slots=int(self.slots),
-                       eager_bytes=int(self.eager_bytes), hosts=hosts)
+                       eager_bytes=int(self.eager_bytes), hosts=hosts,
+                       workload=workload and os.path.abspath(workload))
 
     def _check_buffers(self, world_size: int) -> None:
         """The shm buffers: ``slots`` of ``segment_bytes`` per directed edge, messages of at most

@@ -18,6 +18,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
+from lab import recording
 from lab.errors import LabError
 from lab.hosts import Hosts
 from lab.launch.diagnosis import FAILURE_GRACE_S, RankFailure, death, diagnose
@@ -62,6 +63,8 @@ class Cluster:
             endpoints = pool.wire.endpoints(context, world_size, pool)
             # Loopback only: ranks on emulated hosts connect before they enter their namespace.
             self._store = serve_store("127.0.0.1", timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+            if pool.workload:  # the header, once, before any rank records
+                recording.write_header(pool.workload, world_size, _recorded(pool, world_size))
             self._start(context, endpoints, pool)
         except BaseException:
             for ep in endpoints:
@@ -74,7 +77,7 @@ class Cluster:
         options = RankOptions(
             environment=dict(os.environ), transport=pool.transport, recv_timeout_ms=pool.recv_timeout_ms,
             trace=pool.trace, store=f"127.0.0.1:{self._store.port}",
-            hosts=self.hosts.hosts if self.hosts else None,
+            hosts=self.hosts.hosts if self.hosts else None, workload=pool.workload,
         )
         for rank, ends in enumerate(endpoints):
             control, child_control = context.Pipe()
@@ -231,3 +234,10 @@ class Cluster:
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self.close()
+
+
+def _recorded(pool: PoolOptions, world_size: int) -> dict:
+    """What a workload's header says of the pool that recorded it (the network a replay calibrates)."""
+    hosts = pool.hosts or 1
+    return {"launcher": "lab.launch", "transport": pool.transport, "hosts": hosts,
+            "ranks_per_host": world_size // hosts, "link_gbit": pool.link_gbit}

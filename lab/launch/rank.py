@@ -39,6 +39,7 @@ class RankOptions:
     trace: str | None
     store: str  # the pool's rendezvous store, host:port on loopback
     hosts: list[Host] | None  # the emulated hosts, if any
+    workload: str | None = None  # where every rank records its calls (the parent wrote the header)
 
 
 def rank_main(endpoints: Any, control: Any, options: RankOptions) -> None:
@@ -68,6 +69,8 @@ def _take_environment(endpoints: Any, options: RankOptions) -> None:
     os.environ.update(options.environment)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), LAB_STORE=options.store)
+    if options.workload:  # a torch group made in the rank (Mesh.from_store) goes on with the pool's recording
+        os.environ["LAB_WORKLOAD"] = options.workload
 
 
 def _join(endpoints: Any, options: RankOptions) -> Mesh:
@@ -85,8 +88,11 @@ def _join(endpoints: Any, options: RankOptions) -> Mesh:
         os.environ.update(LOCAL_RANK=str(rank % per_host), LOCAL_WORLD_SIZE=str(per_host),
                           GROUP_RANK=str(host.index), GLOO_SOCKET_IFNAME=host.interface)
     transport = POOL_TRANSPORTS[options.transport].connect(endpoints, address)
-    return Mesh(transport, transport_name=options.transport, recv_timeout_ms=options.recv_timeout_ms,
+    mesh = Mesh(transport, transport_name=options.transport, recv_timeout_ms=options.recv_timeout_ms,
                 trace=options.trace, placement=placement)
+    if options.workload:
+        mesh.record_workload(options.workload)
+    return mesh
 
 
 def _serve(mesh: Mesh, control: Any, rank: int) -> None:
@@ -105,11 +111,16 @@ def _serve(mesh: Mesh, control: Any, rank: int) -> None:
 def _run(mesh: Mesh, task: bytes, rank_pid: int, rank: int) -> tuple[str, Any]:
     """One task's reply: ``("ok", pickled result)`` once every collective it issued has
     completed, or ``("error", RankFailure)``."""
+    recorder = mesh.issue_queue.recorder
     try:
         fn, args = pickle.loads(task)
+        if recorder is not None:
+            recorder.returned()  # the program starts now: the time since the last task is no compute
         result = fn(mesh, *args)
         _leave_if_forked(rank_pid, rank)
-        mesh.wait_all()  # a task ends when every collective it issued has completed
+        mesh.issue_queue.wait_all()  # a task ends when every collective it issued has completed
+        if recorder is not None:
+            recorder.close()  # its lines written: the parent may read the file once the run returns
         return "ok", pickle.dumps(result)
     except BaseException as exc:
         _leave_if_forked(rank_pid, rank)

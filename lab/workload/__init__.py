@@ -1,5 +1,7 @@
 """Workloads: a training job's communication, recorded once and replayed at any scale.
 
+    lab.spawn(train, 4, workload="step.jsonl")              # lab.workload.record: every rank records
+    lab.workload.mark_step()                                # in train, after each optimizer.step()
     w = lab.workload.load("step.jsonl")                     # lab.workload.format: the file
     r = lab.workload.replay(w, world_size=1024, network=lab.sim.Network(alpha_us=5, gbit=100))
     r.step_us; r.compute_us; r.exposed_comm_us              # per recorded step
@@ -21,10 +23,11 @@ from lab import tuning
 from lab.collectives import registry
 from lab.sim.network import Network
 from lab.workload.format import Event, Workload, load
+from lab.workload.record import mark_step
 from lab.workload.replay import Replay, ReplayResult
 from lab.workload.retarget import Layout
 
-__all__ = ["Event", "ReplayResult", "Workload", "load", "network_named", "replay"]
+__all__ = ["Event", "ReplayResult", "Workload", "load", "mark_step", "network_named", "replay"]
 
 
 def network_named(network: Any) -> Network:

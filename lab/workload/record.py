@@ -1,12 +1,20 @@
 """Recording a workload: each rank's operations as issued, and the compute between them.
 
-A :class:`Recorder` belongs to one rank. The lab calls :meth:`Recorder.operation` when a call
-is issued, :meth:`Recorder.wait` when the program waits on one, and :meth:`Recorder.returned`
-when control goes back to the program; the time between a return and the next call is compute
-(the program's own work: forward, backward, optimizer). :meth:`Recorder.mark_step` ends a step.
+A :class:`Recorder` belongs to one rank. The lab's issue order (:mod:`lab.recording`, where
+this module registers it on import) calls :meth:`Recorder.issue` when a call is issued,
+:meth:`Recorder.completed` when it completes, :meth:`Recorder.wait` when the program waits on its
+Work, and :meth:`Recorder.returned` when control goes back to the program; the time between a
+return and the next call is compute (the program's own work: forward, backward, optimizer).
+:func:`mark_step` (the program's, after each ``optimizer.step()``) ends a step.
 Lines are kept in memory and written at each step's end and at :meth:`Recorder.close`, one
 ``write`` each (``O_APPEND``: the ranks' writes to one file do not interleave within a line),
 so a recording costs a few microseconds a call and no system call in between.
+
+Waits the lab cannot see: DDP waits on its buckets' futures in C++ (torch's reducer, at the end
+of the backward pass), where no Python runs. At a step's end, an asynchronous operation that
+completed and that the program never waited on through its Work is taken as waited on right after
+the program's last call into the lab (a wait line marked ``"inferred": true``), and the time
+until the last of them completed is not compute.
 
     recorder = Recorder("step.jsonl", rank=0, world_size=4)
     index = recorder.operation("allreduce", [0, 1, 2, 3], "float32", 1024, 1024, reduce_op="sum",
@@ -26,7 +34,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lab.workload.format import FORMAT, VERSION
+from lab import recording
+from lab.recording import Operation
+from lab.workload.format import DTYPE_BYTES, FORMAT, POINT_TO_POINT, VERSION
+
+#: Distinct operations whose fixed fields a recorder keeps as JSON (past this, it starts over).
+MAX_FIXED = 4096
 
 
 def write_header(
@@ -49,15 +62,18 @@ class Recorder:
 
     def __init__(self, path: str | Path, rank: int, world_size: int, clock=time.perf_counter_ns) -> None:
         self.path, self.rank, self.world_size, self._clock = str(path), rank, world_size, clock
-        self._lock = threading.Lock()  # (two program threads may issue on one mesh)
-        self._lines: list[str] = []
+        self._lock = threading.Lock()  # (program threads issue, the communication thread completes)
+        self._rows: list[dict] = []  # events not written yet (an operation's: its completion fills it in)
+        self._ops: dict[int, dict] = {}  # the operations among them, by index
+        self._open: dict[int, int | None] = {}  # async operations not waited on: when each completed
+        self._fixed: dict[tuple, str] = {}  # each distinct operation's fixed fields, as JSON (_fixed_json)
         self._start = clock()
         self._returned = self._start  # when the program last got control back
         self._inside = 0  # lab calls in progress (a composite call issues others inside it)
         self.step, self.issued = 0, 0
 
-    def _now_us(self) -> float:
-        return (self._clock() - self._start) / 1e3
+    def _now_us(self, now: int) -> float:
+        return (now - self._start) / 1e3
 
     def _compute_us(self, now: int) -> float:
         """The program's time since it last got control back, once: what it spent outside the lab."""
@@ -65,68 +81,52 @@ class Recorder:
             return 0.0
         return max(now - self._returned, 0) / 1e3
 
-    def _line(self, row: dict) -> None:
-        self._lines.append(json.dumps(row, separators=(",", ":")))
+    def operation(self, op: str, group: Sequence[int], dtype: str, count: int, out_count: int, *,
+                  is_async: bool, dim: str | None = None, reduce_op: str | None = None,
+                  root: int | None = None, peer: int | None = None, tag: int = 0,
+                  split_sizes: dict | None = None) -> int:
+        """Note an operation issued now (``group``, ``root``, ``peer``: global ranks); returns its
+        index (what :meth:`wait` takes)."""
+        what = Operation(op, tuple(group), dtype, DTYPE_BYTES.get(dtype, 1), count, out_count, dim, reduce_op,
+                         root, peer, tag, split_sizes)
+        return self.issue(what, is_async)
 
-    def operation(
-        self,
-        op: str,
-        group: Sequence[int],
-        dtype: str,
-        count: int,
-        out_count: int,
-        *,
-        is_async: bool,
-        dim: str | None = None,
-        reduce_op: str | None = None,
-        root: int | None = None,
-        peer: int | None = None,
-        tag: int = 0,
-        split_sizes: dict | None = None,
-    ) -> int:
-        """Note an operation issued now; returns its index (what :meth:`wait` takes)."""
+    def issue(self, what: Operation, is_async: bool) -> int:
+        """Note ``what`` issued now, asynchronously or not; returns its index."""
         with self._lock:
             now = self._clock()
             index, self.issued = self.issued, self.issued + 1
-            row = {
-                "rank": self.rank,
-                "step": self.step,
-                "kind": "op",
-                "index": index,
-                "op": op,
-                "group": list(group),
-                "dim": dim,
-                "dtype": dtype,
-                "count": int(count),
-                "out_count": int(out_count),
-                "reduce_op": reduce_op,
-                "root": root,
-                "async": bool(is_async),
-                "compute_us": self._compute_us(now),
-                "issued_us": (now - self._start) / 1e3,
-            }
-            if peer is not None:
-                row.update(peer=peer, tag=tag)
-            if split_sizes is not None:
-                row["split_sizes"] = split_sizes
-            self._line(row)
+            row = {"kind": "op", "step": self.step, "index": index, "what": what, "async": is_async,
+                   "compute_us": self._compute_us(now), "issued_us": self._now_us(now)}
+            self._rows.append(row)
+            self._ops[index] = row
+            if is_async:
+                self._open[index] = None
             self._inside += 1
             return index
 
-    def wait(self, index: int) -> None:
-        """The program waits on operation ``index`` now."""
+    def completed(self, index: int, learned: dict | None = None) -> None:
+        """Operation ``index`` completed now; ``learned``: what its result told (a receive's
+        source, dtype and size), into its line."""
         with self._lock:
             now = self._clock()
-            self._line(
-                {
-                    "rank": self.rank,
-                    "step": self.step,
-                    "kind": "wait",
-                    "index": index,
-                    "compute_us": self._compute_us(now),
-                    "waited_us": (now - self._start) / 1e3,
-                }
-            )
+            if index in self._open:
+                self._open[index] = now
+            row = self._ops.get(index)
+            if row is not None:  # (else written already: it completed after its step's end)
+                row["completed_us"] = self._now_us(now)
+                if learned:
+                    row["learned"] = learned
+
+    def wait(self, index: int) -> None:
+        """The program waits on operation ``index`` now: a line for the first wait on an
+        asynchronous operation (torch waits twice on some; a later wait finds it done)."""
+        with self._lock:
+            now = self._clock()
+            if index in self._open:
+                del self._open[index]
+                self._rows.append({"kind": "wait", "step": self.step, "index": index,
+                                   "waited_us": self._now_us(now), "compute_us": self._compute_us(now)})
             self._inside += 1
 
     def returned(self) -> None:
@@ -137,20 +137,61 @@ class Recorder:
                 self._returned = self._clock()
 
     def mark_step(self) -> None:
-        """The end of a training step: its line, and the step's lines written."""
+        """The end of a training step: the waits the lab could not see, its line, and the step's
+        lines written."""
         with self._lock:
             now = self._clock()
-            self._line(
-                {"rank": self.rank, "step": self.step, "kind": "step", "compute_us": self._compute_us(now)}
-            )
+            self._infer_waits()
+            self._rows.append({"kind": "step", "step": self.step, "compute_us": self._compute_us(now)})
             self._returned, self.step = now, self.step + 1
             self._flush()
 
+    def _infer_waits(self) -> None:
+        """A wait line for each asynchronous operation that completed unwaited, right after the
+        program's last call into the lab; the time until the last one completed is no compute."""
+        done = sorted((index, at) for index, at in self._open.items() if at is not None)
+        for index, _ in done:
+            del self._open[index]
+            self._rows.append({"kind": "wait", "step": self.step, "index": index, "inferred": True,
+                               "waited_us": self._now_us(self._returned), "compute_us": 0.0})
+        if done:
+            self._returned = max(self._returned, max(at for _, at in done))
+
+    def _line(self, row: dict) -> str:
+        """One event's line. Formatted here, not by ``json.dumps`` (which would cost more than the
+        rest of a recording): every field but an operation's fixed ones is a number."""
+        head = f'{{"rank":{self.rank},"step":{row["step"]},"kind":"{row["kind"]}"'
+        compute = f'"compute_us":{row["compute_us"]}'
+        if row["kind"] == "step":
+            return f"{head},{compute}}}\n"
+        if row["kind"] == "wait":
+            inferred = ',"inferred":true' if row.get("inferred") else ""
+            return f'{head},"index":{row["index"]},"waited_us":{row["waited_us"]},{compute}{inferred}}}\n'
+        completed = f',"completed_us":{row["completed_us"]}' if "completed_us" in row else ""
+        is_async = "true" if row["async"] else "false"
+        return (f'{head},"index":{row["index"]},{self._fixed_of(row)},"async":{is_async},{compute},'
+                f'"issued_us":{row["issued_us"]}{completed}}}\n')
+
+    def _fixed_of(self, row: dict) -> str:
+        """An operation's fixed fields as JSON, made once per distinct operation (not one with
+        split sizes, nor one whose result told more)."""
+        what, learned = row["what"], row.get("learned")
+        if learned or what.split_sizes is not None:
+            return _fixed_json(what, learned)
+        key = what[:-1]  # (not learn: a receive's may be made for each call)
+        found = self._fixed.get(key)
+        if found is None:
+            if len(self._fixed) >= MAX_FIXED:
+                self._fixed.clear()
+            found = self._fixed[key] = _fixed_json(what, None)
+        return found
+
     def _flush(self) -> None:
-        if not self._lines:
+        if not self._rows:
             return
-        data = ("\n".join(self._lines) + "\n").encode()
-        self._lines.clear()
+        data = "".join(map(self._line, self._rows)).encode()
+        self._rows.clear()
+        self._ops.clear()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             if os.write(fd, data) != len(data):  # (a regular file takes it whole, or the disk is full)
@@ -162,3 +203,54 @@ class Recorder:
         """Write what is left (the events after the last step's end, which a replay leaves out)."""
         with self._lock:
             self._flush()
+
+
+def _fixed_json(what: Operation, learned: dict | None) -> str:
+    """The fields of ``what``'s line that do not change from call to call, as the inside of a JSON
+    object; ``learned``: what its result told (a receive's source, dtype and size)."""
+    dtype, count, out_count = _in_format(what.dtype, what.itemsize, what.count, what.out_count)
+    fields = {"op": what.op, "group": list(what.group), "dim": what.dim, "dtype": dtype, "count": count,
+              "out_count": out_count, "reduce_op": what.reduce_op, "root": what.root}
+    if what.op in POINT_TO_POINT:
+        fields.update(peer=what.peer, tag=what.tag)  # (from any source: the peer comes as it completes)
+    if what.split_sizes is not None:
+        fields["split_sizes"] = what.split_sizes
+    if learned:
+        fields.update(_learned(learned))
+    return json.dumps(fields, separators=(",", ":"))[1:-1]
+
+
+def _learned(learned: dict) -> dict:
+    """The fields of an operation's line that its result told (a receive's dtype and size: in the
+    file's dtypes, :func:`_in_format`)."""
+    learned = dict(learned)
+    if "dtype" in learned:
+        sized = (learned.pop(name) for name in ("dtype", "itemsize", "count", "out_count"))
+        learned.update(zip(("dtype", "count", "out_count"), _in_format(*sized)))
+    return learned
+
+
+def _in_format(dtype: str, itemsize: int, count: int, out_count: int) -> tuple[str, int, int]:
+    """A dtype the file names, with its counts; another one (float8, uint32, ...) as its bytes."""
+    if dtype in DTYPE_BYTES:
+        return dtype, int(count), int(out_count)
+    return "uint8", int(count) * itemsize, int(out_count) * itemsize
+
+
+def mark_step() -> bool:
+    """End this rank's training step in its recording: call it after each ``optimizer.step()``.
+
+    Returns True; False, doing nothing, where this process records nothing (no ``workload=``,
+    ``LAB_WORKLOAD`` or ``Options(workload=)``), so a training loop may call it always.
+
+        loss.backward(); optimizer.step()
+        lab.workload.mark_step()
+    """
+    recorder = recording.current()
+    if not isinstance(recorder, Recorder):
+        return False
+    recorder.mark_step()
+    return True
+
+
+recording.register(write_header, Recorder)  # (the issue order is a lower layer: it is handed these)

@@ -22,9 +22,9 @@ import json
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
 from lab.collectives import registry
 from lab.sim.core import simulate
@@ -32,6 +32,9 @@ from lab.sim.limits import SimulationTooLarge, SimulationUnsupported
 from lab.sim.network import Network
 from lab.workload.format import POINT_TO_POINT, Event, Workload
 from lab.workload.retarget import Layout
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 #: The simulator's step limit when the replay picks an algorithm: a candidate past it is left out.
 CHOICE_MAX_STEPS = 2_000_000
@@ -357,6 +360,8 @@ class Replay:
         last = ends.argmax(axis=0)
         compute = self.step_compute[last, np.arange(ends.shape[1])]
         exposed = np.maximum(step_us - compute, 0.0)
+        import pandas as pd  # (here: import lab, which records through lab.workload, need not load pandas)
+
         frame = pd.DataFrame(sorted(self.rows.values(), key=lambda r: (r["step"], r["index"])))
         if not frame.empty:
             frame["exposed_us"] = [

@@ -1,0 +1,263 @@
+"""Recording a workload (issue 35, item 1): every collective and point-to-point call of each rank
+as issued, with its waits and the compute between calls, through ``lab.spawn(..., workload=)``,
+``LAB_WORKLOAD`` and ``lab.backend.Options(workload=)``; torch's DDP on a pool's mesh
+(``lab.backend.init_process_group``) records one allreduce per bucket with the bucket's bytes.
+
+Rank-side functions are module-level (the ranks unpickle them by name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import child_env, free_port, require_hosts
+
+import lab
+from lab import recording, workload
+from lab.rendezvous import pool_store
+from lab.workload.record import Recorder, write_header
+
+NET = lab.sim.Network(alpha_us=10, gbit=8)
+
+
+def lines(path) -> tuple[dict, list[dict]]:
+    """The file's header and its events."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    return rows[0], rows[1:]
+
+
+def of(rows: list[dict], rank: int, **match) -> list[dict]:
+    """``rank``'s events whose fields are ``match``'s."""
+    return [r for r in rows if r["rank"] == rank and all(r.get(k) == v for k, v in match.items())]
+
+
+# -- torch's DDP on a pool's mesh ------------------------------------------------------------------
+
+
+def ddp_steps(mesh: lab.Mesh, steps: int) -> dict:
+    """DDP of a model of about 1.3 MB with 0.1 MB buckets (DDP's first bucket holds up to 1 MB, so
+    two after its rebuild), ``steps`` steps; DDP's bucket sizes (bytes) after them."""
+    lab.backend.init_process_group(mesh)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 16))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss = ddp(torch.randn(8, 64)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        lab.workload.mark_step()
+    data = ddp._get_ddp_logging_data()
+    dist.destroy_process_group()  # (the mesh stays open: the pool's)
+    return data
+
+
+def test_a_ddp_step_records_one_allreduce_per_bucket_with_its_bytes(tmp_path):
+    path = tmp_path / "ddp.jsonl"
+    data = lab.spawn(ddp_steps, 2, args=(3,), workload=str(path))
+    buckets = [int(b) for b in data[0]["rebuilt_bucket_sizes"].split(",")]  # (rebuilt after step 0)
+    assert len(buckets) == 2, data[0]
+    header, rows = lines(path)
+    assert header["world_size"] == 2 and header["recorded"]["transport"] == "shm"
+    for rank in range(2):
+        for step in (1, 2):
+            allreduces = of(rows, rank, step=step, kind="op", op="allreduce")
+            assert [r["count"] * 4 for r in allreduces] == buckets
+            assert all(r["group"] == [0, 1] and r["dtype"] == "float32" and r["reduce_op"] == "sum"
+                       and r["async"] for r in allreduces)
+            waited = {r["index"] for r in of(rows, rank, step=step, kind="wait")}
+            assert {r["index"] for r in allreduces} <= waited  # (a wait line, seen or inferred, each)
+    w = workload.load(path)  # the file loads, and replays at the recorded size
+    assert w.steps == 3 and w.world_size == 2
+    r = workload.replay(w, network=NET, algorithms={"allreduce": "ring"})
+    assert len(r.step_us) == 3 and (r.step_us > 0).all()
+    assert list(r.breakdown[r.breakdown["step"] == 2]["nbytes"]) == buckets
+
+
+def fsdp_steps(mesh: lab.Mesh, steps: int) -> None:
+    """FSDP2 (``fully_shard``) of two layers, ``steps`` steps, on the pool's mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    lab.backend.init_process_group(mesh)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.randn(8, 16)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        lab.workload.mark_step()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_on_emulated_hosts_records_its_allgathers_and_reduce_scatters(tmp_path):
+    """torch's world over a pool's mesh on two emulated hosts (tcp, 1 Gbit/s links): each layer's
+    shard gathered (forward, backward) and its gradient reduce-scattered, each waited on."""
+    require_hosts()
+    path = tmp_path / "fsdp.jsonl"
+    lab.spawn(fsdp_steps, 2, args=(2,), hosts=2, link_gbit=1.0, transport="tcp", workload=str(path))
+    header, rows = lines(path)
+    assert header["recorded"] == {"launcher": "lab.launch", "transport": "tcp", "hosts": 2, "ranks_per_host": 1,
+                                  "link_gbit": 1.0}
+    for rank in range(2):
+        ops = of(rows, rank, step=1, kind="op")
+        gathers, scatters = [r for r in ops if r["op"] == "allgather"], [r for r in ops if r["op"] == "reduce_scatter"]
+        assert len(gathers) == 4 and len(scatters) == 2 and len(ops) == 6  # (2 layers: forward and backward)
+        assert all(r["async"] and r["out_count"] == 2 * r["count"] for r in gathers)
+        assert sorted(r["count"] for r in scatters) == sorted(2 * r["count"] for r in gathers[:2])
+        assert {r["index"] for r in of(rows, rank, step=1, kind="wait")} == {r["index"] for r in ops}
+    assert workload.load(path).steps == 2
+
+
+# -- a mesh's own calls, recorded through LAB_WORKLOAD ----------------------------------------------
+
+
+def mesh_calls(mesh: lab.Mesh) -> bool:
+    """A step of a mesh's calls: an allreduce, an async allgather and its wait, a send and its
+    receive, a plan's run; then a step's end."""
+    x = torch.ones(256)
+    lab.allreduce(mesh, x)
+    lab.allgather(mesh, x[:4], async_op=True).wait()
+    if mesh.rank == 0:
+        mesh.send(1, torch.arange(8.0), tag=3)
+    else:
+        mesh.recv(0, tag=3)
+    with lab.allreduce_init(mesh, x, op="max") as plan:
+        plan()
+    return lab.workload.mark_step()
+
+
+def test_lab_workload_records_a_mesh_s_calls_their_waits_and_peers(tmp_path, monkeypatch):
+    path = tmp_path / "mesh.jsonl"
+    monkeypatch.setenv("LAB_WORKLOAD", str(path))
+    assert lab.spawn(mesh_calls, 2) == [True, True]
+    header, rows = lines(path)
+    assert header["format"] == "lab-workload" and header["world_size"] == 2
+    for rank in range(2):
+        mine = of(rows, rank)
+        assert [(r["kind"], r.get("op")) for r in mine] == [
+            ("op", "allreduce"), ("op", "allgather"), ("wait", None), ("op", "send" if rank == 0 else "recv"),
+            ("op", "allreduce"), ("step", None)]
+        gather, wait, p2p, plan = mine[1], mine[2], mine[3], mine[4]
+        assert gather["async"] and (gather["count"], gather["out_count"]) == (4, 8) and wait["index"] == 1
+        assert (p2p["peer"], p2p["tag"], p2p["dtype"], p2p["count"]) == (1 - rank, 3, "float32", 8)
+        assert plan["reduce_op"] == "max" and not plan["async"]
+        assert all(r["compute_us"] >= 0 for r in mine) and all("completed_us" in r for r in mine if r["kind"] == "op")
+    assert workload.load(path).steps == 1
+
+
+TORCHRUN_RANK = """
+import lab, torch
+mesh = lab.Mesh.from_env(recv_timeout_ms=60_000)
+lab.allreduce(mesh, torch.ones(10))
+assert lab.workload.mark_step()
+mesh.close()
+"""
+
+
+@pytest.mark.slow
+def test_lab_workload_under_torchrun(tmp_path):
+    """Ranks under torchrun (``Mesh.from_env``): rank 0 writes the header through the launcher's
+    store, each rank its lines."""
+    script, path = tmp_path / "rank.py", tmp_path / "torchrun.jsonl"
+    script.write_text(TORCHRUN_RANK)
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                           str(free_port()), str(script)], check=False, capture_output=True, text=True, timeout=180,
+                          env=child_env(LAB_WORKLOAD=str(path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    header, rows = lines(path)
+    assert header["world_size"] == 2 and header["recorded"]["transport"] == "tcp"
+    assert sorted((r["rank"], r["kind"]) for r in rows) == [(0, "op"), (0, "step"), (1, "op"), (1, "step")]
+
+
+# -- torch's process group with Options(workload=): rank 0 writes the header ------------------------
+
+
+def torch_calls(mesh: lab.Mesh, path: str) -> tuple[bool, bool]:
+    """Outside any recording mark_step does nothing; then a lab group that records (rank 0 writes
+    the header, through the store): a coalesced allreduce (one lab allreduce), a send and its
+    receive (torch's, which runs the mesh's inside), an async allreduce waited on."""
+    before = lab.workload.mark_step()
+    store = dist.PrefixStore("options-test", pool_store())
+    dist.init_process_group("lab", store=store, rank=mesh.rank, world_size=mesh.world_size,
+                            pg_options=lab.backend.Options(workload=path))
+    dist.all_reduce_coalesced([torch.ones(3), torch.ones(5)])
+    if mesh.rank == 0:
+        dist.send(torch.arange(4.0), dst=1, tag=7)
+    else:
+        dist.recv(torch.empty(4), src=0, tag=7)
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    work.wait()
+    after = lab.workload.mark_step()
+    dist.destroy_process_group()
+    return before, after
+
+
+def test_options_workload_records_torch_s_calls_once(tmp_path):
+    path = tmp_path / "torch.jsonl"
+    assert lab.spawn(torch_calls, 2, args=(str(path),)) == [(False, True)] * 2
+    header, rows = lines(path)
+    assert header["world_size"] == 2 and header["recorded"]["transport"] == "auto"
+    for rank in range(2):
+        ops = of(rows, rank, kind="op")
+        # the coalesced call is one allreduce of both tensors; torch's send, which runs the
+        # mesh's send inside it, is one send
+        assert [(r["op"], r["count"]) for r in ops] == [("allreduce", 8), ("send" if rank == 0 else "recv", 4),
+                                                       ("allreduce", 2)]
+        assert ops[1]["peer"] == 1 - rank and ops[1]["tag"] == 7
+        assert of(rows, rank, kind="wait", index=2)  # the async allreduce's wait
+    assert workload.load(path).steps == 1
+
+
+# -- the recorder itself ------------------------------------------------------------------------------
+
+
+def test_an_unwaited_async_operation_is_waited_at_the_step_s_end(tmp_path):
+    """DDP may wait on a future in C++, where the lab cannot see it: an async operation that
+    completed unwaited gets a wait right after the program's last call, and the time until it
+    completed is no compute (fake clock, ns)."""
+    path = tmp_path / "inferred.jsonl"
+    write_header(path, 1)
+    now = [0]
+    recorder = Recorder(path, 0, 1, clock=lambda: now[0])
+    now[0] += 100_000
+    what = recording.Operation("allreduce", (0,), "float32", 4, 10, 10, reduce_op="sum")
+    index = recorder.issue(what, True)
+    recorder.returned()
+    now[0] += 40_000
+    recorder.completed(index)  # blocked on its future meanwhile
+    now[0] += 10_000
+    recorder.mark_step()
+    recorder.wait(index)  # a later wait on it (torch's second) writes nothing
+    recorder.returned()
+    recorder.close()
+    _, rows = lines(path)
+    assert [(r["kind"], r["compute_us"]) for r in rows] == [("op", 100.0), ("wait", 0.0), ("step", 10.0)]
+    assert rows[1]["inferred"] and rows[0]["completed_us"] == 140.0
+
+
+def test_mark_step_without_a_recording_does_nothing():
+    assert recording.current() is None
+    assert lab.workload.mark_step() is False
+
+
+def test_a_bad_workload_path_is_named(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="workload: the directory of"):
+        lab.spawn(mesh_calls, 2, workload=str(tmp_path / "missing" / "w.jsonl"))
+    monkeypatch.setenv("LAB_WORKLOAD", str(tmp_path))
+    with pytest.raises(ValueError, match="LAB_WORKLOAD must be a file"):
+        lab.spawn(mesh_calls, 2)
+    assert not os.listdir(tmp_path)
