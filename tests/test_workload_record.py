@@ -125,9 +125,10 @@ def test_fsdp2_on_emulated_hosts_records_its_allgathers_and_reduce_scatters(tmp_
 
 
 def mesh_calls(mesh: lab.Mesh) -> bool:
-    """A step of a mesh's calls: an allreduce, an async allgather and its wait, a send and its
-    receive, a plan's run; then a step's end."""
+    """A step of a mesh's calls: an allreduce, and again (the second takes its lane), an async
+    allgather and its wait, a send and its receive, a plan's run; then a step's end."""
     x = torch.ones(256)
+    lab.allreduce(mesh, x)
     lab.allreduce(mesh, x)
     lab.allgather(mesh, x[:4], async_op=True).wait()
     if mesh.rank == 0:
@@ -148,10 +149,11 @@ def test_lab_workload_records_a_mesh_s_calls_their_waits_and_peers(tmp_path, mon
     for rank in range(2):
         mine = of(rows, rank)
         assert [(r["kind"], r.get("op")) for r in mine] == [
-            ("op", "allreduce"), ("op", "allgather"), ("wait", None), ("op", "send" if rank == 0 else "recv"),
-            ("op", "allreduce"), ("step", None)]
-        gather, wait, p2p, plan = mine[1], mine[2], mine[3], mine[4]
-        assert gather["async"] and (gather["count"], gather["out_count"]) == (4, 8) and wait["index"] == 1
+            ("op", "allreduce"), ("op", "allreduce"), ("op", "allgather"), ("wait", None),
+            ("op", "send" if rank == 0 else "recv"), ("op", "allreduce"), ("step", None)]
+        assert mine[0]["count"] == mine[1]["count"] == 256 and mine[1]["reduce_op"] == "sum"
+        gather, wait, p2p, plan = mine[2], mine[3], mine[4], mine[5]
+        assert gather["async"] and (gather["count"], gather["out_count"]) == (4, 8) and wait["index"] == 2
         assert (p2p["peer"], p2p["tag"], p2p["dtype"], p2p["count"]) == (1 - rank, 3, "float32", 8)
         assert plan["reduce_op"] == "max" and not plan["async"]
         assert all(r["compute_us"] >= 0 for r in mine) and all("completed_us" in r for r in mine if r["kind"] == "op")

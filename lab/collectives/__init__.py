@@ -47,7 +47,7 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
         x = torch.tensor([1.0, 2.0]) + mesh.rank   # rank 0: [1, 2]   rank 1: [2, 3]
         lab.allreduce(mesh, x)                     # both:   [3, 5]
     """
-    if async_op is False and not recording(mesh):  # (a recorded call takes the full path, which notes it)
+    if async_op is False:
         lane = find_lane(mesh, "allreduce", tensor, op, algorithm)
         if lane is not None:  # (a call like one before, on a contiguous CPU tensor: see Lane)
             lane(tensor)
@@ -108,7 +108,7 @@ def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", as
         x = torch.full((2,), float(mesh.rank))     # rank 0: [0, 0]  rank 1: [1, 1]  rank 2: [2, 2]
         lab.broadcast(mesh, x, src=1)              # all:    [1, 1]
     """
-    if async_op is False and not recording(mesh):  # (a recorded call takes the full path, which notes it)
+    if async_op is False:
         lane = find_lane(mesh, "broadcast", tensor, src, algorithm)
         if lane is not None:  # (a call like one before, on a contiguous CPU tensor: see Lane)
             lane(tensor)
@@ -362,7 +362,7 @@ def barrier(mesh: Mesh, async_op: bool = False) -> Any:
 
         lab.barrier(mesh)   # neither rank returns before both have called it
     """
-    if async_op is False and not recording(mesh):  # (a recorded call takes the full path, which notes it)
+    if async_op is False and not recording(mesh):  # (a recorded barrier takes the full path, which notes it)
         # The compiled call, made once (a barrier's lane; False: none, on a transport without mailboxes)
         call = remembered(mesh, ("barrier", lab_algo()), lambda: prepare_barrier(mesh).planned() or False)
         if call:

@@ -96,16 +96,18 @@ class Lane:
     same arguments on an exact ``torch.Tensor`` of the same dtype and size, contiguous and on the
     CPU, runs the compiled call on the tensor's memory by its address (no checks repeated, no
     buffer wrapped, no numpy view made, nothing of the tensor kept), in issue order as a plan's
-    run (:meth:`lab.issue.IssueQueue.run_alone`)."""
+    run (:meth:`lab.issue.IssueQueue.run_alone`; ``what``, the call as a recording notes it, where
+    the rank records)."""
 
-    __slots__ = ("_nbytes", "_refused", "_rest", "_run", "_run_alone")
+    __slots__ = ("_nbytes", "_refused", "_rest", "_run", "_run_alone", "_what")
 
-    def __init__(self, mesh: Mesh, run: PlannedRun, nbytes: int, rest: tuple) -> None:
+    def __init__(self, mesh: Mesh, run: PlannedRun, nbytes: int, rest: tuple, what: Operation) -> None:
         self._run, self._nbytes, self._rest, self._run_alone = run, nbytes, rest, mesh.issue_queue.run_alone
-        self._refused = mesh.refused
+        self._refused, self._what = mesh.refused, what
 
     def __call__(self, tensor: torch.Tensor) -> None:
-        self._run_alone(self._run, (tensor.data_ptr(), self._nbytes, *self._rest), refused=self._refused)
+        self._run_alone(self._run, (tensor.data_ptr(), self._nbytes, *self._rest), refused=self._refused,
+                        what=self._what)
 
 
 def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
@@ -139,7 +141,11 @@ def make_lane(mesh: Mesh, key: tuple, signature: Signature, algorithm: Any, args
         run = mesh.compiled_call(signature, algorithm, args, at=True)
         if run is not None:  # (the operands after the buffer, as the compiled call takes them)
             nbytes = signature.count * signature.dtype.storage.itemsize
-            remembered(mesh, key, lambda: Lane(mesh, run, nbytes, run.operands(args)[1:]))
+            # (made once, whether the rank records now or not: it may start later)
+            root = None if signature.root < 0 else signature.root
+            what = mesh.describe(signature.collective, signature.dtype, signature.count, signature.count,
+                                 reduce_op=signature.op or None, root=root)
+            remembered(mesh, key, lambda: Lane(mesh, run, nbytes, run.operands(args)[1:], what))
 
 
 #: Kept per mesh at most (a program's distinct shapes of call are few; past this, start over).

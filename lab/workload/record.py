@@ -159,18 +159,19 @@ class Recorder:
 
     def _line(self, row: dict) -> str:
         """One event's line. Formatted here, not by ``json.dumps`` (which would cost more than the
-        rest of a recording): every field but an operation's fixed ones is a number."""
+        rest of a recording): every field but an operation's fixed ones is a number, times in µs
+        to the clock's ns."""
         head = f'{{"rank":{self.rank},"step":{row["step"]},"kind":"{row["kind"]}"'
-        compute = f'"compute_us":{row["compute_us"]}'
+        compute = f'"compute_us":{row["compute_us"]:.3f}'
         if row["kind"] == "step":
             return f"{head},{compute}}}\n"
         if row["kind"] == "wait":
             inferred = ',"inferred":true' if row.get("inferred") else ""
-            return f'{head},"index":{row["index"]},"waited_us":{row["waited_us"]},{compute}{inferred}}}\n'
-        completed = f',"completed_us":{row["completed_us"]}' if "completed_us" in row else ""
+            return f'{head},"index":{row["index"]},"waited_us":{row["waited_us"]:.3f},{compute}{inferred}}}\n'
+        completed = f',"completed_us":{row["completed_us"]:.3f}' if "completed_us" in row else ""
         is_async = "true" if row["async"] else "false"
         return (f'{head},"index":{row["index"]},{self._fixed_of(row)},"async":{is_async},{compute},'
-                f'"issued_us":{row["issued_us"]}{completed}}}\n')
+                f'"issued_us":{row["issued_us"]:.3f}{completed}}}\n')
 
     def _fixed_of(self, row: dict) -> str:
         """An operation's fixed fields as JSON, made once per distinct operation (not one with
