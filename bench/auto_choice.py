@@ -25,8 +25,9 @@ import os
 import pandas as pd
 
 import lab
-from lab import collectives, tuning
+from lab import tuning
 from lab.benchmark import measure
+from lab.collectives import choice as collectives
 from lab.collectives import registry
 from lab.sim.sweep import parse_size
 

@@ -15,14 +15,14 @@ Each sits on its own 64-byte line of the shared region, written by its rank alon
 Counters start at 0 and only grow. A rank writes its header and data with plain stores, then
 :func:`publish` stores the counter with release semantics; a peer that sees it with
 :func:`wait_all`'s acquire load sees everything written before it. :func:`publish` then rings the
-doorbell of every peer whose SLEEPING flag is up (a seq_cst fence on both sides orders "flag, then
-look" against "counter, then look", as in :mod:`kernels.mailbox`).
+doorbell of every peer whose SLEEPING flag is up (:mod:`kernels.doorbell`: the sleep and the wake
+the mailboxes use).
 
 Waiting spins (``pause``), then yields, then sleeps on the doorbell (at most 1 ms a nap); it
 reads the clock to give up after ``deadline_ns`` (0: never) and polls each awaited peer's liveness
 pipe every millisecond (a pipe whose writer died: the peer is lost, unless its counter moved after
 all). :func:`wait_all` returns a status and the peer it concerns; a wait given a hook calls it
-as the mailboxes' waits do (:func:`kernels.mailbox.call_hook`: signal handlers run, the pipes are
+as the mailboxes' waits do (:func:`kernels.hook.call_hook`: signal handlers run, the pipes are
 drained), and what the hook raises is all that propagates.
 
 Per rank, after copying its input into its slot and writing its header::
@@ -39,28 +39,21 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from kernels.mailbox import (
+from kernels.atomics import cpu_relax, load_acquire, store_release
+from kernels.doorbell import (
     CLOCK_EVERY_SPINS,
     DEFAULT_SPIN_LIMIT,
     DEFAULT_YIELD_LIMIT,
-    FUTEX_TIMEOUT_NS,
     LIVENESS_INTERVAL_NS,
     OK,
     PEER_LOST,
     SILENCE,
-    atomic_add,
-    call_hook,
-    cpu_relax,
-    fence_seq_cst,
-    futex_wait,
-    futex_wake,
-    hook_due,
-    load_acquire,
-    monotonic_ns,
-    peer_gone,
-    sched_yield,
-    store_release,
+    nap,
+    raise_flag,
+    ring,
 )
+from kernels.hook import call_hook, hook_due
+from kernels.libc import monotonic_ns, peer_gone, sched_yield
 
 LINE = 64
 FILLED, REDUCED, DONE, HEADER, DOORBELL, SLEEPING = (i * LINE for i in range(6))
@@ -87,31 +80,26 @@ def publish(region, rank, world_size, field, value):
     peers that sleep."""
     words, doorbells = region.view(np.int64), region.view(np.int32)
     store_release(words, (rank * AREA_BYTES + field) >> 3, value)
-    fence_seq_cst()  # the counter's store before the flags' loads (pairs with the fence in _sleep)
     for peer in range(world_size):
-        area = peer * AREA_BYTES
-        if peer != rank and load_acquire(words, (area + SLEEPING) >> 3) != 0:
-            atomic_add(doorbells, (area + DOORBELL) >> 2, 1)
-            futex_wake(doorbells, (area + DOORBELL) >> 2, 1)
+        if peer != rank:
+            area = peer * AREA_BYTES
+            ring(words, doorbells, (area + DOORBELL) >> 2, (area + SLEEPING) >> 3)
 
 
 @njit(cache=True, nogil=True)
 def _sleep(words, doorbells, rank, index, target):
-    """Nap on our doorbell (at most FUTEX_TIMEOUT_NS) unless the counter at ``index`` got there."""
+    """Nap on our doorbell (at most 1 ms) unless the counter at ``index`` got there."""
     area = rank * AREA_BYTES
-    ring = load_acquire(doorbells, (area + DOORBELL) >> 2)
-    store_release(words, (area + SLEEPING) >> 3, 1)
-    fence_seq_cst()  # the flag's store before the look (pairs with the fence in publish)
-    if load_acquire(words, index) < target:
-        futex_wait(doorbells, (area + DOORBELL) >> 2, ring, FUTEX_TIMEOUT_NS)
-    store_release(words, (area + SLEEPING) >> 3, 0)
+    bell, flag = (area + DOORBELL) >> 2, (area + SLEEPING) >> 3
+    rung = raise_flag(words, doorbells, bell, flag)
+    nap(words, doorbells, bell, flag, rung, load_acquire(words, index) >= target)
 
 
 @njit(cache=True, nogil=True)
 def _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds, hook, fingerprint):
     """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST.
     Every millisecond it polls ``peer``'s liveness pipe and, where due, calls ``hook`` with
-    ``fingerprint`` (:func:`kernels.mailbox.call_hook`: it drains ``liveness_fds``, the pipes)."""
+    ``fingerprint`` (:func:`kernels.hook.call_hook`: it drains ``liveness_fds``, the pipes)."""
     index = (peer * AREA_BYTES + field) >> 3
     rounds = 0
     started = checked = hooked = monotonic_ns()

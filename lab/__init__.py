@@ -11,7 +11,7 @@
 """
 
 from lab import compiled_sources  # noqa: F401  (first: compiled code is never older than its sources)
-from lab.collectives import (all_to_all, allgather, allreduce, barrier, broadcast, gather, reduce, reduce_scatter,
+from lab.collectives.calls import (all_to_all, allgather, allreduce, barrier, broadcast, gather, reduce, reduce_scatter,
                              scatter)
 from lab.errors import (CollectiveMismatchError, DeadlineError, EmulationUnavailable, LabError, PeerLostError,
                         RankError)

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab import checks, collectives
+from lab import checks
+from lab.collectives import choice
 from lab.errors import DeadlineError
 from lab.mesh import Mesh
 from lab.ops import DTYPES, dtype_of
@@ -176,10 +177,10 @@ class Options:
     def __post_init__(self) -> None:
         checks.trace_path(self.workload, "Options.workload")
         for collective, algorithm in self.algorithms.items():
-            if collective not in collectives.ALGORITHMS:
+            if collective not in choice.ALGORITHMS:
                 raise ValueError(f"Options.algorithms has no collective {collective!r}; collectives: "
-                                 f"{', '.join(collectives.ALGORITHMS)}")
-            collectives.check_algorithm(algorithm, collective)
+                                 f"{', '.join(choice.ALGORITHMS)}")
+            choice.check_algorithm(algorithm, collective)
 
 
 class NamedGroup(dist.ProcessGroup):

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lab import collectives, plans
+from lab import plans
+from lab.collectives import calls as collectives
 from lab.collectives import registry
 from lab.mesh import Mesh
 from lab.reference import ensure_gloo, gloo_collective

@@ -14,7 +14,7 @@ in place across ranks, as DDP's default gloo allreduce would, and handed back as
 import torch
 import torch.distributed as dist
 
-from lab.collectives import allreduce
+from lab.collectives.calls import allreduce
 from lab.mesh import Mesh
 
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kernels import mailbox as mailbox_status
+from kernels import doorbell as wait_status
+from kernels import hook as compiled_hooks
 from lab import fingerprint
 from lab.buffers import new_flat
 from lab.counters import BOOKED_KEYS, Counters
@@ -55,12 +56,12 @@ class Channels:
         self.placement = placement
         self.issue = IssueQueue(transport.rank)  # shared by every sub-mesh: one issue order
         # What a long wait in the shared memory (the mailboxes, the two-shot) calls: it drains the
-        # pipes meanwhile (kernels.mailbox.call_hook). Held weakly: the hook must not keep us alive.
+        # pipes meanwhile (kernels.hook.call_hook). Held weakly: the hook must not keep us alive.
         park_pending = getattr(transport, "park_pending", None)
         parking = None if park_pending is None else \
             _parking(weakref.WeakMethod(park_pending), _closed_flag(weakref.ref(self)))
-        self.hook = 0 if parking is None else mailbox_status.register_hook(parking)
-        weakref.finalize(self, mailbox_status.unregister_hook, self.hook)
+        self.hook = 0 if parking is None else compiled_hooks.register_hook(parking)
+        weakref.finalize(self, compiled_hooks.unregister_hook, self.hook)
         # Small collectives in one Numba call, where the transport has mailboxes (shm): lab.plane
         mailbox = getattr(transport, "mailbox", None)
         self.plane = CompiledPlane(mailbox, self.hook) if mailbox is not None else None
@@ -213,7 +214,7 @@ class Exchange:
     def _run_compiled(self, call: CompiledCall, operands: tuple) -> None:
         self._position.step += 1
         status = call(self._tag, self.recv_timeout_ms, operands)
-        if status != mailbox_status.OK:
+        if status != wait_status.OK:
             _raise_compiled_failure(self, call)
         bytes_sent, bytes_received, messages_sent, messages_received = call.counts()
         self._count(bytes_sent=bytes_sent, bytes_received=bytes_received, messages_sent=messages_sent,
@@ -451,7 +452,7 @@ class PlannedRun:
             exchange = self._exchange
             exchange._failed(exchange._note(int(self._ledger[SEQ]), *self._record, step=1), exc)
             raise
-        if status != mailbox_status.OK:
+        if status != wait_status.OK:
             self._raise_failure()
 
     def _raise_failure(self) -> None:
@@ -493,7 +494,7 @@ def _raise_compiled_failure(exchange: Exchange, call: CompiledCall) -> None:
     """Raise the failure of the compiled call that just returned a status other than OK."""
     report = call.report()
     exchange.clean = False
-    if report.status != mailbox_status.MISMATCH:
+    if report.status != wait_status.MISMATCH:
         exchange._raise_if_mismatched()  # the peer may be elsewhere because we disagree
     raise _compiled_failure(exchange, report)
 
@@ -501,12 +502,12 @@ def _raise_compiled_failure(exchange: Exchange, call: CompiledCall) -> None:
 def _compiled_failure(exchange: Exchange, report: Report) -> LabError:
     """The error of a compiled call that reported ``report.status`` (not OK)."""
     peer = report.failed_peer
-    if report.status == mailbox_status.MISMATCH:
+    if report.status == wait_status.MISMATCH:
         return exchange._mismatch(peer, report.peer_tag)
-    if report.status == mailbox_status.SILENCE:
+    if report.status == wait_status.SILENCE:
         return DeadlineError(f"{silence_error(exchange.rank, [peer], exchange._position)} "
                              f"(recv_timeout_ms={exchange.recv_timeout_ms:g})", [peer])
-    if report.status == mailbox_status.PEER_LOST:
+    if report.status == wait_status.PEER_LOST:
         return PeerLostError(f"rank {exchange.rank}: rank {peer} is gone (waiting in {exchange._position})")
     return LabError(f"rank {exchange.rank}: the compiled path refused a transfer with rank {peer} "
                     f"(status {report.status}) in {exchange._position}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lab import collectives
+from lab.collectives import calls as collectives
 from lab.mesh import Mesh
 
 

@@ -13,7 +13,7 @@ hang-up (``PeerLostError``), and the counters, flight recorder and trace rows se
 Failures never raise inside compiled code: the mailbox records the first one, every later
 transfer of the call returns at once, and the call returns the status (with
 :meth:`CompiledCall.report`) that :meth:`lab.Mesh.run` turns into the error. A wait that lasts
-calls the plane's hook (``kernels.mailbox.call_hook``) every few milliseconds and whenever a pipe
+calls the plane's hook (``kernels.hook.call_hook``) every few milliseconds and whenever a pipe
 has something: the main thread's signal handlers run then, the pipes are drained (another
 mesh's messages parked, so their senders go on), and what a handler or the hook raises (a
 message of this mesh on the pipes: the ranks took different paths) propagates out of the call.
@@ -39,6 +39,7 @@ import numba
 import numpy as np
 from numba import njit
 
+from kernels import doorbell, libc
 from kernels import mailbox as mb
 from kernels.coded import coded_reduction
 from lab import checks, fingerprint
@@ -67,7 +68,7 @@ STATUS, FAILED_PEER, PEER_BYTES, BYTES_SENT, BYTES_RECEIVED, MESSAGES_SENT, MESS
 FINGERPRINT, PEER_FINGERPRINT = 16, 20  # 4 words each: ours (in), the failed peer's (out)
 SPIN_LIMIT, YIELD_LIMIT = 24, 25  # the waiting policy (in; kernels.mailbox)
 BOOKS, RECORD = 26, 27  # in: whether the call keeps its own books in the ledger, and under which record
-HOOK = 28  # in: the Python hook a long wait calls (kernels.mailbox.register_hook; 0: none)
+HOOK = 28  # in: the Python hook a long wait calls (kernels.hook.register_hook; 0: none)
 LIVENESS = 29  # one pipe descriptor per rank (-1: none)
 #: Deadlines past this many nanoseconds (292 years: what int64 holds) are no deadline.
 MAX_DEADLINE_NS = 2**63 - 1
@@ -229,7 +230,7 @@ class _CompileOnly(CompiledCall):
             args = (self.region, self.config, self.ledger, *operands)
             fixed = self._entry.py_func.__code__.co_argcount
             self._entry.compile(tuple(numba.typeof(a) for a in (*args[:fixed], args[fixed:])))
-        return mb.OK
+        return doorbell.OK
 
     def keeping_books(self, record: int) -> Callable[..., int]:
         """An "entry" that compiles (this rank's share) and runs nothing, as :meth:`run`."""
@@ -303,7 +304,7 @@ def _number(config, ledger):
 @njit(inline="always")
 def _book(config, ledger):
     """A call that keeps its own books and succeeded: its counts and its flight record."""
-    if config[BOOKS] != 0 and config[STATUS] == mb.OK:
+    if config[BOOKS] != 0 and config[STATUS] == doorbell.OK:
         for word in range(4):
             ledger[BOOKED + word] += config[BYTES_SENT + word]
         ledger[BOOKED + 4] += 1
@@ -341,7 +342,7 @@ def _entry(run: Compilable, reduces: bool, at: bool) -> Callable[..., int]:
     if reduces and at:
         def entry(region, config, ledger, address, nbytes, *rest):
             peers = _begin(region, config, ledger)
-            run(peers, mb.bytes_at(address, nbytes), _reduction(config), *rest)
+            run(peers, libc.bytes_at(address, nbytes), _reduction(config), *rest)
             return _end(peers, config, ledger)
     elif reduces:
         def entry(region, config, ledger, buf, *rest):
@@ -351,7 +352,7 @@ def _entry(run: Compilable, reduces: bool, at: bool) -> Callable[..., int]:
     elif at:
         def entry(region, config, ledger, address, nbytes, *rest):
             peers = _begin(region, config, ledger)
-            run(peers, mb.bytes_at(address, nbytes), *rest)
+            run(peers, libc.bytes_at(address, nbytes), *rest)
             return _end(peers, config, ledger)
     else:
         def entry(region, config, ledger, *args):

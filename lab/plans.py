@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lab import fingerprint
-from lab.collectives import (Prepared, prepare_all_to_all, prepare_allgather, prepare_allreduce,
+from lab.collectives.calls import (Prepared, prepare_all_to_all, prepare_allgather, prepare_allreduce,
                              prepare_barrier, prepare_broadcast, prepare_gather, prepare_reduce, prepare_reduce_scatter,
                              prepare_scatter)
 from lab.errors import CollectiveMismatchError, LabError

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import kernels
-from lab import collectives
+from lab.collectives import calls as collectives
 from lab.collectives import registry
 from lab.mesh import Mesh
 

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from lab import collectives, sim, tuning
+from lab import sim, tuning
 from lab.__main__ import main
+from lab.collectives import choice as collectives
 from lab.collectives import registry
 from lab.sim.plot import arrows
 from lab.sim.record import record

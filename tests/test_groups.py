@@ -21,7 +21,7 @@ import lab
 import lab.sim as sim
 from helpers import (assert_no_failures, check_all_to_all, check_allgather, check_allreduce, check_broadcast,
                      check_reduce, check_reduce_scatter, child_env, free_port, pool, require_hosts)
-from lab.collectives import ALGORITHMS
+from lab.collectives.choice import ALGORITHMS
 
 
 def inputs(count: int, global_rank: int) -> torch.Tensor:

@@ -35,9 +35,10 @@ import pytest
 from helpers import child_env
 from numba import njit, typeof
 
-from kernels import mailbox
+from kernels import atomics, doorbell, hook, libc, mailbox
 from kernels.coded import FAMILY_CODES, OP_CODES, coded_reduction
-from kernels.mailbox import LINE, MailboxPeers, open_mailbox, pending_fingerprints, region_bytes
+from kernels.mailbox import MailboxPeers, open_mailbox
+from kernels.mailbox_layout import LINE, pending_fingerprints, region_bytes
 
 SLOT = 256
 DEPTH = 4
@@ -107,13 +108,13 @@ def allreduce_recursive_doubling(region, rank, world_size, buf, tag, deadline_ns
 @njit
 def atomics_round_trip(words32, words64):
     """The primitives on both widths (and the clock), inside compiled code."""
-    mailbox.store_release(words32, 1, 41)
-    mailbox.store_release(words64, 2, 1 << 40)
-    old = mailbox.atomic_add(words32, 1, 1)
-    mailbox.fence_seq_cst()
-    mailbox.cpu_relax()
-    mailbox.sched_yield()
-    return old, mailbox.load_acquire(words32, 1), mailbox.load_acquire(words64, 2), mailbox.monotonic_ns()
+    atomics.store_release(words32, 1, 41)
+    atomics.store_release(words64, 2, 1 << 40)
+    old = atomics.atomic_add(words32, 1, 1)
+    atomics.fence_seq_cst()
+    atomics.cpu_relax()
+    libc.sched_yield()
+    return old, atomics.load_acquire(words32, 1), atomics.load_acquire(words64, 2), libc.monotonic_ns()
 
 
 # --- ranks as forked children -------------------------------------------------------------------
@@ -236,7 +237,7 @@ def compiled():
         other.send_buffer(0, outgoing)  # fits the ring: the sendrecv below finds it there
         one.sendrecv_buffer(1, outgoing, 1, incoming)
         other.recv_buffer(0, incoming)
-    assert (one.status, other.status, one.peer_fingerprint.size) == (mailbox.OK, mailbox.OK, 32)
+    assert (one.status, other.status, one.peer_fingerprint.size) == (doorbell.OK, doorbell.OK, 32)
     integer = typeof(0)
     for dtype, _ in FOLDS.values():
         allreduce_recursive_doubling.compile((typeof(one.region), integer, integer, typeof(np.zeros(1, dtype)),
@@ -254,16 +255,16 @@ def test_primitives():
     assert (old, word32, word64) == (41, 42, 1 << 40)
     assert abs(now - time.monotonic_ns()) < 10**9  # the same clock as Python's
     start = time.monotonic()
-    mailbox.futex_wait(words32, 1, 42, 20_000_000)  # unchanged: sleeps until the timeout
+    libc.futex_wait(words32, 1, 42, 20_000_000)  # unchanged: sleeps until the timeout
     assert time.monotonic() - start >= 0.015
-    mailbox.futex_wait(words32, 1, 7, 10**9)  # changed: returns at once
-    assert mailbox.futex_wake(words32, 1, 1) == 0  # nobody asleep
+    libc.futex_wait(words32, 1, 7, 10**9)  # changed: returns at once
+    assert libc.futex_wake(words32, 1, 1) == 0  # nobody asleep
     read, write = os.pipe()
     try:
-        assert not mailbox.peer_gone(read)
+        assert not libc.peer_gone(read)
         os.close(write)
-        assert mailbox.peer_gone(read)
-        assert not mailbox.peer_gone(-1)
+        assert libc.peer_gone(read)
+        assert not libc.peer_gone(-1)
     finally:
         os.close(read)
 
@@ -287,13 +288,13 @@ def test_region_and_arguments():
     assert isinstance(peers, MailboxPeers) and typeof(peers) == mailbox.mailbox_peers_type
     assert (peers.rank, peers.world_size, peers.host_of(1), peers.status, peers.failed_peer) == (0, 2, 0, 0, -1)
     assert (peers.slot_bytes, peers.depth, peers.liveness_fds.tolist()) == (SLOT, DEPTH, [-1, -1])
-    assert (peers.spin_limit, peers.yield_limit) == (mailbox.DEFAULT_SPIN_LIMIT, mailbox.DEFAULT_YIELD_LIMIT)
+    assert (peers.spin_limit, peers.yield_limit) == (doorbell.DEFAULT_SPIN_LIMIT, doorbell.DEFAULT_YIELD_LIMIT)
     peers.begin(TAG, 0)
     peers.send_buffer(0, data(3, 0, np.float32))  # to itself: a usage error, reported, not raised
-    assert (peers.status, peers.failed_peer) == (mailbox.INVALID, 0)
+    assert (peers.status, peers.failed_peer) == (doorbell.INVALID, 0)
     peers.begin(TAG, 0)
     peers.recv_buffer(2, np.zeros(3, np.float32))
-    assert (peers.status, peers.failed_peer) == (mailbox.INVALID, 2)
+    assert (peers.status, peers.failed_peer) == (doorbell.INVALID, 2)
     with pytest.raises(TypeError, match="compiled"):
         peers.recv_buffer(1, np.zeros(3, np.float32), reduction=object())
     assert peers.bytes_sent.tolist() == peers.bytes_received.tolist() == [0, 0]
@@ -308,7 +309,8 @@ import mmap
 import numpy as np
 from numba.core.dispatcher import Dispatcher
 from kernels import mailbox as mb
-region = np.frombuffer(mmap.mmap(-1, mb.region_bytes(2, {SLOT}, {DEPTH})), np.uint8)
+from kernels.mailbox_layout import region_bytes
+region = np.frombuffer(mmap.mmap(-1, region_bytes(2, {SLOT}, {DEPTH})), np.uint8)
 fds = np.full(2, -1, np.int32)
 one, other = (mb.open_mailbox(region, rank, 2, {SLOT}, {DEPTH}, fds) for rank in range(2))
 one.begin(np.zeros(32, np.uint8), 0)
@@ -353,7 +355,7 @@ def test_send_recv_every_size(dtype):
 
     total = sum(sizes(dtype)) * np.dtype(dtype).itemsize
     for rank, (status, received, sent, got) in enumerate(run(2, body)):
-        assert status == mailbox.OK
+        assert status == doorbell.OK
         for count, out in zip(sizes(dtype), received):
             np.testing.assert_array_equal(out, data(count, 1 - rank, dtype), err_msg=f"rank {rank}, {count} items")
         assert sent[1 - rank] == got[1 - rank] == total
@@ -374,7 +376,7 @@ def test_sendrecv_both_ways_every_size(dtype):
         return peers.status, received
 
     for rank, (status, received) in enumerate(run(2, body)):
-        assert status == mailbox.OK
+        assert status == doorbell.OK
         for count, out in zip(sizes(dtype), received):
             np.testing.assert_array_equal(out, data(count, 1 - rank, dtype), err_msg=f"rank {rank}, {count} items")
 
@@ -396,7 +398,7 @@ def test_ring_exchange(world_size):
         return peers.status, seen
 
     for rank, (status, seen) in enumerate(run(world_size, body)):
-        assert status == mailbox.OK
+        assert status == doorbell.OK
         for step, block in enumerate(seen, start=1):
             np.testing.assert_array_equal(block, data(count, (rank - step) % world_size, np.float64),
                                           err_msg=f"rank {rank}, step {step}")
@@ -421,8 +423,8 @@ def test_message_counters():
 
     first, second = run(2, body)
     payload = 4 * (sum(counts) + 5)
-    assert first == (mailbox.OK, [0, 4], [0, 1], [0, payload], [0, 20])
-    assert second == (mailbox.OK, [1, 0], [4, 0], [20, 0], [payload, 0])
+    assert first == (doorbell.OK, [0, 4], [0, 1], [0, payload], [0, 20])
+    assert second == (doorbell.OK, [1, 0], [4, 0], [20, 0], [payload, 0])
 
 
 def test_pending_fingerprints_names_what_waits():
@@ -440,7 +442,7 @@ def test_pending_fingerprints_names_what_waits():
     assert pending_fingerprints(region, 0, 3, SLOT, DEPTH) == {1: theirs.tobytes(), 2: TAG.tobytes()}
     assert pending_fingerprints(memoryview(region), 1, 3, SLOT, DEPTH) == {}  # nothing for rank 1
     ranks[0].recv_buffer(1, np.zeros(3 * SLOT // 4, np.float32))  # another collective's: refused
-    assert (ranks[0].status, ranks[0].failed_peer) == (mailbox.MISMATCH, 1)
+    assert (ranks[0].status, ranks[0].failed_peer) == (doorbell.MISMATCH, 1)
     assert pending_fingerprints(region, 0, 3, SLOT, DEPTH) == {1: theirs.tobytes(), 2: TAG.tobytes()}
     ranks[0].begin(TAG, LONG_DEADLINE_NS)
     ranks[0].recv_buffer(2, np.zeros(0, np.float32))
@@ -448,7 +450,7 @@ def test_pending_fingerprints_names_what_waits():
     ranks[0].begin(theirs, LONG_DEADLINE_NS)
     out = np.zeros(3 * SLOT // 4, np.float32)
     ranks[0].recv_buffer(1, out)
-    assert ranks[0].status == mailbox.OK and pending_fingerprints(region, 0, 3, SLOT, DEPTH) == {}
+    assert ranks[0].status == doorbell.OK and pending_fingerprints(region, 0, 3, SLOT, DEPTH) == {}
     np.testing.assert_array_equal(out, data(3 * SLOT // 4, 1, np.float32))
 
 
@@ -474,7 +476,7 @@ def test_allreduce_one_compiled_call(world_size):
 
     expected = (world_size * STRIDE * np.arange(count) + world_size * (world_size - 1) // 2).astype(np.float32)
     for rank, (outcome, buf) in enumerate(run(world_size, body)):
-        assert outcome == (mailbox.OK, *expected_messages(rank, world_size)), f"rank {rank}"
+        assert outcome == (doorbell.OK, *expected_messages(rank, world_size)), f"rank {rank}"
         np.testing.assert_array_equal(buf, expected, err_msg=f"rank {rank}")
 
 
@@ -497,7 +499,7 @@ def test_fold_through_the_mailbox(fold):
 
     expected = buffer(np.arange(count) % 200 * 3 + 3)  # ranks 0 + 1 + 2
     for rank, (outcome, buf) in enumerate(run(3, body)):
-        assert outcome == (mailbox.OK, *expected_messages(rank, 3)), f"rank {rank}"
+        assert outcome == (doorbell.OK, *expected_messages(rank, 3)), f"rank {rank}"
         np.testing.assert_array_equal(buf, expected, err_msg=f"rank {rank}")
 
 
@@ -515,7 +517,7 @@ def test_ten_thousand_tiny_messages():
                 int(peers.messages_sent[partner]), int(peers.messages_received[partner]))
 
     for rank, (status, got, sent, received, messages_sent, messages_received) in enumerate(run(2, body)):
-        assert status == mailbox.OK
+        assert status == doorbell.OK
         np.testing.assert_array_equal(got, data(messages, 1 - rank, np.int64))
         assert (sent, received, messages_sent, messages_received) == (8 * messages, 8 * messages, messages, messages)
 
@@ -541,7 +543,7 @@ def test_waiting_policies(policy):
         return peers.status, out
 
     results = run(2, body)
-    assert [status for status, _ in results] == [mailbox.OK, mailbox.OK]
+    assert [status for status, _ in results] == [doorbell.OK, doorbell.OK]
     np.testing.assert_array_equal(results[0][1], data(count, rounds - 1, np.int32) + 1)
 
 
@@ -572,11 +574,11 @@ def test_mismatch_names_the_peer_and_what_it_sent():
         return other, after, size
 
     other, after, size = run(3, body)[0]
-    assert other[:2] == (mailbox.MISMATCH, 1) and other[3] == 40
+    assert other[:2] == (doorbell.MISMATCH, 1) and other[3] == 40
     np.testing.assert_array_equal(other[2], theirs)
-    assert after[:4] == (mailbox.MISMATCH, 1, 0, 0)
+    assert after[:4] == (doorbell.MISMATCH, 1, 0, 0)
     np.testing.assert_array_equal(after[4], np.full(10, -1, np.float32))
-    assert size[:2] == (mailbox.MISMATCH, 2) and size[3] == 40
+    assert size[:2] == (doorbell.MISMATCH, 2) and size[3] == 40
     np.testing.assert_array_equal(size[2], TAG)
 
 
@@ -602,7 +604,7 @@ def test_silent_peer_is_reported_after_the_deadline():
         return outcomes
 
     for transfer, status, failed, elapsed in run(2, body)[0]:
-        assert (status, failed) == (mailbox.SILENCE, 1), transfer
+        assert (status, failed) == (doorbell.SILENCE, 1), transfer
         assert deadline_s <= elapsed < 10 * deadline_s, transfer
 
 
@@ -626,7 +628,7 @@ def test_killed_peer_is_reported_as_lost():
         (status, failed, out), dead = ranks.results()
         assert time.monotonic() - killed < 10
     assert dead is None
-    assert (status, failed) == (mailbox.PEER_LOST, 1)
+    assert (status, failed) == (doorbell.PEER_LOST, 1)
     np.testing.assert_array_equal(out, np.full(4, -1, np.float32))
 
 
@@ -647,9 +649,9 @@ def test_message_of_a_peer_that_exited_is_still_delivered():
         return first, (peers.status, peers.failed_peer)
 
     (first_status, first_out), second = run(2, body, liveness=True)[0]
-    assert first_status == mailbox.OK
+    assert first_status == doorbell.OK
     np.testing.assert_array_equal(first_out, data(5, 1, np.float32))
-    assert second == (mailbox.PEER_LOST, 1)
+    assert second == (doorbell.PEER_LOST, 1)
 
 
 # --- a long wait's hook ---------------------------------------------------------------------------
@@ -665,7 +667,7 @@ def call_the_hook_for_ever(number, fingerprint, calls):
     without a Python object, as a mailbox's own)."""
     own = fingerprint.copy()
     for _ in range(calls):
-        mailbox.call_hook(number, own)
+        hook.call_hook(number, own)
 
 
 def test_the_hook_gets_the_fingerprint_and_what_a_signal_handler_raises_propagates():
@@ -674,7 +676,7 @@ def test_the_hook_gets_the_fingerprint_and_what_a_signal_handler_raises_propagat
     exception, whenever the alarm comes (300 alarms at 0.5-1.1 ms: it lands before, inside and
     between the hook's calls)."""
     received = []
-    number = mailbox.register_hook(received.append)
+    number = hook.register_hook(received.append)
     fingerprint = np.arange(32, dtype=np.uint8)
     call_the_hook_for_ever(number, fingerprint, 3)
     assert received == [fingerprint.tobytes()] * 3
@@ -695,7 +697,7 @@ def test_the_hook_gets_the_fingerprint_and_what_a_signal_handler_raises_propagat
                 signal.setitimer(signal.ITIMER_REAL, 0)
     finally:
         signal.signal(signal.SIGALRM, previous)
-        mailbox.unregister_hook(number)
+        hook.unregister_hook(number)
     assert len(raised) == 300
     assert {(type(exc), str(exc)) for exc in raised} == {(Preempted, "checkpoint now")}
     call_the_hook_for_ever(number, fingerprint, 3)  # unregistered: called, it does nothing

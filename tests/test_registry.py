@@ -29,7 +29,7 @@ def cluster():
 def new_algorithm_everywhere(mesh: lab.Mesh) -> list[str]:
     import extra_algorithm  # registers it in this rank's process
     from lab import tuning, validate
-    from lab.collectives import forced_algorithm
+    from lab.collectives.choice import forced_algorithm
     from lab.reference import gloo_collective
 
     name, wrong = extra_algorithm.NAME, []

@@ -19,7 +19,7 @@ import torch
 
 import lab
 from helpers import pool
-from lab.collectives import ALGORITHMS
+from lab.collectives.choice import ALGORITHMS
 
 STRIDE = 3
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import lab
-import lab.collectives
+from lab.collectives import calls
 import lab.sim as sim
 from helpers import pool
 from lab.sim.record import ROOTED, Schedule
@@ -110,7 +110,7 @@ def _real_stats(mesh: lab.Mesh, cases: list[tuple[str, str, int, int]]) -> list[
     out = []
     for collective, algorithm, count, root in cases:
         x = torch.arange(count, dtype=torch.float32) * 3 + mesh.rank
-        fn = getattr(lab.collectives, collective)
+        fn = getattr(calls, collective)
         kwargs = {"algorithm": algorithm} if "algorithm" in inspect.signature(fn).parameters else {}
         if collective in ROOTED:
             kwargs[ROOTED[collective]] = root

@@ -11,7 +11,8 @@ import pytest
 
 from lab import results, tuning
 from lab.benchmark import ALGORITHMS
-from lab.collectives import choose, forced_algorithm, registry
+from lab.collectives import registry
+from lab.collectives.choice import choose, forced_algorithm
 from lab.results import fit_alpha_beta, models, tuning_from
 
 pytestmark = pytest.mark.no_ranks

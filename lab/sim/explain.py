@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 
 from lab import tuning
-from lab.collectives import forced_algorithm, registry
+from lab.collectives import registry
+from lab.collectives.choice import forced_algorithm
 from lab.sim.limits import MAX_WORLD_SIZE
 from lab.sim.sweep import parse_size
 

@@ -218,9 +218,9 @@ def _skip(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def _public(collective: str) -> Callable[..., Any]:
-    import lab.collectives
+    from lab.collectives import calls
 
-    return getattr(lab.collectives, collective)
+    return getattr(calls, collective)
 
 
 def algorithm_choices(collective: str) -> list[str] | None:

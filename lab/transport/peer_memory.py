@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import two_shot as flags
+from kernels.doorbell import PEER_LOST, SILENCE
 from lab import checks
 from lab.chunking import split_bounds
 from lab.errors import CollectiveMismatchError, LabError, PeerLostError
@@ -142,7 +143,7 @@ class SharedScratch:
         self._free = [(0, arena_bytes)]  # (offset in the arena, bytes): first fit
         self._block = np.empty(BLOCK_BYTES, np.uint8)
         self.rounds = 0  # two-shot rounds this rank has completed (every rank agrees)
-        #: What a long wait calls to drain the pipes and let signal handlers run (kernels.mailbox.call_hook; 0: none).
+        #: What a long wait calls to drain the pipes and let signal handlers run (kernels.hook.call_hook; 0: none).
         self.hook = 0
         self.closed = False
 
@@ -298,9 +299,9 @@ class SharedScratch:
         self._raise(status, peer, where)
 
     def _raise(self, status: int, peer: int, where: object) -> None:
-        if status == flags.SILENCE:
+        if status == SILENCE:
             raise silence_error(self.rank, [peer], where)
-        if status == flags.PEER_LOST:
+        if status == PEER_LOST:
             raise PeerLostError(f"rank {self.rank}: rank {peer} is gone (waiting in {where})")
 
     def pending_fingerprints(self) -> dict[int, bytes]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels import mailbox as mailboxes
+from kernels import mailbox_layout
 from lab.transport import peer_memory
 from lab.transport.base import TAG_BYTES, SharedFd
 
@@ -141,7 +141,7 @@ def create_endpoints(world_size: int, segment_bytes: int, slots: int,
 
 def _scratch_offset(world_size: int, mailbox_slot_bytes: int) -> int:
     """Where the scratch starts in the mailboxes' memfd: the first page after the mailboxes."""
-    return -(-mailboxes.region_bytes(world_size, mailbox_slot_bytes, MAILBOX_DEPTH) // 4096) * 4096
+    return -(-mailbox_layout.region_bytes(world_size, mailbox_slot_bytes, MAILBOX_DEPTH) // 4096) * 4096
 
 
 class ShmMappings:
@@ -191,7 +191,7 @@ class ShmMappings:
         tags: dict[int, list[bytes]] = {}
         if self.mailbox is not None:
             box = self.mailbox
-            pending = mailboxes.pending_fingerprints(box.region, box.rank, box.world_size, box.slot_bytes, box.depth)
+            pending = mailbox_layout.pending_fingerprints(box.region, box.rank, box.world_size, box.slot_bytes, box.depth)
             for peer, tag in pending.items():
                 tags.setdefault(peer, []).append(tag)
         if self.scratch is not None:
