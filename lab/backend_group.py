@@ -1,6 +1,6 @@
 """The ``"lab"`` backend's process group: every ``torch.distributed`` operation as a lab collective.
 
-Each operation is checked and prepared in the caller (``lab.collectives.prepare_*``: a bad
+Each operation is checked and prepared in the caller (``lab.collectives.calls.prepare_*``: a bad
 argument raises there, as torch's own backends do) and runs on the mesh's communication thread in
 issue order; it returns a :class:`lab.backend_work.LabWork` at once. torch's tensor lists are
 flattened into one tensor per collective, as gloo does.

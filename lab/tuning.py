@@ -21,7 +21,7 @@ N, power-of-two size bucket), simulated at the bucket's smallest size, so a stea
 a dictionary look-up. With neither fits nor a network it falls back to a fixed size threshold,
 ``AUTO_LARGE_MIN_BYTES``, between a latency-bound and a bandwidth-bound algorithm (the registry's
 ``fallback`` picks). ``LAB_ALGO`` overrides all of them, like ``NCCL_ALGO`` (see
-:func:`lab.collectives.forced_algorithm`). :func:`explain` says which of these decided, and why.
+:func:`lab.collectives.choice.forced_algorithm`). :func:`explain` says which of these decided, and why.
 
 n is the full tensor T as nccl-tests counts it: the allreduce/broadcast/reduce tensor, the
 allgather and gather result, the reduce_scatter, all_to_all and scatter input.

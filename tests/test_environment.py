@@ -10,7 +10,7 @@ from lab import checks
 from lab.collectives.allreduce_double_tree import forced_segment_bytes
 from lab.plane import DEFAULT_MAX_BYTES, DEFAULT_YIELD_LIMIT, max_bytes_from_env, waiting_policy_from_env
 from lab.transport import peer_memory
-from lab.transport.shm import DEFAULT_SPIN, _spin_from_env
+from lab.transport.pipe_poller import DEFAULT_SPIN, spin_from_env
 
 pytestmark = pytest.mark.no_ranks
 
@@ -19,7 +19,7 @@ READERS = {
     "LAB_COMPILED_SPIN": (lambda: waiting_policy_from_env(1)[0], None),
     "LAB_COMPILED_YIELD": (lambda: waiting_policy_from_env(1)[1], DEFAULT_YIELD_LIMIT),
     "LAB_COMPILED_MAX_BYTES": (max_bytes_from_env, DEFAULT_MAX_BYTES),
-    "LAB_SHM_SPIN": (_spin_from_env, DEFAULT_SPIN),
+    "LAB_SHM_SPIN": (spin_from_env, DEFAULT_SPIN),
     "LAB_SHM_SCRATCH_BYTES": (peer_memory.slot_bytes_from_env, peer_memory.DEFAULT_SLOT_BYTES),
     "LAB_SHM_REGISTERED_BYTES": (peer_memory.arena_bytes_from_env, peer_memory.DEFAULT_ARENA_BYTES),
     "LAB_SEGMENT_BYTES": (forced_segment_bytes, None),

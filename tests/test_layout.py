@@ -40,10 +40,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("size", "lab.exchange"): "Exchange grew with the ranks' agreement on a root and the compiled wait's hook "
     "(543 lines, the class 352): its compiled-call helpers (PlannedRun) reach its private members, and splitting "
     "it waits for the narrow interface between them",
-    ("size", "lab.transport.shm"): "the abort notices and the compiled wait's pipe draining came in; parking "
-    "other contexts' messages and the tag check, written in each transport, move to one shared place next",
-    ("size", "lab.transport.tcp"): "the abort notices came in (a frame kind of their own); parking other contexts' "
-    "messages and the tag check, written in each transport, move to one shared place next",
     ("function size", "lab.sim.replay"): "_replay is the simulator's event loop, compiled by Numba: its state is "
     "some 30 arrays, and its steps are already helpers (_wire, _receive, _complete, _cpu) that take them as arguments",
 }

@@ -427,7 +427,7 @@ def bitwise_ops(mesh: lab.Mesh) -> list[str]:
                 inputs = [torch.arange(count, dtype=torch.int64) * STRIDE * 7 + r for r in range(n)]
                 want = torch.from_numpy(function.reduce(np.stack([i.numpy() for i in inputs]))).to(dtype) \
                     if count else torch.empty(0, dtype=dtype)
-                for algorithm in lab.collectives.ALGORITHMS["allreduce"]:
+                for algorithm in lab.collectives.choice.ALGORITHMS["allreduce"]:
                     if algorithm == "hierarchical" and mesh.host_count < 2:
                         continue
                     got = lab.allreduce(mesh, inputs[rank].to(dtype, copy=True), op=op, algorithm=algorithm)

@@ -51,7 +51,8 @@ from lab.transport.base import CONTEXT_BYTES, TAG_BYTES, Recv, Send, TagMismatch
 from lab.transport.handshake import (  # noqa: E402
     _ACCEPTOR_KEY, _ACCEPTOR_PROOF, _CONNECTOR_KEY, _CONNECTOR_PROOF, _HELLO, _REFUSED_PROOF, _REFUSED_RANK,
     HANDSHAKE_TIMEOUT_S, MAGIC, MAX_PENDING_HANDSHAKES, VERSION, derive, transcript)
-from lab.transport.tcp import _HEAD_BYTES, _HEADER, MAC_BYTES, TcpTransport, head  # noqa: E402
+from lab.transport.frames import HEAD_BYTES, HEADER, MAC_BYTES, head  # noqa: E402
+from lab.transport.tcp import TcpTransport  # noqa: E402
 
 SECRET = b"test-job-secret"
 TAG = b"fingerprint".ljust(TAG_BYTES, b"\0")
@@ -107,11 +108,11 @@ class Played:
         return header + header_mac + payload + mac.digest()
 
     def data(self, tag: bytes, payload: bytes) -> bytes:
-        return self.frame(_HEADER.pack(MAGIC, VERSION, 1, tag, len(payload)), payload)
+        return self.frame(HEADER.pack(MAGIC, VERSION, 1, tag, len(payload)), payload)
 
     def header_only(self, tag: bytes, nbytes: int) -> bytes:
         """An authentic header (and its MAC) announcing ``nbytes``, whose payload never comes."""
-        header = _HEADER.pack(MAGIC, VERSION, 1, tag, nbytes)
+        header = HEADER.pack(MAGIC, VERSION, 1, tag, nbytes)
         header_mac, _ = head(self.send_key, self.sent, header)
         self.sent += 1
         return header + header_mac
@@ -302,7 +303,7 @@ def receive(transport: TcpTransport, nbytes: int, timeout_s: float = 3.0) -> Bas
 def test_a_good_frame_is_received():
     transport, played = connected_pair()
     payload = np.arange(4, dtype=np.float32)
-    played.sock.sendall(played.frame(_HEADER.pack(MAGIC, VERSION, 1, TAG, payload.nbytes), payload.tobytes()))
+    played.sock.sendall(played.frame(HEADER.pack(MAGIC, VERSION, 1, TAG, payload.nbytes), payload.tobytes()))
     assert receive(transport, 16) is None
     transport.close()
     played.sock.close()
@@ -316,20 +317,20 @@ def test_a_frame_without_the_right_mac_is_refused(forgery):
     checked before its tag or length is believed)."""
     transport, played = connected_pair()
     payload = np.arange(4, dtype=np.float32).tobytes()
-    header = _HEADER.pack(MAGIC, VERSION, 1, TAG, len(payload))
+    header = HEADER.pack(MAGIC, VERSION, 1, TAG, len(payload))
     good = played.frame(header, payload)
     if forgery == "replayed":  # the first frame is fine; the same bytes again are not
         played.sock.sendall(good)
         assert receive(transport, 16) is None
         bad = good
     elif forgery == "reordered":  # the second frame (the next collective's) before the first
-        bad = played.frame(_HEADER.pack(MAGIC, VERSION, 1, TAG2, len(payload)), payload) + good
+        bad = played.frame(HEADER.pack(MAGIC, VERSION, 1, TAG2, len(payload)), payload) + good
     elif forgery == "no key":
         header_mac, mac = head(b"k" * 32, 0, header)
         mac.update(payload)
         bad = header + header_mac + payload + mac.digest()
     else:
-        where = {"payload": _HEAD_BYTES + 3, "header": 44, "header mac": _HEADER.size + 5, "mac": len(good) - 1}
+        where = {"payload": HEAD_BYTES + 3, "header": 44, "header mac": HEADER.size + 5, "mac": len(good) - 1}
         bad = bytearray(good)
         bad[where[forgery]] ^= 0x40
         bad = bytes(bad)
@@ -345,13 +346,13 @@ def test_a_frame_without_the_right_mac_is_refused(forgery):
 @given(magic=st.sampled_from([MAGIC, b"LABX", b"\0\0\0\0"]), version=st.sampled_from([VERSION, 0, 1, 255]),
        kind=st.sampled_from([1, 0, 7]), length=st.sampled_from([16, 15, 0, 1 << 40, 2**64 - 1]),
        tag=st.sampled_from([TAG, (TAG[:CONTEXT_BYTES] + b"other").ljust(TAG_BYTES, b"\0")]),
-       cut=st.integers(0, _HEAD_BYTES + 16 + MAC_BYTES), tail=st.binary(max_size=64))
+       cut=st.integers(0, HEAD_BYTES + 16 + MAC_BYTES), tail=st.binary(max_size=64))
 def test_malformed_and_truncated_frames_are_rejected_cleanly(magic, version, kind, length, tag, cut, tail):
     """Whatever arrives, the receive ends with a lab error (or succeeds on a valid frame) before its
     deadline: no hang, no crash, no allocation from a garbled length."""
     transport, played = connected_pair()
     header = struct.pack("<4sBBxx", magic, version, kind) + tag + struct.pack("<Q", length)
-    whole = _HEAD_BYTES + 16 + MAC_BYTES
+    whole = HEAD_BYTES + 16 + MAC_BYTES
     frame = played.frame(header, b"\1" * 16) + tail
     played.sock.sendall(frame[:cut] if cut < whole else frame)
     if cut < whole:
@@ -388,10 +389,10 @@ def test_a_frame_of_another_mesh_waits_aside_until_its_receive():
     sender = played.send_in_background(played.data(OTHER, theirs.tobytes()) + played.data(TAG, ours.tobytes()))
     out = np.zeros(4, np.float32)
     transport.exchange([], [Recv(1, out)], TAG, 10.0, "parking")
-    assert (out == ours).all() and transport._parked_bytes[1] == theirs.nbytes
+    assert (out == ours).all() and transport.parking.held_bytes(1) == theirs.nbytes
     later = np.zeros(1 << 20, np.float32)
     transport.exchange([], [Recv(1, later)], OTHER, 10.0, "parking")
-    assert (later == theirs).all() and transport._parked_bytes[1] == 0
+    assert (later == theirs).all() and transport.parking.held_bytes(1) == 0
     sender.join(5)
     transport.close()
     played.sock.close()
@@ -402,7 +403,7 @@ def test_parking_beyond_the_per_peer_bound_is_a_clear_error(monkeypatch):
     """A peer (the real one: its headers are authentic) that sends more of another mesh's traffic
     ahead than one peer may park gets a LabError naming the bound, raised before the frame is
     allocated (here it announces 8 GiB), and the connection is closed."""
-    monkeypatch.setattr("lab.transport.tcp.MAX_PARKED_BYTES_PER_PEER", 1 << 20)
+    monkeypatch.setattr("lab.transport.parking.MAX_PARKED_BYTES_PER_PEER", 1 << 20)
     transport, played = connected_pair()
     sender = played.send_in_background(played.data(OTHER, b"\1" * (512 << 10)) + played.header_only(OTHER, 8 << 30))
     with peak_allocation() as peak:
@@ -418,8 +419,8 @@ def test_parking_beyond_the_per_peer_bound_is_a_clear_error(monkeypatch):
 
 def test_parking_beyond_the_total_bound_is_a_clear_error(monkeypatch):
     """Two peers each within their bound, together beyond the total: a LabError naming it."""
-    monkeypatch.setattr("lab.transport.tcp.MAX_PARKED_BYTES_PER_PEER", 1 << 20)
-    monkeypatch.setattr("lab.transport.tcp.MAX_PARKED_BYTES", 5 << 18)  # 1.25 MiB: one 768 KiB frame, not two
+    monkeypatch.setattr("lab.transport.parking.MAX_PARKED_BYTES_PER_PEER", 1 << 20)
+    monkeypatch.setattr("lab.transport.parking.MAX_PARKED_BYTES", 5 << 18)  # 1.25 MiB: one 768 KiB frame, not two
     rank_zero = RankZero(world_size=3)
     address = rank_zero.address()
     peers = [Played(socket.create_connection(address, timeout=5), rank=rank) for rank in (1, 2)]

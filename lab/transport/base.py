@@ -16,8 +16,9 @@ step or op):
   directly;
 - its first ``CONTEXT_BYTES`` name the mesh or sub-mesh (``mesh.split``) that sent it and, for
   point-to-point, the message's tag: a message of another context is not a mismatch but traffic
-  of another mesh (or tag) over the same channel, entered in another order by its sender. The receiver parks it (MPI's unexpected-message queue, one per
-  source) and a later receive of that context takes it first, in arrival order.
+  of another mesh (or tag) over the same channel, entered in another order by its sender. The
+  receiver parks it (:mod:`lab.transport.parking`: MPI's unexpected-message queue, one per
+  source, bounded) and a later receive of that context takes it first, in arrival order.
 
 A wait raises :class:`lab.DeadlineError` after ``timeout_s`` seconds in which no awaited peer
 made progress (:class:`Silence`): the deadline measures silence, so a peer streaming a large

@@ -17,15 +17,22 @@ import os
 import queue
 import select
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from lab.errors import CollectiveMismatchError, PeerLostError
-from lab.transport.base import (Recv, Send, SharedFd, Silence, TagMismatch, Transport, same_context,
-                                silence_error)
+from lab.errors import PeerLostError
+from lab.transport.base import (
+    Recv,
+    Send,
+    SharedFd,
+    Silence,
+    Transport,
+    same_context,
+    silence_error,
+)
+from lab.transport.parking import Parking, check_arrival
 
 #: How often a rank waiting on a queue checks that the peer is still alive.
 LIVENESS_CHECK_S = 0.1
@@ -84,7 +91,7 @@ class QueueTransport(Transport):
         self._peer_of_fd = {fd: peer for peer, fd in self._peer_alive_fd.items()}
         # Messages taken off a queue but not yet received, per source: other contexts' (parked by a
         # receive), and any a receive from any source looked at; a receive takes its context's first.
-        self._parked = {src: deque() for src in self._inbox}
+        self.parking = Parking(self.rank, self._inbox)
         self._liveness = select.poll()
         for fd in self._peer_alive_fd.values():
             self._liveness.register(fd, select.POLLIN)
@@ -98,13 +105,7 @@ class QueueTransport(Transport):
             self._outbox[send.dst].put((tag, send.data.copy()))  # snapshot: pickled later
         for recv in recvs:
             got_tag, payload = self._take(recv.src, tag, timeout_s, where)
-            if got_tag != tag:
-                raise TagMismatch(recv.src, tag, got_tag)
-            if payload.nbytes != recv.out.nbytes:
-                raise CollectiveMismatchError(
-                    f"rank {self.rank} expected {recv.out.nbytes} bytes from rank {recv.src} "
-                    f"in {where}, got {payload.nbytes}"
-                )
+            check_arrival(self.rank, recv.src, tag, got_tag, recv.out.nbytes, payload.nbytes, where)
             if recv.combine is None:
                 recv.out[:] = payload
             else:
@@ -113,17 +114,15 @@ class QueueTransport(Transport):
     def _take(self, src: int, tag: bytes, timeout_s: float, where: object) -> tuple[bytes, np.ndarray]:
         """The next message from ``src`` in ``tag``'s context: a parked one first, else from the
         queue, parking whatever belongs to another context on the way."""
-        parked = self._parked[src]
-        for i, message in enumerate(parked):
-            if same_context(message[0], tag):
-                del parked[i]
-                return message
+        held = self.parking.take(src, tag)
+        if held is not None:
+            return held
         silence = Silence(timeout_s)
         while True:
-            message = self._get(src, silence, where)
-            if same_context(message[0], tag):
-                return message
-            parked.append(message)
+            got_tag, payload = self._get(src, silence, where)
+            if same_context(got_tag, tag):
+                return got_tag, payload
+            self.parking.park(src, got_tag, payload.nbytes, payload, where)
             silence.progress()  # the peer sent something, if not for this receive
 
     def _get(self, src: int, silence: Silence, where: object) -> tuple[bytes, np.ndarray]:
@@ -143,11 +142,11 @@ class QueueTransport(Transport):
         deadline = time.monotonic() + timeout_s
         while True:
             for src, prefix in expected.items():
-                parked = self._parked[src]
                 with contextlib.suppress(queue.Empty):
                     while True:
-                        parked.append(self._inbox[src].get_nowait())
-                first = next((tag for tag, _ in parked if same_context(tag, prefix)), None)
+                        got_tag, payload = self._inbox[src].get_nowait()
+                        self.parking.park(src, got_tag, payload.nbytes, payload, where)
+                first = self.parking.first(src, prefix)
                 if first is not None and first.startswith(prefix):
                     return src
             self._check_peers_alive(where)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import select
 import struct
 import termios
 from collections import deque
@@ -42,20 +41,20 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from lab import checks, fingerprint
-from lab.errors import CollectiveMismatchError, DeadlineError, PeerLostError
+from lab.errors import DeadlineError, PeerLostError
 from lab.transport.base import (
     TAG_BYTES,
     AbortNotice,
     Recv,
     Send,
     Silence,
-    TagMismatch,
     Transport,
     root_cause,
     same_context,
     silence_error,
 )
+from lab.transport.parking import Parking, check_arrival, raise_if_behind
+from lab.transport.pipe_poller import DEFAULT_SPIN, PipePoller, write_whole_or_skip
 from lab.transport.shm_endpoints import (
     ABORT,
     CREDIT,
@@ -77,13 +76,9 @@ from lab.transport.shm_endpoints import (
     ShmMappings,
     create_endpoints,
     mailbox_slot_bytes,
+    parse_frames,
 )
 
-#: Non-blocking polls before a wait blocks (``LAB_SHM_SPIN`` overrides).
-DEFAULT_SPIN = 50
-#: A wait on the pipes looks at the shared memory this often: a peer that took the compiled path
-#: or the two-shot for this collective (or left an earlier one's message there) has nothing to send here.
-SHARED_LOOK_S = 0.01
 _DRAIN_BYTES = 64 * 1024  # a whole pipe per read
 
 #: Also lab.transport.shm_endpoints' public names, re-exported: tests and older imports take them from here.
@@ -120,7 +115,7 @@ class ShmTransport(Transport):
         self._write_fd = {peer: shared.fd for peer, shared in endpoints.outbox.items()}
         for fd in self._read_fd.values():
             os.set_blocking(fd, False)  # drains never block; waiting is the poller's job
-        self._poller = _PipePoller(self._read_fd)
+        self._poller = PipePoller(self._read_fd)
         liveness = np.array([self._read_fd.get(peer, -1) for peer in range(self.world_size)], np.int64)
         self._shared = ShmMappings(endpoints, liveness)  # the segments' slots, the mailboxes and the scratch
         #: The compiled path's mailboxes (lab.plane) and the two-shot allreduce and registered buffers
@@ -132,7 +127,7 @@ class ShmTransport(Transport):
         self._eager_unreturned = {p: 0 for p in peers}  # eager messages consumed, credit not yet returned
         self._next_slot = {p: 0 for p in peers}
         self._arrived: dict[int, deque] = {p: deque() for p in peers}  # descriptors not yet consumed
-        self._parked: dict[int, list] = {p: [] for p in peers}  # other contexts' messages, copied out
+        self.parking = Parking(self.rank, peers)  # other contexts' messages, copied out: (kind, slot, nbytes, payload)
         self._partial = {p: b"" for p in peers}  # the start of a frame whose rest is still in the pipe
         self._notices: list[AbortNotice] = []  # what failing peers told this rank, in arrival order
         self._closed = False
@@ -177,7 +172,7 @@ class ShmTransport(Transport):
                 awaited = frozenset([job.peer for job in sending] + [job.peer for job in receiving
                                                                     if not self._arrived[job.peer]])
                 if awaited and not self._wait(silence, where, awaited):
-                    self._raise_if_behind(self._shared.pending_fingerprints(), tag, "the shared memory", where)
+                    raise_if_behind(self.rank, self._shared.pending_fingerprints(), tag, "the shared memory", where)
 
     def _can_send(self, job: _Job) -> bool:
         return (self._eager_credits if job.eager else self._credits)[job.peer] > 0
@@ -219,18 +214,19 @@ class ShmTransport(Transport):
         """True if a message of ``tag``'s context from ``peer`` can be consumed now. What arrived
         first for another context (a mesh or sub-mesh the peer entered in another order) is
         parked on the way: copied out of its slot, its credit returned at once."""
-        parked = self._parked[peer]
-        if parked and any(same_context(entry[3], tag) for entry in parked):
+        if self.parking.first(peer, tag) is not None:
             return True
         arrived = self._arrived[peer]
         while arrived and not same_context(arrived[0][3], tag):
-            kind, slot, nbytes, got_tag, payload = arrived.popleft()
+            kind, slot, nbytes, got_tag, payload = arrived[0]
+            self.parking.room_for(peer, got_tag, nbytes, where)
+            arrived.popleft()
             if kind == EAGER:
                 self._eager_consumed(peer)
             else:
                 payload = bytearray(self._shared.slot(peer, self.rank, slot)[:nbytes])
                 self._return_credit(peer, CREDIT_FRAME)
-            parked.append((kind, slot, nbytes, got_tag, payload))
+            self.parking.park(peer, got_tag, nbytes, (kind, slot, nbytes, payload), where)
         return bool(arrived)
 
     def _eager_consumed(self, peer: int) -> None:
@@ -243,21 +239,15 @@ class ShmTransport(Transport):
     def _consume_segment(self, job: _Job, tag: bytes, where: object) -> None:
         # Copy or reduce straight out of the eager payload or the sender's slot (or, for a parked
         # message, out of its copy: its credit went back when it was parked).
-        parked = self._parked[job.peer]
-        index = next((i for i, entry in enumerate(parked) if same_context(entry[3], tag)), None) if parked else None
-        if index is None:
+        held = self.parking.take(job.peer, tag)
+        if held is None:
             kind, slot, nbytes, got_tag, payload = self._arrived[job.peer].popleft()
         else:
-            kind, slot, nbytes, got_tag, payload = parked[index]
-            del parked[index]
-        if got_tag != tag:
-            raise TagMismatch(job.peer, tag, got_tag)
+            got_tag, (kind, slot, nbytes, payload) = held
         expected = min(self.segment_bytes, job.bytes.size - job.offset) if not job.eager else job.bytes.size
-        if nbytes != expected or (kind == EAGER) != job.eager:
-            raise CollectiveMismatchError(
-                f"rank {self.rank} expected {job.bytes.size} bytes from rank {job.peer} in {where}, got a "
-                f"{'message' if kind == EAGER else 'segment'} of {nbytes}"
-            )
+        same_kind = (kind == EAGER) == job.eager  # (an eager message where a segment is due: sizes disagree)
+        check_arrival(self.rank, job.peer, tag, got_tag, expected, nbytes if same_kind else -1, where,
+                      f"a {'message' if kind == EAGER else 'segment'} of {nbytes}")
         if job.eager:
             incoming = np.frombuffer(payload, dtype=job.array.dtype)
             target = job.array
@@ -271,11 +261,11 @@ class ShmTransport(Transport):
         else:
             job.combine(target, incoming)
         if job.eager:
-            if index is None:
+            if held is None:
                 self._eager_consumed(job.peer)
             job.segments_left = 0
             return
-        if index is None:  # hand the slot back
+        if held is None:  # hand the slot back
             self._return_credit(job.peer, CREDIT_FRAME)
         job.offset += nbytes
         job.segments_left -= 1
@@ -290,7 +280,7 @@ class ShmTransport(Transport):
                 self._drain(src, where)  # non-blocking: what is in the pipe now
             self._raise_if_told(where)
             for src, prefix in expected.items():
-                parked = next((entry[3] for entry in self._parked[src] if same_context(entry[3], prefix)), None)
+                parked = self.parking.first(src, prefix)
                 first = parked if parked is not None else (
                     self._arrived[src][0][3] if self._ready(src, prefix, where) else None)
                 if first is not None and first.startswith(prefix):
@@ -332,27 +322,13 @@ class ShmTransport(Transport):
         for peer in self._arrived:
             with contextlib.suppress(PeerLostError):  # a lost peer is the wait's to report
                 self._drain(peer, where)
-            first = next((entry[3] for entry in self._parked[peer] if same_context(entry[3], tag)), None)
+            first = self.parking.first(peer, tag)
             if first is None and self._ready(peer, tag, where):
                 first = self._arrived[peer][0][3]
             if first is not None:
                 heads[peer] = [first]
         self._raise_if_told(where)
-        self._raise_if_behind(heads, tag, "the pipes", where)
-
-    def _raise_if_behind(self, pending: Mapping[int, list[bytes]], tag: bytes, queue: str, where: object) -> None:
-        """``pending`` (messages by sender) holds one of this mesh's collectives not later than
-        ``tag``'s, on ``queue``, the other queue than this rank's: a CollectiveMismatchError."""
-        context, _, seq = fingerprint.FINGERPRINT.unpack_from(tag)[:3]
-        for peer, tags in pending.items():
-            for got in tags:
-                got_context, p2p_tag, got_seq, collective = fingerprint.FINGERPRINT.unpack_from(got)[:4]
-                if got_context == context and collective and not p2p_tag and got_seq <= seq:
-                    why = (": the ranks disagree on which path it takes (LAB_COMPILED_MAX_BYTES?)"
-                           if got[:fingerprint.FINGERPRINT.size] == tag[:fingerprint.FINGERPRINT.size] else ", which this rank never received" if got_seq < seq else "")
-                    raise CollectiveMismatchError(
-                        f"rank {self.rank} is in {fingerprint.describe(tag)} ({where}); rank {peer} sent "
-                        f"{fingerprint.describe(got)} through {queue}{why}")
+        raise_if_behind(self.rank, heads, tag, "the pipes", where)
 
     def _drain(self, peer: int, where: object) -> None:
         """Read every frame waiting in ``peer``'s pipe: credits count, descriptors queue."""
@@ -364,28 +340,17 @@ class ShmTransport(Transport):
             raise PeerLostError(f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})")
         # Writable (Numba's kernels take writable arrays); payloads below are views of it, not copies.
         data = bytearray(self._partial[peer] + data if self._partial[peer] else data)
-        arrived, size, header = self._arrived[peer], len(data), DESCRIPTOR.size
-        position = 0
-        while position + header <= size:
-            kind, slot, nbytes, tag = DESCRIPTOR.unpack_from(data, position)
-            if kind in (EAGER, ABORT):
-                end = position + header + nbytes
-                if end > size:
-                    break  # the rest of this frame is still in the pipe
-                if kind == EAGER:
-                    arrived.append((kind, 0, nbytes, tag, memoryview(data)[position + header : end]))
-                else:
-                    self._notices.append(AbortNotice.decode(bytes(data[position + header : end]), peer))
-                position = end
-                continue
-            position += header
-            if kind == CREDIT:
+        frames, whole = parse_frames(data)
+        for kind, slot, nbytes, tag, payload in frames:
+            if kind == ABORT:
+                self._notices.append(AbortNotice.decode(bytes(payload), peer))
+            elif kind == CREDIT:
                 self._credits[peer] += 1
             elif kind == EAGER_CREDIT:
                 self._eager_credits[peer] += slot
             else:
-                arrived.append((kind, slot, nbytes, tag, None))
-        self._partial[peer] = bytes(data[position:])
+                self._arrived[peer].append((kind, slot, nbytes, tag, payload))
+        self._partial[peer] = bytes(data[whole:])  # the start of a frame whose rest is still in the pipe
 
     def queued_bytes(self, peer: int) -> int:
         """Bytes ``peer`` has sent that this rank holds but has not consumed (eager payloads and
@@ -414,13 +379,7 @@ class ShmTransport(Transport):
             return
         frame = DESCRIPTOR.pack(ABORT, 0, len(payload := notice.encode()), b"") + payload
         for fd in self._write_fd.values():
-            os.set_blocking(fd, False)
-            try:
-                os.write(fd, frame)
-            except OSError:
-                pass
-            finally:
-                os.set_blocking(fd, True)
+            write_whole_or_skip(fd, frame)
 
     def notices(self, awaited: Iterable[int], grace_s: float) -> list[AbortNotice]:
         if self._closed:
@@ -442,38 +401,3 @@ class ShmTransport(Transport):
             os.close(fd)
         self.mailbox = self.scratch = None  # let go of the mappings' views, so that they can be unmapped
         self._shared.close()
-
-
-class _PipePoller:
-    """Waits for the pipes of a set of peers: one ``poll`` object per set awaited."""
-
-    def __init__(self, read_fd: Mapping[int, int]) -> None:
-        self._read_fd = read_fd
-        self._peer_of_fd = {fd: peer for peer, fd in read_fd.items()}
-        self._pollers: dict[frozenset[int], select.poll] = {}
-        self._spin = _spin_from_env()
-
-    def readable(self, peers: frozenset[int], silence: Silence) -> list[int]:
-        """The peers of ``peers`` whose pipes have something (data or end-of-file), or none once
-        ``silence``'s next wait is up. Spin first (``LAB_SHM_SPIN`` polls, each followed by
-        ``sched_yield``), then block in ``poll``."""
-        poller = self._pollers.get(peers)
-        if poller is None:
-            poller = self._pollers[peers] = select.poll()
-            for peer in peers:
-                poller.register(self._read_fd[peer], select.POLLIN)
-        events = None
-        for _ in range(self._spin):
-            events = poller.poll(0)
-            if events:
-                break
-            os.sched_yield()
-        if not events and not silence.expired():
-            events = poller.poll(min(silence.wait_s(), SHARED_LOOK_S) * 1000)
-        return [self._peer_of_fd[fd] for fd, _ in events] if events else []
-
-
-def _spin_from_env() -> int:
-    """``LAB_SHM_SPIN``: how many non-blocking polls (each followed by ``sched_yield``) a wait tries
-    before it blocks; default 50, which measured fastest at 2, 4 and 8 ranks on 2 quiet cores (see docs/how-it-works.md)."""
-    return checks.env_int("LAB_SHM_SPIN", DEFAULT_SPIN)

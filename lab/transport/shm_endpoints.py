@@ -211,3 +211,22 @@ class ShmMappings:
         for m, file in zip(self._maps, self._files):
             peer_memory.unmap(m, file, keep if m is self._maps[-1] else [])
         self._maps, self._files = [], []
+
+
+def parse_frames(data: bytearray) -> tuple[list[tuple[int, int, int, bytes, memoryview | None]], int]:
+    """The whole frames at the start of ``data`` (what a pipe gave), as ``(kind, slot, nbytes,
+    tag, payload)`` (``payload``: a view into ``data`` for EAGER and ABORT frames, else None), and
+    where the first frame not yet whole starts (its rest is still in the pipe)."""
+    frames, size, header, position = [], len(data), DESCRIPTOR.size, 0
+    while position + header <= size:
+        kind, slot, nbytes, tag = DESCRIPTOR.unpack_from(data, position)
+        if kind in (EAGER, ABORT):
+            end = position + header + nbytes
+            if end > size:
+                break
+            frames.append((kind, 0 if kind == EAGER else slot, nbytes, tag, memoryview(data)[position + header:end]))
+            position = end
+        else:
+            frames.append((kind, slot, nbytes, tag, None))
+            position += header
+    return frames, position

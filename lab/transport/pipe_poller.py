@@ -1,0 +1,73 @@
+"""Waiting on the ``"shm"`` transport's pipes: spin briefly, then block in ``poll``.
+
+On two shared cores, a peer's answer usually comes within a few scheduler slices: a wait that
+polls without blocking (each poll followed by ``sched_yield``, which hands the core to that peer)
+answers in microseconds, where blocking at once pays a wake-up. ``LAB_SHM_SPIN`` sets how many
+such polls come first (see docs/how-it-works.md for the measurement behind the default).
+
+    poller = PipePoller(read_fd)                       # peer -> the fd its pipe is read from
+    ready = poller.readable(frozenset({1, 2}), silence)   # [] once the silence's wait is up
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from collections.abc import Mapping
+
+from lab import checks
+from lab.transport.base import Silence
+
+#: Non-blocking polls before a wait blocks (``LAB_SHM_SPIN`` overrides).
+DEFAULT_SPIN = 50
+#: A wait on the pipes looks at the shared memory this often: a peer that took the compiled path
+#: or the two-shot for this collective (or left an earlier one's message there) has nothing to send here.
+SHARED_LOOK_S = 0.01
+
+
+class PipePoller:
+    """Waits for the pipes of a set of peers: one ``poll`` object per set awaited."""
+
+    def __init__(self, read_fd: Mapping[int, int]) -> None:
+        self._read_fd = read_fd
+        self._peer_of_fd = {fd: peer for peer, fd in read_fd.items()}
+        self._pollers: dict[frozenset[int], select.poll] = {}
+        self._spin = spin_from_env()
+
+    def readable(self, peers: frozenset[int], silence: Silence) -> list[int]:
+        """The peers of ``peers`` whose pipes have something (data or end-of-file), or none once
+        ``silence``'s next wait is up. Spin first (``LAB_SHM_SPIN`` polls, each followed by
+        ``sched_yield``), then block in ``poll``."""
+        poller = self._pollers.get(peers)
+        if poller is None:
+            poller = self._pollers[peers] = select.poll()
+            for peer in peers:
+                poller.register(self._read_fd[peer], select.POLLIN)
+        events = None
+        for _ in range(self._spin):
+            events = poller.poll(0)
+            if events:
+                break
+            os.sched_yield()
+        if not events and not silence.expired():
+            events = poller.poll(min(silence.wait_s(), SHARED_LOOK_S) * 1000)
+        return [self._peer_of_fd[fd] for fd, _ in events] if events else []
+
+
+def spin_from_env() -> int:
+    """``LAB_SHM_SPIN``: how many non-blocking polls (each followed by ``sched_yield``) a wait tries
+    before it blocks; default 50, which measured fastest at 2, 4 and 8 ranks on 2 quiet cores (see docs/how-it-works.md)."""
+    return checks.env_int("LAB_SHM_SPIN", DEFAULT_SPIN)
+
+
+def write_whole_or_skip(fd: int, frame: bytes) -> None:
+    """Write ``frame`` (at most ``PIPE_BUF`` bytes: a pipe takes it whole or not at all) to the
+    pipe ``fd`` without blocking; a pipe with no room for it, or whose reader is gone, is skipped
+    (what a failing rank tells its peers is best effort)."""
+    os.set_blocking(fd, False)
+    try:
+        os.write(fd, frame)
+    except OSError:
+        pass
+    finally:
+        os.set_blocking(fd, True)
