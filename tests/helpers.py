@@ -42,6 +42,12 @@ def shm_entries() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
 
 
+def slow_from_five(params, world_size=lambda p: p) -> list:
+    """``params`` for a parametrization or a fixture, those of world size 5 or more marked slow: the
+    fast loop keeps 1-4 (3, not a power of two, included), CI runs every size."""
+    return [pytest.param(p, marks=pytest.mark.slow) if world_size(p) >= 5 else p for p in params]
+
+
 def pool(world_size: int, transport: str, **options) -> lab.Cluster:
     """A rank pool for one test module (the caller closes it)."""
     return lab.launch(world_size, transport=transport, recv_timeout_ms=60_000, **options)

@@ -40,7 +40,7 @@ import lab
 import lab.lesson
 from helpers import (ALGORITHMS, assert_no_failures, check_all_to_all, check_allgather, check_allreduce,
                      check_broadcast, check_other_inputs, check_reduce, check_reduce_scatter,
-                     describe_mismatch, expected_reduction, pool, tensor, values)
+                     describe_mismatch, expected_reduction, pool, slow_from_five, tensor, values)
 from lab.collectives.allreduce_double_tree import double_trees
 from lab.transport.shm import DEFAULT_EAGER_BYTES
 
@@ -256,9 +256,9 @@ def byte_counts(mesh: lab.Mesh, numel: int) -> dict[str, dict[str, int]]:
 # only moves each message, and which messages an algorithm sends at a world size is the same on
 # every transport (the shm pools check them all); tests/test_gloo.py runs queue and tcp at 1, 2, 3,
 # 4 and 7 against gloo, and tests/test_groups.py sub-meshes of sizes 1-5 on tcp and 1-3 on queue.
-SHM_POOLS = [*(("shm", n, None) for n in range(1, 9)), ("shm", 5, 16)]
+SHM_POOLS = slow_from_five([*(("shm", n, None) for n in range(1, 9)), ("shm", 5, 16)], lambda p: p[1])
 WIRE_WORLDS = {"queue": (1, 3, 4, 7), "tcp": (1, 2, 5, 6, 8)}
-POOLS = [*SHM_POOLS, *((t, n, None) for t, worlds in WIRE_WORLDS.items() for n in worlds)]
+POOLS = [*SHM_POOLS, *slow_from_five([(t, n, None) for t, worlds in WIRE_WORLDS.items() for n in worlds], lambda p: p[1])]
 
 
 def pool_id(p: tuple) -> str:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lab
-from helpers import pool
+from helpers import pool, slow_from_five
 from lab.collectives import registry
 from lab.collectives.prepared import find_lane
 from lab.ops import REDUCE_DTYPES
@@ -29,7 +29,7 @@ MAX_BYTES = 4096  # the compiled path's threshold in these pools (LAB_COMPILED_M
 OPS = ("sum", "prod", "min", "max", "avg")
 
 
-@pytest.fixture(scope="module", params=range(1, 9), ids=lambda n: f"N{n}")
+@pytest.fixture(scope="module", params=slow_from_five(range(1, 9)), ids=lambda n: f"N{n}")
 def cluster(request):
     os.environ["LAB_COMPILED_MAX_BYTES"] = str(MAX_BYTES)  # read by every rank at start
     try:

@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import assert_no_failures, pool
+from helpers import assert_no_failures, pool, slow_from_five
 
 import lab
 from lab.ops import DTYPES, REDUCE_DTYPES
@@ -466,7 +466,8 @@ def plans(mesh: lab.Mesh) -> list[str]:
 
 # -- the pools -----------------------------------------------------------------------------------
 
-POOLS = [*(("shm", n) for n in range(1, 9)), ("queue", 3), ("queue", 5), ("tcp", 2), ("tcp", 6), ("auto", 4)]
+POOLS = slow_from_five([*(("shm", n) for n in range(1, 9)), ("queue", 3), ("queue", 5), ("tcp", 2), ("tcp", 6), ("auto", 4)],
+                       lambda p: p[1])
 
 
 @pytest.fixture(scope="module", params=POOLS, ids=lambda p: f"{p[0]}-N{p[1]}")

@@ -20,7 +20,7 @@ import torch
 import lab
 from lab.collectives import calls
 import lab.sim as sim
-from helpers import pool
+from helpers import pool, slow_from_five
 from lab.sim.record import ROOTED, Schedule
 from lab.sim.replay import replay
 
@@ -121,7 +121,7 @@ def _real_stats(mesh: lab.Mesh, cases: list[tuple[str, str, int, int]]) -> list[
     return out
 
 
-@pytest.mark.parametrize("world_size", range(1, 9))
+@pytest.mark.parametrize("world_size", slow_from_five(range(1, 9)))
 def test_simulated_counters_equal_mesh_stats_of_a_real_run(world_size):
     cases = [(c, a, n, root) for c, a in CASES for n in counts(world_size) for root in roots(c, world_size)]
     with pool(world_size, "shm", segment_bytes=4096) as cluster:

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import pool
+from helpers import pool, slow_from_five
 
 import lab
 from lab.ops import REDUCE_DTYPES
@@ -30,7 +30,7 @@ TORCH_OPS = {"sum": torch.add, "prod": torch.mul, "min": torch.minimum, "max": t
              "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 
 
-@pytest.fixture(scope="module", params=range(1, 9), ids=lambda n: f"N{n}")
+@pytest.fixture(scope="module", params=slow_from_five(range(1, 9)), ids=lambda n: f"N{n}")
 def cluster(request):
     os.environ["LAB_SHM_SCRATCH_BYTES"] = str(SLOT_BYTES)  # read where the pool builds its endpoints
     try:
