@@ -15,15 +15,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from lab.launchers import LaunchEnv, launch_env
-from lab.rendezvous import (
-    agree_hosts,
-    check_secret_source,
-    env_store,
-    host_block,
-    job_secret,
-    learn_host_index,
-    place_by_host_name,
-)
+from lab.job_secret import check_secret_source, job_secret
+from lab.rendezvous import agree_hosts, env_store, host_block, learn_host_index, place_by_host_name
 from lab.transport.base import Transport
 from lab.transport.tcp import TcpTransport
 
@@ -89,7 +82,8 @@ def _mixed(env, store, secret: bytes, address: str, hosts: list[int]) -> Transpo
     """Shared memory with this host's ranks (handed out by local rank 0), TCP to the others. On
     one host that is the shm transport itself, mailboxes included: small collectives then take the
     compiled plane (:mod:`lab.plane`) as they do under ``lab.launch``."""
-    from lab.transport.mixed import MixedTransport, share_host_endpoints
+    from lab.transport.hand_out import share_host_endpoints
+    from lab.transport.mixed import MixedTransport
 
     first_local = host_block(hosts, env)
     local = share_host_endpoints(store, STORE_PREFIX, env.group_rank, env.local_rank, env.local_world_size, secret)

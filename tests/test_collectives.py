@@ -41,7 +41,7 @@ import lab.lesson
 from helpers import (ALGORITHMS, assert_no_failures, check_all_to_all, check_allgather, check_allreduce,
                      check_broadcast, check_other_inputs, check_reduce, check_reduce_scatter,
                      describe_mismatch, expected_reduction, pool, slow_from_five, tensor, values)
-from lab.collectives.allreduce_double_tree import double_trees
+from lab.collectives.double_tree_schedule import double_trees
 from lab.transport.shm import DEFAULT_EAGER_BYTES
 
 

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from lab import fingerprint
-from lab.compiled import Compilable
 from lab.collectives import (all_to_all_bruck, all_to_all_pairwise, allgather_recursive_doubling, allgather_ring,
                              allreduce_double_tree, allreduce_halving_doubling, allreduce_hierarchical,
                              allreduce_naive, allreduce_recursive_doubling, allreduce_ring, allreduce_tree,
-                             allreduce_two_shot,
-                             barrier_dissemination, broadcast_binomial, broadcast_scatter_allgather, gather_binomial,
-                             gather_linear, reduce_binomial, reduce_scatter_recursive_halving, reduce_scatter_ring,
+                             allreduce_two_shot, barrier_dissemination, broadcast_binomial,
+                             broadcast_scatter_allgather, double_tree_schedule, gather_binomial, gather_linear,
+                             reduce_binomial, reduce_scatter_recursive_halving, reduce_scatter_ring,
                              scatter_binomial, scatter_linear)
+from lab.compiled import Compilable
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Algorithm:
 def _entry(collective: str, module, name: str, code: int, **options) -> Algorithm:
     run = getattr(module, f"{collective}_{name}")
     return Algorithm(collective, name, run, module.shape, code, bytes_sent=getattr(module, "bytes_sent", None),
-                     options=getattr(module, "call_options", None), **options)
+                     **options)
 
 
 TABLE: tuple[Algorithm, ...] = (
@@ -58,7 +58,7 @@ TABLE: tuple[Algorithm, ...] = (
     _entry("allreduce", allreduce_naive, "naive", 3, auto=False),  # the lesson's baseline, never a choice
     _entry("allreduce", allreduce_recursive_doubling, "recursive_doubling", 5),
     _entry("allreduce", allreduce_halving_doubling, "halving_doubling", 6),
-    _entry("allreduce", allreduce_double_tree, "double_tree", 7),
+    _entry("allreduce", allreduce_double_tree, "double_tree", 7, options=double_tree_schedule.call_options),
     _entry("allreduce", allreduce_hierarchical, "hierarchical", 13, auto=False),  # weighed across hosts only
     _entry("allreduce", allreduce_two_shot, "two_shot", 15),
     _entry("broadcast", broadcast_binomial, "binomial", 4, fallback="small"),

@@ -24,7 +24,7 @@ import time
 import torch
 
 import lab
-import lab.transport.mixed
+import lab.transport.hand_out
 import lab.transport.tcp
 
 
@@ -53,7 +53,7 @@ def work(mesh: lab.Mesh) -> str:
 def wait_before_joining(go: str) -> None:
     """Make a rank other than 0 stop right before it joins its peers: before it takes its shm
     endpoints from local rank 0 (a local rank other than 0, "auto") or connects over TCP."""
-    share, tcp = lab.transport.mixed.share_host_endpoints, lab.transport.tcp.TcpTransport
+    share, tcp = lab.transport.hand_out.share_host_endpoints, lab.transport.tcp.TcpTransport
 
     def wait() -> None:
         say(f"READY rank {os.environ['RANK']}")
@@ -71,7 +71,7 @@ def wait_before_joining(go: str) -> None:
         return tcp(rank, *args, **options)
 
     # from_env imports both when it is called, so it finds these
-    lab.transport.mixed.share_host_endpoints, lab.transport.tcp.TcpTransport = sharing, connecting
+    lab.transport.hand_out.share_host_endpoints, lab.transport.tcp.TcpTransport = sharing, connecting
 
 
 def main() -> None:
