@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -21,17 +20,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernels import doorbell as wait_status
-from kernels import hook as compiled_hooks
 from lab import fingerprint
 from lab.buffers import new_flat
+from lab.channels import Channels
 from lab.counters import BOOKED_KEYS, Counters
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
-from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, FlightRecorder, Position, TraceFile
-from lab.issue import IssueQueue
+from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, FlightRecorder, Position
 from lab.membership import Membership
 from lab.ops import DTYPES, DType, Reduction, reduction
-from lab.plane import BOOKED, LEDGER_WORDS, RING, SEQ, CompiledCall, CompiledPlane, Report
-from lab.transport.base import Recv, Send, TagMismatch, Transport, silence_error
+from lab.plane import BOOKED, LEDGER_WORDS, RING, SEQ, CompiledCall
+from lab.planned_run import PlannedRun, raise_compiled_failure
+from lab.transport.base import Recv, Send, TagMismatch
 
 if TYPE_CHECKING:
     from lab.fingerprint import Signature
@@ -42,51 +41,6 @@ _UNTRACED = (0, 0, 0)
 #: A fingerprint as the int64 words ranks exchange to agree (Exchange.agree).
 FINGERPRINT_WORDS = fingerprint.FINGERPRINT.size // 8
 _INT64 = DTYPES["int64"]
-
-
-class Channels:
-    """What a root mesh and all its sub-meshes share: the transport, one issue order, the
-    compiled plane, the trace file, the deadline, whether the channels are still usable, and
-    where this rank is: ``placement``, its (host, local rank, local world size) on the root mesh."""
-
-    def __init__(self, transport: Transport, transport_name: str, recv_timeout_ms: float,
-                 trace: TraceFile | None, placement: tuple[int, int, int]) -> None:
-        self.transport, self.transport_name, self.recv_timeout_ms, self.trace = \
-            transport, transport_name, recv_timeout_ms, trace
-        self.placement = placement
-        self.issue = IssueQueue(transport.rank)  # shared by every sub-mesh: one issue order
-        # What a long wait in the shared memory (the mailboxes, the two-shot) calls: it drains the
-        # pipes meanwhile (kernels.hook.call_hook). Held weakly: the hook must not keep us alive.
-        park_pending = getattr(transport, "park_pending", None)
-        parking = None if park_pending is None else \
-            _parking(weakref.WeakMethod(park_pending), _closed_flag(weakref.ref(self)))
-        self.hook = 0 if parking is None else compiled_hooks.register_hook(parking)
-        weakref.finalize(self, compiled_hooks.unregister_hook, self.hook)
-        # Small collectives in one Numba call, where the transport has mailboxes (shm): lab.plane
-        mailbox = getattr(transport, "mailbox", None)
-        self.plane = CompiledPlane(mailbox, self.hook) if mailbox is not None else None
-        if getattr(transport, "scratch", None) is not None:
-            transport.scratch.hook = self.hook
-        self.clean = True  # False once a transfer failed half-way: peers may hold its messages
-        self.closed = False
-        self.next_context = 1  # past every sub-mesh context id this rank has used (Mesh.split)
-
-
-def _closed_flag(channels: weakref.ref) -> Callable[[], bool]:
-    """Whether the (weakly held) channels are closed, or gone."""
-    return lambda: channels() is None or channels().closed
-
-
-def _parking(park_pending: weakref.WeakMethod, closed: Callable[[], bool]) -> Callable[[bytes], None]:
-    """The hook of a transport's ``park_pending`` (while it lives), for the collective whose
-    fingerprint a compiled wait hands it; once the mesh is ``closed()``, the wait ends."""
-    def hook(tag: bytes) -> None:
-        if closed():  # (its descriptors are gone, and may be another file's by now)
-            raise LabError("the mesh was closed while this call waited in the shared memory")
-        park = park_pending()
-        if park is not None:
-            park(tag, "a wait in the shared memory")
-    return hook
 
 
 class Exchange:
@@ -101,6 +55,7 @@ class Exchange:
         #: The compiled data plane of this mesh's small collectives (lab.plane), or None.
         self.plane = channels.plane if membership.members is None else None  # (mailboxes speak global ranks)
         self._trace = channels.trace
+        self.tracing = channels.trace is not None  # (a planned run then takes the full path)
         self.transport, self.recv_timeout_ms = channels.transport_name, channels.recv_timeout_ms
         self.name = membership.name()
         # (host, local_rank, local_world_size): a sub-mesh counts its own ranks on this host
@@ -117,8 +72,9 @@ class Exchange:
         self._p2p_sent: Counter[tuple[int, int]] = Counter()  # point-to-point sequence numbers, per (peer, tag)
         self._p2p_received: Counter[tuple[int, int]] = Counter()
         self._next_any = 0  # recv(None) tries the ranks from this one on
-        self._position = Position(membership.describe())
-        self._recorder = FlightRecorder(self._ledger[RING:].reshape(FLIGHT_RECORDER_SIZE, 2))
+        self.context = membership.context  # in every fingerprint
+        self.position = Position(membership.describe())  # where this rank is: what errors name
+        self.recorder = FlightRecorder(self._ledger[RING:].reshape(FLIGHT_RECORDER_SIZE, 2))
         self._counters = Counters(self._ledger[BOOKED:BOOKED + len(BOOKED_KEYS)])
         self.templates: dict = {}  # plain calls' checks and choices, by their arguments (lab.collectives)
 
@@ -198,7 +154,7 @@ class Exchange:
             algorithm(self, *args, **options)
             return
         call = plane.call(algorithm, args)
-        self._run_compiled(call, call.operands(args))
+        self.run_compiled(call, call.operands(args))
 
     def compiled_call(self, signature: Signature, algorithm: Any, args: tuple, at: bool = False) -> PlannedRun | None:
         """The compiled call that the collective of ``signature`` running ``algorithm`` on
@@ -211,11 +167,11 @@ class Exchange:
             return None
         return PlannedRun(self, signature, plane.call(algorithm, args, at))
 
-    def _run_compiled(self, call: CompiledCall, operands: tuple) -> None:
-        self._position.step += 1
+    def run_compiled(self, call: CompiledCall, operands: tuple) -> None:
+        self.position.step += 1
         status = call(self._tag, self.recv_timeout_ms, operands)
         if status != wait_status.OK:
-            _raise_compiled_failure(self, call)
+            raise_compiled_failure(self, call)
         bytes_sent, bytes_received, messages_sent, messages_received = call.counts()
         self._count(bytes_sent=bytes_sent, bytes_received=bytes_received, messages_sent=messages_sent,
                     messages_received=messages_received, collectives_compiled=1)
@@ -238,7 +194,7 @@ class Exchange:
 
     def _exchange(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted=True):
         """One step: ``sends`` and ``recvs`` at once, under the current fingerprint; then count them."""
-        self._position.step += 1
+        self.position.step += 1
         timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
         trace_steps = self._trace is not None and self._trace.steps
         start_ns = time.time_ns() if trace_steps else 0
@@ -247,9 +203,9 @@ class Exchange:
             sends = [Send(members[s.dst], s.data) for s in sends]
             recvs = [Recv(members[r.src], r.out, r.combine) for r in recvs]
         with _failures(self, timeout_ms):
-            self._transport.exchange(sends, recvs, self._tag, timeout_ms / 1000, self._position)
+            self._transport.exchange(sends, recvs, self._tag, timeout_ms / 1000, self.position)
         if trace_steps:
-            position = self._position
+            position = self.position
             self._write_trace(
                 kind="step", op=position.collective, algorithm=position.algorithm, seq=position.seq,
                 step=position.step, sends=[[s.dst, s.data.nbytes] for s in sends],
@@ -277,25 +233,26 @@ class Exchange:
             raise LabError(f"{self._membership.who()}: this mesh is closed (an allreduce after mesh.close())")
         if self.scratch is None or self._membership.members is not None:
             return False
-        self._position.step += 1
+        self.position.step += 1
         with _failures(self, self.recv_timeout_ms):
-            moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1000, self._position)
+            moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1000, self.position)
         self._count(bytes_sent=moved.bytes_sent, bytes_received=moved.bytes_received, messages_sent=moved.messages,
                     messages_received=moved.messages)
         return True
 
-    def _mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError:
+    def mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError:
         """Global rank ``src`` sent ``got`` where this rank expected ``expected`` (its own tag)."""
         who = self._membership.who
         return CollectiveMismatchError(f"{who()} is in {fingerprint.describe(self._tag if expected is None else expected)}; "
                                        f"{who(src)} sent {fingerprint.describe(got)}")
 
-    def _raise_if_mismatched(self) -> None:
-        """After a deadline or a lost peer: did a peer send this collective's number with another
-        fingerprint? (:func:`lab.fingerprint.disagreeing`)"""
-        found = fingerprint.disagreeing(self._tag, self._transport.unconsumed_tags())
+    def raise_if_mismatched(self, tag: bytes | None = None) -> None:
+        """After a deadline or a lost peer: did a peer send this collective's number (``tag``'s;
+        default: the current one's) with another fingerprint? (:func:`lab.fingerprint.disagreeing`)"""
+        tag = self._tag if tag is None else tag
+        found = fingerprint.disagreeing(tag, self._transport.unconsumed_tags())
         if found is not None:
-            raise self._mismatch(*found) from None
+            raise self.mismatch(*found, tag) from None
 
     # -- collectives: numbered, fingerprinted, recorded, traced ---------------------------------
 
@@ -315,7 +272,7 @@ class Exchange:
         try:
             yield
         except BaseException as exc:
-            self._failed(record, exc)
+            self.failed(record, exc)
             raise
         self._done(record, start_ns, before)
 
@@ -329,9 +286,9 @@ class Exchange:
         try:
             everyone = self._fingerprints(mine)
         except BaseException as exc:
-            self._failed(record, exc)
+            self.failed(record, exc)
             raise
-        record.state, record.step = "done", self._position.step
+        record.state, record.step = "done", self.position.step
         return everyone
 
     def _fingerprints(self, mine: bytes) -> list[bytes]:
@@ -364,7 +321,7 @@ class Exchange:
     def _enter(self, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int) -> FlightRecord:
         """Number the next collective, say where this rank is, and note it in the flight recorder."""
         self._ledger[SEQ] += 1
-        return self._note(int(self._ledger[SEQ]), name, algorithm, dtype_name, count, op, root)
+        return self.note(int(self._ledger[SEQ]), name, algorithm, dtype_name, count, op, root)
 
     def refused(self) -> None:
         """Number a collective that was refused before it ran (an earlier asynchronous call's
@@ -373,27 +330,27 @@ class Exchange:
         than pair with the wrong call of theirs."""
         self._enter("(refused)", "", "", 0, "", -1).state = "failed (refused: an earlier failure was raised)"
 
-    def _note(self, seq: int, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int,
+    def note(self, seq: int, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int,
               step: int = 0) -> FlightRecord:
         """Say where this rank is (collective ``seq`` at ``step``) and note it in the flight recorder."""
-        position = self._position
+        position = self.position
         position.collective, position.seq, position.algorithm, position.step = name, seq, algorithm, step
-        return self._recorder.note(FlightRecord(seq, name, algorithm, dtype_name, count, op, root))
+        return self.recorder.note(FlightRecord(seq, name, algorithm, dtype_name, count, op, root))
 
-    def _failed(self, record: FlightRecord, exc: BaseException) -> None:
+    def failed(self, record: FlightRecord, exc: BaseException) -> None:
         """Record the failure; where the channels are left unclean, tell the peers what this rank
         found, and raise instead the root cause a peer's notice names, if any
         (:meth:`lab.transport.base.Transport.share_failure`)."""
-        if self._position.step:  # messages may be in flight: this mesh can't be reused
+        if self.position.step:  # messages may be in flight: this mesh can't be reused
             self.clean = False
         cause = exc if self.clean or not isinstance(exc, LabError) else \
-            self._transport.share_failure(exc, self._position, self.recv_timeout_ms / 1000)
-        record.state, record.step = f"failed ({type(cause).__name__})", self._position.step
+            self._transport.share_failure(exc, self.position, self.recv_timeout_ms / 1000)
+        record.state, record.step = f"failed ({type(cause).__name__})", self.position.step
         if cause is not exc:
             raise cause from exc
 
     def _done(self, record: FlightRecord, start_ns: int, before: tuple[int, int, int]) -> None:
-        record.state, record.step = "done", self._position.step
+        record.state, record.step = "done", self.position.step
         self._counters.add(collectives=1)
         if self._trace is not None:
             self._write_trace(
@@ -407,65 +364,11 @@ class Exchange:
 
     def flight_records(self) -> list[FlightRecord]:
         """This rank's last collectives, oldest first; a running one shows the step it reached."""
-        return self._recorder.records(int(self._ledger[SEQ]), self._position.step)
+        return self.recorder.records(int(self._ledger[SEQ]), self.position.step)
 
     def _write_trace(self, **row: Any) -> None:
         row = {**self._membership.trace_fields(), **row}  # a sub-mesh's: which one, and the global rank
         self._trace.write(rank=self.rank, world_size=self.world_size, transport=self.transport, **row)
-
-
-class PlannedRun:
-    """One compiled collective of a fixed signature, made once (by a plan, or by a plain call's
-    template): :meth:`Exchange.collective` and :meth:`Exchange.run` in one Numba call. Its
-    compiled call has a config of its own, with the fingerprint and deadline written in, and keeps
-    its own books (:meth:`lab.plane.CompiledCall.keeping_books`): it takes the collective's number
-    from the mesh's ledger and, where it succeeds, adds its counts and flight record there, so a
-    run that succeeds runs no Python of ours after the call. One that fails is recorded and raised
-    here; with a trace on, a run takes the full path (its row needs the clock and the counters)."""
-
-    def __init__(self, exchange: Exchange, signature: Signature, call: CompiledCall) -> None:
-        self._exchange, self._signature = exchange, signature
-        self._traced = call  # (the full path's: it numbers nothing itself)
-        self._call = call.copy()
-        name, algorithm, dtype, count, op, root, _ = signature
-        self._call.prepare(fingerprint.pack(exchange._membership.context, 0, name, algorithm, dtype.code, op, root,
-                                            count), exchange.recv_timeout_ms)
-        self._record = (name, algorithm, dtype.name, count, op, root)
-        number = exchange._recorder.book(self._record)
-        self._entry = self._call.keeping_books(number)
-        weakref.finalize(self, exchange._recorder.release, number)  # booked while this run lives
-        self._region, self._config, self._ledger = self._call.region, self._call.config, self._call.ledger
-
-    def operands(self, args: tuple) -> tuple:
-        """``args`` (the algorithm's arguments after the peers) as the compiled call takes them."""
-        return self._call.operands(args)
-
-    def __call__(self, operands: tuple) -> None:
-        """Run the collective on ``operands`` (from :meth:`operands`)."""
-        if self._exchange._trace is not None:
-            with self._exchange.collective(*self._signature):
-                self._exchange._run_compiled(self._traced, operands)
-            return
-        try:
-            status = self._entry(self._region, self._config, self._ledger, *operands)
-        except BaseException as exc:  # raised by a long wait's hook (a signal handler's, a mismatch)
-            exchange = self._exchange
-            exchange._failed(exchange._note(int(self._ledger[SEQ]), *self._record, step=1), exc)
-            raise
-        if status != wait_status.OK:
-            self._raise_failure()
-
-    def _raise_failure(self) -> None:
-        """The run that just returned a status other than OK: its flight record, failed at its
-        one step, and its error."""
-        exchange = self._exchange
-        record = exchange._note(int(self._ledger[SEQ]), *self._record, step=1)
-        exchange._tag = self._call.tag()  # what the error describes
-        try:
-            _raise_compiled_failure(exchange, self._call)
-        except BaseException as exc:
-            exchange._failed(record, exc)
-            raise
 
 
 @contextlib.contextmanager
@@ -476,38 +379,15 @@ def _failures(exchange: Exchange, timeout_ms: float) -> Iterator[None]:
         yield
     except TagMismatch as mismatch:
         exchange.clean = False
-        raise exchange._mismatch(mismatch.src, mismatch.got, mismatch.expected) from None
+        raise exchange.mismatch(mismatch.src, mismatch.got, mismatch.expected) from None
     except DeadlineError as late:
         exchange.clean = False
-        exchange._raise_if_mismatched()
+        exchange.raise_if_mismatched()
         raise DeadlineError(f"{late} (recv_timeout_ms={timeout_ms:g})", late.peers) from None
     except PeerLostError:
         exchange.clean = False
-        exchange._raise_if_mismatched()  # the peer may have given up because we disagree
+        exchange.raise_if_mismatched()  # the peer may have given up because we disagree
         raise
     except BaseException:
         exchange.clean = False
         raise
-
-
-def _raise_compiled_failure(exchange: Exchange, call: CompiledCall) -> None:
-    """Raise the failure of the compiled call that just returned a status other than OK."""
-    report = call.report()
-    exchange.clean = False
-    if report.status != wait_status.MISMATCH:
-        exchange._raise_if_mismatched()  # the peer may be elsewhere because we disagree
-    raise _compiled_failure(exchange, report)
-
-
-def _compiled_failure(exchange: Exchange, report: Report) -> LabError:
-    """The error of a compiled call that reported ``report.status`` (not OK)."""
-    peer = report.failed_peer
-    if report.status == wait_status.MISMATCH:
-        return exchange._mismatch(peer, report.peer_tag)
-    if report.status == wait_status.SILENCE:
-        return DeadlineError(f"{silence_error(exchange.rank, [peer], exchange._position)} "
-                             f"(recv_timeout_ms={exchange.recv_timeout_ms:g})", [peer])
-    if report.status == wait_status.PEER_LOST:
-        return PeerLostError(f"rank {exchange.rank}: rank {peer} is gone (waiting in {exchange._position})")
-    return LabError(f"rank {exchange.rank}: the compiled path refused a transfer with rank {peer} "
-                    f"(status {report.status}) in {exchange._position}")

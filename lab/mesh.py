@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from lab import checks, recording
-from lab.exchange import Channels
+from lab.channels import Channels
 from lab.flight import TraceFile
 from lab.membership import Membership, agree_split
 from lab.ops import DTYPES

@@ -159,7 +159,7 @@ class PointToPoint(Exchange):
             chosen = self._ready_source(None, tag, timeout_ms)
             if chosen is None:
                 others = [r for r in range(self.world_size) if r != self.rank]
-                raise DeadlineError(f"{silence_error(self.rank, others, self._position)} "
+                raise DeadlineError(f"{silence_error(self.rank, others, self.position)} "
                                     f"(timeout_ms={self.recv_timeout_ms if timeout_ms is None else timeout_ms:g})",
                                     others)
             return chosen, self._receive(chosen, tag, timeout_ms)
@@ -211,7 +211,7 @@ class PointToPoint(Exchange):
                     for r in candidates}
         timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
         try:
-            found = self._transport.ready_source(expected, timeout_ms / 1000, self._position)
+            found = self._transport.ready_source(expected, timeout_ms / 1000, self.position)
         except BaseException:
             self.clean = False  # (a lost peer, a forged frame: the channels cannot be trusted)
             raise
@@ -236,5 +236,5 @@ class PointToPoint(Exchange):
         return incoming.tensor()
 
     def _start_p2p(self, kind: str, seq: int) -> None:
-        position = self._position
+        position = self.position
         position.collective, position.seq, position.algorithm, position.step = kind, seq, "", 0

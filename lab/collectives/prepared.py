@@ -20,7 +20,7 @@ from lab.ops import parse_op as parse_any_op
 from lab.recording import Operation
 
 if TYPE_CHECKING:
-    from lab.exchange import PlannedRun
+    from lab.planned_run import PlannedRun
     from lab.mesh import Mesh
 
 _OPS_BY_NAME = {o.value: o for o in ReduceOp}
