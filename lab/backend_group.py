@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab import checks, collectives
+from lab import checks
+from lab.collectives import calls as collectives
 from lab.backend_args import (NamedGroup, Options, await_message, check_count, check_like, check_list, describe,
                               flatten_into, lab_op, one, output_bytes, unflatten_into)
 from lab.backend_work import LabWork

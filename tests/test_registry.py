@@ -92,9 +92,10 @@ def test_the_test_session_registry_is_the_shipped_one():
 
 
 def test_every_list_of_names_comes_from_the_registry():
-    from lab import benchmark, collectives, validate
+    from lab import benchmark, validate
+    from lab.collectives import calls
 
-    assert collectives.ALGORITHMS is registry.ALGORITHMS and benchmark.ALGORITHMS is registry.ALGORITHMS
+    assert calls.ALGORITHMS is registry.ALGORITHMS and benchmark.ALGORITHMS is registry.ALGORITHMS
     assert {a for c, a in validate.cases()} - {"auto"} == {a for e in registry.ALGORITHMS.values() for a in e}
     assert set(lab.sim.algorithms()) == set(registry.ALGORITHMS)
     for collective, entries in registry.ALGORITHMS.items():
