@@ -217,7 +217,7 @@ def test_bad_arguments_are_named(tmp_path):
         workload.replay(w, network=NET, algorithms={"allreduce": "fastest"})
     with pytest.raises(ValueError, match=r"stragglers\[1\]"):
         workload.replay(w, network=NET, stragglers={1: 0})
-    with pytest.raises(ValueError, match="network must be"):
+    with pytest.raises(ValueError, match="network 'pigeon': transport must be one of"):
         workload.replay(w, network="pigeon")
     with pytest.raises(ValueError, match="compute_scale"):
         workload.replay(w, network=NET, compute_scale=-1.0)
@@ -395,3 +395,25 @@ def test_a_recording_counts_the_compute_between_calls_and_replays(tmp_path):
     assert r.compute_us.tolist() == pytest.approx([170.0])
     assert ring_us(2, 8000) < 50  # done at 128: the wait at 150 finds it done, the step is its compute
     assert r.step_us.tolist() == pytest.approx([170.0]) and r.exposed_comm_us.tolist() == pytest.approx([0.0])
+
+
+def test_a_2d_mesh_s_dims_are_derived_from_its_operations(tmp_path):
+    """A recording's header says ``"dims": null``; its operations' ``dim`` and groups give the mesh,
+    outermost first, and a replay re-targets each dimension by name."""
+    rows = [header(8)]
+    for rank in range(8):
+        dp, tp = divmod(rank, 2)
+        rows += [
+            op(rank, 0, "allreduce", [2 * dp, 2 * dp + 1], 2000, 0.0, dim="tp"),
+            op(rank, 1, "allreduce", [tp, 2 + tp, 4 + tp, 6 + tp], 4000, 0.0, dim="dp"),
+            op(rank, 2, "allreduce", list(range(8)), 100, 0.0),  # the default group: no dimension
+            step_end(rank, 0.0),
+        ]
+    w = written(tmp_path, rows)
+    assert w.dims == {"dp": 4, "tp": 2}
+    r = workload.replay(w, dims={"dp": 128, "tp": 8}, network=NET, algorithms={"allreduce": "ring"})
+    assert r.breakdown.set_index("index")["group_size"].to_dict() == {0: 8, 1: 128, 2: 1024}
+    halves = [header(4)] + [op(r, 0, "allreduce", [r - r % 2, r - r % 2 + 1], 10, 0.0, dim="tp") for r in range(4)]
+    assert written(tmp_path, halves, "halves.jsonl").dims is None  # one dimension of 2 is no mesh of 4
+    apart = [header(4)] + [op(r, 0, "allreduce", sorted({r, 3 - r}), 10, 0.0, dim="tp") for r in range(4)]
+    assert written(tmp_path, apart, "apart.jsonl").dims is None  # groups [0, 3] and [1, 2]: no one step

@@ -18,6 +18,7 @@ results, :mod:`lab.sim.validation` scores the fit against them, and :mod:`lab.si
 
 from lab import tuning
 from lab.sim.advisor import advise
+from lab.sim.fitted import calibrated
 from lab.sim.core import SimResult, best_algorithm, estimate, predict, simulate
 from lab.sim.network import Network
 from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, Estimate, SimulationTooLarge,
@@ -30,4 +31,4 @@ tuning.register_advisor("simulator", advise)  # auto's advice at world sizes nev
 
 __all__ = ["Network", "simulate", "best_algorithm", "predict", "estimate", "algorithms", "SimResult", "Message",
            "Estimate", "SimulationUnsupported", "SimulationTooLarge", "ScheduleError", "DEFAULT_MAX_STEPS",
-           "DEFAULT_MAX_SECONDS", "read_nccl_tests", "read_osu"]
+           "DEFAULT_MAX_SECONDS", "read_nccl_tests", "read_osu", "calibrated"]

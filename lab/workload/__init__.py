@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from lab import tuning
 from lab.collectives import registry
+from lab.sim.fitted import calibrated
 from lab.sim.network import Network
 from lab.workload.format import Event, Workload, load
 from lab.workload.record import mark_step
@@ -32,16 +32,18 @@ __all__ = ["Event", "ReplayResult", "Workload", "load", "mark_step", "network_na
 
 def network_named(network: Any) -> Network:
     """``network`` as a :class:`lab.sim.Network`: one, or the name of a transport whose network
-    the lab fitted (``tuning.json``'s ``networks``: shm, queue, tcp)."""
+    the lab fitted, as :func:`lab.sim.calibrated` returns it (shm, queue, tcp).
+
+        network_named("tcp") == lab.sim.calibrated("tcp")       # True
+    """
     if isinstance(network, Network):
         return network
-    fitted = tuning.calibrated_networks()
-    if isinstance(network, str) and isinstance(fitted.get(network), dict):
-        return Network(**fitted[network])
-    raise ValueError(
-        f"network must be a lab.sim.Network or one of {', '.join(sorted(fitted)) or 'no fitted name'} "
-        f"(lab/tuning.json); got {network!r}"
-    )
+    if not isinstance(network, str):
+        raise ValueError(f"network must be a lab.sim.Network or the name of a fitted transport; got {network!r}")
+    try:
+        return calibrated(network)
+    except ValueError as exc:
+        raise ValueError(f"network {network!r}: {exc}") from None
 
 
 def replay(
