@@ -1,4 +1,5 @@
-"""The cluster the simulator times messages on: α per message, β per byte, one link each way per host,
+"""The cluster the simulator times messages on: α per message, β per byte, a host's ranks on a
+switch or a bus inside it, its NICs (each a link each way) and the switch tier above the hosts,
 and the CPU work around each message (LogGP's overhead o, per-byte copies and reductions) on the
 cores a host's ranks share."""
 
@@ -19,6 +20,10 @@ GAMMA_US_PER_BYTE = (0.0, 1e6)
 MAX_RANKS_PER_HOST = 1 << 24
 MAX_CORES = 1 << 24
 MAX_CACHE_BYTES = 1 << 50
+#: How a host's ranks reach each other: every pair at once (NVSwitch-like), or one message at a time.
+INTRA_FABRICS = ("switch", "bus")
+#: The switch tier's oversubscription: 1 (full bisection) to a tier a million times thinner.
+OVERSUBSCRIPTION = (1.0, 1e6)
 #: Where Linux describes the first CPU's caches (index0..N: level, size).
 _CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
 
@@ -61,6 +66,43 @@ def _check_count(name: str, value: object, high: int, unless_none: str) -> int |
     return int(value)
 
 
+def _check_nic_map(nic_map: object, ranks_per_host: int, nics: int) -> tuple[int, ...] | None:
+    """``nic_map`` as a tuple of ``ranks_per_host`` NIC indices, each below ``nics`` (None stays None).
+
+        _check_nic_map([0, 0, 1, 1], 4, 2)    # (0, 0, 1, 1)
+        _check_nic_map([0, 2], 2, 2)          # ValueError: nic_map must list ranks_per_host=2 NICs ...
+    """
+    if nic_map is None:
+        return None
+    values = tuple(nic_map) if isinstance(nic_map, (list, tuple)) else ()
+    if len(values) != ranks_per_host or not all(checks.is_int(v) and 0 <= v < nics for v in values):
+        raise ValueError(f"nic_map must list ranks_per_host={ranks_per_host} NICs, one per local rank, each "
+                         f"from 0 to nics_per_host-1={nics - 1}; got {nic_map!r}")
+    return tuple(int(v) for v in values)
+
+
+def _check_int(name: str, value: object, high: int = MAX_RANKS_PER_HOST) -> int:
+    """``value`` as an int from 1 to ``high``, or a ValueError naming ``name``."""
+    if not checks.is_int(value) or not 1 <= value <= high:
+        raise ValueError(f"{name} must be an integer from 1 to {high:,}; got {value!r}")
+    return int(value)
+
+
+def _check_topology(network: Network) -> dict:
+    """The host terms of ``network`` checked (a ValueError naming the first one out of range), as
+    the values to store: ``ranks_per_host``, ``nics_per_host``, ``nic_map``, ``oversubscription``,
+    ``hosts_per_leaf``."""
+    if network.intra_fabric not in INTRA_FABRICS:
+        raise ValueError(f"intra_fabric must be one of {INTRA_FABRICS}; got {network.intra_fabric!r}")
+    per_host = _check_int("ranks_per_host", network.ranks_per_host)
+    nics = _check_int("nics_per_host", network.nics_per_host)
+    return {"ranks_per_host": per_host, "nics_per_host": nics,
+            "hosts_per_leaf": _check_int("hosts_per_leaf", network.hosts_per_leaf),
+            "nic_map": _check_nic_map(network.nic_map, per_host, nics),
+            "oversubscription": _check_number("oversubscription", network.oversubscription, OVERSUBSCRIPTION,
+                                              "(1: full bisection)")}
+
+
 @dataclass(frozen=True)
 class Network:
     """A cluster as the simulator sees it: links, and the CPU work around each message.
@@ -71,6 +113,17 @@ class Network:
     two hosts also holds the sender's host uplink and the receiver's host downlink for its whole
     duration, and a message inside a host costs ``intra_alpha_us + n * 8 / (intra_gbit * 1e3)``
     (both default to the inter-host values).
+
+    **Hosts** (the defaults are the model above: one link each way per host, a switch inside).
+    ``intra_fabric`` is how a host's ranks reach each other: ``"switch"`` (NVSwitch-like: every pair
+    at the intra-host α/β at once, each rank one message each way at a time) or ``"bus"`` (one
+    message at a time on the host's bus, first come first served). A host has ``nics_per_host``
+    NICs, each a link each way at ``gbit``: local rank l's messages between hosts leave and enter
+    through NIC ``nic_map[l]`` (default: consecutive blocks, ``l * nics_per_host // ranks_per_host``;
+    ``nics_per_host = ranks_per_host`` is rails, one NIC per GPU). Hosts sit ``hosts_per_leaf`` to
+    a leaf switch (default 1: every message between hosts crosses the tier above); a message
+    between leaves costs ``oversubscription`` × β per byte: a tier that carries 1/oversubscription
+    of what its hosts can send, all of them sending across at once (as a collective's steps do).
 
     **Latency and gap** (LogP's L and g). ``gap_us`` (default None: all of α) is the part of α
     during which a message holds the ports and links it uses; the rest of α is flight time that
@@ -111,13 +164,16 @@ class Network:
     ``send_overhead_us``, ``recv_overhead_us`` and ``wake_us`` 0 to 1e9 µs, ``gap_us`` 0 to ``alpha_us``, ``gbit`` and ``intra_gbit`` 1e-6 to
     1e9 Gbit/s, ``copy_us_per_byte`` and ``gamma_us_per_byte`` 0 to 1e6, ``ranks_per_host``,
     ``cores`` and ``ranks_per_cpu`` 1 to 2**24, ``cache_bytes`` 1 to 2**50, ``memory_us_per_byte``
-    0 to 1e6: every simulated time is then finite.
+    0 to 1e6, ``nics_per_host`` and ``hosts_per_leaf`` 1 to 2**24, ``oversubscription`` 1 to 1e6:
+    every simulated time is then finite.
 
         lab.sim.Network(alpha_us=20.0, gbit=10.0)     # 1 MB: 20 + 838.9 µs per message
         lab.sim.Network(alpha_us=5.0, gbit=100.0, gap_us=0.5)  # a NIC taking a message every 0.5 µs
         lab.sim.Network(alpha_us=5.0, gbit=10.0, send_overhead_us=30.0, recv_overhead_us=30.0,
                         copy_us_per_byte=1e-4, cores=2, ranks_per_cpu=8)   # 8 ranks on 2 cores
         lab.sim.Network(copy_us_per_byte=1e-4, cache_bytes=32 << 20, memory_us_per_byte=1e-4)  # 2x per byte at W = ∞
+        lab.sim.Network(alpha_us=5.0, gbit=400.0, ranks_per_host=8, nics_per_host=8,  # rails, 2:1 above
+                        intra_alpha_us=1.0, intra_gbit=3600.0, oversubscription=2.0)
         lab.sim.Network(gbit=1e-320)                  # ValueError: gbit must be a number from 1e-06 to 1e+09 Gbit/s
     """
 
@@ -137,6 +193,11 @@ class Network:
     wake_us: float = 0.0
     cache_bytes: int | None = None
     memory_us_per_byte: float = 0.0
+    nics_per_host: int = 1
+    nic_map: tuple[int, ...] | None = None
+    intra_fabric: str = "switch"
+    oversubscription: float = 1.0
+    hosts_per_leaf: int = 1
 
     def __post_init__(self) -> None:
         # Frozen: store the checked floats with object.__setattr__ (a numpy scalar becomes a float).
@@ -151,10 +212,8 @@ class Network:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _check_number(name, value, span, unit))
-        per_host = self.ranks_per_host
-        if not checks.is_int(per_host) or not 1 <= per_host <= MAX_RANKS_PER_HOST:
-            raise ValueError(f"ranks_per_host must be an integer from 1 to {MAX_RANKS_PER_HOST:,}; got {per_host!r}")
-        object.__setattr__(self, "ranks_per_host", int(per_host))
+        for name, value in _check_topology(self).items():
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "cores", _check_count("cores", self.cores, MAX_CORES, "a core per rank"))
         object.__setattr__(self, "ranks_per_cpu", _check_count("ranks_per_cpu", self.ranks_per_cpu,
                                                                MAX_RANKS_PER_HOST, "ranks_per_host"))
@@ -193,6 +252,11 @@ class Network:
         return 8.0 / ((self.gbit if self.intra_gbit is None else self.intra_gbit) * 1e3)
 
     @property
+    def tier_beta_us_per_byte(self) -> float:
+        """µs per byte between hosts under different leaf switches: β · ``oversubscription``."""
+        return self.beta_us_per_byte * self.oversubscription
+
+    @property
     def cpu_group(self) -> int:
         """How many ranks share one group of ``cores``: ``ranks_per_cpu``, else ``ranks_per_host``."""
         return self.ranks_per_host if self.ranks_per_cpu is None else self.ranks_per_cpu
@@ -217,8 +281,14 @@ class Network:
             text += f" (a message holds its port {self.gap_us:.3g} µs of α)"
         if self.ranks_per_host > 1:
             intra_gbit = self.gbit if self.intra_gbit is None else self.intra_gbit
-            text += (f", {self.ranks_per_host} ranks/host (inside: α {self.intra_alpha:.3g} µs, "
+            bus = " on a bus" if self.intra_fabric == "bus" else ""
+            text += (f", {self.ranks_per_host} ranks/host{bus} (inside: α {self.intra_alpha:.3g} µs, "
                      f"{intra_gbit:.3g} Gbit/s)")
+        if self.nics_per_host > 1:
+            text += f", {self.nics_per_host} NICs/host"
+        if self.oversubscription > 1:
+            leaf = f" above leaves of {self.hosts_per_leaf} hosts" if self.hosts_per_leaf > 1 else ""
+            text += f", {self.oversubscription:.3g}:1 oversubscribed{leaf}"
         if self.send_overhead_us or self.recv_overhead_us:
             text += f", o {self.send_overhead_us:.3g}/{self.recv_overhead_us:.3g} µs (send/receive)"
         if self.wake_us:

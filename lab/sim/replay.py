@@ -4,8 +4,9 @@ The model (DESIGN.md, "Simulation"): each rank runs its steps in order; a step s
 previous one has completed. A step first takes its rank's CPU for its local passes (``p·copy``
 for the p bytes the rank copied or wrote since its last step) and, if it sends, ``o_send + n·copy``;
 then the message leaves when the sender's port, the receiver's port (and, between hosts, both
-hosts' links) are free, first come first served, holds them for ``g + n·β`` (``g``, the gap: α
-unless ``gap_us`` is set) and arrives after ``α + n·β``; the sender goes on once it has left. It
+NICs' links; inside a host on a bus, the host's bus) are free, first come first served, holds them for ``g + n·β`` (``g``, the gap: α
+unless ``gap_us`` is set; β · oversubscription between leaf switches) and arrives after ``α + n·β``;
+the sender goes on once it has left. It
 leaves at once (eager) up to ``eager_bytes``, larger ones only once the receiver has posted
 their receive (rendezvous, as MPI's large messages
 and NCCL's credits: a sender running ahead cannot fill a receiver's port with a message it does
@@ -141,7 +142,8 @@ def _cpu(t, work, group, message, core_free, core_holder):
 @numba.njit(cache=True)
 def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, passes, match,
             alpha, beta, intra_alpha, intra_beta, gamma, ranks_per_host,
-            send_overhead, recv_overhead, copy, cores, ranks_per_cpu, eager_bytes, gap, intra_gap, wake):
+            send_overhead, recv_overhead, copy, cores, ranks_per_cpu, eager_bytes, gap, intra_gap, wake,
+            nic_of, nics, bus, tier_beta, hosts_per_leaf):
     n = len(step_ptr) - 1
     steps = len(send_peer)
     hosts = (n + ranks_per_host - 1) // ranks_per_host
@@ -171,11 +173,14 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
     held = np.full(n, -1, np.int64)
     posted_cause = np.full(n, -1, np.int64)  # what completed the rank's previous step (not a core's holder)
     received_t, received_cause = np.full(n, -1.0), np.full(n, -1, np.int64)
-    # Ports: free-from time and the message holding it, per rank each way and per host link each way.
+    # Ports: free-from time and the message holding it, per rank each way, per NIC link each way
+    # (nic_of: each rank's NIC, numbered host by host) and per host bus.
     send_free, send_holder = np.zeros(n), np.full(n, -1, np.int64)
     recv_free, recv_holder = np.zeros(n), np.full(n, -1, np.int64)
-    up_free, up_holder = np.zeros(hosts), np.full(hosts, -1, np.int64)
-    down_free, down_holder = np.zeros(hosts), np.full(hosts, -1, np.int64)
+    up_free, up_holder = np.zeros(hosts * nics), np.full(hosts * nics, -1, np.int64)
+    down_free, down_holder = np.zeros(hosts * nics), np.full(hosts * nics, -1, np.int64)
+    bus_free, bus_holder = np.zeros(hosts), np.full(hosts, -1, np.int64)
+    links = (nic_of, up_free, up_holder, down_free, down_holder, bus, bus_free, bus_holder, tier_beta, hosts_per_leaf)
     # Cores: free-from time and the message whose work holds it, per group of ranks_per_cpu ranks.
     groups = (n + ranks_per_cpu - 1) // ranks_per_cpu
     core_free, core_holder = np.zeros((groups, cores)), np.full((groups, cores), -1, np.int64)
@@ -236,8 +241,7 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
             if send_bytes[k] <= eager_bytes or posted_step[send_peer[k]] == match[k]:
                 size = _wire(r, k, t, start_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
                              gap, intra_gap, ranks_per_host, send_free, send_holder, recv_free, recv_holder,
-                             up_free, up_holder, down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
-                             heap_t, heap_c, size)
+                             links, msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t, heap_c, size)
             else:
                 held[r] = k  # its receiver has not posted the receive yet
         # The rank posts its receive (or, without one, its step completes when its send has).
@@ -255,8 +259,7 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
             held[src] = -1
             size = _wire(src, m, t, posted_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
                          gap, intra_gap, ranks_per_host, send_free, send_holder, recv_free, recv_holder,
-                         up_free, up_holder, down_free, down_holder, msg_start, msg_end, msg_cause, sent_t, sent_cause,
-                         heap_t, heap_c, size)
+                         links, msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t, heap_c, size)
         if arrived[k] >= 0:
             size = _receive(r, k, t, start_cause[r], arrived[k], recv_bytes, reduces, recv_overhead, copy, gamma,
                             ranks_per_cpu, core_free, core_holder, sent_t, sent_cause, held, received_t,
@@ -269,31 +272,40 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
 
 @numba.njit(cache=True)
 def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta, gap, intra_gap,
-          ranks_per_host, send_free, send_holder, recv_free, recv_holder, up_free, up_holder, down_free, down_holder,
+          ranks_per_host, send_free, send_holder, recv_free, recv_holder, links,
           msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t, heap_c, size):
-    """Rank r's message of step k takes the ports at t (first come first served) and goes on the wire."""
+    """Rank r's message of step k takes the ports at t (first come first served) and goes on the wire.
+    ``links``: each rank's NIC, the NICs' up- and downlinks, whether a host's ranks share a bus, the
+    buses, β between leaf switches and the hosts per leaf."""
+    nic_of, up_free, up_holder, down_free, down_holder, bus, bus_free, bus_holder, tier_beta, hosts_per_leaf = links
     dst = send_peer[k]
     # The send leaves when this rank's send port and the receiver's receive port are free
-    # (and, between hosts, the two host links).
+    # (and, between hosts, the sender's NIC uplink and the receiver's NIC downlink; on a bus, the bus).
     start = t
     if send_free[r] > start:
         start, cause = send_free[r], send_holder[r]
     if recv_free[dst] > start:
         start, cause = recv_free[dst], recv_holder[dst]
-    up, down = r // ranks_per_host, dst // ranks_per_host
-    if up != down:
+    host, peer_host = r // ranks_per_host, dst // ranks_per_host
+    if host != peer_host:
+        up, down = nic_of[r], nic_of[dst]
         if up_free[up] > start:
             start, cause = up_free[up], up_holder[up]
         if down_free[down] > start:
             start, cause = down_free[down], down_holder[down]
         # It holds the ports and links for the gap and its bytes, and arrives after α and its bytes.
-        free = start + gap + beta * send_bytes[k]
-        end = start + alpha + beta * send_bytes[k]
+        per_byte = beta if host // hosts_per_leaf == peer_host // hosts_per_leaf else tier_beta
+        free = start + gap + per_byte * send_bytes[k]
+        end = start + alpha + per_byte * send_bytes[k]
         up_free[up], up_holder[up] = free, k
         down_free[down], down_holder[down] = free, k
     else:
+        if bus and bus_free[host] > start:
+            start, cause = bus_free[host], bus_holder[host]
         free = start + intra_gap + intra_beta * send_bytes[k]
         end = start + intra_alpha + intra_beta * send_bytes[k]
+        if bus:
+            bus_free[host], bus_holder[host] = free, k
     send_free[r], send_holder[r] = free, k
     recv_free[dst], recv_holder[dst] = free, k
     msg_start[k], msg_end[k], msg_cause[k] = start, end, cause
@@ -335,6 +347,19 @@ def _complete(r, k, t, cause, step_ptr, cur, start_cause, finish, finish_cause, 
     return size
 
 
+def nic_of_rank(network: Network, world_size: int) -> np.ndarray:
+    """Per rank, the NIC its messages between hosts use, numbered host by host (host · NICs + the
+    NIC its local rank maps to: ``nic_map``, else consecutive blocks of local ranks).
+
+        nic_of_rank(Network(ranks_per_host=4, nics_per_host=2), 8)    # array([0, 0, 1, 1, 2, 2, 3, 3])
+    """
+    host, local = np.divmod(np.arange(world_size, dtype=np.int64), network.ranks_per_host)
+    nics = network.nics_per_host
+    nic = (np.asarray(network.nic_map, dtype=np.int64)[local] if network.nic_map is not None
+           else local * nics // network.ranks_per_host)
+    return host * nics + nic
+
+
 def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.ndarray, ...]:
     """The event loop on ``s`` (with ``match`` from :func:`match_messages`): per rank the finish time and
     the message it waited for last, per message its start, end and cause, per rank the step it
@@ -347,7 +372,9 @@ def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.n
                    float(network.send_overhead_us), float(network.recv_overhead_us),
                    float(network.copy_cost(s.working_set_bytes)),
                    network.cores or 0, min(network.cpu_group, max(s.world_size, 1)), network.eager_limit,
-                   network.gap, network.intra_gap, float(network.wake_us))
+                   network.gap, network.intra_gap, float(network.wake_us), nic_of_rank(network, s.world_size),
+                   network.nics_per_host, network.intra_fabric == "bus", network.tier_beta_us_per_byte,
+                   network.hosts_per_leaf)
 
 
 def loop_times(s: Schedule, match: np.ndarray, network: Network, calls: int) -> np.ndarray:
