@@ -13,13 +13,15 @@ How: :mod:`lab.sim.record` runs the public collective once per rank on a mesh th
 each send and receive instead of moving data; :mod:`lab.sim.replay` times those steps in a
 discrete-event loop (Numba). :mod:`lab.sim.calibrate` fits a :class:`Network` to measured
 results, :mod:`lab.sim.validation` scores the fit against them, and :mod:`lab.sim.sweep` is
-``python -m lab simulate``.
+``python -m lab simulate``. :mod:`lab.sim.cluster` fits a cluster to its own nccl-tests logs
+(``fit_cluster``) and predicts it at more hosts (``predict(net, "allreduce", hosts=16, nbytes=B)``).
 """
 
 from lab import tuning
 from lab.sim.advisor import advise
 from lab.sim.fitted import calibrated
-from lab.sim.core import SimResult, best_algorithm, estimate, predict, simulate
+from lab.sim.cluster import FitReport, Prediction, fit_cluster, fit_cluster_report, predict
+from lab.sim.core import SimResult, best_algorithm, estimate, simulate
 from lab.sim.network import Network
 from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, Estimate, SimulationTooLarge,
                             SimulationUnsupported)
@@ -31,4 +33,5 @@ tuning.register_advisor("simulator", advise)  # auto's advice at world sizes nev
 
 __all__ = ["Network", "simulate", "best_algorithm", "predict", "estimate", "algorithms", "SimResult", "Message",
            "Estimate", "SimulationUnsupported", "SimulationTooLarge", "ScheduleError", "DEFAULT_MAX_STEPS",
-           "DEFAULT_MAX_SECONDS", "read_nccl_tests", "read_osu", "calibrated"]
+           "DEFAULT_MAX_SECONDS", "read_nccl_tests", "read_osu", "calibrated", "fit_cluster", "fit_cluster_report",
+           "FitReport", "Prediction"]

@@ -3,14 +3,14 @@
 The model (DESIGN.md, "Simulation"): each rank runs its steps in order; a step starts when the
 previous one has completed. A step first takes its rank's CPU for its local passes (``p·copy``
 for the p bytes the rank copied or wrote since its last step) and, if it sends, ``o_send + n·copy``;
-then the message leaves when the sender's port, the receiver's port (and, between hosts, both
-NICs' links; inside a host on a bus, the host's bus) are free, first come first served, holds them for ``g + n·β`` (``g``, the gap: α
-unless ``gap_us`` is set; β · oversubscription between leaf switches) and arrives after ``α + n·β``;
-the sender goes on once it has left. It
-leaves at once (eager) up to ``eager_bytes``, larger ones only once the receiver has posted
-their receive (rendezvous, as MPI's large messages
-and NCCL's credits: a sender running ahead cannot fill a receiver's port with a message it does
-not need yet). A step with a held send posts its receive meanwhile. Once it
+then the message leaves when the sender's port, the receiver's port (and, between hosts, the
+sender's NIC uplink and the receiver's NIC downlink; inside a host on a bus, the host's bus) are
+free, first come first served, holds them for ``g + n·β`` (``g``, the gap: α unless ``gap_us``
+is set; β · oversubscription between leaf switches) and arrives after ``α + n·β``; the sender
+goes on once it has left. It leaves at once (eager) up to ``eager_bytes``, larger ones only once
+the receiver has posted their receive (rendezvous, as MPI's large messages and NCCL's credits:
+a sender running ahead cannot fill a receiver's port with a message it does not need yet). A
+step with a held send posts its receive meanwhile. Once it
 has arrived and the receiver has posted the receive (its own send's CPU work done), the receiver
 works ``o_recv + n·copy`` (plus ``n·γ`` if it reduces), ``wake_us`` after the message arrived
 if it was already waiting for it. A step completes when its send has
@@ -180,7 +180,8 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
     up_free, up_holder = np.zeros(hosts * nics), np.full(hosts * nics, -1, np.int64)
     down_free, down_holder = np.zeros(hosts * nics), np.full(hosts * nics, -1, np.int64)
     bus_free, bus_holder = np.zeros(hosts), np.full(hosts, -1, np.int64)
-    links = (nic_of, up_free, up_holder, down_free, down_holder, bus, bus_free, bus_holder, tier_beta, hosts_per_leaf)
+    links = (nic_of, up_free, up_holder, down_free, down_holder, bus, bus_free, bus_holder, tier_beta,
+             hosts_per_leaf)
     # Cores: free-from time and the message whose work holds it, per group of ranks_per_cpu ranks.
     groups = (n + ranks_per_cpu - 1) // ranks_per_cpu
     core_free, core_holder = np.zeros((groups, cores)), np.full((groups, cores), -1, np.int64)
@@ -277,7 +278,7 @@ def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra
     """Rank r's message of step k takes the ports at t (first come first served) and goes on the wire.
     ``links``: each rank's NIC, the NICs' up- and downlinks, whether a host's ranks share a bus, the
     buses, β between leaf switches and the hosts per leaf."""
-    nic_of, up_free, up_holder, down_free, down_holder, bus, bus_free, bus_holder, tier_beta, hosts_per_leaf = links
+    nic_of, up_free, up_holder, down_free, down_holder, bus, bus_free, bus_holder, tier_beta, leaf = links
     dst = send_peer[k]
     # The send leaves when this rank's send port and the receiver's receive port are free
     # (and, between hosts, the sender's NIC uplink and the receiver's NIC downlink; on a bus, the bus).
@@ -294,7 +295,7 @@ def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra
         if down_free[down] > start:
             start, cause = down_free[down], down_holder[down]
         # It holds the ports and links for the gap and its bytes, and arrives after α and its bytes.
-        per_byte = beta if host // hosts_per_leaf == peer_host // hosts_per_leaf else tier_beta
+        per_byte = beta if host // leaf == peer_host // leaf else tier_beta
         free = start + gap + per_byte * send_bytes[k]
         end = start + alpha + per_byte * send_bytes[k]
         up_free[up], up_holder[up] = free, k

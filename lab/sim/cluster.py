@@ -1,0 +1,263 @@
+"""A cluster fitted to its own nccl-tests logs, and predicted at more hosts than were measured.
+
+    net = lab.sim.fit_cluster([df_1host, df_2hosts])             # a Network with the logs' terms
+    report = lab.sim.fit_cluster_report([df_1host, df_2hosts])   # the same, and how well each is known
+    lab.sim.predict(net, "allreduce", hosts=16, nbytes=1 << 20)  # Prediction(time_us, algorithm, times)
+
+The fitted terms are the link terms the logs can see: α and bandwidth inside a host (seen by a
+log with several ranks on a host) and between hosts (a log with several hosts). What logs of one
+or two hosts cannot tell apart is given, as the cluster is built, in ``network``: NICs per host
+and the NIC map, a switch or a bus inside a host, the tier's oversubscription (two hosts on one
+leaf switch never cross it). Each row's time is the least simulated time over the simulator's
+algorithms for its collective (:mod:`lab.sim.cluster_cases`). The fit minimises the mean
+``|log(predicted / measured)|`` over every row of every log by Levenberg-Marquardt on the terms'
+logarithms (:func:`lab.sim.calibrate.least_absolute`, the calibration's own), replaying the
+recorded schedules on every trial network.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from lab import checks
+from lab.sim import core
+from lab.sim.calibrate import least_absolute
+from lab.sim.cluster_cases import Case, input_bytes, log_cases
+from lab.sim.network import Network
+
+#: The terms a fit can set: (Network field, what it is, its bounds, which logs see it).
+TERMS = [("intra_alpha_us", "α inside a host (µs)", (1e-3, 1e6), "intra"),
+         ("intra_gbit", "Gbit/s inside a host", (1e-3, 1e7), "intra"),
+         ("alpha_us", "α between hosts (µs)", (1e-3, 1e6), "inter"),
+         ("gbit", "Gbit/s per NIC", (1e-3, 1e7), "inter")]
+#: A log determines a term when moving the term by ±20 % raises the log's mean |log error| by at
+#: least this much (its times move by a tenth of the move or more): below it, other terms set them.
+DETERMINED = 0.02
+#: busbw / algbw as nccl-tests reports it (its doc/PERFORMANCE.md): factor · (N-1)/N, else 1.
+BUS_FACTOR = {"allreduce": 2.0, "allgather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+#: Size bands the fit's error is reported in (name, the largest size in it): the issue's targets
+#: are up to 64 KiB within 2x, 1-32 MiB within 35 %, from 64 MiB within 15 %.
+BANDS = [("up to 64 KiB", 64 << 10), ("64 KiB-1 MiB", (1 << 20) - 1), ("1-32 MiB", (64 << 20) - 1),
+         ("from 64 MiB", math.inf)]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The best algorithm's time at a cluster size, and every candidate's time (µs)."""
+
+    time_us: float
+    algorithm: str
+    times: dict[str, float]
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """A fitted network and how well the logs determine it.
+
+    ``terms``: one row per term: ``term``, ``meaning``, ``value``, ``fitted`` (some log sees it),
+    ``determined_by`` (the logs whose error rises by :data:`DETERMINED` or more when it moves ±20 %)
+    and ``rise`` (that rise, per log). ``cases``: every timed row of every log with its measured
+    and predicted time and the algorithm chosen. ``bands``: per log and size band
+    (:data:`BANDS`), the cases and the mean and largest ``|predicted / measured - 1|``.
+    """
+
+    network: Network
+    error: float  # mean |log(predicted / measured)| over every case
+    terms: pd.DataFrame
+    cases: pd.DataFrame
+    bands: pd.DataFrame
+
+
+def _sees(case: Case, scope: str) -> bool:
+    """Whether a case's time depends on the terms inside a host ("intra") or between hosts ("inter")."""
+    return case.ranks_per_host > 1 if scope == "intra" else case.hosts > 1
+
+
+def _value(network: Network, term: str) -> float:
+    """A term's value, the inter-host one where the intra-host term is unset (None: the same)."""
+    if term == "intra_alpha_us":
+        return network.intra_alpha
+    if term == "intra_gbit":
+        return network.gbit if network.intra_gbit is None else float(network.intra_gbit)
+    return float(getattr(network, term))
+
+
+def _start(cases: list[Case], scope: str) -> tuple[float, float]:
+    """Where the fit of a scope's (α, Gbit/s) starts: from the cases that see it (inside a host
+    those of one host first), α from the smallest time over 2·log2 N steps, the bandwidth from
+    the largest size's time. A start, not an estimate: the fit moves it by orders of magnitude."""
+    seen = [c for c in cases if _sees(c, scope)]
+    inside = [c for c in seen if c.hosts == 1] if scope == "intra" else []
+    seen = inside or seen
+    small = min(seen, key=lambda c: c.measured_us)
+    large = max(seen, key=lambda c: (c.size, c.measured_us))
+    alpha = small.measured_us / (2 * max(math.log2(small.ranks), 1.0))
+    gbit = 2 * 8 * large.size / large.measured_us / 1e3
+    return float(np.clip(alpha, 1e-3, 1e6)), float(np.clip(gbit, 1e-3, 1e7))
+
+
+def _with(base: Network, fitted: list[tuple], x: np.ndarray) -> Network:
+    """``base`` with the fitted terms whose logarithms are ``x``."""
+    return replace(base, **{term: float(math.exp(v)) for (term, *_), v in zip(fitted, x)})
+
+
+def _residuals(cases: list[Case], network: Network) -> np.ndarray:
+    """log(best predicted / measured) per case."""
+    return np.array([math.log(max(case.best(network)[0], 1e-9) / case.measured_us) for case in cases])
+
+
+def _error(cases: list[Case], network: Network) -> float:
+    return float(np.mean(np.abs(_residuals(cases, network))))
+
+
+def _rise(cases: list[Case], network: Network, term: str) -> float:
+    """How much the cases' mean |log error| rises when ``term`` alone moves ±20 % (the smaller rise)."""
+    error, value = _error(cases, network), _value(network, term)
+    return min(_error(cases, replace(network, **{term: value * f})) - error for f in (0.8, 1.2))
+
+
+def _terms(cases: list[Case], network: Network, fitted: list[tuple]) -> pd.DataFrame:
+    """One row per term: its value, whether it was fitted, and the logs that determine it."""
+    logs = list(dict.fromkeys(case.log for case in cases))
+    rows = []
+    for term, meaning, _, _ in TERMS:
+        is_fitted = any(term == name for name, *_ in fitted)
+        rise = ({log: _rise([c for c in cases if c.log == log], network, term) for log in logs}
+                if is_fitted else {})
+        rows.append({"term": term, "meaning": meaning, "value": _value(network, term), "fitted": is_fitted,
+                     "determined_by": [log for log, r in rise.items() if r >= DETERMINED], "rise": rise})
+    return pd.DataFrame(rows)
+
+
+def _cases_frame(cases: list[Case], network: Network) -> pd.DataFrame:
+    rows = []
+    for case in cases:
+        time_us, algorithm = case.best(network)
+        rows.append({"log": case.log, "collective": case.collective, "hosts": case.hosts, "ranks": case.ranks,
+                     "bytes": case.size, "measured_us": case.measured_us, "predicted_us": time_us,
+                     "algorithm": algorithm, "ratio": time_us / case.measured_us})
+    return pd.DataFrame(rows)
+
+
+def band_of(size: int) -> str:
+    """The name of the size band (:data:`BANDS`) that holds ``size``.
+
+        band_of(4 << 20)      # "1-32 MiB"
+    """
+    return next(name for name, top in BANDS if size <= top)
+
+
+def bands(cases: pd.DataFrame) -> pd.DataFrame:
+    """Per log and size band: ``cases``, ``mean_error`` and ``max_error`` of ``|ratio - 1|``, in
+    the bands' order (a band a log has no size in is left out)."""
+    frame = cases.assign(band=[band_of(int(s)) for s in cases["bytes"]], error=(cases["ratio"] - 1).abs())
+    frame["band"] = pd.Categorical(frame["band"], [name for name, _ in BANDS], ordered=True)
+    grouped = frame.groupby(["log", "hosts", "band"], observed=True, sort=True)["error"]
+    return grouped.agg(cases="size", mean_error="mean", max_error="max").reset_index()
+
+
+def fit_cluster_report(logs: list[pd.DataFrame], network: Network | None = None, *,
+                       candidates: list[str] | None = None) -> FitReport:
+    """Fit the link terms the logs see (:data:`TERMS`) to nccl-tests logs of the cluster
+    (:func:`lab.sim.read_nccl_tests`'s DataFrames, one or two hosts each, say), keeping the
+    rest of ``network`` (default ``Network()``): the cluster as built, its NICs, its fabric inside
+    a host and its switch tier. ``candidates``: the algorithms a row's time is the least of
+    (default: all the simulator has for the log's collective). The fitted network has the
+    ranks per host of the log with the most hosts.
+
+        report = fit_cluster_report([read_nccl_tests("1host.log"), read_nccl_tests("2hosts.log")],
+                                    Network(nics_per_host=8))
+        report.terms[["term", "value", "determined_by"]]; report.bands
+        fit_cluster_report([])       # ValueError: fit_cluster needs a non-empty list of nccl-tests logs ...
+    """
+    base = Network() if network is None else network
+    if not isinstance(base, Network):
+        raise TypeError(f"network must be a lab.sim.Network; got {type(base).__name__}")
+    cases = log_cases(logs, candidates)
+    widest = max(cases, key=lambda c: (c.hosts, c.ranks_per_host))
+    base = replace(base, ranks_per_host=widest.ranks_per_host)
+    fitted = [t for t in TERMS if any(_sees(c, t[3]) for c in cases)]
+    starts = {scope: _start(cases, scope) for scope in ("intra", "inter")
+              if any(t[3] == scope for t in fitted)}
+    x = np.log([starts[scope][0 if "alpha" in term else 1] for term, _, _, scope in fitted])
+    bounds = np.log([b for _, _, b, _ in fitted]).reshape(-1, 2)
+
+    def residuals(point: np.ndarray) -> np.ndarray:
+        return _residuals(cases, _with(base, fitted, point))
+
+    if fitted:
+        x, _, _ = least_absolute(residuals, x, bounds[:, 0], bounds[:, 1])
+    result = _with(base, fitted, x)
+    table = _cases_frame(cases, result)
+    return FitReport(result, _error(cases, result), _terms(cases, result, fitted), table, bands(table))
+
+
+def fit_cluster(logs: list[pd.DataFrame], network: Network | None = None, *,
+                candidates: list[str] | None = None) -> Network:
+    """The network :func:`fit_cluster_report` fits (its ``.network``).
+
+        net = lab.sim.fit_cluster([df_1host, df_2hosts])
+        lab.sim.predict(net, "allreduce", hosts=16, nbytes=64 << 20).time_us
+    """
+    return fit_cluster_report(logs, network, candidates=candidates).network
+
+
+def predict_hosts(network: Network, collective: str, *, hosts: int, nbytes: int,
+                  ranks_per_host: int | None = None, candidates: list[str] | None = None) -> Prediction:
+    """The best algorithm's simulated time for ``collective`` on ``hosts`` hosts of
+    ``ranks_per_host`` ranks (default: the network's), ``nbytes`` as nccl-tests counts a size
+    (allgather's is the whole output); the least over the algorithms (or ``candidates``), as
+    NCCL's tuner takes the least.
+
+        predict_hosts(net, "allreduce", hosts=16, nbytes=64 << 20)   # Prediction(time_us=..., algorithm=...)
+    """
+    if not isinstance(network, Network):
+        raise TypeError(f"network must be a lab.sim.Network; got {type(network).__name__}")
+    if not checks.is_int(hosts) or hosts < 1:
+        raise ValueError(f"hosts must be an integer >= 1; got {hosts!r}")
+    per_host = network.ranks_per_host if ranks_per_host is None else ranks_per_host
+    network = replace(network, ranks_per_host=per_host)
+    world = hosts * network.ranks_per_host
+    nbytes = input_bytes(collective, nbytes, world)
+    times = core.predict(collective, world, nbytes, network, candidates=candidates)
+    if not times:
+        raise ValueError(f"no algorithm of {collective} can be simulated at {hosts} hosts")
+    best = min(times, key=times.get)
+    return Prediction(times[best], best, times)
+
+
+def predict_table(network: Network, collective: str, hosts: int, sizes: list[int], *,
+                  ranks_per_host: int | None = None, candidates: list[str] | None = None) -> pd.DataFrame:
+    """An nccl-tests table predicted at ``hosts`` hosts: per size (nccl-tests' count), ``time_us``,
+    ``algbw`` and ``busbw`` (GB/s, as nccl-tests computes them) and the ``algorithm`` chosen.
+
+        predict_table(net, "allreduce", 16, [1 << 20, 64 << 20])   # two rows
+    """
+    rows = []
+    for size in sizes:
+        best = predict_hosts(network, collective, hosts=hosts, nbytes=int(size),
+                             ranks_per_host=ranks_per_host, candidates=candidates)
+        world = hosts * (network.ranks_per_host if ranks_per_host is None else ranks_per_host)
+        algbw = size / best.time_us / 1e3 if best.time_us > 0 else math.inf
+        busbw = algbw * (BUS_FACTOR[collective] * (world - 1) / world if collective in BUS_FACTOR else 1.0)
+        rows.append({"bytes": int(size), "time_us": best.time_us, "algbw": algbw, "busbw": busbw,
+                     "algorithm": best.algorithm})
+    return pd.DataFrame(rows, columns=["bytes", "time_us", "algbw", "busbw", "algorithm"])
+
+
+def predict(network_or_collective: Network | str, *args: Any, **kwargs: Any) -> Any:
+    """Two forms: ``predict(net, "allreduce", hosts=16, nbytes=B)`` is :func:`predict_hosts` (a
+    :class:`Prediction`: the best algorithm's µs at 16 hosts, and which); ``predict("allreduce",
+    world_size, nbytes, net)`` is :func:`lab.sim.core.predict` (``{algorithm: µs}`` at N ranks).
+
+        lab.sim.predict(net, "allreduce", hosts=16, nbytes=1 << 20).algorithm     # "tree", say
+        lab.sim.predict("allreduce", 1024, 1 << 20, net)["ring"]                  # µs
+    """
+    form: Callable[..., Any] = predict_hosts if isinstance(network_or_collective, Network) else core.predict
+    return form(network_or_collective, *args, **kwargs)

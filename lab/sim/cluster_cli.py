@@ -1,0 +1,120 @@
+"""``python -m lab cluster fit``: fit a cluster to its own nccl-tests logs, predict it at more hosts.
+
+    python -m lab cluster fit 1host.log 2hosts.log --predict-hosts 4 8 16
+    python -m lab cluster fit 1host.log 2hosts.log --nics-per-host 8 --oversubscription 2 --json
+
+Prints the fitted terms (and which logs determine each), the fit's error per log and size band,
+and per host count an nccl-tests table predicted there (size, time, algbw, busbw, the algorithm
+chosen); ``--json`` prints one JSON object instead. The NICs, the fabric inside a host and the
+switch tier are the cluster as built: logs of one or two hosts cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from lab.sim.cluster import FitReport, fit_cluster_report, predict_table
+from lab.sim.logs import read_nccl_tests
+from lab.sim.network import Network
+
+
+def _built(args: argparse.Namespace) -> Network:
+    """The cluster as built, from the options (the terms the fit does not set)."""
+    return Network(nics_per_host=args.nics_per_host, intra_fabric="bus" if args.bus else "switch",
+                   oversubscription=args.oversubscription, hosts_per_leaf=args.hosts_per_leaf)
+
+
+def _sizes(logs: list[pd.DataFrame], collective: str) -> list[int]:
+    """Every size the logs of ``collective`` measured, smallest first."""
+    return sorted({int(size) for df in logs if df.attrs["collective"] == collective for size in df["bytes"]})
+
+
+def predictions(report: FitReport, logs: list[pd.DataFrame], hosts: list[int]) -> list[dict]:
+    """Per collective of the logs and per host count: the predicted nccl-tests table."""
+    collectives = list(dict.fromkeys(df.attrs["collective"] for df in logs))
+    return [{"collective": collective, "hosts": count, "ranks": count * report.network.ranks_per_host,
+             "table": predict_table(report.network, collective, count, _sizes(logs, collective))}
+            for collective in collectives for count in hosts]
+
+
+def as_json(report: FitReport, predicted: list[dict]) -> dict:
+    """The fit and the predictions as one JSON-ready object."""
+    return {"network": dataclasses.asdict(report.network), "describe": report.network.describe(),
+            "error": report.error, "terms": report.terms.to_dict(orient="records"),
+            "bands": report.bands.astype({"band": str}).to_dict(orient="records"),
+            "cases": report.cases.to_dict(orient="records"),
+            "predictions": [{**p, "table": p["table"].to_dict(orient="records")} for p in predicted]}
+
+
+def _name(log: str) -> str:
+    return Path(log).name
+
+
+def _terms_text(report: FitReport) -> str:
+    """One line per term: its value, the logs that determine it, and each log's rise at ±20 %."""
+    lines = [f"  {'term':<22} {'value':>10}   determined by; ±20 % raises a log's mean |log error| by"]
+    for row in report.terms.itertuples(index=False):
+        if not row.fitted:
+            why = "given: no log sees it"
+        else:
+            rises = ", ".join(f"{_name(log)} {rise:.3f}" for log, rise in row.rise.items())
+            why = f"{', '.join(map(_name, row.determined_by)) or 'no log alone'}; {rises}"
+        lines.append(f"  {row.meaning:<22} {row.value:>10.4g}   {why}")
+    return "\n".join(lines)
+
+
+def nccl_table(table: pd.DataFrame) -> str:
+    """A predicted table in nccl-tests' columns (size, time, algbw, busbw), with the algorithm."""
+    lines = [f"#{'size':>11} {'time':>10} {'algbw':>8} {'busbw':>8}  algorithm",
+             f"#{'(B)':>11} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}"]
+    lines += [f"{row.bytes:>12} {row.time_us:>10.2f} {row.algbw:>8.2f} {row.busbw:>8.2f}  {row.algorithm}"
+              for row in table.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def text(report: FitReport, predicted: list[dict]) -> str:
+    """The fit and the predictions as the command prints them."""
+    percent = "{:.1%}".format
+    bands = report.bands.assign(log=report.bands["log"].map(_name),
+                                mean_error=report.bands["mean_error"].map(percent),
+                                max_error=report.bands["max_error"].map(percent))
+    parts = [f"Fitted network: {report.network.describe()}",
+             f"Mean |log(predicted / measured)| over {len(report.cases)} rows: {report.error:.4f}\n",
+             "Terms:", _terms_text(report), "",
+             "Fit error per log and size band (|predicted / measured - 1|):", bands.to_string(index=False)]
+    for p in predicted:
+        title = f"Predicted {p['collective']} at {p['hosts']} hosts ({p['ranks']} ranks):"
+        parts += ["", title, nccl_table(p["table"])]
+    return "\n".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:  # an unreadable log, a log without hosts, a term out of range: a usage error naming it
+        logs = [read_nccl_tests(path) for path in args.logs]
+        report = fit_cluster_report(logs, _built(args))
+        predicted = predictions(report, logs, args.predict_hosts)
+    except (OSError, ValueError) as exc:
+        args.parser.error(str(exc))
+    print(json.dumps(as_json(report, predicted), default=float) if args.json else text(report, predicted))
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """``python -m lab cluster fit LOG... [--predict-hosts H...] [--json]`` and the cluster as built."""
+    parser = commands.add_parser("cluster", help="fit a cluster to its logs; predict more hosts")
+    actions = parser.add_subparsers(dest="action", required=True)
+    fit = actions.add_parser("fit", help="fit the network's terms to nccl-tests logs; predict H hosts")
+    fit.add_argument("logs", nargs="+", help="nccl-tests logs (all_reduce_perf, ...), of 1 or 2 hosts say")
+    fit.add_argument("--predict-hosts", type=int, nargs="+", default=[], metavar="H",
+                     help="host counts to predict an nccl-tests table at")
+    fit.add_argument("--nics-per-host", type=int, default=1, help="NICs per host (ranks per host: rails)")
+    fit.add_argument("--bus", action="store_true", help="a host's ranks share one bus (default: a switch)")
+    fit.add_argument("--oversubscription", type=float, default=1.0, help="the switch tier's (default 1)")
+    fit.add_argument("--hosts-per-leaf", type=int, default=1, help="hosts under one leaf switch (default 1)")
+    fit.add_argument("--json", action="store_true", help="print one JSON object")
+    fit.set_defaults(run=run, parser=fit)
