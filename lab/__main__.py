@@ -177,10 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     from lab.workload.cli import add_parser as add_workload  # python -m lab workload (lab/workload/cli.py)
     from lab.sim.cluster_cli import add_parser as add_cluster  # python -m lab cluster (lab/sim/cluster_cli.py)
 
-    add_simulate(commands)
-    add_explain(commands)
-    add_workload(commands)
-    add_cluster(commands)
+    for add_parser in (add_simulate, add_explain, add_workload, add_cluster):  # each its subcommand
+        add_parser(commands)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*commands.choices, "-h", "--help"):
         argv = ["validate", *argv]  # the validation table is the default command
