@@ -100,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
         predicted = predictions(report, logs, args.predict_hosts)
     except (OSError, ValueError) as exc:
         args.parser.error(str(exc))
-    print(json.dumps(as_json(report, predicted), default=float) if args.json else text(report, predicted))
+    # numpy's scalars (a table's int64 sizes, float64 times) as Python's own int and float
+    print(json.dumps(as_json(report, predicted), default=lambda v: v.item()) if args.json
+          else text(report, predicted))
     return 0
 
 
