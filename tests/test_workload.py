@@ -156,6 +156,10 @@ def test_retargeting_by_hand():
     strong, weak = Layout.of(w, 16), Layout.of(w, 16, shard="weak")
     assert strong.nbytes(gather, 16) == 1000 and weak.nbytes(gather, 16) == 4000
     assert strong.nbytes(scatter, 16) == 16000 and weak.nbytes(scatter, 16) == 64000
+    odd = workload.Event(0, 0, "op", 0.0, 0, "allgather", (0, 1, 2, 3), None, "float32", 257, 1028)
+    assert Layout.of(w, 1024).nbytes(odd, 1024) == 8  # 1,028 floats 1,024 ways: 2 a shard (padded)
+    bytes_ = workload.Event(0, 0, "op", 0.0, 0, "broadcast", (0, 1, 2, 3), None, "uint8", 1025, 1025)
+    assert strong.nbytes(bytes_, 16) == 1028  # whole 4-byte words, as the simulator takes them
     assert len(rows) == 1
     mesh = workload.Workload(8, {"dp": 4, "tp": 2}, {}, {r: [] for r in range(8)})
     layout = Layout.of(mesh, dims={"dp": 128, "tp": 8})
@@ -413,7 +417,8 @@ def test_a_2d_mesh_s_dims_are_derived_from_its_operations(tmp_path):
     assert w.dims == {"dp": 4, "tp": 2}
     r = workload.replay(w, dims={"dp": 128, "tp": 8}, network=NET, algorithms={"allreduce": "ring"})
     assert r.breakdown.set_index("index")["group_size"].to_dict() == {0: 8, 1: 128, 2: 1024}
-    halves = [header(4)] + [op(r, 0, "allreduce", [r - r % 2, r - r % 2 + 1], 10, 0.0, dim="tp") for r in range(4)]
+    halves = [header(4)] + [op(r, 0, "allreduce", [r - r % 2, r - r % 2 + 1], 10, 0.0, dim="tp")
+                            for r in range(4)]
     assert written(tmp_path, halves, "halves.jsonl").dims is None  # one dimension of 2 is no mesh of 4
     apart = [header(4)] + [op(r, 0, "allreduce", sorted({r, 3 - r}), 10, 0.0, dim="tp") for r in range(4)]
     assert written(tmp_path, apart, "apart.jsonl").dims is None  # groups [0, 3] and [1, 2]: no one step

@@ -13,8 +13,8 @@ from lab import tuning, workload
 from lab.sim import fitted
 from lab.sim.network import MAX_RANKS_PER_HOST
 
-COLUMNS = "setting,alpha_us,gbit,send_overhead_us,recv_overhead_us,copy_us_per_byte,gamma_us_per_byte,wake_us," \
-          "memory_us_per_byte,cores,ranks_per_host,fit_error\n"
+COLUMNS = ("setting,alpha_us,gbit,send_overhead_us,recv_overhead_us,copy_us_per_byte,gamma_us_per_byte,"
+           "wake_us,memory_us_per_byte,cores,ranks_per_host,fit_error\n")
 
 
 @pytest.fixture
@@ -38,13 +38,15 @@ def test_a_transport_s_network_is_tuning_json_s():
 def test_emulated_hosts_take_their_setting_s_fit(hosts_csv):
     net = lab.sim.calibrated("tcp", hosts=4, link_gbit=1.0)
     assert (net.alpha_us, net.gbit, net.send_overhead_us, net.recv_overhead_us) == (30, 0.9, 20, 80)
-    assert net.ranks_per_host == 1 and net.cores == 2 and net.ranks_per_cpu == MAX_RANKS_PER_HOST  # one machine
+    assert net.ranks_per_host == 1 and net.cores == 2
+    assert net.ranks_per_cpu == MAX_RANKS_PER_HOST  # every rank on one machine's cores
     assert net.cache_bytes == tuning.calibrated_networks()["tcp"]["cache_bytes"]
     assert lab.sim.calibrated("tcp", hosts=8, link_gbit=10).gbit == 9
 
 
 def test_a_host_count_never_measured_takes_the_nearest_at_that_link(hosts_csv):
-    assert lab.sim.calibrated("tcp", hosts=2, link_gbit=1.0) == lab.sim.calibrated("tcp", hosts=4, link_gbit=1.0)
+    four = lab.sim.calibrated("tcp", hosts=4, link_gbit=1.0)
+    assert lab.sim.calibrated("tcp", hosts=2, link_gbit=1.0) == four
     assert lab.sim.calibrated("tcp", hosts=64, link_gbit=10.0).alpha_us == 20  # (8 hosts': the nearest)
 
 

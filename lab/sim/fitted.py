@@ -60,7 +60,8 @@ def calibrated(transport: str, hosts: int | None = None, link_gbit: float | None
     if not checks.is_real(link_gbit) or not link_gbit > 0:
         raise ValueError(f"link_gbit must be the emulated links' Gbit/s (> 0) with hosts=; got {link_gbit!r}")
     if transport != "tcp":
-        raise ValueError(f"emulated hosts were fitted over tcp (the links between them); got transport={transport!r}")
+        raise ValueError(f"emulated hosts were fitted over tcp (the links between them); "
+                         f"got transport={transport!r}")
     return _hosts_network(hosts, float(link_gbit), ranks_per_host, fitted)
 
 
@@ -90,7 +91,8 @@ def _hosts_network(hosts: int, link_gbit: float, ranks_per_host: int, fitted: di
     near = sorted((abs(key[0] - hosts), key) for key in fits
                   if key[1] == ranks_per_host and abs(key[2] - link_gbit) <= 1e-9 * link_gbit)
     if not near:
-        settings = "; ".join(f"{h} hosts × {per_host} ranks, {gbit:g} Gbit/s" for h, per_host, gbit in sorted(fits))
+        settings = "; ".join(f"{h} hosts × {per_host} ranks, {gbit:g} Gbit/s"
+                             for h, per_host, gbit in sorted(fits))
         raise ValueError(f"no emulated hosts of {ranks_per_host} rank(s) at {link_gbit:g} Gbit/s were fitted "
                          f"(fitted: {settings or 'none'}; {CALIBRATION_CSV} is written by python -m lab "
                          "simulate from results/hosts/)")
@@ -98,5 +100,5 @@ def _hosts_network(hosts: int, link_gbit: float, ranks_per_host: int, fitted: di
     inside = fitted.get("shm", {})
     intra = ({"intra_alpha_us": inside.get("alpha_us"), "intra_gbit": inside.get("gbit")}
              if ranks_per_host > 1 and inside else {})
-    return Network(**{name: row[name] for name in FITTED}, cores=int(row["cores"]), ranks_per_host=ranks_per_host,
-                   ranks_per_cpu=MAX_RANKS_PER_HOST, cache_bytes=fitted["tcp"].get("cache_bytes"), **intra)
+    return Network(**{name: row[name] for name in FITTED}, cores=int(row["cores"]),
+                   ranks_per_host=ranks_per_host, ranks_per_cpu=MAX_RANKS_PER_HOST, cache_bytes=fitted["tcp"].get("cache_bytes"), **intra)

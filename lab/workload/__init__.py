@@ -39,7 +39,9 @@ def network_named(network: Any) -> Network:
     if isinstance(network, Network):
         return network
     if not isinstance(network, str):
-        raise ValueError(f"network must be a lab.sim.Network or the name of a fitted transport; got {network!r}")
+        raise ValueError(
+            f"network must be a lab.sim.Network or the name of a fitted transport; got {network!r}"
+        )
     try:
         return calibrated(network)
     except ValueError as exc:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lab.workload.format import Event, Workload
+from lab.workload.format import DTYPE_BYTES, Event, Workload
 
 SHARDING = ("strong", "weak")
 _GROWS_WITH_THE_GROUP = ("allgather", "gather", "all_to_all")  # input is a shard of a fixed total
@@ -143,10 +143,16 @@ class Layout:
         )
 
     def nbytes(self, event: Event, group_size: int) -> int:
-        """Each rank's input bytes of ``event`` on a target group of ``group_size`` (module docstring)."""
+        """Each rank's input bytes of ``event`` on a target group of ``group_size`` (module docstring):
+        whole elements, a shard rounded up (FSDP pads its shards alike), and whole 4-byte words (the
+        simulator's elements).
+
+            layout.nbytes(allgather_of_1000_floats_on_4, 16)    # 1000 bytes: 250 floats a shard
+        """
         n, m = len(event.group), group_size
+        count = event.count
         if event.op in _GROWS_WITH_THE_GROUP and self.shard == "strong":
-            return event.nbytes * n // m
-        if event.op in ("reduce_scatter", "scatter") and self.shard == "weak":
-            return event.nbytes * m // n
-        return event.nbytes
+            count = -(-count * n // m)
+        elif event.op in ("reduce_scatter", "scatter") and self.shard == "weak":
+            count = -(-count * m // n)
+        return -(-count * DTYPE_BYTES[event.dtype] // 4) * 4
