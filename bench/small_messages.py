@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 import lab
-from lab import benchmark, mpich
+from lab import mpich
 from lab.reference import ensure_gloo
 
 IMPLS = ("lab", "python", "plan", "gloo", "mpich")
@@ -187,9 +187,8 @@ def _slowest(out: list) -> np.ndarray:
 
 
 def _launch(world: int, eager: int | None, environment: dict[str, str]) -> lab.Cluster:
-    """A pool whose ranks see ``environment`` on top of ours (they take the caller's environment)."""
-    with benchmark.environment(**environment):
-        return lab.launch(world, **({} if eager is None else {"eager_bytes": eager}))
+    """A pool whose ranks see ``environment`` on top of ours."""
+    return lab.launch(world, env=environment, **({} if eager is None else {"eager_bytes": eager}))
 
 
 def measure(args: argparse.Namespace, world: int) -> dict:

@@ -14,10 +14,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -128,22 +125,6 @@ def measure(cluster: Any, collective: str, impl: str, nbytes: int, algorithm: st
            "transport": "gloo" if impl == "gloo" else cluster.transport, "world": cluster.world_size,
            "bytes": 0 if collective == "barrier" else nbytes}
     return {**row, **summarize(per_rank, collective, row["bytes"], cluster.world_size)}
-
-
-@contextlib.contextmanager
-def environment(**variables: str) -> Iterator[None]:
-    """This process's environment with ``variables`` set, restored after: a pool launched inside
-    runs with them (rank processes take the caller's environment)."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def copy_bandwidth(nbytes: int = 16 << 20, repeats: int = 20) -> float:

@@ -33,13 +33,11 @@ def _compiled_before_ranks(request):
 def compiled_plane_warm():
     """Compile the compiled data plane once (two ranks), before any test's pool: on a clean clone
     Numba's disk cache is empty, and every rank of every pool would compile it at once."""
-    from lab.benchmark import environment
     from lab.collectives import registry
     from lab.plane import DEFAULT_MAX_BYTES
     from lab.warmup import compile_all
 
-    with environment(LAB_COMPILED_MAX_BYTES=str(DEFAULT_MAX_BYTES)):  # whatever the first module that needs it set
-        ran = lab.spawn(compile_all, 2, transport="shm")
+    ran = lab.spawn(compile_all, 2, transport="shm", env={"LAB_COMPILED_MAX_BYTES": str(DEFAULT_MAX_BYTES)})
     # one call per compilable algorithm, and allreduce's and broadcast's twice more (a torch tensor: the lane's call)
     expected = sum(len(registry.compiled(collective)) for collective in registry.ALGORITHMS) \
         + 2 * (len(registry.compiled("allreduce")) + len(registry.compiled("broadcast")))

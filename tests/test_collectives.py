@@ -29,7 +29,6 @@ runs on every transport, as half-type ``avg`` divides before any message).
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -268,13 +267,9 @@ def pool_id(p: tuple) -> str:
 @pytest.fixture(scope="module", params=POOLS, ids=pool_id)
 def cluster(request):
     transport, world_size, eager_bytes = request.param
-    os.environ["LAB_SEGMENT_BYTES"] = "256"  # ranks take the environment at launch
     options = {} if eager_bytes is None else {"eager_bytes": eager_bytes}
-    try:
-        with pool(world_size, transport, segment_bytes=256, slots=2, **options) as c:
-            yield c
-    finally:
-        del os.environ["LAB_SEGMENT_BYTES"]
+    with pool(world_size, transport, segment_bytes=256, slots=2, env={"LAB_SEGMENT_BYTES": "256"}, **options) as c:
+        yield c
 
 
 def full_matrix(cluster: lab.Cluster) -> bool:

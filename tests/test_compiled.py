@@ -31,12 +31,8 @@ OPS = ("sum", "prod", "min", "max", "avg")
 
 @pytest.fixture(scope="module", params=slow_from_five(range(1, 9)), ids=lambda n: f"N{n}")
 def cluster(request):
-    os.environ["LAB_COMPILED_MAX_BYTES"] = str(MAX_BYTES)  # read by every rank at start
-    try:
-        with pool(request.param, "shm") as running:
-            yield running
-    finally:
-        del os.environ["LAB_COMPILED_MAX_BYTES"]
+    with pool(request.param, "shm", env={"LAB_COMPILED_MAX_BYTES": str(MAX_BYTES)}) as running:
+        yield running
 
 
 def pattern(count: int, rank: int, dtype: torch.dtype) -> torch.Tensor:

@@ -246,6 +246,8 @@ def test_world_sizes_beyond_the_limits_are_refused_up_front(transport, world_siz
     ({"recv_timeout_ms": -1}, "recv_timeout_ms"), ({"trace": 7}, "trace must be a file path"),
     ({"trace": "/nonexistent-dir/run.jsonl"}, "does not exist"), ({"trace": "/tmp"}, "is a directory"),
     ({"world_size": True}, "world_size"), ({"world_size": 2.0}, "world_size"),
+    ({"env": ["LAB_X=1"]}, "env must be a mapping"), ({"env": {"LAB X": "1"}}, "not an environment variable"),
+    ({"env": {"LAB_SEGMENT_BYTES": 256}}, r"env\['LAB_SEGMENT_BYTES'\] must be a str"),
 ])
 def test_bad_pool_options_name_the_parameter_and_leak_nothing(options, message):
     before = open_fds()
@@ -253,6 +255,16 @@ def test_bad_pool_options_name_the_parameter_and_leak_nothing(options, message):
     with pytest.raises((ValueError, TypeError), match=message):
         lab.spawn(sum_ranks, options.pop("world_size"), **options)
     assert open_fds() == before
+
+
+def ranks_see(mesh: lab.Mesh, name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_env_holds_in_the_ranks_of_its_pool_alone():
+    assert lab.spawn(ranks_see, 2, args=("LAB_TEST_ENV",), env={"LAB_TEST_ENV": "on"}) == ["on", "on"]
+    assert "LAB_TEST_ENV" not in os.environ
+    assert lab.spawn(ranks_see, 2, args=("LAB_TEST_ENV",)) == [None, None]
 
 
 def test_a_failed_shm_setup_closes_every_descriptor_it_made():

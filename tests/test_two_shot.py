@@ -32,12 +32,8 @@ TORCH_OPS = {"sum": torch.add, "prod": torch.mul, "min": torch.minimum, "max": t
 
 @pytest.fixture(scope="module", params=slow_from_five(range(1, 9)), ids=lambda n: f"N{n}")
 def cluster(request):
-    os.environ["LAB_SHM_SCRATCH_BYTES"] = str(SLOT_BYTES)  # read where the pool builds its endpoints
-    try:
-        with pool(request.param, "shm") as running:
-            yield running
-    finally:
-        del os.environ["LAB_SHM_SCRATCH_BYTES"]
+    with pool(request.param, "shm", env={"LAB_SHM_SCRATCH_BYTES": str(SLOT_BYTES)}) as running:
+        yield running
 
 
 def pattern(count: int, rank: int, dtype: torch.dtype) -> torch.Tensor:

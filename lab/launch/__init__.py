@@ -33,7 +33,7 @@ def launch(world_size: int, **options: Any) -> Cluster:
     """Start a persistent pool of rank processes; use it as a context manager.
 
     Same options as :func:`spawn` (``transport``, ``recv_timeout_ms``, ``trace``, ``segment_bytes``,
-    ``slots``, ``eager_bytes``, ``hosts``, ``link_gbit``, ``workload``); ``segment_bytes`` and
+    ``slots``, ``eager_bytes``, ``hosts``, ``link_gbit``, ``workload``, ``env``); ``segment_bytes`` and
     ``slots`` size the shm transport's per-peer buffers (``slots`` buffers of ``segment_bytes`` per
     directed edge); shm messages of at most ``eager_bytes`` (0 to 4,048; default 4,048) travel
     inline in the pipe.
@@ -43,6 +43,9 @@ def launch(world_size: int, **options: Any) -> Cluster:
     h holds ranks ``[h*L, (h+1)*L)``, ``L = world_size // H``. With ``H > 1`` the transport must be
     ``"tcp"`` or ``"auto"`` (shared memory inside a host, TCP between hosts). Raises
     :class:`lab.EmulationUnavailable` where namespaces cannot be made.
+
+    ``env={"LAB_COMPILED_MAX_BYTES": "0"}`` sets environment variables for this pool alone: while it
+    is built and in its ranks (which otherwise take the caller's environment as it is).
 
     ``workload="step.jsonl"`` (or ``LAB_WORKLOAD``) records every rank's collective and
     point-to-point calls, and the compute between them, into that file (:mod:`lab.workload`;

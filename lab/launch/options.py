@@ -7,10 +7,12 @@ its descriptors, whether it crosses hosts) comes from its entry in :mod:`lab.lau
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import re
 import resource
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
@@ -38,6 +40,7 @@ class PoolOptions:
     hosts: int | None = None
     link_gbit: float | None = None
     workload: str | None = None
+    env: Mapping[str, str] | None = None
 
     @property
     def wire(self) -> PoolTransport:
@@ -60,6 +63,7 @@ class PoolOptions:
         checks.trace_path(os.environ.get("LAB_TRACE"), "LAB_TRACE")
         checks.env_flag("LAB_TRACE_STEPS")
         workload = checks.workload_path(self.workload)  # (or LAB_WORKLOAD's)
+        check_env(self.env)
         self._check_buffers(world_size)
         _ensure_descriptors(3 * world_size + self.wire.descriptors(world_size))
         self._check_hosts(world_size)
@@ -138,3 +142,32 @@ def takes_pool_options(function: Function) -> Function:
                for f in fields(PoolOptions)]
     function.__signature__ = signature.replace(parameters=own + options)  # type: ignore[attr-defined]
     return function
+
+
+def check_env(env: Mapping[str, str] | None) -> None:
+    """``env``, a pool's environment variables: names as the shell takes them, values strings."""
+    if env is None:
+        return
+    if not isinstance(env, Mapping):
+        raise TypeError(f"env must be a mapping of variable names to strings; got {type(env).__name__}")
+    for name, value in env.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"env: {name!r} is not an environment variable's name")
+        if not isinstance(value, str):
+            raise TypeError(f"env[{name!r}] must be a str; got {type(value).__name__}")
+
+
+@contextlib.contextmanager
+def environment(**variables: str) -> Iterator[None]:
+    """This process's environment with ``variables`` set, restored after: a pool launched inside
+    runs with them (rank processes take the caller's environment)."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

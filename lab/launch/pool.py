@@ -23,7 +23,7 @@ from lab.errors import LabError
 from lab.hosts import Hosts
 from lab.launch.diagnosis import FAILURE_GRACE_S, RankFailure, death, diagnose
 from lab.launch.forkserver import forkserver_pid, start_context
-from lab.launch.options import PoolOptions, takes_pool_options
+from lab.launch.options import PoolOptions, environment, takes_pool_options
 from lab.launch.rank import READY, STOP, RankOptions, rank_main
 from lab.rendezvous import serve_store
 
@@ -58,14 +58,17 @@ class Cluster:
         self._store = None
         endpoints: list[Any] = []
         try:
-            # Emulated hosts (namespaces, switch, capped links) first: the ranks start inside them.
-            self.hosts = Hosts(pool.hosts, pool.link_gbit) if pool.hosts else None
-            endpoints = pool.wire.endpoints(context, world_size, pool)
-            # Loopback only: ranks on emulated hosts connect before they enter their namespace.
-            self._store = serve_store("127.0.0.1", timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
-            if pool.workload:  # the header, once, before any rank records
-                recording.write_header(pool.workload, world_size, _recorded(pool, world_size))
-            self._start(context, endpoints, pool)
+            # ``env`` holds while the pool is built (the shm endpoints read some variables here) and
+            # in every rank (they take this environment).
+            with environment(**(pool.env or {})):
+                # Emulated hosts (namespaces, switch, capped links) first: the ranks start inside them.
+                self.hosts = Hosts(pool.hosts, pool.link_gbit) if pool.hosts else None
+                endpoints = pool.wire.endpoints(context, world_size, pool)
+                # Loopback only: ranks on emulated hosts connect before they enter their namespace.
+                self._store = serve_store("127.0.0.1", timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+                if pool.workload:  # the header, once, before any rank records
+                    recording.write_header(pool.workload, world_size, _recorded(pool, world_size))
+                self._start(context, endpoints, pool)
         except BaseException:
             for ep in endpoints:
                 ep.close_in_parent()

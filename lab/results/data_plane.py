@@ -43,8 +43,7 @@ def measure(world_sizes: list[int], sizes: list[int]) -> pd.DataFrame:
     """Every impl at every size and world size (see the module docstring): one row each."""
     rows, load = [], round(os.getloadavg()[0], 1)  # before our ranks add their own
     for world in world_sizes:
-        with benchmark.environment(LAB_COMPILED_MAX_BYTES="0"):
-            python_pool = lab.launch(world, transport="shm")
+        python_pool = lab.launch(world, transport="shm", env={"LAB_COMPILED_MAX_BYTES": "0"})
         with lab.launch(world, transport="shm") as lab_pool, python_pool:
             for _ in range(ROUNDS):
                 for nbytes in sizes:
