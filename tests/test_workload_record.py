@@ -121,6 +121,35 @@ def test_fsdp2_on_emulated_hosts_records_its_allgathers_and_reduce_scatters(tmp_
     assert workload.load(path).steps == 2
 
 
+def device_mesh_steps(mesh: lab.Mesh) -> None:
+    """A step of a 2-D DeviceMesh (dp 2 x tp 2): an allreduce on each dimension's group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    lab.backend.init_process_group(mesh)
+    device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.ones(1000)
+    dist.all_reduce(x, group=device_mesh.get_group("tp"))
+    dist.all_reduce(x[:500], group=device_mesh.get_group("dp"))
+    lab.workload.mark_step()
+    dist.destroy_process_group()
+
+
+def test_a_2d_device_mesh_recording_replays_each_dimension_by_name(tmp_path):
+    """The header's dims are null (written before the mesh is built); load derives them from the
+    operations' dim and groups, and a replay re-targets each dimension by name."""
+    path = tmp_path / "mesh2d.jsonl"
+    lab.spawn(device_mesh_steps, 4, workload=str(path))
+    header, rows = lines(path)
+    assert header["dims"] is None
+    assert [(r["dim"], r["group"]) for r in of(rows, 3, kind="op")] == [("tp", [2, 3]), ("dp", [1, 3])]
+    w = workload.load(path)
+    assert w.dims == {"dp": 2, "tp": 2}
+    r = workload.replay(w, dims={"dp": 128, "tp": 8}, network=NET, algorithms={"allreduce": "ring"})
+    assert r.world_size == 1024
+    assert r.breakdown.set_index("index")[["group_size", "nbytes"]].to_dict("list") == {
+        "group_size": [8, 128], "nbytes": [4000, 2000]}
+
+
 # -- a mesh's own calls, recorded through LAB_WORKLOAD ----------------------------------------------
 
 
@@ -249,6 +278,30 @@ def test_an_unwaited_async_operation_is_waited_at_the_step_s_end(tmp_path):
     _, rows = lines(path)
     assert [(r["kind"], r["compute_us"]) for r in rows] == [("op", 100.0), ("wait", 0.0), ("step", 10.0)]
     assert rows[1]["inferred"] and rows[0]["completed_us"] == 140.0
+
+
+def test_a_wait_woken_by_its_completion_counts_no_compute_before_it(tmp_path):
+    """DDP blocks on a bucket's future in C++, then waits on its Work as it completes: a wait
+    within 1 ms of its operation's completion was woken by it, and the time until the completion
+    is no compute; a wait later than that keeps its compute (fake clock, ns)."""
+    path = tmp_path / "woken.jsonl"
+    write_header(path, 1)
+    now = [0]
+    recorder = Recorder(path, 0, 1, clock=lambda: now[0])
+    what = recording.Operation("allreduce", (0,), "float32", 4, 10, 10, reduce_op="sum")
+    for after_completion_ns in (30_000, 5_000_000):  # 30 µs: woken; 5 ms: the program computed
+        index = recorder.issue(what, True)
+        recorder.returned()
+        now[0] += 50_000_000  # 50 ms blocked (or computing) while it runs
+        recorder.completed(index)
+        now[0] += after_completion_ns
+        recorder.wait(index)
+        recorder.returned()
+    recorder.mark_step()
+    recorder.close()
+    _, rows = lines(path)
+    waits = [r["compute_us"] for r in rows if r["kind"] == "wait"]
+    assert waits == [30.0, 55_000.0] and not any(r.get("inferred") for r in rows)
 
 
 def test_mark_step_without_a_recording_does_nothing():

@@ -14,7 +14,10 @@ Waits the lab cannot see: DDP waits on its buckets' futures in C++ (torch's redu
 of the backward pass), where no Python runs. At a step's end, an asynchronous operation that
 completed and that the program never waited on through its Work is taken as waited on right after
 the program's last call into the lab (a wait line marked ``"inferred": true``), and the time
-until the last of them completed is not compute.
+until the last of them completed is not compute. Likewise a wait that comes within
+:data:`WOKEN_NS` (1 ms) of its operation's completion, after the program's last call, was woken by
+it (DDP waits on the bucket's future in C++, then on its Work): the time until the completion is
+not compute, as if the program had waited right after its last call.
 
     recorder = Recorder("step.jsonl", rank=0, world_size=4)
     index = recorder.operation("allreduce", [0, 1, 2, 3], "float32", 1024, 1024, reduce_op="sum",
@@ -40,6 +43,8 @@ from lab.workload.format import DTYPE_BYTES, FORMAT, POINT_TO_POINT, VERSION
 
 #: Distinct operations whose fixed fields a recorder keeps as JSON (past this, it starts over).
 MAX_FIXED = 4096
+#: A wait this soon after its operation completed was woken by that completion (module docstring).
+WOKEN_NS = 1_000_000
 
 
 def write_header(
@@ -124,7 +129,9 @@ class Recorder:
         with self._lock:
             now = self._clock()
             if index in self._open:
-                del self._open[index]
+                done = self._open.pop(index)
+                if done is not None and self._returned < done and now - done <= WOKEN_NS:
+                    self._returned = done  # woken by its completion: blocked on it where the lab cannot see
                 self._rows.append({"kind": "wait", "step": self.step, "index": index,
                                    "waited_us": self._now_us(now), "compute_us": self._compute_us(now)})
             self._inside += 1
