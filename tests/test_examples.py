@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import require_hosts
+
+import lab
 
 # Slow, the whole module: each example run as a user runs it, DDP and FSDP2 among them.
 pytestmark = pytest.mark.slow
@@ -76,3 +79,17 @@ def test_ddp_and_fsdp2_on_the_lab_backend_match_gloo():
         steps = losses(run_under_torchrun(example, 2, "--backend", "lab", "--steps", "3"))
         assert len(steps) == 3, example
         assert all(abs(lab_loss - gloo_loss) <= 1e-5 * max(1.0, abs(gloo_loss)) for lab_loss, gloo_loss in steps), steps
+
+
+def test_workload_examples_record_on_emulated_hosts_and_replay_on_1024_ranks(tmp_path):
+    """Each records a few steps on two emulated hosts (fewer than the example's four: 2 cores) and
+    prints the measured and replayed step there, then the step on 1,024 ranks and what dominates."""
+    require_hosts()
+    for example, ops in (("workload_ddp.py", {"allreduce"}),
+                         ("workload_fsdp2.py", {"allgather", "reduce_scatter"})):
+        path = tmp_path / f"{example}.jsonl"
+        out = run_example(example, "--hosts", "2", "--steps", "3", "--out", str(path))
+        assert "on 2 hosts: measured" in out and "1,024 ranks, step 2:" in out and "exposed_us" in out, out
+        w = lab.workload.load(path)
+        assert w.steps == 3 and w.recorded["hosts"] == 2 and w.recorded["link_gbit"] == 1.0
+        assert {e.op for e in w.events[0] if e.kind == "op" and e.step == 2} == ops  # (step 0: the setup's too)
