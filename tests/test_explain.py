@@ -85,8 +85,11 @@ def test_the_shipped_networks_are_network_keyword_arguments():
     networks = tuning.calibrated_networks()
     assert set(tuning.TRANSPORTS) <= set(networks)
     fields = {f.name for f in dataclasses.fields(sim.Network)}
+    # How a cluster is built (NICs, fabric, switch tier) is given, not fitted: a calibration of one
+    # machine's runs leaves it at the defaults, and a file may carry it or not.
+    topology = {"nics_per_host", "nic_map", "intra_fabric", "oversubscription", "hosts_per_leaf"}
     for kwargs in networks.values():
-        assert set(kwargs) == fields  # every field travels, so new ones are picked up
+        assert fields - topology <= set(kwargs) <= fields  # every fitted field travels
         sim.Network(**kwargs)
 
 
