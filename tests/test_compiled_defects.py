@@ -213,6 +213,7 @@ def test_a_signal_handler_runs_while_a_compiled_wait_lasts_and_the_wait_resumes(
     assert outs[0][1] < 0.5  # the peer is 1 s late: a handler held up by the wait runs after that
 
 
+@pytest.mark.slow  # its peers wait out a 3 s deadline for the rank that left
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("algorithm", ["auto", "two_shot"])
 def test_what_a_signal_handler_raises_ends_the_wait(world_size, algorithm):

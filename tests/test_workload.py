@@ -401,6 +401,7 @@ def test_a_recording_counts_the_compute_between_calls_and_replays(tmp_path):
     assert r.step_us.tolist() == pytest.approx([170.0]) and r.exposed_comm_us.tolist() == pytest.approx([0.0])
 
 
+@pytest.mark.slow  # a real 2-D DeviceMesh recording: 4 ranks under torch
 def test_a_2d_mesh_s_dims_are_derived_from_its_operations(tmp_path):
     """A recording's header says ``"dims": null``; its operations' ``dim`` and groups give the mesh,
     outermost first, and a replay re-targets each dimension by name."""
