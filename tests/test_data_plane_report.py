@@ -42,6 +42,7 @@ def test_each_bar_is_met_or_not_from_the_numbers():
     assert "| 1 KB | 6 | 3 | 30 | 500 | 4 | 1.5 | 0.75 | 83.3 |" in text, text
 
 
+@pytest.mark.slow  # two pools, gloo and MPICH timed: CI, not the fast loop
 def test_a_small_run_measures_every_impl_and_splices_the_report(tmp_path):
     (tmp_path / "REPORT.md").write_text("# Results\n")
     assert data_plane.main(str(tmp_path), [2], [1024]) == 0

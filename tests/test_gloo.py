@@ -24,7 +24,11 @@ import lab
 from helpers import assert_matches_and_identical, compare_with_gloo, large_allreduce, pool
 
 
-@pytest.fixture(scope="module", params=[pytest.param((t, n), id=f"{t}-N{n}", marks=[pytest.mark.slow] if n == 7 else [])
+#: The fast loop's pools: shm at 1-4, one each of queue and tcp; CI runs every one.
+FAST = {("shm", 1), ("shm", 2), ("shm", 3), ("shm", 4), ("queue", 3), ("tcp", 2)}
+
+
+@pytest.fixture(scope="module", params=[pytest.param((t, n), id=f"{t}-N{n}", marks=() if (t, n) in FAST else pytest.mark.slow)
                                         for t in ("shm", "queue", "tcp") for n in (1, 2, 3, 4, 7)])
 def cluster(request):
     transport, world_size = request.param
