@@ -143,6 +143,7 @@ def test_init_methods(init, tmp_path):
     assert run_ranks(3, "ok", method) == ["ok [3.0, 6.0, 9.0, 12.0]"] * 3
 
 
+@pytest.mark.slow  # a torch job of its own, waiting for its ranks to agree they failed
 def test_a_mismatch_ends_every_rank_s_call_with_the_lab_s_error():
     """gloo aborts the process with ``terminate called`` on a size mismatch; the lab raises."""
     outputs = run_ranks(3, "mismatch")

@@ -496,7 +496,7 @@ def reduce_from_one(transport: TcpTransport, tag: bytes = TAG) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("mode", ["flip", "inject", "forge-tag"])
+@pytest.mark.parametrize("mode", ["flip", "inject", pytest.param("forge-tag", marks=pytest.mark.slow)])  # (waits 5 s)
 def test_an_attacker_in_the_middle_is_detected(mode):
     """The attacker relays a real handshake (it cannot forge one), then alters a payload byte,
     injects a frame of its own, or one claiming another collective of the same mesh: the receiver
