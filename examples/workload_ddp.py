@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import lab
+from lab.workload.cli import summary  # what `python -m lab workload replay` prints
 
 
 def train(mesh: lab.Mesh, steps: int) -> list[float]:
@@ -47,19 +48,6 @@ def train(mesh: lab.Mesh, steps: int) -> list[float]:
     return times
 
 
-def show(result: lab.workload.ReplayResult, top: int = 4) -> None:
-    """The last step replayed: its time, compute and exposed communication, and the operations that
-    expose the most (the first step also holds the model's setup: its parameters' broadcast)."""
-    step = len(result.step_us) - 1
-    total, compute, exposed = (values[step] / 1e3 for values in (result.step_us, result.compute_us,
-                                                                 result.exposed_comm_us))
-    print(f"{result.world_size:,} ranks, step {step}: {total:,.1f} ms = compute {compute:,.1f} ms + exposed "
-          f"communication {exposed:,.1f} ms ({exposed / total:.0%})")
-    rows = result.breakdown[result.breakdown["step"] == step].nlargest(top, "exposed_us")
-    columns = ["op", "group_size", "nbytes", "algorithm", "predicted_us", "exposed_us", "share"]
-    print(rows[columns].to_string(index=False, float_format=lambda v: f"{v:,.2f}"))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hosts", type=int, default=4, help="emulated hosts, one rank each")
@@ -80,7 +68,7 @@ def main() -> None:
     started = time.perf_counter()
     own_cores = dataclasses.replace(net, ranks_per_cpu=1)  # real hosts: each its own cores
     there = lab.workload.replay(w, world_size=args.ranks, network=own_cores, timeline=False)
-    show(there)
+    print(summary(there, top=4))
     print(f"\n(replayed on {args.ranks:,} ranks in {time.perf_counter() - started:.1f} s)")
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import lab
+from lab.workload.cli import summary  # what `python -m lab workload replay` prints
 
 
 def train(mesh: lab.Mesh, steps: int) -> list[float]:
@@ -48,19 +49,6 @@ def train(mesh: lab.Mesh, steps: int) -> list[float]:
         times.append((time.perf_counter() - started) * 1e3)
     dist.destroy_process_group()  # (the mesh stays open: it is the pool's)
     return times
-
-
-def show(result: lab.workload.ReplayResult, top: int = 4) -> None:
-    """The last step replayed: its time, compute and exposed communication, and the operations that
-    expose the most (the first step also holds the model's setup: its parameters' broadcast)."""
-    step = len(result.step_us) - 1
-    total, compute, exposed = (values[step] / 1e3 for values in (result.step_us, result.compute_us,
-                                                                 result.exposed_comm_us))
-    print(f"{result.world_size:,} ranks, step {step}: {total:,.1f} ms = compute {compute:,.1f} ms + exposed "
-          f"communication {exposed:,.1f} ms ({exposed / total:.0%})")
-    rows = result.breakdown[result.breakdown["step"] == step].nlargest(top, "exposed_us")
-    columns = ["op", "group_size", "nbytes", "algorithm", "predicted_us", "exposed_us", "share"]
-    print(rows[columns].to_string(index=False, float_format=lambda v: f"{v:,.2f}"))
 
 
 def main() -> None:
@@ -85,7 +73,7 @@ def main() -> None:
     own_cores = dataclasses.replace(net, ranks_per_cpu=1)  # real hosts: each its own cores
     shard = "weak" if args.weak else "strong"
     there = lab.workload.replay(w, world_size=args.ranks, network=own_cores, shard=shard, timeline=False)
-    show(there)
+    print(summary(there, top=4))
     print(f"\n(replayed on {args.ranks:,} ranks in {time.perf_counter() - started:.1f} s)")
 
 
