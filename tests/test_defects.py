@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import child_env, free_port, pool
 
 import lab
-from helpers import child_env, free_port, pool
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -265,6 +265,21 @@ def test_env_holds_in_the_ranks_of_its_pool_alone():
     assert lab.spawn(ranks_see, 2, args=("LAB_TEST_ENV",), env={"LAB_TEST_ENV": "on"}) == ["on", "on"]
     assert "LAB_TEST_ENV" not in os.environ
     assert lab.spawn(ranks_see, 2, args=("LAB_TEST_ENV",)) == [None, None]
+
+
+def test_pools_started_from_threads_at_once_each_see_their_own_env():
+    seen = {}
+
+    def start(value: str) -> None:
+        options = {"env": {"LAB_TEST_ENV": value}} if value else {}
+        seen[value] = lab.spawn(ranks_see, 2, args=("LAB_TEST_ENV",), **options)
+
+    threads = [threading.Thread(target=start, args=(value,)) for value in ("a", "b", "")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert seen == {"a": ["a", "a"], "b": ["b", "b"], "": [None, None]}
 
 
 def test_a_failed_shm_setup_closes_every_descriptor_it_made():

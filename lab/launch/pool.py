@@ -29,6 +29,8 @@ from lab.rendezvous import serve_store
 
 #: How long the parent waits for a new pool's ranks to come up.
 STARTUP_TIMEOUT_S = 120.0
+#: Held while a pool starts (its ``env`` is set in this process's environment meanwhile).
+_STARTING = threading.Lock()
 #: The handle that stands for the emulated hosts' keeper among the ranks' in :meth:`Cluster._collect`.
 _KEEPER = -1
 
@@ -59,8 +61,9 @@ class Cluster:
         endpoints: list[Any] = []
         try:
             # ``env`` holds while the pool is built (the shm endpoints read some variables here) and
-            # in every rank (they take this environment).
-            with environment(**(pool.env or {})):
+            # in every rank (they take this environment). The process's environment is one for all
+            # threads: pools start one at a time, so none sees another's variables.
+            with _STARTING, environment(**(pool.env or {})):
                 # Emulated hosts (namespaces, switch, capped links) first: the ranks start inside them.
                 self.hosts = Hosts(pool.hosts, pool.link_gbit) if pool.hosts else None
                 endpoints = pool.wire.endpoints(context, world_size, pool)
