@@ -83,13 +83,23 @@ class Hierarchy:
     cross: GroupView | None
 
 
+def host_groups(peers: Peers) -> list[list[int]]:
+    """The ranks of each host, in rank order, hosts in order of their first rank (from
+    :meth:`Peers.host_of`).
+
+        host_groups(peers)        # 5 ranks, hosts [0, 0, 1, 1, 1]: [[0, 1], [2, 3, 4]]
+    """
+    groups: dict[int, list[int]] = {}
+    for rank in range(peers.world_size):
+        groups.setdefault(peers.host_of(rank), []).append(rank)
+    return list(groups.values())
+
+
 def hierarchy(peers: Peers) -> Hierarchy:
     """``peers``' rank among hosts, from :meth:`Peers.host_of` (hosts in order of first rank)."""
-    hosts = [peers.host_of(r) for r in range(peers.world_size)]
-    order = list(dict.fromkeys(hosts))
-    groups = [[r for r, h in enumerate(hosts) if h == host] for host in order]
+    groups = host_groups(peers)
     shards = min(len(g) for g in groups)
-    mine = groups[order.index(hosts[peers.rank])]
+    mine = next(g for g in groups if peers.rank in g)
     local = mine.index(peers.rank)
     if local >= shards:
         return Hierarchy(GroupView(peers, mine), shards, None, None)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from lab.chunking import split_bounds
-from lab.collectives.double_tree_schedule import NETWORK_LATENCY_BYTES, double_trees, schedule, segment_count
+from lab.collectives.double_tree_schedule import (NETWORK_LATENCY_BYTES, Move, double_trees, schedule,
+                                                  segment_count)
 from lab.collectives.fold import power_terms
 from lab.ops import Reduction
 from lab.peers import Peers
@@ -62,7 +63,16 @@ def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, s
         reduction.finalize(buf, n)
         return
     # Every step: one message out, one in, or both at once.
-    for send, recv in schedule(n, peers.rank, segments):
+    run_steps(peers, schedule(n, peers.rank, segments), pieces, reduction)
+
+
+def run_steps(peers: Peers, steps: tuple[tuple[Move | None, Move | None], ...], pieces: list[list[np.ndarray]],
+              reduction: Reduction) -> None:
+    """Run a rank's ``steps`` (:func:`lab.collectives.double_tree_schedule.schedule_of`) on the
+    ``pieces`` of its buffer (``pieces[tree][segment]``): each step one message out, one in, or
+    both at once; a child's piece is folded in, a parent's copied, and the root finishes each
+    segment once it holds every contribution."""
+    for send, recv in steps:
         if recv is None:
             peers.send_buffer(send.peer, pieces[send.tree][send.segment])
             continue
@@ -72,7 +82,7 @@ def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, s
         else:
             peers.sendrecv_buffer(send.peer, pieces[send.tree][send.segment], recv.peer, out, combine)
         if recv.finishes:  # the root holds every contribution to this segment: finish it once
-            reduction.finalize(out, n)
+            reduction.finalize(out, peers.world_size)
 
 
 def shape(world_size: int) -> tuple[float, float]:

@@ -2,6 +2,8 @@
 timetable that gives every message of every segment a slot (no rank sends or receives two in one
 slot, and every message comes after what it forwards), so that all links of both trees carry
 data at once without a deadlock (the argument: :mod:`lab.collectives.allreduce_double_tree`).
+The timetable and the schedule take any two trees over the ranks (:func:`timetable_of`,
+:func:`schedule_of`): the chain-and-tree allreduce across hosts runs on them too.
 
 Per rank, N = 6, rank 2, 3 segments::
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from lab import checks
@@ -104,18 +107,19 @@ def double_trees(world_size: int, rank: int) -> list[tuple[int, list[int]]]:
 
 
 def segment_count(count: int, itemsize: int, world_size: int, segment_bytes: int | None = None,
-                  latency_bytes: int = NETWORK_LATENCY_BYTES) -> int:
+                  latency_bytes: int = NETWORK_LATENCY_BYTES, depth: int | None = None) -> int:
     """How many segments each half of a ``count``-element tensor travels in (every rank agrees).
 
     ``segment_bytes`` caps a segment's size (tests force many segments with tiny tensors). By
     default the count minimises the cost (:func:`allreduce_double_tree`):
     S = √(⌈log2 N⌉·T / (2·α/β)), α/β = ``latency_bytes``; across a network, one segment for 1 KB
     (the fill is what costs) and 72 for 64 MB on 1,024 ranks; never more than a half's elements.
+    ``depth``: the trees' depth, where it is not the binary tree's ⌈log2 N⌉.
     """
     half = (count + 1) // 2
     if segment_bytes is not None:
         return max(1, -(-half // max(1, segment_bytes // itemsize)))
-    depth = (world_size - 1).bit_length()
+    depth = (world_size - 1).bit_length() if depth is None else depth
     return max(1, min(half, round(math.sqrt(depth * count * itemsize / (2 * latency_bytes)))))
 
 
@@ -128,11 +132,34 @@ class Move(NamedTuple):
     tree: int
     segment: int
     reduces: bool  # a receive from a child: fold it into ours
-    finishes: bool  # the root's receive from its only child: the segment is complete, finish it
+    finishes: bool  # the root's receive from its last child: the segment is complete, finish it
 
 
-#: Each rank handles 4 messages each way per segment (see :func:`allreduce_double_tree`).
+#: Each rank of the double tree handles 4 messages each way per segment (see :func:`allreduce_double_tree`).
 PERIOD = 4
+
+#: Two trees over the same ranks: ``trees[rank][t]`` is (parent, children) of ``rank`` in tree t,
+#: parent -1 at the root (what :func:`double_trees` returns, for every rank).
+Trees = Sequence[Sequence[tuple[int, Sequence[int]]]]
+
+
+def period_of(trees: Trees) -> int:
+    """The most messages any rank sends per segment, which equals what it receives: Σ over both
+    trees of its children and its parent. The timetable's period: König's theorem gives every
+    message class one of that many phases with no rank sending, or receiving, two of one phase."""
+    return max(1, max(sum(len(children) + (parent >= 0) for parent, children in mine) for mine in trees))
+
+
+def depth_of(trees: Trees) -> int:
+    """The deepest of the two trees: the most links from its root down to a leaf."""
+    deepest = 0
+    for tree in range(2):
+        depth = {}
+        for rank in _top_down(trees, tree):
+            parent = trees[rank][tree][0]
+            depth[rank] = depth[parent] + 1 if parent >= 0 else 0
+        deepest = max(deepest, *depth.values())
+    return deepest
 
 
 def _preferred_phase(world_size: int, tree: int, child: int) -> int:
@@ -145,16 +172,40 @@ def _preferred_phase(world_size: int, tree: int, child: int) -> int:
     return (2 * level + int(node > parent) + 2 * tree) % PERIOD
 
 
-def _color(arcs: list[tuple[int, int, int]], world_size: int) -> list[int]:
-    """A phase 0..3 for each message class ``(sender, receiver, preferred phase)`` such that no
+def _top_down(trees: Trees, tree: int) -> list[int]:
+    """Tree ``tree``'s ranks, every parent before its children (breadth first from the root)."""
+    order = [next(rank for rank, mine in enumerate(trees) if mine[tree][0] < 0)]
+    for rank in order:
+        order.extend(trees[rank][tree][1])
+    return order
+
+
+def greedy_phases(trees: Trees, period: int) -> Callable[[int, int], int]:
+    """A preferred phase for each link ``(tree, child)`` of any two trees: its slot were its tree
+    alone, every parent hearing its children one per slot in the order they are ready, then
+    speaking (the generalisation of the binary tree's 2·level + side); mod ``period``."""
+    phases = {}
+    for tree in range(2):
+        ready = {}
+        for rank in reversed(_top_down(trees, tree)):
+            slot = -1
+            for child in sorted(trees[rank][tree][1], key=ready.__getitem__):
+                slot = max(ready[child], slot + 1)
+                phases[tree, child] = slot % period
+            ready[rank] = slot + 1
+    return lambda tree, child: phases[tree, child]
+
+
+def _color(arcs: list[tuple[int, int, int]], world_size: int, period: int) -> list[int]:
+    """A phase 0..period-1 for each message class ``(sender, receiver, preferred phase)`` such that no
     rank sends two, or receives two, of the same phase: König's edge colouring of the bipartite
-    graph of senders and receivers (each rank sends and receives at most 4 classes), keeping the
-    preferred phase where it is free at both ends."""
+    graph of senders and receivers (each rank sends and receives at most ``period`` classes),
+    keeping the preferred phase where it is free at both ends."""
     sent: list[dict[int, int]] = [{} for _ in range(world_size)]  # phase -> arc, per sender
     received: list[dict[int, int]] = [{} for _ in range(world_size)]  # phase -> arc, per receiver
     phases = [-1] * len(arcs)
     for arc, (sender, receiver, preferred) in enumerate(arcs):
-        order = [(preferred + k) % PERIOD for k in range(PERIOD)]
+        order = [(preferred + k) % period for k in range(period)]
         free = next(p for p in order if p not in sent[sender])
         if free in received[receiver]:
             other = next(p for p in order if p not in received[receiver])
@@ -180,64 +231,74 @@ def _color(arcs: list[tuple[int, int, int]], world_size: int) -> list[int]:
 
 @functools.lru_cache(maxsize=16)
 def timetable(world_size: int) -> dict[tuple[int, int, int], int]:
-    """The slot of segment 0 of every message class, by ``(tree, child, direction)`` (the link
-    from ``child`` to its parent; 0 up, 1 down); segment s goes ``PERIOD·s`` slots later.
+    """The double tree's :func:`timetable_of`, its links preferring the binary tree's phases."""
+    trees = [double_trees(world_size, rank) for rank in range(world_size)]
+    return timetable_of(trees, PERIOD, functools.partial(_preferred_phase, world_size))
 
-    Each class gets a phase (its slot mod 4, :func:`_color`); then, tree by tree, the earliest
-    slot of that phase after what it waits for: going up, after its children's; going down,
-    after its parent's (the root's children: after the root heard them).
+
+def timetable_of(trees: Trees, period: int, preferred: Callable[[int, int], int]
+                 ) -> dict[tuple[int, int, int], int]:
+    """The slot of segment 0 of every message class of ``trees``, by ``(tree, child, direction)``
+    (the link from ``child`` to its parent; 0 up, 1 down); segment s goes ``period·s`` slots later.
+
+    Each class gets a phase (its slot mod ``period``, :func:`_color`, preferring
+    ``preferred(tree, child)``); then, tree by tree, the earliest slot of that phase after what
+    it waits for: going up, after its children's; going down, after its parent's (the root's
+    children: after the root heard them).
     """
-    links = [(tree, child, double_trees(world_size, child)[tree][0])
-             for tree in range(2) for child in range(world_size)]
+    world_size = len(trees)
+    links = [(tree, child, trees[child][tree][0]) for tree in range(2) for child in range(world_size)]
     links = [link for link in links if link[2] >= 0]
     arcs = []
     for tree, child, parent in links:
-        preferred = _preferred_phase(world_size, tree, child)
-        arcs += [(child, parent, preferred), (parent, child, preferred)]
-    phases = _color(arcs, world_size)
+        arcs += [(child, parent, preferred(tree, child)), (parent, child, preferred(tree, child))]
+    phases = _color(arcs, world_size, period)
     phase = {(tree, child, direction): phases[2 * i + direction]
              for i, (tree, child, _) in enumerate(links) for direction in range(2)}
 
     def at_or_after(slot: int, phase: int) -> int:
-        return slot + (phase - slot) % PERIOD
+        return slot + (phase - slot) % period
 
     slots = {}
     for tree in range(2):
-        # Children before parents (a child's level is lower), the root last; then back down.
-        order = sorted(range(world_size), key=lambda r: _level(world_size, tree_rank(world_size, tree, r)))
-        heard = {}
-        for rank in order:
-            parent, children = double_trees(world_size, rank)[tree]
+        order = _top_down(trees, tree)
+        heard = 0
+        for rank in reversed(order):  # children before parents, the root last; then back down
+            parent, children = trees[rank][tree]
             ready = max((slots[tree, c, 0] + 1 for c in children), default=0)
             if parent < 0:
-                heard[tree] = ready
+                heard = ready
             else:
                 slots[tree, rank, 0] = at_or_after(ready, phase[tree, rank, 0])
-        for rank in reversed(order):
-            parent, children = double_trees(world_size, rank)[tree]
-            ready = heard[tree] if parent < 0 else slots[tree, rank, 1] + 1
+        for rank in order:
+            parent, children = trees[rank][tree]
+            ready = heard if parent < 0 else slots[tree, rank, 1] + 1
             for c in children:
                 slots[tree, c, 1] = at_or_after(ready, phase[tree, c, 1])
     return slots
 
 
-def _level(world_size: int, node: int) -> int:
-    """Tree rank ``node``'s height: leaves 0, the root ⌈log2 N⌉."""
-    return (world_size - 1).bit_length() if node == 0 else (node & -node).bit_length() - 1
-
-
 @functools.lru_cache(maxsize=256)
 def schedule(world_size: int, rank: int, segments: int) -> tuple[tuple[Move | None, Move | None], ...]:
-    """``rank``'s steps, in order: (send, receive) pairs, either of them None, one per slot."""
-    slots = timetable(world_size)
+    """``rank``'s steps in the double tree, in order: (send, receive) pairs, either of them None,
+    one per slot (:func:`schedule_of`)."""
+    return schedule_of(double_trees(world_size, rank), timetable(world_size), PERIOD, rank, segments)
+
+
+def schedule_of(mine: Sequence[tuple[int, Sequence[int]]], slots: dict[tuple[int, int, int], int], period: int,
+                rank: int, segments: int) -> tuple[tuple[Move | None, Move | None], ...]:
+    """``rank``'s steps, in order: (send, receive) pairs, either of them None, one per slot, given
+    its (parent, children) in each tree (``mine``) and the :func:`timetable_of` of the trees."""
     moves = []
-    for tree, (parent, children) in enumerate(double_trees(world_size, rank)):
+    for tree, (parent, children) in enumerate(mine):
+        last = max(children, key=lambda c: slots[tree, c, 0], default=-1)  # the root finishes after it
         for segment in range(segments):
-            later = PERIOD * segment
+            later = period * segment
             # Up: each child's part of the segment comes in and is folded into ours; then ours goes up.
             # Down: the finished segment comes from the parent (the root made it), then goes to each child.
             for child in children:
-                moves.append(Move(slots[tree, child, 0] + later, child, False, tree, segment, True, parent < 0))
+                moves.append(Move(slots[tree, child, 0] + later, child, False, tree, segment, True,
+                                  parent < 0 and child == last))
                 moves.append(Move(slots[tree, child, 1] + later, child, True, tree, segment, False, False))
             if parent >= 0:
                 moves.append(Move(slots[tree, rank, 0] + later, parent, True, tree, segment, False, False))
@@ -246,7 +307,7 @@ def schedule(world_size: int, rank: int, segments: int) -> tuple[tuple[Move | No
     for move in moves:
         step = by_slot.setdefault(move.slot, [None, None])
         if step[1 - move.sends] is not None:
-            raise RuntimeError(f"double tree schedule: rank {rank} of {world_size} has two "
+            raise RuntimeError(f"tree schedule: rank {rank} has two "
                                f"{'sends' if move.sends else 'receives'} in slot {move.slot}")
         step[1 - move.sends] = move
     return tuple(tuple(by_slot[slot]) for slot in sorted(by_slot))

@@ -17,12 +17,12 @@ from typing import Any
 
 from lab import fingerprint
 from lab.collectives import (all_to_all_bruck, all_to_all_pairwise, allgather_recursive_doubling, allgather_ring,
-                             allreduce_double_tree, allreduce_halving_doubling, allreduce_hierarchical,
-                             allreduce_naive, allreduce_recursive_doubling, allreduce_ring, allreduce_tree,
-                             allreduce_two_shot, barrier_dissemination, broadcast_binomial,
-                             broadcast_scatter_allgather, double_tree_schedule, gather_binomial, gather_linear,
-                             reduce_binomial, reduce_scatter_recursive_halving, reduce_scatter_ring,
-                             scatter_binomial, scatter_linear)
+                             allreduce_chain_tree, allreduce_double_tree, allreduce_halving_doubling,
+                             allreduce_hierarchical, allreduce_naive, allreduce_recursive_doubling,
+                             allreduce_ring, allreduce_ring_channels, allreduce_tree, allreduce_two_shot,
+                             barrier_dissemination, broadcast_binomial, broadcast_scatter_allgather,
+                             double_tree_schedule, gather_binomial, gather_linear, reduce_binomial,
+                             reduce_scatter_recursive_halving, reduce_scatter_ring, scatter_binomial, scatter_linear)
 from lab.compiled import Compilable
 
 
@@ -61,6 +61,9 @@ TABLE: tuple[Algorithm, ...] = (
     _entry("allreduce", allreduce_double_tree, "double_tree", 7, options=double_tree_schedule.call_options),
     _entry("allreduce", allreduce_hierarchical, "hierarchical", 13, auto=False),  # weighed across hosts only
     _entry("allreduce", allreduce_two_shot, "two_shot", 15),
+    _entry("allreduce", allreduce_ring_channels, "ring_channels", 16, auto=False),  # weighed across hosts only
+    _entry("allreduce", allreduce_chain_tree, "chain_tree", 17, auto=False,  # weighed across hosts only
+           options=double_tree_schedule.call_options),
     _entry("broadcast", broadcast_binomial, "binomial", 4, fallback="small"),
     _entry("broadcast", broadcast_scatter_allgather, "scatter_allgather", 9, fallback="large"),
     _entry("allgather", allgather_ring, "ring", 1, fallback="large"),
