@@ -39,13 +39,14 @@ def allreduce_chain_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, se
     a message compute its slot, and every rank runs its slots in increasing order.
 
     Cost, H hosts of L ranks, S segments of T/(2S) bytes, α', β' between hosts and α, β inside:
-    about (3S + 4·⌈log2 H⌉)·(α' + T/(2S)·β') + (2S + 2(L-1))·(α + T/(2S)·β): an inner host's head
-    sends 3 segments across hosts per segment of its tree (its parent, two child hosts) and 2
-    inside (its chain, the other tree's chain), and the pipeline fills through ⌈log2 H⌉ levels of
-    hosts and L-1 ranks of a chain, up and down. Across hosts that is 1.5T each way through the
-    busiest NIC (2T through a host's one link: both heads share it), in ⌈log2 H⌉ levels where a
-    ring crosses hosts 2(H-1) times. Bit-identical on every rank: each segment is reduced once,
-    in one order, at its tree's root, and copied down.
+    about P·(S + ⌈log2 H⌉)·(α' + T/(2S)·β') + 2(L-1)·(α + T/(2S)·β). Each segment takes the
+    period's P slots, each as long as a message between hosts (in every slot some rank of a
+    chain talks across hosts, and the slots keep the chain in step; one more with one NIC per
+    host, where both trees' heads queue), and the pipeline fills through ⌈log2 H⌉ levels of
+    hosts and L-1 ranks of each chain. Between hosts an inner host's head sends and receives
+    1.5T (its parent and two child hosts, T/2 each), in ⌈log2 H⌉ levels where a ring crosses
+    hosts 2(H-1) or 2(N-1) times. Bit-identical on every rank: each segment is reduced once, in
+    one order, at its tree's root, and copied down.
 
     Bytes, exactly (T_t = bytes of half t, ``split_bounds(count, 2)``; c_t = this rank's children
     in tree t; u_t = 1 unless it is tree t's root): sends and receives Σ_t (c_t + u_t)·T_t, as
