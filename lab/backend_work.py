@@ -76,8 +76,8 @@ class LabWork(dist._Work):
             return self._error
 
     def _complete(self, work: Work) -> None:
-        try:
-            result = work.result()
+        try:  # (on the thread that completed it: the lab's own reading, no wait of the program's)
+            result = work.outcome()
         except BaseException as exc:  # noqa: BLE001 - every failure reaches the future's readers
             self._future.set_result(Failed(self._torch_error(exc)))
             return

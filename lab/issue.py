@@ -64,17 +64,19 @@ class Work:
         return self._waited(None)
 
     def _waited(self, timeout: float | None) -> Any:
-        """:meth:`_outcome`, a wait of the program's: noted where the rank records."""
+        """:meth:`outcome`, a wait of the program's: noted where the rank records."""
         if self.recorded is None:
-            return self._outcome(timeout)
+            return self.outcome(timeout)
         recorder, index = self.recorded
         recorder.wait(index)
         try:
-            return self._outcome(timeout)
+            return self.outcome(timeout)
         finally:
             recorder.returned()
 
-    def _outcome(self, timeout: float | None) -> Any:
+    def outcome(self, timeout: float | None = None) -> Any:
+        """What the call returned (waiting for it; raises as :meth:`wait`), read by the lab itself:
+        no wait of the program's, so a recording notes none (the backend completing torch's future)."""
         try:
             return self._future.result(timeout)
         except BaseException:
@@ -267,7 +269,7 @@ class IssueQueue:
                 if recorded:
                     work.wait()
                 else:
-                    work._outcome(None)
+                    work.outcome(None)
             except BaseException as exc:
                 if not work.is_completed():
                     raise  # our own wait interrupted (Ctrl-C), not the call's failure
