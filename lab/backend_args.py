@@ -92,18 +92,23 @@ def flat_list(tensors: list) -> list[torch.Tensor]:
 
 
 def describe(mesh: Mesh, dim: str | None, op: str, inputs: list, outputs: list,
-             split_sizes: tuple | None = None, **rest: Any) -> Operation | None:
+             split_sizes: tuple | None = None, ran: Any = None, **rest: Any) -> Operation | None:
     """torch's operation ``op`` on the group of ``mesh`` (made for DeviceMesh dimension ``dim``)
     as a recording notes it (None where nothing records): elements in and out counted over its
     tensors (lists of lists too) in the first one's dtype; an all_to_all's ``split_sizes`` (in,
-    out; none given: even); ``rest``: roots and peers as the group's ranks, and the rest of
-    :class:`lab.recording.Operation`'s fields. A receive from any source learns its sender from
-    what its run returns.
+    out; none given: even); ``ran``: the lab collective it runs (``lab.collectives.Prepared``, or
+    a list of them), whose algorithm it notes (theirs where they agree on one); ``rest``: roots
+    and peers as the group's ranks, and the rest of :class:`lab.recording.Operation`'s fields. A
+    receive from any source learns its sender from what its run returns.
 
-        describe(mesh, "dp", "allreduce", [grads], [grads], reduce_op="sum")
+        describe(mesh, "dp", "allreduce", [grads], [grads], ran=prepared, reduce_op="sum")
     """
     if not mesh.recording:
         return None
+    ran = [] if ran is None else ran if isinstance(ran, list) else [ran]
+    algorithms = {prepared.signature.algorithm for prepared in ran}
+    if len(algorithms) == 1:  # (a coalesced call of tensors auto runs differently: none)
+        rest["algorithm"] = algorithms.pop()
     first = next(iter(flat_list(inputs) or flat_list(outputs)), None)
     dtype = DTYPES["float32"] if first is None else dtype_of(first)
     size = dtype.storage.itemsize  # (a coalesced call's tensors of other dtypes: counted in bytes)

@@ -67,13 +67,15 @@ class LabProcessGroup(NamedGroup):
     def _algorithm(self, collective: str) -> str:
         return self.options.algorithms.get(collective, "auto")
 
-    def _work(self, run: Callable[[], Any], outputs: list, op: str, inputs: list, **rest: Any) -> LabWork:
-        """The Work of ``run``, torch's ``op`` of ``inputs`` into ``outputs`` (noted as
+    def _work(self, run: Callable[[], Any], outputs: list, op: str, inputs: list, ran: Any = None,
+              **rest: Any) -> LabWork:
+        """The Work of ``run``, torch's ``op`` of ``inputs`` into ``outputs``, running the lab
+        collective ``ran`` (``lab.collectives.Prepared``, or a list of them; noted as
         :func:`lab.backend_args.describe` says). A collective of at most ``RUN_NOW_MAX_BYTES`` of
         output runs before this returns when nothing else is in flight (the Work is then complete);
         a send or receive always goes to the communication thread (an irecv must not block)."""
         p2p, now = (op, False) if op in ("send", "recv") else ("", output_bytes(outputs) <= RUN_NOW_MAX_BYTES)
-        what = describe(self.mesh, self.dim, op, inputs, outputs, **rest)
+        what = describe(self.mesh, self.dim, op, inputs, outputs, ran=ran, **rest)
         return LabWork(self, run, outputs, now, p2p, what)
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
@@ -88,7 +90,7 @@ class LabProcessGroup(NamedGroup):
                 tensor.mul_(factor)  # in place anyway: the result replaces it
             prepared.run()
 
-        return self._work(run, tensors, "allreduce", tensors, reduce_op=op)
+        return self._work(run, tensors, "allreduce", tensors, ran=prepared, reduce_op=op)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         op, factor = lab_op(opts.reduceOp)
@@ -100,12 +102,12 @@ class LabProcessGroup(NamedGroup):
             prepared.run()
             unflatten_into(flat, tensors)
 
-        return self._work(run, tensors, "allreduce", tensors, reduce_op=op)
+        return self._work(run, tensors, "allreduce", tensors, ran=prepared, reduce_op=op)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(tensors, "broadcast")
         prepared = collectives.prepare_broadcast(self.mesh, tensor, opts.rootRank, self._algorithm("broadcast"))
-        return self._work(prepared.run, tensors, "broadcast", tensors, root=opts.rootRank)
+        return self._work(prepared.run, tensors, "broadcast", tensors, ran=prepared, root=opts.rootRank)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(tensors, "reduce")
@@ -122,7 +124,7 @@ class LabProcessGroup(NamedGroup):
             if factor is not None and self.mesh.rank == dst:
                 tensor.copy_(source)
 
-        return self._work(run, tensors, "reduce", tensors, root=dst, reduce_op=op)
+        return self._work(run, tensors, "reduce", tensors, ran=prepared, root=dst, reduce_op=op)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> LabWork:
@@ -132,7 +134,7 @@ class LabProcessGroup(NamedGroup):
         # the tensor itself: read when the gather runs, after the collectives issued before it
         prepared = collectives.prepare_allgather(self.mesh, tensor, self._algorithm("allgather"))
         run = lambda: unflatten_into(prepared.run().reshape(-1), outputs)
-        return self._work(run, output_lists, "allgather", inputs)
+        return self._work(run, output_lists, "allgather", inputs, ran=prepared)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -157,7 +159,7 @@ class LabProcessGroup(NamedGroup):
             for i, gather in enumerate(prepared):
                 unflatten_into(gather.run().reshape(-1), [outputs[i] for outputs in output_lists])
 
-        return self._work(run, [t for outputs in output_lists for t in outputs], "allgather", inputs)
+        return self._work(run, [t for outputs in output_lists for t in outputs], "allgather", inputs, ran=prepared)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> LabWork:
@@ -170,7 +172,7 @@ class LabProcessGroup(NamedGroup):
             for output, gather in zip(outputs, prepared, strict=True):
                 output.copy_(gather.run().view_as(output))
 
-        return self._work(run, outputs, "allgather", inputs)
+        return self._work(run, outputs, "allgather", inputs, ran=prepared)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any = None) -> LabWork:
@@ -185,7 +187,7 @@ class LabProcessGroup(NamedGroup):
             flatten_into(flat, inputs, factor)
             output.copy_(prepared.run().view_as(output))
 
-        return self._work(run, outputs, "reduce_scatter", input_lists, reduce_op=op)
+        return self._work(run, outputs, "reduce_scatter", input_lists, ran=prepared, reduce_op=op)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -196,7 +198,7 @@ class LabProcessGroup(NamedGroup):
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> LabWork:
         op, factor = lab_op(opts.reduceOp)
-        steps = []
+        steps, ran = [], []
         for output, tensor in zip(outputs, inputs, strict=True):
             check_like(tensor, output.numel() * self.mesh.world_size, output.dtype, "input")
             # Blocks are split along a flat input. A copy (staged) where it cannot be a view, made
@@ -205,15 +207,16 @@ class LabProcessGroup(NamedGroup):
             staged = factor is not None or not tensor.is_contiguous()
             source = torch.empty(tensor.numel(), dtype=tensor.dtype) if staged else tensor.view(-1)
             prepared = collectives.prepare_reduce_scatter(self.mesh, source, op, self._algorithm("reduce_scatter"))
-            steps.append((output, tensor, staged, source, prepared))
+            steps.append((output, tensor, staged, source))
+            ran.append(prepared)
 
         def run() -> None:
-            for output, tensor, staged, source, prepared in steps:
+            for (output, tensor, staged, source), prepared in zip(steps, ran, strict=True):
                 if staged:
                     flatten_into(source, [tensor], factor)
                 output.copy_(prepared.run().view_as(output))
 
-        return self._work(run, outputs, "reduce_scatter", inputs, reduce_op=op)
+        return self._work(run, outputs, "reduce_scatter", inputs, ran=ran, reduce_op=op)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> LabWork:
@@ -224,7 +227,7 @@ class LabProcessGroup(NamedGroup):
                                                   input_split_sizes=list(input_split_sizes) or None,
                                                   algorithm=self._algorithm("all_to_all"))
         return self._work(lambda: output.copy_(prepared.run().view_as(output)), [output], "all_to_all",
-                          [input], split_sizes=(input_split_sizes, output_split_sizes))
+                          [input], ran=prepared, split_sizes=(input_split_sizes, output_split_sizes))
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> LabWork:
         check_count(outputs, self.mesh.world_size, "output_tensor_list")
@@ -240,7 +243,7 @@ class LabProcessGroup(NamedGroup):
             unflatten_into(prepared.run(), outputs)
 
         splits = ([t.numel() for t in inputs], [t.numel() for t in outputs])
-        return self._work(run, outputs, "all_to_all", inputs, split_sizes=splits)
+        return self._work(run, outputs, "all_to_all", inputs, ran=prepared, split_sizes=splits)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(inputs, "gather")
@@ -255,7 +258,7 @@ class LabProcessGroup(NamedGroup):
             if gathered is not None:
                 unflatten_into(gathered.reshape(-1), outputs)
 
-        return self._work(run, outputs, "gather", inputs, root=dst)
+        return self._work(run, outputs, "gather", inputs, ran=prepared, root=dst)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> LabWork:
         output = one(outputs, "scatter")
@@ -273,10 +276,11 @@ class LabProcessGroup(NamedGroup):
             output.copy_(prepared.run().view_as(output))
 
         # every rank counts the whole, as lab.scatter takes it (only the root's is read)
-        return self._work(run, outputs, "scatter", [whole], root=src)
+        return self._work(run, outputs, "scatter", [whole], ran=prepared, root=src)
 
     def barrier(self, opts: Any = None) -> LabWork:
-        return self._work(collectives.prepare_barrier(self.mesh).run, [], "barrier", [])
+        prepared = collectives.prepare_barrier(self.mesh)
+        return self._work(prepared.run, [], "barrier", [], ran=prepared)
 
     # -- point-to-point
 

@@ -52,6 +52,8 @@ class Plan:
         self._run_now = compiled or prepared.run
         self._issue = self._queue.run_alone if compiled else self._queue.run_collective
         self._refused = mesh.refused  # (numbers a run refused for an earlier failure: lab.issue)
+        # the call as a recording notes it, with its algorithm (None: the rank records nothing)
+        self._what = prepared.what and prepared.what._replace(algorithm=prepared.signature.algorithm)
 
     @property
     def collective(self) -> str:
@@ -64,11 +66,11 @@ class Plan:
 
     def __call__(self) -> Any:
         """Run the collective now on the tensor's current contents; return what the plain call does."""
-        return self._issue(self._run(), refused=self._refused, what=self._prepared.what)
+        return self._issue(self._run(), refused=self._refused, what=self._what)
 
     def start(self) -> Work:
         """Run it asynchronously (in issue order with this mesh's other calls); return a :class:`lab.Work`."""
-        return self._queue.issue(self._run(), async_op=True, what=self._prepared.what)
+        return self._queue.issue(self._run(), async_op=True, what=self._what)
 
     def free(self) -> None:
         """Release the plan (idempotent); using it afterwards is a :class:`lab.LabError`."""

@@ -30,8 +30,9 @@ from lab.errors import LabError
 class Operation(NamedTuple):
     """A call as the program issued it: ``group`` and ``root``/``peer`` as global ranks, element
     counts of the input and of the output, ``itemsize`` bytes an element. ``peer`` None on a
-    receive from any source, and ``learn``: what the call's result adds to the line once it
-    completes (the source, the dtype and size a receive learns from its message)."""
+    receive from any source; ``algorithm``: the one the lab runs it with (``auto``'s pick
+    resolved; None for a send or receive); and ``learn``: what the call's result adds to the line
+    once it completes (the source, the dtype and size a receive learns from its message)."""
 
     op: str
     group: tuple[int, ...]
@@ -45,6 +46,7 @@ class Operation(NamedTuple):
     peer: int | None = None
     tag: int = 0
     split_sizes: dict | None = None
+    algorithm: str | None = None
     learn: Callable[[Any], dict] | None = None
 
 

@@ -196,7 +196,7 @@ def test_a_2d_mesh_replays_each_dimension_at_its_new_size(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda rows: rows[0].update(version=2), "field 'version' is 2"),
+        (lambda rows: rows[0].update(version=3), "field 'version' is 3; this lab reads versions 1, 2"),
         (lambda rows: rows[1].update(count="many"), "field 'count' must be an integer; got 'many'"),
         (lambda rows: rows[1].update(group=[0, 0, 1, 2]), "field 'group' must list distinct ranks"),
         (lambda rows: rows[1].update(op="allsum"), "field 'op' must be one of"),

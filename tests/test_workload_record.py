@@ -42,13 +42,15 @@ def of(rows: list[dict], rank: int, **match) -> list[dict]:
 # -- torch's DDP on a pool's mesh ------------------------------------------------------------------
 
 
-def ddp_steps(mesh: lab.Mesh, steps: int) -> dict:
-    """DDP of a model of about 1.3 MB with 0.1 MB buckets (DDP's first bucket holds up to 1 MB, so
-    two after its rebuild), ``steps`` steps; DDP's bucket sizes (bytes) after them."""
+def ddp_steps(mesh: lab.Mesh, steps: int) -> tuple[dict, list[int], list[tuple]]:
+    """DDP of a model of about 1.3 MB with 0.1 MB buckets (two after its rebuild), ``steps`` steps,
+    its gradients recorded: DDP's bucket sizes (bytes) after them, its parameters' sizes, and the
+    allreduces the rank ran (elements and algorithm, from its flight records)."""
     lab.backend.init_process_group(mesh)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 16))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.1)
+    assert lab.workload.record_gradients(ddp)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for _ in range(steps):
         loss = ddp(torch.randn(8, 64)).square().mean()
@@ -57,14 +59,16 @@ def ddp_steps(mesh: lab.Mesh, steps: int) -> dict:
         optimizer.step()
         lab.workload.mark_step()
     data = ddp._get_ddp_logging_data()
+    ran = [(r.count, r.algorithm) for r in mesh.flight_records() if r.collective == "allreduce"]
     dist.destroy_process_group()  # (the mesh stays open: the pool's)
-    return data
+    return data, [p.numel() for p in model.parameters()], ran
 
 
 def test_a_ddp_step_records_one_allreduce_per_bucket_with_its_bytes(tmp_path):
+    """... with the algorithm each ran, and the model's gradients in the order DDP reduces them."""
     path = tmp_path / "ddp.jsonl"
-    data = lab.spawn(ddp_steps, 2, args=(3,), workload=str(path))
-    buckets = [int(b) for b in data[0]["rebuilt_bucket_sizes"].split(",")]  # (rebuilt after step 0)
+    (data, parameters, ran), _ = lab.spawn(ddp_steps, 2, args=(3,), workload=str(path))
+    buckets = [int(b) for b in data["rebuilt_bucket_sizes"].split(",")]  # (rebuilt after step 0)
     assert len(buckets) == 2, data[0]
     header, rows = lines(path)
     assert header["world_size"] == 2 and header["recorded"]["transport"] == "shm"
@@ -76,11 +80,24 @@ def test_a_ddp_step_records_one_allreduce_per_bucket_with_its_bytes(tmp_path):
                        and r["async"] for r in allreduces)
             waited = {r["index"] for r in of(rows, rank, step=step, kind="wait")}
             assert {r["index"] for r in allreduces} <= waited  # (a wait line, seen or inferred, each)
+            # the backend reading an outcome as it completes is no wait of the program's: none
+            # comes between the buckets, whose compute is the backward's between them
+            step_rows, buckets_of = of(rows, rank, step=step), {r["index"] for r in allreduces}
+            assert step_rows.index(allreduces[-1]) < min(
+                step_rows.index(r) for r in step_rows if r["kind"] == "wait" and r["index"] in buckets_of)
+    assert [(r["count"], r["algorithm"]) for r in of(rows, 0, kind="op", op="allreduce")] == ran[-6:]
     w = workload.load(path)  # the file loads, and replays at the recorded size
     assert w.steps == 3 and w.world_size == 2
+    for rank in range(2):
+        assert w.gradients[rank] == workload.Gradients((0, 1), "float32", tuple(reversed(parameters)),
+                                                       int(0.1 * 2**20), int(0.1 * 2**20))
     r = workload.replay(w, network=NET, algorithms={"allreduce": "ring"})
     assert len(r.step_us) == 3 and (r.step_us > 0).all()
     assert list(r.breakdown[r.breakdown["step"] == 2]["nbytes"]) == buckets
+    as_recorded = workload.replay(w, network=NET, timeline=False).breakdown  # what the lab ran
+    assert (as_recorded["algorithm"] == as_recorded["recorded_algorithm"]).all()
+    rebucketed = workload.replay(w, network=NET, bucket_mb=2, timeline=False).breakdown  # all in one
+    assert list(rebucketed[rebucketed["step"] == 2]["nbytes"]) == [sum(buckets)]
 
 
 def fsdp_steps(mesh: lab.Mesh, steps: int) -> None:
@@ -153,9 +170,10 @@ def test_a_2d_device_mesh_recording_replays_each_dimension_by_name(tmp_path):
 # -- a mesh's own calls, recorded through LAB_WORKLOAD ----------------------------------------------
 
 
-def mesh_calls(mesh: lab.Mesh) -> bool:
+def mesh_calls(mesh: lab.Mesh) -> tuple[bool, list[str]]:
     """A step of a mesh's calls: an allreduce, and again (the second takes its lane), an async
-    allgather and its wait, a send and its receive, a plan's run; then a step's end."""
+    allgather and its wait, a send and its receive, a plan's run; then a step's end. And the
+    algorithms its collectives ran (its flight records)."""
     x = torch.ones(256)
     lab.allreduce(mesh, x)
     lab.allreduce(mesh, x)
@@ -166,13 +184,15 @@ def mesh_calls(mesh: lab.Mesh) -> bool:
         mesh.recv(0, tag=3)
     with lab.allreduce_init(mesh, x, op="max") as plan:
         plan()
-    return lab.workload.mark_step()
+    ran = [r.algorithm for r in mesh.flight_records() if r.collective in ("allreduce", "allgather")]
+    return lab.workload.mark_step(), ran[-4:]
 
 
 def test_lab_workload_records_a_mesh_s_calls_their_waits_and_peers(tmp_path, monkeypatch):
     path = tmp_path / "mesh.jsonl"
     monkeypatch.setenv("LAB_WORKLOAD", str(path))
-    assert lab.spawn(mesh_calls, 2) == [True, True]
+    (marked, ran), _ = lab.spawn(mesh_calls, 2)
+    assert marked
     header, rows = lines(path)
     assert header["format"] == "lab-workload" and header["world_size"] == 2
     for rank in range(2):
@@ -186,6 +206,8 @@ def test_lab_workload_records_a_mesh_s_calls_their_waits_and_peers(tmp_path, mon
         assert (p2p["peer"], p2p["tag"], p2p["dtype"], p2p["count"]) == (1 - rank, 3, "float32", 8)
         assert plan["reduce_op"] == "max" and not plan["async"]
         assert all(r["compute_us"] >= 0 for r in mine) and all("completed_us" in r for r in mine if r["kind"] == "op")
+        # what each collective ran: the full path's, the lane's, the plan's; a send says none
+        assert [r.get("algorithm") for r in mine if r["kind"] == "op"] == [*ran[:3], None, ran[3]]
     assert workload.load(path).steps == 1
 
 
@@ -281,7 +303,7 @@ def test_an_unwaited_async_operation_is_waited_at_the_step_s_end(tmp_path):
 
 
 def test_a_wait_woken_by_its_completion_counts_no_compute_before_it(tmp_path):
-    """DDP blocks on a bucket's future in C++, then waits on its Work as it completes: a wait
+    """A program that blocks on a future in C++, then waits on its Work as it completes: a wait
     within 1 ms of its operation's completion was woken by it, and the time until the completion
     is no compute; a wait later than that keeps its compute (fake clock, ns)."""
     path = tmp_path / "woken.jsonl"

@@ -66,10 +66,10 @@ def describe(mesh: Mesh, op: str, dtype: Any, count: int, out_count: int, **rest
 
 def issue(mesh: Mesh, prepared: Prepared, async_op: bool) -> Any:
     """Run ``prepared`` in ``mesh``'s issue order, now or (``async_op``) on its communication
-    thread; noted as ``prepared.what`` where the rank records."""
+    thread; noted as ``prepared.what``, with the algorithm it runs, where the rank records."""
     if prepared.what is None:
         return mesh.issue(prepared.run, async_op)
-    return mesh.issue(prepared.run, async_op, what=prepared.what)
+    return mesh.issue(prepared.run, async_op, what=prepared.what._replace(algorithm=prepared.signature.algorithm))
 
 
 def compiled_run(mesh: Mesh, signature: Signature, algorithm: Any, args: tuple, after: Callable[[], Any],
@@ -144,7 +144,7 @@ def make_lane(mesh: Mesh, key: tuple, signature: Signature, algorithm: Any, args
             # (made once, whether the rank records now or not: it may start later)
             root = None if signature.root < 0 else signature.root
             what = mesh.describe(signature.collective, signature.dtype, signature.count, signature.count,
-                                 reduce_op=signature.op or None, root=root)
+                                 reduce_op=signature.op or None, root=root, algorithm=signature.algorithm)
             remembered(mesh, key, lambda: Lane(mesh, run, nbytes, run.operands(args)[1:], what))
 
 

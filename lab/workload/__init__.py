@@ -7,6 +7,7 @@
     r.step_us; r.compute_us; r.exposed_comm_us              # per recorded step
     r.breakdown                                             # one row per operation
     r.timeline("sim.json")                                  # the simulated step, for Perfetto
+    lab.workload.record_gradients(ddp_model)                # while recording: then replay(w, bucket_mb=4)
 
 Re-targeting (:mod:`lab.workload.retarget`) keeps an allreduce's or broadcast's per-rank bytes and
 a sharded group's model total; the replay (:mod:`lab.workload.replay`) runs each rank's compute
@@ -22,12 +23,14 @@ import numpy as np
 from lab.collectives import registry
 from lab.sim.fitted import calibrated
 from lab.sim.network import Network
-from lab.workload.format import Event, Workload, load
-from lab.workload.record import mark_step
+from lab.workload.format import Event, Gradients, Workload, load
+from lab.workload.rebucket import rebucket
+from lab.workload.record import mark_step, record_gradients
 from lab.workload.replay import Replay, ReplayResult
 from lab.workload.retarget import Layout
 
-__all__ = ["Event", "ReplayResult", "Workload", "load", "mark_step", "network_named", "replay"]
+__all__ = ["Event", "Gradients", "ReplayResult", "Workload", "load", "mark_step", "network_named",
+           "record_gradients", "replay"]
 
 
 def network_named(network: Any) -> Network:
@@ -61,12 +64,17 @@ def replay(
     dims: dict[str, int] | None = None,
     shard: str = "strong",
     timeline: bool = True,
+    bucket_mb: float | None = None,
 ) -> ReplayResult:
     """Replay ``workload``'s whole steps on ``world_size`` ranks (or the mesh ``dims``; default:
     as recorded) over ``network`` (default: ``Network()``'s).
 
-    ``algorithms``: the algorithm per collective (``{"allreduce": "ring"}``; default: the least
-    simulated of ``auto``'s candidates). ``compute_scale`` multiplies every rank's recorded
+    ``algorithms``: the algorithm per collective (``{"allreduce": "ring"}``; ``"auto"``: the
+    least simulated of ``auto``'s candidates). Default: an operation replayed at its recorded
+    group size and bytes runs the algorithm the lab ran (where the file says it), any other the
+    least simulated (:func:`lab.workload.replay.algorithm_for`). ``bucket_mb``: a DDP recording
+    that knows its gradients (:func:`record_gradients`) re-bucketed at that cap
+    (:mod:`lab.workload.rebucket`). ``compute_scale`` multiplies every rank's recorded
     compute; ``stragglers={rank: factor}`` multiplies one rank's more; ``jitter`` draws every
     rank's factor from ``1 + jitter * |N(0, 1)|`` (``seed``). ``shard``: ``"strong"`` keeps a sharded
     group's model total, ``"weak"`` its per-rank bytes (:mod:`lab.workload.retarget`).
@@ -81,13 +89,15 @@ def replay(
             f"{workload.path or 'the workload'} has no whole step: call lab.workload.mark_step() "
             "after each optimizer.step() while recording"
         )
+    if bucket_mb is not None:
+        workload = rebucket(workload, bucket_mb)
     layout = Layout.of(workload, world_size, dims, shard)
     net = Network() if network is None else network_named(network)
     algorithms = dict(algorithms or {})
     for collective, name in algorithms.items():
-        if name not in registry_names(collective):
+        if name not in (*registry_names(collective), "auto"):
             raise ValueError(
-                f"algorithms[{collective!r}] must be one of {', '.join(registry_names(collective))}; "
+                f"algorithms[{collective!r}] must be one of {', '.join(registry_names(collective))} or auto; "
                 f"got {name!r}"
             )
     factors = _factors(layout.world_size, compute_scale, stragglers, jitter, seed)

@@ -3,6 +3,7 @@
     python -m lab workload replay step.jsonl --ranks 1024 --network tcp
     python -m lab workload replay step.jsonl --dims dp=128 tp=8 --algorithm allreduce=ring --json
     python -m lab workload replay step.jsonl --ranks 64 --alpha-us 5 --gbit 100 --timeline sim.json
+    python -m lab workload replay step.jsonl --ranks 1024 --network tcp --bucket-mb 4   # DDP, 4 MiB buckets
     python -m lab workload export step.jsonl --ranks 64 --goal step.goal   # for LogGOPSim, ATLAHS
 
 Prints the step time, the compute and the exposed communication per step, the breakdown table
@@ -98,6 +99,7 @@ def export(args: argparse.Namespace) -> int:
             network=_network(args),
             algorithms=_pairs(args.algorithm, "--algorithm", str),
             shard=args.shard,
+            bucket_mb=args.bucket_mb,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         args.parser.error(str(exc))
@@ -118,6 +120,7 @@ def main(args: argparse.Namespace) -> int:
             compute_scale=args.compute_scale,
             shard=args.shard,
             timeline=args.timeline is not None,
+            bucket_mb=args.bucket_mb,
         )
     except (ValueError, argparse.ArgumentTypeError) as exc:
         args.parser.error(str(exc))
@@ -146,13 +149,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "--algorithm",
             nargs="+",
             metavar="COLLECTIVE=NAME",
-            help="the algorithm per collective (default: the least simulated of auto's candidates)",
+            help="the algorithm per collective (auto: the least simulated of auto's candidates; default: "
+            "the recorded one at the recorded size, else auto)",
         )
         command.add_argument(
             "--shard",
             choices=["strong", "weak"],
             default="strong",
             help="a sharded group keeps the model's total (strong) or per-rank bytes (weak)",
+        )
+        command.add_argument(
+            "--bucket-mb",
+            type=float,
+            metavar="MB",
+            help="re-bucket a DDP recording's gradients at this cap (MiB, as DDP's bucket_cap_mb; the "
+            "recording must know its gradients: lab.workload.record_gradients)",
         )
     run.add_argument("--compute-scale", type=float, default=1.0, help="multiply every rank's compute")
     run.add_argument("--timeline", metavar="FILE.json", help="also write the simulated steps for Perfetto")

@@ -23,10 +23,12 @@ carry a tag of their own, so two collectives never match each other's messages::
 from __future__ import annotations
 
 from pathlib import Path
+
 from lab.sim.core import recorded_schedule
 from lab.sim.network import Network
 from lab.workload import format as fmt
-from lab.workload.replay import collective_us, whole_steps
+from lab.workload.rebucket import rebucket
+from lab.workload.replay import algorithm_for, collective_us, whole_steps
 from lab.workload.retarget import Layout
 
 
@@ -72,10 +74,14 @@ def export_goal(
     network: Network | None = None,
     algorithms: dict[str, str] | None = None,
     shard: str = "strong",
+    bucket_mb: float | None = None,
 ) -> int:
-    """Write ``workload``'s whole steps, re-targeted as :func:`lab.workload.replay` does, as GOAL
-    at ``path``; returns the number of operations written. ``network`` only chooses the algorithm
-    where ``algorithms`` names none (the least simulated, as the replay does)."""
+    """Write ``workload``'s whole steps, re-targeted (and re-bucketed, ``bucket_mb``) as
+    :func:`lab.workload.replay` does, as GOAL at ``path``; returns the number of operations
+    written. ``network`` only chooses the algorithm where neither ``algorithms`` nor the recording
+    says one (the least simulated, as the replay does: :func:`lab.workload.replay.algorithm_for`)."""
+    if bucket_mb is not None:
+        workload = rebucket(workload, bucket_mb)
     layout = Layout.of(workload, world_size, dims, shard)
     network = network or Network()
     algorithms = algorithms or {}
@@ -136,7 +142,8 @@ def _operation(
     if size == 1:
         return start
     root = min(event.group.index(event.root), size - 1) if event.root is not None else 0
-    _, algorithm = collective_us(event.op, algorithms.get(event.op), size, nbytes, root, network)
+    _, algorithm = collective_us(event.op, algorithm_for(event, size, nbytes, algorithms), size, nbytes, root,
+                                 network)
     schedule, _ = recorded_schedule(event.op, algorithm, size, nbytes, root, 1, None)
     me = members.index(rank)
     previous = start

@@ -16,8 +16,10 @@ completed and that the program never waited on through its Work is taken as wait
 the program's last call into the lab (a wait line marked ``"inferred": true``), and the time
 until the last of them completed is not compute. Likewise a wait that comes within
 :data:`WOKEN_NS` (1 ms) of its operation's completion, after the program's last call, was woken by
-it (DDP waits on the bucket's future in C++, then on its Work): the time until the completion is
-not compute, as if the program had waited right after its last call.
+it (the program blocked on its future, where the lab cannot see, then waited on its Work): the
+time until the completion is not compute, as if the program had waited right after its last call.
+The backend reading an outcome as the operation completes (to complete torch's future) is the
+lab's, not the program's: no wait.
 
     recorder = Recorder("step.jsonl", rank=0, world_size=4)
     index = recorder.operation("allreduce", [0, 1, 2, 3], "float32", 1024, 1024, reduce_op="sum",
@@ -36,6 +38,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lab import recording
 from lab.recording import Operation
@@ -75,6 +78,7 @@ class Recorder:
         self._start = clock()
         self._returned = self._start  # when the program last got control back
         self._inside = 0  # lab calls in progress (a composite call issues others inside it)
+        self._gradients: dict | None = None  # what record_gradients noted (once)
         self.step, self.issued = 0, 0
 
     def _now_us(self, now: int) -> float:
@@ -143,6 +147,14 @@ class Recorder:
             if not self._inside:
                 self._returned = self._clock()
 
+    def gradients(self, fields: dict) -> None:
+        """Note a DDP model's gradients (:func:`record_gradients`): a ``gradients`` line, the first
+        time; the same again adds nothing."""
+        with self._lock:
+            if fields != self._gradients:
+                self._gradients = fields
+                self._rows.append({"kind": "gradients", "step": self.step, "fields": fields})
+
     def mark_step(self) -> None:
         """The end of a training step: the waits the lab could not see, its line, and the step's
         lines written."""
@@ -169,6 +181,8 @@ class Recorder:
         rest of a recording): every field but an operation's fixed ones is a number, times in µs
         to the clock's ns."""
         head = f'{{"rank":{self.rank},"step":{row["step"]},"kind":"{row["kind"]}"'
+        if row["kind"] == "gradients":  # (once a recording)
+            return f"{head},{json.dumps(row['fields'], separators=(',', ':'))[1:]}\n"
         compute = f'"compute_us":{row["compute_us"]:.3f}'
         if row["kind"] == "step":
             return f"{head},{compute}}}\n"
@@ -223,6 +237,8 @@ def _fixed_json(what: Operation, learned: dict | None) -> str:
         fields.update(peer=what.peer, tag=what.tag)  # (from any source: the peer comes as it completes)
     if what.split_sizes is not None:
         fields["split_sizes"] = what.split_sizes
+    if what.algorithm is not None:
+        fields["algorithm"] = what.algorithm
     if learned:
         fields.update(_learned(learned))
     return json.dumps(fields, separators=(",", ":"))[1:-1]
@@ -258,6 +274,46 @@ def mark_step() -> bool:
     if not isinstance(recorder, Recorder):
         return False
     recorder.mark_step()
+    return True
+
+
+def record_gradients(model: Any) -> bool:
+    """Note ``model``'s gradients in this rank's recording: ``model`` is torch's
+    ``DistributedDataParallel``; call it once, on every rank, once it is built. What DDP reduces,
+    in its order (its parameters that take a gradient, in ``named_modules`` order without those it
+    ignores, reversed), its group and its bucket caps: what ``lab.workload.replay(...,
+    bucket_mb=X)`` re-buckets them with. Returns True; False, doing nothing, where this process
+    records nothing.
+
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2)
+        lab.workload.record_gradients(ddp)
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"model must be a torch.nn.parallel.DistributedDataParallel; got {type(model).__name__}")
+    recorder = recording.current()
+    if not isinstance(recorder, Recorder):
+        return False
+    ignored, seen, parameters = getattr(model, "parameters_to_ignore", set()), set(), []
+    for module_name, module in model.module.named_modules():  # (as DDP lists what it reduces)
+        for name, parameter in module.named_parameters(recurse=False):
+            if parameter.requires_grad and f"{module_name}.{name}" not in ignored and id(parameter) not in seen:
+                seen.add(id(parameter))
+                parameters.append(parameter)
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in parameters})
+    if len(dtypes) != 1:
+        raise ValueError(f"model's gradients must be of one dtype (DDP buckets each dtype apart, which "
+                         f"re-bucketing does not model); got {', '.join(dtypes) or 'none'}")
+    config = getattr(model, "_bucket_config", None)  # (torch 2.13's; before it, the default's flag)
+    cap = int(model.bucket_bytes_cap)
+    first = config.first_bucket_bytes_cap if config is not None else \
+        min(dist._DEFAULT_FIRST_BUCKET_BYTES, cap) if getattr(model, "bucket_bytes_cap_default", False) else cap
+    sized = [_in_format(dtypes[0], p.element_size(), p.numel(), p.numel())[:2] for p in reversed(parameters)]
+    recorder.gradients({"group": dist.get_process_group_ranks(model.process_group), "dtype": sized[0][0],
+                        "counts": [count for _, count in sized], "bucket_cap_bytes": cap,
+                        "first_bucket_cap_bytes": int(first)})
     return True
 
 

@@ -77,6 +77,25 @@ def collective_us(
     return best
 
 
+def algorithm_for(event: Event, group_size: int, nbytes: int, algorithms: dict[str, str]) -> str | None:
+    """The algorithm a replay times collective ``event`` with on ``group_size`` ranks and ``nbytes``
+    a rank: the one ``algorithms`` names for it (``"auto"``: the replay's own choice, None); else,
+    at the recorded group's size and bytes, the one the lab ran there (the file's ``algorithm``);
+    else None, the least simulated of ``auto``'s candidates (the lab's ``auto`` picks again at
+    another size, from the fitted models of the machine it runs on, which the file does not hold)."""
+    named = algorithms.get(event.op)
+    if named is not None:
+        return None if named == "auto" else named
+    if event.algorithm is None or group_size != len(event.group) or nbytes != event.nbytes:
+        return None
+    if event.algorithm not in registry.ALGORITHMS[event.op]:
+        raise ValueError(
+            f"operation {event.index} of recorded rank {event.rank} ran {event.op} algorithm "
+            f"{event.algorithm!r}, which this lab does not have: name one in algorithms= ('auto': the replay's)"
+        )
+    return event.algorithm
+
+
 @dataclass
 class _Op:
     """One issued operation of one target rank."""
@@ -99,8 +118,9 @@ class ReplayResult:
     ``step_us``, ``compute_us``, ``exposed_comm_us``: numpy arrays, one value a step (the rank that
     finished the step last: its compute, and the rest of the step, spent waiting on communication).
     ``breakdown``: one row per operation of the step (by its index in the template rank's issue
-    order): op, group size, bytes, algorithm, predicted µs, exposed µs (the longest any member was
-    blocked on it) and its share of the step."""
+    order): op, group size, bytes, the algorithm timed and the one the recording says ran
+    (``recorded_algorithm``; None where the file does not say), predicted µs, exposed µs (the
+    longest any member was blocked on it) and its share of the step."""
 
     world_size: int
     network: Network
@@ -317,7 +337,8 @@ class Replay:
             if event.root is not None:
                 root = min(event.group.index(event.root), first.size - 1)
             duration, algorithm = collective_us(
-                event.op, self.algorithms.get(event.op), first.size, nbytes, root, self.network
+                event.op, algorithm_for(event, first.size, nbytes, self.algorithms), first.size, nbytes, root,
+                self.network,
             )
         row = self.rows.setdefault(
             (event.step, event.index),
@@ -331,6 +352,7 @@ class Replay:
                 if event.op in POINT_TO_POINT
                 else self.layout.nbytes(event, first.size),
                 "algorithm": algorithm,
+                "recorded_algorithm": event.algorithm,
                 "async": event.is_async,
                 "predicted_us": duration,
             },
