@@ -17,7 +17,9 @@ machine, 4 ranks take turns), as the fitted network assumes.
 
 Then the replay of the 4-host DDP recording (communication-bound) on 1,024 ranks, each host its own
 cores, is timed (target: under a minute). Writes ``accuracy.csv``, ``replay_1024.csv`` and
-``machine.json`` into ``--out`` and prints the table as markdown.
+``machine.json`` into ``--out``, prints the table as markdown and, where ``--out`` is a results
+folder's ``workloads/``, puts its section into that folder's ``REPORT.md``
+(:mod:`lab.results.workloads`; ``python -m lab results --report-only`` renders it again).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch.distributed.fsdp import fully_shard
 
 import lab
 from lab.collectives.choice import pick
+from lab.results import workloads
 from lab.results.sweeps import machine, save_machine
 from lab.workload.format import DTYPE_BYTES
 
@@ -149,20 +152,6 @@ def replay_time(path: Path, ranks: int) -> dict:
             "step_ms": float(result.step_us[-1]) / 1e3, "operations": len(result.breakdown)}
 
 
-def markdown(table: pd.DataFrame) -> str:
-    """The table as markdown: one line per comparison."""
-    lines = ["| parallelism | model | comparison | measured | replayed (its compute) | error | target | "
-             "compute scaled by the shared cores |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for row in table.itertuples():
-        verdict = "meets" if row.meets else "misses"
-        scaled = (f"{row.cores_scaled_ms:,.1f} ms ({row.cores_scaled_error:+.1%})"
-                  if row.cores_scaled_ms != row.replayed_ms else "")
-        lines.append(f"| {row.parallelism} | {row.model} (batch {row.batch}) | {row.comparison} | "
-                     f"{row.measured_ms:,.1f} ms | {row.replayed_ms:,.1f} ms ({row.compute_ms:,.1f}) | "
-                     f"{row.error:+.1%} | {row.target:.0%}: {verdict} | {scaled} |")
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="steps per case, warm-up included")
@@ -181,9 +170,12 @@ def main() -> None:
     table.to_csv(out / "accuracy.csv", index=False, float_format="%.6g")
     pd.DataFrame([timing]).to_csv(out / "replay_1024.csv", index=False, float_format="%.6g")
     save_machine(out, info)
-    print(f"\n{markdown(table)}\n")
+    spliced = workloads.splice_section(out.parent) if out.name == workloads.FOLDER else False
+    print(f"\n{workloads.accuracy_table(table)}\n")
     print(f"replay of {timing['recording']} on {timing['ranks']:,} ranks: {timing['seconds']:.1f} s "
           f"({timing['operations']} operations, last step {timing['step_ms']:,.1f} ms)")
+    if spliced:
+        print(f"Wrote its section into {out.parent / 'REPORT.md'}")
 
 
 if __name__ == "__main__":

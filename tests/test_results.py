@@ -79,3 +79,27 @@ def test_the_report_is_rewritten_from_a_runs_csvs_and_auto_picks_the_measured_fa
     fastest = measured.loc[measured.groupby("bytes")["median_us"].idxmin()].set_index("bytes")["algorithm"]
     picks = [row[header.index("auto picks")] for row in rows]
     assert picks == fastest.tolist() and len(picks) >= 3  # every measured size
+
+
+def test_the_workloads_section_is_rendered_from_what_their_bench_wrote(tmp_path):
+    """REPORT.md's workloads section, from results/workloads/ (``--report-only`` splices it): one
+    line per comparison of accuracy.csv, how many meet their target, and the 1,024-rank replay."""
+    from lab.results import workloads
+
+    source = Path(__file__).parents[1] / "results" / "workloads"
+    (tmp_path / "workloads").mkdir()
+    for name in ("accuracy.csv", "replay_1024.csv", "machine.json"):
+        shutil.copy(source / name, tmp_path / "workloads")
+    assert not workloads.splice_section(tmp_path)  # (no report to put it in)
+    (tmp_path / "REPORT.md").write_text("# Results\n")
+    assert workloads.splice_section(tmp_path)
+    text = (tmp_path / "REPORT.md").read_text()
+    table = pd.read_csv(source / "accuracy.csv")
+    rows = [line for line in text.splitlines() if line.startswith(("| DDP |", "| FSDP2 |"))]
+    assert len(rows) == len(table) and f"{table['meets'].sum()} of {len(table)} cases meet" in text
+    first = table.iloc[0]
+    assert rows[0].startswith(f"| DDP | {first['model']} (batch {first['batch']}) | {first['recorded_hosts']} hosts | "
+                              f"{first['measured_ms']:,.1f} ms |")
+    timing = pd.read_csv(source / "replay_1024.csv").iloc[0]
+    assert f"on {timing['ranks']:,} ranks: {timing['seconds']:.1f} s" in text
+    assert text.rstrip().endswith("<!-- workloads:end -->")

@@ -9,6 +9,7 @@ names; ``lab/tuning.json`` (the fitted models ``algorithm="auto"`` uses) is refr
     report     REPORT.md, one function per section
     hosts      ``--hosts``: the lesson's claims across emulated hosts (results/hosts/)
     hierarchy  ``--hosts --ranks-per-host``: hierarchical allreduce, many ranks per host
+    workloads  the workloads' section, from what ``bench/workload_accuracy.py`` wrote (results/workloads/)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from lab import tuning
 from lab.benchmark import SIZES
 from lab.report import with_spliced
-from lab.results import plots, report
+from lab.results import plots, report, workloads
 from lab.results.fits import fit_alpha_beta, models, tuning_from
 from lab.results.sweeps import ROUNDS, kernel_sweep, load, measure_all, save_machine, save_tables
 from lab.sim.calibrate import calibrate
@@ -54,10 +55,12 @@ def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | 
 
 def report_only(out_dir: str = "results") -> int:
     """Rewrite ``out_dir/REPORT.md`` from the CSVs and ``machine.json`` of the run there (keeping the
-    sections other commands spliced in), measuring nothing: ``python -m lab results --report-only``."""
+    sections other commands spliced in; the workloads' rendered again from ``out_dir/workloads/``),
+    measuring nothing: ``python -m lab results --report-only``."""
     out = Path(out_dir)
     run = load(out)
     (out / "REPORT.md").write_text(with_spliced(out / "REPORT.md", report.render(run, models(run.cases))))
+    workloads.splice_section(out)
     print(f"Wrote {out}/REPORT.md from the run of {run.info['date']}")
     return 0
 
