@@ -56,6 +56,7 @@ def train(mesh: lab.Mesh, parallelism: str, batch: int, steps: int) -> list[floa
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH))
     if parallelism == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2)
+        lab.workload.record_gradients(model)  # (the recording can be replayed at another bucket size)
     else:
         for layer in (model[0], model[2], model):
             fully_shard(layer)
