@@ -2,7 +2,8 @@
 
 ``"auto"`` asks the fitted models (:mod:`lab.tuning`) for the fastest algorithm at this size, world
 size and transport, prefers a compilable algorithm where the compiled path takes the tensor
-(:mod:`lab.plane`), and weighs ``"hierarchical"`` for an allreduce across hosts.
+(:mod:`lab.plane`), and weighs ``"hierarchical"``, ``"ring_channels"`` and ``"chain_tree"`` for an
+allreduce across hosts.
 
     pick(mesh, "allreduce", "auto", 4 << 20)     # the fitted models' fastest for 4 MiB, e.g. "ring"
 """
@@ -101,7 +102,8 @@ def pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
     """Check ``algorithm`` (before any communication) and resolve ``"auto"``.
 
     A mesh across hosts (``hosts=``, torchrun's nodes) lets allreduce's ``auto`` weigh
-    ``"hierarchical"`` against the flat algorithms (:func:`lab.tuning.choose_across_hosts`);
+    ``"hierarchical"``, ``"ring_channels"`` and ``"chain_tree"`` against the flat algorithms
+    (:func:`lab.tuning.choose_across_hosts`);
     ``transport="auto"`` reads the ``shm`` fits inside one host and the ``tcp`` fits across hosts.
     The answer is kept per (collective, size, mesh shape, ``LAB_ALGO``, models), as :func:`choose`'s.
     """
