@@ -39,7 +39,9 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
     ``op``: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``. ``algorithm``: ``"ring"``,
     ``"tree"``, ``"naive"``, ``"recursive_doubling"``, ``"halving_doubling"`` (Rabenseifner),
     ``"double_tree"`` (NCCL's two binary trees), ``"hierarchical"`` (inside each host, then across
-    hosts, then inside again) or ``"auto"`` (the fitted model's fastest).
+    hosts, then inside again), ``"ring_channels"`` (rings leaving each host through different
+    ranks), ``"chain_tree"`` (a chain in each host, two binary trees across hosts) or ``"auto"``
+    (the fitted model's fastest).
     Every rank ends with bit-identical values.
 
     Per rank, N=2::
