@@ -96,9 +96,15 @@ def mpich_medians(median: pd.DataFrame) -> pd.Series | None:
     return median[("mpich", "mpich")] if ("mpich", "mpich") in median.columns else None
 
 
+def measured_algorithms(median: pd.DataFrame, transport: str) -> list[str]:
+    """The allreduce algorithms the run measured on ``transport``, in the registry's order (a report
+    rendered again from a run's CSVs shows what that run measured, not algorithms added since)."""
+    return [a for a in registry.names("allreduce") if (transport, a) in median.columns]
+
+
 def allreduce_table(median: pd.DataFrame, transport: str, world: int, fitted: dict) -> pd.DataFrame:
     """One transport's row per size: every algorithm, the references, the fastest, auto's pick and time."""
-    algorithms = list(registry.names("allreduce"))
+    algorithms = measured_algorithms(median, transport)
     gloo, mpich_us = median[("gloo", "gloo")], mpich_medians(median)
     table = pd.DataFrame({"size": [size_label(b) for b in median.index]})
     for algorithm in algorithms:
@@ -117,7 +123,7 @@ def allreduce_table(median: pd.DataFrame, transport: str, world: int, fitted: di
 
 def allreduce_findings(median: pd.DataFrame, floor: pd.DataFrame, cores: str) -> list[str]:
     """The best shm algorithm against the references at the smallest and largest sizes, and why."""
-    best = median["shm"][list(registry.names("allreduce"))].min(axis=1)
+    best = median["shm"][measured_algorithms(median, "shm")].min(axis=1)
     gloo, mpich_us = median[("gloo", "gloo")], mpich_medians(median)
     ratio = gloo / best
     small, large = ratio.index.min(), ratio.index.max()
@@ -155,7 +161,7 @@ def latency_floor_finding(floor: pd.DataFrame, cores: str) -> str:
 
 def tcp_finding(median: pd.DataFrame, small: int, large: int) -> str:
     """The best tcp algorithm against gloo, both over loopback TCP, at the smallest and largest sizes."""
-    best, gloo = median["tcp"][list(registry.names("allreduce"))].min(axis=1), median[("gloo", "gloo")]
+    best, gloo = median["tcp"][measured_algorithms(median, "tcp")].min(axis=1), median[("gloo", "gloo")]
     return (f"- **tcp vs gloo** (both over loopback TCP, the like-for-like comparison): at {size_label(large)} "
             f"the best tcp algorithm takes {best[large] / 1e3:.1f} ms against gloo's {gloo[large] / 1e3:.1f} ms "
             f"({gloo[large] / best[large]:.2f}× gloo's speed); at "
