@@ -10,7 +10,9 @@ them (``workload=``). The recording is replayed on the hosts it ran on, next to 
 and then on ``--ranks`` ranks: DDP keeps each bucket's bytes at any scale, so the allreduces grow
 with the world while the compute stays. The replay runs on the network the lab fitted for these
 hosts (``lab.sim.calibrated``), each host with its own cores; it prints the step time, the
-communication that compute does not hide, and the operations that expose the most.
+communication that compute does not hide, and the operations that expose the most. The recording
+knows DDP's gradients (``lab.workload.record_gradients``), so it also answers what another bucket
+size would do there (``--bucket-mb``, the 1 MB buckets it trained with against fewer, larger ones).
 """
 
 import argparse
@@ -33,6 +35,7 @@ def train(mesh: lab.Mesh, steps: int) -> list[float]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    lab.workload.record_gradients(ddp)  # so the replay can form DDP's buckets at another size
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(mesh.rank)
     times = []
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps recorded (the first warms up; >= 2)")
     parser.add_argument("--ranks", type=int, default=1024, help="the world to replay the step on")
     parser.add_argument("--out", help="where the recording goes (default: a temporary file)")
+    parser.add_argument("--bucket-mb", type=float, default=8.0, help="the other bucket size the replay tries")
     args = parser.parse_args()
     path = Path(args.out or Path(tempfile.mkdtemp()) / "ddp.jsonl")
     times = lab.spawn(train, args.hosts, args=(args.steps,), hosts=args.hosts, link_gbit=1.0, transport="tcp",
@@ -70,6 +74,14 @@ def main() -> None:
     there = lab.workload.replay(w, world_size=args.ranks, network=own_cores, timeline=False)
     print(summary(there, top=4))
     print(f"\n(replayed on {args.ranks:,} ranks in {time.perf_counter() - started:.1f} s)")
+    rebucketed = lab.workload.replay(w, world_size=args.ranks, network=own_cores, timeline=False,
+                                     bucket_mb=args.bucket_mb)
+    def ms(values) -> str:  # the median after the warm-up step
+        return f"{statistics.median(values[1:]) / 1e3:,.1f} ms"
+
+    print(f"with {args.bucket_mb:g} MB buckets instead of 1 MB: step {ms(rebucketed.step_us)} against "
+          f"{ms(there.step_us)}, exposed communication {ms(rebucketed.exposed_comm_us)} against "
+          f"{ms(there.exposed_comm_us)}")
 
 
 if __name__ == "__main__":

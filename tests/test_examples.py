@@ -92,6 +92,7 @@ def test_workload_examples_record_on_emulated_hosts_and_replay_at_scale(tmp_path
         out = run_example(example, "--hosts", "2", "--steps", "3", "--ranks", "64", "--out", str(path))
         assert "on 2 hosts: measured" in out and "64 ranks on" in out, out
         assert "step 2:" in out and "dominates:" in out, out
+        assert ("MB buckets instead of 1 MB: step" in out) == (example == "workload_ddp.py"), out
         w = lab.workload.load(path)
         assert w.steps == 3 and w.recorded["hosts"] == 2 and w.recorded["link_gbit"] == 1.0
         assert {e.op for e in w.events[0] if e.kind == "op" and e.step == 2} == ops  # (step 0: the setup's too)

@@ -253,6 +253,21 @@ def test_a_timeline_is_written(tmp_path):
     assert names == {"compute", "allreduce ring"}
 
 
+def test_what_dominates_leaves_the_first_step_out_when_steps_repeat(tmp_path):
+    """Step 0 holds a large setup broadcast; the ranking and "dominates" name step 1's allreduce."""
+    from lab.workload.cli import summary
+
+    rows = [header(2)]
+    for rank in range(2):
+        rows += [op(rank, 0, "broadcast", [0, 1], 1_000_000, 10.0), step_end(rank, 1.0),
+                 op(rank, 1, "allreduce", [0, 1], 1000, 10.0, step=1), step_end(rank, 1.0, step=1)]
+    r = workload.replay(written(tmp_path, rows), network=NET, algorithms={"allreduce": "ring"})
+    assert r.breakdown.sort_values("exposed_us").iloc[-1]["op"] == "broadcast"  # step 0's, the largest
+    out = summary(r)
+    assert "what exposes the most, step 1:" in out and "broadcast" not in out.split("step 1:")[-1], out
+    assert "dominates: allreduce #1 of step 1 on 2 ranks (4,000 bytes" in out, out
+
+
 def test_the_command_prints_the_step_and_what_dominates(tmp_path, capsys):
     from lab.__main__ import main
 

@@ -47,7 +47,9 @@ def _network(args: argparse.Namespace) -> Network:
 
 def summary(result, top: int = 10) -> str:
     """The step, compute and exposed times per step, the operations that expose the most, and
-    what dominates."""
+    what dominates. With more than one step the ranking leaves the first out: it holds the
+    program's setup and warm-up (DDP's broadcast of the parameters, FSDP2's first gathers), not
+    the step that repeats."""
     lines = [f"{result.world_size:,} ranks on {result.network.describe()}", ""]
     for step, (total, compute, exposed) in enumerate(
         zip(result.step_us, result.compute_us, result.exposed_comm_us)
@@ -58,16 +60,21 @@ def summary(result, top: int = 10) -> str:
             if total
             else f"step {step}: 0 µs"
         )
+    first = 1 if len(result.step_us) > 1 else 0
     frame = result.breakdown
+    frame = frame[frame["step"] >= first] if not frame.empty else frame
     if not frame.empty:
         shown = frame.sort_values("exposed_us", ascending=False).head(top)
-        lines += ["", shown.to_string(index=False, float_format=lambda v: f"{v:,.1f}"), ""]
+        last = len(result.step_us) - 1
+        ranked = "the step" if not first else f"step {last}" if last == first else f"steps {first}-{last}"
+        table = shown.to_string(index=False, float_format=lambda v: f"{v:,.1f}")
+        lines += ["", f"what exposes the most, {ranked}:", table, ""]
         worst = shown.iloc[0]
-        total = float(result.step_us.sum())
+        total = float(result.step_us[first:].sum())
         lines.append(
             f"dominates: {worst['op']} #{worst['index']} of step {worst['step']} on {worst['group_size']} "
             f"ranks ({worst['nbytes']:,} bytes, {worst['algorithm']}), {worst['exposed_us']:,.1f} µs "
-            f"exposed ({worst['exposed_us'] / total:.0%} of the steps)"
+            f"exposed ({worst['exposed_us'] / total:.0%} of {ranked})"
             if total
             else ""
         )
