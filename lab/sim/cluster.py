@@ -9,10 +9,12 @@ log with several ranks on a host) and between hosts (a log with several hosts). 
 or two hosts cannot tell apart is given, as the cluster is built, in ``network``: NICs per host
 and the NIC map, a switch or a bus inside a host, the tier's oversubscription (two hosts on one
 leaf switch never cross it). Each row's time is the least simulated time over the simulator's
-algorithms for its collective (:mod:`lab.sim.cluster_cases`). The fit minimises the mean
-``|log(predicted / measured)|`` over every row of every log by Levenberg-Marquardt on the terms'
-logarithms (:func:`lab.sim.calibrate.least_absolute`, the calibration's own), replaying the
-recorded schedules on every trial network.
+algorithms for its collective (:mod:`lab.sim.cluster_cases`). ``terms=`` names the terms to fit
+instead, the CPU work around each message among them (:data:`CPU_TERMS`): on emulated hosts, whose
+ranks share one machine's cores, the links are known (the lab caps them) and the CPU is what the
+logs measure. The fit minimises the mean ``|log(predicted / measured)|`` over every row of every
+log by Levenberg-Marquardt on the terms' logarithms (:func:`lab.sim.calibrate.least_absolute`, the
+calibration's own), replaying the recorded schedules on every trial network.
 """
 
 from __future__ import annotations
@@ -31,11 +33,18 @@ from lab.sim.calibrate import least_absolute
 from lab.sim.cluster_cases import Case, input_bytes, log_cases
 from lab.sim.network import Network
 
-#: The terms a fit can set: (Network field, what it is, its bounds, which logs see it).
+#: The terms a fit sets by default: (Network field, what it is, its bounds, which logs see it).
 TERMS = [("intra_alpha_us", "α inside a host (µs)", (1e-3, 1e6), "intra"),
          ("intra_gbit", "Gbit/s inside a host", (1e-3, 1e7), "intra"),
          ("alpha_us", "α between hosts (µs)", (1e-3, 1e6), "inter"),
          ("gbit", "Gbit/s per NIC", (1e-3, 1e7), "inter")]
+#: The CPU work around each message, fitted when ``terms=`` names it: a log of two ranks or more
+#: sees it. Where the cores are shared (the network's ``cores``), ranks that work at once wait
+#: for each other, which a log whose ranks have a core each cannot show: so the link terms it
+#: would trade against (α against an overhead, β against a copy) are best given, as built.
+CPU_TERMS = [("send_overhead_us", "CPU µs per message sent", (1e-3, 1e6), "cpu"),
+             ("recv_overhead_us", "CPU µs per message received", (1e-3, 1e6), "cpu"),
+             ("copy_us_per_byte", "CPU µs per byte copied", (1e-9, 1e-1), "cpu")]
 #: A log determines a term when moving the term by ±20 % raises the log's mean |log error| by at
 #: least this much (its times move by a tenth of the move or more): below it, other terms set them.
 DETERMINED = 0.02
@@ -75,8 +84,9 @@ class FitReport:
 
 
 def _sees(case: Case, scope: str) -> bool:
-    """Whether a case's time depends on the terms inside a host ("intra") or between hosts ("inter")."""
-    return case.ranks_per_host > 1 if scope == "intra" else case.hosts > 1
+    """Whether a case's time depends on the terms inside a host ("intra"), between hosts
+    ("inter") or on the CPU around each message ("cpu")."""
+    return {"intra": case.ranks_per_host > 1, "inter": case.hosts > 1, "cpu": case.ranks > 1}[scope]
 
 
 def _value(network: Network, term: str) -> float:
@@ -102,6 +112,26 @@ def _start(cases: list[Case], scope: str) -> tuple[float, float]:
     return float(np.clip(alpha, 1e-3, 1e6)), float(np.clip(gbit, 1e-3, 1e7))
 
 
+def _start_value(cases: list[Case], term: str, scope: str) -> float:
+    """Where the fit of ``term`` starts (:func:`_start`): a time per message for α and the
+    overheads, the bandwidth for Gbit/s, a tenth of that bandwidth's µs per byte for a copy."""
+    alpha, gbit = _start(cases, scope)
+    if term == "copy_us_per_byte":
+        return 0.1 * 8.0 / (gbit * 1e3)
+    return gbit if term.endswith("gbit") else alpha
+
+
+def _chosen(terms: list[str] | None) -> list[tuple]:
+    """The entries of :data:`TERMS` and :data:`CPU_TERMS` that ``terms`` names (None: :data:`TERMS`)."""
+    if terms is None:
+        return TERMS
+    known = {entry[0]: entry for entry in [*TERMS, *CPU_TERMS]}
+    unknown = [t for t in terms if t not in known] if isinstance(terms, (list, tuple)) else [terms]
+    if unknown or not terms:
+        raise ValueError(f"terms must name some of {', '.join(known)}; got {terms!r}")
+    return [known[t] for t in dict.fromkeys(terms)]
+
+
 def _with(base: Network, fitted: list[tuple], x: np.ndarray) -> Network:
     """``base`` with the fitted terms whose logarithms are ``x``."""
     return replace(base, **{term: float(math.exp(v)) for (term, *_), v in zip(fitted, x)})
@@ -122,11 +152,12 @@ def _rise(cases: list[Case], network: Network, term: str) -> float:
     return min(_error(cases, replace(network, **{term: value * f})) - error for f in (0.8, 1.2))
 
 
-def _terms(cases: list[Case], network: Network, fitted: list[tuple]) -> pd.DataFrame:
-    """One row per term: its value, whether it was fitted, and the logs that determine it."""
+def _terms(cases: list[Case], network: Network, fitted: list[tuple], chosen: list[tuple]) -> pd.DataFrame:
+    """One row per term (the link terms, and the CPU terms ``chosen``): its value, whether it was
+    fitted, and the logs that determine it."""
     logs = list(dict.fromkeys(case.log for case in cases))
     rows = []
-    for term, meaning, _, _ in TERMS:
+    for term, meaning, _, _ in [*TERMS, *(t for t in chosen if t in CPU_TERMS)]:
         is_fitted = any(term == name for name, *_ in fitted)
         rise = ({log: _rise([c for c in cases if c.log == log], network, term) for log in logs}
                 if is_fitted else {})
@@ -163,17 +194,21 @@ def bands(cases: pd.DataFrame) -> pd.DataFrame:
 
 
 def fit_cluster_report(logs: list[pd.DataFrame], network: Network | None = None, *,
-                       candidates: list[str] | None = None) -> FitReport:
-    """Fit the link terms the logs see (:data:`TERMS`) to nccl-tests logs of the cluster
+                       candidates: list[str] | None = None, terms: list[str] | None = None) -> FitReport:
+    """Fit the terms the logs see (the link terms, :data:`TERMS`) to nccl-tests logs of the cluster
     (:func:`lab.sim.read_nccl_tests`'s DataFrames, one or two hosts each, say), keeping the
     rest of ``network`` (default ``Network()``): the cluster as built, its NICs, its fabric inside
     a host and its switch tier. ``candidates``: the algorithms a row's time is the least of
-    (default: all the simulator has for the log's collective). The fitted network has the
-    ranks per host of the log with the most hosts.
+    (default: all the simulator has for the log's collective). ``terms``: the Network fields
+    to fit, of :data:`TERMS` and :data:`CPU_TERMS` (default: :data:`TERMS`), each where some log
+    sees it; the rest keep ``network``'s values. The fitted network has the ranks per host of the
+    log with the most hosts.
 
         report = fit_cluster_report([read_nccl_tests("1host.log"), read_nccl_tests("2hosts.log")],
                                     Network(nics_per_host=8))
         report.terms[["term", "value", "determined_by"]]; report.bands
+        fit_cluster_report(logs, Network(alpha_us=0.0, gbit=1.0, cores=2, ranks_per_cpu=2**24),
+                           terms=["recv_overhead_us", "copy_us_per_byte"])   # links given, CPU fitted
         fit_cluster_report([])       # ValueError: fit_cluster needs a non-empty list of nccl-tests logs ...
     """
     base = Network() if network is None else network
@@ -182,10 +217,9 @@ def fit_cluster_report(logs: list[pd.DataFrame], network: Network | None = None,
     cases = log_cases(logs, candidates)
     widest = max(cases, key=lambda c: (c.hosts, c.ranks_per_host))
     base = replace(base, ranks_per_host=widest.ranks_per_host)
-    fitted = [t for t in TERMS if any(_sees(c, t[3]) for c in cases)]
-    starts = {scope: _start(cases, scope) for scope in ("intra", "inter")
-              if any(t[3] == scope for t in fitted)}
-    x = np.log([starts[scope][0 if "alpha" in term else 1] for term, _, _, scope in fitted])
+    chosen = _chosen(terms)
+    fitted = [t for t in chosen if any(_sees(c, t[3]) for c in cases)]
+    x = np.log([_start_value(cases, term, scope) for term, _, _, scope in fitted])
     bounds = np.log([b for _, _, b, _ in fitted]).reshape(-1, 2)
 
     def residuals(point: np.ndarray) -> np.ndarray:
@@ -195,17 +229,17 @@ def fit_cluster_report(logs: list[pd.DataFrame], network: Network | None = None,
         x, _, _ = least_absolute(residuals, x, bounds[:, 0], bounds[:, 1])
     result = _with(base, fitted, x)
     table = _cases_frame(cases, result)
-    return FitReport(result, _error(cases, result), _terms(cases, result, fitted), table, bands(table))
+    return FitReport(result, _error(cases, result), _terms(cases, result, fitted, chosen), table, bands(table))
 
 
 def fit_cluster(logs: list[pd.DataFrame], network: Network | None = None, *,
-                candidates: list[str] | None = None) -> Network:
+                candidates: list[str] | None = None, terms: list[str] | None = None) -> Network:
     """The network :func:`fit_cluster_report` fits (its ``.network``).
 
         net = lab.sim.fit_cluster([df_1host, df_2hosts])
         lab.sim.predict(net, "allreduce", hosts=16, nbytes=64 << 20).time_us
     """
-    return fit_cluster_report(logs, network, candidates=candidates).network
+    return fit_cluster_report(logs, network, candidates=candidates, terms=terms).network
 
 
 def predict_hosts(network: Network, collective: str, *, hosts: int, nbytes: int,
