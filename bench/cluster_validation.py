@@ -123,7 +123,8 @@ def validate(case: Validation) -> tuple[pd.DataFrame, pd.DataFrame]:
     cases.insert(0, "source", case.source)
     cases["error"] = cases["predicted_us"] / cases["measured_us"] - 1
     cases["band"] = [band_of(int(size)) for size in cases["size"]]
-    terms = report.terms[["term", "meaning", "value", "fitted"]].assign(source=case.source, fit_error=report.error)
+    terms = report.terms[["term", "meaning", "value", "fitted"]].assign(
+        source=case.source, collective=case.fit[0].attrs["collective"], fit_error=report.error)
     return cases, terms
 
 
@@ -215,8 +216,8 @@ def main() -> None:
     terms.to_csv(out / "fit.csv", index=False, float_format="%.6g")
     save_machine(out, {**info, "command": " ".join(["python", *sys.argv]), "seconds": round(time.monotonic() - started),
                        "load_average_end": [round(x, 2) for x in os.getloadavg()], "runs": runs})
-    for source, group in terms[terms["fitted"]].groupby("source", sort=False):
-        print(f"{source}: fitted " + ", ".join(f"{row.term} {row.value:.4g}" for row in group.itertuples()))
+    for (source, collective), group in terms[terms["fitted"]].groupby(["source", "collective"], sort=False):
+        print(f"{source}, {collective}: fitted " + ", ".join(f"{row.term} {row.value:.4g}" for row in group.itertuples()))
     print(f"\n{markdown(bands)}")
 
 
