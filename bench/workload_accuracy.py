@@ -86,7 +86,8 @@ def measure(parallelism: str, batch: int, hosts: int, steps: int, warmup: int,
 def lab_algorithms(w: lab.workload.Workload, world_size: int) -> dict[str, str]:
     """The algorithm ``auto`` runs for each collective of ``w`` on ``world_size`` emulated hosts
     (tcp), at each call's total (what :func:`lab.collectives.choice.pick` weighs): the recording
-    does not say which ran, and the replay's own default is the least simulated."""
+    says what ran on its own hosts, not on ``world_size``, and the replay's own choice elsewhere is
+    the least simulated."""
     hosts = SimpleNamespace(world_size=world_size, transport="tcp", host_count=world_size)
     picks: dict[str, set[str]] = {}
     for event in w.events[0]:
