@@ -300,6 +300,9 @@ class Network:
         if self.cache_bytes is not None and self.memory_us_per_byte:
             text += f", memory {self.memory_us_per_byte:.3g} µs/B beyond a {self.cache_bytes / 2**20:g} MiB cache"
         if self.cores is not None:
-            shared = "all ranks" if self.cpu_group == MAX_RANKS_PER_HOST else f"{self.cpu_group} ranks"
-            text += f", {self.cores} cores shared by {shared}"
+            if self.cpu_group == 1:
+                text += f", {self.cores} cores for each rank"
+            else:
+                shared = "all ranks" if self.cpu_group == MAX_RANKS_PER_HOST else f"{self.cpu_group} ranks"
+                text += f", {self.cores} cores shared by {shared}"
         return text
