@@ -532,3 +532,29 @@ def assert_matches_and_identical(outputs: list[tuple[list[str], list[str]]]) -> 
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:25])
     digests = [d for _, d in outputs]
     assert all(d == digests[0] for d in digests), "allreduce results differ between ranks"
+
+
+def run_without_buffers(steps: list[tuple]) -> None:
+    """Run every rank's steps where a message moves only while both its ends are in the step that
+    holds it (nothing is ever buffered); fail if the ranks get stuck."""
+    position, moved = [0] * len(steps), set()
+
+    def pending(rank: int) -> list[tuple[int, int, int]]:
+        send, recv = steps[rank][position[rank]]
+        messages = ([(rank, send.peer, send.slot)] if send else []) + ([(recv.peer, rank, recv.slot)] if recv else [])
+        return [m for m in messages if m not in moved]
+
+    while any(position[r] < len(steps[r]) for r in range(len(steps))):
+        progress = False
+        for rank in range(len(steps)):
+            if position[rank] == len(steps[rank]):
+                continue
+            for message in pending(rank):
+                other = message[1] if message[0] == rank else message[0]
+                if position[other] < len(steps[other]) and message in pending(other):
+                    moved.add(message)
+                    progress = True
+            if not pending(rank):
+                position[rank] += 1
+                progress = True
+        assert progress, f"stuck at steps {position}"

@@ -13,7 +13,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from helpers import pool
+from helpers import pool, run_without_buffers
 
 import lab
 from lab.collectives.allreduce_double_tree import bytes_sent
@@ -70,37 +70,9 @@ def test_each_rank_forwards_a_segment_only_after_it_has_it(n):
                 assert order == expected, f"rank {rank} tree {tree} segment {segment}: {order}"
 
 
-def run_without_buffers(n: int, segments: int) -> None:
-    """Run every rank's steps where a message moves only while both its ends are in the step
-    that holds it (nothing is ever buffered); fail if the ranks get stuck."""
-    steps = all_steps(n, segments)
-    position = [0] * n
-    moved = set()  # (sender, receiver, slot)
-
-    def pending(rank: int) -> list[tuple[int, int, int]]:
-        send, recv = steps[rank][position[rank]]
-        messages = ([(rank, send.peer, send.slot)] if send else []) + ([(recv.peer, rank, recv.slot)] if recv else [])
-        return [m for m in messages if m not in moved]
-
-    while any(position[r] < len(steps[r]) for r in range(n)):
-        progress = False
-        for rank in range(n):
-            if position[rank] == len(steps[rank]):
-                continue
-            for message in pending(rank):
-                other = message[1] if message[0] == rank else message[0]
-                if position[other] < len(steps[other]) and message in pending(other):
-                    moved.add(message)
-                    progress = True
-            if not pending(rank):
-                position[rank] += 1
-                progress = True
-        assert progress, f"N={n}: stuck at steps {position}"
-
-
 @pytest.mark.parametrize("n", SCHEDULE_WORLDS)
 def test_the_schedule_finishes_with_no_buffering_at_all(n):
-    run_without_buffers(n, segments=4)
+    run_without_buffers(all_steps(n, segments=4))
 
 
 def test_segment_count_grows_as_the_square_root_of_the_tensor():

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import (DTYPES, assert_no_failures, describe_mismatch, expected_reduction, ops_for, pool,
-                     reduction_matches, slow_from_five, tensor, values)
+                     reduction_matches, run_without_buffers, slow_from_five, tensor, values)
 
 import lab
 from lab import sim, tuning
@@ -146,32 +146,6 @@ def test_chain_trees_span_the_ranks_and_enter_hosts_through_two_ranks(shape):
             if parent >= 0 and shape[parent] != shape[rank]:
                 assert {parent, rank} <= heads, (tree, rank, parent)
     assert period_of(trees) <= 5
-
-
-def run_without_buffers(steps: list[tuple]) -> None:
-    """Run every rank's steps where a message moves only while both its ends are in the step that
-    holds it (nothing is ever buffered); fail if the ranks get stuck."""
-    position, moved = [0] * len(steps), set()
-
-    def pending(rank: int) -> list[tuple[int, int, int]]:
-        send, recv = steps[rank][position[rank]]
-        messages = ([(rank, send.peer, send.slot)] if send else []) + ([(recv.peer, rank, recv.slot)] if recv else [])
-        return [m for m in messages if m not in moved]
-
-    while any(position[r] < len(steps[r]) for r in range(len(steps))):
-        progress = False
-        for rank in range(len(steps)):
-            if position[rank] == len(steps[rank]):
-                continue
-            for message in pending(rank):
-                other = message[1] if message[0] == rank else message[0]
-                if position[other] < len(steps[other]) and message in pending(other):
-                    moved.add(message)
-                    progress = True
-            if not pending(rank):
-                position[rank] += 1
-                progress = True
-        assert progress, f"stuck at steps {position}"
 
 
 @pytest.mark.parametrize("shape", [s for s in ALL_SHAPES if len(s) > 1], ids=shape_id)
