@@ -306,3 +306,34 @@ def check_on_hosts(mesh: lab.Mesh, world_size: int) -> list[str]:
 def test_results_bits_and_bytes_on_emulated_hosts(request, world_size):
     cluster = request.getfixturevalue("four" if world_size <= 4 else "eight")
     assert_no_failures(cluster.run(check_on_hosts, world_size))
+
+
+def both_in_flight(mesh: lab.Mesh) -> list[str]:
+    """On 2 hosts of 2: ring_channels and chain_tree issued async together (torch's own ReduceOp),
+    a plain allreduce issued while they are in flight, then every wait: each exact on this rank."""
+    membership, failures = mesh._membership, []
+    saved_hosts, saved_host = list(membership.hosts), mesh.host
+    try:
+        membership.hosts[:] = [0, 0, 1, 1]
+        mesh.host = membership.hosts[mesh.rank]
+        os.environ["LAB_SEGMENT_BYTES"] = "64"  # chain_tree in many segments
+        n, index = mesh.world_size, torch.arange(3001, dtype=torch.float64)
+        x, y, z = (index * 3 + mesh.rank for _ in range(3))
+        sum_op, max_op = torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX
+        works = [lab.allreduce(mesh, x, op=sum_op, algorithm="ring_channels", async_op=True),
+                 lab.allreduce(mesh, y, op=max_op, algorithm="chain_tree", async_op=True)]
+        lab.allreduce(mesh, z, algorithm="ring")  # runs after them, in issue order
+        for work in works:
+            work.wait()
+        for name, got, want in (("ring_channels", x, index * 3 * n + n * (n - 1) / 2),
+                                ("chain_tree", y, index * 3 + n - 1), ("ring", z, index * 3 * n + n * (n - 1) / 2)):
+            if not torch.equal(got, want):
+                failures.append(f"rank {mesh.rank} {name}: {describe_mismatch(got, want)}")
+    finally:
+        membership.hosts[:], mesh.host = saved_hosts, saved_host
+        os.environ.pop("LAB_SEGMENT_BYTES", None)
+    return failures
+
+
+def test_both_async_in_flight_with_torch_s_reduce_ops(four):
+    assert_no_failures(four.run(both_in_flight))
