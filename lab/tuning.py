@@ -218,22 +218,38 @@ def predict_chain_tree_us(nbytes: int, world_size: int, hosts: int, intra: str, 
     return (segments * slots + period * levels) * across + 2 * (per_host - 1) * inside
 
 
+def flat_across_hosts_us(nbytes: int, world_size: int, models: dict | None = None) -> dict[str, float]:
+    """Each flat allreduce ``auto`` may run (those with a tcp fit) on ranks of different hosts:
+    its steps and bytes (:func:`algorithm_shape`) at tcp's ring fit, α'·steps + β'·bytes. Between
+    hosts a link moves every byte at one rate whichever algorithm sends it; each algorithm's own
+    tcp fit is made on one machine, where the cores' contention, not a link, sets its per-byte
+    cost (there the binomial tree's comes out a quarter of the ring's, across 1 Gbit/s links it
+    moves 2·⌈log2 N⌉·T through a rank against the ring's 2(N-1)/N·T). ``{}`` without the fits."""
+    tcp = (fitted_models() if models is None else models).get("tcp", {}).get("allreduce", {})
+    if "ring" not in tcp:
+        return {}
+    alpha, beta = tcp["ring"]["alpha_step_us"], tcp["ring"]["beta_byte_us"]
+    shapes = {name: algorithm_shape(name, world_size) for name in registry.auto_candidates("allreduce")
+              if name in tcp}
+    return {name: steps * alpha + volume * nbytes * beta for name, (steps, volume) in shapes.items()}
+
+
 def choose_across_hosts(nbytes: int, world_size: int, hosts: int, intra: str = "shm",
                         models: dict | None = None, nics_per_host: int = 1) -> str:
     """``auto`` for an allreduce whose ranks span ``hosts`` hosts: the least predicted time among
-    the fastest flat algorithm on the tcp fits (a flat algorithm's steps cross hosts) and the
-    closed forms of ``"hierarchical"``, ``"ring_channels"`` and ``"chain_tree"``
+    the flat algorithms on the link between hosts (:func:`flat_across_hosts_us`) and the closed
+    forms of ``"hierarchical"``, ``"ring_channels"`` and ``"chain_tree"``
     (:func:`predict_hierarchical_us` and the two after it; ``nics_per_host``: 1 on the lab's
-    emulated hosts), the flat one winning ties. Without fits: hierarchical from
+    emulated hosts), a flat one winning ties. Without fits: hierarchical from
     ``AUTO_LARGE_MIN_BYTES`` up, tcp's choice below."""
-    flat = choose(nbytes, world_size, "tcp", "allreduce", models)
-    times = {flat: predict_us(flat, nbytes, world_size, "tcp", "allreduce", models),
-             "hierarchical": predict_hierarchical_us(nbytes, world_size, hosts, intra, models, nics_per_host),
-             "ring_channels": predict_ring_channels_us(nbytes, world_size, hosts, intra, models, nics_per_host),
-             "chain_tree": predict_chain_tree_us(nbytes, world_size, hosts, intra, models, nics_per_host)}
-    if None in times.values():
+    times = flat_across_hosts_us(nbytes, world_size, models)
+    across = {"hierarchical": predict_hierarchical_us(nbytes, world_size, hosts, intra, models, nics_per_host),
+              "ring_channels": predict_ring_channels_us(nbytes, world_size, hosts, intra, models, nics_per_host),
+              "chain_tree": predict_chain_tree_us(nbytes, world_size, hosts, intra, models, nics_per_host)}
+    if not times or None in across.values():
+        flat = choose(nbytes, world_size, "tcp", "allreduce", models)
         return "hierarchical" if nbytes >= AUTO_LARGE_MIN_BYTES else flat
-    return min(times, key=times.get)
+    return min({**times, **across}.items(), key=lambda item: item[1])[0]
 
 
 @dataclass(frozen=True)

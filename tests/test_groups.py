@@ -387,6 +387,22 @@ def test_auto_picks_hierarchical_across_hosts_when_the_model_says():
     assert tuning.choose_across_hosts(tuning.AUTO_LARGE_MIN_BYTES, 8, 2, "shm", {}) == "hierarchical"
 
 
+def test_flat_algorithms_across_hosts_are_weighed_on_the_link_not_on_their_own_fits():
+    """tcp fits made on one machine (2 shared cores) give the tree a quarter of the ring's per-byte
+    cost; across hosts a link moves every byte alike, so at 64 MB on 4 hosts the ring (its
+    2(N-1)/N·T against the tree's 2·log2(N)·T) is auto's pick, not the tree."""
+    from lab import tuning
+
+    models = {"shm": {"allreduce": {"ring": {"alpha_step_us": 50.0, "beta_byte_us": 1e-3}}},
+              "tcp": {"allreduce": {"ring": {"alpha_step_us": 236.0, "beta_byte_us": 1.9e-3},
+                                    "tree": {"alpha_step_us": 98.0, "beta_byte_us": 5.5e-4}}}}
+    assert tuning.choose(64 << 20, 4, "tcp", "allreduce", models) == "tree"  # on one machine
+    assert tuning.choose_across_hosts(64 << 20, 4, 4, "tcp", models) == "ring"
+    times = tuning.flat_across_hosts_us(64 << 20, 4, models)
+    assert times["tree"] == pytest.approx(4 * 236.0 + 4 * (64 << 20) * 1.9e-3)  # 2·log2(4) steps and T
+    assert tuning.flat_across_hosts_us(1 << 20, 4, {}) == {}  # no fits: nothing to weigh
+
+
 def test_sub_mesh_arguments_are_checked_and_ranks_translated():
     """``Mesh.sub_mesh``'s numbering (:class:`lab.membership.Membership`), without processes: bad
     members or context raise naming the argument; ranks and hosts translate both ways."""
