@@ -1,8 +1,8 @@
 """Emulated hosts: one network namespace per host, a virtual switch, a capped link for each.
 
-Mininet's method, on one machine. A *keeper* process (this file run as a script, stdlib only)
-makes a switch namespace holding a Linux bridge, and one namespace per host holding ``eth0``,
-one end of a veth pair whose other end is a port of the bridge::
+Mininet's method, on one machine. A *keeper* process (:mod:`lab.hosts_keeper` run as a script,
+stdlib only) makes a switch namespace holding a Linux bridge, and one namespace per host holding
+``eth0``, one end of a veth pair whose other end is a port of the bridge::
 
     host 0 [eth0 10.99.0.1] ==veth== [h0 ┐
     host 1 [eth0 10.99.0.2] ==veth== [h1 ├ br0]  switch
@@ -32,30 +32,38 @@ may do where the kernel allows it; rank processes join that user namespace befor
 network namespace. Where neither works, :class:`lab.EmulationUnavailable` says what is missing.
 
 Rank processes join their host with :meth:`Host.enter`, first thing in their life: Python 3.11
-has no ``os.setns``, so it calls ``setns(2)`` through ctypes.
+has no ``os.setns``, so it calls ``setns(2)`` through ctypes (:func:`lab.hosts_keeper.setns`).
+
+This module is the owner's side, in the user's process: :class:`Hosts` starts the keeper and
+watches it, :class:`Host` is what a rank needs. Like the keeper it needs no torch and nothing
+else of the lab (but :class:`lab.EmulationUnavailable`, when raised): loaded by path outside the
+package (``tests/scripts/host_link.py``, any Python, any user), it loads the keeper beside it.
 """
 
 from __future__ import annotations
 
-import ctypes
+import importlib.util
 import json
 import os
 import selectors
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
 
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
-_PR_SET_PDEATHSIG = 1
-#: The hosts' subnet (each pool has its own switch namespace, so pools never collide).
-SUBNET = "10.99.0"
-#: The host side of every link.
-INTERFACE = "eth0"
+if __package__:  # lab.hosts
+    from lab import hosts_keeper
+else:  # this file loaded by path, outside the lab package: the keeper's file beside it
+    _spec = importlib.util.spec_from_file_location(
+        "hosts_keeper", os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts_keeper.py"))
+    hosts_keeper = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(hosts_keeper)
+
+# The keeper's constants, as lab.hosts has always had them.
+CLONE_NEWUSER, CLONE_NEWNET = hosts_keeper.CLONE_NEWUSER, hosts_keeper.CLONE_NEWNET
+SUBNET, INTERFACE = hosts_keeper.SUBNET, hosts_keeper.INTERFACE
 #: How long the keeper may take to build the namespaces and links.
 START_TIMEOUT_S = 30.0
 #: The link caps tbf keeps as given (Gbit/s), found by trying: from 10 kbit/s (below, tc clips
@@ -73,7 +81,7 @@ def check_link_gbit(link_gbit: object) -> float | None:
     low, high = LINK_GBIT
     if link_gbit is None:
         return None
-    # (not lab.checks: this file runs alone too, as the keeper and as another user's script)
+    # (not lab.checks: this file runs alone too, as another user's script)
     if isinstance(link_gbit, bool) or not isinstance(link_gbit, (int, float)) or not low <= link_gbit <= high:
         raise ValueError(f"link_gbit must be a number from {low:g} to {high:g} Gbit/s (10 kbit/s to 1 Tbit/s: "
                          f"what tc's token bucket caps faithfully) or None (uncapped); got {link_gbit!r}")
@@ -99,10 +107,10 @@ class Host:
         namespace: the place to connect to a service on the root namespace's loopback.
         """
         if self.userns is not None:
-            _setns(self.userns, CLONE_NEWUSER)
+            hosts_keeper.setns(self.userns, CLONE_NEWUSER)
         if before_network is not None:
             before_network()
-        _setns(self.netns, CLONE_NEWNET)
+        hosts_keeper.setns(self.netns, CLONE_NEWNET)
 
 
 class Hosts:
@@ -128,10 +136,10 @@ class Hosts:
         if user_namespace is None:
             user_namespace = os.geteuid() != 0
         self.user_namespace = user_namespace
-        # The keeper: this file as a script (no torch to import), told what to build on its
-        # command line, ended by closing its stdin.
+        # The keeper: lab/hosts_keeper.py as a script (no torch to import), told what to build on
+        # its command line, ended by closing its stdin.
         self._keeper = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(__file__), str(count), str(link_gbit or 0),
+            [sys.executable, "-I", os.path.abspath(hosts_keeper.__file__), str(count), str(link_gbit or 0),
              "1" if user_namespace else "0"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
@@ -177,8 +185,8 @@ class Hosts:
         if what:
             return (f"the emulated-hosts keeper (pid {keeper.pid}) ended the hosts: {what}, and the links "
                     "between the hosts went with it")
-        return f"the emulated-hosts keeper (pid {keeper.pid}) died ({_how(keeper.returncode)}): the links " \
-               "between the hosts went with it"
+        return f"the emulated-hosts keeper (pid {keeper.pid}) died ({hosts_keeper.how_ended(keeper.returncode)}): " \
+               "the links between the hosts went with it"
 
     @property
     def pids(self) -> list[int]:
@@ -246,175 +254,9 @@ def _readable(stream: IO[str]) -> bool:
         return bool(selector.select(0))
 
 
-def _how(returncode: int | None) -> str:
-    """``killed by signal SIGKILL``, ``exited with code 1``: how a process ended (a wait status's code)."""
-    if returncode is None:
-        return "still running"
-    if returncode < 0:
-        return f"killed by signal {signal.Signals(-returncode).name}"
-    return f"exited with code {returncode}"
-
-
 def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         if not selector.select(timeout_s):
             raise TimeoutError(f"the namespace keeper did not finish in {timeout_s} s")
     return process.stdout.readline()
-
-
-# -- syscalls -------------------------------------------------------------------------------------
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _setns(path: str, kind: int) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        _check(_libc().setns(fd, kind), f"setns({path})")
-    finally:
-        os.close(fd)
-
-
-def _die_with_parent() -> None:
-    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-# -- the keeper (this file run as a script) -------------------------------------------------------
-
-
-def _hold_network_namespace() -> int:
-    """Fork a child that unshares a new network namespace and sleeps in it; return its pid."""
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(ready_r)
-            _die_with_parent()
-            _check(_libc().unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET): cannot make a network namespace")
-            os.write(ready_w, b"ok")
-            while True:
-                signal.pause()
-        except BaseException as exc:  # noqa: BLE001 - reported to the keeper
-            os.write(ready_w, str(exc).encode())
-        finally:
-            os._exit(1)
-    os.close(ready_w)
-    answer = os.read(ready_r, 4096).decode()
-    os.close(ready_r)
-    if answer != "ok":
-        raise OSError(answer)
-    return pid
-
-
-def _run_in(pid: int, tool: str, commands: list[str]) -> None:
-    """Run ``commands`` through ``ip -batch -`` or ``tc -batch -`` inside process ``pid``'s network namespace."""
-    done = subprocess.run(
-        [tool, "-batch", "-"], input="\n".join(commands) + "\n", capture_output=True, text=True,
-        preexec_fn=lambda: _setns(f"/proc/{pid}/ns/net", CLONE_NEWNET),
-    )
-    if done.returncode:
-        raise OSError(f"{tool} failed: {(done.stderr or done.stdout).strip()} (commands: {'; '.join(commands)})")
-
-
-def _cap(device: str, gbit: float) -> str:
-    """A token bucket of ``gbit`` on ``device``'s egress. The bucket holds 1 ms of traffic (at
-    least 128 KiB, so a 64 KiB GSO segment passes whole), the queue at most 20 ms more."""
-    rate = int(gbit * 1e9)
-    burst = max(128 << 10, rate // 8 // 1000)
-    return f"qdisc add dev {device} root tbf rate {rate}bit burst {burst} latency 20ms"
-
-
-def _enter_user_namespace() -> None:
-    """Become root of a new user namespace (unprivileged users may, where the kernel allows)."""
-    uid, gid = os.geteuid(), os.getegid()
-    _check(_libc().unshare(CLONE_NEWUSER), "unshare(CLONE_NEWUSER): cannot make a user namespace")
-    with open("/proc/self/setgroups", "w") as f:
-        f.write("deny")
-    with open("/proc/self/uid_map", "w") as f:
-        f.write(f"0 {uid} 1")
-    with open("/proc/self/gid_map", "w") as f:
-        f.write(f"0 {gid} 1")
-
-
-def _hold(holders: dict[int, str]) -> str | None:
-    """Wait until stdin closes (None) or a namespace holder dies (what died: it is reaped here).
-
-    Each holder is watched through a pidfd (Linux 5.3); where there are none, stdin only."""
-    with selectors.DefaultSelector() as selector:
-        selector.register(sys.stdin.fileno(), selectors.EVENT_READ, None)
-        pidfds = []
-        try:
-            for pid, name in holders.items():
-                try:
-                    pidfds.append(os.pidfd_open(pid))
-                except (AttributeError, OSError):
-                    continue
-                selector.register(pidfds[-1], selectors.EVENT_READ, (pid, name))
-            while True:
-                for key, _ in selector.select():
-                    if key.data is None:
-                        if not os.read(key.fd, 4096):
-                            return None
-                        continue
-                    pid, name = key.data
-                    _, status = os.waitpid(pid, 0)
-                    del holders[pid]  # reaped: never to be killed (its pid may be reused)
-                    return f"the process holding {name} (pid {pid}) died ({_how(os.waitstatus_to_exitcode(status))})"
-        finally:
-            for fd in pidfds:
-                os.close(fd)
-
-
-def _keeper_main(count: int, gbit: float, user_namespace: bool) -> None:
-    """Build the switch and the hosts, report their holders' pids, hold them until stdin closes
-    (or report the holder that died, and end the rest)."""
-    _die_with_parent()
-    holders: dict[int, str] = {}
-    try:
-        # 1. Without root: a user namespace of our own, in which we may make network namespaces.
-        if user_namespace:
-            _enter_user_namespace()
-        # 2. The switch: a namespace with a bridge.
-        switch = _hold_network_namespace()
-        holders[switch] = "the switch's network namespace"
-        _run_in(switch, "ip", ["link add br0 type bridge", "link set br0 up"])
-        # 3. Each host: a namespace whose eth0 is a veth pair's end; the other end, hN, goes to the switch.
-        for i in range(count):
-            host = _hold_network_namespace()
-            holders[host] = f"host {i}'s network namespace"
-            _run_in(host, "ip", [
-                "link set lo up",
-                f"link add {INTERFACE} type veth peer name h{i} netns {switch}",
-                f"addr add {SUBNET}.{i + 1}/24 dev {INTERFACE}",
-                f"link set {INTERFACE} up",
-            ])
-            if gbit:  # the host's upload
-                _run_in(host, "tc", [_cap(INTERFACE, gbit)])
-        # 4. Plug every hN into the bridge; cap it (the host's download).
-        _run_in(switch, "ip", [cmd for i in range(count) for cmd in (f"link set h{i} master br0", f"link set h{i} up")])
-        if gbit:
-            _run_in(switch, "tc", [_cap(f"h{i}", gbit) for i in range(count)])
-        print(json.dumps({"switch": switch, "hosts": list(holders)[1:]}), flush=True)
-        # 5. Hold everything until the owner closes our stdin (or dies), or a holder dies.
-        lost = _hold(holders)
-        if lost:  # the owner's pool is waiting on our stdout: say what went, then end the rest
-            print(json.dumps({"lost": lost}), flush=True)
-    except Exception as exc:  # noqa: BLE001 - reported to the owner, who raises EmulationUnavailable
-        print(json.dumps({"error": str(exc)}), flush=True)
-    finally:
-        for pid in holders:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-
-
-if __name__ == "__main__":
-    _keeper_main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1")
