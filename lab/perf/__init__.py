@@ -1,0 +1,192 @@
+"""``python -m lab perf``: the lab's own collectives, printed as nccl-tests prints its ``*_perf`` runs.
+
+    python -m lab perf allreduce -b 1K -e 64M -f 2 --ranks 4
+    python -m lab perf allgather -b 1K -e 1M -f 4 --ranks 4 --hosts 4 --link-gbit 1   # emulated hosts
+    python -m lab perf reduce_scatter -d half -o max -n 50 -w 10 --transport tcp
+
+The options are nccl-tests' (``-b``/``-e`` sizes with K, M, G, ``-f`` factor or ``-i`` step, ``-n``
+iterations, ``-w`` warm-up, ``-c`` checks, ``-o`` op, ``-d`` type, ``-r`` root, ``-a`` how ranks'
+times combine), and so are the output and its conventions (common.cu, the collectives' ``*.cu``):
+a size is the whole buffer (allgather's result, reduce_scatter's and alltoall's input) rounded
+down to a multiple of N elements where the collective splits it, ``count`` is each rank's share
+of it there, algbw = size / time and busbw = algbw · (allreduce 2(N-1)/N; allgather,
+reduce_scatter, alltoall (N-1)/N; broadcast, reduce 1). So ``lab.sim.read_nccl_tests`` reads the
+output back, as a cluster's own log.
+
+Out of place and in place, for the lab. ``lab.allreduce``, ``broadcast`` and ``reduce`` work in
+place: in place is the call on the tensor holding the input; out of place copies the send
+buffer into the receive buffer and calls on that (the copy is timed: it is what an out-of-place
+call costs in the lab). ``allgather``, ``reduce_scatter`` and ``all_to_all`` return a new
+tensor: out of place is that call; in place is nccl-tests' layout, the input a view of the
+receive buffer (allgather: this rank's block of it) and the result copied into the receive
+buffer (reduce_scatter: into this rank's block), the copy timed.
+
+Timing is nccl-tests': inside the ranks, ``-w`` untimed calls (at every size and placement: a
+first call at a new shape prepares the lab's lane), a barrier, then ``-n`` calls back to back,
+timed as one: time = total / n, combined over ranks by ``-a`` (1, the default: the average).
+Process start is never timed. Each check (``-c``) refills the inputs, runs once and compares
+every element on every rank, bit for bit, with the exact result; ``#wrong`` is the sum over
+ranks (``N/A`` with ``-c 0``).
+
+The package: the command line is here (its options, their checks, the run); :mod:`lab.perf.spec`
+names what a run takes (:class:`Spec`), :mod:`lab.perf.data` the inputs and exact results,
+:mod:`lab.perf.timing` times one size in a rank, :mod:`lab.perf.table` prints nccl-tests' text.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from lab.collectives import calls as collectives
+from lab.collectives import registry
+from lab.hosts import check_link_gbit
+from lab.perf.data import as_tensor, count_wrong, exact_limit, expected, layout, pattern, reduced
+from lab.perf.spec import AVERAGES, OPS, PROGRAMS, REDUCED_TYPES, REDUCING, TYPES, Spec
+from lab.perf.table import footer, format_time, header, row, titles
+from lab.perf.timing import bench_size, describe_rank, placements
+
+#: ``lab.perf``'s names, as before it was a package (``collectives``: where a test swaps a collective).
+__all__ = ["AVERAGES", "OPS", "PROGRAMS", "REDUCED_TYPES", "TYPES", "Spec", "add_parser", "as_tensor",
+           "bench_size", "check", "collectives", "count_wrong", "describe_rank", "exact_limit", "expected",
+           "footer", "format_time", "header", "layout", "parse_size", "pattern", "placements", "reduced",
+           "row", "run", "sizes", "titles"]
+
+_TYPE_ALIASES = {"float32": "float", "float64": "double", "float16": "half", "bf16": "bfloat16"}
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """nccl-tests' size (its ``parsesize``): bytes, or a number with K, M or G (1024-based), from 1 up.
+
+    >>> parse_size("1K"), parse_size("64M"), parse_size("1.5k"), parse_size("4096")
+    (1024, 67108864, 1536, 4096)
+    """
+    number, unit = (text[:-1], _UNITS[text[-1].upper()]) if text[-1:].upper() in _UNITS else (text, 1)
+    try:
+        size = int(float(number) * unit)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: bytes from 1 up, optionally with K, M or G")
+    return size
+
+
+def sizes(min_bytes: int, max_bytes: int, factor: int = 1, step: int = 1 << 20) -> list[int]:
+    """The sizes nccl-tests runs: from ``min_bytes``, times ``factor`` (if above 1, else plus
+    ``step``), up to ``max_bytes``.
+
+    >>> sizes(1024, 16384, 2)
+    [1024, 2048, 4096, 8192, 16384]
+    """
+    out = [min_bytes]
+    while (out[-1] * factor if factor > 1 else out[-1] + step) <= max_bytes:
+        out.append(out[-1] * factor if factor > 1 else out[-1] + step)
+    return out
+def _whole(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``low`` up (the error names the option, before anything runs)."""
+    def whole(text: str) -> int:
+        if not text.isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number from {low} up; got {text!r}")
+        return int(text)
+    return whole
+
+
+def _collective(text: str) -> str:
+    """The lab's name of a collective, given it or nccl-tests' (``alltoall``, ``all_reduce_perf``)."""
+    names = {name.replace("_", ""): name for name in PROGRAMS}
+    named = names.get(text.removesuffix("_perf").replace("_", "").lower())
+    if named is None:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(PROGRAMS)} (or nccl-tests' names: "
+                                         f"all_reduce, alltoall, ...); got {text!r}")
+    return named
+
+
+def _datatype(text: str) -> str:
+    """nccl-tests' name of a type (``-d float``; torch's ``float32``, ``float16``, ``float64`` too)."""
+    name = _TYPE_ALIASES.get(text, text)
+    if name not in TYPES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(TYPES)}; got {text!r}")
+    return name
+
+
+def check(args: argparse.Namespace) -> Spec:
+    """The run's :class:`Spec`, once the options agree with each other; else the parser's error
+    naming the option (exit status 2), before any rank starts."""
+    name, error = args.collective, args.parser.error
+    if args.maxbytes < args.minbytes:
+        error(f"argument -e/--maxbytes: {args.maxbytes} bytes is below -b/--minbytes ({args.minbytes})")
+    if name in REDUCING and args.datatype not in REDUCED_TYPES:
+        error(f"argument -d/--datatype: the lab's {name} cannot reduce {args.datatype}; it reduces "
+              f"{', '.join(REDUCED_TYPES)}")
+    if name in REDUCING and args.op == "avg" and not TYPES[args.datatype].is_floating_point:
+        error(f"argument -o/--op: avg needs a floating type (-d {', '.join(REDUCED_TYPES[:4])})")
+    if name in ("broadcast", "reduce") and args.root >= args.ranks:
+        error(f"argument -r/--root: {args.root} is not a rank of {args.ranks} (0 to {args.ranks - 1})")
+    known = registry.names(name)
+    if args.algorithm != "auto" and args.algorithm not in known:
+        error(f"argument --algorithm: {name} has {', '.join(known)} (or auto); got {args.algorithm!r}")
+    hosts = args.hosts or 1
+    if args.ranks % hosts:
+        error(f"argument --hosts: {args.ranks} ranks do not split evenly over {hosts} hosts")
+    if hosts > 1 and args.transport in ("shm", "queue"):
+        error(f"argument --transport: ranks on {hosts} hosts talk over tcp or auto, not {args.transport}")
+    if args.link_gbit is not None and hosts == 1:
+        error("argument --link-gbit: caps the emulated hosts' links: give --hosts H (2 or more) too")
+    try:
+        check_link_gbit(args.link_gbit)
+    except ValueError as problem:
+        error(f"argument --link-gbit: {problem}")
+    algorithm = args.algorithm if registry.choosable(name) else "auto"
+    return Spec(name, args.datatype, args.op if name in REDUCING else None, args.root, algorithm,
+                args.iters, args.warmup_iters, args.check)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``python -m lab perf``: the table on stdout, a row as each size is done; exit status 1 if
+    any element was wrong, as nccl-tests."""
+    import lab  # (lab.launch at call time: a test stands in for it)
+
+    spec = check(args)
+    hosts = args.hosts if args.hosts and args.hosts > 1 else None
+    transport = args.transport or ("auto" if hosts else "shm")
+    try:
+        cluster = lab.launch(args.ranks, transport=transport, hosts=hosts, link_gbit=args.link_gbit)
+    except lab.EmulationUnavailable as error:
+        args.parser.error(f"argument --hosts: {error}")
+    busbws, failed = [], 0
+    with cluster:
+        print(header(spec, args, cluster.run(describe_rank), transport), flush=True)
+        for nbytes in sizes(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes):
+            text, busbw, wrong = row(spec, nbytes, cluster.run(bench_size, spec, nbytes), args.average)
+            print(text, flush=True)
+            busbws, failed = busbws + busbw, failed + wrong
+    print(footer(busbws, failed), flush=True)
+    return 1 if failed else 0
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """``python -m lab perf``, nccl-tests' options and the lab's own (ranks, transport, hosts, algorithm)."""
+    parser = commands.add_parser("perf", help="the lab's collectives as nccl-tests tables (all_reduce_perf)",
+                                 description=__doc__.split("\n\n")[2].replace("\n", " "))
+    parser.add_argument("collective", type=_collective, help=", ".join(PROGRAMS))
+    size = {"type": parse_size, "metavar": "BYTES"}
+    parser.add_argument("-b", "--minbytes", default=32 << 20, help="smallest size (default 32M)", **size)
+    parser.add_argument("-e", "--maxbytes", default=32 << 20, help="largest size (default 32M)", **size)
+    parser.add_argument("-i", "--stepbytes", default=1 << 20, help="step without -f (default 1M)", **size)
+    parser.add_argument("-f", "--stepfactor", type=_whole(1), default=1, help="size factor (default 1: -i)")
+    parser.add_argument("-n", "--iters", type=_whole(1), default=20, help="timed calls per size (default 20)")
+    parser.add_argument("-w", "--warmup_iters", type=_whole(0), default=5, help="untimed calls (default 5)")
+    parser.add_argument("-c", "--check", type=_whole(0), default=1, help="checked calls per size, 0: none")
+    parser.add_argument("-o", "--op", choices=OPS, default="sum")
+    parser.add_argument("-d", "--datatype", type=_datatype, default="float", help=", ".join(TYPES))
+    parser.add_argument("-r", "--root", type=_whole(0), default=0, help="broadcast's and reduce's root")
+    parser.add_argument("-a", "--average", type=int, choices=sorted(AVERAGES), default=1,
+                        help="the ranks' times: 0 rank 0's, 1 their average (default), 2 min, 3 max")
+    parser.add_argument("--ranks", type=_whole(1), default=4, metavar="N", help="ranks (default 4)")
+    parser.add_argument("--transport", choices=("shm", "queue", "tcp", "auto"),
+                        help="default shm; auto with --hosts")
+    parser.add_argument("--hosts", type=_whole(1), metavar="H", help="emulated hosts, ranks split evenly")
+    parser.add_argument("--link-gbit", type=float, metavar="G", help="with --hosts: link cap (default none)")
+    parser.add_argument("--algorithm", default="auto", help="one of the collective's (default auto)")
+    parser.set_defaults(run=run, parser=parser)
