@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from lab.sim.explain import add_parser as add_explain  # python -m lab explain (lab/sim/explain.py)
     from lab.sim.sweep import add_parser as add_simulate  # python -m lab simulate (lab/sim/sweep.py)
     from lab.workload.cli import add_parser as add_workload  # python -m lab workload (lab/workload/cli.py)
-    from lab.perf import add_parser as add_perf  # python -m lab perf (lab/perf.py)
+    from lab.perf import add_parser as add_perf  # python -m lab perf (lab/perf/)
     from lab.sim.cluster_cli import add_parser as add_cluster  # python -m lab cluster (lab/sim/cluster_cli.py)
 
     for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster):  # each its subcommand

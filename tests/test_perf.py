@@ -1,4 +1,4 @@
-"""``python -m lab perf`` (lab/perf.py): the lab's collectives as nccl-tests tables, read back by
+"""``python -m lab perf`` (lab/perf/): the lab's collectives as nccl-tests tables, read back by
 ``lab.sim.read_nccl_tests``; its checker, its sizes and bandwidths, its argument errors."""
 
 from __future__ import annotations
