@@ -2,10 +2,11 @@
 
 :class:`Exchange` is the :class:`lab.peers.Peers` that algorithms run on: it numbers each
 collective, fingerprints its messages (so ranks in different collectives are caught at the first
-message), translates a sub-mesh's ranks to the global ranks of the shared channels, turns a
-transport's failure into the lab's error naming both sides, counts payload bytes, keeps the
-flight recorder and writes the trace rows. :class:`lab.Mesh` builds on it. A root mesh and its
-sub-meshes share one :class:`Channels`.
+message), translates a sub-mesh's ranks to the global ranks of the shared channels and turns a
+transport's failure into the lab's error naming both sides; its :class:`lab.exchange_books.Books`
+(``exchange.books``) keep each collective's flight record, count payload bytes and write the
+trace rows. :class:`lab.Mesh` builds on it. A root mesh and its sub-meshes share one
+:class:`Channels`.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from kernels import doorbell as wait_status
 from lab import fingerprint
 from lab.buffers import new_flat
 from lab.channels import Channels
-from lab.counters import BOOKED_KEYS, Counters
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
-from lab.flight import FLIGHT_RECORDER_SIZE, FlightRecord, FlightRecorder, Position
+from lab.exchange_books import Books
+from lab.flight import FlightRecord, Position
 from lab.membership import Membership
 from lab.ops import DTYPES, DType, Reduction, reduction
-from lab.plane import BOOKED, LEDGER_WORDS, RING, SEQ, CompiledCall
+from lab.plane import LEDGER_WORDS, SEQ, CompiledCall
 from lab.planned_run import PlannedRun, raise_compiled_failure
 from lab.transport.base import Recv, Send, TagMismatch
 
@@ -51,7 +52,7 @@ class Exchange:
         self._channels, self._membership = channels, membership
         self._transport = channels.transport
         self._rank, self._world_size = membership.rank, membership.world_size
-        self._lineage = [self, *parents]  # this mesh and its ancestors: a transfer counts in each one's stats
+        self._lineage = [self, *parents]  # this mesh and its ancestors: a sub-mesh's parents (see _view)
         #: The compiled data plane of this mesh's small collectives (lab.plane), or None.
         self.plane = channels.plane if membership.members is None else None  # (mailboxes speak global ranks)
         self._trace = channels.trace
@@ -74,8 +75,9 @@ class Exchange:
         self._next_any = 0  # recv(None) tries the ranks from this one on
         self.context = membership.context  # in every fingerprint
         self.position = Position(membership.describe())  # where this rank is: what errors name
-        self.recorder = FlightRecorder(self._ledger[RING:].reshape(FLIGHT_RECORDER_SIZE, 2))
-        self._counters = Counters(self._ledger[BOOKED:BOOKED + len(BOOKED_KEYS)])
+        #: Flight records, counters (a transfer counts in each ancestor's too) and trace rows.
+        self.books = Books(channels, membership, self._ledger, self.position, [parent.books for parent in parents])
+        self.recorder = self.books.recorder
         self.templates: dict = {}  # plain calls' checks and choices, by their arguments (lab.collectives)
 
     def _view(self, membership: Membership) -> Exchange:
@@ -121,15 +123,10 @@ class Exchange:
         ``bytes_sent_inter_host`` / ``bytes_received_inter_host``: the part to or from a rank on
         another host. A mesh's counters include its sub-meshes' traffic; a sub-mesh counts its own.
         """
-        return self._counters.snapshot()
+        return self.books.stats()
 
     def reset_stats(self) -> None:
-        self._counters.reset()
-
-    def _count(self, **counts: int) -> None:
-        """Count a transfer in this mesh's counters and its ancestors'."""
-        for mesh in self._lineage:
-            mesh._counters.add(**counts)
+        self.books.reset_stats()
 
     # -- what the public collectives take from the mesh ----------------------------------------
 
@@ -173,8 +170,8 @@ class Exchange:
         if status != wait_status.OK:
             raise_compiled_failure(self, call)
         bytes_sent, bytes_received, messages_sent, messages_received = call.counts()
-        self._count(bytes_sent=bytes_sent, bytes_received=bytes_received, messages_sent=messages_sent,
-                    messages_received=messages_received, collectives_compiled=1)
+        self.books.count(bytes_sent=bytes_sent, bytes_received=bytes_received, messages_sent=messages_sent,
+                         messages_received=messages_received, collectives_compiled=1)
 
     # -- what algorithms use -------------------------------------------------------------------
 
@@ -206,7 +203,7 @@ class Exchange:
             self._transport.exchange(sends, recvs, self._tag, timeout_ms / 1000, self.position)
         if trace_steps:
             position = self.position
-            self._write_trace(
+            self.books.write_trace(
                 kind="step", op=position.collective, algorithm=position.algorithm, seq=position.seq,
                 step=position.step, sends=[[s.dst, s.data.nbytes] for s in sends],
                 recvs=[[r.src, r.out.nbytes] for r in recvs], start_ns=start_ns,
@@ -214,10 +211,10 @@ class Exchange:
             )
         if counted:
             hosts, host = self._membership.hosts, self.host
-            self._count(bytes_sent=sum(s.data.nbytes for s in sends), messages_sent=len(sends),
-                        bytes_sent_inter_host=sum(s.data.nbytes for s in sends if hosts[s.dst] != host),
-                        bytes_received=sum(r.out.nbytes for r in recvs), messages_received=len(recvs),
-                        bytes_received_inter_host=sum(r.out.nbytes for r in recvs if hosts[r.src] != host))
+            self.books.count(bytes_sent=sum(s.data.nbytes for s in sends), messages_sent=len(sends),
+                             bytes_sent_inter_host=sum(s.data.nbytes for s in sends if hosts[s.dst] != host),
+                             bytes_received=sum(r.out.nbytes for r in recvs), messages_received=len(recvs),
+                             bytes_received_inter_host=sum(r.out.nbytes for r in recvs if hosts[r.src] != host))
 
     @property
     def scratch(self) -> Any:
@@ -236,8 +233,8 @@ class Exchange:
         self.position.step += 1
         with _failures(self, self.recv_timeout_ms):
             moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1000, self.position)
-        self._count(bytes_sent=moved.bytes_sent, bytes_received=moved.bytes_received, messages_sent=moved.messages,
-                    messages_received=moved.messages)
+        self.books.count(bytes_sent=moved.bytes_sent, bytes_received=moved.bytes_received,
+                         messages_sent=moved.messages, messages_received=moved.messages)
         return True
 
     def mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError:
@@ -274,14 +271,14 @@ class Exchange:
         except BaseException as exc:
             self.failed(record, exc)
             raise
-        self._done(record, start_ns, before)
+        self.books.done(record, start_ns, before)
 
     def agree(self, signature: Signature) -> list[bytes]:
         """Every rank's fingerprint of ``signature`` (numbered 0), in rank order, from one
         internal collective numbered as a collective (a plan's ranks compare their plans with it
         at init, :mod:`lab.plans`)."""
         name, algorithm, dtype, count, op, root, _ = signature
-        record = self._enter("agree", "", "int64", FINGERPRINT_WORDS, "", -1)
+        record = self.books.enter("agree", "", "int64", FINGERPRINT_WORDS, "", -1)
         mine = fingerprint.pack(self._membership.context, 0, name, algorithm, dtype.code, op, root, count)
         try:
             everyone = self._fingerprints(mine)
@@ -309,66 +306,35 @@ class Exchange:
                compiled: bool) -> tuple[FlightRecord, int, tuple[int, int, int]]:
         """A collective's number, fingerprint, position and flight record; for its trace row,
         when it started, and the byte counters then and its tensor's bytes."""
-        record = self._enter(name, algorithm, dtype.name, count, op, root)
+        record = self.books.enter(name, algorithm, dtype.name, count, op, root)
         self._tag = fingerprint.pack(self._membership.context, record.seq, name, algorithm, dtype.code, op, root,
                                      count)
         self._nbytes = count * dtype.storage.itemsize
         self._compiled = compiled
         if self._trace is None:
             return record, 0, _UNTRACED
-        return record, time.time_ns(), (self._counters["bytes_sent"], self._counters["bytes_received"], self._nbytes)
-
-    def _enter(self, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int) -> FlightRecord:
-        """Number the next collective, say where this rank is, and note it in the flight recorder."""
-        self._ledger[SEQ] += 1
-        return self.note(int(self._ledger[SEQ]), name, algorithm, dtype_name, count, op, root)
+        counters = self.books.counters
+        return record, time.time_ns(), (counters["bytes_sent"], counters["bytes_received"], self._nbytes)
 
     def refused(self) -> None:
         """Number a collective that was refused before it ran (an earlier asynchronous call's
         failure raised in its place: :meth:`lab.issue.IssueQueue.wait_all`). Its peers ran theirs:
         this rank's next collective takes the number after it, and meets a mismatch there rather
         than pair with the wrong call of theirs."""
-        self._enter("(refused)", "", "", 0, "", -1).state = "failed (refused: an earlier failure was raised)"
+        self.books.refused()
 
     def note(self, seq: int, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int,
-              step: int = 0) -> FlightRecord:
+             step: int = 0) -> FlightRecord:
         """Say where this rank is (collective ``seq`` at ``step``) and note it in the flight recorder."""
-        position = self.position
-        position.collective, position.seq, position.algorithm, position.step = name, seq, algorithm, step
-        return self.recorder.note(FlightRecord(seq, name, algorithm, dtype_name, count, op, root))
+        return self.books.note(seq, name, algorithm, dtype_name, count, op, root, step)
 
     def failed(self, record: FlightRecord, exc: BaseException) -> None:
-        """Record the failure; where the channels are left unclean, tell the peers what this rank
-        found, and raise instead the root cause a peer's notice names, if any
-        (:meth:`lab.transport.base.Transport.share_failure`)."""
-        if self.position.step:  # messages may be in flight: this mesh can't be reused
-            self.clean = False
-        cause = exc if self.clean or not isinstance(exc, LabError) else \
-            self._transport.share_failure(exc, self.position, self.recv_timeout_ms / 1000)
-        record.state, record.step = f"failed ({type(cause).__name__})", self.position.step
-        if cause is not exc:
-            raise cause from exc
-
-    def _done(self, record: FlightRecord, start_ns: int, before: tuple[int, int, int]) -> None:
-        record.state, record.step = "done", self.position.step
-        self._counters.add(collectives=1)
-        if self._trace is not None:
-            self._write_trace(
-                kind="collective", op=record.collective, algorithm=record.algorithm, dtype=record.dtype,
-                count=record.count, nbytes=before[2], reduce_op=record.op or None,
-                root=None if record.root < 0 else record.root,
-                bytes_sent=self._counters["bytes_sent"] - before[0],
-                bytes_received=self._counters["bytes_received"] - before[1],
-                start_ns=start_ns, duration_ns=time.time_ns() - start_ns, seq=record.seq,
-            )
+        """Record the failure (:meth:`lab.exchange_books.Books.failed`: a peer's root cause may be raised instead)."""
+        self.books.failed(record, exc)
 
     def flight_records(self) -> list[FlightRecord]:
         """This rank's last collectives, oldest first; a running one shows the step it reached."""
-        return self.recorder.records(int(self._ledger[SEQ]), self.position.step)
-
-    def _write_trace(self, **row: Any) -> None:
-        row = {**self._membership.trace_fields(), **row}  # a sub-mesh's: which one, and the global rank
-        self._trace.write(rank=self.rank, world_size=self.world_size, transport=self.transport, **row)
+        return self.books.flight_records()
 
 
 @contextlib.contextmanager

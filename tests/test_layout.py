@@ -37,9 +37,6 @@ MAX_FUNCTION_LINES = 60
 #: Known exceptions, each with its reason: {(rule, module): reason}. They are expected failures
 #: (strict): once the module complies, its entry must go.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("size", "lab.exchange"): "the class Exchange is 326 lines (the module is within its size): numbering and "
-    "fingerprints, the Peers transfers, and the books of each collective (note, failed, done, trace rows); the "
-    "books are the next to move into a collaborator of their own",
     ("function size", "lab.sim.replay"): "_replay is the simulator's event loop, compiled by Numba: its state is "
     "some 30 arrays, and its steps are already helpers (_wire, _receive, _complete, _cpu) that take them as arguments",
 }
