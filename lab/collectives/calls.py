@@ -242,7 +242,7 @@ def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Pr
     """:func:`reduce`'s checks, done now; its communication, ready to run."""
     dst = check_root(mesh, dst, "dst")
     reduce_op = parse_op(op)
-    buffer = as_buffer(tensor)
+    buffer = as_buffer(tensor, writable=mesh.rank == dst)  # the others only read theirs: read-only is fine
     check_reduces(buffer.dtype, "reduce")
     kernels = mesh.kernels(reduce_op, buffer.dtype)
     signature = Signature("reduce", _REDUCE, buffer.dtype, buffer.numel, reduce_op.value, root=dst)
@@ -250,7 +250,8 @@ def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Pr
     def run() -> Any:
         flat = buffer.load()
         with mesh.collective(*signature):
-            if kernels.prescales and mesh.rank != dst:  # another rank's tensor stays as it was
+            # another rank's tensor stays as it was; the compiled algorithm takes a writable array
+            if mesh.rank != dst and (kernels.prescales or not flat.flags.writeable):
                 flat = flat.copy()
             kernels.prepare(flat, mesh.world_size)
             mesh.run(ALGORITHMS["reduce"][_REDUCE], flat, kernels, dst)
