@@ -21,6 +21,7 @@ import lab
 from lab.collectives import calls
 import lab.sim as sim
 from helpers import pool, slow_from_five
+from lab.sim.cluster import predict_table
 from lab.sim.record import ROOTED, Schedule
 from lab.sim.replay import replay
 
@@ -214,6 +215,42 @@ def test_best_algorithm_follows_the_alpha_beta_tradeoff():
 def test_bad_arguments_are_value_errors_that_name_the_parameter(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+RACKS = sim.Network(ranks_per_host=8)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: sim.predict(RACKS, "allreduce", hosts=10 ** 9, nbytes=1024), ValueError,
+     r"hosts must be an integer >= 1, at most 2,097,152 \(16,777,216 ranks at 8 a host\); got 1000000000"),
+    (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=True), ValueError, "nbytes must be .*; got True"),
+    (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=np.bool_(True)), ValueError, "nbytes must be"),
+    (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=-5), ValueError, "nbytes must be .*; got -5"),
+    (lambda: sim.predict(RACKS, "allgather", hosts=2, nbytes=2 ** 45), ValueError,
+     r"from 0 to 17,592,186,044,416 \(allgather's size is its output"),
+    (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=1024, ranks_per_host=True), ValueError,
+     "ranks_per_host must be"),
+    (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=1024, candidates="ring"), TypeError,
+     "candidates must be a list"),
+    (lambda: sim.predict("allreduce", 4, True), ValueError, "nbytes must be .*; got True"),
+    (lambda: sim.simulate("allreduce", "ring", 4, True), ValueError, "nbytes must be .*; got True"),
+    (lambda: sim.estimate("allreduce", "ring", 4, True), ValueError, "nbytes must be .*; got True"),
+    (lambda: sim.estimate("allreduce", "ring", 4, 1024, ranks_per_host=0), ValueError, "ranks_per_host must be"),
+    (lambda: sim.estimate("allreduce", "ring", 4, 1024, ranks_per_host=True), ValueError,
+     "ranks_per_host must be"),
+    (lambda: sim.best_algorithm("allreduce", 4, True), ValueError, "nbytes must be .*; got True"),
+    (lambda: predict_table(RACKS, "allreduce", 2, [True]), ValueError, "sizes must hold integers .*; got True"),
+    (lambda: predict_table(RACKS, "allreduce", 2, [1.5]), ValueError, "sizes must hold integers"),
+    (lambda: predict_table(RACKS, "allreduce", 2, 1024), TypeError, "sizes must be a list"),
+])
+def test_hosts_sizes_and_bools_for_numbers_are_refused_naming_the_parameter(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_a_table_predicted_at_one_rank_has_no_rates_rather_than_infinite_ones():
+    (row,) = predict_table(sim.Network(), "allreduce", 1, [1024]).to_dict(orient="records")
+    assert row["time_us"] == 0 and math.isnan(row["algbw"]) and math.isnan(row["busbw"])
 
 
 def test_a_network_of_the_wrong_type_is_a_type_error():

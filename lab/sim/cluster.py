@@ -30,7 +30,8 @@ import pandas as pd
 from lab import checks
 from lab.sim import core
 from lab.sim.calibrate import least_absolute
-from lab.sim.cluster_cases import Case, input_bytes, log_cases
+from lab.sim.cluster_cases import OUTPUT_SIZED, Case, input_bytes, log_cases
+from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE
 from lab.sim.network import Network
 
 #: The terms a fit sets by default: (Network field, what it is, its bounds, which logs see it).
@@ -253,12 +254,19 @@ def predict_hosts(network: Network, collective: str, *, hosts: int, nbytes: int,
     """
     if not isinstance(network, Network):
         raise TypeError(f"network must be a lab.sim.Network; got {type(network).__name__}")
-    if not checks.is_int(hosts) or hosts < 1:
-        raise ValueError(f"hosts must be an integer >= 1; got {hosts!r}")
     per_host = network.ranks_per_host if ranks_per_host is None else ranks_per_host
-    network = replace(network, ranks_per_host=per_host)
+    network = replace(network, ranks_per_host=per_host)  # (checks ranks_per_host)
+    most = MAX_WORLD_SIZE // network.ranks_per_host  # the simulator's largest world, in whole hosts
+    if not checks.is_int(hosts) or not 1 <= hosts <= most:
+        raise ValueError(f"hosts must be an integer >= 1, at most {most:,} ({MAX_WORLD_SIZE:,} ranks at "
+                         f"{network.ranks_per_host} a host); got {hosts!r}")
     world = hosts * network.ranks_per_host
-    nbytes = input_bytes(collective, nbytes, world)
+    whole = collective in OUTPUT_SIZED
+    largest = MAX_NBYTES * (world if whole else 1)  # the simulator's largest input a rank
+    if not checks.is_int(nbytes) or not 0 <= nbytes <= largest:
+        output = f" ({collective}'s size is its output: {MAX_NBYTES:,} bytes a rank)" if whole else ""
+        raise ValueError(f"nbytes must be an integer from 0 to {largest:,}{output}; got {nbytes!r}")
+    nbytes = input_bytes(collective, int(nbytes), world)
     times = core.predict(collective, world, nbytes, network, candidates=candidates)
     if not times:
         raise ValueError(f"no algorithm of {collective} can be simulated at {hosts} hosts")
@@ -269,16 +277,22 @@ def predict_hosts(network: Network, collective: str, *, hosts: int, nbytes: int,
 def predict_table(network: Network, collective: str, hosts: int, sizes: list[int], *,
                   ranks_per_host: int | None = None, candidates: list[str] | None = None) -> pd.DataFrame:
     """An nccl-tests table predicted at ``hosts`` hosts: per size (nccl-tests' count), ``time_us``,
-    ``algbw`` and ``busbw`` (GB/s, as nccl-tests computes them) and the ``algorithm`` chosen.
+    ``algbw`` and ``busbw`` (GB/s, as nccl-tests computes them; NaN at a time of 0: one rank) and
+    the ``algorithm`` chosen.
 
         predict_table(net, "allreduce", 16, [1 << 20, 64 << 20])   # two rows
     """
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"sizes must be a list of sizes in bytes; got {sizes!r}")
     rows = []
     for size in sizes:
+        if not checks.is_int(size):  # (True is not a size, 1.5 not a whole number of bytes)
+            raise ValueError(f"sizes must hold integers (bytes); got {size!r}")
         best = predict_hosts(network, collective, hosts=hosts, nbytes=int(size),
                              ranks_per_host=ranks_per_host, candidates=candidates)
         world = hosts * (network.ranks_per_host if ranks_per_host is None else ranks_per_host)
-        algbw = size / best.time_us / 1e3 if best.time_us > 0 else math.inf
+        # No time, no rate: one rank moves nothing (nccl-tests would time its local copy)
+        algbw = size / best.time_us / 1e3 if best.time_us > 0 else math.nan
         busbw = algbw * (BUS_FACTOR[collective] * (world - 1) / world if collective in BUS_FACTOR else 1.0)
         rows.append({"bytes": int(size), "time_us": best.time_us, "algbw": algbw, "busbw": busbw,
                      "algorithm": best.algorithm})

@@ -201,6 +201,7 @@ def estimate(collective: str, algorithm: str, world_size: int, nbytes: int, *, r
     """
     collective, world_size, nbytes, root, _ = _check(collective, world_size, nbytes, root, None)
     _check_algorithm(collective, algorithm)
+    ranks_per_host = _check_int("ranks_per_host", ranks_per_host, 1, MAX_WORLD_SIZE)
     table_algorithm = algorithm if recorder.algorithm_choices(collective) is not None else None
     return recorder.estimate(collective, table_algorithm, world_size, nbytes, root, ranks_per_host)
 
@@ -217,6 +218,8 @@ def predict(collective: str, world_size: int, nbytes: int, network: Network | No
     """
     collective, world_size, nbytes, root, network = _check(collective, world_size, nbytes, root, network)
     max_steps, max_seconds = check_limits(max_steps, max_seconds)
+    if candidates is not None and not isinstance(candidates, (list, tuple)):  # ("ring" is not ["ring"])
+        raise TypeError(f"candidates must be a list of algorithm names or None; got {candidates!r}")
     names = algorithms()[collective] if candidates is None else tuple(candidates)
     for name in names:
         _check_algorithm(collective, name)
