@@ -23,6 +23,7 @@ from helpers import child_env, free_port, require_hosts
 import lab
 from lab import recording, workload
 from lab.rendezvous import pool_store
+from lab.workload import record
 from lab.workload.record import Recorder, write_header
 
 NET = lab.sim.Network(alpha_us=10, gbit=8)
@@ -324,6 +325,51 @@ def test_a_wait_woken_by_its_completion_counts_no_compute_before_it(tmp_path):
     _, rows = lines(path)
     waits = [r["compute_us"] for r in rows if r["kind"] == "wait"]
     assert waits == [30.0, 55_000.0] and not any(r.get("inferred") for r in rows)
+
+
+def test_a_recording_without_mark_step_holds_a_bounded_number_of_lines(tmp_path):
+    """10,000 calls and no mark_step: every line was held until the end (some 650 bytes a call);
+    now at most MAX_HELD lines are held, the rest written as it goes, in order."""
+    path = tmp_path / "long.jsonl"
+    write_header(path, 2)
+    recorder = Recorder(path, 0, 2)
+    what = recording.Operation("allreduce", (0, 1), "float32", 4, 256, 256, reduce_op="sum")
+    held = []
+    for _ in range(10_000):
+        index = recorder.issue(what, False)
+        recorder.completed(index)
+        recorder.returned()
+        held.append(len(recorder._rows))
+    assert max(held) < record.MAX_HELD and path.stat().st_size > 9_000 * 200
+    recorder.close()
+    w = workload.load(path)
+    assert [e.index for e in w.events[0]] == list(range(10_000))
+
+
+def test_lines_after_an_operation_still_running_wait_for_it_and_unwaited_ones_are_bounded(tmp_path):
+    """An async operation's line is written once it completes (its completion fills it in): those
+    after it wait with it. Completed async operations never waited on get their waits inferred
+    once MAX_HELD of them are held."""
+    path = tmp_path / "async.jsonl"
+    write_header(path, 2)
+    recorder = Recorder(path, 0, 2)
+    what = recording.Operation("allreduce", (0, 1), "float32", 4, 256, 256, reduce_op="sum")
+    first = recorder.issue(what, True)
+    recorder.returned()
+    for _ in range(2 * record.MAX_HELD):
+        index = recorder.issue(what, True)
+        recorder.returned()
+        recorder.completed(index)
+        assert len(recorder._open) <= record.MAX_HELD + 1  # (+1: the first, still running)
+    assert path.read_text().count("\n") == 1 and len(recorder._rows) > 2 * record.MAX_HELD
+    recorder.completed(first)
+    recorder.issue(what, False)
+    assert len(recorder._rows) < record.MAX_HELD
+    recorder.mark_step()
+    recorder.close()
+    events = workload.load(path).events[0]
+    assert [e.index for e in events if e.kind == "op"] == list(range(2 * record.MAX_HELD + 2))
+    assert sum(e.kind == "wait" for e in events) == 2 * record.MAX_HELD + 1  # every async one, once
 
 
 def test_mark_step_without_a_recording_does_nothing():

@@ -6,9 +6,13 @@ this module registers it on import) calls :meth:`Recorder.issue` when a call is 
 Work, and :meth:`Recorder.returned` when control goes back to the program; the time between a
 return and the next call is compute (the program's own work: forward, backward, optimizer).
 :func:`mark_step` (the program's, after each ``optimizer.step()``) ends a step.
-Lines are kept in memory and written at each step's end and at :meth:`Recorder.close`, one
-``write`` each (``O_APPEND``: the ranks' writes to one file do not interleave within a line),
-so a recording costs a few microseconds a call and no system call in between.
+Lines are kept in memory and written at each step's end, at :meth:`Recorder.close` and whenever
+:data:`MAX_HELD` lines are held, one ``write`` each (``O_APPEND``: the ranks' writes to one file do
+not interleave within a line), so a recording costs a few microseconds a call and a system call
+per step or per 1,024 lines. What it holds is bounded, ``mark_step`` or not: 1,024 lines (an
+operation's line waits for its completion, which fills it in: the lines after one still running
+wait with it, each an operation the lab holds pending too), and 1,024 asynchronous operations that
+completed and were never waited on (past that, their waits are inferred then, as at a step's end).
 
 Waits the lab cannot see: DDP waits on its buckets' futures in C++ (torch's reducer, at the end
 of the backward pass), where no Python runs. At a step's end, an asynchronous operation that
@@ -46,6 +50,9 @@ from lab.workload.format import DTYPE_BYTES, FORMAT, POINT_TO_POINT, VERSION
 
 #: Distinct operations whose fixed fields a recorder keeps as JSON (past this, it starts over).
 MAX_FIXED = 4096
+#: Lines a recorder holds before it writes them, and completed asynchronous operations never waited
+#: on that it holds before it infers their waits (the module's docstring).
+MAX_HELD = 1024
 #: A wait this soon after its operation completed was woken by that completion (module docstring).
 WOKEN_NS = 1_000_000
 
@@ -74,6 +81,7 @@ class Recorder:
         self._rows: list[dict] = []  # events not written yet (an operation's: its completion fills it in)
         self._ops: dict[int, dict] = {}  # the operations among them, by index
         self._open: dict[int, int | None] = {}  # async operations not waited on: when each completed
+        self._done_unwaited = 0  # those of them that completed
         self._fixed: dict[tuple, str] = {}  # each distinct operation's fixed fields, as JSON (_fixed_json)
         self._start = clock()
         self._returned = self._start  # when the program last got control back
@@ -104,6 +112,8 @@ class Recorder:
         """Note ``what`` issued now, asynchronously or not; returns its index."""
         with self._lock:
             now = self._clock()
+            if self._done_unwaited >= MAX_HELD:
+                self._infer_waits()
             index, self.issued = self.issued, self.issued + 1
             row = {"kind": "op", "step": self.step, "index": index, "what": what, "async": is_async,
                    "compute_us": self._compute_us(now), "issued_us": self._now_us(now)}
@@ -112,6 +122,7 @@ class Recorder:
             if is_async:
                 self._open[index] = None
             self._inside += 1
+            self._write_held()
             return index
 
     def completed(self, index: int, learned: dict | None = None) -> None:
@@ -121,6 +132,7 @@ class Recorder:
             now = self._clock()
             if index in self._open:
                 self._open[index] = now
+                self._done_unwaited += 1
             row = self._ops.get(index)
             if row is not None:  # (else written already: it completed after its step's end)
                 row["completed_us"] = self._now_us(now)
@@ -134,10 +146,13 @@ class Recorder:
             now = self._clock()
             if index in self._open:
                 done = self._open.pop(index)
-                if done is not None and self._returned < done and now - done <= WOKEN_NS:
-                    self._returned = done  # woken by its completion: blocked on it where the lab cannot see
+                if done is not None:
+                    self._done_unwaited -= 1
+                    if self._returned < done and now - done <= WOKEN_NS:  # woken by its completion:
+                        self._returned = done  # blocked on it where the lab cannot see
                 self._rows.append({"kind": "wait", "step": self.step, "index": index,
                                    "waited_us": self._now_us(now), "compute_us": self._compute_us(now)})
+                self._write_held()
             self._inside += 1
 
     def returned(self) -> None:
@@ -169,6 +184,7 @@ class Recorder:
         """A wait line for each asynchronous operation that completed unwaited, right after the
         program's last call into the lab; the time until the last one completed is no compute."""
         done = sorted((index, at) for index, at in self._open.items() if at is not None)
+        self._done_unwaited = 0
         for index, _ in done:
             del self._open[index]
             self._rows.append({"kind": "wait", "step": self.step, "index": index, "inferred": True,
@@ -208,12 +224,23 @@ class Recorder:
             found = self._fixed[key] = _fixed_json(what, None)
         return found
 
-    def _flush(self) -> None:
-        if not self._rows:
+    def _write_held(self) -> None:
+        """Past :data:`MAX_HELD` lines held, write those before the first operation still running."""
+        if len(self._rows) >= MAX_HELD:
+            rows = self._rows
+            running = (i for i, row in enumerate(rows) if row["kind"] == "op" and "completed_us" not in row)
+            self._flush(next(running, len(rows)))
+
+    def _flush(self, count: int | None = None) -> None:
+        """Write the first ``count`` lines held (None: all)."""
+        written = self._rows[:count]
+        if not written:
             return
-        data = "".join(map(self._line, self._rows)).encode()
-        self._rows.clear()
-        self._ops.clear()
+        data = "".join(map(self._line, written)).encode()
+        del self._rows[:len(written)]
+        for row in written:
+            if row["kind"] == "op":
+                del self._ops[row["index"]]
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             if os.write(fd, data) != len(data):  # (a regular file takes it whole, or the disk is full)
