@@ -26,7 +26,7 @@ from lab.sim.network import Network
 from lab.workload.format import Event, Gradients, Workload, load
 from lab.workload.rebucket import rebucket
 from lab.workload.record import mark_step, record_gradients
-from lab.workload.replay import Replay, ReplayResult
+from lab.workload.replay import DEFAULT_MAX_EVENTS, Replay, ReplayResult, prepare
 from lab.workload.retarget import Layout
 
 __all__ = ["Event", "Gradients", "ReplayResult", "Workload", "load", "mark_step", "network_named",
@@ -65,6 +65,7 @@ def replay(
     shard: str = "strong",
     timeline: bool = True,
     bucket_mb: float | None = None,
+    max_events: int | None = DEFAULT_MAX_EVENTS,
 ) -> ReplayResult:
     """Replay ``workload``'s whole steps on ``world_size`` ranks (or the mesh ``dims``; default:
     as recorded) over ``network`` (default: ``Network()``'s).
@@ -78,6 +79,11 @@ def replay(
     compute; ``stragglers={rank: factor}`` multiplies one rank's more; ``jitter`` draws every
     rank's factor from ``1 + jitter * |N(0, 1)|`` (``seed``). ``shard``: ``"strong"`` keeps a sharded
     group's model total, ``"weak"`` its per-rank bytes (:mod:`lab.workload.retarget`).
+
+    Limits, checked before the replay starts (:func:`lab.workload.replay.prepare`): ``world_size`` up
+    to 2**24, the simulator's; ``max_events`` events, every target rank's together (default 5 million:
+    about 1 GB, 3 with the timeline, half a minute; None: none), else :class:`lab.sim.SimulationTooLarge`
+    with the count; each collective within the simulator's own limits at its target size.
 
         r = lab.workload.replay(w, world_size=8, network=lab.sim.Network(alpha_us=5, gbit=100))
         r.step_us           # array([...]): one value per recorded step
@@ -101,6 +107,7 @@ def replay(
                 f"got {name!r}"
             )
     factors = _factors(layout.world_size, compute_scale, stragglers, jitter, seed)
+    prepare(workload, layout, net, algorithms, max_events, timeline)
     run = Replay(workload, layout, net, algorithms, factors, timeline)
     run.run()
     return run.result()

@@ -40,52 +40,50 @@ kind of line, a field whose meaning changes); :func:`load` reads every version u
 Version 2 added the ``gradients`` line and the operations' ``algorithm``: a version 1 file has
 neither, and loads with none.
 
-:func:`load` reads and checks a file: a field missing or of the wrong kind, an unknown version or
-an event that names an operation the rank never issued is a ``ValueError`` naming the file, the
-line and the field.
+:func:`load` reads and checks a file, a line at a time: a field missing, of the wrong kind (``true``
+is no number) or out of its bounds, an unknown version, an event that names an operation the rank
+never issued or whose ``step`` is not the number of steps its rank marked before it, and a send
+and its receive (the k-th of a rank to another with one tag) of different bytes are each a
+``ValueError`` naming the file, the line and the field. Bounds: ``world_size`` up to 2**24 (the
+simulator's), an operation's bytes up to 1 TiB, times up to a year (:data:`MAX_US`), the file up to
+:data:`MAX_FILE_BYTES` and a line up to :data:`MAX_LINE_BYTES`. Only the ranks that have events
+take memory, whatever ``world_size`` the header claims.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE
 
 FORMAT, VERSION = "lab-workload", 2
 #: The versions :func:`load` reads (see the module's docstring).
 READS = (1, 2)
-COLLECTIVES = (
-    "allreduce",
-    "broadcast",
-    "allgather",
-    "reduce_scatter",
-    "reduce",
-    "all_to_all",
-    "barrier",
-    "gather",
-    "scatter",
-)
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier",
+               "gather", "scatter")
 POINT_TO_POINT = ("send", "recv")
 KINDS = ("op", "wait", "step")  # the events; a "gradients" line is none
-DTYPE_BYTES = {
-    "float32": 4,
-    "float64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "bool": 1,
-    "complex64": 8,
-    "complex128": 16,
-}
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2,
+               "int32": 4, "int64": 8, "bool": 1, "complex64": 8, "complex128": 16}
+#: The most :func:`load` reads: a file of 1 GiB (some 3 million events: a replay needs a few
+#: steps, not a whole training run) and a line of 16 MiB (a gradients line lists every gradient).
+#: Past either, a ValueError naming the file and the limit, before more is read.
+MAX_FILE_BYTES, MAX_LINE_BYTES = 1 << 30, 1 << 24
+#: The most a time field (``compute_us`` and the clocks) may say, µs: a year.
+MAX_US = 365 * 86_400 * 1e6
+# (and from lab.sim.limits: world_size at most MAX_WORLD_SIZE, 2**24; an operation's or the
+# gradients' bytes at most MAX_NBYTES, 1 TiB)
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     """One line after the header: what rank ``rank`` did, and the compute before it."""
 
@@ -146,37 +144,58 @@ class Workload:
 
     @property
     def steps(self) -> int:
-        """How many steps every rank marked (a rank's events after its last mark are left out)."""
+        """How many steps every rank marked (a rank's events after its last mark are left out; a
+        rank with no event marked none)."""
+        if len(self.events) < self.world_size:
+            return 0
         return min((sum(e.kind == "step" for e in events) for events in self.events.values()), default=0)
-
-
-def _need(row: dict, name: str, kinds: type | tuple, where: str) -> Any:
-    value = row.get(name)
-    if not isinstance(value, kinds) or isinstance(value, bool) and kinds in (int, (int, float)):
-        raise ValueError(f"{where}: field {name!r} must be {_kind_name(kinds)}; got {value!r}")
-    return value
 
 
 def _kind_name(kinds: type | tuple) -> str:
     if kinds == (int, float):
         return "a number"
-    return {int: "an integer", str: "a string", list: "a list", dict: "an object", bool: "true or false"}[
-        kinds
-    ]
+    names = {int: "an integer", str: "a string", list: "a list", dict: "an object", bool: "true or false"}
+    return names[kinds]
 
 
-def _count(row: dict, name: str, where: str) -> int:
-    value = _need(row, name, int, where)
-    if value < 0:
-        raise ValueError(f"{where}: field {name!r} must be an integer >= 0; got {value}")
+def _need(row: dict, name: str, kinds: type | tuple, where: str) -> Any:
+    """``row[name]``, of ``kinds`` (never a bool where a number is asked for: ``true`` is not 1)."""
+    value = row.get(name)
+    if not isinstance(value, kinds) or isinstance(value, bool) and kinds in (int, (int, float)):
+        raise ValueError(f"{where}: field {name!r} must be {_kind_name(kinds)}; got {_shown(value)}")
     return value
 
 
-def _non_negative(row: dict, name: str, where: str) -> float:
+def _shown(value: Any) -> str:
+    """``value`` as an error shows it: a long one cut short (a line may hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text):,} characters)"
+
+
+def _integer(row: dict, name: str, where: str, low: int, high: int) -> int:
+    value = _need(row, name, int, where)
+    if not low <= value <= high:
+        raise ValueError(f"{where}: field {name!r} must be an integer in [{low:,}, {high:,}]; "
+                         f"got {_shown(value)}")
+    return value
+
+
+def _optional(row: dict, name: str, kinds: type, where: str) -> Any:
+    """``row[name]``: of ``kinds``, or null (or absent)."""
+    return None if row.get(name) is None else _need(row, name, kinds, where)
+
+
+def _time_us(row: dict, name: str, where: str) -> float:
     value = _need(row, name, (int, float), where)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{where}: field {name!r} must be a finite number >= 0; got {value!r}")
+    if not 0 <= value <= MAX_US:
+        raise ValueError(f"{where}: field {name!r} must be a finite number >= 0 of µs, at most {MAX_US:g} "
+                         f"(MAX_US: a year); got {_shown(value)}")
     return float(value)
+
+
+def _elements(value: Any, itemsize: int) -> bool:
+    """An element count whose bytes are within :data:`MAX_NBYTES`."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value * itemsize <= MAX_NBYTES
 
 
 def _header(row: Any, where: str) -> tuple[int, dict | None, dict]:
@@ -184,145 +203,217 @@ def _header(row: Any, where: str) -> tuple[int, dict | None, dict]:
         raise ValueError(f'{where}: not a lab workload (the first line must have "format": "{FORMAT}")')
     version = row.get("version")
     if version not in READS or isinstance(version, bool):
-        raise ValueError(f"{where}: field 'version' is {version!r}; this lab reads versions "
+        raise ValueError(f"{where}: field 'version' is {_shown(version)}; this lab reads versions "
                          f"{', '.join(map(str, READS))}")
-    world_size = _need(row, "world_size", int, where)
-    if world_size < 1:
-        raise ValueError(f"{where}: field 'world_size' must be >= 1; got {world_size}")
-    dims = row.get("dims")
+    world_size = _integer(row, "world_size", where, 1, MAX_WORLD_SIZE)
+    dims = _optional(row, "dims", dict, where)
     if dims is not None and (
-        not isinstance(dims, dict)
-        or not all(isinstance(v, int) and v >= 1 for v in dims.values())
+        not all(_elements(v, 1) and 1 <= v <= world_size for v in dims.values())
         or math.prod(dims.values()) != world_size
     ):
-        raise ValueError(
-            f"{where}: field 'dims' must map names to sizes whose product is world_size "
-            f"({world_size}); got {dims!r}"
-        )
-    return world_size, dims, row.get("recorded") or {}
+        raise ValueError(f"{where}: field 'dims' must map names to sizes whose product is world_size "
+                         f"({world_size}); got {_shown(dims)}")
+    return world_size, dims, _optional(row, "recorded", dict, where) or {}
 
 
 def _event(row: Any, world_size: int, where: str) -> Event:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: an event must be a JSON object; got {type(row).__name__}")
-    rank = _need(row, "rank", int, where)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"{where}: field 'rank' must be in [0, {world_size}); got {rank}")
+    rank = _integer(row, "rank", where, 0, world_size - 1)
     kind = _need(row, "kind", str, where)
     if kind not in KINDS:
-        raise ValueError(f"{where}: field 'kind' must be one of {', '.join(KINDS)}; got {kind!r}")
-    event = Event(rank, _need(row, "step", int, where), kind, _non_negative(row, "compute_us", where))
+        raise ValueError(f"{where}: field 'kind' must be one of {', '.join(KINDS)}; got {_shown(kind)}")
+    event = Event(rank, _need(row, "step", int, where), kind, _time_us(row, "compute_us", where))
+    for name in ("issued_us", "waited_us", "completed_us"):  # (informative: checked, not kept)
+        if name in row:
+            _time_us(row, name, where)
+    if "inferred" in row:
+        _need(row, "inferred", bool, where)
     if kind == "step":
         return event
-    event.index = _need(row, "index", int, where)
-    if kind == "wait":
-        return event
+    event.index = _need(row, "index", int, where)  # (the reader checks it against the rank's operations)
+    if kind == "op":
+        _operation(row, event, world_size, where)
+    return event
+
+
+def _operation(row: dict, event: Event, world_size: int, where: str) -> None:
+    """An operation's fields, into ``event``."""
     event.op = _need(row, "op", str, where)
     if event.op not in COLLECTIVES + POINT_TO_POINT:
-        raise ValueError(
-            f"{where}: field 'op' must be one of {', '.join(COLLECTIVES + POINT_TO_POINT)}; got {event.op!r}"
-        )
-    event.group = _group(row, rank, world_size, where)
-    event.dim = row.get("dim")
+        raise ValueError(f"{where}: field 'op' must be one of {', '.join(COLLECTIVES + POINT_TO_POINT)}; "
+                         f"got {_shown(event.op)}")
+    event.group = _group(row, event.rank, world_size, where)
+    event.dim, event.reduce_op = _optional(row, "dim", str, where), _optional(row, "reduce_op", str, where)
     event.dtype = _dtype(row, where)
-    event.count, event.out_count = _count(row, "count", where), _count(row, "out_count", where)
-    event.reduce_op, event.root, event.split_sizes = (
-        row.get("reduce_op"),
-        row.get("root"),
-        row.get("split_sizes"),
-    )
-    event.algorithm = row.get("algorithm")
-    if event.algorithm is not None and not isinstance(event.algorithm, str):
-        raise ValueError(f"{where}: field 'algorithm' must be a string; got {event.algorithm!r}")
-    event.is_async = bool(_need(row, "async", bool, where))
+    most = MAX_NBYTES // DTYPE_BYTES[event.dtype]
+    event.count = _integer(row, "count", where, 0, most)
+    event.out_count = _integer(row, "out_count", where, 0, most)
+    event.split_sizes = _split_sizes(row, len(event.group), where)
+    event.algorithm = _optional(row, "algorithm", str, where)
+    event.is_async = _need(row, "async", bool, where)
+    event.root = _optional(row, "root", int, where)
     if event.op in POINT_TO_POINT:
-        event.peer = _need(row, "peer", int, where)
-        event.tag = int(row.get("tag") or 0)
-        if not 0 <= event.peer < world_size or event.peer == rank:
-            raise ValueError(
-                f"{where}: field 'peer' must be another rank in [0, {world_size}); got {event.peer}"
-            )
+        event.peer = _integer(row, "peer", where, 0, world_size - 1)
+        event.tag = 0 if row.get("tag") is None else _integer(row, "tag", where, 0, 2**31 - 1)
+        if event.peer == event.rank:
+            raise ValueError(f"{where}: field 'peer' must be another rank than {event.rank}; "
+                             f"got {event.peer}")
     elif event.root is not None and event.root not in event.group:
-        raise ValueError(f"{where}: field 'root' must be a member of the group; got {event.root!r}")
-    return event
+        raise ValueError(f"{where}: field 'root' must be a member of the group; got {event.root}")
 
 
 def _group(row: dict, rank: int, world_size: int, where: str) -> tuple[int, ...]:
     group = _need(row, "group", list, where)
     if (
         not group
+        or not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g < world_size for g in group)
         or len(set(group)) != len(group)
-        or not all(isinstance(g, int) and 0 <= g < world_size for g in group)
         or rank not in group
     ):
-        raise ValueError(
-            f"{where}: field 'group' must list distinct ranks in [0, {world_size}) that include "
-            f"rank {rank}; got {group!r}"
-        )
+        raise ValueError(f"{where}: field 'group' must list distinct ranks in [0, {world_size}) that include "
+                         f"rank {rank}; got {_shown(group)}")
     return tuple(group)
+
+
+def _split_sizes(row: dict, group_size: int, where: str) -> dict | None:
+    """An uneven all_to_all's rows to each member and from each (``{"in": [...], "out": [...]}``;
+    torch's empty list: even), or null."""
+    sizes = _optional(row, "split_sizes", dict, where)
+    if sizes is not None and not all(
+        isinstance(sizes.get(way), list) and len(sizes[way]) in (0, group_size)
+        and all(_elements(rows, 1) for rows in sizes[way]) for way in ("in", "out")
+    ):
+        raise ValueError(f'{where}: field \'split_sizes\' must be {{"in": [...], "out": [...]}}, each '
+                         f"empty or {group_size} integers in [0, {MAX_NBYTES:,}]; got {_shown(sizes)}")
+    return sizes
 
 
 def _dtype(row: dict, where: str) -> str:
     dtype = _need(row, "dtype", str, where)
     if dtype not in DTYPE_BYTES:
-        raise ValueError(f"{where}: field 'dtype' must be one of {', '.join(DTYPE_BYTES)}; got {dtype!r}")
+        raise ValueError(f"{where}: field 'dtype' must be one of {', '.join(DTYPE_BYTES)}; "
+                         f"got {_shown(dtype)}")
     return dtype
 
 
 def _gradients(row: dict, world_size: int, where: str) -> tuple[int, Gradients]:
     """A ``gradients`` line: its rank and what it says."""
-    rank = _need(row, "rank", int, where)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"{where}: field 'rank' must be in [0, {world_size}); got {rank}")
-    counts = _need(row, "counts", list, where)
-    if not counts or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
-        raise ValueError(f"{where}: field 'counts' must list each gradient's elements (integers >= 0); "
-                         f"got {counts!r}")
-    caps = []
-    for name in ("bucket_cap_bytes", "first_bucket_cap_bytes"):
-        caps.append(_count(row, name, where))
-        if caps[-1] < 1:
-            raise ValueError(f"{where}: field {name!r} must be >= 1; got {caps[-1]}")
-    return rank, Gradients(_group(row, rank, world_size, where), _dtype(row, where), tuple(counts), *caps)
+    rank = _integer(row, "rank", where, 0, world_size - 1)
+    dtype, counts = _dtype(row, where), _need(row, "counts", list, where)
+    itemsize = DTYPE_BYTES[dtype]
+    if not counts or not all(_elements(c, itemsize) for c in counts) or sum(counts) * itemsize > MAX_NBYTES:
+        raise ValueError(f"{where}: field 'counts' must list each gradient's elements (integers >= 0, "
+                         f"{MAX_NBYTES:,} bytes in all at most); got {_shown(counts)}")
+    caps = [_integer(row, f"{cap}bucket_cap_bytes", where, 1, MAX_NBYTES) for cap in ("", "first_")]
+    return rank, Gradients(_group(row, rank, world_size, where), dtype, tuple(counts), *caps)
+
+
+def _lines(file: BinaryIO, path: Path) -> Iterator[tuple[str, Any]]:
+    """Each line's place (``path:number``) and its JSON, blank lines left out, read a line at a
+    time within :data:`MAX_LINE_BYTES` and :data:`MAX_FILE_BYTES`."""
+    read = 0
+    for number in itertools.count(1):
+        line = file.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        read += len(line)
+        if read > MAX_FILE_BYTES:
+            raise ValueError(f"{path}: larger than {MAX_FILE_BYTES:,} bytes, the most a workload may be "
+                             "(lab.workload.format.MAX_FILE_BYTES): record fewer steps")
+        if len(line) > MAX_LINE_BYTES:
+            raise ValueError(f"{path}:{number}: a line longer than {MAX_LINE_BYTES:,} bytes "
+                             "(lab.workload.format.MAX_LINE_BYTES): not a workload's")
+        if line.strip():
+            try:
+                row = json.loads(line, parse_constant=_no_constant)
+            except (ValueError, RecursionError) as exc:  # (JSONDecodeError, a bad encoding, NaN, too deep)
+                raise ValueError(f"{path}:{number}: not JSON ({getattr(exc, 'msg', None) or exc})") from None
+            yield f"{path}:{number}", row
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is no number a workload holds")
+
+
+class _Reader:
+    """What :func:`load` keeps as it reads the events: the workload so far, each rank's
+    operations issued and steps marked, and the sends and receives not yet paired."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.issued: dict[int, int] = {}
+        self.marked: dict[int, int] = {}
+        self.unpaired: dict[tuple[int, int, int], deque[tuple[str, int, str]]] = {}
+
+    def add(self, row: Any, where: str) -> None:
+        if isinstance(row, dict) and row.get("kind") == "gradients":
+            rank, gradients = _gradients(row, self.workload.world_size, where)
+            self.check_step(rank, row.get("step", self.marked.get(rank, 0)), where)
+            if rank in self.workload.gradients:
+                raise ValueError(f"{where}: rank {rank} recorded its gradients twice (a recording knows one "
+                                 "DDP model's)")
+            self.workload.gradients[rank] = gradients
+            return
+        event = _event(row, self.workload.world_size, where)
+        self.check_step(event.rank, event.step, where)  # (a step past the marks, or before them)
+        issued = self.issued.get(event.rank, 0)
+        if event.kind == "op" and event.index != issued:
+            raise ValueError(f"{where}: field 'index' must be {issued} (rank {event.rank}'s next operation); "
+                             f"got {event.index}")
+        if event.kind == "wait" and not 0 <= event.index < issued:
+            raise ValueError(f"{where}: field 'index': rank {event.rank} waits on operation {event.index}, "
+                             "which it has not issued")
+        if event.op in POINT_TO_POINT:
+            self.pair(event, where)
+        self.issued[event.rank] = issued + (event.kind == "op")
+        self.marked[event.rank] = self.marked.get(event.rank, 0) + (event.kind == "step")
+        self.workload.events.setdefault(event.rank, []).append(event)
+
+    def check_step(self, rank: int, step: Any, where: str) -> None:
+        """A line's ``step`` is the number of steps its rank marked before it."""
+        marked = self.marked.get(rank, 0)
+        if step != marked or isinstance(step, bool):
+            raise ValueError(f"{where}: field 'step' must be {marked} (rank {rank} marked {marked} step "
+                             f"end{'s' * (marked != 1)} before this line); got {_shown(step)}")
+
+    def pair(self, event: Event, where: str) -> None:
+        """The k-th send from a rank to another with a tag pairs with the k-th receive there of
+        that tag (as the replay pairs them): both must carry the same bytes."""
+        src, dst = (event.rank, event.peer) if event.op == "send" else (event.peer, event.rank)
+        key = (src, dst, event.tag)
+        waiting = self.unpaired.setdefault(key, deque())
+        if not waiting or waiting[0][0] == event.op:
+            waiting.append((event.op, event.nbytes, where))
+            return
+        op, nbytes, there = waiting.popleft()
+        if not waiting:
+            del self.unpaired[key]
+        if nbytes != event.nbytes:
+            raise ValueError(f"{where}: this {event.op} of {event.nbytes:,} bytes (rank {src} to rank {dst}, "
+                             f"tag {event.tag}) pairs with the {op} of {nbytes:,} bytes at {there}: a send "
+                             "and its receive must carry the same bytes")
 
 
 def load(path: str | Path) -> Workload:
-    """Read and check the workload at ``path`` (see the module's docstring for the format)."""
+    """Read and check the workload at ``path`` (see the module's docstring for the format and
+    the limits). ``ValueError`` naming the file, the line and the field; ``OSError`` where the
+    file cannot be read."""
     path = Path(path)
-    rows = []
-    with open(path) as file:
-        for number, line in enumerate(file, 1):
-            if line.strip():
-                try:
-                    rows.append((number, json.loads(line)))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
-    if not rows:
-        raise ValueError(f"{path}: empty (a workload's first line is its header)")
-    world_size, dims, recorded = _header(rows[0][1], f"{path}:{rows[0][0]}")
-    workload = Workload(world_size, dims, recorded, {rank: [] for rank in range(world_size)}, str(path))
-    for number, row in rows[1:]:
-        if isinstance(row, dict) and row.get("kind") == "gradients":
-            rank, gradients = _gradients(row, world_size, f"{path}:{number}")
-            if rank in workload.gradients:
-                raise ValueError(f"{path}:{number}: rank {rank} recorded its gradients twice (a recording "
-                                 "knows one DDP model's)")
-            workload.gradients[rank] = gradients
-            continue
-        event = _event(row, world_size, f"{path}:{number}")
-        events = workload.events[event.rank]
-        issued = sum(e.kind == "op" for e in events)
-        if event.kind == "op" and event.index != issued:
-            raise ValueError(
-                f"{path}:{number}: field 'index' must be {issued} (rank {event.rank}'s next "
-                f"operation); got {event.index}"
-            )
-        if event.kind == "wait" and not 0 <= event.index < issued:
-            raise ValueError(
-                f"{path}:{number}: field 'index': rank {event.rank} waits on operation "
-                f"{event.index}, which it has not issued"
-            )
-        events.append(event)
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size > MAX_FILE_BYTES:  # (a regular file's; a stream's is counted as it is read)
+            raise ValueError(f"{path}: {size:,} bytes, more than a workload may be ({MAX_FILE_BYTES:,}: "
+                             "lab.workload.format.MAX_FILE_BYTES): record fewer steps")
+        lines = _lines(file, path)
+        where, row = next(lines, (None, None))
+        if where is None:
+            raise ValueError(f"{path}: empty (a workload's first line is its header)")
+        world_size, dims, recorded = _header(row, where)
+        reader = _Reader(Workload(world_size, dims, recorded, {}, str(path)))
+        for where, row in lines:
+            reader.add(row, where)
+    workload = reader.workload
     if workload.dims is None:
         workload.dims = mesh_dims(workload)
     return workload

@@ -28,7 +28,7 @@ from lab.sim.core import recorded_schedule
 from lab.sim.network import Network
 from lab.workload import format as fmt
 from lab.workload.rebucket import rebucket
-from lab.workload.replay import algorithm_for, collective_us, whole_steps
+from lab.workload.replay import DEFAULT_MAX_EVENTS, algorithm_for, collective_us, prepare, whole_steps
 from lab.workload.retarget import Layout
 
 
@@ -75,16 +75,19 @@ def export_goal(
     algorithms: dict[str, str] | None = None,
     shard: str = "strong",
     bucket_mb: float | None = None,
+    max_events: int | None = DEFAULT_MAX_EVENTS,
 ) -> int:
     """Write ``workload``'s whole steps, re-targeted (and re-bucketed, ``bucket_mb``) as
     :func:`lab.workload.replay` does, as GOAL at ``path``; returns the number of operations
     written. ``network`` only chooses the algorithm where neither ``algorithms`` nor the recording
-    says one (the least simulated, as the replay does: :func:`lab.workload.replay.algorithm_for`)."""
+    says one (the least simulated, as the replay does: :func:`lab.workload.replay.algorithm_for`).
+    Its limits are the replay's (``max_events``: :func:`lab.workload.replay.prepare`)."""
     if bucket_mb is not None:
         workload = rebucket(workload, bucket_mb)
     layout = Layout.of(workload, world_size, dims, shard)
     network = network or Network()
     algorithms = algorithms or {}
+    prepare(workload, layout, network, algorithms, max_events, timeline=False)
     tags: dict[tuple, int] = {}
     groups: dict[tuple, list[int]] = {}
     written = 0
@@ -93,7 +96,7 @@ def export_goal(
         for rank in range(layout.world_size):
             goal, seen = _Rank(rank), {}
             template = layout.template(rank)
-            for event in whole_steps(workload.events[template], workload.steps):
+            for event in whole_steps(workload.events.get(template, []), workload.steps):
                 compute = round(event.compute_us * 1000)
                 if compute:
                     goal.after = [goal.add(f"calc {compute}", goal.after)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lab import checks
 from lab.collectives import registry
 from lab.sim.core import simulate
 from lab.sim.limits import SimulationTooLarge, SimulationUnsupported
@@ -38,6 +40,13 @@ if TYPE_CHECKING:
 
 #: The simulator's step limit when the replay picks an algorithm: a candidate past it is left out.
 CHOICE_MAX_STEPS = 2_000_000
+#: The default limit on the events a replay runs, every target rank's together (``max_events``):
+#: about 1 GB (3 GB with its timeline) and half a minute.
+DEFAULT_MAX_EVENTS = 5_000_000
+#: What a replay costs (measured on this machine's loaded 2 cores, 2-rank groups at 20,000 ranks: 182
+#: bytes an event, 370 more with its timeline, 453 a rank, 5 µs an event): memory per event run, per
+#: event's timeline slices (``timeline=True``) and per target rank; time per event.
+BYTES_PER_EVENT, BYTES_PER_SLICE, BYTES_PER_RANK, S_PER_EVENT = 200, 400, 500, 5e-6
 
 
 @functools.lru_cache(maxsize=4096)
@@ -96,7 +105,7 @@ def algorithm_for(event: Event, group_size: int, nbytes: int, algorithms: dict[s
     return event.algorithm
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     """One issued operation of one target rank."""
 
@@ -164,6 +173,53 @@ class ReplayResult:
                 }
             )
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
+
+
+def timed(event: Event, group_size: int, layout: Layout, algorithms: dict[str, str]) -> tuple:
+    """What :func:`collective_us` times collective ``event`` as on a target group of ``group_size``
+    (all but the network): the collective, the algorithm, the group's size, its bytes and root."""
+    nbytes = layout.nbytes(event, group_size)
+    root = 0 if event.root is None else min(event.group.index(event.root), group_size - 1)
+    return event.op, algorithm_for(event, group_size, nbytes, algorithms), group_size, nbytes, root
+
+
+def template_copies(workload: Workload, layout: Layout) -> dict[int, int]:
+    """How many target ranks replay each recorded rank's whole steps (those that some do),
+    counted from the meshes' sizes: no pass over the target ranks."""
+    copies = {}
+    for template in workload.events:
+        coords = layout.coordinates(template, layout.recorded)
+        count = math.prod(len(range(c, t, r)) for c, t, r in zip(coords, layout.target, layout.recorded))
+        if count:
+            copies[template] = count
+    return copies
+
+
+def prepare(workload: Workload, layout: Layout, network: Network, algorithms: dict[str, str],
+            max_events: int | None, timeline: bool) -> None:
+    """Before a replay allocates its target ranks: refuse it past ``max_events`` events, every
+    target rank's together (:class:`SimulationTooLarge` with the count, the memory and the time
+    it would take, and the limit), and time each distinct collective (cached for the run), so
+    that one the simulator refuses at its target size is refused now."""
+    if max_events is not None and not (checks.is_int(max_events) and max_events >= 1):
+        raise ValueError(f"max_events must be an int >= 1 or None (no limit); got {max_events!r}")
+    copies = template_copies(workload, layout)
+    whole = {template: whole_steps(workload.events[template], workload.steps) for template in copies}
+    events = sum(count * len(whole[template]) for template, count in copies.items())
+    if max_events is not None and events > max_events:
+        memory = events * (BYTES_PER_EVENT + timeline * BYTES_PER_SLICE) + layout.world_size * BYTES_PER_RANK
+        raise SimulationTooLarge(
+            f"too large to replay: {workload.steps} step(s) of {workload.path or 'the workload'} on "
+            f"{layout.world_size:,} ranks run {events:,} events (counted; about {memory / 1e6:,.0f} MB of "
+            f"memory and {events * S_PER_EVENT:,.1f} s), past max_events={max_events:,}. Pass max_events="
+            f"{events:_} (the command line's --max-events), or max_events=None for no limit, to replay it "
+            "anyway")
+    for template_events in whole.values():
+        for event in template_events:
+            if event.kind == "op" and event.op not in POINT_TO_POINT:
+                spans = layout.spanned(event)
+                size = len(event.group) if spans is None else layout.group_of(0, event, spans)[1]
+                collective_us(*timed(event, size, layout, algorithms), network)
 
 
 def whole_steps(events: list[Event], steps: int) -> list[Event]:
@@ -332,14 +388,8 @@ class Replay:
                 "message",
             )
         else:
-            nbytes = self.layout.nbytes(event, first.size)
-            root = 0
-            if event.root is not None:
-                root = min(event.group.index(event.root), first.size - 1)
-            duration, algorithm = collective_us(
-                event.op, algorithm_for(event, first.size, nbytes, self.algorithms), first.size, nbytes, root,
-                self.network,
-            )
+            duration, algorithm = collective_us(*timed(event, first.size, self.layout, self.algorithms),
+                                                self.network)
         row = self.rows.setdefault(
             (event.step, event.index),
             {

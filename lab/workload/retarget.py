@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lab.checks import is_int
+from lab.sim.limits import MAX_WORLD_SIZE
 from lab.workload.format import DTYPE_BYTES, Event, Workload
 
 SHARDING = ("strong", "weak")
@@ -55,6 +57,9 @@ class Layout:
         (``ValueError`` naming the argument where neither fits the recording)."""
         if shard not in SHARDING:
             raise ValueError(f"shard must be one of {', '.join(SHARDING)}; got {shard!r}")
+        if world_size is not None and not (is_int(world_size) and 1 <= world_size <= MAX_WORLD_SIZE):
+            raise ValueError(f"world_size must be an int in [1, {MAX_WORLD_SIZE:,}] (the simulator's "
+                             f"largest) or None (as recorded); got {world_size!r}")
         recorded = workload.dims or {"world": workload.world_size}
         if dims is None:
             if world_size is None or world_size == workload.world_size:
@@ -69,12 +74,15 @@ class Layout:
         if (
             not isinstance(dims, dict)
             or list(dims) != list(recorded)
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in dims.values())
+            or not all(is_int(v) and v >= 1 for v in dims.values())
         ):
             raise ValueError(
                 f"dims must give a size >= 1 to each of the recording's dimensions {list(recorded)}, "
                 f"in that order; got {dims!r}"
             )
+        if math.prod(dims.values()) > MAX_WORLD_SIZE:
+            raise ValueError(f"dims={dims} make {math.prod(dims.values()):,} ranks, more than the "
+                             f"simulator's {MAX_WORLD_SIZE:,}")
         if world_size is not None and math.prod(dims.values()) != world_size:
             raise ValueError(f"world_size={world_size} is not the product of dims={dims}")
         return cls(tuple(recorded), tuple(recorded.values()), tuple(dims.values()), shard)
