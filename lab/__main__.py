@@ -19,10 +19,14 @@ Exits non-zero if any validation row fails.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import pandas as pd
+
+from lab.command_line import checked, number, output_file, refused, whole
+from lab.hosts import check_link_gbit
 
 
 def compile_plane() -> None:
@@ -39,9 +43,30 @@ def compile_plane() -> None:
     print(f"Compiled data plane ready ({time.monotonic() - started:.1f} s).\n", flush=True)
 
 
+def _check_ranks(args: argparse.Namespace, option: str, counts: list[int], transports: list[str]) -> None:
+    """Each of ``counts`` ranks can run on each of ``transports``, or the parser's error names ``option``."""
+    from lab.launch.transports import POOL_TRANSPORTS
+
+    for transport in transports:
+        most = POOL_TRANSPORTS[transport].max_world_size
+        if max(counts, default=0) > most:
+            args.parser.error(f"argument {option}: at most {most} ranks on {transport}; got {max(counts)}")
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def validate(args: argparse.Namespace) -> int:
     from lab.validate import byte_table, validation_table
 
+    _check_ranks(args, "--world-sizes", args.world_sizes, args.transports)
+    # Each rank builds every rank's inputs (float64 at most) and gathers as many: about 4 such stacks
+    needed = max(4 * 8 * n * n * args.elements for n in args.world_sizes)
+    if needed > _memory_bytes():
+        args.parser.error(f"argument --elements: {args.elements:,} elements at {max(args.world_sizes)} ranks "
+                          f"need about {needed / 1e9:.3g} GB of memory, more than this machine's "
+                          f"{_memory_bytes() / 1e9:.3g} GB")
     started = time.monotonic()
     compile_plane()
     table = validation_table(args.transports, args.world_sizes, args.elements, args.seed)
@@ -65,6 +90,10 @@ def results(args: argparse.Namespace) -> int:
     from lab.benchmark import SIZES
 
     sizes = [1 << 10, 1 << 20, 16 << 20] if args.quick else SIZES
+    if (args.calibrate_only or args.report_only) and not os.path.isdir(args.out):  # (nothing to read)
+        args.parser.error(f"argument --out: {args.out} is no folder of results")
+    _check_ranks(args, "--ranks", [args.ranks], ["tcp"] if args.hosts else args.transports)
+    _check_ranks(args, "--data-plane", args.data_plane or [], ["shm"])
     if args.calibrate_only:  # refit the simulator's networks from OUT's CSVs, measure nothing
         from lab.tuning import TUNING_PATH
 
@@ -73,7 +102,10 @@ def results(args: argparse.Namespace) -> int:
               f"{', '.join(map(str, table['worlds']))} (fitted to {args.out}/) to {TUNING_PATH}")
         return 0
     if args.report_only:  # rewrite OUT/REPORT.md from OUT's CSVs, measure nothing
-        return results_module.report_only(args.out)
+        try:
+            return results_module.report_only(args.out)
+        except OSError as exc:  # (its machine.json, a CSV)
+            args.parser.error(f"argument --out: {refused(exc)}")
     if args.data_plane is not None:  # plain call, plan, Python path, gloo, MPICH: OUT/data_plane.csv
         from lab.results import data_plane
 
@@ -109,7 +141,15 @@ def timeline(args: argparse.Namespace) -> int:
 
     from lab.timeline import plot_timeline, read_trace, to_chrome_trace
 
-    rows = read_trace(args.trace)
+    try:  # the outputs' folders first, then the trace: a missing file, a line that is no row
+        output_file(args.output, "-o/--output")
+        if args.png:
+            output_file(args.png, "--png")
+        rows = read_trace(args.trace)
+    except (OSError, ValueError) as exc:
+        args.parser.error(refused(exc))
+    if args.png and not rows:
+        args.parser.error(f"argument --png: {args.trace} has no rows to draw")
     with open(args.output, "w") as out:
         json.dump(to_chrome_trace(rows), out)
     if args.png:
@@ -119,13 +159,6 @@ def timeline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _at_least_one(text: str) -> int:
-    """An argparse type: a whole number from 1 up (the error names the option, before anything runs)."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number from 1 up; got {text!r}")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lab",
@@ -133,16 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command")
     check = commands.add_parser("validate", help="the validation table (the default)")
     check.add_argument("--transports", nargs="+", default=["shm", "queue"], choices=["shm", "queue", "tcp"])
-    check.add_argument("--world-sizes", nargs="+", type=int, default=[3, 4], metavar="N")
-    check.add_argument("--elements", type=int, default=1001, help="elements per rank (default 1001: not divisible)")
-    check.add_argument("--seed", type=int, default=0)
-    check.set_defaults(run=validate)
+    check.add_argument("--world-sizes", nargs="+", type=whole(1), default=[3, 4], metavar="N")
+    check.add_argument("--elements", type=whole(1), default=1001, help="per rank (default 1001: odd)")
+    check.add_argument("--seed", type=whole(0), default=0)
+    check.set_defaults(run=validate, parser=check)
     sweep = commands.add_parser("results", help="regenerate results/ and lab/tuning.json")
     sweep.add_argument("--out", default="results")
-    sweep.add_argument("--ranks", type=int, default=4)
+    sweep.add_argument("--ranks", type=whole(1), default=4)
     sweep.add_argument("--transports", nargs="+", default=["shm", "queue", "tcp"], choices=["shm", "queue", "tcp"])
     sweep.add_argument("--quick", action="store_true", help="1 KB, 1 MB and 16 MB only")
-    sweep.add_argument("--rounds", type=_at_least_one, default=5,
+    sweep.add_argument("--rounds", type=whole(1), default=5,
                        help="rounds of every case, the least round's median kept (default 5; 1 is 5x faster)")
     sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
     sweep.add_argument("--calibrate-only", action="store_true",
@@ -151,28 +184,28 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--report-only", action="store_true",
                        help="measure nothing: rewrite OUT/REPORT.md from OUT's CSVs and machine.json (keeping the "
                             "sections other commands spliced in)")
-    sweep.add_argument("--hosts", nargs="+", type=int, metavar="H",
+    sweep.add_argument("--hosts", nargs="+", type=whole(1), metavar="H",
                        help="instead: allreduce across H emulated hosts, one rank each (writes OUT/hosts/)")
-    sweep.add_argument("--link-gbit", nargs="+", type=float, default=[1.0], metavar="G",
-                       help="with --hosts: each host's link cap in Gbit/s each way (default 1)")
-    sweep.add_argument("--ranks-per-host", type=int, metavar="L",
+    sweep.add_argument("--link-gbit", nargs="+", type=checked(number, check_link_gbit), default=[1.0],
+                       metavar="G", help="with --hosts: each host's link cap in Gbit/s each way (default 1)")
+    sweep.add_argument("--ranks-per-host", type=whole(1), metavar="L",
                        help="with --hosts: L ranks per host, transport='auto': hierarchical vs ring vs gloo "
                             "(writes OUT/hosts/hierarchical*.csv and REPORT.md's 'Many ranks per host')")
     sweep.add_argument("--backend", action="store_true",
                        help="instead: dist.all_reduce on the \"lab\" backend vs lab.allreduce vs gloo, and a DDP "
                             "step on each, under torchrun with --ranks ranks (OUT/backend.csv, REPORT.md's section)")
-    sweep.add_argument("--data-plane", nargs="*", type=int, metavar="N",
+    sweep.add_argument("--data-plane", nargs="*", type=whole(1), metavar="N",
                        help="instead: allreduce 1 KB to 16 MB on shm at N ranks (default 2 4 8): plain call, plan, "
                             "compiled path off, gloo and MPICH, and the memory floor (OUT/data_plane.csv, "
                             "REPORT.md's section)")
-    sweep.set_defaults(run=results)
+    sweep.set_defaults(run=results, parser=sweep)
     kernel = commands.add_parser("kernels", help="Python vs numpy vs Numba reduction bandwidth")
     kernel.set_defaults(run=kernels)
     trace = commands.add_parser("timeline", help="a JSONL trace as a Chrome/Perfetto timeline")
     trace.add_argument("trace", help="the JSONL file written with trace= or LAB_TRACE")
     trace.add_argument("-o", "--output", default="timeline.json")
     trace.add_argument("--png", help="also draw it to this PNG")
-    trace.set_defaults(run=timeline)
+    trace.set_defaults(run=timeline, parser=trace)
     from lab.sim.explain import add_parser as add_explain  # python -m lab explain (lab/sim/explain.py)
     from lab.sim.sweep import add_parser as add_simulate  # python -m lab simulate (lab/sim/sweep.py)
     from lab.workload.cli import add_parser as add_workload  # python -m lab workload (lab/workload/cli.py)

@@ -11,11 +11,50 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lab import checks
+
+#: The longest line a trace row takes (a step's sends and receives at thousands of ranks fit).
+MAX_LINE_CHARS = 1 << 20
+#: What the timeline reads of each row: a whole number per key; a step's sends and receives.
+_COUNTS = ("rank", "seq", "start_ns", "duration_ns")
+
+
+def _check_row(row: object, where: str) -> dict:
+    """A trace row the timeline can draw, or a ``ValueError`` naming ``where`` (file, line)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a trace row must be a JSON object; got {type(row).__name__}")
+    step = row.get("kind") == "step"
+    for key in (*_COUNTS, "step" if step else "nbytes"):
+        if not checks.is_int(row.get(key)) or row[key] < 0:
+            raise ValueError(f"{where}: {key!r} must be a whole number; got {row.get(key)!r}")
+    if not isinstance(row.get("op"), str):
+        raise ValueError(f"{where}: 'op' must be the collective's name; got {row.get('op')!r}")
+    for key in ("sends", "recvs") if step else ():
+        pairs = row.get(key)
+        if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(map(checks.is_int, p)) for p in pairs):
+            raise ValueError(f"{where}: {key!r} must be a list of [rank, bytes]; got {pairs!r}")
+    return row
+
 
 def read_trace(path: str | Path) -> list[dict]:
-    """The rows of a JSONL trace (one JSON object per line)."""
-    with open(path) as trace:
-        return [json.loads(line) for line in trace if line.strip()]
+    """The rows of a JSONL trace (one JSON object per line); a line that is no row the timeline
+    can draw (no JSON, a missing or wrong field, longer than :data:`MAX_LINE_CHARS`) is a
+    ``ValueError`` naming the file and the line."""
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as trace:  # (bytes that are no text: no JSON)
+        for number, line in enumerate(iter(lambda: trace.readline(MAX_LINE_CHARS + 1), ""), 1):
+            where = f"{path}, line {number}"
+            if len(line) > MAX_LINE_CHARS:
+                raise ValueError(f"{where}: longer than {MAX_LINE_CHARS:,} characters: no trace row")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc.msg}, column {exc.colno})") from None
+            rows.append(_check_row(row, where))
+    return rows
 
 
 def _slice_name(row: dict) -> str:

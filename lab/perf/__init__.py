@@ -36,12 +36,14 @@ names what a run takes (:class:`Spec`), :mod:`lab.perf.data` the inputs and exac
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import os
 
 from lab.collectives import calls as collectives
 from lab.collectives import registry
+from lab.command_line import refused, whole
 from lab.hosts import check_link_gbit
-from lab.perf.data import as_tensor, count_wrong, exact_limit, expected, layout, pattern, reduced
+from lab.launch.transports import POOL_TRANSPORTS
+from lab.perf.data import as_tensor, count_wrong, exact_limit, expected, layout, pattern, rank_bytes, reduced
 from lab.perf.spec import AVERAGES, OPS, PROGRAMS, REDUCED_TYPES, REDUCING, TYPES, Spec
 from lab.perf.table import footer, format_time, header, row, titles
 from lab.perf.timing import bench_size, describe_rank, placements
@@ -54,6 +56,8 @@ __all__ = ["AVERAGES", "OPS", "PROGRAMS", "REDUCED_TYPES", "TYPES", "Spec", "add
 
 _TYPE_ALIASES = {"float32": "float", "float64": "double", "float16": "half", "bf16": "bfloat16"}
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+#: The most sizes one run takes (``-b 1 -e 1G -i 1`` would be a billion).
+MAX_SIZES = 100_000
 
 
 def parse_size(text: str) -> int:
@@ -65,7 +69,7 @@ def parse_size(text: str) -> int:
     number, unit = (text[:-1], _UNITS[text[-1].upper()]) if text[-1:].upper() in _UNITS else (text, 1)
     try:
         size = int(float(number) * unit)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or not a finite one (inf, 1e400)
         size = 0
     if size < 1:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: bytes from 1 up, optionally with K, M or G")
@@ -83,13 +87,6 @@ def sizes(min_bytes: int, max_bytes: int, factor: int = 1, step: int = 1 << 20) 
     while (out[-1] * factor if factor > 1 else out[-1] + step) <= max_bytes:
         out.append(out[-1] * factor if factor > 1 else out[-1] + step)
     return out
-def _whole(low: int) -> Callable[[str], int]:
-    """An argparse type: a whole number from ``low`` up (the error names the option, before anything runs)."""
-    def whole(text: str) -> int:
-        if not text.isdigit() or int(text) < low:
-            raise argparse.ArgumentTypeError(f"must be a whole number from {low} up; got {text!r}")
-        return int(text)
-    return whole
 
 
 def _collective(text: str) -> str:
@@ -131,6 +128,14 @@ def check(args: argparse.Namespace) -> Spec:
         error(f"argument --hosts: {args.ranks} ranks do not split evenly over {hosts} hosts")
     if hosts > 1 and args.transport in ("shm", "queue"):
         error(f"argument --transport: ranks on {hosts} hosts talk over tcp or auto, not {args.transport}")
+    transport = _transport(args)
+    wire = POOL_TRANSPORTS[transport]
+    if args.ranks > wire.max_world_size:
+        error(f"argument --ranks: at most {wire.max_world_size} on {transport}; got {args.ranks}")
+    if wire.max_ranks_per_host is not None and args.ranks // hosts > wire.max_ranks_per_host:
+        error(f"argument --ranks: at most {wire.max_ranks_per_host} a host on {transport} "
+              f"({wire.per_host_reason}); got {args.ranks // hosts} a host")
+    _check_sizes(args)
     if args.link_gbit is not None and hosts == 1:
         error("argument --link-gbit: caps the emulated hosts' links: give --hosts H (2 or more) too")
     try:
@@ -142,6 +147,30 @@ def check(args: argparse.Namespace) -> Spec:
                 args.iters, args.warmup_iters, args.check)
 
 
+def _transport(args: argparse.Namespace) -> str:
+    """The transport the run takes: ``--transport``, else shm on one host and auto on several."""
+    return args.transport or ("auto" if args.hosts and args.hosts > 1 else "shm")
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """How many sizes the run takes, and whether a rank of each fits in this machine's memory at
+    the largest; else the parser's error naming the option."""
+    low, high, factor, step = args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes
+    error = args.parser.error
+    count = len(sizes(low, high, factor)) if factor > 1 else (high - low) // step + 1  # (-f's are few)
+    largest = low * factor ** (count - 1) if factor > 1 else low + (count - 1) * step
+    per_rank = rank_bytes(largest, TYPES[args.datatype].itemsize)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if args.ranks * per_rank > memory:
+        error(f"argument -e/--maxbytes: {largest:,} bytes on {args.ranks} ranks need about "
+              f"{args.ranks * per_rank / 1e9:.3g} GB of memory (a rank holds about {per_rank / largest:.0f} "
+              f"bytes a byte of size: its buffers, and the inputs and results it checks as int64), more than "
+              f"this machine's {memory / 1e9:.3g} GB")
+    if count > MAX_SIZES:
+        error(f"argument -i/--stepbytes: {low:,} to {high:,} bytes in steps of {step:,} is {count:,} sizes, "
+              f"more than {MAX_SIZES:,} (a larger -i, or -f)")
+
+
 def run(args: argparse.Namespace) -> int:
     """``python -m lab perf``: the table on stdout, a row as each size is done; exit status 1 if
     any element was wrong, as nccl-tests."""
@@ -149,11 +178,13 @@ def run(args: argparse.Namespace) -> int:
 
     spec = check(args)
     hosts = args.hosts if args.hosts and args.hosts > 1 else None
-    transport = args.transport or ("auto" if hosts else "shm")
+    transport = _transport(args)
     try:
         cluster = lab.launch(args.ranks, transport=transport, hosts=hosts, link_gbit=args.link_gbit)
     except lab.EmulationUnavailable as error:
         args.parser.error(f"argument --hosts: {error}")
+    except (ValueError, OSError) as error:  # what the pool refuses besides the options (LAB_TRACE, ulimit -n)
+        args.parser.error(refused(error))
     busbws, failed = [], 0
     with cluster:
         print(header(spec, args, cluster.run(describe_rank), transport), flush=True)
@@ -174,19 +205,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("-b", "--minbytes", default=32 << 20, help="smallest size (default 32M)", **size)
     parser.add_argument("-e", "--maxbytes", default=32 << 20, help="largest size (default 32M)", **size)
     parser.add_argument("-i", "--stepbytes", default=1 << 20, help="step without -f (default 1M)", **size)
-    parser.add_argument("-f", "--stepfactor", type=_whole(1), default=1, help="size factor (default 1: -i)")
-    parser.add_argument("-n", "--iters", type=_whole(1), default=20, help="timed calls per size (default 20)")
-    parser.add_argument("-w", "--warmup_iters", type=_whole(0), default=5, help="untimed calls (default 5)")
-    parser.add_argument("-c", "--check", type=_whole(0), default=1, help="checked calls per size, 0: none")
+    parser.add_argument("-f", "--stepfactor", type=whole(1), default=1, help="size factor (default 1: -i)")
+    parser.add_argument("-n", "--iters", type=whole(1), default=20, help="timed calls per size (default 20)")
+    parser.add_argument("-w", "--warmup_iters", type=whole(0), default=5, help="untimed calls (default 5)")
+    parser.add_argument("-c", "--check", type=whole(0), default=1, help="checked calls per size, 0: none")
     parser.add_argument("-o", "--op", choices=OPS, default="sum")
     parser.add_argument("-d", "--datatype", type=_datatype, default="float", help=", ".join(TYPES))
-    parser.add_argument("-r", "--root", type=_whole(0), default=0, help="broadcast's and reduce's root")
+    parser.add_argument("-r", "--root", type=whole(0), default=0, help="broadcast's and reduce's root")
     parser.add_argument("-a", "--average", type=int, choices=sorted(AVERAGES), default=1,
                         help="the ranks' times: 0 rank 0's, 1 their average (default), 2 min, 3 max")
-    parser.add_argument("--ranks", type=_whole(1), default=4, metavar="N", help="ranks (default 4)")
+    parser.add_argument("--ranks", type=whole(1), default=4, metavar="N", help="ranks (default 4)")
     parser.add_argument("--transport", choices=("shm", "queue", "tcp", "auto"),
                         help="default shm; auto with --hosts")
-    parser.add_argument("--hosts", type=_whole(1), metavar="H", help="emulated hosts, ranks split evenly")
+    parser.add_argument("--hosts", type=whole(1), metavar="H", help="emulated hosts, ranks split evenly")
     parser.add_argument("--link-gbit", type=float, metavar="G", help="with --hosts: link cap (default none)")
     parser.add_argument("--algorithm", default="auto", help="one of the collective's (default auto)")
     parser.set_defaults(run=run, parser=parser)

@@ -22,6 +22,22 @@ def layout(collective: str, nbytes: int, world_size: int, itemsize: int) -> tupl
     return count * itemsize, count
 
 
+#: The int64 arrays of a buffer's length a rank builds at once at most (indices, patterns, exact results).
+INT64_ARRAYS = 5
+
+
+def rank_bytes(nbytes: int, itemsize: int) -> int:
+    """About the most memory a rank holds at a size of ``nbytes`` (nccl-tests' size, the whole
+    buffer) of ``itemsize``-byte elements: its send and receive buffers and :data:`INT64_ARRAYS`
+    int64 arrays of as many elements (an upper bound of the measured peaks: 10 bytes a byte of
+    size for allreduce of float, 40 of int8).
+
+    >>> rank_bytes(1 << 20, 4)
+    12582912
+    """
+    return 2 * nbytes + INT64_ARRAYS * 8 * (nbytes // itemsize)
+
+
 def exact_limit(dtype: str) -> int:
     """The integers up to which ``dtype`` holds every one exactly (its largest, for integer types)."""
     torch_dtype = TYPES[dtype]

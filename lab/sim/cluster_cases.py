@@ -39,7 +39,8 @@ def _log_name(df: pd.DataFrame, index: int) -> str:
 
 
 def check_log(df: object, index: int) -> tuple[str, int, int]:
-    """A log's collective, ranks and hosts, or a ValueError naming the log and what it lacks."""
+    """A log's collective, ranks and hosts, or a ValueError naming the log and what it lacks: the
+    simulator lays out the same ranks on every host, so hosts of uneven ranks are refused."""
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"log {index} must be a DataFrame from lab.sim.read_nccl_tests; "
                         f"got {type(df).__name__}")
@@ -52,6 +53,14 @@ def check_log(df: object, index: int) -> tuple[str, int, int]:
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}: df.attrs[{what!r}] must be a count >= 1 (the log's 'Using devices' "
                              f"lines say it; set it by hand where they are missing); got {value!r}")
+    host_ranks = attrs.get("host_ranks") or []
+    if len(set(host_ranks)) > 1:
+        on = ", ".join(map(str, attrs.get("host_names") or []))
+        raise ValueError(f"{name}: uneven hosts, {' + '.join(map(str, host_ranks))} ranks on {on} "
+                         "(df.attrs['host_ranks']): the simulator lays out the same ranks on every host")
+    if (attrs.get("groups") or 1) > 1:
+        raise ValueError(f"{name}: {attrs['groups']} communicators ran at once (NCCL_TESTS_SPLIT; "
+                         "df.attrs['groups']): the simulator times one alone")
     if ranks % hosts:
         raise ValueError(f"{name}: {ranks} ranks do not split evenly over {hosts} hosts")
     if "bytes" not in df or "oop_time_us" not in df:

@@ -5,8 +5,11 @@
 
 Prints the fitted terms (and which logs determine each), the fit's error per log and size band,
 and per host count an nccl-tests table predicted there (size, time, algbw, busbw, the algorithm
-chosen); ``--json`` prints one JSON object instead. The NICs, the fabric inside a host and the
-switch tier are the cluster as built: logs of one or two hosts cannot tell them apart.
+chosen); ``--json`` prints one JSON object instead (valid JSON: a rate with no time, at one rank,
+is null). The NICs, the fabric inside a host and the switch tier are the cluster as built: logs of
+one or two hosts cannot tell them apart. A bad input (a log that cannot be read or fitted, a term
+out of range, a host count past what the simulator takes) is one line naming the option or the
+file, and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
 
+from lab.command_line import finite_json, network_term, refused, whole
 from lab.sim.cluster import FitReport, fit_cluster_report, predict_table
+from lab.sim.limits import MAX_WORLD_SIZE, SimulationUnsupported
 from lab.sim.logs import read_nccl_tests
 from lab.sim.network import Network
 
@@ -55,6 +61,11 @@ def _name(log: str) -> str:
     return Path(log).name
 
 
+def _rate(value: float) -> str:
+    """A bandwidth as nccl-tests prints it (``N/A`` where there is none: no time at one rank)."""
+    return f"{value:>8.2f}" if math.isfinite(value) else f"{'N/A':>8}"
+
+
 def _terms_text(report: FitReport) -> str:
     """One line per term: its value, the logs that determine it, and each log's rise at ±20 %."""
     lines = [f"  {'term':<22} {'value':>10}   determined by; ±20 % raises a log's mean |log error| by"]
@@ -72,7 +83,7 @@ def nccl_table(table: pd.DataFrame) -> str:
     """A predicted table in nccl-tests' columns (size, time, algbw, busbw), with the algorithm."""
     lines = [f"#{'size':>11} {'time':>10} {'algbw':>8} {'busbw':>8}  algorithm",
              f"#{'(B)':>11} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}"]
-    lines += [f"{row.bytes:>12} {row.time_us:>10.2f} {row.algbw:>8.2f} {row.busbw:>8.2f}  {row.algorithm}"
+    lines += [f"{row.bytes:>12} {row.time_us:>10.2f} {_rate(row.algbw)} {_rate(row.busbw)}  {row.algorithm}"
               for row in table.itertuples(index=False)]
     return "\n".join(lines)
 
@@ -94,14 +105,16 @@ def text(report: FitReport, predicted: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:  # an unreadable log, a log without hosts, a term out of range: a usage error naming it
+    try:  # an unreadable log, a log without hosts: a usage error naming the file
         logs = [read_nccl_tests(path) for path in args.logs]
         report = fit_cluster_report(logs, _built(args))
-        predicted = predictions(report, logs, args.predict_hosts)
     except (OSError, ValueError) as exc:
-        args.parser.error(str(exc))
-    # numpy's scalars (a table's int64 sizes, float64 times) as Python's own int and float
-    print(json.dumps(as_json(report, predicted), default=lambda v: v.item()) if args.json
+        args.parser.error(refused(exc))
+    try:  # a host count past the simulator's limits (its ranks, or a recording too large)
+        predicted = predictions(report, logs, args.predict_hosts)
+    except (ValueError, SimulationUnsupported) as exc:
+        args.parser.error(f"argument --predict-hosts: {exc}")
+    print(json.dumps(finite_json(as_json(report, predicted)), allow_nan=False) if args.json
           else text(report, predicted))
     return 0
 
@@ -112,11 +125,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     fit = actions.add_parser("fit", help="fit the network's terms to nccl-tests logs; predict H hosts")
     fit.add_argument("logs", nargs="+", help="nccl-tests logs (all_reduce_perf, ...), of 1 or 2 hosts say")
-    fit.add_argument("--predict-hosts", type=int, nargs="+", default=[], metavar="H",
+    fit.add_argument("--predict-hosts", type=whole(1, MAX_WORLD_SIZE), nargs="+", default=[], metavar="H",
                      help="host counts to predict an nccl-tests table at")
-    fit.add_argument("--nics-per-host", type=int, default=1, help="NICs per host (ranks per host: rails)")
+    fit.add_argument("--nics-per-host", type=network_term("nics_per_host", whole(1)), default=1,
+                     help="NICs per host (ranks per host: rails)")
     fit.add_argument("--bus", action="store_true", help="a host's ranks share one bus (default: a switch)")
-    fit.add_argument("--oversubscription", type=float, default=1.0, help="the switch tier's (default 1)")
-    fit.add_argument("--hosts-per-leaf", type=int, default=1, help="hosts under one leaf switch (default 1)")
+    fit.add_argument("--oversubscription", type=network_term("oversubscription"), default=1.0,
+                     help="the switch tier's (default 1)")
+    fit.add_argument("--hosts-per-leaf", type=network_term("hosts_per_leaf", whole(1)), default=1,
+                     help="hosts under one leaf switch (default 1)")
     fit.add_argument("--json", action="store_true", help="print one JSON object")
     fit.set_defaults(run=run, parser=fit)

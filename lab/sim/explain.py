@@ -15,10 +15,11 @@ import argparse
 import os
 from pathlib import Path
 
-from lab import tuning
+from lab import checks, tuning
 from lab.collectives import registry
 from lab.collectives.choice import forced_algorithm
-from lab.sim.limits import MAX_WORLD_SIZE
+from lab.command_line import checked, output_file, refused, whole
+from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE, SimulationUnsupported
 from lab.sim.sweep import parse_size
 
 
@@ -89,6 +90,7 @@ def explain(collective: str, world_size: int, nbytes: int, transport: str = "shm
 
         print(explain("allreduce", 8, 1 << 20))   # auto picks ... (simulator: ... measured at N = 4, not 8)
     """
+    _check(collective, world_size, nbytes, transport, algorithm)
     choice = tuning.decide(auto_bytes(collective, nbytes, world_size), world_size, transport, collective)
     forced = forced_algorithm(collective)
     lines = [f"{collective} of {_size(nbytes)} ({nbytes:,} bytes) per rank on {world_size} ranks, transport {transport}",
@@ -131,17 +133,28 @@ def plot(collective: str, algorithm: str, world_size: int, nbytes: int, transpor
     return f"{len(drawn)} messages -> {path}"
 
 
-def _ranks(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= MAX_WORLD_SIZE:
-        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_WORLD_SIZE:,}; got {text!r}")
-    return int(text)
+def _check(collective: object, world_size: object, nbytes: object, transport: object,
+           algorithm: object) -> None:
+    """:func:`explain`'s arguments, each a ``ValueError`` naming it (``True`` is no count)."""
+    if collective not in registry.ALGORITHMS:
+        raise ValueError(f"collective must be one of {', '.join(registry.ALGORITHMS)}; got {collective!r}")
+    if not checks.is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be an integer from 1 to {MAX_WORLD_SIZE:,}; got {world_size!r}")
+    if not checks.is_int(nbytes) or not 0 <= nbytes <= MAX_NBYTES:
+        raise ValueError(f"nbytes must be an integer from 0 to {MAX_NBYTES:,}; got {nbytes!r}")
+    if transport not in tuning.TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(tuning.TRANSPORTS)}; got {transport!r}")
+    names = registry.names(collective)
+    if algorithm is not None and algorithm not in names:
+        raise ValueError(f"algorithm must be one of {collective}'s: {', '.join(names)}; got {algorithm!r}")
 
 
 def _bytes(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).replace("size must", "must")) from None
+    """``--bytes``: a size (4096, 1K, 16MB) up to the simulator's 1 TiB."""
+    size = parse_size(text)
+    if size > MAX_NBYTES:
+        raise ValueError(f"must be at most {MAX_NBYTES:,} bytes (1 TiB); got {text!r}")
+    return size
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -151,8 +164,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("collective", choices=list(registry.ALGORITHMS))
     parser.add_argument("algorithm", nargs="?", help="an algorithm of the collective: marked in the table, "
                         "drawn by --plot (default: auto's pick)")
-    parser.add_argument("--ranks", type=_ranks, required=True, metavar="N")
-    parser.add_argument("--bytes", type=_bytes, required=True, metavar="B", help="each rank's tensor: 4096, 1K, 1M, 16M")
+    parser.add_argument("--ranks", type=whole(1, MAX_WORLD_SIZE), required=True, metavar="N")
+    parser.add_argument("--bytes", type=checked(_bytes), required=True, metavar="B",
+                        help="each rank's tensor: 4096, 1K, 1M, 16M")
     parser.add_argument("--transport", default="shm", choices=list(tuning.TRANSPORTS))
     parser.add_argument("--plot", metavar="FILE.png", help="draw the algorithm's schedule (ranks down, steps across)")
     parser.set_defaults(run=_run, parser=parser)
@@ -162,9 +176,17 @@ def _run(args: argparse.Namespace) -> int:
     names = registry.names(args.collective)
     if args.algorithm is not None and args.algorithm not in names:
         args.parser.error(f"argument algorithm: {args.collective} has {', '.join(names)}; got {args.algorithm!r}")
+    if args.plot:
+        try:
+            output_file(args.plot, "--plot")
+        except ValueError as exc:
+            args.parser.error(str(exc))
     print(explain(args.collective, args.ranks, args.bytes, args.transport, args.algorithm))
     if args.plot:
         algorithm = args.algorithm or tuning.decide(auto_bytes(args.collective, args.bytes, args.ranks), args.ranks,
                                                     args.transport, args.collective).algorithm
-        print(plot(args.collective, algorithm, args.ranks, args.bytes, args.transport, args.plot))
+        try:  # a schedule too large to record, or a file matplotlib cannot write
+            print(plot(args.collective, algorithm, args.ranks, args.bytes, args.transport, args.plot))
+        except (SimulationUnsupported, OSError, ValueError) as exc:
+            args.parser.error(f"argument --plot: {refused(exc)}")
     return 0

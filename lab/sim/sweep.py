@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 import time
@@ -23,10 +24,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lab.command_line import checked, network_term, number, refused, whole
 from lab.report import splice
 from lab.sim.core import check_limits, simulate
 from lab.sim.network import Network
-from lab.sim.limits import DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_WORLD_SIZE, SimulationUnsupported
+from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_NBYTES, MAX_WORLD_SIZE,
+                            SimulationUnsupported)
 from lab.sim.record import COLLECTIVES, algorithms
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -266,21 +269,29 @@ def label_float(nbytes: float) -> str:
         f"{nbytes / (1 << 20):.3g} MB" if nbytes >= 1 << 20 else f"{nbytes / (1 << 10):.3g} KB")
 
 
+def _check_sizes(text: str) -> None:
+    """``--sizes``' item: a size or range of sizes the simulator takes (float32 inputs: multiples of 4)."""
+    for size in parse_sizes([text]):
+        if size % 4 or size > MAX_NBYTES:
+            raise ValueError(f"{text!r} holds {size:,} B: a size must be a multiple of 4 (float32 "
+                             f"elements) up to {MAX_NBYTES:,}")
+
+
 def main(args: argparse.Namespace) -> int:
-    network = Network(alpha_us=args.alpha_us, gbit=args.gbit, ranks_per_host=args.ranks_per_host,
-                      intra_alpha_us=args.intra_alpha_us, intra_gbit=args.intra_gbit,
-                      gap_us=args.gap_us)
-    table = algorithms()
-    for collective in args.collectives:
-        if collective not in table:
-            raise ValueError(f"--collectives: {collective!r} is not one of {', '.join(table)}")
-    for n in args.world_sizes:
-        if not 1 <= n <= MAX_WORLD_SIZE:
-            raise ValueError(f"--world-sizes must be from 1 to {MAX_WORLD_SIZE:,}; got {n}")
-    check_limits(args.max_steps, args.max_seconds)  # before the sweep, not at its first case
+    try:  # each term is checked by its option's type: what is left is the gap against α
+        network = Network(alpha_us=args.alpha_us, gbit=args.gbit, ranks_per_host=args.ranks_per_host,
+                          intra_alpha_us=args.intra_alpha_us, intra_gbit=args.intra_gbit,
+                          gap_us=args.gap_us)
+    except ValueError as exc:
+        args.parser.error(f"argument --gap-us: {exc}")
     sizes = parse_sizes(args.sizes)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        args.parser.error(f"argument --out: {refused(exc)}")
+    if not os.access(out, os.W_OK):  # before the sweep, not at its end
+        args.parser.error(f"argument --out: {out} cannot be written to")
     started = time.monotonic()
     frame = sweep(sorted(set(args.world_sizes)), sizes, network, args.collectives, args.max_steps, args.max_seconds)
     best_frame = best(frame)
@@ -310,29 +321,36 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """The ``simulate`` subcommand of ``python -m lab``."""
     cmd = commands.add_parser("simulate", help="simulate every algorithm at scale on a network model (results/sim/)")
-    cmd.add_argument("--world-sizes", nargs="+", type=int, default=[2 ** k for k in range(1, 11)], metavar="N")
-    cmd.add_argument("--sizes", nargs="+", default=["1KB..1GB"],
+    cmd.add_argument("--world-sizes", nargs="+", type=whole(1, MAX_WORLD_SIZE),
+                     default=[2 ** k for k in range(1, 11)], metavar="N")
+    cmd.add_argument("--sizes", nargs="+", default=["1KB..1GB"], type=checked(str, _check_sizes),
                      help="sizes per rank (4096, 64KB, 16MB) or ranges A..B in powers of 4 (default 1KB..1GB)")
-    cmd.add_argument("--gbit", type=float, default=100.0, help="link bandwidth, Gbit/s each way (default 100)")
-    cmd.add_argument("--alpha-us", type=float, default=5.0, help="per-message latency, µs (default 5)")
-    cmd.add_argument("--gap-us", type=float, default=None,
+    cmd.add_argument("--gbit", type=network_term("gbit"), default=100.0,
+                     help="link bandwidth, Gbit/s each way (default 100)")
+    cmd.add_argument("--alpha-us", type=network_term("alpha_us"), default=5.0,
+                     help="per-message latency, µs (default 5)")
+    cmd.add_argument("--gap-us", type=number, default=None,
                      help="the part of α a message holds its port for (LogP's g; the rest of α is flight time; "
                           "default: all of α, as lab.sim.Network's gap_us=None; 0.5: a NIC taking a message "
                           "every 0.5 µs)")
-    cmd.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing one host link (default 1)")
-    cmd.add_argument("--intra-alpha-us", type=float, default=None, help="latency inside a host (default: --alpha-us)")
-    cmd.add_argument("--intra-gbit", type=float, default=None, help="bandwidth inside a host (default: --gbit)")
-    cmd.add_argument("--collectives", nargs="+", default=["allreduce"],
+    cmd.add_argument("--ranks-per-host", type=network_term("ranks_per_host", whole(1)), default=1,
+                     help="ranks sharing one host link (default 1)")
+    cmd.add_argument("--intra-alpha-us", type=network_term("intra_alpha_us"), default=None,
+                     help="latency inside a host (default: --alpha-us)")
+    cmd.add_argument("--intra-gbit", type=network_term("intra_gbit"), default=None,
+                     help="bandwidth inside a host (default: --gbit)")
+    cmd.add_argument("--collectives", nargs="+", default=["allreduce"], choices=COLLECTIVES, metavar="NAME",
                      help=f"which collectives (default allreduce; any of {', '.join(COLLECTIVES)})")
-    cmd.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS,
+    cmd.add_argument("--max-steps", type=whole(1), default=DEFAULT_MAX_STEPS,
                      help="skip a case whose recording would pass this many steps, as a sample of its ranks shows "
                           "(about 170 MB and 1-4 s per million; default 10 million)")
-    cmd.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+    cmd.add_argument("--max-seconds", type=checked(number, lambda seconds: check_limits(None, seconds)),
+                     default=DEFAULT_MAX_SECONDS,
                      help="skip a case whose recording would take longer, as a sample of its ranks shows "
                           "(default 300)")
     cmd.add_argument("--measured", default="results", metavar="DIR",
                      help="measured results to compare with (allreduce.csv, collectives.csv); '' to skip")
     cmd.add_argument("--out", default="results/sim")
-    cmd.set_defaults(run=main)
+    cmd.set_defaults(run=main, parser=cmd)
 
 
