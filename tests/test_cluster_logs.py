@@ -219,11 +219,16 @@ def test_the_collective_comes_from_the_log_then_the_file_name_then_the_caller(tm
     unnamed = text.replace("# Collective test starting: reduce_scatter_perf\n", "")
     command = "$ mpirun -np 1 ./build/all_gather_perf -b 32K -e 128M -f 4 -g 4\n"
     assert read_nccl_tests(write(tmp_path, "x.log", command + unnamed)).attrs["collective"] == "allgather"
-    nameless = ONE_HOST.read_text()
-    path = write(tmp_path, "run4.log", nameless)
-    with pytest.raises(ValueError, match=r"run4.log: the log does not say which collective.*collective="):
+    # named nowhere: busbw / algbw, the count, redop and root columns say it (issue 42, item 4)
+    df = read_nccl_tests(write(tmp_path, "run4.log", ONE_HOST.read_text()))
+    assert df.attrs["collective"] == "allreduce" and df.attrs["collective_from"] == "busbw/algbw"
+    # allgather's and alltoall's numbers are alike in every column: the caller says which
+    path = write(tmp_path, "run5.log", (LOGS / "alltoall_no_check.log").read_text())
+    message = r"run5.log: the log does not say which collective.* fit 2: allgather, all_to_all .*collective="
+    with pytest.raises(ValueError, match=message):
         read_nccl_tests(path)
-    assert read_nccl_tests(path, collective="allreduce").attrs["collective"] == "allreduce"
+    df = read_nccl_tests(path, collective="all_to_all")
+    assert (df.attrs["collective"], df.attrs["collective_from"]) == ("all_to_all", "given")
     with pytest.raises(ValueError, match=r"collective must be one of .*, not 'all_reduce'"):
         read_nccl_tests(path, collective="all_reduce")
 

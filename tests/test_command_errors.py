@@ -103,6 +103,29 @@ def test_predicting_more_hosts_than_the_simulator_takes_names_predict_hosts(caps
     assert "argument --predict-hosts: too large to simulate: all_to_all" in line and "100,000 ranks" in line
 
 
+def test_cluster_fit_names_a_log_whose_numbers_fit_several_collectives_and_takes_collective(capsys, tmp_path):
+    """An alltoall log that names no program (nor does its file): its numbers are allgather's as
+    much, so the command names both; --collective says which (issue 42, item 4)."""
+    text = Path(ONE_GPU_LOG).read_text().replace("alltoall_perf", "")
+    path = tmp_path / "n2.out"
+    path.write_text(text)
+    line = refusal(capsys, ["cluster", "fit", str(path)])
+    assert f"{path}: the log does not say which collective" in line and "fit 2: allgather, all_to_all" in line
+    assert "--collective" in line
+    assert main(["cluster", "fit", str(path), "--collective", "all_to_all", "--predict-hosts", "1", "--json"]) == 0
+    (predicted,) = json.loads(capsys.readouterr().out)["predictions"]
+    assert predicted["collective"] == "all_to_all"
+    assert "argument --collective: invalid choice: 'alltoall'" in refusal(
+        capsys, ["cluster", "fit", str(path), "--collective", "alltoall"])
+
+
+def test_cluster_fit_names_the_lines_of_a_failed_start(capsys):
+    path = DATA / "logs" / "hostile" / "all_reduce_failed_start_cxi.log"
+    line = refusal(capsys, ["cluster", "fit", str(path)])
+    assert f"{path}, line 20: no nccl-tests table in the log" in line and "line 16: " in line
+    assert "CXI alloc failed on cxi0: request exceeds ACs limits" in line
+
+
 def test_the_cluster_s_json_is_valid_json_where_a_rate_has_no_time(capsys):
     """At one host of one rank nothing moves: no time, so no algbw or busbw (null, not Infinity/NaN)."""
     assert main(["cluster", "fit", ONE_GPU_LOG, "--predict-hosts", "1", "--json"]) == 0

@@ -1,6 +1,7 @@
 """lab.sim.read_nccl_tests and lab.sim.read_osu on logs that would mislead them (issue 40, items 1,
 2, 3, 12 and 13): a rank count one part of the log contradicts, hosts of uneven ranks, an OSU row
-without its latency, a file without end, and the text that made the readers quadratic.
+without its latency, a file without end, and the text that made the readers quadratic; and on logs
+as they come (issue 42, item 4): a log that names no collective, and a run that failed to start.
 
 The hostile logs are in tests/data/logs/hostile/ (each a log of tests/data/logs/ with one thing
 wrong); large ones are made in tmp_path, and the rows of the rank-count sweeps as nccl-tests
@@ -17,7 +18,7 @@ import pandas as pd
 import pytest
 
 from lab import sim
-from lab.sim import log_lines, read_nccl_tests, read_osu
+from lab.sim import log_lines, log_ranks, read_nccl_tests, read_osu
 from lab.sim.log_ranks import bandwidth_ranks
 
 pytestmark = pytest.mark.no_ranks
@@ -288,3 +289,130 @@ def test_an_80k_digit_field_is_an_error_quoting_its_ends(tmp_path):
     text = ONE_HOST.read_text().replace("19.18", "1" * 80_000 + "x")
     with pytest.raises(ValueError, match=r"oop_time_us is '1{60}'\.\.\.'1{59}x', not a number$"):
         read_nccl_tests(write(tmp_path, "all_reduce.log", text))
+
+
+# --- issue 42, item 4: the collective where nothing names it; a failed start -----------------
+
+#: Each nccl-tests program as its src/*.cu prints it: the lab's name, the redop and root columns,
+#: whether the count column is the whole buffer (else each rank's share: size = count × 4 B × N),
+#: and busbw / algbw at N ranks.
+PROGRAMS = {"all_reduce_perf": ("allreduce", "sum", -1, True, lambda n: 2 * (n - 1) / n),
+            "all_gather_perf": ("allgather", "none", -1, False, lambda n: (n - 1) / n),
+            "reduce_scatter_perf": ("reduce_scatter", "sum", -1, False, lambda n: (n - 1) / n),
+            "alltoall_perf": ("all_to_all", "none", -1, False, lambda n: (n - 1) / n),
+            "broadcast_perf": ("broadcast", "none", 0, True, lambda n: 1.0),
+            "reduce_perf": ("reduce", "sum", 0, True, lambda n: 1.0),
+            "gather_perf": ("gather", "none", 0, False, lambda n: (n - 1) / n),
+            "scatter_perf": ("scatter", "none", 0, False, lambda n: (n - 1) / n)}
+#: Which collectives print the same numbers in every column: the log cannot tell them apart.
+ALIKE = [["allgather", "all_to_all"], ["gather", "scatter"]]
+COLUMNS = ["bytes", "count", "dtype", "redop", "root", "oop_time_us", "oop_algbw", "oop_busbw", "oop_wrong",
+           "ip_time_us", "ip_algbw", "ip_busbw", "ip_wrong"]
+
+
+def program_rows(program: str, n: int) -> list[tuple[int, list[str]]]:
+    """A run of ``program`` at ``n`` ranks, 8 B to 8 GiB, as nccl-tests prints it (its rounding;
+    a size too small to split in N is 0): the rows' fields, each row with its line number."""
+    _, redop, root, whole, factor = PROGRAMS[program]
+    rows = []
+    for line, asked in enumerate(8 << k for k in range(0, 31, 5)):
+        count = asked // 4 // (1 if whole else n)
+        size = count * 4 * (1 if whole else n)
+        us = 10 + 2 * math.log2(n) + size / 2e4 if size else 0.2
+        algbw = size / us / 1e3
+        run = [printed(us, 7), printed(algbw, 6), printed(algbw * factor(n), 6), "0"]
+        rows.append((20 + line, [str(size), str(count), "float", redop, str(root), *run, *run]))
+    return rows
+
+
+def test_every_program_at_2_to_1024_ranks_is_told_by_its_numbers():
+    """No device lines, no parameter line: busbw / algbw, the count, redop and root columns alone.
+    Each program's run allows its own collective (at its N, or an N left open) and no other,
+    but for those whose every column is alike (allgather and alltoall, gather and scatter)."""
+    for program, (collective, *_) in PROGRAMS.items():
+        expected = set(next((alike for alike in ALIKE if collective in alike), [collective]))
+        for n in range(2, 1025):
+            rows = program_rows(program, n)
+            allowed, refused = log_ranks.fitting(Path("run.log"), [], (0, {}), rows, COLUMNS)
+            assert set(allowed) == expected, (program, n, refused)
+            assert allowed[collective]["ranks"] in (n, None), (program, n)
+
+
+@pytest.mark.parametrize("n", [2, 1024])
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_a_log_that_names_no_collective_reads_as_the_one_its_numbers_allow(tmp_path, program, n):
+    """The whole log, device lines and all, in a file whose name says nothing: read as its
+    collective, or an error naming the file and the collectives it could be."""
+    collective = PROGRAMS[program][0]
+    devices = [f"#  Rank {r:4d} Group  0 Pid {1000 + r:6d} on node{r // 4:04d} device  {r % 4} [0x07] GPU"
+               for r in range(n)]
+    rows = ["  ".join(fields) for _, fields in program_rows(program, n)]
+    path = write(tmp_path, "run.log", log_text(rows, devices=devices))
+    alike = next((alike for alike in ALIKE if collective in alike), None)
+    if alike:
+        message = (rf"^{re.escape(str(path))}: the log does not say which collective .* fit 2: "
+                   rf"{', '.join(alike)} .*pass collective= \(python -m lab cluster fit: --collective\)$")
+        with pytest.raises(ValueError, match=message):
+            read_nccl_tests(path)
+        df = read_nccl_tests(path, collective=collective)
+    else:
+        df = read_nccl_tests(path)
+        assert df.attrs["collective_from"] == "busbw/algbw"
+    assert (df.attrs["collective"], df.attrs["ranks"], df.attrs["hosts"]) == (collective, n, n // 4 or 1)
+
+
+def test_a_layout_without_redop_and_root_at_2_ranks_is_ambiguous(tmp_path):
+    """allreduce's busbw / algbw at 2 ranks is 1, broadcast's and reduce's at any: without the
+    redop and root columns, the numbers cannot say which."""
+    header = HEADER.replace("   redop    root", "")
+    rows = ["  ".join(fields[:3] + fields[5:]) for _, fields in program_rows("all_reduce_perf", 2)]
+    path = write(tmp_path, "run.log", log_text(rows).replace(HEADER, header))
+    with pytest.raises(ValueError, match=r"fit 3: allreduce, broadcast, reduce "):
+        read_nccl_tests(path)
+    assert read_nccl_tests(path, collective="allreduce").attrs["ranks"] == 2
+
+
+def test_numbers_that_fit_no_collective_are_an_error_naming_each(tmp_path):
+    """sendrecv_perf's (busbw = algbw, redop none, root -1): no collective the lab reads."""
+    rows = [table_row(size, size // 4, 20.0 + size / 1e4, 1.0) for size in (1 << 20, 1 << 24)]
+    path = write(tmp_path, "run.log", log_text(rows))
+    message = (r": the log does not say which collective .* fit none of the collectives it could be "
+               r"\(allreduce: the redop column says none; allgather: line 5: the log's rank counts disagree: "
+               r"count \(line 5\) says 1; busbw/algbw \(line 5\) says 2507 or more; .*; "
+               r"scatter: the root column says -1\)$")
+    with pytest.raises(ValueError, match=message):
+        read_nccl_tests(path)
+
+
+def test_a_named_log_whose_numbers_are_not_its_collectives_is_an_error(tmp_path):
+    """broadcast's busbw is algbw and its count the whole buffer: an allreduce's log is no broadcast's."""
+    message = r", line 17: busbw 0.13 / algbw 0.07 is no broadcast's \(busbw = algbw\)$"
+    with pytest.raises(ValueError, match=message):
+        read_nccl_tests(ONE_HOST, collective="broadcast")
+    text = (LOGS / "alltoall_no_check.log").read_text()
+    message = r", line 16: size 131072 is not count 4096 × 4 bytes \(float\): no allreduce's row$"
+    with pytest.raises(ValueError, match=message):
+        read_nccl_tests(write(tmp_path, "all_reduce.log", text))
+
+
+def test_a_failed_start_is_an_error_naming_the_lines_that_say_why():
+    """A run that stopped before its table (a log the lab wrote in the form such a failure takes
+    on a Slingshot cluster: libfabric's CXI error, NCCL's WARN, nccl-tests' last words; NCCL's
+    INFO lines, "Failed to find ...CollNetPlugin" among them, say nothing of it)."""
+    path = HOSTILE / "all_reduce_failed_start_cxi.log"
+    message = (rf"^{re.escape(str(path))}, line 20: no nccl-tests table in the log \(read to its end\): "
+               r"the run stopped before it \(line 16: 'libfabric:61241:.* x3006c0s13b1n0: CXI alloc failed "
+               r"on cxi0: request exceeds ACs limits'; line 17: '.* NCCL WARN NET/OFI Unable to create "
+               r"endpoint .*'; line 19: \"x3006c0s13b1n0: Test NCCL failure common.cu:961 .*\"\)$")
+    with pytest.raises(ValueError, match=message):
+        read_nccl_tests(path)
+
+
+def test_a_run_that_failed_after_its_header_names_why(tmp_path):
+    lines = ONE_HOST.read_text().splitlines()
+    failure = "dgx-h100-01: Test CUDA failure common.cu:892 'out of memory'"
+    path = write(tmp_path, "all_reduce.log", "\n".join([*lines[:16], failure]) + "\n")
+    message = (r", line 15: a column header with no rows under it: the run stopped before its first size "
+               rf"\(line 17: {re.escape(repr(failure))}\)$")
+    with pytest.raises(ValueError, match=message):
+        read_nccl_tests(path)

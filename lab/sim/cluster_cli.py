@@ -2,6 +2,7 @@
 
     python -m lab cluster fit 1host.log 2hosts.log --predict-hosts 4 8 16
     python -m lab cluster fit 1host.log 2hosts.log --nics-per-host 8 --oversubscription 2 --json
+    python -m lab cluster fit n1.out n2.out --collective allgather   # logs that do not say which
 
 Prints the fitted terms (and which logs determine each), the fit's error per log and size band,
 and per host count an nccl-tests table predicted there (size, time, algbw, busbw, the algorithm
@@ -25,7 +26,7 @@ import pandas as pd
 from lab.command_line import finite_json, network_term, refused, whole
 from lab.sim.cluster import FitReport, fit_cluster_report, predict_table
 from lab.sim.limits import MAX_WORLD_SIZE, SimulationUnsupported
-from lab.sim.logs import read_nccl_tests
+from lab.sim.logs import COLLECTIVES, read_nccl_tests
 from lab.sim.network import Network
 
 
@@ -106,7 +107,7 @@ def text(report: FitReport, predicted: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:  # an unreadable log, a log without hosts: a usage error naming the file
-        logs = [read_nccl_tests(path) for path in args.logs]
+        logs = [read_nccl_tests(path, args.collective) for path in args.logs]
         report = fit_cluster_report(logs, _built(args))
     except (OSError, ValueError) as exc:
         args.parser.error(refused(exc))
@@ -125,6 +126,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     fit = actions.add_parser("fit", help="fit the network's terms to nccl-tests logs; predict H hosts")
     fit.add_argument("logs", nargs="+", help="nccl-tests logs (all_reduce_perf, ...), of 1 or 2 hosts say")
+    fit.add_argument("--collective", choices=COLLECTIVES,
+                     help="the collective every log measured (default: what each log, its file's name or its "
+                          "numbers say)")
     fit.add_argument("--predict-hosts", type=whole(1, MAX_WORLD_SIZE), nargs="+", default=[], metavar="H",
                      help="host counts to predict an nccl-tests table at")
     fit.add_argument("--nics-per-host", type=network_term("nics_per_host", whole(1)), default=1,

@@ -17,6 +17,11 @@ naming the file, the line and the counts:
 - busbw / algbw = factor · (N-1)/N, both printed rounded to their last digit: the N whose ratio
   lies within what the rounding allows (:func:`bandwidth_ranks`): one N where the bandwidth is
   large, several where it is small.
+
+The same sources say which collective a log measured where neither the log nor its file's name
+does (:func:`fitting`): each collective's busbw / algbw, its count column (split in N or not),
+and the redop and root columns (``none`` for a collective that does not reduce, ``-1`` for one
+without a root) allow some collectives and rule out the rest.
 """
 
 from __future__ import annotations
@@ -34,8 +39,18 @@ from lab.sim.log_lines import Line, Row, error, excerpt
 #: broadcast's and reduce's is 1 whatever N.
 BUS_FACTOR = {"allreduce": 2.0, "allgather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "gather": 1.0,
               "scatter": 1.0}
-#: Collectives whose count column is each rank's share: size = count × item bytes × N.
+#: The collectives a log can hold, by the lab's names.
+COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all", "reduce", "gather",
+               "scatter")
+#: Collectives whose busbw is algbw whatever N (nccl-tests' factor 1).
+FLAT = ("broadcast", "reduce")
+#: Collectives whose count column is each rank's share: size = count × item bytes × N; the
+#: others' is the whole buffer: size = count × item bytes.
 SPLIT = ("allgather", "reduce_scatter", "all_to_all", "gather", "scatter")
+#: What the redop and root columns say of each collective nccl-tests runs: whether it reduces (an
+#: op's name, else ``none``) and whether it has a root (a rank, else ``-1``).
+REDUCING = ("allreduce", "reduce_scatter", "reduce")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
 #: Bytes per element of nccl-tests' type names (older versions: char, int).
 ITEM_BYTES = {"int8": 1, "uint8": 1, "char": 1, "int32": 4, "uint32": 4, "int": 4, "int64": 8, "uint64": 8,
               "half": 2, "float": 4, "double": 8, "bfloat16": 2, "f8e4m3": 1, "f8e5m2": 1}
@@ -152,6 +167,13 @@ def bandwidth_ranks(algbw: str, busbw: str, factor: float, size: int | None = No
     >>> bandwidth_ranks("0.07", "0.13", 2.0, 1024, "13.91")    # 1024 B in 13.91 µs: 0.0736 GB/s
     (7, 12)
     """
+    ratio = _ratio_bounds(algbw, busbw, size, time_us)
+    return None if ratio is None else _ranks_between(*ratio, factor)
+
+
+def _ratio_bounds(algbw: str, busbw: str, size: int | None,
+                  time_us: str | None) -> tuple[float, float] | None:
+    """The least and the most busbw / algbw can be, as :func:`bandwidth_ranks` reads the row."""
     a, b = _printed(algbw), _printed(busbw)
     if a is None or b is None:
         return None
@@ -164,25 +186,32 @@ def bandwidth_ranks(algbw: str, busbw: str, factor: float, size: int | None = No
     slack = 1e-9  # the double arithmetic behind the printed digits
     least = max(b[0] - b[1], 0.0) / high * (1 - slack)
     most = (b[0] + b[1]) / low * (1 + slack) if low > 0 else math.inf
-    return _ranks_between(least, most, factor)
+    return least, most
 
 
 def _bandwidth_claim(path: Path, rows: list[Row], names: list[str], collective: str,
                      wall_time: bool) -> Claim | None:
     """What every row's busbw / algbw (out of place and in place) says together, with its time
     where that is the wall time (not ``-C 1``'s CPU time); rows that disagree, or one that fits
-    no N, are an error. None where they say nothing."""
+    no N, are an error (for broadcast and reduce, a busbw that is not algbw). None where they
+    say nothing."""
     factor = BUS_FACTOR.get(collective)
     at = {name: index for index, name in enumerate(names)}
     size_at = at.get("bytes")
     runs = [[at.get(f"{run}_{name}") for name in ("algbw", "busbw", "time_us")] for run in ("oop", "ip")]
     low, high, low_line, high_line = 1, math.inf, 0, 0
-    for number, fields in rows if factor else []:
+    for number, fields in rows if factor or collective in FLAT else []:
         for algbw, busbw, time_at in runs:
             if algbw is None or busbw is None:
                 continue
             timed = wall_time and time_at is not None and size_at is not None
             size, time_us = (int(fields[size_at]), fields[time_at]) if timed else (None, None)
+            if not factor:  # busbw = algbw: the row says nothing of N, but may say it is no such collective
+                ratio = _ratio_bounds(fields[algbw], fields[busbw], size, time_us)
+                if ratio is not None and not ratio[0] <= 1 <= ratio[1]:
+                    raise error(path, number, f"busbw {fields[busbw]} / algbw {fields[algbw]} is no "
+                                              f"{collective}'s (busbw = algbw)")
+                continue
             span = bandwidth_ranks(fields[algbw], fields[busbw], factor, size, time_us)
             if span is None:
                 continue
@@ -204,14 +233,20 @@ def _bandwidth_claim(path: Path, rows: list[Row], names: list[str], collective: 
 
 def _count_claim(path: Path, rows: list[Row], names: list[str], collective: str) -> Claim | None:
     """N from size = count × item bytes × N, where the collective splits the buffer; rows that
-    disagree, or a size no whole N gives, are an error."""
-    if collective not in SPLIT or not {"bytes", "count", "dtype"} <= set(names):
+    disagree, or a size no whole N gives, are an error (for the others, a size that is not count
+    × item bytes). None where the count says nothing of N."""
+    if not {"bytes", "count", "dtype"} <= set(names):
         return None
     at_size, at_count, at_type = names.index("bytes"), names.index("count"), names.index("dtype")
     claim = None
     for number, fields in rows:
         size, count, item = int(fields[at_size]), int(fields[at_count]), ITEM_BYTES.get(fields[at_type])
         if item is None or count <= 0 or size <= 0:
+            continue
+        if collective not in SPLIT:
+            if size != count * item:
+                raise error(path, number, f"size {size} is not count {count} × {item} bytes "
+                                          f"({fields[at_type]}): no {collective}'s row")
             continue
         n, left = divmod(size, count * item)
         if left:
@@ -277,3 +312,35 @@ def ranks_and_hosts(path: Path, found: list[Device], params: tuple[int, dict[str
             "host_names": list(host_ranks), "host_ranks": list(host_ranks.values()),
             "groups": len({d.group for d in found}) or None, "ranks_per_process": per_process,
             "devices": list(dict.fromkeys(d.name for d in found if d.name))}
+
+
+def _column_says(rows: list[Row], names: list[str], column: str, none: str) -> bool | None:
+    """Whether every row's ``column`` holds something other than ``none`` (True), every row's is
+    ``none`` (False), or the log does not say (no such column, or rows that differ): None."""
+    if column not in names:
+        return None
+    at = names.index(column)
+    found = {fields[at] == none for _, fields in rows}
+    return not found.pop() if len(found) == 1 else None
+
+
+def fitting(path: Path, found: list[Device], params: tuple[int, dict[str, int]], rows: list[Row],
+            names: list[str], wall_time: bool = True) -> tuple[dict[str, dict], dict[str, str]]:
+    """Which collectives the log's numbers allow, where nothing names the one it measured: each
+    allowed one with :func:`ranks_and_hosts`' attrs for it, and for each other, why not (the
+    redop column's ``none``, the root column's ``-1``, the line whose busbw / algbw or count it
+    cannot have printed)."""
+    reduces = _column_says(rows, names, "redop", "none")
+    rooted = _column_says(rows, names, "root", "-1")
+    allowed, refused = {}, {}
+    for collective in COLLECTIVES:
+        if reduces is not None and (collective in REDUCING) != reduces:
+            refused[collective] = f"the redop column says {'an op' if reduces else 'none'}"
+        elif rooted is not None and (collective in ROOTED) != rooted:
+            refused[collective] = f"the root column says {'a rank' if rooted else '-1'}"
+        else:
+            try:
+                allowed[collective] = ranks_and_hosts(path, found, params, rows, names, collective, wall_time)
+            except ValueError as problem:
+                refused[collective] = str(problem).removeprefix(f"{path}, ")
+    return allowed, refused

@@ -9,7 +9,9 @@ line (Open MPI's ``[1,0]<stdout>:``, srun's ``0: ``, ``[host:pid] ``), one rank'
 another rank's output, lines a terminal wrapped, NCCL's own log among the rows, ``N/A``. A log
 cut off mid-run reads up to where it stops, its unfinished last line dropped. What cannot be
 read, and a rank count one part of the log says and another contradicts
-(:mod:`lab.sim.log_ranks`), raises ValueError naming the file and the line. Reading takes time
+(:mod:`lab.sim.log_ranks`), raises ValueError naming the file and the line (for a run that failed
+to start, the lines that say why). A log that names no collective (nccl-tests prints no program's
+name) is read as the one its numbers allow, busbw/algbw and the columns. Reading takes time
 in proportion to the file's size, and a file past ``lab.sim.log_lines.MAX_LOG_BYTES`` is refused.
 """
 
@@ -28,8 +30,7 @@ if TYPE_CHECKING:
     import pandas as pd
 
 #: The collectives a log can hold, by the lab's names.
-COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all", "reduce", "gather",
-               "scatter")
+COLLECTIVES = log_ranks.COLLECTIVES
 
 #: NCCL's own log line (``NCCL_DEBUG=INFO``: ``host:pid:tid [dev] NCCL INFO ...``; a WARN names its
 #: source line before NCCL; a timestamp in brackets may come first) and its banner, on the table's stdout.
@@ -42,6 +43,10 @@ _LOG_AFTER_HOST = re.compile(r":\d+:\d+ \[\d+\] (?:\S+:\d+ )?NCCL [A-Z]+\b")
 #: nccl-tests' last words when a run fails (``node1: Test NCCL failure common.cu:1004 '...'``),
 #: after the host's name.
 _FAILURE_AFTER_HOST = re.compile(r": Test (?:\w+ )?(?:failure|timeout)\b")
+#: Words of a line that says why a run stopped (``CXI alloc failed on cxi0: request exceeds ACs
+#: limits``, ``srun: error: ...``, ``Segmentation fault``), outside NCCL's INFO lines.
+_TROUBLE = re.compile(r"\b(?:errors?|fail(?:s|ed|ure)?|abort(?:s|ed)?|exceed(?:s|ed)?|killed|fault|denied"
+                      r"|cannot|unable)\b", re.IGNORECASE)
 #: A comment: ``# Using devices``, ``#``; not a wrapped line's tail that starts ``#wrong ...``.
 _COMMENT = re.compile(r"\s*#(?:\s|$)")
 _INT = re.compile(r"[-+]?\d+")
@@ -123,6 +128,24 @@ def _failure(text: str) -> str | None:
     return None
 
 
+def _why_stopped(lines: list[Line]) -> str:
+    """The lines that say why a run stopped, for an error message: the first that says trouble in
+    words of its own (a network library's, the launcher's), NCCL's first WARN and nccl-tests'
+    last words, in the order of the log; empty where there are none."""
+    found: dict[str, Line] = {}
+    for line in lines:
+        text = line[1].strip()
+        if _failure(text) is not None:
+            found.setdefault("nccl-tests", line)
+        elif _NCCL_LOG.fullmatch(text):
+            if " NCCL WARN " in text:
+                found.setdefault("NCCL", line)
+        elif not _COMMENT.match(text) and _TROUBLE.search(text):
+            found.setdefault("other", line)
+    said = sorted(found.values(), key=lambda line: line[0])
+    return "; ".join(f"line {number}: {excerpt(text, 240)}" for number, text, _ in said)
+
+
 def _run(path: Path, header: re.Pattern, what: str) -> tuple[list[Line], int]:
     """The lines of the one stream that holds a ``what`` table, and where its ``header`` is (one
     run per log: a second table, in the same stream or another rank's, is an error)."""
@@ -131,8 +154,11 @@ def _run(path: Path, header: re.Pattern, what: str) -> tuple[list[Line], int]:
                     for index, (number, text, _) in enumerate(lines) if header.match(text.lstrip())),
                    key=lambda hit: hit[0])
     if not found:
-        end = max((number for lines in found_streams.values() for number, _, _ in lines), default=1)
-        raise error(path, end, f"no {what} table in the log (read to its end)")
+        every = sorted((line for lines in found_streams.values() for line in lines), key=lambda line: line[0])
+        why = _why_stopped(every)
+        stopped = f": the run stopped before it ({why})" if why else ""
+        end = every[-1][0] if every else 1
+        raise error(path, end, f"no {what} table in the log (read to its end){stopped}")
     if len(found) > 1:
         raise error(path, found[1][0], f"a second {what} table (the first is at line {found[0][0]}): "
                                        "one run per log")
@@ -283,21 +309,39 @@ def _says(lines: list[Line]) -> dict:
     return says
 
 
-def _collective(path: Path, lines: list[Line], program: str | None, given: str | None) -> str:
-    """The collective: ``given``, else the program the log names (its "Collective test starting"
-    line, or the one ``*_perf`` its text names), else the file's name."""
+def _collective(path: Path, lines: list[Line], program: str | None,
+                given: str | None) -> tuple[str | None, str]:
+    """The collective and what says it: ``given``, else the program the log names (its
+    "Collective test starting" line, or the one ``*_perf`` its text names), else the file's name;
+    None where none says it."""
     if given is not None:
         if given not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, not {given!r}")
-        return given
+        return given, "given"
     named = {match.group() for _, text, _ in lines if "_perf" in text for match in _PROGRAM.finditer(text)}
     sources = [program] if program else sorted(named) if len(named) == 1 else []
-    for source in [*sources, path.name]:
+    for source, said in [*((source, "program") for source in sources), (path.name, "file name")]:
         for pattern, name in _NAMED:
             if pattern.search(source.lower()):
-                return name
-    raise ValueError(f"{path}: the log does not say which collective it measured (no program named in it "
-                     "or in the file's name): pass collective=")
+                return name, said
+    return None, "busbw/algbw"
+
+
+def _inferred(path: Path, allowed: dict[str, dict], refused: dict[str, str]) -> tuple[str, dict]:
+    """The one collective the numbers allow (:func:`lab.sim.log_ranks.fitting`) and its attrs;
+    several, or none, is an error naming the file and each candidate."""
+    unsaid = (f"{path}: the log does not say which collective it measured (no program named in it or in "
+              "the file's name)")
+    if len(allowed) == 1:
+        return next(iter(allowed.items()))
+    if allowed:
+        raise ValueError(f"{unsaid}, and its numbers fit {len(allowed)}: {', '.join(allowed)} (busbw/algbw, "
+                         "the count, redop and root columns say the same of each): pass collective= "
+                         "(python -m lab cluster fit: --collective)")
+    if len(set(refused.values())) == 1:  # a reason that is no collective's: the device lines, say
+        raise ValueError(f"{path}, {next(iter(refused.values()))}")
+    why = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
+    raise ValueError(f"{unsaid}, and its numbers fit none of the collectives it could be ({why})")
 
 
 def read_nccl_tests(path: str | Path, collective: str | None = None) -> pd.DataFrame:
@@ -307,9 +351,12 @@ def read_nccl_tests(path: str | Path, collective: str | None = None) -> pd.DataF
     and ``root`` (where the version prints them), then ``oop_time_us``, ``oop_algbw``, ``oop_busbw``
     (GB/s), ``oop_wrong`` (older versions: ``oop_error``) and the same with ``ip_`` (in place).
 
-    ``df.attrs``: ``collective`` (the lab's name; pass ``collective=`` where neither the log nor the
-    file's name says it), ``ranks`` (the count the device lines, nThread × nGpus, the count column
-    and busbw/algbw all allow: :mod:`lab.sim.log_ranks`; None where they leave several),
+    ``df.attrs``: ``collective`` (the lab's name) and ``collective_from``: ``given``, the log's
+    ``program``, the ``file name``, else ``busbw/algbw``, the one collective the numbers allow
+    (:func:`lab.sim.log_ranks.fitting`; where they allow several, as allgather's and alltoall's
+    do, an error names them: pass ``collective=``), ``ranks`` (the count the device lines,
+    nThread × nGpus, the count column and busbw/algbw all allow: :mod:`lab.sim.log_ranks`; None
+    where they leave several),
     ``ranks_from``, ``hosts``, ``host_names`` and ``host_ranks`` (ranks on each host, from the
     "Using devices" lines), ``groups``, ``ranks_per_process`` (nThread × nGpus), ``params`` (the
     ``# nThread ...`` line's), ``avg_busbw``, ``out_of_bounds``, ``complete`` (the footer was
@@ -329,15 +376,22 @@ def read_nccl_tests(path: str | Path, collective: str | None = None) -> pd.DataF
     hosts = sorted({device.host for device in devices}, key=len, reverse=True)
     rows, failure = _rows(path, lines[body:], width, hosts)
     if not rows:
-        raise error(path, number, "a column header with no rows under it")
+        why = _why_stopped(lines[body:])
+        raise error(path, number, "a column header with no rows under it"
+                                  + (f": the run stopped before its first size ({why})" if why else ""))
     if "timestamp" in fields:
         rows = [(start, row[:-2] + [" ".join(row[-2:])]) for start, row in rows]
     names = _nccl_columns(fields)
     df = _frame(path, rows, names, _NCCL_KINDS)
     params, says = _params(head), _says(lines)
-    name = _collective(path, lines, says["program"], collective)
-    counted = log_ranks.ranks_and_hosts(path, devices, params, rows, names, name, "cputime" not in fields)
-    df.attrs.update({"path": str(path), "format": "nccl-tests", "collective": name, **counted,
+    name, named_by = _collective(path, lines, says["program"], collective)
+    wall_time = "cputime" not in fields
+    if name is None:
+        name, counted = _inferred(path, *log_ranks.fitting(path, devices, params, rows, names, wall_time))
+    else:
+        counted = log_ranks.ranks_and_hosts(path, devices, params, rows, names, name, wall_time)
+    df.attrs.update({"path": str(path), "format": "nccl-tests", "collective": name,
+                     "collective_from": named_by, **counted,
                      "params": params[1], "cputime": "cputime" in fields,
                      "complete": says["avg_busbw"] is not None, "failure": failure, **says})
     return df
