@@ -1,4 +1,5 @@
-"""Shared fixtures: rank pools started once per test module, and a leak check after the session."""
+"""Shared fixtures: the compiled plane warmed before the first rank pool, and the leak checks (rank
+processes per worker; /dev/shm once the whole session, every pytest-xdist worker, is done)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,33 @@ import pytest
 import lab
 from helpers import shm_entries
 
+_SHM_BEFORE = pytest.StashKey[set]()
+
 
 @pytest.fixture(scope="session", autouse=True)
-def nothing_left_behind():
-    """After all tests: no rank process alive and no new /dev/shm segment."""
-    before = shm_entries()
+def no_rank_left_behind():
+    """After this process's tests (each pytest-xdist worker's): no rank process of its alive."""
     yield
-    leaked = shm_entries() - before
     ranks = [p for p in multiprocessing.active_children() if p.name.startswith("lab-rank")]
     assert not ranks, f"rank processes left running: {ranks}"
-    assert not leaked, f"/dev/shm segments left behind: {sorted(leaked)}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the process that runs the session, not a worker of it
+        config.stash[_SHM_BEFORE] = shm_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """After every test, every worker gone: no new /dev/shm segment (a whole-machine check, so it
+    runs once, where no worker's test can be making one meanwhile); a leak fails the run."""
+    if hasattr(session.config, "workerinput") or _SHM_BEFORE not in session.config.stash:
+        return
+    leaked = shm_entries() - session.config.stash[_SHM_BEFORE]
+    if leaked:
+        writer = session.config.get_terminal_writer()
+        writer.line()
+        writer.line(f"/dev/shm segments left behind: {sorted(leaked)}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

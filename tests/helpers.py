@@ -25,6 +25,7 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -38,8 +39,32 @@ from lab.reference import gloo_collective, tolerance
 
 def shm_entries() -> set[str]:
     """What /dev/shm holds, less multiprocessing's semaphores (another test process may be making
-    them; the lab's own memory is memfds, which never appear here)."""
-    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
+    them; the lab's own memory is memfds, which never appear here) and less what a process outside
+    this one's tree holds open or mapped: another pytest worker's job, running side by side, is not
+    this worker's to count (a segment nobody holds is counted, whoever left it)."""
+    names = {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
+    return names - _held_by_others(names) if names else names
+
+
+def _held_by_others(names: set[str]) -> set[str]:
+    """Those of ``names`` (in /dev/shm) that a process other than this one and its descendants
+    has open or mapped."""
+    ours = {os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))}
+    paths, held = {f"/dev/shm/{name}": name for name in names}, set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) in ours:
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                held.update(paths[path] for path in (line.rstrip("\n").split(maxsplit=5)[-1] for line in maps)
+                            if path in paths)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target in paths:
+                    held.add(paths[target])
+        except OSError:
+            pass  # gone meanwhile, or not ours to read
+    return held
 
 
 def slow_from_five(params, world_size=lambda p: p) -> list:

@@ -41,10 +41,18 @@ def run(*command: str) -> str:
     return subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout
 
 
-def root_network() -> tuple[str, list[str]]:
-    """What the root namespace shows: ``ip netns`` and the names of ``ip link``."""
-    links = sorted(line.split(":")[1].strip().split("@")[0] for line in run("ip", "-o", "link").splitlines())
-    return run("ip", "netns", "list"), links
+#: What tests/test_tcp.py's ``two_hosts`` makes in the root namespace (netns labA<n>, labB<n>; veth
+#: va<n>, vb<n>): another pytest-xdist worker may be running it side by side.
+SIDE_BY_SIDE = re.compile(r"lab[AB]\d+|v[ab]\d+")
+
+
+def root_network() -> tuple[list[str], list[str]]:
+    """What the root namespace shows: ``ip netns`` and the names of ``ip link``, less what another
+    worker's test makes meanwhile."""
+    links = (line.split(":")[1].strip().split("@")[0] for line in run("ip", "-o", "link").splitlines())
+    namespaces = (line.split()[0] for line in run("ip", "netns", "list").splitlines() if line.strip())
+    return ([name for name in namespaces if not SIDE_BY_SIDE.fullmatch(name)],
+            sorted(name for name in links if not SIDE_BY_SIDE.fullmatch(name)))
 
 
 def live_network_namespaces() -> set[int]:
