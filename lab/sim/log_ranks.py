@@ -344,3 +344,22 @@ def fitting(path: Path, found: list[Device], params: tuple[int, dict[str, int]],
             except ValueError as problem:
                 refused[collective] = str(problem).removeprefix(f"{path}, ")
     return allowed, refused
+
+
+def inferred(path: Path, found: list[Device], params: tuple[int, dict[str, int]], rows: list[Row],
+             names: list[str], wall_time: bool = True) -> tuple[str, dict]:
+    """The one collective the log's numbers allow (:func:`fitting`) and its attrs, where nothing
+    names it; several, or none, is an error naming the file and each candidate."""
+    allowed, refused = fitting(path, found, params, rows, names, wall_time)
+    unsaid = (f"{path}: the log does not say which collective it measured (no program named in it or in "
+              "the file's name)")
+    if len(allowed) == 1:
+        return next(iter(allowed.items()))
+    if allowed:
+        raise ValueError(f"{unsaid}, and its numbers fit {len(allowed)}: {', '.join(allowed)} (busbw/algbw, "
+                         "the count, redop and root columns say the same of each): pass collective= "
+                         "(python -m lab cluster fit: --collective)")
+    if len(set(refused.values())) == 1:  # a reason that is no collective's: the device lines, say
+        raise ValueError(f"{path}, {next(iter(refused.values()))}")
+    why = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
+    raise ValueError(f"{unsaid}, and its numbers fit none of the collectives it could be ({why})")

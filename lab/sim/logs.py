@@ -327,23 +327,6 @@ def _collective(path: Path, lines: list[Line], program: str | None,
     return None, "busbw/algbw"
 
 
-def _inferred(path: Path, allowed: dict[str, dict], refused: dict[str, str]) -> tuple[str, dict]:
-    """The one collective the numbers allow (:func:`lab.sim.log_ranks.fitting`) and its attrs;
-    several, or none, is an error naming the file and each candidate."""
-    unsaid = (f"{path}: the log does not say which collective it measured (no program named in it or in "
-              "the file's name)")
-    if len(allowed) == 1:
-        return next(iter(allowed.items()))
-    if allowed:
-        raise ValueError(f"{unsaid}, and its numbers fit {len(allowed)}: {', '.join(allowed)} (busbw/algbw, "
-                         "the count, redop and root columns say the same of each): pass collective= "
-                         "(python -m lab cluster fit: --collective)")
-    if len(set(refused.values())) == 1:  # a reason that is no collective's: the device lines, say
-        raise ValueError(f"{path}, {next(iter(refused.values()))}")
-    why = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
-    raise ValueError(f"{unsaid}, and its numbers fit none of the collectives it could be ({why})")
-
-
 def read_nccl_tests(path: str | Path, collective: str | None = None) -> pd.DataFrame:
     """One nccl-tests run (``all_reduce_perf``, ``all_gather_perf``, ``reduce_scatter_perf``,
     ``broadcast_perf``, ``alltoall_perf``, ``reduce_perf``, ``gather_perf``, ``scatter_perf``) as a
@@ -353,7 +336,7 @@ def read_nccl_tests(path: str | Path, collective: str | None = None) -> pd.DataF
 
     ``df.attrs``: ``collective`` (the lab's name) and ``collective_from``: ``given``, the log's
     ``program``, the ``file name``, else ``busbw/algbw``, the one collective the numbers allow
-    (:func:`lab.sim.log_ranks.fitting`; where they allow several, as allgather's and alltoall's
+    (:func:`lab.sim.log_ranks.inferred`; where they allow several, as allgather's and alltoall's
     do, an error names them: pass ``collective=``), ``ranks`` (the count the device lines,
     nThread × nGpus, the count column and busbw/algbw all allow: :mod:`lab.sim.log_ranks`; None
     where they leave several),
@@ -387,7 +370,7 @@ def read_nccl_tests(path: str | Path, collective: str | None = None) -> pd.DataF
     name, named_by = _collective(path, lines, says["program"], collective)
     wall_time = "cputime" not in fields
     if name is None:
-        name, counted = _inferred(path, *log_ranks.fitting(path, devices, params, rows, names, wall_time))
+        name, counted = log_ranks.inferred(path, devices, params, rows, names, wall_time)
     else:
         counted = log_ranks.ranks_and_hosts(path, devices, params, rows, names, name, wall_time)
     df.attrs.update({"path": str(path), "format": "nccl-tests", "collective": name,
