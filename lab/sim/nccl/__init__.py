@@ -1,0 +1,19 @@
+"""NCCL's own cost model for a cluster: its tuner's closed forms, fitted to the cluster's logs.
+
+    topology = ClusterTopology(gpus_per_node=4, nics_per_node=2, nic_gbit=200, cpu="amd", nic_path="phb")
+    report = fit(topology, [read_nccl_tests("n2.log", collective="allreduce"), ...])
+    report.model.predict("allreduce", nodes=540, nbytes=1 << 30)   # time_us, algorithm, protocol
+    shipped(topology).predict("allreduce", nodes=540, nbytes=1 << 30)  # what NCCL itself estimates
+
+:mod:`~lab.sim.nccl.constants` NCCL 2.21's shipped numbers; :mod:`~lab.sim.nccl.topology` the
+cluster stated once; :mod:`~lab.sim.nccl.model` the closed forms; :mod:`~lab.sim.nccl.fitting` the fit
+and its report; :mod:`~lab.sim.nccl.known` clusters as built. No simulation: a prediction is a few hundred arithmetic operations, at any
+node count.
+"""
+
+from lab.sim.nccl.fitting import FitReport, fit
+from lab.sim.nccl.model import COLLECTIVES, PAIRS, NcclModel, PairTerms, Prediction, shipped, tree_depth
+from lab.sim.nccl.topology import ClusterTopology, Dragonfly, FatTree, Graph, nominal_graph
+
+__all__ = ["ClusterTopology", "Dragonfly", "FatTree", "Graph", "nominal_graph", "NcclModel", "PairTerms",
+           "Prediction", "shipped", "fit", "FitReport", "COLLECTIVES", "PAIRS", "tree_depth"]
