@@ -7,13 +7,16 @@
 
 :mod:`~lab.sim.nccl.constants` NCCL 2.21's shipped numbers; :mod:`~lab.sim.nccl.topology` the
 cluster stated once; :mod:`~lab.sim.nccl.model` the closed forms; :mod:`~lab.sim.nccl.fitting` the fit
-and its report; :mod:`~lab.sim.nccl.known` clusters as built. No simulation: a prediction is a few hundred arithmetic operations, at any
+and its report; :mod:`~lab.sim.nccl.validation` a fit scored on logs it never saw;
+:mod:`~lab.sim.nccl.known` clusters as built. No simulation: a prediction is a few hundred arithmetic operations, at any
 node count.
 """
 
+from lab.sim.nccl import validation
 from lab.sim.nccl.fitting import FitReport, fit
 from lab.sim.nccl.model import COLLECTIVES, PAIRS, NcclModel, PairTerms, Prediction, shipped, tree_depth
 from lab.sim.nccl.topology import ClusterTopology, Dragonfly, FatTree, Graph, nominal_graph
 
 __all__ = ["ClusterTopology", "Dragonfly", "FatTree", "Graph", "nominal_graph", "NcclModel", "PairTerms",
-           "Prediction", "shipped", "fit", "FitReport", "COLLECTIVES", "PAIRS", "tree_depth"]
+           "Prediction", "shipped", "fit", "FitReport", "validation", "COLLECTIVES", "PAIRS",
+           "tree_depth"]

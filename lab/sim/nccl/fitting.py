@@ -287,22 +287,27 @@ def _candidate_graphs(topology: ClusterTopology) -> list[tuple[Graph, Graph, Gra
 
 
 def _knees(samples: Sequence[Sample], chooser: NcclModel) -> pd.DataFrame:
-    """Where each log's time jumps by 1.5x or more from one size to the next, next to where the
-    chosen graph's tuner switches pair."""
+    """Where each log's time jumps from one size to the next by 1.5x or more and by 1.5x the step
+    before (a knee, not the doubling of a bandwidth-bound time), next to where the chosen graph's
+    tuner switches pair or a call's channel count changes."""
     rows = []
     by_log: dict[str, list[Sample]] = {}
     for s in samples:
         by_log.setdefault(s.log, []).append(s)
     for log, rows_of_log in by_log.items():
         rows_of_log.sort(key=lambda s: s.nbytes)
-        for before, after in zip(rows_of_log, rows_of_log[1:]):
+        for earlier, before, after in zip([None, *rows_of_log], rows_of_log, rows_of_log[1:]):
             old = chooser.pick(before.collective, before.nodes, before.nbytes)
             new = chooser.pick(after.collective, after.nodes, after.nbytes)
-            knee = after.time_us >= 1.5 * before.time_us
+            rise = after.time_us / before.time_us
+            knee = rise >= 1.5 and (earlier is None or rise >= 1.5 * before.time_us / earlier.time_us)
+            channels = [chooser.channels_used(pair, s.nbytes, s.nodes) for pair, s in ((old, before),
+                                                                                         (new, after))]
             if knee or old != new:
                 rows.append({"log": log, "nodes": after.nodes, "bytes": after.nbytes, "knee": knee,
                              "time_before_us": before.time_us, "time_us": after.time_us,
-                             "switch": f"{'/'.join(old)} -> {'/'.join(new)}" if old != new else ""})
+                             "switch": f"{'/'.join(old)} -> {'/'.join(new)}" if old != new else "",
+                             "channels": f"{channels[0]} -> {channels[1]}" if len(set(channels)) > 1 else ""})
     return pd.DataFrame(rows)
 
 

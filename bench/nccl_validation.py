@@ -1,0 +1,83 @@
+"""NCCL's cost model fitted on ALCF Polaris' 2- and 8-node nccl-tests logs, predicted at 256 and 540
+nodes, per size band, beside NCCL's own estimate (its shipped constants on the nominal graph).
+
+    python bench/nccl_validation.py                       # writes results/cluster/nccl/, prints the bands
+    python bench/nccl_validation.py --out /tmp/nccl --no-fabric
+
+The logs (``tests/data/clusters/polaris-nccl-2.21/``, SOURCE.md names their source) are
+all_reduce_perf and all_gather_perf, 4 B to 1 GiB. The fit sees the 2- and 8-node logs of both
+collectives; the 256- and 540-node logs are only compared against. Polaris as built is
+``lab.sim.nccl.known.POLARIS`` (its dragonfly given; ``--no-fabric`` leaves it out). Error is
+``predicted / measured - 1`` of the out-of-place time. Writes into ``--out``: ``fit.csv`` (every
+term, its value, source, the rows that fixed it), ``cases.csv`` (every size of the 256- and
+540-node logs: measured, fitted and NCCL's estimate), ``bands.csv`` (per node count and band: the
+share within the target, the mean and worst error of each) and ``knees.csv`` (the fit logs' knees
+against the tuner's switch points); prints the band table as markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+
+from lab.sim.logs import read_nccl_tests
+from lab.sim.nccl import fit, shipped, validation
+from lab.sim.nccl.known import POLARIS
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGS = ROOT / "tests" / "data" / "clusters" / "polaris-nccl-2.21"
+FIT_NODES, PREDICTED_NODES = (2, 8), (256, 540)
+COLLECTIVES = {"allreduce": "all_reduce", "allgather": "all_gather"}
+
+
+def logs(nodes: tuple[int, ...]) -> list[pd.DataFrame]:
+    return [read_nccl_tests(LOGS / f"n{n}_{name}.log", collective=collective)
+            for n in nodes for collective, name in COLLECTIVES.items()]
+
+
+def markdown(bands: pd.DataFrame) -> str:
+    """The band table: per node count and band, the target and each model's share within it, mean
+    |error| and worst error."""
+    lines = ["| nodes | band (target) | fitted: within, mean (worst) | NCCL's estimate: within, mean (worst) "
+             "|", "|---|---|---|---|"]
+    for row in bands.itertuples():
+        cells = []
+        for label in ("fitted", "nccl"):
+            within = getattr(row, f"{label}_within")
+            share = "" if pd.isna(within) else f"{within:.0%}, "
+            mean, worst = getattr(row, f"{label}_mean"), getattr(row, f"{label}_worst")
+            cells.append(f"{share}{mean:.0%} ({worst:+.0%})")
+        verdict = "" if row.met is None else (": meets" if row.met else ": misses")
+        lines.append(f"| {row.nodes} | {row.band} ({row.target}) | {cells[0]}{verdict} | {cells[1]} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "cluster" / "nccl")
+    parser.add_argument("--no-fabric", action="store_true", help="Polaris without its given dragonfly")
+    args = parser.parse_args(argv)
+    if not args.out.parent.is_dir():
+        parser.error(f"--out: {args.out.parent} is not a folder")
+    topology = replace(POLARIS, fabric=None) if args.no_fabric else POLARIS
+    start = time.perf_counter()
+    report = fit(topology, logs(FIT_NODES))
+    cases = validation.cases(report.model, shipped(topology), logs(PREDICTED_NODES))
+    bands = validation.bands(cases)
+    seconds = time.perf_counter() - start
+    args.out.mkdir(exist_ok=True)
+    report.terms.to_csv(args.out / "fit.csv", index=False)
+    cases.to_csv(args.out / "cases.csv", index=False)
+    bands.to_csv(args.out / "bands.csv", index=False)
+    report.knees.to_csv(args.out / "knees.csv", index=False)
+    print(f"fit on {len(report.samples)} sizes (mean |error| {report.error:.1%}), "
+          f"{len(cases)} sizes predicted, {seconds:.2f} s\n")
+    print(markdown(bands))
+
+
+if __name__ == "__main__":
+    main()
