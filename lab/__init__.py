@@ -10,6 +10,8 @@
     outs = lab.spawn(step, world_size=4, args=(2.0,))         # one result per rank, rank order
 """
 
+import importlib
+
 from lab import compiled_sources  # noqa: F401  (first: compiled code is never older than its sources)
 from lab.collectives.calls import (all_to_all, allgather, allreduce, barrier, broadcast, gather, reduce, reduce_scatter,
                              scatter)
@@ -24,10 +26,43 @@ from lab.plans import (Plan, all_to_all_init, allgather_init, allreduce_init, ba
                        gather_init, reduce_init, reduce_scatter_init, scatter_init)
 from lab.reference import gloo_reference
 from lab.registered import empty
-from lab import backend, bucketing, ddp, sim  # lab.backend, lab.bucketing, lab.ddp and lab.sim work after `import lab`
-from lab import workload  # lab.workload too; importing it registers the recorder (lab.recording)
+from lab import backend, bucketing, ddp  # lab.backend, lab.bucketing and lab.ddp work after `import lab`
+from lab import recording, tuning
+
+#: Loaded on first use (``lab.sim.simulate``, ``lab.workload.load``): a rank that only runs
+#: collectives never imports the simulator, the cluster fitter or pandas.
+_ON_FIRST_USE = ("sim", "workload")
+
+
+def __getattr__(name: str) -> object:
+    if name in _ON_FIRST_USE:
+        return importlib.import_module(f"lab.{name}")
+    raise AttributeError(f"module 'lab' has no attribute {name!r}")
+
+
+def _simulator_advice(*args: object) -> object:
+    """``auto``'s advice at a world size never measured: the simulator's (:mod:`lab.sim.advisor`),
+    loaded when first asked."""
+    from lab.sim.advisor import advise
+
+    return advise(*args)
+
+
+def _workload_header(*args: object, **kwargs: object) -> None:
+    from lab.workload.record import write_header
+
+    write_header(*args, **kwargs)
+
+
+def _workload_recorder(*args: object) -> recording.Recording:
+    from lab.workload.record import Recorder
+
+    return Recorder(*args)
+
 
 backend.register()  # torch.distributed.init_process_group("lab")
+tuning.register_advisor("simulator", _simulator_advice)
+recording.register(_workload_header, _workload_recorder)  # lab.workload loads when a rank records
 
 __all__ = [
     "allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather", "scatter",

@@ -9,9 +9,9 @@ as completed and, where the program waits on its Work, as waited on (:func:`reco
 inside another one's run (the backend's send running the mesh's) is part of it: it is not noted
 again.
 
-The recorder and the file's format are :mod:`lab.workload`'s, a higher layer than the mesh's: it
+The recorder and the file's format are :mod:`lab.workload`'s, a higher layer than the mesh's: ``import lab``
 hands this module how to write a file's header and how to make a rank's recorder
-(:func:`register`) when it is imported, which ``import lab`` does. This module only calls them,
+(:func:`register`), small shims that load :mod:`lab.workload` when a rank first records. This module only calls them,
 and keeps the recordings this process makes (:func:`current`).
 
     what = Operation("allreduce", (0, 1), "float32", 4, 256, 256, reduce_op="sum")
@@ -112,8 +112,7 @@ def register(header: Callable[..., None], recorder: Callable[[str, int, int], Re
 
 def _maker(name: str) -> Callable[..., Any]:
     if name not in _makers:
-        raise LabError("recording a workload needs lab.workload, which registers its recorder when imported "
-                       "(import lab does it)")
+        raise LabError("recording a workload needs lab.workload's recorder, which import lab registers")
     return _makers[name]
 
 

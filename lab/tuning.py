@@ -14,8 +14,8 @@ measured medians: between two measured sizes the straight line through them (an 
 interval, so a measured size predicts what was measured there), below the smallest that size's
 time, above the largest the fitted per-byte term on top. At a world size never swept, or for a
 transport or collective with fewer than two fits, it asks the registered advisors
-(:func:`register_advisor`; this module imports nothing above it): :mod:`lab.sim` registers the
-simulator, which replays every candidate on the transport's network as :mod:`lab.sim.calibrate`
+(:func:`register_advisor`; this module imports nothing above it): ``import lab`` registers the
+simulator (:mod:`lab.sim.advisor`, loaded when first asked), which replays every candidate on the transport's network as :mod:`lab.sim.calibrate`
 fitted it (``tuning.json``'s ``networks``), the least simulated time winning. That choice is made once per (collective, transport,
 N, power-of-two size bucket), simulated at the bucket's smallest size, so a steady-state call costs
 a dictionary look-up. With neither fits nor a network it falls back to a fixed size threshold,
@@ -47,7 +47,7 @@ TRANSPORTS = ("shm", "queue", "tcp")
 #: Who predicts the candidates' times where no fitted model decides, by name (the way NCCL's tuner
 #: plugins plug in): ``advisor(collective, nbytes, world_size, network)`` -> ``(predictions, left
 #: out with why)``, or None where it cannot use ``network`` (``tuning.json``'s keyword arguments
-#: for the transport). :mod:`lab.sim` registers ``"simulator"`` when it is imported; this module
+#: for the transport). ``import lab`` registers ``"simulator"`` (:mod:`lab.sim.advisor`); this module
 #: knows nothing above it.
 ADVISORS: dict[str, Callable[[str, int, int, dict], tuple[dict, dict] | None]] = {}
 #: The advisors' choices: (collective, transport, N, size bucket, network) -> algorithm.

@@ -17,19 +17,26 @@ results, :mod:`lab.sim.validation` scores the fit against them, and :mod:`lab.si
 (``fit_cluster``) and predicts it at more hosts (``predict(net, "allreduce", hosts=16, nbytes=B)``).
 """
 
-from lab import tuning
-from lab.sim.advisor import advise
+import importlib
+
 from lab.sim.fitted import calibrated
-from lab.sim.cluster import FitReport, Prediction, fit_cluster, fit_cluster_report, predict
 from lab.sim.core import SimResult, best_algorithm, estimate, simulate
 from lab.sim.network import Network
 from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, Estimate, SimulationTooLarge,
                             SimulationUnsupported)
-from lab.sim.logs import read_nccl_tests, read_osu
 from lab.sim.record import algorithms
 from lab.sim.replay import Message, ScheduleError
 
-tuning.register_advisor("simulator", advise)  # auto's advice at world sizes never measured
+#: What reads and fits clusters' logs, with pandas: loaded on first use (``lab.sim.fit_cluster``).
+_ON_FIRST_USE = {"FitReport": "lab.sim.cluster", "Prediction": "lab.sim.cluster", "fit_cluster": "lab.sim.cluster",
+                 "fit_cluster_report": "lab.sim.cluster", "predict": "lab.sim.cluster",
+                 "read_nccl_tests": "lab.sim.logs", "read_osu": "lab.sim.logs"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _ON_FIRST_USE:
+        return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
+    raise AttributeError(f"module 'lab.sim' has no attribute {name!r}")
 
 __all__ = ["Network", "simulate", "best_algorithm", "predict", "estimate", "algorithms", "SimResult", "Message",
            "Estimate", "SimulationUnsupported", "SimulationTooLarge", "ScheduleError", "DEFAULT_MAX_STEPS",

@@ -344,4 +344,3 @@ def record_gradients(model: Any) -> bool:
     return True
 
 
-recording.register(write_header, Recorder)  # (the issue order is a lower layer: it is handed these)
