@@ -11,8 +11,9 @@ collectives; the 256- and 540-node logs are only compared against. Polaris as bu
 ``predicted / measured - 1`` of the out-of-place time. Writes into ``--out``: ``fit.csv`` (every
 term, its value, source, the rows that fixed it), ``cases.csv`` (every size of the 256- and
 540-node logs: measured, fitted and NCCL's estimate), ``bands.csv`` (per node count and band: the
-share within the target, the mean and worst error of each) and ``knees.csv`` (the fit logs' knees
-against the tuner's switch points); prints the band table as markdown.
+share within the target, the mean and worst error of each), ``knees.csv`` (the fit logs' knees
+against the tuner's switch points) and ``nccl_tuner.conf`` (the example tuner plugin's file for
+256 and 540 nodes, the fitted model's fastest pairs); prints the band table as markdown.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from lab.sim.logs import read_nccl_tests
-from lab.sim.nccl import fit, shipped, validation
+from lab.sim.nccl import fit, shipped, tuner_file, validation
 from lab.sim.nccl.known import POLARIS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     cases.to_csv(args.out / "cases.csv", index=False)
     bands.to_csv(args.out / "bands.csv", index=False)
     report.knees.to_csv(args.out / "knees.csv", index=False)
+    tuner_file.write(args.out / "nccl_tuner.conf", tuner_file.rules(report.model, PREDICTED_NODES),
+                     comment="ALCF Polaris (NCCL 2.21), fitted on 2 and 8 nodes: bench/nccl_validation.py")
     print(f"fit on {len(report.samples)} sizes (mean |error| {report.error:.1%}), "
           f"{len(cases)} sizes predicted, {seconds:.2f} s\n")
     print(markdown(bands))

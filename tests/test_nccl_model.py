@@ -1,7 +1,8 @@
 """lab.sim.nccl: NCCL 2.21's tuner as closed forms, its terms fitted to a cluster's nccl-tests
 logs. The shipped estimate against tuning.cc's numbers worked by hand; every term found again
 from logs the model itself wrote (every algorithm/protocol region run somewhere); the fabric's
-given terms where a job spans groups; bad input named; and ALCF Polaris (tests/data/clusters/polaris-nccl-2.21/, SOURCE.md) fitted at 2 and 8
+given terms where a job spans groups; bad input named; the example tuner plugin's file written and
+read back; and ALCF Polaris (tests/data/clusters/polaris-nccl-2.21/, SOURCE.md) fitted at 2 and 8
 nodes and predicted at 256 and 540, per size band, at least as close as docs/cluster.md reports.
 """
 
@@ -16,7 +17,7 @@ import pytest
 
 from lab.sim.logs import read_nccl_tests
 from lab.sim.nccl import (ClusterTopology, Dragonfly, FatTree, Graph, NcclModel, fit, shipped, tree_depth,
-                          validation)
+                          tuner_file, validation)
 from lab.sim.nccl.known import POLARIS
 
 pytestmark = pytest.mark.no_ranks
@@ -234,6 +235,67 @@ def test_fit_arguments_checked(tmp_path):
         fit(replace(POLARIS, gpus_per_node=3), [log])
     with pytest.raises(ValueError, match="8 ranks on 2 hosts, but gpus_per_node=8 makes 1 nodes"):
         fit(replace(POLARIS, gpus_per_node=8), [log])
+
+
+# --- the tuner plugin's file -------------------------------------------------------------------------
+
+
+def test_tuner_file_written_and_read_back(tmp_path):
+    report = fit(POLARIS, [polaris_log(n, c) for n in (2, 8) for c in ("allreduce", "allgather")])
+    rules = tuner_file.rules(report.model, nodes=[256, 540])
+    path = tuner_file.write(tmp_path / "nccl_tuner.conf", rules, comment="Polaris, fitted at 2 and 8 nodes")
+    assert tuner_file.read(path) == rules
+    for count in (256, 540):  # each collective's ranges tile the sizes, each its start's fastest pair
+        for collective in ("allreduce", "allgather"):
+            mine = [r for r in rules if r.nodes == count and r.collective == collective]
+            assert mine[0].min_bytes == 1 and mine[-1].max_bytes == tuner_file.SIZE_MAX
+            assert all(a.max_bytes + 1 == b.min_bytes for a, b in zip(mine, mine[1:]))
+            for rule in mine:
+                fastest = report.model.predict(collective, count, rule.min_bytes, choose="fastest")
+                assert (fastest.algorithm, fastest.protocol) == (rule.algorithm, rule.protocol)
+                assert rule.ranks == count * 4
+
+
+def test_tuner_file_reads_nccl_examples(tmp_path):
+    path = tmp_path / "nccl_tuner.conf"
+    path.write_text("# from ext-tuner/example/nccl_tuner.conf\n\nallreduce,0,65536,tree,simple,2,1,-1,-1,1\n"
+                    "allgather, 0, 4294967295, ring, simple, 4, 2, -1\n"
+                    "reduce,0,4294967295,tree,simple,-1,-1,-1\n")
+    rules = tuner_file.read(path)
+    assert [(r.collective, r.max_bytes, r.channels, r.nodes, r.reg_buff) for r in rules] == [
+        ("allreduce", 65536, 2, 1, 1), ("allgather", 4294967295, 4, 2, -1),
+        ("reduce", 4294967295, -1, -1, -1)]
+
+
+@pytest.mark.parametrize("line, message", [
+    ("allreduce,0,1024,ring,simple,-1,-1", "line 2: 7 fields"),
+    ("allreduce,0,1024,ring,simple,-1,-1,-1,-1,-1,-1", "line 2: 11 fields"),
+    ("alltoall,0,1024,ring,simple,-1,-1,-1", "line 2: collective_type must be one of"),
+    ("allreduce,0,1024,butterfly,simple,-1,-1,-1", "line 2: algorithm must be one of"),
+    ("allreduce,0,1024,ring,LL,-1,-1,-1", "line 2: protocol must be one of"),
+    ("allreduce,zero,1024,ring,simple,-1,-1,-1", "line 2: min_bytes must be an integer"),
+    ("allreduce,0,-5,ring,simple,-1,-1,-1", r"line 2: max_bytes must be in \[0, "),
+    ("allreduce,2048,1024,ring,simple,-1,-1,-1", "line 2: min_bytes 2048 is past max_bytes 1024"),
+    ("allreduce,0,1024,ring,simple,-2,-1,-1", r"line 2: channels must be in \[-1, "),
+    ("allreduce,0,1024,ring,simple,-1,-1,-1,-1,2", "line 2: regBuff must be -1, 0 or 1"),
+    ("allreduce,0,1024,ring,simple,-1,-1," + "1" * 300, "line 2: 335 characters"),
+])
+def test_tuner_file_errors_name_the_line(tmp_path, line, message):
+    path = tmp_path / "bad.conf"
+    path.write_text(f"# a comment\n{line}\n")
+    with pytest.raises(ValueError, match=f"bad.conf, {message}"):
+        tuner_file.read(path)
+
+
+@pytest.mark.parametrize("arguments, error", [
+    (dict(model="fitted", nodes=[2]), "model"), (dict(nodes=[]), "nodes"), (dict(nodes=[0]), "nodes"),
+    (dict(nodes=[2], collectives=[]), "collectives"), (dict(nodes=[2], collectives=["bcast"]), "collective"),
+    (dict(nodes=[2], max_bytes=1), "max_bytes"), (dict(nodes=[2], max_bytes=2.5), "max_bytes"),
+])
+def test_tuner_rules_arguments_checked(arguments, error):
+    arguments = {"model": shipped(POLARIS), **arguments}
+    with pytest.raises((ValueError, TypeError), match=error):
+        tuner_file.rules(**arguments)
 
 
 # --- Polaris: fitted at 2 and 8 nodes, predicted at 256 and 540 ------------------------------------------

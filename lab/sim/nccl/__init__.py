@@ -4,19 +4,21 @@
     report = fit(topology, [read_nccl_tests("n2.log", collective="allreduce"), ...])
     report.model.predict("allreduce", nodes=540, nbytes=1 << 30)   # time_us, algorithm, protocol
     shipped(topology).predict("allreduce", nodes=540, nbytes=1 << 30)  # what NCCL itself estimates
+    tuner_file.write("nccl_tuner.conf", tuner_file.rules(report.model, nodes=[256, 540]))
 
 :mod:`~lab.sim.nccl.constants` NCCL 2.21's shipped numbers; :mod:`~lab.sim.nccl.topology` the
 cluster stated once; :mod:`~lab.sim.nccl.model` the closed forms; :mod:`~lab.sim.nccl.fitting` the fit
 and its report; :mod:`~lab.sim.nccl.validation` a fit scored on logs it never saw;
-:mod:`~lab.sim.nccl.known` clusters as built. No simulation: a prediction is a few hundred arithmetic operations, at any
+:mod:`~lab.sim.nccl.tuner_file` NCCL's example tuner plugin's file; :mod:`~lab.sim.nccl.known`
+clusters as built. No simulation: a prediction is a few hundred arithmetic operations, at any
 node count.
 """
 
-from lab.sim.nccl import validation
+from lab.sim.nccl import tuner_file, validation
 from lab.sim.nccl.fitting import FitReport, fit
 from lab.sim.nccl.model import COLLECTIVES, PAIRS, NcclModel, PairTerms, Prediction, shipped, tree_depth
 from lab.sim.nccl.topology import ClusterTopology, Dragonfly, FatTree, Graph, nominal_graph
 
 __all__ = ["ClusterTopology", "Dragonfly", "FatTree", "Graph", "nominal_graph", "NcclModel", "PairTerms",
-           "Prediction", "shipped", "fit", "FitReport", "validation", "COLLECTIVES", "PAIRS",
+           "Prediction", "shipped", "fit", "FitReport", "tuner_file", "validation", "COLLECTIVES", "PAIRS",
            "tree_depth"]
