@@ -16,8 +16,8 @@ import pandas as pd
 import pytest
 
 from lab.sim.logs import read_nccl_tests
-from lab.sim.nccl import (ClusterTopology, Dragonfly, FatTree, Graph, NcclModel, fit, shipped, tree_depth,
-                          tuner_file, validation)
+from lab.sim.nccl import (ClusterTopology, Dragonfly, FatTree, Graph, NcclModel, fit, nominal_graph, shipped,
+                          tree_depth, tuner_file, validation)
 from lab.sim.nccl.known import POLARIS
 
 pytestmark = pytest.mark.no_ranks
@@ -194,6 +194,21 @@ def test_topology_choices_checked(field, value):
 def test_fabric_and_graph_checked(make, field):
     with pytest.raises((ValueError, TypeError), match=field):
         make()
+
+
+def test_graph_validation_and_file_arguments_checked(tmp_path):
+    with pytest.raises(TypeError, match="topology"):
+        nominal_graph("polaris", 2)
+    with pytest.raises(ValueError, match="nodes"):
+        nominal_graph(POLARIS, 0)
+    with pytest.raises(TypeError, match="fitted"):
+        validation.cases("model", shipped(POLARIS), [])
+    with pytest.raises(TypeError, match=r"logs\[0\]"):
+        validation.cases(shipped(POLARIS), shipped(POLARIS), ["n256.log"])
+    with pytest.raises(ValueError, match="table must be what cases"):
+        validation.bands(pd.DataFrame({"nodes": [2]}))
+    with pytest.raises(TypeError, match=r"tuner_rules\[0\]"):
+        tuner_file.write(tmp_path / "x.conf", ["allreduce,0,1,ring,simple,-1,-1,-1"])
 
 
 def test_node_counts_checked_against_the_cluster():

@@ -224,6 +224,9 @@ def nominal_graph(topology: ClusterTopology, nodes: int) -> Graph:
     channel a NIC (more where a NIC holds several at the speed), at the fastest speed of NCCL's list
     the GPU-NIC path carries; on one node at the speed of NCCL's list the GPU's link carries. A
     graph of >= 25 GB/s a channel is doubled at half the speed (``ncclTopoDupChannels``)."""
+    if not isinstance(topology, ClusterTopology):
+        raise TypeError(f"topology must be a ClusterTopology; got {topology!r}")
+    nodes = topology.nodes(nodes)
     if nodes > 1:
         path = min(topology.nic_gbyte, topology.pci_gbyte)
         speed = _speed(path, C.SPEEDS_INTER)

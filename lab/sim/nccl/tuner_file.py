@@ -103,6 +103,10 @@ def rules(model: NcclModel, nodes: Iterable[Any], collectives: Iterable[str] = (
 def write(path: str | Path, tuner_rules: Iterable[TunerRule], comment: str = "") -> Path:
     """The rules as the plugin's file, a comment first."""
     path = Path(path)
+    tuner_rules = list(tuner_rules)
+    for number, rule in enumerate(tuner_rules):
+        if not isinstance(rule, TunerRule):
+            raise TypeError(f"tuner_rules[{number}] must be a TunerRule; got {rule!r}")
     lines = [f"# {line}" for line in comment.splitlines()] + [f"# {HEADER}"]
     lines += [rule.line() for rule in tuner_rules]
     path.write_text("\n".join(lines) + "\n")

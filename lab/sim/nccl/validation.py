@@ -39,9 +39,14 @@ def target(band: str, nodes: int) -> tuple[float, float, float] | None:
 def cases(fitted: NcclModel, nccl: NcclModel, logs: Iterable[pd.DataFrame]) -> pd.DataFrame:
     """A row per size of every log: log, collective, nodes, bytes, band, measured_us, the fitted
     model's predicted_us, algorithm, protocol and error, NCCL's estimate nccl_us and nccl_error."""
+    for name, model in (("fitted", fitted), ("nccl", nccl)):
+        if not isinstance(model, NcclModel):
+            raise TypeError(f"{name} must be an NcclModel; got {model!r}")
     rows = []
-    for df in logs:
-        name = Path(str(df.attrs.get("path", "?"))).name
+    for number, df in enumerate(logs):
+        if not isinstance(df, pd.DataFrame):
+            raise TypeError(f"logs[{number}] must be a DataFrame of read_nccl_tests; got {type(df).__name__}")
+        name = Path(str(df.attrs.get("path", f"logs[{number}]"))).name
         collective = collective_name(df.attrs["collective"])
         nodes = fitted.topology.nodes_of_ranks(df.attrs["ranks"], f"{name}'s ranks")
         for nbytes, measured in zip(df["bytes"], df["oop_time_us"]):
@@ -67,6 +72,9 @@ def _within(errors: pd.Series, goal: tuple[float, float, float] | None) -> float
 def bands(table: pd.DataFrame) -> pd.DataFrame:
     """Per node count and band (both collectives together): the sizes, the target, and for the
     fitted model and NCCL's estimate the share within it, the mean |error| and the worst error."""
+    missing = {"nodes", "band", "error", "nccl_error"} - set(getattr(table, "columns", ()))
+    if missing:
+        raise ValueError(f"table must be what cases() returns; it lacks {', '.join(sorted(missing))}")
     rows = []
     order = [name for name, _ in BANDS]
     for (nodes, band), group in table.groupby(["nodes", "band"]):
