@@ -20,7 +20,6 @@ calibration's own), replaying the recorded schedules on every trial network.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -299,13 +298,21 @@ def predict_table(network: Network, collective: str, hosts: int, sizes: list[int
     return pd.DataFrame(rows, columns=["bytes", "time_us", "algbw", "busbw", "algorithm"])
 
 
-def predict(network_or_collective: Network | str, *args: Any, **kwargs: Any) -> Any:
-    """Two forms: ``predict(net, "allreduce", hosts=16, nbytes=B)`` is :func:`predict_hosts` (a
-    :class:`Prediction`: the best algorithm's µs at 16 hosts, and which); ``predict("allreduce",
-    world_size, nbytes, net)`` is :func:`lab.sim.core.predict` (``{algorithm: µs}`` at N ranks).
+def predict(network_or_collective: Any, *args: Any, **kwargs: Any) -> Any:
+    """Two forms: ``predict(cluster, "allreduce", hosts=16, nbytes=B)``, a cluster model at 16 hosts,
+    is :func:`predict_hosts` for a :class:`Network` (the simulator: a :class:`Prediction`, the
+    best algorithm's µs and which) and :func:`lab.sim.nccl.predict_nccl` for an
+    :class:`lab.sim.nccl.NcclModel` (NCCL's closed forms: the µs, algorithm and protocol NCCL
+    runs); ``predict("allreduce", world_size, nbytes, net)`` is :func:`lab.sim.core.predict`
+    (``{algorithm: µs}`` at N ranks).
 
         lab.sim.predict(net, "allreduce", hosts=16, nbytes=1 << 20).algorithm     # "tree", say
+        lab.sim.predict(nccl_fit.model, "allreduce", hosts=540, nbytes=1 << 30).protocol   # "simple"
         lab.sim.predict("allreduce", 1024, 1 << 20, net)["ring"]                  # µs
     """
-    form: Callable[..., Any] = predict_hosts if isinstance(network_or_collective, Network) else core.predict
-    return form(network_or_collective, *args, **kwargs)
+    if isinstance(network_or_collective, Network):
+        return predict_hosts(network_or_collective, *args, **kwargs)
+    from lab.sim.nccl.model import NcclModel, predict_nccl  # (here: lab.sim.nccl imports this module)
+    if isinstance(network_or_collective, NcclModel):
+        return predict_nccl(network_or_collective, *args, **kwargs)
+    return core.predict(network_or_collective, *args, **kwargs)

@@ -3,6 +3,7 @@
     topology = ClusterTopology(gpus_per_node=4, nics_per_node=2, nic_gbit=200, cpu="amd", nic_path="phb")
     report = fit(topology, [read_nccl_tests("n2.log", collective="allreduce"), ...])
     report.model.predict("allreduce", nodes=540, nbytes=1 << 30)   # time_us, algorithm, protocol
+    lab.sim.predict(report.model, "allreduce", hosts=540, nbytes=1 << 30)   # the same (predict_nccl)
     shipped(topology).predict("allreduce", nodes=540, nbytes=1 << 30)  # what NCCL itself estimates
     tuner_file.write("nccl_tuner.conf", tuner_file.rules(report.model, nodes=[256, 540]))
 
@@ -16,9 +17,10 @@ node count.
 
 from lab.sim.nccl import tuner_file, validation
 from lab.sim.nccl.fitting import FitReport, fit
-from lab.sim.nccl.model import COLLECTIVES, PAIRS, NcclModel, PairTerms, Prediction, shipped, tree_depth
+from lab.sim.nccl.model import (COLLECTIVES, PAIRS, NcclModel, PairTerms, Prediction, predict_nccl, shipped,
+                                tree_depth)
 from lab.sim.nccl.topology import ClusterTopology, Dragonfly, FatTree, Graph, nominal_graph
 
 __all__ = ["ClusterTopology", "Dragonfly", "FatTree", "Graph", "nominal_graph", "NcclModel", "PairTerms",
-           "Prediction", "shipped", "fit", "FitReport", "tuner_file", "validation", "COLLECTIVES", "PAIRS",
-           "tree_depth"]
+           "Prediction", "predict_nccl", "shipped", "fit", "FitReport", "tuner_file", "validation",
+           "COLLECTIVES", "PAIRS", "tree_depth"]

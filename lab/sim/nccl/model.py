@@ -239,6 +239,21 @@ class NcclModel:
         return frame
 
 
+def predict_nccl(model: NcclModel, collective: Any, *, hosts: Any, nbytes: Any,
+                 choose: str = "nccl") -> Prediction:
+    """``lab.sim.predict(model, collective, hosts=H, nbytes=B)`` for a model of NCCL's closed forms
+    (``lab.sim.nccl.fit(...).model``, or :func:`shipped`): the time (µs) of the pair NCCL runs on
+    ``hosts`` nodes, which algorithm and protocol, on how many channels; ``nbytes`` as nccl-tests
+    counts a size (allgather's is the whole output).
+
+        predict_nccl(report.model, "allreduce", hosts=540, nbytes=1 << 30).protocol   # "simple"
+    """
+    if not isinstance(model, NcclModel):
+        raise TypeError(f"model must be an NcclModel (lab.sim.nccl.fit(...).model); "
+                        f"got {type(model).__name__}")
+    return model.predict(collective, model.topology.nodes(hosts, "hosts"), byte_count(nbytes), choose)
+
+
 def _shipped_pair(topology: ClusterTopology, pair: Pair, channels: tuple[int, int, int]) -> PairTerms:
     """NCCL 2.21's terms for a pair: tuning.cc's latencies and its bandwidth refinements written
     as an efficiency under a ceiling, per node class."""
@@ -295,4 +310,5 @@ def shipped(topology: ClusterTopology, graphs: tuple[Graph, Graph, Graph] | None
                      ring_plateau=C.RING_PLATEAU if topology.gpu != "volta" else C.RING_PLATEAU_BEFORE_AMPERE)
 
 
-__all__ = ["NcclModel", "PairTerms", "Prediction", "shipped", "COLLECTIVES", "PAIRS", "tree_depth"]
+__all__ = ["NcclModel", "PairTerms", "Prediction", "shipped", "predict_nccl", "COLLECTIVES", "PAIRS",
+           "tree_depth"]
