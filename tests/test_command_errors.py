@@ -98,9 +98,18 @@ def test_a_bad_input_is_one_line_naming_it_and_exit_status_2(capsys, nothing_run
     assert says in refusal(capsys, argv)
 
 
-def test_predicting_more_hosts_than_the_simulator_takes_names_predict_hosts(capsys):
-    line = refusal(capsys, ["cluster", "fit", ONE_GPU_LOG, "--predict-hosts", "100000", "--json"])
+def test_predicting_more_hosts_than_the_simulator_takes_names_predict_hosts(capsys, monkeypatch):
+    """Refused from the simulator's estimates before the fit (which takes tens of seconds on
+    larger logs): the fit is never called."""
+    def fitted(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the logs were fitted before the host count was checked")
+
+    monkeypatch.setattr("lab.sim.cluster_cli.fit_cluster_report", fitted)
+    line = refusal(capsys, ["cluster", "fit", ONE_GPU_LOG, "--predict-hosts", "4", "100000", "--json"])
     assert "argument --predict-hosts: too large to simulate: all_to_all" in line and "100,000 ranks" in line
+    eight_gpus = ONE_GPU_LOG.replace("1gpu", "8gpus")  # 8 ranks a host: 2**24 ranks are 2,097,152 hosts
+    line = refusal(capsys, ["cluster", "fit", eight_gpus, "--predict-hosts", str(1 << 24)])
+    assert "argument --predict-hosts: hosts must be an integer >= 1, at most 2,097,152 (16,777,216" in line
 
 
 def test_cluster_fit_names_a_log_whose_numbers_fit_several_collectives_and_takes_collective(capsys, tmp_path):

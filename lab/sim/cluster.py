@@ -29,7 +29,7 @@ import pandas as pd
 from lab import checks
 from lab.sim import core
 from lab.sim.calibrate import least_absolute
-from lab.sim.cluster_cases import OUTPUT_SIZED, Case, input_bytes, log_cases
+from lab.sim.cluster_cases import OUTPUT_SIZED, Case, input_bytes, log_cases, widest_ranks_per_host
 from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE
 from lab.sim.network import Network
 
@@ -215,8 +215,7 @@ def fit_cluster_report(logs: list[pd.DataFrame], network: Network | None = None,
     if not isinstance(base, Network):
         raise TypeError(f"network must be a lab.sim.Network; got {type(base).__name__}")
     cases = log_cases(logs, candidates)
-    widest = max(cases, key=lambda c: (c.hosts, c.ranks_per_host))
-    base = replace(base, ranks_per_host=widest.ranks_per_host)
+    base = replace(base, ranks_per_host=widest_ranks_per_host(logs))
     chosen = _chosen(terms)
     fitted = [t for t in chosen if any(_sees(c, t[3]) for c in cases)]
     x = np.log([_start_value(cases, term, scope) for term, _, _, scope in fitted])
@@ -251,6 +250,32 @@ def predict_hosts(network: Network, collective: str, *, hosts: int, nbytes: int,
 
         predict_hosts(net, "allreduce", hosts=16, nbytes=64 << 20)   # Prediction(time_us=..., algorithm=...)
     """
+    network, world, nbytes = _hosts_case(network, collective, hosts, nbytes, ranks_per_host)
+    times = core.predict(collective, world, nbytes, network, candidates=candidates)
+    if not times:
+        raise ValueError(f"no algorithm of {collective} can be simulated at {hosts} hosts")
+    best = min(times, key=times.get)
+    return Prediction(times[best], best, times)
+
+
+def check_predictable(network: Network, collective: str, *, hosts: int, nbytes: int,
+                      ranks_per_host: int | None = None, candidates: list[str] | None = None) -> None:
+    """Refuse what :func:`predict_hosts` would refuse (a ValueError, :class:`SimulationTooLarge`),
+    from the simulator's estimates alone: cheap beside a fit (``python -m lab cluster fit`` checks
+    its ``--predict-hosts`` so, before fitting).
+
+        check_predictable(net, "allreduce", hosts=100_000, nbytes=64 << 20)   # SimulationTooLarge: ...
+    """
+    network, world, nbytes = _hosts_case(network, collective, hosts, nbytes, ranks_per_host)
+    if not core.predictable(collective, world, nbytes, ranks_per_host=network.ranks_per_host,
+                            candidates=candidates):
+        raise ValueError(f"no algorithm of {collective} can be simulated at {hosts} hosts")
+
+
+def _hosts_case(network: Network, collective: str, hosts: int, nbytes: int,
+                ranks_per_host: int | None) -> tuple[Network, int, int]:
+    """(the network at ``ranks_per_host``, the ranks, each rank's input) of a case at ``hosts``
+    hosts; a ValueError names what the simulator cannot take."""
     if not isinstance(network, Network):
         raise TypeError(f"network must be a lab.sim.Network; got {type(network).__name__}")
     per_host = network.ranks_per_host if ranks_per_host is None else ranks_per_host
@@ -265,12 +290,7 @@ def predict_hosts(network: Network, collective: str, *, hosts: int, nbytes: int,
     if not checks.is_int(nbytes) or not 0 <= nbytes <= largest:
         output = f" ({collective}'s size is its output: {MAX_NBYTES:,} bytes a rank)" if whole else ""
         raise ValueError(f"nbytes must be an integer from 0 to {largest:,}{output}; got {nbytes!r}")
-    nbytes = input_bytes(collective, int(nbytes), world)
-    times = core.predict(collective, world, nbytes, network, candidates=candidates)
-    if not times:
-        raise ValueError(f"no algorithm of {collective} can be simulated at {hosts} hosts")
-    best = min(times, key=times.get)
-    return Prediction(times[best], best, times)
+    return network, world, input_bytes(collective, int(nbytes), world)
 
 
 def predict_table(network: Network, collective: str, hosts: int, sizes: list[int], *,

@@ -69,6 +69,14 @@ def check_log(df: object, index: int) -> tuple[str, int, int]:
     return str(collective), int(ranks), int(hosts)
 
 
+def widest_ranks_per_host(logs: list[pd.DataFrame]) -> int:
+    """The ranks per host of the log with the most hosts (of those, the most ranks a host): the
+    fitted network's, where predictions are made."""
+    layouts = [check_log(df, index) for index, df in enumerate(logs)]  # (collective, ranks, hosts)
+    _, ranks, hosts = max(layouts, key=lambda layout: (layout[2], layout[1] // layout[2]))
+    return ranks // hosts
+
+
 @dataclass(frozen=True)
 class Case:
     """One row of a log, with the recorded schedule of every candidate algorithm on its ranks."""

@@ -24,7 +24,8 @@ from pathlib import Path
 import pandas as pd
 
 from lab.command_line import finite_json, network_term, refused, whole
-from lab.sim.cluster import FitReport, fit_cluster_report, predict_table
+from lab.sim.cluster import FitReport, check_predictable, fit_cluster_report, predict_table
+from lab.sim.cluster_cases import widest_ranks_per_host
 from lab.sim.limits import MAX_WORLD_SIZE, SimulationUnsupported
 from lab.sim.logs import COLLECTIVES, read_nccl_tests
 from lab.sim.network import Network
@@ -105,13 +106,31 @@ def text(report: FitReport, predicted: list[dict]) -> str:
     return "\n".join(parts)
 
 
+def check_hosts(network: Network, logs: list[pd.DataFrame], hosts: list[int]) -> None:
+    """Refuse, before the fit, a host count the simulator cannot predict the logs' collectives at
+    (its ranks, or a recording too large at the largest size, where the most steps are), from its
+    estimates alone: the fit takes tens of seconds, these milliseconds."""
+    network = dataclasses.replace(network, ranks_per_host=widest_ranks_per_host(logs))
+    for collective in dict.fromkeys(df.attrs["collective"] for df in logs):
+        for count in hosts:
+            check_predictable(network, collective, hosts=count, nbytes=_sizes(logs, collective)[-1])
+
+
 def run(args: argparse.Namespace) -> int:
     try:  # an unreadable log, a log without hosts: a usage error naming the file
         logs = [read_nccl_tests(path, args.collective) for path in args.logs]
-        report = fit_cluster_report(logs, _built(args))
+        widest_ranks_per_host(logs)  # (checks each log's collective, ranks and hosts)
     except (OSError, ValueError) as exc:
         args.parser.error(refused(exc))
     try:  # a host count past the simulator's limits (its ranks, or a recording too large)
+        check_hosts(_built(args), logs, args.predict_hosts)
+    except (ValueError, SimulationUnsupported) as exc:
+        args.parser.error(f"argument --predict-hosts: {exc}")
+    try:  # a log that cannot be fitted: a usage error naming the file
+        report = fit_cluster_report(logs, _built(args))
+    except ValueError as exc:
+        args.parser.error(refused(exc))
+    try:  # a smaller size past the limits, where the largest was not
         predicted = predictions(report, logs, args.predict_hosts)
     except (ValueError, SimulationUnsupported) as exc:
         args.parser.error(f"argument --predict-hosts: {exc}")

@@ -218,20 +218,46 @@ def predict(collective: str, world_size: int, nbytes: int, network: Network | No
     """
     collective, world_size, nbytes, root, network = _check(collective, world_size, nbytes, root, network)
     max_steps, max_seconds = check_limits(max_steps, max_seconds)
-    if candidates is not None and not isinstance(candidates, (list, tuple)):  # ("ring" is not ["ring"])
-        raise TypeError(f"candidates must be a list of algorithm names or None; got {candidates!r}")
-    names = algorithms()[collective] if candidates is None else tuple(candidates)
-    for name in names:
-        _check_algorithm(collective, name)
-    per_host = network.ranks_per_host
-    runnable = [name for name in names if _runs(names, name, _fits, collective, name, world_size, nbytes, root,
-                                                 per_host, max_steps, max_seconds)]
+    runnable, names = _runnable(collective, world_size, nbytes, root, network.ranks_per_host, candidates,
+                                max_steps, max_seconds)
     times = {}
     for name in runnable:
         result = _runs(names, name, _simulate, collective, name, world_size, nbytes, network, root, max_steps)
         if result:
             times[name] = result.time_us
     return times
+
+
+def predictable(collective: str, world_size: int, nbytes: int, *, ranks_per_host: int = 1, root: int = 0,
+                candidates: list[str] | tuple[str, ...] | None = None,
+                max_steps: int | None = DEFAULT_MAX_STEPS,
+                max_seconds: float | None = DEFAULT_MAX_SECONDS) -> list[str]:
+    """The algorithms :func:`predict` would simulate (those the recorder can run), from the
+    estimates alone: a case past the limits raises :class:`SimulationTooLarge` as :func:`predict`
+    would, before anything is recorded in full (``python -m lab cluster fit`` checks its host
+    counts so, before it fits).
+
+        lab.sim.core.predictable("allreduce", 100_000, 4096)   # SimulationTooLarge: allreduce (ring) ...
+    """
+    collective, world_size, nbytes, root, _ = _check(collective, world_size, nbytes, root, None)
+    ranks_per_host = _check_int("ranks_per_host", ranks_per_host, 1, MAX_WORLD_SIZE)
+    runnable, _ = _runnable(collective, world_size, nbytes, root, ranks_per_host, candidates, max_steps,
+                            max_seconds)
+    return runnable
+
+
+def _runnable(collective: str, world_size: int, nbytes: int, root: int, ranks_per_host: int, candidates: Any,
+              max_steps: Any, max_seconds: Any) -> tuple[list[str], tuple[str, ...]]:
+    """(the candidates the recorder can run, every candidate), each estimated within the limits
+    (checked here: :func:`predictable` is called with them unchecked)."""
+    max_steps, max_seconds = check_limits(max_steps, max_seconds)
+    if candidates is not None and not isinstance(candidates, (list, tuple)):  # ("ring" is not ["ring"])
+        raise TypeError(f"candidates must be a list of algorithm names or None; got {candidates!r}")
+    names = algorithms()[collective] if candidates is None else tuple(candidates)
+    for name in names:
+        _check_algorithm(collective, name)
+    return [name for name in names if _runs(names, name, _fits, collective, name, world_size, nbytes, root,
+                                            ranks_per_host, max_steps, max_seconds)], names
 
 
 def _runs(names: tuple[str, ...], name: str, step: Any, *args: Any) -> Any:
