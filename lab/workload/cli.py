@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 
+from lab.command_line import output_file, refused, whole
 from lab.errors import LabError
 from lab.sim.limits import MAX_WORLD_SIZE
 from lab.sim.network import Network
@@ -30,36 +30,6 @@ from lab.workload.replay import DEFAULT_MAX_EVENTS
 #: What a bad input raises, each an error of the command line (exit status 2), not a traceback:
 #: a bad value, a file that cannot be read (OSError) and the simulator's refusals (LabError's).
 REFUSED = (ValueError, OSError, LabError, argparse.ArgumentTypeError)
-
-
-def _whole(high: int | None):
-    """An argparse type: a whole number from 1 up to ``high`` (the error names the option)."""
-
-    def whole(text: str) -> int:
-        value = int(text) if text.isascii() and text.isdigit() else 0
-        if value < 1 or high is not None and value > high:
-            limit = "up" if high is None else f"to {high:,}"
-            raise argparse.ArgumentTypeError(f"must be a whole number from 1 {limit}; got {text!r}")
-        return value
-
-    return whole
-
-
-def _refused(exc: BaseException) -> str:
-    """An error's one line: an OSError names its file, as the command line gave it."""
-    if isinstance(exc, OSError) and exc.filename is not None:
-        return f"{exc.filename}: {exc.strerror or exc}"
-    return str(exc)
-
-
-def _output(path: str | None, option: str) -> None:
-    """``path`` can be written: not a directory, in a folder that exists (checked before any replay)."""
-    if path is None:
-        return
-    if os.path.isdir(path):
-        raise ValueError(f"argument {option}: {path} is a directory; give a file to write")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise ValueError(f"argument {option}: the folder of {path} does not exist")
 
 
 def _pairs(texts: list[str], option: str, value: type) -> dict:
@@ -139,7 +109,7 @@ def as_json(result) -> dict:
 
 def export(args: argparse.Namespace) -> int:
     try:
-        _output(args.goal, "--goal")
+        output_file(args.goal, "--goal")
         written = export_goal(
             load(args.workload),
             args.goal,
@@ -152,14 +122,15 @@ def export(args: argparse.Namespace) -> int:
             max_events=args.max_events,
         )
     except REFUSED as exc:
-        args.parser.error(_refused(exc))
+        args.parser.error(refused(exc))
     print(f"Wrote {args.goal} ({written:,} operations across its ranks; LogGOPSim's txt2bin reads it)")
     return 0
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        _output(args.timeline, "--timeline")
+        if args.timeline is not None:
+            output_file(args.timeline, "--timeline")
         algorithms = _pairs(args.algorithm, "--algorithm", str)
         dims = _pairs(args.dims, "--dims", int) or None
         result = replay(
@@ -177,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
         if args.timeline:
             result.timeline(args.timeline)
     except REFUSED as exc:
-        args.parser.error(_refused(exc))
+        args.parser.error(refused(exc))
     print(json.dumps(as_json(result), allow_nan=False) if args.json else summary(result))
     return 0
 
@@ -190,7 +161,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     goal = actions.add_parser("export", help="write the re-targeted steps as GOAL (LogGOPSim, ATLAHS)")
     for command in (run, goal):
         command.add_argument("workload", help="the JSONL file recorded with workload= or LAB_WORKLOAD")
-        command.add_argument("--ranks", type=_whole(MAX_WORLD_SIZE), metavar="M",
+        command.add_argument("--ranks", type=whole(1, MAX_WORLD_SIZE), metavar="M",
                              help=f"world size, up to {MAX_WORLD_SIZE:,} (default: as recorded)")
         command.add_argument(
             "--dims", nargs="+", metavar="NAME=SIZE", help="a DeviceMesh recording's sizes per dimension"
@@ -219,7 +190,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "recording must know its gradients: lab.workload.record_gradients)",
         )
         command.add_argument(
-            "--max-events", type=_whole(None), default=DEFAULT_MAX_EVENTS, metavar="N",
+            "--max-events", type=whole(1), default=DEFAULT_MAX_EVENTS, metavar="N",
             help=f"refuse a replay of more events, every rank's together (default {DEFAULT_MAX_EVENTS:,})",
         )
     run.add_argument("--compute-scale", type=float, default=1.0, help="multiply every rank's compute")
