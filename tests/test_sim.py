@@ -7,6 +7,7 @@ pool per world size, and compares each rank's ``mesh.stats()`` with the simulate
 
 from __future__ import annotations
 
+import array
 import inspect
 import math
 import os
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import lab
-from lab.collectives import calls
+from lab.collectives import calls, double_tree_schedule
 import lab.sim as sim
 from helpers import pool, slow_from_five
 from lab.sim.cluster import predict_table
@@ -389,6 +390,58 @@ def test_a_python_heavy_recording_is_refused_by_its_estimated_time():
     with pytest.raises(sim.SimulationTooLarge, match=r"past max_seconds=300\b.*max_seconds=None"):
         sim.simulate("all_to_all", "bruck", 20_000, 20_000 * 4, NET)
     assert time.monotonic() - started < 120  # the estimate, not the recording (hours)
+
+
+def test_a_double_tree_past_max_steps_is_refused_before_its_timetable_is_built():
+    """A million ranks of 1 MiB: 12 segments, 52 million messages at least. Counted from the
+    schedule's shape in microseconds, where the sample once built the timetable of every rank
+    first (a minute)."""
+    built = double_tree_schedule.timetable.cache_info().misses
+    with pytest.raises(sim.SimulationTooLarge, match=r"allreduce \(double_tree\) on 1,000,000 ranks of "
+                                                     r"1,048,576 bytes needs at least 51,999,948 steps"):
+        sim.simulate("allreduce", "double_tree", 10**6, 1 << 20, NET)
+    assert double_tree_schedule.timetable.cache_info().misses == built
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5, 8, 13, 20, 33])
+@pytest.mark.parametrize("segment_bytes", [None, 64, 100])
+def test_the_double_trees_fewest_steps_are_its_messages(monkeypatch, world_size, segment_bytes):
+    """A step sends one message at most, and the recording sends 4·(N-1)·S: every link of both
+    trees carries each segment up and down."""
+    if segment_bytes is not None:
+        monkeypatch.setenv("LAB_SEGMENT_BYTES", str(segment_bytes))
+    entry = lab.collectives.registry.ALGORITHMS["allreduce"]["double_tree"]
+    mesh = sim.record.RecordingMesh(world_size)
+    fewest = entry.fewest_steps(world_size, 256, 4, **entry.options(mesh))
+    schedule = sim.record.record("allreduce", "double_tree", world_size, 1024)  # (not simulate's cache)
+    assert int((schedule.send_peer >= 0).sum()) == fewest <= schedule.steps
+
+
+def test_what_the_first_sampled_rank_builds_once_is_counted_once(monkeypatch):
+    """The first rank's time before its first step (the double tree's timetable: built once for
+    every rank, then kept) is counted once, not for the ranks it stands for: a 100 s build and
+    1 ms a rank on 10,000 ranks is 110 s, not 62 days."""
+    clock = [0.0]
+    monkeypatch.setattr(sim.limits.time, "perf_counter", lambda: clock[0])
+
+    class Recorder:
+        world_size, check_at = 10_000, 0
+        steps = array.array("q")
+
+    mesh = Recorder()
+    sample = sim.limits.sample_ranks(mesh.world_size, 0)
+    meter = sim.limits.Meter(mesh, "a case", sample, None, None)
+    for index, (_, special) in enumerate(sample):
+        meter.begin(special)
+        clock[0] += 100.0 if index == 0 else 0.0  # the build, before the first step
+        for _ in range(4):
+            mesh.steps.extend([0] * sim.limits.STEP_FIELDS)
+            clock[0] += 0.25e-3
+            if len(mesh.steps) >= mesh.check_at:
+                mesh.check()
+        meter.end()
+    estimate = meter.finish()
+    assert estimate.steps == 40_000 and estimate.record_s == pytest.approx(100.0 + 10_000 * 1e-3, rel=0.01)
 
 
 def test_predict_and_best_algorithm_take_the_limit_and_leave_nothing_out_silently():

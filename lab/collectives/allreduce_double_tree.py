@@ -93,6 +93,14 @@ def shape(world_size: int) -> tuple[float, float]:
     return 4 * d, 2.0
 
 
+def fewest_steps(world_size: int, count: int, itemsize: int, segment_bytes: int | None = None,
+                 latency_bytes: int = NETWORK_LATENCY_BYTES) -> int:
+    """The fewest steps all ranks together take (a step sends one message at most): each of the
+    N-1 links of each tree carries every segment up and down, 4·(N-1)·S messages. The simulator
+    refuses a case past its limit with this, before the timetable is built (38 s at a million ranks)."""
+    return 4 * (world_size - 1) * segment_count(count, itemsize, world_size, segment_bytes, latency_bytes)
+
+
 def bytes_sent(rank: int, world_size: int, total: int) -> tuple[int, str]:
     """(bytes this rank sends, which equal the bytes it receives; the formula), from the docstring,
     for a tensor of ``total`` bytes whose element count p and 2N divide (``python -m lab``'s check)."""

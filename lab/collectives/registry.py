@@ -3,7 +3,9 @@
 An entry says what runs the algorithm, its wire code (the fingerprint's algorithm byte), its cost
 shape (for ``auto``'s model and the reports), whether ``auto`` may choose it and which it picks
 without fitted models (``"small"`` below :data:`lab.tuning.AUTO_LARGE_MIN_BYTES`, ``"large"``
-from there up), and, for allreduce, the bytes each rank moves (for ``python -m lab``'s check).
+from there up), and, for allreduce, the bytes each rank moves (for ``python -m lab``'s check) and,
+where a rank builds something costly before its first step, the fewest steps of a run (for the
+simulator's limits, checked before the build).
 A new algorithm is one file (its function, ``shape``, and for an allreduce ``bytes_sent``) and
 one line here; the public call, ``LAB_ALGO``, ``auto``, the simulator, the benchmarks, the
 results and the validation table pick it up from this table.
@@ -40,6 +42,9 @@ class Algorithm:
     bytes_sent: Callable[[int, int, int], tuple[int, str]] | None = None  # (rank, N, T) -> (bytes, formula)
     uneven: bool = True  # an all_to_all algorithm that takes uneven split sizes (Bruck's does not)
     options: Callable[[Any], dict[str, Any]] | None = None  # mesh -> the keyword arguments a call passes
+    # (N, elements, item bytes, **options) -> the fewest steps of every rank together, where what
+    # a rank builds before its first step is costly (the simulator refuses past its limit up front)
+    fewest_steps: Callable[..., int] | None = None
 
     def __call__(self, *args, **kwargs) -> None:
         """Run the algorithm (its function's arguments)."""
@@ -49,7 +54,7 @@ class Algorithm:
 def _entry(collective: str, module, name: str, code: int, **options) -> Algorithm:
     run = getattr(module, f"{collective}_{name}")
     return Algorithm(collective, name, run, module.shape, code, bytes_sent=getattr(module, "bytes_sent", None),
-                     **options)
+                     fewest_steps=getattr(module, "fewest_steps", None), **options)
 
 
 TABLE: tuple[Algorithm, ...] = (

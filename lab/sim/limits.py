@@ -161,6 +161,11 @@ class Meter:
     few steps. Once it passes a limit, the rank being recorded is finished (within a moment: a
     million steps, 10 s) so that the refusal can say how large the case is, projected from the
     ranks done: N × their mean, specials counted as they are.
+
+    The first rank's time before its first step is counted once, not for the ranks it stands for:
+    it holds what an algorithm builds once for all N ranks and keeps (the double tree's timetable:
+    38 s at a million ranks, then microseconds a rank), which a later rank that stands for others
+    does not pay; a cost each rank pays (a schedule made per call) shows in every sampled rank.
     """
 
     CHECK_EVERY = 8  # steps
@@ -175,16 +180,20 @@ class Meter:
         self.weight = (self.world_size - self.specials) / (len(sample) - self.specials)
         self.done: list[tuple[bool, int, float]] = []  # (special, steps, seconds) per rank recorded
         self.special, self.started, self.passed, self.recording = False, 0.0, "", False
+        self.once: float | None = None  # the first rank's seconds before its first step, counted once
         self.crossed = (0, 0.0)  # the rank in progress's steps and seconds when a limit was passed
         mesh.check = self.check
 
     def begin(self, special: bool) -> None:
         self.special, self.started, self.recording = special, time.perf_counter(), True
         del self.mesh.steps[:]  # only counts are kept: the sample's memory is one rank's
-        self.mesh.check_at = STEP_FIELDS * self.CHECK_EVERY
+        self.mesh.check_at = STEP_FIELDS * (1 if self.once is None else self.CHECK_EVERY)
 
     def end(self) -> None:
-        self.done.append((self.special, len(self.mesh.steps) // STEP_FIELDS, time.perf_counter() - self.started))
+        seconds = time.perf_counter() - self.started
+        if self.once is None:  # a rank without a step: all of its time is its own
+            self.once = 0.0
+        self.done.append((self.special, len(self.mesh.steps) // STEP_FIELDS, seconds))
         self.recording = False
         if self.passed:
             self.refuse(at_least=False)
@@ -196,20 +205,32 @@ class Meter:
         done = self.done + ([(self.special, len(self.mesh.steps) // STEP_FIELDS,
                               time.perf_counter() - self.started)] if current else [])
         factor = [1.0 if special else self.weight for special, _, _ in done]
+        once = self.once or 0.0
         return (sum(f * steps for f, (_, steps, _) in zip(factor, done)),
-                sum(f * seconds for f, (_, _, seconds) in zip(factor, done)))
+                once + sum(f * seconds for f, (_, _, seconds) in zip(factor, self._own(done))))
+
+    def _own(self, done: list[tuple[bool, int, float]]) -> list[tuple[bool, int, float]]:
+        """``done`` with the first rank's seconds less what is counted once."""
+        if not done or not self.once:
+            return done
+        special, steps, seconds = done[0]
+        return [(special, steps, seconds - self.once), *done[1:]]
 
     def projection(self) -> tuple[float, float]:
-        """Steps and seconds for every rank, from the ranks done: N × their mean, specials as they are."""
-        special = [(steps, seconds) for is_special, steps, seconds in self.done if is_special]
-        others = [(steps, seconds) for is_special, steps, seconds in self.done if not is_special]
+        """Steps and seconds for every rank, from the ranks done: N × their mean, specials as they
+        are, and what the first rank built once."""
+        done = self._own(self.done)
+        special = [(steps, seconds) for is_special, steps, seconds in done if is_special]
+        others = [(steps, seconds) for is_special, steps, seconds in done if not is_special]
         rest = (self.world_size - len(special)) / max(len(others), 1)
         return (sum(s for s, _ in special) + rest * sum(s for s, _ in others),
-                sum(t for _, t in special) + rest * sum(t for _, t in others))
+                (self.once or 0.0) + sum(t for _, t in special) + rest * sum(t for _, t in others))
 
     def check(self) -> None:
         """At every few steps and after every rank: has the lower bound passed a limit?"""
         steps, seconds = len(self.mesh.steps) // STEP_FIELDS, time.perf_counter() - self.started
+        if self.once is None and self.recording and steps:  # the first rank's first step
+            self.once = seconds
         if self.passed:  # finishing the rank in progress, for the projection; unless it takes long
             if steps - self.crossed[0] > self.FINISH_STEPS or seconds - self.crossed[1] > self.FINISH_S:
                 self.refuse(at_least=True)

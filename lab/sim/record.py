@@ -18,10 +18,11 @@ arrays of one element and whose writes do nothing; outputs the public call alloc
 kernels do nothing (the recorder's ``kernels``): nothing global is changed, so recordings in
 several threads at once are independent.
 
-Limits (:mod:`lab.sim.limits`): before recording, :func:`estimate` records a sample of ranks and
-refuses a case past ``max_steps`` or ``max_seconds``; :func:`record` also stops at ``max_steps``
-while it records, should the sample have guessed low. The arrays that hold no data are in
-:mod:`lab.sim.virtual`.
+Limits (:mod:`lab.sim.limits`): before recording, :func:`estimate` refuses a case whose
+algorithm's fewest steps (the registry's ``fewest_steps``) pass ``max_steps``, then records a
+sample of ranks and refuses one past ``max_steps`` or ``max_seconds``; :func:`record` also stops
+at ``max_steps`` while it records, should the sample have guessed low. The arrays that hold no
+data are in :mod:`lab.sim.virtual`.
 """
 
 from __future__ import annotations
@@ -262,8 +263,15 @@ def estimate(collective: str, algorithm: str | None, world_size: int, nbytes: in
     """
     case = describe(collective, algorithm, world_size, nbytes)
     at_least_one_step_per_rank(case, world_size, max_steps)
-    ranks = sample_ranks(world_size, root)
     mesh = RecordingMesh(world_size, ranks_per_host)
+    entry = registry.ALGORITHMS[collective].get(algorithm or "")
+    if max_steps is not None and entry is not None and entry.fewest_steps is not None:
+        options = entry.options(mesh) if entry.options else {}
+        fewest = entry.fewest_steps(world_size, nbytes // 4, 4, **options)
+        if fewest > max_steps:
+            raise too_many_steps(case, fewest, max_steps, "its schedule's messages, counted before recording",
+                                 at_least=True)
+    ranks = sample_ranks(world_size, root)
     meter = Meter(mesh, case, ranks, max_steps, max_seconds)
     x = mapped_input(nbytes // 4)
     for rank, special in ranks:
