@@ -3,6 +3,7 @@
     python -m lab cluster fit 1host.log 2hosts.log --predict-hosts 4 8 16
     python -m lab cluster fit 1host.log 2hosts.log --nics-per-host 8 --oversubscription 2 --json
     python -m lab cluster fit n1.out n2.out --collective allgather   # logs that do not say which
+    python -m lab cluster fit n2.log n8.log --model nccl --nic-gbit 200 --predict-hosts 256 540  # NCCL's
 
 Prints the fitted terms (and which logs determine each), the fit's error per log and size band,
 and per host count an nccl-tests table predicted there (size, time, algbw, busbw, the algorithm
@@ -28,6 +29,7 @@ from lab.sim.cluster import FitReport, check_predictable, fit_cluster_report, pr
 from lab.sim.cluster_cases import widest_ranks_per_host
 from lab.sim.limits import MAX_WORLD_SIZE, SimulationUnsupported
 from lab.sim.logs import COLLECTIVES, read_nccl_tests
+from lab.sim.nccl import cli as nccl_cli
 from lab.sim.network import Network
 
 
@@ -117,11 +119,14 @@ def check_hosts(network: Network, logs: list[pd.DataFrame], hosts: list[int]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    nccl_cli.check_options(args)
     try:  # an unreadable log, a log without hosts: a usage error naming the file
         logs = [read_nccl_tests(path, args.collective) for path in args.logs]
         widest_ranks_per_host(logs)  # (checks each log's collective, ranks and hosts)
     except (OSError, ValueError) as exc:
         args.parser.error(refused(exc))
+    if args.model == "nccl":  # NCCL's closed forms (lab.sim.nccl.cli)
+        return nccl_cli.run(args, logs)
     try:  # a host count past the simulator's limits (its ranks, or a recording too large)
         check_hosts(_built(args), logs, args.predict_hosts)
     except (ValueError, SimulationUnsupported) as exc:
@@ -158,4 +163,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     fit.add_argument("--hosts-per-leaf", type=network_term("hosts_per_leaf", whole(1)), default=1,
                      help="hosts under one leaf switch (default 1)")
     fit.add_argument("--json", action="store_true", help="print one JSON object")
+    nccl_cli.add_arguments(fit)
     fit.set_defaults(run=run, parser=fit)
