@@ -3,13 +3,16 @@ nodes, per size band, beside NCCL's own estimate (its shipped constants on the n
 
     python bench/nccl_validation.py                       # writes results/cluster/nccl/, prints the bands
     python bench/nccl_validation.py --out /tmp/nccl --no-fabric
+    python bench/nccl_validation.py --set polaris-nccl-2.18   # NCCL 2.18: fit 2 and 8, predict 128 and 540
 
 The logs (``tests/data/clusters/polaris-nccl-2.21/``, SOURCE.md names their source) are
 all_reduce_perf and all_gather_perf, 4 B to 1 GiB. The fit sees the 2- and 8-node logs of both
-collectives; the 256- and 540-node logs are only compared against. Polaris as built is
-``lab.sim.nccl.known.POLARIS`` (its dragonfly given; ``--no-fabric`` leaves it out). Error is
-``predicted / measured - 1`` of the out-of-place time. Writes into ``--out``: ``fit.csv`` (every
-term, its value, source, the rows that fixed it), ``cases.csv`` (every size of the 256- and
+collectives; the 256- and 540-node logs are only compared against. ``--set polaris-nccl-2.18`` is
+the same cluster under NCCL 2.18 (``tests/data/clusters/polaris-nccl-2.18/``), predicted at 128
+nodes (all_gather only: the all_reduce run failed to start) and 540, into ``--out``'s ``2.18/``.
+Polaris as built is ``lab.sim.nccl.known.POLARIS`` (its dragonfly given; ``--no-fabric`` leaves it
+out). Error is ``predicted / measured - 1`` of the out-of-place time. Writes into ``--out``:
+``fit.csv`` (every term, its value, source, the rows that fixed it), ``cases.csv`` (every size of the 256- and
 540-node logs: measured, fitted and NCCL's estimate), ``bands.csv`` (per node count and band: the
 share within the target, the mean and worst error of each), ``knees.csv`` (the fit logs' knees
 against the tuner's switch points) and ``nccl_tuner.conf`` (the example tuner plugin's file for
@@ -30,14 +33,17 @@ from lab.sim.nccl import fit, shipped, tuner_file, validation
 from lab.sim.nccl.known import POLARIS
 
 ROOT = Path(__file__).resolve().parents[1]
-LOGS = ROOT / "tests" / "data" / "clusters" / "polaris-nccl-2.21"
-FIT_NODES, PREDICTED_NODES = (2, 8), (256, 540)
+DATA = ROOT / "tests" / "data" / "clusters"
+#: Each set's logs: the node counts fitted and those predicted.
+SETS = {"polaris-nccl-2.21": ((2, 8), (256, 540)), "polaris-nccl-2.18": ((2, 8), (128, 540))}
 COLLECTIVES = {"allreduce": "all_reduce", "allgather": "all_gather"}
 
 
-def logs(nodes: tuple[int, ...]) -> list[pd.DataFrame]:
-    return [read_nccl_tests(LOGS / f"n{n}_{name}.log", collective=collective)
-            for n in nodes for collective, name in COLLECTIVES.items()]
+def logs(nodes: tuple[int, ...], folder: Path = DATA / "polaris-nccl-2.21") -> list[pd.DataFrame]:
+    """The set's logs at ``nodes`` (a node count a collective has no log of is left out)."""
+    paths = [(folder / f"n{n}_{name}.log", collective) for n in nodes
+             for collective, name in COLLECTIVES.items()]
+    return [read_nccl_tests(path, collective=collective) for path, collective in paths if path.exists()]
 
 
 def markdown(bands: pd.DataFrame) -> str:
@@ -61,22 +67,27 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "cluster" / "nccl")
     parser.add_argument("--no-fabric", action="store_true", help="Polaris without its given dragonfly")
+    parser.add_argument("--set", choices=SETS, default="polaris-nccl-2.21", help="which logs")
     args = parser.parse_args(argv)
+    fit_nodes, predicted_nodes = SETS[args.set]
+    folder = DATA / args.set
     if not args.out.parent.is_dir():
         parser.error(f"--out: {args.out.parent} is not a folder")
+    if args.set != "polaris-nccl-2.21":
+        args.out = args.out / args.set.rsplit("-", 1)[1]
     topology = replace(POLARIS, fabric=None) if args.no_fabric else POLARIS
     start = time.perf_counter()
-    report = fit(topology, logs(FIT_NODES))
-    cases = validation.cases(report.model, shipped(topology), logs(PREDICTED_NODES))
+    report = fit(topology, logs(fit_nodes, folder))
+    cases = validation.cases(report.model, shipped(topology), logs(predicted_nodes, folder))
     bands = validation.bands(cases)
     seconds = time.perf_counter() - start
-    args.out.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     report.terms.to_csv(args.out / "fit.csv", index=False)
     cases.to_csv(args.out / "cases.csv", index=False)
     bands.to_csv(args.out / "bands.csv", index=False)
     report.knees.to_csv(args.out / "knees.csv", index=False)
-    tuner_file.write(args.out / "nccl_tuner.conf", tuner_file.rules(report.model, PREDICTED_NODES),
-                     comment="ALCF Polaris (NCCL 2.21), fitted on 2 and 8 nodes: bench/nccl_validation.py")
+    tuner_file.write(args.out / "nccl_tuner.conf", tuner_file.rules(report.model, predicted_nodes),
+                     comment=f"ALCF Polaris ({args.set}), fitted on 2 and 8 nodes: bench/nccl_validation.py")
     print(f"fit on {len(report.samples)} sizes (mean |error| {report.error:.1%}), "
           f"{len(cases)} sizes predicted, {seconds:.2f} s\n")
     print(markdown(bands))
