@@ -4,12 +4,12 @@
   ranks in step; one gloo barrier aligns them before the loop), after warm-up calls that absorb
   Numba dispatch and first touch of buffers. Process start and task dispatch are never timed.
 - A call's time is the slowest rank's; report the median (and p10, p90) over calls.
-- Sizes are the full tensor T, as nccl-tests counts them: allreduce and broadcast move a T-byte
-  tensor, allgather gathers T/N per rank into T, reduce_scatter reduces T into T/N per rank.
-- algbw = T / time; busbw = algbw × (allreduce 2(N-1)/N, allgather, reduce_scatter, all_to_all,
-  gather and scatter (N-1)/N, broadcast and reduce 1), comparable with the link bandwidth whatever
-  N is. T of a gather is its result (each rank gives T/N), of a scatter the root's tensor.
-  A barrier moves no bytes: its size is 0 and its bandwidths 0.
+- Sizes are the full tensor T, as nccl-tests counts them (:mod:`lab.catalog`): allreduce and
+  broadcast move a T-byte tensor, allgather and gather gather T/N per rank into T, reduce_scatter
+  reduces T into T/N per rank, scatter splits the root's T.
+- algbw = T / time; busbw = algbw × the collective's bus factor (:mod:`lab.catalog`: 2(N-1)/N
+  for allreduce), comparable with the link bandwidth whatever N is. A barrier moves no bytes: its
+  size is 0 and its bandwidths 0.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lab import plans
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import calls as collectives
 from lab.collectives import registry
 from lab.mesh import Mesh
@@ -35,11 +36,8 @@ ALGORITHMS = registry.ALGORITHMS
 
 
 def bus_factor(collective: str, world_size: int) -> float:
-    """nccl-tests' busbw / algbw ratio."""
-    n = world_size
-    return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-            "broadcast": 1.0, "reduce": 1.0, "all_to_all": (n - 1) / n, "barrier": 0.0,
-            "gather": (n - 1) / n, "scatter": (n - 1) / n}[collective]
+    """nccl-tests' busbw / algbw ratio (:mod:`lab.catalog`'s)."""
+    return CATALOG[collective].bus_factor(world_size)
 
 
 def iterations_for(nbytes: int) -> tuple[int, int]:
@@ -52,9 +50,7 @@ def iterations_for(nbytes: int) -> tuple[int, int]:
 
 
 def _input(collective: str, nbytes: int, world_size: int, rank: int) -> torch.Tensor:
-    numel = max(nbytes // 4, 1)
-    if collective in ("allgather", "gather"):
-        numel = max(numel // world_size, 1)
+    numel = max(CATALOG[collective].input_bytes(nbytes, world_size) // 4, 1)  # one element at least
     return torch.arange(numel, dtype=torch.float32).mul_(1e-6).add_(rank)
 
 
@@ -83,7 +79,8 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
         call = {"reduce": lambda: collectives.reduce(mesh, x, dst=0),
                 "barrier": lambda: collectives.barrier(mesh)}[collective]
     else:
-        options = {"broadcast": {"src": 0}, "scatter": {"src": 0}, "gather": {"dst": 0}}.get(collective, {})
+        root = CATALOG[collective].root
+        options = {root: 0} if root else {}
 
         def call() -> Any:
             return getattr(collectives, collective)(mesh, x, algorithm=algorithm, **options)
@@ -95,8 +92,8 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
         elapsed = time.perf_counter_ns() - start
         if i >= warmup:
             durations.append(elapsed)
-        if collective in ("allreduce", "reduce"):
-            x.mul_(1.0 / mesh.world_size)  # keep sums bounded across calls
+        if CATALOG[collective].reduces and not CATALOG[collective].returns:
+            x.mul_(1.0 / mesh.world_size)  # reduced in place: keep sums bounded across calls
     if plan is not None:
         plan.free()
     return durations
@@ -123,7 +120,7 @@ def measure(cluster: Any, collective: str, impl: str, nbytes: int, algorithm: st
     per_rank = cluster.run(time_collective, collective, impl, nbytes, algorithm, iterations)
     row = {"collective": collective, "impl": impl, "algorithm": "gloo" if impl == "gloo" else algorithm,
            "transport": "gloo" if impl == "gloo" else cluster.transport, "world": cluster.world_size,
-           "bytes": 0 if collective == "barrier" else nbytes}
+           "bytes": nbytes if CATALOG[collective].moves_bytes else 0}
     return {**row, **summarize(per_rank, collective, row["bytes"], cluster.world_size)}
 
 

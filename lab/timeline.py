@@ -66,19 +66,28 @@ def _slice_name(row: dict) -> str:
     return f"{row['op']} #{row['seq']}{algorithm} {row['nbytes']} B"
 
 
+def trace_events(tracks: dict[int, str], slices: list[dict]) -> dict:
+    """The Trace Event Format that Perfetto and chrome://tracing open, the lab's one writer of it:
+    a named thread per track (``tracks``: tid -> name) and a complete ("X") event per slice, each
+    its ``tid``, ``name``, ``cat``, ``ts`` and ``dur`` (µs) and, where it has them, ``args``."""
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
+              for tid, name in tracks.items()]
+    events += [{"ph": "X", "pid": 0, **piece} for piece in slices]
+    return {"traceEvents": events, "displayTimeUnit": "ns"}
+
+
 def to_chrome_trace(rows: list[dict]) -> dict:
-    """The Trace Event Format: complete ("X") events, one thread per rank, times in µs from the start."""
+    """The Trace Event Format (:func:`trace_events`): one thread per rank, a slice per row, times
+    in µs from the start."""
     if not rows:
         return {"traceEvents": []}
     origin = min(row["start_ns"] for row in rows)
-    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
-              for rank in sorted({row["rank"] for row in rows})]
-    for row in rows:
-        args = {k: v for k, v in row.items() if k not in ("start_ns", "duration_ns")}
-        events.append({"ph": "X", "name": _slice_name(row), "cat": row.get("kind", "collective"), "pid": 0,
-                       "tid": row["rank"], "ts": (row["start_ns"] - origin) / 1e3,
-                       "dur": row["duration_ns"] / 1e3, "args": args})
-    return {"traceEvents": events, "displayTimeUnit": "ns"}
+    tracks = {rank: f"rank {rank}" for rank in sorted({row["rank"] for row in rows})}
+    slices = [{"name": _slice_name(row), "cat": row.get("kind", "collective"), "tid": row["rank"],
+               "ts": (row["start_ns"] - origin) / 1e3, "dur": row["duration_ns"] / 1e3,
+               "args": {k: v for k, v in row.items() if k not in ("start_ns", "duration_ns")}}
+              for row in rows]
+    return trace_events(tracks, slices)
 
 
 def plot_timeline(rows: list[dict], path: str | Path) -> None:

@@ -377,9 +377,9 @@ def test_numbers_that_fit_no_collective_are_an_error_naming_each(tmp_path):
     rows = [table_row(size, size // 4, 20.0 + size / 1e4, 1.0) for size in (1 << 20, 1 << 24)]
     path = write(tmp_path, "run.log", log_text(rows))
     message = (r": the log does not say which collective .* fit none of the collectives it could be "
-               r"\(allreduce: the redop column says none; allgather: line 5: the log's rank counts disagree: "
-               r"count \(line 5\) says 1; busbw/algbw \(line 5\) says 2507 or more; .*; "
-               r"scatter: the root column says -1\)$")
+               r"\(allreduce: the redop column says none; broadcast: the root column says -1; allgather: line 5: "
+               r"the log's rank counts disagree: count \(line 5\) says 1; busbw/algbw \(line 5\) says 2507 or "
+               r"more; .*; scatter: the root column says -1\)$")
     with pytest.raises(ValueError, match=message):
         read_nccl_tests(path)
 

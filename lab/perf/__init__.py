@@ -9,9 +9,9 @@ iterations, ``-w`` warm-up, ``-c`` checks, ``-o`` op, ``-d`` type, ``-r`` root, 
 times combine), and so are the output and its conventions (common.cu, the collectives' ``*.cu``):
 a size is the whole buffer (allgather's result, reduce_scatter's and alltoall's input) rounded
 down to a multiple of N elements where the collective splits it, ``count`` is each rank's share
-of it there, algbw = size / time and busbw = algbw · (allreduce 2(N-1)/N; allgather,
-reduce_scatter, alltoall (N-1)/N; broadcast, reduce 1). So ``lab.sim.read_nccl_tests`` reads the
-output back, as a cluster's own log.
+of it there, algbw = size / time and busbw = algbw · the collective's bus factor (allreduce
+2(N-1)/N: :mod:`lab.catalog`, where each of these facts is written). So
+``lab.sim.read_nccl_tests`` reads the output back, as a cluster's own log.
 
 Out of place and in place, for the lab. ``lab.allreduce``, ``broadcast`` and ``reduce`` work in
 place: in place is the call on the tensor holding the input; out of place copies the send
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import calls as collectives
 from lab.collectives import registry
 from lab.command_line import refused, whole
@@ -118,7 +119,7 @@ def check(args: argparse.Namespace) -> Spec:
               f"{', '.join(REDUCED_TYPES)}")
     if name in REDUCING and args.op == "avg" and not TYPES[args.datatype].is_floating_point:
         error(f"argument -o/--op: avg needs a floating type (-d {', '.join(REDUCED_TYPES[:4])})")
-    if name in ("broadcast", "reduce") and args.root >= args.ranks:
+    if CATALOG[name].rooted and args.root >= args.ranks:
         error(f"argument -r/--root: {args.root} is not a rank of {args.ranks} (0 to {args.ranks - 1})")
     known = registry.names(name)
     if args.algorithm != "auto" and args.algorithm not in known:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lab.perf.spec import RETURNING, TYPES, Spec
+from lab.catalog import COLLECTIVES as CATALOG
+from lab.perf.spec import TYPES, Spec
 
 
 def layout(collective: str, nbytes: int, world_size: int, itemsize: int) -> tuple[int, int]:
@@ -16,7 +17,7 @@ def layout(collective: str, nbytes: int, world_size: int, itemsize: int) -> tupl
     ((1024, 256), (1020, 85))
     """
     count = nbytes // itemsize
-    if collective in RETURNING:
+    if CATALOG[collective].splits:
         count //= world_size
         return count * world_size * itemsize, count
     return count * itemsize, count

@@ -6,10 +6,12 @@ import dataclasses
 
 import torch
 
-#: The collectives perf runs, by the lab's name, and the nccl-tests program each is.
-PROGRAMS = {"allreduce": "all_reduce_perf", "allgather": "all_gather_perf",
-            "reduce_scatter": "reduce_scatter_perf", "broadcast": "broadcast_perf",
-            "all_to_all": "alltoall_perf", "reduce": "reduce_perf"}
+from lab.catalog import COLLECTIVES as CATALOG
+
+#: The collectives perf runs (not yet gather and scatter), by the lab's name, and the nccl-tests
+#: program each is (:mod:`lab.catalog`).
+PROGRAMS = {name: CATALOG[name].program for name in ("allreduce", "allgather", "reduce_scatter", "broadcast",
+                                                     "all_to_all", "reduce")}
 #: nccl-tests' type names (``-d``), as its type column prints them.
 TYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "uint32": torch.uint32,
          "int64": torch.int64, "uint64": torch.uint64, "half": torch.float16, "float": torch.float32,
@@ -18,8 +20,8 @@ TYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "uint32
 REDUCED_TYPES = ("float", "double", "half", "bfloat16", "int32", "int64")
 OPS = ("sum", "prod", "max", "min", "avg")
 #: Collectives whose result is a new tensor (the others work in place), and which reduce.
-RETURNING = ("allgather", "reduce_scatter", "all_to_all")
-REDUCING = ("allreduce", "reduce_scatter", "reduce")
+RETURNING = tuple(name for name in PROGRAMS if CATALOG[name].returns)
+REDUCING = tuple(name for name in PROGRAMS if CATALOG[name].reduces)
 #: How ``-a`` combines the ranks' times, as nccl-tests numbers it.
 AVERAGES = {0: lambda times: times[0], 1: lambda times: sum(times) / len(times), 2: min, 3: max}
 

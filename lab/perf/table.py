@@ -1,11 +1,15 @@
-"""``lab.perf``'s table: the text nccl-tests prints (header, a row per size, footer), to the character."""
+"""nccl-tests' text, to the character (header, a row per size, footer): the lab's one writer of it,
+for ``python -m lab perf``'s runs and ``python -m lab cluster fit``'s predicted tables alike;
+:func:`lab.sim.read_nccl_tests` reads either back."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from collections.abc import Iterable
 
-from lab.benchmark import bus_factor
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.perf.data import layout
 from lab.perf.spec import AVERAGES, PROGRAMS, TYPES, Spec
 
@@ -15,15 +19,50 @@ def format_time(us: float) -> str:
     return f"{us:7.0f}" if us >= 10000 else f"{us:7.1f}" if us >= 100 else f"{us:7.2f}"
 
 
-def titles() -> list[str]:
-    """nccl-tests' three lines of column titles (common.cu's Reporter), to the character."""
+def titles(extra: str = "") -> list[str]:
+    """nccl-tests' three lines of column titles (common.cu's Reporter), to the character; ``extra``:
+    a column of the lab's after them (a prediction's ``algorithm``)."""
     widths = (10, 12, 8, 6, 6, *(7, 6, 6, 7) * 2)  # #wrong: 7 wide, no gap before it
     gaps = ("", *["  "] * 7, "", "  ", "  ", "  ", "")
     names = ("size", "count", "type", "redop", "root", *("time", "algbw", "busbw", "#wrong") * 2)
     units = ("(B)", "(elements)", "", "", "", *("(us)", "(GB/s)", "(GB/s)", "") * 2)
     lines = [zip(gaps, texts, widths) for texts in (names, units)]
     titled = ["# " + "".join(f"{gap}{text:>{width}}" for gap, text, width in line) for line in lines]
+    if extra:
+        titled[0] += f"  {extra}"
     return ["# " + " " * 61 + "out-of-place" + " " * 23 + "in-place" + " " * 10, *titled]
+
+
+def _rate(value: float) -> str:
+    """A bandwidth as nccl-tests prints it; ``N/A`` where there is none (no time: one rank)."""
+    return f"{value:6.2f}" if math.isfinite(value) else f"{'N/A':>6}"
+
+
+def text_row(size: int, count: int, dtype: str, redop: str, root: int,
+             runs: Iterable[tuple[float, float, float, int]], extra: str = "") -> str:
+    """One row as nccl-tests prints it: the size's columns, then per run (out of place, in place)
+    its µs, algbw, busbw and wrong elements (-1: ``N/A``, not checked; a time that is no number:
+    ``N/A`` in every column of the run), and ``extra`` after them."""
+    text = f"{size:12d}  {count:12d}  {dtype:>8s}  {redop:>6s}  {root:6d}"
+    for us, algbw, busbw, wrong in runs:
+        time = format_time(us) if math.isfinite(us) else "N/A"
+        text += f"  {time:>7s}  {_rate(algbw)}  {_rate(busbw)}  {'N/A' if wrong < 0 else wrong:>5}"
+    return f"{text}  {extra}" if extra else text
+
+
+def predicted(collective: str, world_size: int, rows: Iterable) -> str:
+    """A predicted table (rows with ``bytes``, ``time_us``, ``algbw``, ``busbw``, ``algorithm``)
+    as nccl-tests prints a run of ``collective`` at ``world_size`` ranks, float: its program's
+    line, out of place the prediction, in place and ``#wrong`` ``N/A`` (nothing ran), the
+    algorithm in a column of its own."""
+    record = CATALOG[collective]
+    redop, root = "sum" if record.reduces else "none", 0 if record.rooted else -1
+    lines = [f"# Collective test starting: {record.program}", *titles("algorithm")]
+    for row in rows:
+        size, count = layout(collective, int(row.bytes), world_size, 4)
+        runs = [(row.time_us, row.algbw, row.busbw, -1), (math.nan, math.nan, math.nan, -1)]
+        lines.append(text_row(size, count, "float", redop, root, runs, row.algorithm))
+    return "\n".join(lines)
 
 
 def header(spec: Spec, args: argparse.Namespace, ranks: list[tuple], transport: str) -> str:
@@ -57,17 +96,16 @@ def row(spec: Spec, nbytes: int, per_rank: list[dict[str, tuple[float, int]]],
     """
     n = len(per_rank)
     size, count = layout(spec.collective, nbytes, n, TYPES[spec.dtype].itemsize)
-    root = spec.root if spec.collective in ("broadcast", "reduce") else -1
-    text = f"{size:12d}  {count:12d}  {spec.dtype:>8s}  {spec.op or 'none':>6s}  {root:6d}"
-    busbws, failed = [], 0
+    record = CATALOG[spec.collective]
+    runs, busbws, failed = [], [], 0
     for name in ("oop", "ip"):
         us = AVERAGES[average]([rank[name][0] for rank in per_rank])
         algbw = size / (us * 1e3) if us > 0 else 0.0  # GB/s
-        busbws.append(algbw * bus_factor(spec.collective, n))
+        busbws.append(algbw * record.bus_factor(n))
         wrong = sum(rank[name][1] for rank in per_rank)
-        shown = "N/A" if wrong < 0 else wrong
-        text += f"  {format_time(us):>7s}  {algbw:6.2f}  {busbws[-1]:6.2f}  {shown:>5}"
+        runs.append((us, algbw, busbws[-1], wrong))
         failed += wrong > 0
+    text = text_row(size, count, spec.dtype, spec.op or "none", spec.root if record.rooted else -1, runs)
     return text, busbws, failed
 
 

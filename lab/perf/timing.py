@@ -10,21 +10,22 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import calls as collectives
+from lab.collectives import registry
 from lab.mesh import Mesh
 from lab.perf.data import as_tensor, count_wrong, exact_limit, expected, layout, pattern
-from lab.perf.spec import REDUCING, RETURNING, TYPES, Spec
+from lab.perf.spec import TYPES, Spec
 
 
 def _operation(mesh: Mesh, spec: Spec) -> Callable[[torch.Tensor], torch.Tensor]:
     """The collective as one call on a tensor, returning the tensor that holds the result."""
-    name, options = spec.collective, {"algorithm": spec.algorithm}
-    if name in REDUCING:
+    name, record = spec.collective, CATALOG[spec.collective]
+    options = {"algorithm": spec.algorithm} if registry.choosable(name) else {}  # reduce: one, no argument
+    if record.reduces:
         options["op"] = spec.op
-    if name == "broadcast":
-        options["src"] = spec.root
-    if name == "reduce":  # one algorithm, no argument
-        return lambda tensor: collectives.reduce(mesh, tensor, dst=spec.root, op=spec.op)
+    if record.rooted:
+        options[record.root] = spec.root
     call = getattr(collectives, name)
     return lambda tensor: call(mesh, tensor, **options)
 
@@ -34,9 +35,11 @@ def placements(mesh: Mesh, spec: Spec, count: int) -> dict[str, tuple[Callable[[
     place or in place (``lab.perf``'s docstring says what each is in the lab), and returns the
     tensor to check; ``fill()`` writes this rank's inputs where the next call reads them."""
     n, rank, op = mesh.world_size, mesh.rank, _operation(mesh, spec)
-    inputs = count if spec.collective in ("allreduce", "broadcast", "reduce", "allgather") else n * count
+    record, itemsize = CATALOG[spec.collective], TYPES[spec.dtype].itemsize
+    size = count * itemsize * (n if record.splits else 1)  # nccl-tests' size, as layout() has it
+    inputs = record.input_bytes(size, n, itemsize) // itemsize
     send = as_tensor(pattern(np.arange(inputs), rank, n, spec.op, exact_limit(spec.dtype)), spec.dtype)
-    if spec.collective not in RETURNING:
+    if not record.returns:
         recv = torch.empty_like(send)
 
         def out_of_place() -> torch.Tensor:

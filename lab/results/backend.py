@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import lab
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.report import splice
 
 SIZES = (1024, 16 * 1024 * 1024)
@@ -77,7 +78,7 @@ def measure(out: str, steps: int, rounds: int) -> None:
         for impl, run in impls.items():
             seconds = _per_call(run, calls, rounds, gloo)
             rows.append({"part": "per call", "what": impl, "ranks": n, "bytes": nbytes, "median_us": seconds * 1e6,
-                         "algbw_GBps": nbytes / seconds / 1e9, "busbw_GBps": nbytes / seconds / 1e9 * 2 * (n - 1) / n})
+                         "algbw_GBps": nbytes / seconds / 1e9, "busbw_GBps": nbytes / seconds / 1e9 * CATALOG["allreduce"].bus_factor(n)})
     models = {"lab": torch.nn.parallel.DistributedDataParallel(_mlp()),
               "gloo": torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=gloo)}
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=1e-3) for name, model in models.items()}

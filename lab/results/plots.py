@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import registry
 from lab.results.sweeps import REFERENCES, Measurements, lab_transports
 
@@ -78,7 +79,7 @@ def busbw(path: Path, allreduce: pd.DataFrame, others: pd.DataFrame) -> None:
     """busbw against size, one panel per collective that moves bytes; allreduce as ring (the
     bandwidth-optimal one) and gloo."""
     everything = pd.concat([allreduce[allreduce["algorithm"].isin(["ring", "gloo"])], others])
-    moving = [c for c in registry.COLLECTIVES if c != "barrier"]  # a barrier has no bandwidth
+    moving = [c for c in registry.COLLECTIVES if CATALOG[c].moves_bytes]  # a barrier has no bandwidth
     fig, axes = pyplot().subplots(1, len(moving), figsize=(5.5 * len(moving), 4.6))
     for ax, collective in zip(axes, moving):
         data = everything[everything["collective"] == collective]

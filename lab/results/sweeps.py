@@ -24,6 +24,7 @@ import torch
 import lab
 from lab import mpich
 from lab.benchmark import measure, time_bucketing, time_kernel, time_overlap, transformer_gradients
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import registry
 from lab.sim.network import last_level_cache_bytes
 from lab.validate import validation_table
@@ -121,7 +122,7 @@ def sweep_cases(transports: list[str], sizes: list[int]) -> list[tuple[str, str,
     every allreduce algorithm and auto, then every algorithm of the other collectives; gloo's last,
     in the first transport's pool."""
     def sized(collective: str) -> list[int]:
-        return sizes[:1] if collective == "barrier" else sizes  # a barrier moves no bytes: once
+        return sizes if CATALOG[collective].moves_bytes else sizes[:1]  # a barrier moves no bytes: once
 
     cases = []
     for transport in transports:

@@ -11,6 +11,7 @@ loading it when first asked (a rank that never needs advice never imports the si
 
 from __future__ import annotations
 
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import registry
 from lab.sim.core import simulate
 from lab.sim.limits import SimulationTooLarge, SimulationUnsupported
@@ -26,8 +27,7 @@ SIMULATION_MAX_STEPS = 200_000
 def simulated_input(collective: str, nbytes: int, world_size: int) -> int:
     """Each rank's input for the simulator (float32 elements, so a multiple of 4) for a call
     whose size is ``nbytes`` as ``auto`` counts it (allgather's and gather's: the result)."""
-    per_rank = nbytes // world_size if collective in ("allgather", "gather") else nbytes
-    return per_rank - per_rank % 4
+    return CATALOG[collective].input_bytes(nbytes, world_size)
 
 
 def advise(collective: str, nbytes: int, world_size: int, network: dict

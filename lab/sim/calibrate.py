@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim.core import recorded_schedule
 from lab.sim.network import MAX_RANKS_PER_HOST, Network, last_level_cache_bytes
 from lab.sim.record import Schedule, algorithms
@@ -77,11 +78,9 @@ POLISH_EVALUATIONS = 6000
 
 
 def _input_bytes(collective: str, nbytes: int, world: int) -> int:
-    """Each rank's input for a measured size, as lab.benchmark builds it (allgather: T/N per rank)."""
-    numel = max(nbytes // 4, 1)
-    if collective in ("allgather", "gather"):
-        numel = max(numel // world, 1)
-    return numel * 4
+    """Each rank's input for a measured size, as lab.benchmark builds it (allgather: T/N per rank;
+    one float32 at least)."""
+    return max(CATALOG[collective].input_bytes(nbytes, world), 4)
 
 
 def calibrates(world: int, nbytes: int, largest: int) -> bool:

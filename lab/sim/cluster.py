@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from lab import checks
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim import core
 from lab.sim.calibrate import least_absolute
 from lab.sim.cluster_cases import OUTPUT_SIZED, Case, input_bytes, log_cases, widest_ranks_per_host
@@ -48,8 +49,8 @@ CPU_TERMS = [("send_overhead_us", "CPU µs per message sent", (1e-3, 1e6), "cpu"
 #: A log determines a term when moving the term by ±20 % raises the log's mean |log error| by at
 #: least this much (its times move by a tenth of the move or more): below it, other terms set them.
 DETERMINED = 0.02
-#: busbw / algbw as nccl-tests reports it (its doc/PERFORMANCE.md): factor · (N-1)/N, else 1.
-BUS_FACTOR = {"allreduce": 2.0, "allgather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
+#: busbw / algbw as nccl-tests reports it: factor · (N-1)/N, else 1 (:mod:`lab.catalog`'s bus factor).
+BUS_FACTOR = {name: record.bus_scale for name, record in CATALOG.items() if record.per_rank}
 #: Size bands the fit's error is reported in (name, the largest size in it): the issue's targets
 #: are up to 64 KiB within 2x, 1-32 MiB within 35 %, from 64 MiB within 15 %.
 BANDS = [("up to 64 KiB", 64 << 10), ("64 KiB-1 MiB", (1 << 20) - 1), ("1-32 MiB", (64 << 20) - 1),
@@ -312,7 +313,7 @@ def predict_table(network: Network, collective: str, hosts: int, sizes: list[int
         world = hosts * (network.ranks_per_host if ranks_per_host is None else ranks_per_host)
         # No time, no rate: one rank moves nothing (nccl-tests would time its local copy)
         algbw = size / best.time_us / 1e3 if best.time_us > 0 else math.nan
-        busbw = algbw * (BUS_FACTOR[collective] * (world - 1) / world if collective in BUS_FACTOR else 1.0)
+        busbw = algbw * CATALOG[collective].bus_factor(world)
         rows.append({"bytes": int(size), "time_us": best.time_us, "algbw": algbw, "busbw": busbw,
                      "algorithm": best.algorithm})
     return pd.DataFrame(rows, columns=["bytes", "time_us", "algbw", "busbw", "algorithm"])

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pandas as pd
 
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim import core
 from lab.sim.limits import SimulationUnsupported
 from lab.sim.network import Network
@@ -22,16 +23,16 @@ from lab.sim.record import Schedule, algorithms
 from lab.sim.replay import finish_times, match_messages
 
 #: Collectives whose nccl-tests size is every rank's output together (each rank's input is size / N).
-OUTPUT_SIZED = ("allgather", "gather")
+OUTPUT_SIZED = tuple(name for name, record in CATALOG.items() if record.sized_by_output)
 
 
 def input_bytes(collective: str, size: int, ranks: int) -> int:
-    """Each rank's input (the simulator's ``nbytes``, float32) for nccl-tests' ``size`` column.
+    """Each rank's input (the simulator's ``nbytes``, float32) for nccl-tests' ``size`` column
+    (:meth:`lab.catalog.Collective.input_bytes`).
 
         input_bytes("allgather", 1 << 20, 16)     # 65536: allgather's size is the whole output
     """
-    per_rank = size // ranks if collective in OUTPUT_SIZED else size
-    return per_rank // 4 * 4
+    return CATALOG[collective].input_bytes(size, ranks)
 
 
 def _log_name(df: pd.DataFrame, index: int) -> str:

@@ -6,8 +6,10 @@
     python -m lab cluster fit n2.log n8.log --model nccl --nic-gbit 200 --predict-hosts 256 540  # NCCL's
 
 Prints the fitted terms (and which logs determine each), the fit's error per log and size band,
-and per host count an nccl-tests table predicted there (size, time, algbw, busbw, the algorithm
-chosen); ``--json`` prints one JSON object instead (valid JSON: a rate with no time, at one rank,
+and per host count an nccl-tests table predicted there, in nccl-tests' text (its columns, the
+predicted time, algbw and busbw out of place; the algorithm chosen last:
+:func:`lab.perf.table.predicted`, which :func:`lab.sim.read_nccl_tests` reads back); ``--json``
+prints one JSON object instead (valid JSON: a rate with no time, at one rank,
 is null). The NICs, the fabric inside a host and the switch tier are the cluster as built: logs of
 one or two hosts cannot tell them apart. A bad input (a log that cannot be read or fitted, a term
 out of range, a host count past what the simulator takes) is one line naming the option or the
@@ -19,12 +21,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import pandas as pd
 
 from lab.command_line import finite_json, network_term, refused, whole
+from lab.perf.table import predicted
 from lab.sim.cluster import FitReport, check_predictable, fit_cluster_report, predict_table
 from lab.sim.cluster_cases import widest_ranks_per_host
 from lab.sim.limits import MAX_WORLD_SIZE, SimulationUnsupported
@@ -65,11 +67,6 @@ def _name(log: str) -> str:
     return Path(log).name
 
 
-def _rate(value: float) -> str:
-    """A bandwidth as nccl-tests prints it (``N/A`` where there is none: no time at one rank)."""
-    return f"{value:>8.2f}" if math.isfinite(value) else f"{'N/A':>8}"
-
-
 def _terms_text(report: FitReport) -> str:
     """One line per term: its value, the logs that determine it, and each log's rise at ±20 %."""
     lines = [f"  {'term':<22} {'value':>10}   determined by; ±20 % raises a log's mean |log error| by"]
@@ -83,13 +80,10 @@ def _terms_text(report: FitReport) -> str:
     return "\n".join(lines)
 
 
-def nccl_table(table: pd.DataFrame) -> str:
-    """A predicted table in nccl-tests' columns (size, time, algbw, busbw), with the algorithm."""
-    lines = [f"#{'size':>11} {'time':>10} {'algbw':>8} {'busbw':>8}  algorithm",
-             f"#{'(B)':>11} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}"]
-    lines += [f"{row.bytes:>12} {row.time_us:>10.2f} {_rate(row.algbw)} {_rate(row.busbw)}  {row.algorithm}"
-              for row in table.itertuples(index=False)]
-    return "\n".join(lines)
+def nccl_table(table: pd.DataFrame, collective: str, ranks: int) -> str:
+    """A predicted table as nccl-tests prints a run (:func:`lab.perf.table.predicted`: the lab's
+    one writer of that text), the algorithm in a column of its own."""
+    return predicted(collective, ranks, table.itertuples(index=False))
 
 
 def text(report: FitReport, predicted: list[dict]) -> str:
@@ -104,7 +98,7 @@ def text(report: FitReport, predicted: list[dict]) -> str:
              "Fit error per log and size band (|predicted / measured - 1|):", bands.to_string(index=False)]
     for p in predicted:
         title = f"Predicted {p['collective']} at {p['hosts']} hosts ({p['ranks']} ranks):"
-        parts += ["", title, nccl_table(p["table"])]
+        parts += ["", title, nccl_table(p["table"], p["collective"], p["ranks"])]
     return "\n".join(parts)
 
 

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 from lab import checks, tuning
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import registry
 from lab.collectives.choice import forced_algorithm
 from lab.command_line import checked, output_file, refused, whole
@@ -81,7 +82,7 @@ def why_pick(choice: tuning.Choice) -> str:
 def auto_bytes(collective: str, nbytes: int, world_size: int) -> int:
     """The size ``auto`` weighs for a call whose ranks each give ``nbytes`` (allgather's and
     gather's: the result, N times it; see :mod:`lab.tuning`)."""
-    return nbytes * world_size if collective in ("allgather", "gather") else nbytes
+    return nbytes * world_size if CATALOG[collective].sized_by_output else nbytes
 
 
 def explain(collective: str, world_size: int, nbytes: int, transport: str = "shm",

@@ -33,24 +33,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from lab.catalog import COLLECTIVES as CATALOG
+from lab.catalog import MEASURED
 from lab.sim.log_lines import Line, Row, error, excerpt
 
+#: The collectives a log can hold, by the lab's names: those nccl-tests has a program for.
+COLLECTIVES = MEASURED
 #: busbw / algbw as nccl-tests computes it (its doc/PERFORMANCE.md, src/*.cu): factor·(N-1)/N;
-#: broadcast's and reduce's is 1 whatever N.
-BUS_FACTOR = {"allreduce": 2.0, "allgather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "gather": 1.0,
-              "scatter": 1.0}
-#: The collectives a log can hold, by the lab's names.
-COLLECTIVES = ("allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all", "reduce", "gather",
-               "scatter")
-#: Collectives whose busbw is algbw whatever N (nccl-tests' factor 1).
-FLAT = ("broadcast", "reduce")
+#: broadcast's and reduce's is 1 whatever N (:data:`FLAT`).
+BUS_FACTOR = {name: CATALOG[name].bus_scale for name in COLLECTIVES if CATALOG[name].per_rank}
+FLAT = tuple(name for name in COLLECTIVES if not CATALOG[name].per_rank)
 #: Collectives whose count column is each rank's share: size = count × item bytes × N; the
 #: others' is the whole buffer: size = count × item bytes.
-SPLIT = ("allgather", "reduce_scatter", "all_to_all", "gather", "scatter")
+SPLIT = tuple(name for name in COLLECTIVES if CATALOG[name].splits)
 #: What the redop and root columns say of each collective nccl-tests runs: whether it reduces (an
 #: op's name, else ``none``) and whether it has a root (a rank, else ``-1``).
-REDUCING = ("allreduce", "reduce_scatter", "reduce")
-ROOTED = ("broadcast", "reduce", "gather", "scatter")
+REDUCING = tuple(name for name in COLLECTIVES if CATALOG[name].reduces)
+ROOTED = tuple(name for name in COLLECTIVES if CATALOG[name].rooted)
 #: Bytes per element of nccl-tests' type names (older versions: char, int).
 ITEM_BYTES = {"int8": 1, "uint8": 1, "char": 1, "int32": 4, "uint32": 4, "int": 4, "int64": 8, "uint64": 8,
               "half": 2, "float": 4, "double": 8, "bfloat16": 2, "f8e4m3": 1, "f8e5m2": 1}

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim import log_ranks
 from lab.sim.log_lines import Line, Row, error, excerpt, streams
 
@@ -60,13 +61,14 @@ _MAX_HEADER = 4096
 _NCCL_HEADER = re.compile(r"#\s*size\s+count\s")
 _NCCL_COLUMNS = {"size": "bytes", "type": "dtype", "#wrong": "wrong", "time": "time_us", "cputime": "time_us",
                  "i_min": "i_min_us", "i_max": "i_max_us", "i_p99": "i_p99_us", "i_cv%": "i_cv_pct"}
-_NCCL_KINDS = {"bytes": int, "count": int, "root": int, "dtype": str, "redop": str, "timestamp": str}
+#: Columns that are no floats (``algorithm``: the lab's predicted tables, :func:`lab.perf.table.predicted`).
+_NCCL_KINDS = {"bytes": int, "count": int, "root": int, "dtype": str, "redop": str, "timestamp": str,
+               "algorithm": str}
 _PARAMS = re.compile(r"#\s*nThread\s")
 #: A parameter's value, after its name: ``8``, ``4(factor)``.
 _PARAM_VALUE = re.compile(r"(?<!\S)(\d+)(?:\((\w+)\))?")
 _WORD = re.compile(r"[A-Za-z]+")
-_PROGRAM = re.compile(r"\b(?:all_reduce|all_gather|reduce_scatter|broadcast|alltoall|reduce|gather|scatter)"
-                      r"_perf")
+_PROGRAM = re.compile(rf"\b(?:{'|'.join(CATALOG[name].program for name in COLLECTIVES)})")
 #: A collective in a program's or a file's name; the first match wins (reduce_scatter before reduce).
 _NAMED = [(re.compile(pattern), name) for pattern, name in (
     (r"all_?reduce", "allreduce"), (r"all_?gather", "allgather"), (r"reduce_?scatter", "reduce_scatter"),
@@ -261,7 +263,8 @@ def _frame(path: Path, rows: list[Row], names: list[str], kinds: dict[str, type]
 
 def _nccl_columns(fields: list[str]) -> list[str]:
     """Column names for nccl-tests' header fields: those after the first time column are the
-    out-of-place run's (``oop_``), after the second the in-place run's (``ip_``).
+    out-of-place run's (``oop_``), after the second the in-place run's (``ip_``), but the row's
+    own (``timestamp``; ``algorithm``, the lab's predicted tables').
 
     >>> _nccl_columns("size count type redop root time algbw busbw #wrong time".split())[3:]
     ['redop', 'root', 'oop_time_us', 'oop_algbw', 'oop_busbw', 'oop_wrong', 'ip_time_us']
@@ -271,7 +274,7 @@ def _nccl_columns(fields: list[str]) -> list[str]:
         if field in ("time", "cputime"):
             prefix = "ip_" if prefix else "oop_"
         name = _NCCL_COLUMNS.get(field) or re.sub(r"\W+", "_", field).strip("_")
-        names.append(prefix + name if prefix and field != "timestamp" else name)
+        names.append(prefix + name if prefix and field not in ("timestamp", "algorithm") else name)
     return names
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import registry
 from lab.ops import DType, Reduction
 from lab.sim.limits import (STEP_FIELDS, Estimate, Meter, SimulationTooLarge, SimulationUnsupported,
@@ -47,9 +48,9 @@ from lab.sim.virtual import counting_passes, mapped_input, virtual
 #: Every collective the lab may have, in the order tables and reports list them.
 COLLECTIVES = registry.COLLECTIVES
 #: Collectives whose call takes a root (broadcast's and scatter's ``src``, reduce's and gather's ``dst``).
-ROOTED = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src"}
+ROOTED = {name: record.root for name, record in CATALOG.items() if record.root}
 #: Collectives whose call takes a reduction op (recorded with "sum": the op changes no message).
-REDUCING = ("allreduce", "reduce_scatter", "reduce")
+REDUCING = tuple(name for name, record in CATALOG.items() if record.reduces)
 
 class RecordingMesh:
     """What the public collectives and the algorithms use of a :class:`lab.Mesh` (the

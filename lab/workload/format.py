@@ -62,13 +62,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE
 
 FORMAT, VERSION = "lab-workload", 2
 #: The versions :func:`load` reads (see the module's docstring).
 READS = (1, 2)
-COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier",
-               "gather", "scatter")
+COLLECTIVES = tuple(CATALOG)
 POINT_TO_POINT = ("send", "recv")
 KINDS = ("op", "wait", "step")  # the events; a "gradients" line is none
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2,

@@ -32,6 +32,7 @@ from lab.collectives import registry
 from lab.sim.core import simulate
 from lab.sim.limits import SimulationTooLarge, SimulationUnsupported
 from lab.sim.network import Network
+from lab.timeline import trace_events
 from lab.workload.format import POINT_TO_POINT, Event, Workload
 from lab.workload.retarget import Layout
 
@@ -142,37 +143,12 @@ class ReplayResult:
     def timeline(self, path: str | Path) -> None:
         """The simulated steps as a Chrome/Perfetto trace (``python -m lab timeline``'s format): per
         rank, a compute track and a communication track."""
-        events = []
+        tracks = {}
         for rank in sorted({s["rank"] for s in self.slices}):
-            events += [
-                {
-                    "ph": "M",
-                    "name": "thread_name",
-                    "pid": 0,
-                    "tid": 2 * rank,
-                    "args": {"name": f"rank {rank}"},
-                },
-                {
-                    "ph": "M",
-                    "name": "thread_name",
-                    "pid": 0,
-                    "tid": 2 * rank + 1,
-                    "args": {"name": f"rank {rank} comm"},
-                },
-            ]
-        for s in self.slices:
-            events.append(
-                {
-                    "ph": "X",
-                    "name": s["name"],
-                    "cat": s["cat"],
-                    "pid": 0,
-                    "tid": 2 * s["rank"] + (s["cat"] != "compute"),
-                    "ts": s["start_us"],
-                    "dur": max(s["end_us"] - s["start_us"], 0.0),
-                }
-            )
-        Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ns"}))
+            tracks.update({2 * rank: f"rank {rank}", 2 * rank + 1: f"rank {rank} comm"})
+        slices = [{"name": s["name"], "cat": s["cat"], "tid": 2 * s["rank"] + (s["cat"] != "compute"),
+                   "ts": s["start_us"], "dur": max(s["end_us"] - s["start_us"], 0.0)} for s in self.slices]
+        Path(path).write_text(json.dumps(trace_events(tracks, slices)))
 
 
 def timed(event: Event, group_size: int, layout: Layout, algorithms: dict[str, str]) -> tuple:
