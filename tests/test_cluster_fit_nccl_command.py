@@ -43,8 +43,10 @@ def test_polaris_fitted_and_predicted_at_256_and_540_nodes(capsys, tmp_path):
     for nodes, ranks in ((256, 1024), (540, 2160)):
         assert f"Predicted allreduce at {nodes} nodes ({ranks} ranks):" in out
     last = out.split("Predicted allreduce at 540 nodes")[1].splitlines()
-    size, time_us, _, _, algorithm, protocol, channels = last[-3].split()
+    row = last[-3].split()  # nccl-tests' columns, then what NCCL runs
+    size, time_us, (algorithm, protocol, channels) = row[0], row[5], row[-3:]
     assert int(size) == 1 << 30 and float(time_us) > 0 and protocol in ("ll", "ll128", "simple")
+    assert algorithm in ("ring", "tree") and int(channels) > 0
     rules = tuner_file.read(conf)
     assert {rule.nodes for rule in rules} == {256, 540}
     assert {rule.collective for rule in rules} == {"allreduce"}

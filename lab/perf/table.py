@@ -50,18 +50,19 @@ def text_row(size: int, count: int, dtype: str, redop: str, root: int,
     return f"{text}  {extra}" if extra else text
 
 
-def predicted(collective: str, world_size: int, rows: Iterable) -> str:
-    """A predicted table (rows with ``bytes``, ``time_us``, ``algbw``, ``busbw``, ``algorithm``)
-    as nccl-tests prints a run of ``collective`` at ``world_size`` ranks, float: its program's
-    line, out of place the prediction, in place and ``#wrong`` ``N/A`` (nothing ran), the
-    algorithm in a column of its own."""
+def predicted(collective: str, world_size: int, rows: Iterable, extra: tuple[str, ...] = ("algorithm",)) -> str:
+    """A predicted table (rows with ``bytes``, ``time_us``, ``algbw``, ``busbw`` and the fields
+    ``extra``) as nccl-tests prints a run of ``collective`` at ``world_size`` ranks, float: its
+    program's line, out of place the prediction, in place and ``#wrong`` ``N/A`` (nothing ran),
+    then ``extra`` (what ran: the algorithm; NCCL's protocol and channels) in columns of their own."""
     record = CATALOG[collective]
     redop, root = "sum" if record.reduces else "none", 0 if record.rooted else -1
-    lines = [f"# Collective test starting: {record.program}", *titles("algorithm")]
+    lines = [f"# Collective test starting: {record.program}", *titles(" ".join(extra))]
     for row in rows:
         size, count = layout(collective, int(row.bytes), world_size, 4)
         runs = [(row.time_us, row.algbw, row.busbw, -1), (math.nan, math.nan, math.nan, -1)]
-        lines.append(text_row(size, count, "float", redop, root, runs, row.algorithm))
+        lines.append(text_row(size, count, "float", redop, root, runs, " ".join(str(getattr(row, name))
+                                                                               for name in extra)))
     return "\n".join(lines)
 
 

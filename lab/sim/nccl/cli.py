@@ -23,6 +23,7 @@ import json
 
 import pandas as pd
 
+from lab.perf.table import predicted as predicted_table
 from lab.command_line import checked, finite_json, number, output_file, refused, whole
 from lab.sim.nccl import tuner_file
 from lab.sim.nccl.fitting import FitReport, fit
@@ -130,15 +131,6 @@ def predictions(report: FitReport, logs: list[pd.DataFrame], hosts: list[int]) -
     return out
 
 
-def table_text(table: pd.DataFrame) -> str:
-    """A predicted table in nccl-tests' columns, with what NCCL runs."""
-    lines = [f"#{'size':>11} {'time':>10} {'algbw':>8} {'busbw':>8}  algorithm protocol channels",
-             f"#{'(B)':>11} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8}"]
-    lines += [f"{row.bytes:>12} {row.time_us:>10.2f} {row.algbw:>8.2f} {row.busbw:>8.2f}  {row.algorithm:<9} "
-              f"{row.protocol:<8} {row.channels:>8}" for row in table.itertuples(index=False)]
-    return "\n".join(lines)
-
-
 def describe(topology: ClusterTopology) -> str:
     fabric = "none given" if topology.fabric is None else repr(topology.fabric)
     return (f"{topology.gpus_per_node} GPUs a node ({topology.intra_link}), {topology.nics_per_node} NICs "
@@ -177,7 +169,8 @@ def run(args: argparse.Namespace, logs: list[pd.DataFrame]) -> int:
     parts = [head, report.text()]
     for p in predicted:
         title = f"Predicted {p['collective']} at {p['hosts']} nodes ({p['ranks']} ranks):"
-        parts += ["", title, table_text(p["table"])]
+        parts += ["", title, predicted_table(p["collective"], p["ranks"], p["table"].itertuples(index=False),
+                                             extra=("algorithm", "protocol", "channels"))]
     if args.tuner_file is not None:
         parts += ["", f"Wrote NCCL's example tuner file: {args.tuner_file}"]
     print("\n".join(parts))
