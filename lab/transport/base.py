@@ -32,10 +32,16 @@ of waits) instead of what it saw itself ("rank 0 is gone", a deadline on an inno
 waiting too). Under a launcher, where no parent collects the ranks' reports, this is how every
 rank learns why the job failed. The ``"queue"`` transport (``lab.spawn``'s only, whose parent
 diagnoses) carries none.
+
+Threads. Several threads may drive one transport at once, each in its own context (a torch
+group's issue order: :mod:`lab.issue`): each entry point holds the transport's ``_lock``
+(:func:`locked`), which a wait lets go of, so that one thread's wait never holds up another's
+messages; what one thread reads of another context is parked for it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -60,6 +66,16 @@ CONTEXT_BYTES = 8
 def same_context(tag: bytes, other: bytes) -> bool:
     """True if two tags belong to the same mesh (otherwise a receive parks the message)."""
     return tag[:CONTEXT_BYTES] == other[:CONTEXT_BYTES]
+
+
+def locked(method: Callable) -> Callable:
+    """``method`` of a transport, run holding the transport's ``_lock`` (a ``threading.RLock``,
+    which its waits release while they block: see Threads above)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 #: The longest single wait handed to poll/select (they cannot take an unbounded timeout): a longer

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import select
 import socket
 import struct
 from typing import NoReturn
@@ -31,7 +32,7 @@ import blake3
 import numpy as np
 
 from lab.errors import PeerLostError
-from lab.transport.base import MAX_NOTICE_BYTES, TAG_BYTES
+from lab.transport.base import MAX_NOTICE_BYTES, TAG_BYTES, Silence
 from lab.transport.handshake import MAGIC, VERSION, Link
 
 DATA, ABORT = 1, 2  # frame kinds: a message; an abort notice (lab.transport.base.AbortNotice) as payload
@@ -174,18 +175,23 @@ def peek_header(link: Link) -> tuple[int, bytes, int, blake3.blake3] | None:
 
 
 def read_rest(link: Link, nbytes: int, mac: blake3.blake3, timeout_s: float) -> np.ndarray | None:
-    """The ``nbytes`` of payload of a frame whose authentic header was just taken, read blocking
-    (at most ``timeout_s`` of silence: TimeoutError), then its trailer; None if the frame's MAC
-    does not check out. The frame's sender streams it whole, so the wait cannot deadlock."""
+    """The ``nbytes`` of payload of a frame whose authentic header was just taken, read as it
+    comes (at most ``timeout_s`` of silence: TimeoutError), then its trailer; None if the frame's
+    MAC does not check out. The frame's sender streams it whole, so the wait cannot deadlock. The
+    socket stays non-blocking: another thread may send on it meanwhile."""
     payload, trailer = np.empty(nbytes, np.uint8), bytearray(MAC_BYTES)
-    link.sock.settimeout(timeout_s if timeout_s < float("inf") else None)
-    try:
-        for buffer in (memoryview(payload), memoryview(trailer)):
-            done = 0
-            while done < len(buffer):
+    silence, readable = Silence(timeout_s), select.poll()
+    readable.register(link.sock, select.POLLIN)
+    for buffer in (memoryview(payload), memoryview(trailer)):
+        done = 0
+        while done < len(buffer):
+            try:
                 done += recv_some(link.sock, buffer[done:])
-    finally:
-        link.sock.setblocking(False)
+                silence.progress()
+            except (BlockingIOError, InterruptedError):
+                if silence.expired():
+                    raise TimeoutError(f"no byte of the frame's rest came in {timeout_s:g} s") from None
+                readable.poll(silence.wait_s() * 1000)
     mac.update(payload)
     return payload if hmac.compare_digest(bytes(trailer), mac.digest()) else None
 

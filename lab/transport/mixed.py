@@ -5,13 +5,15 @@ rank) and a ``"tcp"`` mesh over the ranks of the other hosts. :meth:`MixedTransp
 hands each send and receive to the transport of its peer. When one exchange has peers of both
 kinds (a ring step at a host boundary: receive from a local rank, send to the next host), the TCP
 part runs on a helper thread while this thread drives the shm part, so neither waits for the other
-to finish (each transport is still driven by exactly one thread). Counters, fingerprints and
+to finish (a helper per calling thread: several threads may drive the transports at once, each
+in its own context, :mod:`lab.transport.base`'s Threads). Counters, fingerprints and
 deadlines are the mesh's, as with any transport; the mesh counts the bytes that cross hosts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +52,7 @@ class MixedTransport(Transport):
         self.rank, self.world_size = rank, world_size
         self._first, self._local, self._remote = first_local, local, remote
         self._count = local.world_size
-        self._helper: ThreadPoolExecutor | None = None
+        self._helpers: dict[int, ThreadPoolExecutor] = {}  # by calling thread: each one's TCP half
 
     def _is_local(self, peer: int) -> bool:
         return 0 <= peer - self._first < self._count
@@ -70,9 +72,11 @@ class MixedTransport(Transport):
             self._remote.exchange(remote_sends, remote_recvs, tag, timeout_s, where)
             return
         # Both kinds at once: TCP on the helper thread, shm here; the first failure is raised.
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lab-tcp-{self.rank}")
-        remote = self._helper.submit(self._remote.exchange, remote_sends, remote_recvs, tag, timeout_s, where)
+        helper = self._helpers.get(threading.get_ident())
+        if helper is None:
+            helper = self._helpers[threading.get_ident()] = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"lab-tcp-{self.rank}")
+        remote = helper.submit(self._remote.exchange, remote_sends, remote_recvs, tag, timeout_s, where)
         try:
             self._local.exchange(local_sends, local_recvs, tag, timeout_s, where)
         except BaseException:
@@ -129,6 +133,6 @@ class MixedTransport(Transport):
         self._local.close()
         if self._remote is not None:
             self._remote.close()
-        if self._helper is not None:
-            self._helper.shutdown(wait=False, cancel_futures=True)
-            self._helper = None
+        for helper in list(self._helpers.values()):
+            helper.shutdown(wait=False, cancel_futures=True)
+        self._helpers.clear()

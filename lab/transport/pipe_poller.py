@@ -5,7 +5,7 @@ polls without blocking (each poll followed by ``sched_yield``, which hands the c
 answers in microseconds, where blocking at once pays a wake-up. ``LAB_SHM_SPIN`` sets how many
 such polls come first (see docs/how-it-works.md for the measurement behind the default).
 
-    poller = PipePoller(read_fd)                       # peer -> the fd its pipe is read from
+    poller = PipePoller(read_fd, lock)                 # peer -> the fd its pipe is read from
     ready = poller.readable(frozenset({1, 2}), silence)   # [] once the silence's wait is up
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 from collections.abc import Mapping
 
 from lab import checks
@@ -26,32 +27,47 @@ SHARED_LOOK_S = 0.01
 
 
 class PipePoller:
-    """Waits for the pipes of a set of peers: one ``poll`` object per set awaited."""
+    """Waits for the pipes of a set of peers: one ``poll`` object per set awaited, and per thread
+    (one object must not be polled by two threads at once). ``lock``: the transport's, which the
+    waiting thread holds and lets go of while it waits (other threads' calls go on meanwhile:
+    :mod:`lab.transport.base`'s Threads)."""
 
-    def __init__(self, read_fd: Mapping[int, int]) -> None:
-        self._read_fd = read_fd
+    def __init__(self, read_fd: Mapping[int, int], lock: threading.RLock) -> None:
+        self._read_fd, self._lock = read_fd, lock
         self._peer_of_fd = {fd: peer for peer, fd in read_fd.items()}
-        self._pollers: dict[frozenset[int], select.poll] = {}
+        self._local = _ThreadPollers()
         self._spin = spin_from_env()
 
     def readable(self, peers: frozenset[int], silence: Silence) -> list[int]:
         """The peers of ``peers`` whose pipes have something (data or end-of-file), or none once
         ``silence``'s next wait is up. Spin first (``LAB_SHM_SPIN`` polls, each followed by
         ``sched_yield``), then block in ``poll``."""
-        poller = self._pollers.get(peers)
+        pollers = self._local.by_peers
+        poller = pollers.get(peers)
         if poller is None:
-            poller = self._pollers[peers] = select.poll()
+            poller = pollers[peers] = select.poll()
             for peer in peers:
                 poller.register(self._read_fd[peer], select.POLLIN)
         events = None
-        for _ in range(self._spin):
-            events = poller.poll(0)
-            if events:
-                break
-            os.sched_yield()
-        if not events and not silence.expired():
-            events = poller.poll(min(silence.wait_s(), SHARED_LOOK_S) * 1000)
+        self._lock.release()
+        try:
+            for _ in range(self._spin):
+                events = poller.poll(0)
+                if events:
+                    break
+                os.sched_yield()
+            if not events and not silence.expired():
+                events = poller.poll(min(silence.wait_s(), SHARED_LOOK_S) * 1000)
+        finally:
+            self._lock.acquire()
         return [self._peer_of_fd[fd] for fd, _ in events] if events else []
+
+
+class _ThreadPollers(threading.local):
+    """A thread's ``poll`` objects, by the set of peers they wait for."""
+
+    def __init__(self) -> None:
+        self.by_peers: dict[frozenset[int], select.poll] = {}
 
 
 def spin_from_env() -> int:

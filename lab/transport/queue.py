@@ -16,6 +16,7 @@ import contextlib
 import os
 import queue
 import select
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from lab.transport.base import (
     SharedFd,
     Silence,
     Transport,
+    locked,
     same_context,
     silence_error,
 )
@@ -96,7 +98,10 @@ class QueueTransport(Transport):
         for fd in self._peer_alive_fd.values():
             self._liveness.register(fd, select.POLLIN)
         self._closed = False
+        self._lock = threading.RLock()  # (several threads' calls: lab.transport.base's Threads)
+        self._reading = {src: threading.Lock() for src in self._inbox}  # (one taker a queue: _get)
 
+    @locked
     def exchange(
         self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
     ) -> None:
@@ -113,28 +118,49 @@ class QueueTransport(Transport):
 
     def _take(self, src: int, tag: bytes, timeout_s: float, where: object) -> tuple[bytes, np.ndarray]:
         """The next message from ``src`` in ``tag``'s context: a parked one first, else from the
-        queue, parking whatever belongs to another context on the way."""
-        held = self.parking.take(src, tag)
-        if held is not None:
-            return held
+        queue, parking whatever belongs to another context on the way (and looking at the parked
+        ones again between waits: another thread's receive may have parked one for this one)."""
         silence = Silence(timeout_s)
         while True:
+            held = self.parking.take(src, tag)
+            if held is not None:
+                return held
             got_tag, payload = self._get(src, silence, where)
+            if got_tag is None:
+                continue  # (nothing in a slice)
             if same_context(got_tag, tag):
-                return got_tag, payload
+                earlier = self.parking.take(src, tag)  # (parked by another thread while this one waited)
+                if earlier is None:
+                    return got_tag, payload
+                self.parking.park(src, got_tag, payload.nbytes, payload, where)
+                return earlier
             self.parking.park(src, got_tag, payload.nbytes, payload, where)
             silence.progress()  # the peer sent something, if not for this receive
 
-    def _get(self, src: int, silence: Silence, where: object) -> tuple[bytes, np.ndarray]:
-        """The next message from ``src``, checking every ``LIVENESS_CHECK_S`` that no peer died."""
-        while True:
-            if silence.expired():
-                raise silence_error(self.rank, (src,), where)
-            try:
-                return self._inbox[src].get(timeout=min(silence.wait_s(), LIVENESS_CHECK_S))
-            except queue.Empty:
-                self._check_peers_alive(where)
+    def _get(self, src: int, silence: Silence, where: object) -> tuple[bytes | None, np.ndarray | None]:
+        """The next message from ``src``, or ``(None, None)`` if none came within
+        ``LIVENESS_CHECK_S`` (and no peer died meanwhile). It waits with the lock released (other
+        threads' calls go on), and one thread at a time takes from a queue, until it holds the
+        lock again: what it took is parked or returned before another thread's next message is."""
+        if silence.expired():
+            raise silence_error(self.rank, (src,), where)
+        wait_s, reading = min(silence.wait_s(), LIVENESS_CHECK_S), self._reading[src]
+        self._lock.release()
+        taking = False
+        try:
+            taking = reading.acquire(timeout=wait_s)
+            if taking:
+                return self._inbox[src].get(timeout=wait_s)
+        except queue.Empty:
+            pass
+        finally:
+            self._lock.acquire()
+            if taking:
+                reading.release()
+        self._check_peers_alive(where)
+        return None, None
 
+    @locked
     def ready_source(self, expected: Mapping[int, bytes], timeout_s: float, where: object) -> int | None:
         """Take whatever the queues of ``expected``'s peers hold into their parked lists (in
         arrival order, where :meth:`_take` looks first), until one's first message of its context
@@ -142,10 +168,14 @@ class QueueTransport(Transport):
         deadline = time.monotonic() + timeout_s
         while True:
             for src, prefix in expected.items():
-                with contextlib.suppress(queue.Empty):
-                    while True:
-                        got_tag, payload = self._inbox[src].get_nowait()
-                        self.parking.park(src, got_tag, payload.nbytes, payload, where)
+                if self._reading[src].acquire(False):  # (else another thread takes from it now: see _get)
+                    try:
+                        with contextlib.suppress(queue.Empty):
+                            while True:
+                                got_tag, payload = self._inbox[src].get_nowait()
+                                self.parking.park(src, got_tag, payload.nbytes, payload, where)
+                    finally:
+                        self._reading[src].release()
                 first = self.parking.first(src, prefix)
                 if first is not None and first.startswith(prefix):
                     return src
@@ -153,7 +183,11 @@ class QueueTransport(Transport):
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            time.sleep(min(left, READY_POLL_S))
+            self._lock.release()
+            try:
+                time.sleep(min(left, READY_POLL_S))
+            finally:
+                self._lock.acquire()
 
     def _check_peers_alive(self, where: object) -> None:
         for fd, _ in self._liveness.poll(0):  # only a closed alive pipe has an event: nobody writes

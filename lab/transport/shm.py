@@ -23,7 +23,8 @@ Control plane. One OS pipe per directed edge (single producer, single consumer),
 descriptor (plus an eager payload), each written atomically with one ``write`` of at most
 ``PIPE_BUF`` bytes, and drained many at a time with one ``read`` (a frame cut by the read's size
 waits for the rest in a per-peer buffer). A wait polls only the pipes of the peers it waits for,
-so a message for a later step, or a credit for a send that is not waiting, wakes nobody. The pipe
+so a message for a later step, or a credit for a send that is not waiting, wakes nobody (several
+threads may wait at once, each for its own context, the transport's lock let go). The pipe
 does not fill: a sender has at most ``slots`` descriptors, ``slots`` credits and 8 eager frames
 (32 KiB) outstanding, within the pipe's 64 KiB. A pipe whose writer died reads as end-of-file,
 which surfaces at once as PeerLostError.
@@ -36,8 +37,9 @@ import fcntl
 import os
 import struct
 import termios
+import threading
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -49,12 +51,13 @@ from lab.transport.base import (
     Send,
     Silence,
     Transport,
-    root_cause,
+    locked,
     same_context,
     silence_error,
 )
 from lab.transport.parking import Parking, check_arrival, raise_if_behind
-from lab.transport.pipe_poller import DEFAULT_SPIN, PipePoller, write_whole_or_skip
+from lab.transport.pipe_notices import PipeNotices
+from lab.transport.pipe_poller import DEFAULT_SPIN, PipePoller
 from lab.transport.shm_endpoints import (
     ABORT,
     CREDIT,
@@ -102,7 +105,7 @@ class _Job:
         self.combine = combine
 
 
-class ShmTransport(Transport):
+class ShmTransport(PipeNotices, Transport):
     """A rank's end of the shm mesh (built inside the rank's process from its endpoints)."""
 
     def __init__(self, endpoints: ShmEndpoints) -> None:
@@ -115,7 +118,8 @@ class ShmTransport(Transport):
         self._write_fd = {peer: shared.fd for peer, shared in endpoints.outbox.items()}
         for fd in self._read_fd.values():
             os.set_blocking(fd, False)  # drains never block; waiting is the poller's job
-        self._poller = PipePoller(self._read_fd)
+        self._lock = threading.RLock()  # (several threads' calls: lab.transport.base's Threads)
+        self._poller = PipePoller(self._read_fd, self._lock)
         liveness = np.array([self._read_fd.get(peer, -1) for peer in range(self.world_size)], np.int64)
         self._shared = ShmMappings(endpoints, liveness)  # the segments' slots, the mailboxes and the scratch
         #: The compiled path's mailboxes (lab.plane) and the two-shot allreduce and registered buffers
@@ -134,6 +138,7 @@ class ShmTransport(Transport):
 
     # -- the exchange loop -------------------------------------------------------------------
 
+    @locked
     def exchange(
         self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
     ) -> None:
@@ -171,8 +176,13 @@ class ShmTransport(Transport):
                 # Wait for the peers that hold us up: senders out of credit, receivers with nothing queued.
                 awaited = frozenset([job.peer for job in sending] + [job.peer for job in receiving
                                                                     if not self._arrived[job.peer]])
-                if awaited and not self._wait(silence, where, awaited):
-                    raise_if_behind(self.rank, self._shared.pending_fingerprints(), tag, "the shared memory", where)
+                try:
+                    if awaited and not self._wait(silence, where, awaited):
+                        raise_if_behind(self.rank, self._shared.pending_fingerprints(), tag, "the shared memory",
+                                        where)
+                except PeerLostError:  # (what it sent before it went may be here: drained by another thread)
+                    if not any(self._ready(job.peer, tag, where) for job in receiving):
+                        raise
 
     def _can_send(self, job: _Job) -> bool:
         return (self._eager_credits if job.eager else self._credits)[job.peer] > 0
@@ -270,6 +280,7 @@ class ShmTransport(Transport):
         job.offset += nbytes
         job.segments_left -= 1
 
+    @locked
     def ready_source(self, expected: Mapping[int, bytes], timeout_s: float, where: object) -> int | None:
         """Drain the pipes of ``expected``'s peers (other contexts' messages are parked on the
         way, as a receive parks them) until one's first message of its context starts with its
@@ -305,13 +316,7 @@ class ShmTransport(Transport):
         self._raise_if_told(where)
         return bool(readable)
 
-    def _raise_if_told(self, where: object) -> None:
-        """A peer's abort notice has come of a failure other than a deadline: its root cause,
-        raised now (the wait is in vain; see :func:`lab.transport.base.root_cause`)."""
-        cause = root_cause(self._notices, self.rank, deadlines=False)
-        if cause is not None:
-            raise cause.error(self.rank, where)
-
+    @locked
     def park_pending(self, tag: bytes, where: object) -> None:
         """While this rank waits in the shared memory (the compiled path's mailboxes, the
         two-shot's flags) in the collective of ``tag``: drain every pipe, parking other meshes'
@@ -361,6 +366,7 @@ class ShmTransport(Transport):
             held += DESCRIPTOR.size + (len(payload) if payload is not None else 0)
         return held
 
+    @locked
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
         """Also the next message in each mailbox ring (a peer that took the compiled path where this
         rank took the pipes: a size on either side of the compiled path's threshold)."""
@@ -371,27 +377,6 @@ class ShmTransport(Transport):
         for peer, pending in self._shared.pending_fingerprints().items():
             tags.setdefault(peer, []).extend(pending)
         return tags
-
-    def send_notice(self, notice: AbortNotice) -> None:
-        """One frame per peer, written whole (at most ``PIPE_BUF`` bytes) or not at all: a pipe
-        with no room for it, or whose reader is gone, is skipped."""
-        if self._closed:
-            return
-        frame = DESCRIPTOR.pack(ABORT, 0, len(payload := notice.encode()), b"") + payload
-        for fd in self._write_fd.values():
-            write_whole_or_skip(fd, frame)
-
-    def notices(self, awaited: Iterable[int], grace_s: float) -> list[AbortNotice]:
-        if self._closed:
-            return []
-        awaited, grace = frozenset(awaited), Silence(grace_s)
-        while True:
-            for peer in self._arrived:
-                with contextlib.suppress(PeerLostError):  # (what it sent before it went is read)
-                    self._drain(peer, "a failure")
-            if not awaited or grace.expired() or any(notice.via in awaited for notice in self._notices):
-                return list(self._notices)
-            self._poller.readable(awaited, grace)
 
     def close(self) -> None:
         if self._closed:

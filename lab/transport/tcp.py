@@ -13,6 +13,9 @@ chunk; a reduction streams through a bounded scratch segment into the output. A 
 :class:`lab.DeadlineError` only after ``timeout_s`` without a byte moving: a peer that streams a
 large tensor is busy, not silent.
 
+Threads. Several threads may drive it at once, each a frame at a time on a connection
+(:mod:`lab.transport.tcp_turns`).
+
 Joining. :func:`lab.transport.handshake.connect_mesh` makes one authenticated connection per
 pair of ranks, with the two frame keys of each; this module exchanges frames over them.
 """
@@ -21,13 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import math
 import selectors
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from lab.errors import DeadlineError, LabError, PeerLostError
 from lab.transport.base import (
@@ -38,6 +38,7 @@ from lab.transport.base import (
     Send,
     Silence,
     Transport,
+    locked,
     root_cause,
     same_context,
     silence_error,
@@ -50,15 +51,14 @@ from lab.transport.frames import (
     MAC_BYTES,
     Job,
     forged,
-    head,
     judge,
     peek_header,
-    read_rest,
     recv_some,
     send_whole,
 )
 from lab.transport.handshake import MAGIC, VERSION, Link, connect_mesh
 from lab.transport.parking import Parking, check_arrival
+from lab.transport.tcp_turns import HELD_UP_LOOK_S, Turns
 
 #: A wait looks up at least this often (seconds): a close() on another thread does not wake a
 #: selector, and a call still waiting when its mesh closes must fail at once, not at its deadline.
@@ -81,7 +81,7 @@ class TcpEndpoints:
         """Nothing is shared through the parent."""
 
 
-class TcpTransport(Transport):
+class TcpTransport(Turns, Transport):
     """A rank's end of the TCP mesh. ``secret``: the job's shared secret (bytes, never sent)."""
 
     def __init__(self, rank: int, world_size: int, store, secret: bytes, host: str = "127.0.0.1",
@@ -93,10 +93,8 @@ class TcpTransport(Transport):
         if world_size > 1:
             self._links = connect_mesh(rank, world_size, store, host, secret, prefix)
         self._closed = False
-        self._selector = selectors.DefaultSelector()
+        self._start_turns()  # (several threads' calls: lab.transport.tcp_turns)
         self.parking = Parking(rank, self._links)  # other contexts' frames: (tag, payload)
-        self._silence_s = math.inf  # the current exchange's timeout_s (each exchange sets it; parking reads it)
-        self._watched: dict[int, int] = {}  # peer -> selector events currently registered
         self._notices: list[AbortNotice] = []  # what failing peers told this rank, in arrival order
         self._torn: set[int] = set()  # peers whose connection holds a frame this rank sent only in part
         self._peer_of = {}
@@ -106,52 +104,25 @@ class TcpTransport(Transport):
 
     # -- the exchange loop -------------------------------------------------------------------
 
+    @locked
     def exchange(
         self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
     ) -> None:
         tag = tag.ljust(TAG_BYTES, b"\0")
         sending, receiving = {}, {}
-        for send in sends:
-            link = self._links[send.dst]
+        for send in sends:  # (its sequence number, so its MAC, taken when its first byte goes)
             job = sending[send.dst] = Job(send.dst, send.data, None)
-            header = HEADER.pack(MAGIC, VERSION, DATA, tag, job.bytes.nbytes)
-            header_mac, job.mac = head(link.send_key, link.sent, header)
-            job.header[:] = header + header_mac
-            link.sent += 1
+            job.header[:HEADER.size] = HEADER.pack(MAGIC, VERSION, DATA, tag, job.bytes.nbytes)
         for recv in recvs:
-            if self._take_parked(recv, tag, where):
-                continue
             # Its sequence number (and so its MAC) is the next frame's on the wire, known when
             # its header arrives (frames of other meshes may come first, and take theirs).
             receiving[recv.src] = Job(recv.src, recv.out, None, recv.combine)
-        self._silence_s = timeout_s
+        self._local.silence_s = timeout_s
         try:
             self._run(sending, receiving, tag, timeout_s, where)
         except BaseException:
-            self._left_unsent(sending)
+            self._left_unsent(sending, receiving)
             raise
-
-    def _left_unsent(self, sending: dict[int, Job]) -> None:
-        """After a failed exchange: a frame never started gives its sequence number back, so that
-        an abort notice can take it; a connection left in the middle of a frame carries no more."""
-        for peer, job in sending.items():
-            if job.header_done == 0:
-                self._links[peer].sent -= 1
-            elif not job.done:
-                self._torn.add(peer)
-
-    def _take_parked(self, recv: Recv, tag: bytes, where: object) -> bool:
-        """Serve ``recv`` from a parked frame of its context, if one arrived earlier."""
-        held = self.parking.take(recv.src, tag)
-        if held is None:
-            return False
-        got_tag, payload = held
-        check_arrival(self.rank, recv.src, tag, got_tag, recv.out.nbytes, payload.nbytes, where)
-        if recv.combine is None:
-            recv.out.view(np.uint8)[:] = payload
-        else:
-            recv.combine(recv.out, payload.view(recv.out.dtype))
-        return True
 
     def _open(self, job: Job, tag: bytes, where: object) -> None:
         """Judge the header ``job`` has just read (:meth:`_judge`). A frame of another context is
@@ -165,7 +136,7 @@ class TcpTransport(Transport):
             return
         if not same_context(got_tag, tag):
             self._park(job.peer, got_tag, nbytes, mac, where)
-            job.header_done = 0
+            job.header_done = 0  # (this thread still reads the connection: the next frame's header)
             return
         job.mac = mac
         check_arrival(self.rank, job.peer, tag, got_tag, job.bytes.nbytes, nbytes, where)
@@ -181,7 +152,7 @@ class TcpTransport(Transport):
             self._links[peer].sock.close()  # the stream stops mid-frame: the connection is unusable
             raise
         try:
-            payload = read_rest(self._links[peer], nbytes, mac, self._silence_s)
+            payload = self._read_rest(peer, nbytes, mac, self._local.silence_s)
         except TimeoutError:
             raise DeadlineError(f"rank {self.rank} timed out receiving a frame of another mesh from rank {peer} "
                                 f"in {where}", peers=(peer,)) from None
@@ -192,27 +163,32 @@ class TcpTransport(Transport):
     def _run(self, sending: dict, receiving: dict, tag: bytes, timeout_s: float, where: object) -> None:
         silence = Silence(timeout_s)
         while True:
-            pending = {}
+            pending, held_up = {}, []  # (held up: another thread's frame is on that connection)
             for peer, job in sending.items():
                 if not job.done:
+                    if self._writer.get(peer, job) is not job:
+                        held_up.append(peer)
+                        continue
                     pending[peer] = pending.get(peer, 0) | selectors.EVENT_WRITE
             for peer, job in receiving.items():
-                if not job.done:
+                if not job.done and not self._take_parked(job, tag, where):
+                    if self._reader.get(peer, job) is not job:
+                        held_up.append(peer)
+                        continue
                     pending[peer] = pending.get(peer, 0) | selectors.EVENT_READ
-            if not pending:
+            if not pending and not held_up:
                 return
-            self._watch(pending)
-            ready = self._selector.select(min(silence.wait_s(), CLOSED_LOOK_S))
+            look_s = HELD_UP_LOOK_S if held_up else CLOSED_LOOK_S
+            ready = self._wait_ready(pending, min(silence.wait_s(), look_s))
             if not ready:
                 if not silence.expired():
                     continue  # a long wait taken in slices
-                raise silence_error(self.rank, pending, where)
+                raise silence_error(self.rank, [*pending, *held_up], where)
             for key, events in ready:
                 peer = self._peer_of[key.fileobj.fileno()]
                 try:
                     if events & selectors.EVENT_WRITE and peer in sending:
-                        with contextlib.suppress(BlockingIOError):
-                            sending[peer].send_some(self._links[peer].sock)
+                        self._send_some(sending[peer])
                     if events & selectors.EVENT_READ and peer in receiving:
                         self._recv_some(receiving[peer], tag, where)
                 except PeerLostError:
@@ -221,19 +197,8 @@ class TcpTransport(Transport):
                     raise PeerLostError(f"rank {self.rank}: rank {peer} is gone ({exc}) in {where}") from None
             silence.progress()  # a peer moved bytes
 
-    def _watch(self, wanted: dict[int, int]) -> None:
-        """Make the selector watch exactly ``wanted`` (peer -> events), changing only what differs."""
-        for peer in [p for p in self._watched if p not in wanted]:
-            self._selector.unregister(self._links[peer].sock)
-            del self._watched[peer]
-        for peer, events in wanted.items():
-            if peer not in self._watched:
-                self._selector.register(self._links[peer].sock, events)
-            elif self._watched[peer] != events:
-                self._selector.modify(self._links[peer].sock, events)
-            self._watched[peer] = events
-
-    def _recv_some(self, job: Job, tag: bytes, where: object) -> None:
+    def _read_frame(self, job: Job, tag: bytes, where: object) -> None:
+        """Read what has come of ``job``'s frame (this thread's turn: :meth:`_recv_some`)."""
         sock = self._links[job.peer].sock
         try:
             while job.header_done < HEAD_BYTES:
@@ -249,12 +214,13 @@ class TcpTransport(Transport):
         except BlockingIOError:
             return
 
+    @locked
     def ready_source(self, expected: Mapping[int, bytes], timeout_s: float, where: object) -> int | None:
         """Peek at the next frame header from each of ``expected``'s peers (read whole and parked
         if it is another context's, as a receive parks it) until one's tag starts with its
         prefix; between looks, wait for any of their sockets to be readable."""
         silence = Silence(timeout_s)  # not moved on by progress: a plain deadline
-        self._silence_s = timeout_s  # how long parking a frame may wait for its rest
+        self._local.silence_s = timeout_s  # how long parking a frame may wait for its rest
         while True:
             for src, prefix in expected.items():
                 first = self._next_tag(src, prefix, where)
@@ -262,15 +228,15 @@ class TcpTransport(Transport):
                     return src
             if silence.expired():
                 return None
-            self._watch(dict.fromkeys(expected, selectors.EVENT_READ))
-            self._selector.select(min(silence.wait_s(), CLOSED_LOOK_S))
+            self._wait_ready(dict.fromkeys(expected, selectors.EVENT_READ),
+                             min(silence.wait_s(), CLOSED_LOOK_S))
 
     def _next_tag(self, peer: int, prefix: bytes, where: object) -> bytes | None:
         """The tag of the first frame of ``prefix``'s context from ``peer``, parked or next on the
         wire (frames of other contexts before it are parked), without taking it; None if its
         header has not arrived whole."""
         parked = self.parking.first(peer, prefix)
-        if parked is not None:
+        if parked is not None or peer in self._reader:  # (another thread reads a frame of it: not now)
             return parked
         link = self._links[peer]
         while True:
@@ -298,13 +264,14 @@ class TcpTransport(Transport):
             link.received += 1
             self._park(peer, got_tag, nbytes, mac, where)
 
+    @locked
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
         """The tag of the next unread frame from each peer whose header MAC checks out (a header
         an attacker slipped in must not turn a deadline into a mismatch blaming a rank)."""
         tags = {}
         for peer, link in self._links.items():
             with contextlib.suppress(OSError):
-                peeked = peek_header(link)
+                peeked = None if peer in self._reader else peek_header(link)  # (not in another's frame)
                 if peeked is not None and peeked[0] == DATA:
                     tags[peer] = [peeked[1]]
         return tags
@@ -320,7 +287,7 @@ class TcpTransport(Transport):
         """Read the rest of an abort notice whose authentic header was just taken, check its MAC
         and keep it (in :attr:`_notices`)."""
         try:
-            payload = read_rest(self._links[peer], nbytes, mac, NOTICE_IO_S)
+            payload = self._read_rest(peer, nbytes, mac, NOTICE_IO_S)
         except OSError as exc:
             raise PeerLostError(f"rank {self.rank}: rank {peer} sent part of an abort notice ({exc}) "
                                 f"in {where}") from None
@@ -328,17 +295,21 @@ class TcpTransport(Transport):
             forged(self._links[peer], self.rank, peer, "abort notice", where)
         self._notices.append(AbortNotice.decode(payload.tobytes(), peer))
 
+    @locked
     def send_notice(self, notice: AbortNotice, to: Iterable[int] | None = None) -> None:
         """One frame per connection (to the peers ``to``; None: all), sequenced and MACed as any
-        frame; none on a connection left in the middle of a frame. One whose peer does not take
-        it within ``NOTICE_IO_S`` carries no more."""
+        frame; none on a connection left in the middle of a frame (or in another thread's). One
+        whose peer does not take it within ``NOTICE_IO_S`` carries no more."""
         if self._closed:
             return
         payload = notice.encode()
         for peer in self._links if to is None else to:
+            if peer in self._writer:
+                continue  # (another thread's frame is going out on it)
             if peer not in self._torn and not send_whole(self._links[peer], ABORT, payload, NOTICE_IO_S):
                 self._torn.add(peer)  # (it may have gone out in part)
 
+    @locked
     def notices(self, awaited: Iterable[int], grace_s: float) -> list[AbortNotice]:
         """The notices at the head of each connection (behind a message, one is not seen), and
         those ``awaited`` send within ``grace_s``."""
@@ -352,13 +323,12 @@ class TcpTransport(Transport):
                         pass
             if not awaited or grace.expired() or any(notice.via in awaited for notice in self._notices):
                 return list(self._notices)
-            self._watch(dict.fromkeys(awaited, selectors.EVENT_READ))
-            self._selector.select(grace.wait_s())
+            self._wait_ready(dict.fromkeys(awaited, selectors.EVENT_READ), grace.wait_s())
 
     def _notice_next(self, peer: int) -> bool:
         """Take the next frame from ``peer`` if it is an abort notice whose header has come."""
         link = self._links[peer]
-        peeked = peek_header(link)  # (None: not whole, or a frame this rank read in part)
+        peeked = None if peer in self._reader else peek_header(link)  # (None: not whole, or read in part)
         if peeked is None or peeked[0] != ABORT or peeked[2] > MAX_NOTICE_BYTES:
             return False
         _, _, nbytes, mac = peeked
@@ -371,6 +341,6 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        self._selector.close()
+        self._close_selectors()
         for link in self._links.values():
             link.sock.close()
