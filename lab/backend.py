@@ -12,10 +12,12 @@ counters and trace by changing one word::
 The world is one :class:`lab.Mesh` built from the store torch hands over
 (:meth:`lab.Mesh.from_store`; ``transport="auto"``: shared memory inside a host, TCP across).
 ``new_group`` makes a sub-mesh of it: the same channels, a context id agreed through the store,
-no new socket. ``timeout=`` of ``init_process_group`` is the lab's silence deadline;
+no new socket, and an issue order of its own (its own communication thread), so that groups
+progress independently, whatever order and thread each rank issues their calls in, as gloo's do.
+``timeout=`` of ``init_process_group`` is the lab's silence deadline;
 ``pg_options=lab.backend.Options(...)`` takes the rest.
 
-Every call returns a :class:`LabWork` at once and runs on the mesh's communication thread in
+Every call returns a :class:`LabWork` at once and runs on its group's communication thread in
 issue order. ``wait()`` raises ``torch.distributed.DistBackendError`` carrying the lab's message
 (rank, peer, collective, step) and the group's flight recorder, with the lab's exception as its
 ``__cause__``. A failed collective's future is completed with a value that raises that same
@@ -103,16 +105,18 @@ def create(options: Any, pg_options: Any = None) -> LabProcessGroup:
         _world.update(mesh=world, prefix=prefix, store=store, lent=False)
         return LabProcessGroup(world, lab_options)
     # A new_group (any group after the world's, even one of every rank: its collectives may
-    # interleave with the world's in any order): a sub-mesh with a context id of its own.
-    return LabProcessGroup(world.sub_mesh(members or list(range(world.world_size)), _agree_context(options)),
-                           lab_options)
+    # interleave with the world's in any order, from any thread): a sub-mesh with a context id and
+    # an issue order of its own.
+    group = world.sub_mesh(members or list(range(world.world_size)), _agree_context(options), own_order=True)
+    return LabProcessGroup(group, lab_options, own_order=True)
 
 
 def init_process_group(mesh: Mesh, **kwargs: Any) -> None:
     """Make torch's default process group over ``mesh``, this rank's mesh of ``lab.spawn`` or
     ``lab.launch`` (any transport, emulated hosts included) or of ``Mesh.from_env``: DDP, FSDP2,
-    DeviceMesh and ``new_group`` then run on it, in one issue order with the mesh's own calls, and
-    a recording of the mesh's rank (``workload=``) sees them.
+    DeviceMesh and ``new_group`` then run on it (the world's group in one issue order with the
+    mesh's own calls, each ``new_group`` in an order of its own), and a recording of the mesh's
+    rank (``workload=``) sees them.
 
     ``kwargs``: :func:`torch.distributed.init_process_group`'s (``pg_options=Options(...)``: its
     ``workload`` starts a recording if the mesh has none; ``transport``, ``recv_timeout_ms`` and

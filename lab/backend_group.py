@@ -2,7 +2,8 @@
 
 Each operation is checked and prepared in the caller (``lab.collectives.calls.prepare_*``: a bad
 argument raises there, as torch's own backends do) and runs on the mesh's communication thread in
-issue order; it returns a :class:`lab.backend_work.LabWork` at once. torch's tensor lists are
+issue order (a ``new_group``'s mesh has an order and thread of its own: groups progress
+independently); it returns a :class:`lab.backend_work.LabWork` at once. torch's tensor lists are
 flattened into one tensor per collective, as gloo does.
 
     group = LabProcessGroup(mesh, Options())        # what lab.backend.create builds
@@ -29,16 +30,20 @@ from lab.recording import Operation
 
 #: A collective with at most this many bytes of output runs on the calling thread when nothing
 #: else is in flight: handing it to the communication thread and waking the caller again cost
-#: more than a small collective (measured: bench/torch_backend.py).
+#: more than a small collective (measured: bench/torch_backend.py). Where another group has an
+#: order of its own, only a synchronous call (``async_op=False``: torch's ``opts.asyncOp``) does:
+#: an asynchronous one would hold its caller until its peers join, and a peer that issues another
+#: group's collective first may wait for one this caller would issue next.
 RUN_NOW_MAX_BYTES = 64 * 1024
 class LabProcessGroup(NamedGroup):
     """A ``torch.distributed`` process group whose every operation is a lab collective on
-    ``mesh`` (the world's mesh, or a sub-mesh of it for ``new_group``; not ``owns_mesh``: the
-    program's, :func:`lab.backend.init_process_group`)."""
+    ``mesh`` (the world's mesh, or a sub-mesh of it for ``new_group``, with ``own_order``: an issue
+    order of its own, stopped at ``shutdown``; not ``owns_mesh``: the program's,
+    :func:`lab.backend.init_process_group`)."""
 
-    def __init__(self, mesh: Mesh, options: Options, owns_mesh: bool = True) -> None:
+    def __init__(self, mesh: Mesh, options: Options, owns_mesh: bool = True, own_order: bool = False) -> None:
         super().__init__(mesh.rank, mesh.world_size)
-        self.mesh, self.options, self.owns_mesh = mesh, options, owns_mesh
+        self.mesh, self.options, self.owns_mesh, self.own_order = mesh, options, owns_mesh, own_order
 
     def __repr__(self) -> str:
         return f"lab process group {self._group_name or '?'} (rank {self.mesh.rank} of {self.mesh.world_size})"
@@ -68,13 +73,16 @@ class LabProcessGroup(NamedGroup):
         return self.options.algorithms.get(collective, "auto")
 
     def _work(self, run: Callable[[], Any], outputs: list, op: str, inputs: list, ran: Any = None,
-              **rest: Any) -> LabWork:
-        """The Work of ``run``, torch's ``op`` of ``inputs`` into ``outputs``, running the lab
-        collective ``ran`` (``lab.collectives.Prepared``, or a list of them; noted as
-        :func:`lab.backend_args.describe` says). A collective of at most ``RUN_NOW_MAX_BYTES`` of
-        output runs before this returns when nothing else is in flight (the Work is then complete);
-        a send or receive always goes to the communication thread (an irecv must not block)."""
-        p2p, now = (op, False) if op in ("send", "recv") else ("", output_bytes(outputs) <= RUN_NOW_MAX_BYTES)
+              opts: Any = None, **rest: Any) -> LabWork:
+        """The Work of ``run``, torch's ``op`` of ``inputs`` into ``outputs`` (its options ``opts``),
+        running the lab collective ``ran`` (``lab.collectives.Prepared``, or a list of them; noted
+        as :func:`lab.backend_args.describe` says). A collective of at most ``RUN_NOW_MAX_BYTES`` of
+        output runs before this returns when nothing else is in flight, and either no group has an
+        order of its own or torch waits on it at once (the Work is then complete); a send or
+        receive always goes to the communication thread (an irecv must not block)."""
+        p2p = op if op in ("send", "recv") else ""
+        now = not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES and (
+            self.mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False)
         what = describe(self.mesh, self.dim, op, inputs, outputs, ran=ran, **rest)
         return LabWork(self, run, outputs, now, p2p, what)
 
@@ -90,7 +98,7 @@ class LabProcessGroup(NamedGroup):
                 tensor.mul_(factor)  # in place anyway: the result replaces it
             prepared.run()
 
-        return self._work(run, tensors, "allreduce", tensors, ran=prepared, reduce_op=op)
+        return self._work(run, tensors, "allreduce", tensors, ran=prepared, opts=opts, reduce_op=op)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         op, factor = lab_op(opts.reduceOp)
@@ -102,12 +110,13 @@ class LabProcessGroup(NamedGroup):
             prepared.run()
             unflatten_into(flat, tensors)
 
-        return self._work(run, tensors, "allreduce", tensors, ran=prepared, reduce_op=op)
+        return self._work(run, tensors, "allreduce", tensors, ran=prepared, opts=opts, reduce_op=op)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(tensors, "broadcast")
         prepared = collectives.prepare_broadcast(self.mesh, tensor, opts.rootRank, self._algorithm("broadcast"))
-        return self._work(prepared.run, tensors, "broadcast", tensors, ran=prepared, root=opts.rootRank)
+        return self._work(prepared.run, tensors, "broadcast", tensors, ran=prepared, opts=opts,
+                          root=opts.rootRank)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(tensors, "reduce")
@@ -124,7 +133,7 @@ class LabProcessGroup(NamedGroup):
             if factor is not None and self.mesh.rank == dst:
                 tensor.copy_(source)
 
-        return self._work(run, tensors, "reduce", tensors, ran=prepared, root=dst, reduce_op=op)
+        return self._work(run, tensors, "reduce", tensors, ran=prepared, opts=opts, root=dst, reduce_op=op)
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: Any = None) -> LabWork:
@@ -134,7 +143,7 @@ class LabProcessGroup(NamedGroup):
         # the tensor itself: read when the gather runs, after the collectives issued before it
         prepared = collectives.prepare_allgather(self.mesh, tensor, self._algorithm("allgather"))
         run = lambda: unflatten_into(prepared.run().reshape(-1), outputs)
-        return self._work(run, output_lists, "allgather", inputs, ran=prepared)
+        return self._work(run, output_lists, "allgather", inputs, ran=prepared, opts=opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -159,7 +168,8 @@ class LabProcessGroup(NamedGroup):
             for i, gather in enumerate(prepared):
                 unflatten_into(gather.run().reshape(-1), [outputs[i] for outputs in output_lists])
 
-        return self._work(run, [t for outputs in output_lists for t in outputs], "allgather", inputs, ran=prepared)
+        return self._work(run, [t for outputs in output_lists for t in outputs], "allgather", inputs, ran=prepared,
+                          opts=opts)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> LabWork:
@@ -172,7 +182,7 @@ class LabProcessGroup(NamedGroup):
             for output, gather in zip(outputs, prepared, strict=True):
                 output.copy_(gather.run().view_as(output))
 
-        return self._work(run, outputs, "allgather", inputs, ran=prepared)
+        return self._work(run, outputs, "allgather", inputs, ran=prepared, opts=opts)
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: Any = None) -> LabWork:
@@ -187,7 +197,7 @@ class LabProcessGroup(NamedGroup):
             flatten_into(flat, inputs, factor)
             output.copy_(prepared.run().view_as(output))
 
-        return self._work(run, outputs, "reduce_scatter", input_lists, ran=prepared, reduce_op=op)
+        return self._work(run, outputs, "reduce_scatter", input_lists, ran=prepared, opts=opts, reduce_op=op)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
@@ -216,7 +226,7 @@ class LabProcessGroup(NamedGroup):
                     flatten_into(source, [tensor], factor)
                 output.copy_(prepared.run().view_as(output))
 
-        return self._work(run, outputs, "reduce_scatter", inputs, ran=ran, reduce_op=op)
+        return self._work(run, outputs, "reduce_scatter", inputs, ran=ran, opts=opts, reduce_op=op)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> LabWork:
@@ -227,7 +237,8 @@ class LabProcessGroup(NamedGroup):
                                                   input_split_sizes=list(input_split_sizes) or None,
                                                   algorithm=self._algorithm("all_to_all"))
         return self._work(lambda: output.copy_(prepared.run().view_as(output)), [output], "all_to_all",
-                          [input], ran=prepared, split_sizes=(input_split_sizes, output_split_sizes))
+                          [input], ran=prepared, opts=opts,
+                          split_sizes=(input_split_sizes, output_split_sizes))
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> LabWork:
         check_count(outputs, self.mesh.world_size, "output_tensor_list")
@@ -243,7 +254,7 @@ class LabProcessGroup(NamedGroup):
             unflatten_into(prepared.run(), outputs)
 
         splits = ([t.numel() for t in inputs], [t.numel() for t in outputs])
-        return self._work(run, outputs, "all_to_all", inputs, ran=prepared, split_sizes=splits)
+        return self._work(run, outputs, "all_to_all", inputs, ran=prepared, opts=opts, split_sizes=splits)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(inputs, "gather")
@@ -258,7 +269,7 @@ class LabProcessGroup(NamedGroup):
             if gathered is not None:
                 unflatten_into(gathered.reshape(-1), outputs)
 
-        return self._work(run, outputs, "gather", inputs, ran=prepared, root=dst)
+        return self._work(run, outputs, "gather", inputs, ran=prepared, opts=opts, root=dst)
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> LabWork:
         output = one(outputs, "scatter")
@@ -276,11 +287,11 @@ class LabProcessGroup(NamedGroup):
             output.copy_(prepared.run().view_as(output))
 
         # every rank counts the whole, as lab.scatter takes it (only the root's is read)
-        return self._work(run, outputs, "scatter", [whole], ran=prepared, root=src)
+        return self._work(run, outputs, "scatter", [whole], ran=prepared, opts=opts, root=src)
 
     def barrier(self, opts: Any = None) -> LabWork:
         prepared = collectives.prepare_barrier(self.mesh)
-        return self._work(prepared.run, [], "barrier", [], ran=prepared)
+        return self._work(prepared.run, [], "barrier", [], ran=prepared, opts=opts)
 
     # -- point-to-point
 
@@ -316,7 +327,9 @@ class LabProcessGroup(NamedGroup):
     # -- lifetime
 
     def shutdown(self) -> None:
-        if self.owns_mesh:  # (the program's mesh outlives torch's groups)
+        if self.own_order:  # (its sub-mesh owns no channels: the world's mesh closes them)
+            self.mesh.issue_queue.close()
+        elif self.owns_mesh:  # (the program's mesh outlives torch's groups)
             self.mesh.close()
 
     def abort(self) -> None:

@@ -1,9 +1,14 @@
 """One issue order per mesh: collectives and point-to-point run in the order they were called.
 
 A root mesh and all its sub-meshes share one :class:`IssueQueue`: one communication thread for
-``async_op=True`` calls, one lock so that exactly one thread drives the transport at a time, and
-the rule that a synchronous call first waits for the asynchronous ones before it (so it reads its
+``async_op=True`` calls, one lock so that exactly one thread drives the mesh at a time, and the
+rule that a synchronous call first waits for the asynchronous ones before it (so it reads its
 input after them, and its messages follow theirs on every channel).
+
+A torch group (:mod:`lab.backend`'s ``new_group``) has an order of its own instead
+(:meth:`IssueQueue.own_order`): its own thread, lock and pending calls, so that it progresses
+whatever the other groups do, as gloo's groups do; the transports take several threads' calls
+at once, each context's messages kept apart (:mod:`lab.transport.parking`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -88,6 +94,9 @@ class Work:
 class IssueQueue:
     """The issue order of rank ``rank``'s meshes, owned by the process that made it."""
 
+    #: Where the rank records its calls (lab.recording): set by the layer that starts a recording.
+    recorder: Recording | None = None
+
     def __init__(self, rank: int) -> None:
         self._rank = rank
         self._owner_pid = this_process()  # a forked child must not touch the channels
@@ -101,8 +110,7 @@ class IssueQueue:
         self._sends: deque[tuple[int, _Send]] = deque()
         self._counting = threading.Lock()  # (two user threads may issue at once: no lost count)
         self.closed = False  # the mesh was closed: every later call is refused, on every transport
-        #: Where the rank records its calls (lab.recording): set by the layer that starts a recording.
-        self.recorder: Recording | None = None
+        self._orders: weakref.WeakSet[IssueQueue] = weakref.WeakSet()  # own_order's, closed with this one
 
     def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "",
               refused: Callable[[], None] | None = None, what: Operation | None = None) -> Any:
@@ -251,6 +259,23 @@ class IssueQueue:
             raise LabError(f"this mesh belongs to rank {self._rank}'s process (pid {self._owner_pid}); a process "
                            f"forked from it (pid {os.getpid()}) cannot use it")
 
+    def own_order(self) -> IssueQueue:
+        """An issue order of its own over the same channels, for a torch group: its own
+        communication thread, lock and pending calls (so its calls never wait for this order's,
+        nor this order's for its), recording where this one records, closed with it.
+
+            group_order = mesh.issue_queue.own_order()   # what lab.Mesh.sub_mesh(own_order=True) takes
+        """
+        order = _OwnOrder(self)
+        self._orders.add(order)
+        return order
+
+    @property
+    def alone(self) -> bool:
+        """True while no open order of its own shares this one's channels (:meth:`own_order`): a
+        call that holds up its caller until its peers join then waits on no other order's calls."""
+        return not any(not order.closed for order in self._orders)
+
     @property
     def in_flight(self) -> bool:
         """True while an asynchronous call has not completed."""
@@ -293,13 +318,47 @@ class IssueQueue:
     def close(self) -> None:
         """Stop the communication thread, before the transport closes: queued calls are
         cancelled, and one still running fails on the closed channels with a LabError saying so.
-        Not joined: the process ends soon anyway."""
+        Not joined: the process ends soon anyway. The orders of its own (:meth:`own_order`) close too."""
+        self._stop()
+        for order in list(self._orders):
+            order.close()
+        if self.recorder is not None:
+            self.recorder.close()  # (lines after the last step's end, kept in memory until now)
+
+    def _stop(self) -> None:
         self.closed = True
         if self._thread is not None:
             self._thread.shutdown(wait=False, cancel_futures=True)
             self._thread = None
-        if self.recorder is not None:
-            self.recorder.close()  # (lines after the last step's end, kept in memory until now)
+
+
+class _OwnOrder(IssueQueue):
+    """An issue order of its own over the channels of ``root``'s (:meth:`IssueQueue.own_order`)."""
+
+    def __init__(self, root: IssueQueue) -> None:
+        super().__init__(root._rank)
+        self._root = root
+        self.closed = root.closed
+
+    @property
+    def recorder(self) -> Recording | None:
+        """The root order's: a recording of the rank sees every order's calls."""
+        return self._root.recorder
+
+    @recorder.setter
+    def recorder(self, value: Recording | None) -> None:
+        self._root.recorder = value
+
+    @property
+    def alone(self) -> bool:
+        return False  # (the root's order shares the channels)
+
+    def own_order(self) -> IssueQueue:
+        return self._root.own_order()
+
+    def close(self) -> None:
+        """Stop this order's thread (its root's recording goes on)."""
+        self._stop()
 
 
 class _ThreadState(threading.local):

@@ -15,6 +15,7 @@ import numpy as np
 
 from lab import checks, recording
 from lab.channels import Channels
+from lab.exchange import Exchange
 from lab.flight import TraceFile
 from lab.membership import Membership, agree_split
 from lab.ops import DTYPES
@@ -201,7 +202,7 @@ class Mesh(PointToPoint):
         members, context, channels.next_context = agree_split(self.issue(run, async_op=False), color)
         return None if members is None else self._view(self._membership.sub(members, context))
 
-    def sub_mesh(self, members: list[int], context: int) -> Mesh:
+    def sub_mesh(self, members: list[int], context: int, own_order: bool = False) -> Mesh:
         """The sub-mesh of ``members`` (this mesh's ranks, in the sub-mesh's rank order; this rank
         among them) under the context id ``context``, without any communication: what
         :meth:`split` returns once the ranks agreed, and what the torch backend's ``new_group``
@@ -212,7 +213,33 @@ class Mesh(PointToPoint):
         messages are told from theirs by it alone. The sub-mesh shares this mesh's channels,
         issue order and deadlines, and counts its bytes in this mesh's ``stats()`` too.
 
+        ``own_order=True`` (a torch group's): an issue order of its own instead
+        (:meth:`lab.issue.IssueQueue.own_order`: its own communication thread and lock), so that
+        its calls progress whatever the other meshes' do, issued in any order by each rank and
+        from any thread; closed with this mesh's, or by ``sub.issue_queue.close()``.
+
             pair = mesh.sub_mesh([2, 0], context=9)   # ranks 0 and 2 of N=4, each calling it
             pair.rank                                 # rank 2: 0, rank 0: 1
         """
-        return self._view(self._membership.sub(members, context))
+        membership = self._membership.sub(members, context)
+        if not own_order:
+            return self._view(membership)
+        view = object.__new__(type(self))
+        Exchange.__init__(view, _OwnOrderChannels(self._channels), membership, self._lineage)
+        return view
+
+
+class _OwnOrderChannels:
+    """``channels`` as a sub-mesh with an issue order of its own sees them (:meth:`Mesh.sub_mesh`):
+    every attribute the shared one's (read and written there: its closing, cleanness and context
+    count are every mesh's), but ``issue``."""
+
+    def __init__(self, channels: Channels) -> None:
+        object.__setattr__(self, "_shared", channels)
+        object.__setattr__(self, "issue", channels.issue.own_order())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._shared, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._shared, name, value)
