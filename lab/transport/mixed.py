@@ -74,6 +74,11 @@ class MixedTransport(Transport):
         # Both kinds at once: TCP on the helper thread, shm here; the first failure is raised.
         helper = self._helpers.get(threading.get_ident())
         if helper is None:
+            alive = {thread.ident for thread in threading.enumerate()}
+            for gone in [ident for ident in list(self._helpers) if ident not in alive]:  # (its thread ended)
+                ended = self._helpers.pop(gone, None)  # (another thread may be at it too)
+                if ended is not None:
+                    ended.shutdown(wait=False)
             helper = self._helpers[threading.get_ident()] = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix=f"lab-tcp-{self.rank}")
         remote = helper.submit(self._remote.exchange, remote_sends, remote_recvs, tag, timeout_s, where)
