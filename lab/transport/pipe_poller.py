@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from lab import checks
 from lab.transport.base import Silence
+from lab.transport.waiters import Waiters
 
 #: Non-blocking polls before a wait blocks (``LAB_SHM_SPIN`` overrides).
 DEFAULT_SPIN = 50
@@ -30,25 +31,27 @@ class PipePoller:
     """Waits for the pipes of a set of peers: one ``poll`` object per set awaited, and per thread
     (one object must not be polled by two threads at once). ``lock``: the transport's, which the
     waiting thread holds and lets go of while it waits (other threads' calls go on meanwhile:
-    :mod:`lab.transport.base`'s Threads)."""
+    :mod:`lab.transport.base`'s Threads); ``waiters``: who to wake when a thread drained what
+    another waits for (:mod:`lab.transport.waiters`)."""
 
     def __init__(self, read_fd: Mapping[int, int], lock: threading.RLock) -> None:
-        self._read_fd, self._lock = read_fd, lock
+        self._read_fd, self._lock, self.waiters = read_fd, lock, Waiters()
         self._peer_of_fd = {fd: peer for peer, fd in read_fd.items()}
         self._local = _ThreadPollers()
         self._spin = spin_from_env()
 
     def readable(self, peers: frozenset[int], silence: Silence) -> list[int]:
         """The peers of ``peers`` whose pipes have something (data or end-of-file), or none once
-        ``silence``'s next wait is up. Spin first (``LAB_SHM_SPIN`` polls, each followed by
-        ``sched_yield``), then block in ``poll``."""
+        ``silence``'s next wait is up, or another thread woke this one (its messages may be queued).
+        Spin first (``LAB_SHM_SPIN`` polls, each followed by ``sched_yield``), then block in ``poll``."""
         pollers = self._local.by_peers
         poller = pollers.get(peers)
         if poller is None:
             poller = pollers[peers] = select.poll()
-            for peer in peers:
-                poller.register(self._read_fd[peer], select.POLLIN)
+            for fd in (*(self._read_fd[peer] for peer in peers), self.waiters.fd):
+                poller.register(fd, select.POLLIN)
         events = None
+        self.waiters.wait_begins()
         self._lock.release()
         try:
             for _ in range(self._spin):
@@ -60,7 +63,8 @@ class PipePoller:
                 events = poller.poll(min(silence.wait_s(), SHARED_LOOK_S) * 1000)
         finally:
             self._lock.acquire()
-        return [self._peer_of_fd[fd] for fd, _ in events] if events else []
+            self.waiters.wait_ends()
+        return [self._peer_of_fd[fd] for fd, _ in events if fd in self._peer_of_fd] if events else []
 
 
 class _ThreadPollers(threading.local):

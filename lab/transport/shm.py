@@ -356,6 +356,7 @@ class ShmTransport(PipeNotices, Transport):
             else:
                 self._arrived[peer].append((kind, slot, nbytes, tag, payload))
         self._partial[peer] = bytes(data[whole:])  # the start of a frame whose rest is still in the pipe
+        self._poller.waiters.wake_others()  # (what came may be for another thread's call)
 
     def queued_bytes(self, peer: int) -> int:
         """Bytes ``peer`` has sent that this rank holds but has not consumed (eager payloads and

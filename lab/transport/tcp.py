@@ -58,7 +58,7 @@ from lab.transport.frames import (
 )
 from lab.transport.handshake import MAGIC, VERSION, Link, connect_mesh
 from lab.transport.parking import Parking, check_arrival
-from lab.transport.tcp_turns import HELD_UP_LOOK_S, Turns
+from lab.transport.tcp_turns import Turns
 
 #: A wait looks up at least this often (seconds): a close() on another thread does not wake a
 #: selector, and a call still waiting when its mesh closes must fail at once, not at its deadline.
@@ -159,6 +159,7 @@ class TcpTransport(Turns, Transport):
         if payload is None:
             forged(self._links[peer], self.rank, peer, "frame", where)
         self.parking.park(peer, got_tag, nbytes, payload, where)
+        self._waiters.wake_others()  # (another thread may wait for it)
 
     def _run(self, sending: dict, receiving: dict, tag: bytes, timeout_s: float, where: object) -> None:
         silence = Silence(timeout_s)
@@ -178,8 +179,7 @@ class TcpTransport(Turns, Transport):
                     pending[peer] = pending.get(peer, 0) | selectors.EVENT_READ
             if not pending and not held_up:
                 return
-            look_s = HELD_UP_LOOK_S if held_up else CLOSED_LOOK_S
-            ready = self._wait_ready(pending, min(silence.wait_s(), look_s))
+            ready = self._wait_ready(pending, min(silence.wait_s(), CLOSED_LOOK_S))  # (woken at a turn's end)
             if not ready:
                 if not silence.expired():
                     continue  # a long wait taken in slices

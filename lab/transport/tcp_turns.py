@@ -3,10 +3,11 @@ drive it at once (:mod:`lab.transport.base`'s Threads: a torch group's issue ord
 
 A frame is written, or read, by one thread from its first byte to its last: that thread's job is
 the connection's writer (or reader) until then, and another thread's frame for that connection
-waits its turn (it looks again every ``HELD_UP_LOOK_S``). A frame takes its sequence number (so
-its MAC) when its first byte goes, so that frames go out whole and in their numbers' order,
-whichever thread sends them. Each thread waits on a selector of its own, with the transport's
-lock let go. :class:`Turns` is a part of :class:`lab.transport.tcp.TcpTransport`.
+waits its turn. A frame takes its sequence number (so its MAC) when its first byte goes, so that
+frames go out whole and in their numbers' order, whichever thread sends them. Each thread waits
+on a selector of its own, with the transport's lock let go, and is woken when another thread
+parks a frame or ends its turn on a connection (:mod:`lab.transport.waiters`). :class:`Turns` is
+a part of :class:`lab.transport.tcp.TcpTransport`.
 
     self._start_turns()                          # in the transport's __init__
     ready = self._wait_ready({peer: selectors.EVENT_READ}, timeout_s)
@@ -25,10 +26,8 @@ from lab.errors import PeerLostError
 from lab.transport.frames import HEADER, MAC_BYTES, Job, head, read_rest
 from lab.transport.handshake import Link
 from lab.transport.parking import Parking, check_arrival
+from lab.transport.waiters import Waiters
 
-#: A wait held up by another thread's frame on a connection (being written or read) looks again
-#: this often: that thread's progress wakes no selector of this one.
-HELD_UP_LOOK_S = 0.002
 #: The reader of a connection while a frame of it is read whole outside any receive (a parked
 #: frame of ``ready_source``, an abort notice): :meth:`Turns._read_rest`.
 READING_WHOLE = object()
@@ -49,13 +48,16 @@ class Turns:
         self._reader: dict[int, object] = {}
         self._local = _ThreadWait()  # each thread's selector, what it watches and its silence limit
         self._selectors: weakref.WeakSet = weakref.WeakSet()  # every thread's, closed by _close_selectors
+        self._waiters = Waiters()  # (woken when another thread parks a frame or ends a turn)
 
     def _wait_ready(self, wanted: dict[int, int], timeout_s: float) -> list:
         """This thread's selector made to watch exactly ``wanted`` (peer -> events), then waited
-        on for at most ``timeout_s`` with the lock let go: what it found ready."""
+        on for at most ``timeout_s`` with the lock let go: what it found ready (nothing where another
+        thread woke it: :meth:`_turn_ends`)."""
         local = self._local
         if local.selector is None:
             local.selector = selectors.DefaultSelector()
+            local.selector.register(self._waiters.fd, selectors.EVENT_READ)
             self._selectors.add(local.selector)
         selector, watched = local.selector, local.watched
         for peer in [p for p in watched if p not in wanted]:
@@ -67,11 +69,19 @@ class Turns:
             elif watched[peer] != events:
                 selector.modify(self._links[peer].sock, events)
             watched[peer] = events
+        woken_by = self._waiters.wait_begins()
         self._lock.release()
         try:
-            return selector.select(timeout_s)
+            return [(key, events) for key, events in selector.select(timeout_s) if key.fd != woken_by]
         finally:
             self._lock.acquire()
+            self._waiters.wait_ends()
+
+    def _turn_ends(self, turns: dict[int, object], peer: int) -> None:
+        """``peer``'s connection has no writer (``turns`` the writers) or reader any more: a thread
+        whose frame waited for it goes on."""
+        del turns[peer]
+        self._waiters.wake_others()
 
     def _send_some(self, job: Job) -> None:
         """Send what the connection takes now of ``job``'s frame, unless another thread's frame is
@@ -92,7 +102,7 @@ class Turns:
         with contextlib.suppress(BlockingIOError):
             job.send_some(self._links[peer].sock)
         if job.done:
-            del self._writer[peer]
+            self._turn_ends(self._writer, peer)
 
     def _recv_some(self, job: Job, tag: bytes, where: object) -> None:
         """Read what has come of the receive ``job``'s frame, unless another thread reads a frame
@@ -103,8 +113,8 @@ class Turns:
         try:
             self._read_frame(job, tag, where)
         finally:
-            if job.done or job.header_done == 0:  # (between frames: the connection is free)
-                self._reader.pop(job.peer, None)
+            if (job.done or job.header_done == 0) and job.peer in self._reader:  # (between frames)
+                self._turn_ends(self._reader, job.peer)
 
     def _take_parked(self, job: Job, tag: bytes, where: object) -> bool:
         """Serve the receive ``job``, none of whose frame it has read yet, from a parked frame of
@@ -133,7 +143,7 @@ class Turns:
         finally:
             self._lock.acquire()
             if reader is READING_WHOLE:
-                del self._reader[peer]
+                self._turn_ends(self._reader, peer)
 
     def _left_unsent(self, sending: dict[int, Job], receiving: dict[int, Job]) -> None:
         """After a failed exchange: the connections its frames held are let go. A frame that took
@@ -141,14 +151,14 @@ class Turns:
         connection left in the middle of a frame carries no more."""
         for peer, job in sending.items():
             if self._writer.get(peer) is job:
-                del self._writer[peer]
+                self._turn_ends(self._writer, peer)
                 if job.header_done == 0:
                     self._links[peer].sent -= 1
                 else:
                     self._torn.add(peer)
         for peer, job in receiving.items():
             if self._reader.get(peer) is job:
-                del self._reader[peer]
+                self._turn_ends(self._reader, peer)
 
     def _close_selectors(self) -> None:
         for selector in list(self._selectors):
