@@ -51,7 +51,7 @@ class PipePoller:
             for fd in (*(self._read_fd[peer] for peer in peers), self.waiters.fd):
                 poller.register(fd, select.POLLIN)
         events = None
-        self.waiters.wait_begins()
+        wake_fd = self.waiters.wait_begins()
         self._lock.release()
         try:
             for _ in range(self._spin):
@@ -63,7 +63,7 @@ class PipePoller:
                 events = poller.poll(min(silence.wait_s(), SHARED_LOOK_S) * 1000)
         finally:
             self._lock.acquire()
-            self.waiters.wait_ends()
+            self.waiters.wait_ends(bool(events) and any(fd == wake_fd for fd, _ in events))
         return [self._peer_of_fd[fd] for fd, _ in events if fd in self._peer_of_fd] if events else []
 
 

@@ -69,13 +69,14 @@ class Turns:
             elif watched[peer] != events:
                 selector.modify(self._links[peer].sock, events)
             watched[peer] = events
-        woken_by = self._waiters.wait_begins()
+        woken_by, ready = self._waiters.wait_begins(), []
         self._lock.release()
         try:
-            return [(key, events) for key, events in selector.select(timeout_s) if key.fd != woken_by]
+            ready = selector.select(timeout_s)
         finally:
             self._lock.acquire()
-            self._waiters.wait_ends()
+            self._waiters.wait_ends(any(key.fd == woken_by for key, _ in ready))
+        return [(key, events) for key, events in ready if key.fd != woken_by]
 
     def _turn_ends(self, turns: dict[int, object], peer: int) -> None:
         """``peer``'s connection has no writer (``turns`` the writers) or reader any more: a thread

@@ -11,7 +11,7 @@ is lost: a thread that takes in a message either does so before the waiter looke
 it) or after it began to wait (and wakes it).
 
     wake_fd = waiters.wait_begins()     # under the lock; then poll the peers and wake_fd, unlocked
-    waiters.wait_ends()                 # under the lock again
+    waiters.wait_ends(woken)            # under the lock again; woken: the poll found wake_fd set
     waiters.wake_others()               # under the lock, having taken in what another may wait for
 """
 
@@ -39,12 +39,13 @@ class Waiters:
         fd = self._waiting[threading.get_ident()] = self._own.fd
         return fd
 
-    def wait_ends(self) -> None:
-        """This thread waits no more; its eventfd is cleared (a wake-up it got has done its work)."""
-        fd = self._waiting.pop(threading.get_ident(), None)
-        if fd is not None:
+    def wait_ends(self, woken: bool) -> None:
+        """This thread waits no more; ``woken``: its eventfd was found set, and is cleared (the
+        wake-up has done its work; one set after its wait ended only wakes its next wait early)."""
+        self._waiting.pop(threading.get_ident(), None)
+        if woken:
             with contextlib.suppress(BlockingIOError):
-                os.eventfd_read(fd)
+                os.eventfd_read(self._own.fd)
 
     def wake_others(self) -> None:
         """Wake every other thread waiting now: what it waits for may have come in."""
