@@ -29,7 +29,7 @@ class Channels:
         self.transport, self.transport_name, self.recv_timeout_ms, self.trace = \
             transport, transport_name, recv_timeout_ms, trace
         self.placement = placement
-        self.issue = IssueQueue(transport.rank)  # shared by every sub-mesh: one issue order
+        self.issue = IssueQueue(transport.rank)  # shared by every sub-mesh but a torch group's (own_order)
         # What a long wait in the shared memory (the mailboxes, the two-shot) calls: it drains the
         # pipes meanwhile (kernels.hook.call_hook). Held weakly: the hook must not keep us alive.
         park_pending = getattr(transport, "park_pending", None)

@@ -100,7 +100,7 @@ class IssueQueue:
     def __init__(self, rank: int) -> None:
         self._rank = rank
         self._owner_pid = this_process()  # a forked child must not touch the channels
-        self._driving = threading.Lock()  # exactly one thread drives the transport at a time
+        self._driving = threading.Lock()  # exactly one thread drives this order's calls at a time
         self._thread: ThreadPoolExecutor | None = None
         self._pending: list[Work] = []
         self._local = _ThreadState()
