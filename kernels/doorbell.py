@@ -31,7 +31,8 @@ MISMATCH = 1  # a peer's fingerprint or byte count differs from ours (peer_finge
 SILENCE = 2  # no progress from failed_peer for deadline_ns
 PEER_LOST = 3  # failed_peer's liveness pipe hung up before its message came
 INVALID = 4  # a usage error: a peer rank out of range or our own, a bad fingerprint, items over a slot
-STATUS_NAMES = ("ok", "mismatch", "silence", "peer lost", "invalid")
+STRAY = 5  # failed_peer's next message is of an earlier collective of ours, left unread (peer_fingerprint)
+STATUS_NAMES = ("ok", "mismatch", "silence", "peer lost", "invalid", "stray")
 
 # --- policy ---------------------------------------------------------------------------------------
 

@@ -7,11 +7,17 @@ one writer and two ranks never fight over it::
 
     per rank r (128 bytes)      doorbell (int32: the futex word r sleeps on; any peer bumps it)
                                 sleeping (int64: 1 while r may be asleep on its doorbell; r writes)
-    per ordered pair (s -> d)   sent     (int64: pieces s has published; s writes)
-                                taken    (int64: pieces d has consumed;  d writes)
+    per ordered pair (s -> d)   sent     (int64: pieces s has published; s writes), and on its line
+                                         pipe sent (int64: data frames s has written to its pipe to d)
+                                taken    (int64: pieces d has consumed;  d writes), and on its line
+                                         pipe taken (int64: data frames d has consumed of that pipe)
                                 depth x  slot: 64-byte header (fingerprint[32], piece bytes,
                                                message bytes), then slot_bytes of payload
                                                (the stride rounded up to 64 bytes)
+
+The pipe counters are the shm transport's (:mod:`lab.transport.shm`): where they differ, the
+pipe from s holds a message d has not received, which a compiled call looks at before its
+first transfer (:func:`kernels.rings.look_back`) without a system call.
 
 Each pair's slots form a single-producer/single-consumer ring: piece number n goes to slot
 n % depth. Counters start at 0 and only grow (int64: they never wrap). A message larger than
@@ -42,6 +48,8 @@ DOORBELL = 0  # int32 futex word, within the rank's area
 SLEEPING = LINE  # int64 flag, within the rank's area
 SENT = 0  # within a channel
 TAKEN = LINE
+PIPE_SENT = SENT + 8  # (on the line of sent: one writer)
+PIPE_TAKEN = TAKEN + 8  # (on the line of taken)
 SLOTS = 2 * LINE
 # The header's int64 words: fingerprint 0-3, then these.
 PIECE_WORD = 4

@@ -18,6 +18,12 @@ died (POLLHUP/POLLERR) makes it PEER_LOST, unless a last look finds the peer's m
 after all; a mailbox with a hook calls it (:mod:`kernels.hook`). Failures never raise nor hang
 inside compiled code: ``status`` is set, every later transfer of the collective returns at once.
 
+Looking back. Before a collective's first transfer, :func:`look_back` makes it STRAY if a peer's
+next message in our ring is of an earlier collective of ours (a call that left it unread: ranks
+that disagreed on a root, each only sending), and calls the hook if the shm transport's pipe
+counters say a pipe holds a message not received yet (the hook drains the pipes and raises for
+one of an earlier collective): a couple of loads per peer, no system call.
+
 The entry points (:func:`begin`, :func:`send`, :func:`recv`, :func:`recv_fold`, :func:`sendrecv`,
 :func:`sendrecv_fold`) take a ``MailboxPeers`` (:mod:`kernels.mailbox`) and a buffer as an address
 and byte count, or ``out`` and a reduction to fold into it::
@@ -42,6 +48,7 @@ from kernels.doorbell import (
     OK,
     PEER_LOST,
     SILENCE,
+    STRAY,
     nap,
     raise_flag,
     ring,
@@ -59,6 +66,8 @@ from kernels.mailbox_layout import (
     MESSAGE_WORD,
     OUT_CHANNEL,
     PIECE_WORD,
+    PIPE_SENT,
+    PIPE_TAKEN,
     RANK_AREA_BYTES,
     SENT,
     SENT_BY_ME,
@@ -84,6 +93,59 @@ def begin(peers, fingerprint, deadline_ns):
         return
     for i in range(FINGERPRINT_BYTES):
         peers.fingerprint[i] = fingerprint[i]
+
+
+@njit(cache=True, nogil=True)
+def look_back(peers):
+    """Before the collective's first transfer (its fingerprint set by :func:`begin`): STRAY,
+    naming the peer and its message, if a peer's next message in our ring is of an earlier
+    collective of this context; else, with a hook, call it if a pipe holds a message not received."""
+    fingerprint = peers.fingerprint_words
+    peer = earlier_in_ring(peers.words, peers.rings[IN_CHANNEL], peers.depth, slot_stride(peers.slot_bytes),
+                           fingerprint[0], fingerprint[1])
+    if peer >= 0:
+        channel, n = peers.rings[IN_CHANNEL, peer], peers.rings[TAKEN_BY_ME, peer]
+        _mismatch(peers, peer, channel + SLOTS + (n % peers.depth) * slot_stride(peers.slot_bytes))
+        peers.status = STRAY
+    elif peers.hook != 0 and unread_on_pipes(peers.words, peers.rings[IN_CHANNEL]) >= 0:
+        call_hook(peers.hook, peers.fingerprint)
+
+
+@njit(cache=True, nogil=True)
+def earlier_in_ring(words, in_channels, depth, stride, context_word, seq):
+    """The first peer whose next unread message in our ring is in the context ``context_word``
+    (a fingerprint's first word) with a number below ``seq``; -1 if none. ``in_channels[p]``:
+    where the channel p -> us starts (-1: ourselves); ``stride``: :func:`slot_stride`'s."""
+    for peer in range(in_channels.size):
+        channel = in_channels[peer]
+        if channel < 0:
+            continue
+        taken = words[(channel + TAKEN) >> 3]  # (ours to write)
+        if load_acquire(words, (channel + SENT) >> 3) > taken:
+            header = (channel + SLOTS + (taken % depth) * stride) >> 3
+            if words[header] == context_word and words[header + 1] < seq:
+                return peer
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def anything_unread(words, in_channels, depth, stride, context_word, seq):
+    """Whether :func:`earlier_in_ring` or :func:`unread_on_pipes` finds a peer: one call from Python."""
+    return earlier_in_ring(words, in_channels, depth, stride, context_word, seq) >= 0 \
+        or unread_on_pipes(words, in_channels) >= 0
+
+
+@njit(cache=True, nogil=True)
+def unread_on_pipes(words, in_channels):
+    """The first peer whose pipe to us holds a data frame we have not consumed, by the shm
+    transport's counters (in the pipe, or read and held aside); -1 if none."""
+    for peer in range(in_channels.size):
+        channel = in_channels[peer]
+        if channel < 0:
+            continue
+        if load_acquire(words, (channel + PIPE_SENT) >> 3) != words[(channel + PIPE_TAKEN) >> 3]:
+            return peer
+    return -1
 
 
 @njit(cache=True, nogil=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+import numpy as np
+
 from kernels import hook as compiled_hooks
 from lab.errors import LabError
 from lab.flight import TraceFile
@@ -43,6 +45,10 @@ class Channels:
         if getattr(transport, "scratch", None) is not None:
             transport.scratch.hook = self.hook
         self.clean = True  # False once a transfer failed half-way: peers may hold its messages
+        #: The books (lab.plane's ledger: its SEQ word, the last collective's number) of each live
+        #: mesh by context id: a message of a number past its mesh's was sent by a call this rank
+        #: never made (lab.unread.raise_if_unread).
+        self.ledgers: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
         self.closed = False
         self.next_context = 1  # past every sub-mesh context id this rank has used (Mesh.split)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kernels import doorbell as wait_status
-from lab import fingerprint
+from lab import fingerprint, unread
 from lab.buffers import new_flat
 from lab.channels import Channels
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
@@ -69,6 +69,7 @@ class Exchange:
         # The collective number and the counts and flight records of compiled calls that keep
         # their own books (lab.plane: SEQ, BOOKED, RING): the plane's, where this mesh has one.
         self._ledger = self.plane.ledger if self.plane is not None else np.zeros(LEDGER_WORDS, np.int64)
+        channels.ledgers[membership.context] = self._ledger
         self._tag = b""
         self._p2p_sent: Counter[tuple[int, int]] = Counter()  # point-to-point sequence numbers, per (peer, tag)
         self._p2p_received: Counter[tuple[int, int]] = Counter()
@@ -243,6 +244,10 @@ class Exchange:
         return CollectiveMismatchError(f"{who()} is in {fingerprint.describe(self._tag if expected is None else expected)}; "
                                        f"{who(src)} sent {fingerprint.describe(got)}")
 
+    def raise_if_unread(self, when: str) -> None:
+        """:func:`lab.unread.raise_if_unread` on this rank's channels (at close, at a run's end)."""
+        unread.raise_if_unread(self._channels, self._membership.who, when)
+
     def raise_if_mismatched(self, tag: bytes | None = None) -> None:
         """After a deadline or a lost peer: did a peer send this collective's number (``tag``'s;
         default: the current one's) with another fingerprint? (:func:`lab.fingerprint.disagreeing`)"""
@@ -267,6 +272,7 @@ class Exchange:
         """
         record, start_ns, before = self._begin(name, algorithm, dtype, count, op, root, compiled)
         try:
+            unread.raise_if_stray(self, self._transport.stray(self._tag))  # (before its first transfer)
             yield
         except BaseException as exc:
             self.failed(record, exc)

@@ -78,6 +78,22 @@ def disagreeing(tag: bytes, unconsumed: dict[int, list[bytes]]) -> tuple[int, by
     return None
 
 
+def earlier(tag: bytes, unread: dict[int, list[bytes]]) -> tuple[int, bytes] | None:
+    """The first of the ``unread`` messages (tags by sender) of a collective of ``tag``'s context
+    numbered before ``tag``'s, as ``(sender, its tag)``; None if none.
+
+    Every rank receives all its messages of a collective in it, so such a message never will be:
+    a call left it (ranks that disagreed on a root, each only sending, and returning).
+    """
+    context, _, seq = FINGERPRINT.unpack_from(tag)[:3]
+    for src, tags in unread.items():
+        for got in tags:
+            got_context, p2p_tag, got_seq, coll = FINGERPRINT.unpack_from(got)[:4]
+            if got_context == context and not p2p_tag and coll and got_seq < seq:
+                return src, got
+    return None
+
+
 def describe(tag: bytes, numbered: bool = True) -> str:
     """``"allreduce #7 float32[1000] sum (ring)"`` for a message's tag (any bytes: a field out of
     range is shown as its number); ``numbered`` False leaves out the ``#7``."""

@@ -153,12 +153,20 @@ class Mesh(PointToPoint):
         """Stop the communication thread, then release the transport: queued collectives are
         cancelled, and one still running fails at once on the closed channels, with a
         :class:`lab.LabError` saying the mesh was closed. A sub-mesh owns nothing: closing it does
-        nothing (its root's close ends it)."""
+        nothing (its root's close ends it).
+
+        A message that arrived and was never received (ranks that disagreed on a root, each only
+        sending, in the program's last call) is then raised, once everything is released:
+        ``CollectiveMismatchError`` naming the call that sent it (:meth:`raise_if_unread`; not
+        after a failure, nor with a call in flight)."""
         if self._membership.members is not None:
             return
-        self._channels.closed = True
-        self._channels.issue.close()  # (first: what fails on the closed channels is told apart)
-        self._transport.close()
+        try:
+            self.raise_if_unread("closed the mesh")
+        finally:
+            self._channels.closed = True
+            self._channels.issue.close()  # (first: what fails on the closed channels is told apart)
+            self._transport.close()
 
     # -- sub-meshes ----------------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ release stores, waits that spin, yield, then sleep on a futex). A collective of 
 ``max_bytes`` whose algorithm is :func:`lab.compiled.compilable` runs its whole exchange in one
 call of that algorithm's compiled face: no interpreter between messages, no system call on the
 fast path. Everything the Python path guarantees holds: every message carries the collective's
-fingerprint and the receiver compares it (``CollectiveMismatchError``), a wait reads the clock
+fingerprint and the receiver compares it (``CollectiveMismatchError``; before its first transfer
+a call also looks for a message an earlier call left unread, in the mailboxes and, by counters, on
+the pipes: ``kernels.rings.look_back``), a wait reads the clock
 (``DeadlineError`` after ``recv_timeout_ms`` of silence) and polls each awaited peer's pipe for a
 hang-up (``PeerLostError``), and the counters, flight recorder and trace rows see the call.
 
@@ -39,7 +41,7 @@ import numba
 import numpy as np
 from numba import njit
 
-from kernels import doorbell, libc
+from kernels import doorbell, libc, rings
 from kernels import mailbox as mb
 from kernels.coded import coded_reduction
 from lab import checks, fingerprint
@@ -275,12 +277,14 @@ def max_bytes_from_env() -> int:
 
 @njit(inline="always")
 def _open(region, config):
-    """The mailboxes as ``kernels.mailbox.MailboxPeers``, for one collective."""
+    """The mailboxes as ``kernels.mailbox.MailboxPeers``, for one collective, once it looked back
+    for a message an earlier collective left unread (``kernels.rings.look_back``)."""
     n = config[WORLD_SIZE]
     peers = mb.open_mailbox(region, config[RANK], n, config[SLOT_BYTES], config[DEPTH],
                             config[LIVENESS:LIVENESS + n].astype(np.int32))
     peers.begin(config[FINGERPRINT:FINGERPRINT + 4].view(np.uint8), config[DEADLINE_NS])
     peers.spin_limit, peers.yield_limit, peers.hook = config[SPIN_LIMIT], config[YIELD_LIMIT], config[HOOK]
+    rings.look_back(peers)
     return peers
 
 

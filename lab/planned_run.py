@@ -15,7 +15,7 @@ import weakref
 from typing import Any, Protocol
 
 from kernels import doorbell as wait_status
-from lab import fingerprint
+from lab import fingerprint, unread
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
 from lab.fingerprint import Signature
 from lab.flight import FlightRecord, FlightRecorder, Position
@@ -102,7 +102,7 @@ def raise_compiled_failure(exchange: Exchanging, call: CompiledCall, tag: bytes 
     collective of ``tag`` (default: the exchange's current one)."""
     report = call.report()
     exchange.clean = False
-    if report.status != wait_status.MISMATCH:
+    if report.status not in (wait_status.MISMATCH, wait_status.STRAY):
         exchange.raise_if_mismatched(tag)  # the peer may be elsewhere because we disagree
     raise _compiled_failure(exchange, report, tag)
 
@@ -112,6 +112,8 @@ def _compiled_failure(exchange: Exchanging, report: Report, tag: bytes | None) -
     peer = report.failed_peer
     if report.status == wait_status.MISMATCH:
         return exchange.mismatch(peer, report.peer_tag, tag)
+    if report.status == wait_status.STRAY:
+        return unread.stray_error(exchange, peer, report.peer_tag, tag)
     if report.status == wait_status.SILENCE:
         return DeadlineError(f"{silence_error(exchange.rank, [peer], exchange.position)} "
                              f"(recv_timeout_ms={exchange.recv_timeout_ms:g})", [peer])

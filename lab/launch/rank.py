@@ -119,6 +119,7 @@ def _run(mesh: Mesh, task: bytes, rank_pid: int, rank: int) -> tuple[str, Any]:
         result = fn(mesh, *args)
         _leave_if_forked(rank_pid, rank)
         mesh.issue_queue.wait_all()  # a task ends when every collective it issued has completed
+        mesh.raise_if_unread("ended its run")  # (a message a disagreement left: not a silent end)
         if recorder is not None:
             recorder.close()  # its lines written: the parent may read the file once the run returns
         return "ok", pickle.dumps(result)

@@ -52,6 +52,7 @@ from multiprocessing import reduction
 
 import numpy as np
 
+from lab import fingerprint
 from lab.errors import CollectiveMismatchError, DeadlineError, LabError, PeerLostError
 
 Combine = Callable[[np.ndarray, np.ndarray], None]
@@ -272,10 +273,25 @@ class Transport(ABC):
         """
 
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
-        """Tags of messages that arrived but were not received yet, per sender (for diagnosis
-        after a deadline: a message from the same collective with another fingerprint means the
-        ranks disagree). Transports that cannot look without consuming return ``{}``."""
+        """Tags of messages that arrived but were not received yet, per sender, held aside
+        (:mod:`lab.transport.parking`) or still on the channel, looked at without waiting: for
+        diagnosis after a deadline (a message from the same collective with another fingerprint
+        means the ranks disagree), and where every message should have been received (a mesh's
+        close: :func:`lab.unread.raise_if_unread`). Transports that cannot look
+        return ``{}``."""
         return {}
+
+    def stray(self, tag: bytes) -> tuple[int, bytes] | None:
+        """Before the first transfer of the collective of ``tag``: a message of an earlier
+        collective of its context that arrived and was not received (which it never will be:
+        :func:`lab.fingerprint.earlier`), as ``(sender, its tag)``; None if none. Looked for in
+        :meth:`unconsumed_tags` only where :meth:`holds_unread` says one may wait."""
+        return fingerprint.earlier(tag, self.unconsumed_tags()) if self.holds_unread(tag) else None
+
+    def holds_unread(self, tag: bytes) -> bool:
+        """Whether a message not received may wait that :meth:`stray` should look at: a glance,
+        with no system call (every collective asks). False where nothing is held."""
+        return False
 
     def send_notice(self, notice: AbortNotice) -> None:
         """Tell every peer ``notice``, where a link can carry it: best effort, never blocking for

@@ -110,6 +110,12 @@ class MixedTransport(Transport):
             if src is not None or left <= 0:
                 return src
 
+    def stray(self, tag: bytes) -> tuple[int, bytes] | None:
+        found = self._local.stray(tag)
+        if found is not None:
+            return found[0] + self._first, found[1]
+        return None if self._remote is None else self._remote.stray(tag)
+
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
         tags = {peer + self._first: t for peer, t in self._local.unconsumed_tags().items()}
         if self._remote is not None:

@@ -9,7 +9,10 @@ holds it aside (:meth:`Parking.park`), and the first receive of that context tak
 bound is a :class:`lab.LabError` naming it, not back-pressure (a held message is only taken by a
 later receive, and what this one waits for is behind it on the same channel, so not reading it
 would only turn the overflow into a silent wait until the deadline). A message of the receive's
-own context must carry its exact tag and byte count (:func:`check_arrival`).
+own context must carry its exact tag and byte count (:func:`check_arrival`). A message held of a
+collective numbered before the one a receive of its context is in will never be taken: a call
+left it unread (:func:`lab.fingerprint.earlier`, which a collective looks for before its first
+transfer).
 
 Per rank, inside a transport's receive from ``peer`` for ``tag``::
 
@@ -64,6 +67,7 @@ class Parking:
         self.rank = rank
         self._held: dict[int, list[tuple[bytes, int, Any]]] = {p: [] for p in peers}
         self._bytes = dict.fromkeys(self._held, 0)
+        self.messages = 0  # held now, from every peer (0: nothing to look at)
 
     def bound_passed(self, peer: int, nbytes: int) -> str | None:
         """The bound that holding ``nbytes`` more from ``peer`` would pass, as the error names it,
@@ -95,6 +99,7 @@ class Parking:
         self.room_for(peer, got_tag, nbytes, where)
         self._held[peer].append((got_tag, nbytes, entry))
         self._bytes[peer] += nbytes
+        self.messages += 1
 
     def take(self, peer: int, tag: bytes) -> tuple[bytes, Any] | None:
         """The first message held from ``peer`` in ``tag``'s context, as ``(its tag, entry)``, no
@@ -105,6 +110,7 @@ class Parking:
             return None
         got_tag, nbytes, entry = held.pop(index)
         self._bytes[peer] -= nbytes
+        self.messages -= 1
         return got_tag, entry
 
     def first(self, peer: int, tag: bytes) -> bytes | None:
@@ -114,6 +120,10 @@ class Parking:
     def held_bytes(self, peer: int) -> int:
         """Payload bytes held from ``peer``."""
         return self._bytes[peer]
+
+    def tags(self) -> dict[int, list[bytes]]:
+        """The tags of the messages held, per peer that has any, in arrival order."""
+        return {peer: [got for got, _, _ in held] for peer, held in self._held.items() if held}
 
 
 def raise_if_behind(rank: int, pending: Mapping[int, list[bytes]], tag: bytes, queue: str, where: object) -> None:

@@ -8,6 +8,12 @@ thread pickles it into a pipe in the background, so a send never blocks and a ri
 deadlock. A receive unpickles a copy and then copies or
 reduces it into the output. Every byte therefore crosses two extra copies and a pickle, which is
 exactly the cost the ``"shm"`` transport exists to remove.
+
+Counts. A message put reaches its queue a little later (its feeder thread writes it), so a
+receiver that looks for messages it will never receive (:meth:`QueueTransport.unconsumed_tags`, at
+the end of a run or at close) could miss one still on its way: every rank counts, in memory the
+ranks share, the messages it puts to each peer (before the put) and those it takes from each,
+and the receiver waits for those counted but not arrived yet.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from lab import fingerprint
 from lab.errors import PeerLostError
 from lab.transport.base import (
     Recv,
@@ -40,6 +48,8 @@ from lab.transport.parking import Parking, check_arrival
 LIVENESS_CHECK_S = 0.1
 #: How often a receive from any source looks at the queues again.
 READY_POLL_S = 0.0005
+#: How long a look for unread messages waits at most for one that was put but has not arrived.
+UNREAD_ARRIVAL_S = 1.0
 
 
 @dataclass
@@ -52,6 +62,7 @@ class QueueEndpoints:
     outbox: dict[int, object]  # dst -> multiprocessing.Queue rank -> dst
     alive: SharedFd | None = None  # write end of this rank's alive pipe
     peers_alive: dict[int, SharedFd] = field(default_factory=dict)  # read ends of the others'
+    counts: Any = None  # int64 [2, N, N], shared: messages put src -> dst, and taken by dst (see Counts)
 
     def close_in_parent(self) -> None:
         """The parent never uses the queues; drop its handles (it has no feeder thread to join)."""
@@ -63,7 +74,8 @@ class QueueEndpoints:
 
 def create_endpoints(context, world_size: int) -> list[QueueEndpoints]:
     """Build the full mesh in the parent: N(N-1) queues."""
-    endpoints = [QueueEndpoints(r, world_size, {}, {}) for r in range(world_size)]
+    counts = context.RawArray("q", 2 * world_size * world_size)
+    endpoints = [QueueEndpoints(r, world_size, {}, {}, counts=counts) for r in range(world_size)]
     for src in range(world_size):
         for dst in range(world_size):
             if src != dst:
@@ -94,6 +106,8 @@ class QueueTransport(Transport):
         # Messages taken off a queue but not yet received, per source: other contexts' (parked by a
         # receive), and any a receive from any source looked at; a receive takes its context's first.
         self.parking = Parking(self.rank, self._inbox)
+        n = self.world_size
+        self._counts = np.frombuffer(endpoints.counts, np.int64).reshape(2, n, n)  # put, taken: [src, dst]
         self._liveness = select.poll()
         for fd in self._peer_alive_fd.values():
             self._liveness.register(fd, select.POLLIN)
@@ -107,9 +121,11 @@ class QueueTransport(Transport):
     ) -> None:
         # Post every send first (they never block), then take each receive in turn.
         for send in sends:
+            self._counts[0, self.rank, send.dst] += 1  # (first: counted before it can arrive)
             self._outbox[send.dst].put((tag, send.data.copy()))  # snapshot: pickled later
         for recv in recvs:
             got_tag, payload = self._take(recv.src, tag, timeout_s, where)
+            self._counts[1, recv.src, self.rank] += 1
             check_arrival(self.rank, recv.src, tag, got_tag, recv.out.nbytes, payload.nbytes, where)
             if recv.combine is None:
                 recv.out[:] = payload
@@ -188,6 +204,37 @@ class QueueTransport(Transport):
                 time.sleep(min(left, READY_POLL_S))
             finally:
                 self._lock.acquire()
+
+    @locked
+    def unconsumed_tags(self) -> dict[int, list[bytes]]:
+        """Every message a live peer put for this rank and this rank did not take (see Counts),
+        moved into the parked lists (where a receive looks first: each peer's order is kept), and
+        everything parked. One counted but not arrived is waited for (at most ``UNREAD_ARRIVAL_S``);
+        a dead peer's queue is not read (it may hold the start of a message whose rest never
+        comes), nor one another thread's receive takes from."""
+        gone = {self._peer_of_fd[fd] for fd, _ in self._liveness.poll(0)}
+        for src, inbox in self._inbox.items():
+            if not self._reading[src].acquire(blocking=False):
+                continue
+            try:
+                coming = self._counts[0, src, self.rank] - self._counts[1, src, self.rank] - \
+                    len(self.parking.tags().get(src, ()))
+                silence = Silence(UNREAD_ARRIVAL_S)
+                while coming > 0 and src not in gone and not silence.expired():
+                    with contextlib.suppress(queue.Empty):
+                        got_tag, payload = inbox.get(timeout=min(silence.wait_s(), LIVENESS_CHECK_S))
+                        self.parking.park(src, got_tag, payload.nbytes, payload, "a look for unread messages")
+                        coming -= 1
+                    gone |= {self._peer_of_fd[fd] for fd, _ in self._liveness.poll(0)}
+            finally:
+                self._reading[src].release()
+        return self.parking.tags()
+
+    def stray(self, tag: bytes) -> tuple[int, bytes] | None:
+        """Among the parked messages only, a glance without the lock nor a wait for one on its way
+        (:meth:`unconsumed_tags` waits); one in a queue is met by the next receive from its peer,
+        or at the end (:func:`lab.unread.raise_if_unread`)."""
+        return fingerprint.earlier(tag, self.parking.tags()) if self.parking.messages else None
 
     def _check_peers_alive(self, where: object) -> None:
         for fd, _ in self._liveness.poll(0):  # only a closed alive pipe has an event: nobody writes

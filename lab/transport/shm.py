@@ -28,15 +28,17 @@ threads may wait at once, each for its own context, the transport's lock let go)
 does not fill: a sender has at most ``slots`` descriptors, ``slots`` credits and 8 eager frames
 (32 KiB) outstanding, within the pipe's 64 KiB. A pipe whose writer died reads as end-of-file,
 which surfaces at once as PeerLostError.
+
+Unread messages. Each data frame written to a pipe, and each consumed, is counted in the
+mailboxes' region (:class:`lab.transport.shm_endpoints.ShmMappings`): where the counts differ, a
+pipe holds a message not received yet, which a collective's first look (:meth:`holds_unread`, and
+a compiled call's, :func:`kernels.rings.look_back`) sees without a system call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import struct
-import termios
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -58,6 +60,7 @@ from lab.transport.base import (
 from lab.transport.parking import Parking, check_arrival, raise_if_behind
 from lab.transport.pipe_notices import PipeNotices
 from lab.transport.pipe_poller import DEFAULT_SPIN, PipePoller
+from lab.transport.pipe_unread import PipeUnread
 from lab.transport.shm_endpoints import (
     ABORT,
     CREDIT,
@@ -105,7 +108,7 @@ class _Job:
         self.combine = combine
 
 
-class ShmTransport(PipeNotices, Transport):
+class ShmTransport(PipeNotices, PipeUnread, Transport):
     """A rank's end of the shm mesh (built inside the rank's process from its endpoints)."""
 
     def __init__(self, endpoints: ShmEndpoints) -> None:
@@ -210,6 +213,7 @@ class ShmTransport(PipeNotices, Transport):
             os.write(self._write_fd[peer], frame)
         except OSError:
             raise PeerLostError(f"rank {self.rank}: rank {peer} is gone ({doing} in {where})") from None
+        self._shared.sent(peer)  # (every frame written here is a data frame: see Unread messages)
 
     def _return_credit(self, peer: int, frame: bytes) -> None:
         """Hand a slot (or eager credits) back to ``peer`` for data we have taken. A sender that
@@ -254,6 +258,7 @@ class ShmTransport(PipeNotices, Transport):
             kind, slot, nbytes, got_tag, payload = self._arrived[job.peer].popleft()
         else:
             got_tag, (kind, slot, nbytes, payload) = held
+        self._shared.taken(job.peer)
         expected = min(self.segment_bytes, job.bytes.size - job.offset) if not job.eager else job.bytes.size
         same_kind = (kind == EAGER) == job.eager  # (an eager message where a segment is due: sizes disagree)
         check_arrival(self.rank, job.peer, tag, got_tag, expected, nbytes if same_kind else -1, where,
@@ -357,27 +362,6 @@ class ShmTransport(PipeNotices, Transport):
                 self._arrived[peer].append((kind, slot, nbytes, tag, payload))
         self._partial[peer] = bytes(data[whole:])  # the start of a frame whose rest is still in the pipe
         self._poller.waiters.wake_others()  # (what came may be for another thread's call)
-
-    def queued_bytes(self, peer: int) -> int:
-        """Bytes ``peer`` has sent that this rank holds but has not consumed (eager payloads and
-        descriptors in its queue, plus what is still in the pipe): what the flood test bounds."""
-        in_pipe = struct.unpack("i", fcntl.ioctl(self._read_fd[peer], termios.FIONREAD, b"\0\0\0\0"))[0]
-        held = len(self._partial[peer]) + in_pipe
-        for _, _, nbytes, _, payload in self._arrived[peer]:
-            held += DESCRIPTOR.size + (len(payload) if payload is not None else 0)
-        return held
-
-    @locked
-    def unconsumed_tags(self) -> dict[int, list[bytes]]:
-        """Also the next message in each mailbox ring (a peer that took the compiled path where this
-        rank took the pipes: a size on either side of the compiled path's threshold)."""
-        for peer in self._arrived:
-            with contextlib.suppress(PeerLostError):
-                self._drain(peer, "diagnosis")
-        tags = {peer: [entry[3] for entry in arrived] for peer, arrived in self._arrived.items() if arrived}
-        for peer, pending in self._shared.pending_fingerprints().items():
-            tags.setdefault(peer, []).extend(pending)
-        return tags
 
     def close(self) -> None:
         if self._closed:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kernels import mailbox_layout
+from kernels import mailbox_layout, rings
 from lab.transport import peer_memory
 from lab.transport.base import TAG_BYTES, SharedFd
 
@@ -43,6 +43,8 @@ DATA, CREDIT, EAGER, EAGER_CREDIT, ABORT = 1, 2, 3, 4, 5
 DESCRIPTOR = struct.Struct(f"<BxxxIQ{TAG_BYTES}s")  # kind, slot (eager credits: count), nbytes, tag: 48 bytes
 CREDIT_FRAME = DESCRIPTOR.pack(CREDIT, 0, 0, b"")
 EAGER_CREDIT_FRAME = DESCRIPTOR.pack(EAGER_CREDIT, EAGER_CREDITS // 2, 0, b"")
+#: A fingerprint's first two words (context, number), as the mailboxes compare them.
+_CONTEXT_AND_SEQ = struct.Struct("<qq")
 #: The largest eager payload: descriptor and payload in one atomic pipe write.
 MAX_EAGER_BYTES = select.PIPE_BUF - DESCRIPTOR.size
 DEFAULT_EAGER_BYTES = MAX_EAGER_BYTES
@@ -147,7 +149,10 @@ def _scratch_offset(world_size: int, mailbox_slot_bytes: int) -> int:
 class ShmMappings:
     """A rank's mappings of the mesh's shared memory, made inside the rank's process from its
     endpoints (whose memfds are closed once mapped): every rank's segment, and the mailboxes'
-    memfd as :attr:`mailbox` and :attr:`scratch` (both None for one rank)."""
+    memfd as :attr:`mailbox` and :attr:`scratch` (both None for one rank). In the mailboxes'
+    region, the pipes' counters (:mod:`kernels.mailbox_layout`): each data frame this rank writes
+    to a peer's pipe is counted there (:meth:`sent`), and each it consumes of a peer's
+    (:meth:`taken`), so that :meth:`unread` sees a message not received without a system call."""
 
     def __init__(self, endpoints: ShmEndpoints, liveness_fds: np.ndarray) -> None:
         self.world_size = endpoints.world_size
@@ -160,6 +165,9 @@ class ShmMappings:
         #: The two-shot allreduce and registered buffers (lab.transport.peer_memory).
         self.scratch: peer_memory.SharedScratch | None = None
         self.mailbox: Mailbox | None = None
+        self._words: np.ndarray | None = None  # the mailboxes' region as int64 (the pipes' counters)
+        self._sent_at: dict[int, int] = {}  # per peer: where the count of frames to it is, in _words
+        self._taken_at: dict[int, int] = {}
         shared = endpoints.mailbox
         if shared is None:
             return
@@ -170,8 +178,18 @@ class ShmMappings:
             self.scratch = peer_memory.SharedScratch(region[start:], endpoints.rank, self.world_size,
                                                         endpoints.scratch_slot_bytes, endpoints.scratch_arena_bytes,
                                                         liveness_fds)
-        self.mailbox = Mailbox(region, endpoints.rank, self.world_size, endpoints.mailbox_slot_bytes,
-                               endpoints.mailbox_depth, liveness_fds)
+        self.mailbox = box = Mailbox(region, endpoints.rank, self.world_size, endpoints.mailbox_slot_bytes,
+                                     endpoints.mailbox_depth, liveness_fds)
+        self._words = region.view(np.int64)
+        self._stride = mailbox_layout.slot_stride(box.slot_bytes)
+        self._in_channels = np.full(self.world_size, -1, np.int64)  # where each channel peer -> us starts
+        for peer in range(self.world_size):
+            if peer != box.rank:
+                out_channel, in_channel = mailbox_layout.channel_offsets(box.rank, peer, self.world_size,
+                                                                         box.slot_bytes, box.depth)
+                self._in_channels[peer] = in_channel
+                self._sent_at[peer] = (out_channel + mailbox_layout.PIPE_SENT) >> 3
+                self._taken_at[peer] = (in_channel + mailbox_layout.PIPE_TAKEN) >> 3
 
     def _map(self, shared: SharedFd) -> None:
         stat = os.fstat(shared.fd)
@@ -184,6 +202,25 @@ class ShmMappings:
         region = (dst - owner - 1) % self.world_size
         start = (region * self.slots + slot) * self.segment_bytes
         return self.segments[owner][start : start + self.segment_bytes]
+
+    def sent(self, peer: int) -> None:
+        """Count a data frame written to ``peer``'s pipe."""
+        words = self._words  # (None once closed: a call still running at close may be here)
+        if words is not None:
+            words[self._sent_at[peer]] += 1
+
+    def taken(self, peer: int) -> None:
+        """Count a data frame of ``peer``'s pipe consumed."""
+        words = self._words
+        if words is not None:
+            words[self._taken_at[peer]] += 1
+
+    def unread(self, tag: bytes) -> bool:
+        """Whether a message of a collective before ``tag``'s waits in a mailbox (its ring's next),
+        or a pipe holds a data frame not consumed (by the counters): a few loads a peer."""
+        words = self._words
+        return words is not None and rings.anything_unread(words, self._in_channels, self.mailbox.depth,
+                                                           self._stride, *_CONTEXT_AND_SEQ.unpack_from(tag))
 
     def pending_fingerprints(self) -> dict[int, list[bytes]]:
         """The next message in each mailbox ring, and each peer's two-shot round this rank has not
@@ -207,7 +244,7 @@ class ShmMappings:
         if self.scratch is not None:
             self.scratch.closed = True
             keep = [(self._scratch_start + offset, nbytes) for offset, nbytes in self.scratch.in_use()]
-        self.segments, self.mailbox, self.scratch = [], None, None
+        self.segments, self.mailbox, self.scratch, self._words = [], None, None, None
         for m, file in zip(self._maps, self._files):
             peer_memory.unmap(m, file, keep if m is self._maps[-1] else [])
         self._maps, self._files = [], []

@@ -29,6 +29,7 @@ import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from lab import fingerprint
 from lab.errors import DeadlineError, LabError, PeerLostError
 from lab.transport.base import (
     MAX_NOTICE_BYTES,
@@ -266,15 +267,21 @@ class TcpTransport(Turns, Transport):
 
     @locked
     def unconsumed_tags(self) -> dict[int, list[bytes]]:
-        """The tag of the next unread frame from each peer whose header MAC checks out (a header
-        an attacker slipped in must not turn a deadline into a mismatch blaming a rank)."""
-        tags = {}
+        """The parked frames, and the tag of the next unread frame from each peer whose header MAC
+        checks out (a header an attacker slipped in must not turn a deadline into a mismatch
+        blaming a rank)."""
+        tags = self.parking.tags()
         for peer, link in self._links.items():
             with contextlib.suppress(OSError):
                 peeked = None if peer in self._reader else peek_header(link)  # (not in another's frame)
                 if peeked is not None and peeked[0] == DATA:
-                    tags[peer] = [peeked[1]]
+                    tags.setdefault(peer, []).append(peeked[1])
         return tags
+
+    def stray(self, tag: bytes) -> tuple[int, bytes] | None:
+        """Among the parked frames only (one still in a socket is met by the next receive from its
+        peer, or at the end: :func:`lab.unread.raise_if_unread`), without the lock: a glance."""
+        return fingerprint.earlier(tag, self.parking.tags()) if self.parking.messages else None
 
     def _raise_if_told(self, where: object) -> None:
         """A peer's abort notice has come of a failure other than a deadline: its root cause,
