@@ -47,10 +47,25 @@ def _compiled_before_ranks(request):
         request.getfixturevalue("compiled_plane_warm")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With workers (pytest-xdist), the session's own process fills Numba's disk cache before it
+    starts them (xdist starts them after this hook): otherwise every worker's warm-up compiles the
+    same code at once, on cores the ranks share."""
+    if not hasattr(session.config, "workerinput") and session.config.getoption("numprocesses", None):
+        warm_compiled_plane()
+
+
 @pytest.fixture(scope="session")
 def compiled_plane_warm():
     """Compile the compiled data plane once (two ranks), before any test's pool: on a clean clone
-    Numba's disk cache is empty, and every rank of every pool would compile it at once."""
+    Numba's disk cache is empty, and every rank of every pool would compile it at once (with
+    workers, each one loads what the session's process compiled)."""
+    warm_compiled_plane()
+
+
+def warm_compiled_plane() -> None:
+    """Run every compilable algorithm once in two ranks (compiling it, or loading it from Numba's
+    disk cache), and check each ran."""
     from lab.collectives import registry
     from lab.plane import DEFAULT_MAX_BYTES
     from lab.warmup import compile_all
