@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -31,6 +32,7 @@ import torch
 
 import lab
 import lab.lesson
+from lab.__main__ import main as lab_main
 from lab.hosts import Hosts
 from lab.reference import gloo_collective, tolerance
 
@@ -583,3 +585,40 @@ def run_without_buffers(steps: list[tuple]) -> None:
                 position[rank] += 1
                 progress = True
         assert progress, f"stuck at steps {position}"
+
+
+# -- what several modules' tests share ------------------------------------------------------------
+
+
+def rooted(mesh: lab.Mesh, collective: str, x: torch.Tensor, root: int) -> object:
+    """The rooted ``collective`` (broadcast, scatter, reduce, gather) of ``x`` at ``root``."""
+    if collective == "broadcast":
+        return lab.broadcast(mesh, x, src=root)
+    if collective == "scatter":
+        return lab.scatter(mesh, x, src=root)
+    if collective == "reduce":
+        return lab.reduce(mesh, x, dst=root)
+    return lab.gather(mesh, x, dst=root)
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    """``text`` in the file ``name`` under ``tmp_path``; its path."""
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def line_of(text: str, needle: str) -> int:
+    """The 1-based number of the first line of ``text`` that holds ``needle``."""
+    return next(number for number, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    """``python -m lab ARGV``'s error line, once it exited with status 2 (and printed no traceback)."""
+    with pytest.raises(SystemExit) as exited:
+        lab_main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"python -m lab {argv[0]}") and ": error: " in line, err
+    return line

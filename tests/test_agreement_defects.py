@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import lab
-from helpers import pool
+from helpers import pool, rooted
 from lab import fingerprint
 
 STRIDE = 3
@@ -40,16 +40,6 @@ def cluster(request):
 
 def pattern(count: int, rank: int) -> torch.Tensor:
     return torch.arange(count, dtype=torch.float32) * STRIDE + rank
-
-
-def rooted(mesh: lab.Mesh, collective: str, x: torch.Tensor, root: int) -> object:
-    if collective == "broadcast":
-        return lab.broadcast(mesh, x, src=root)
-    if collective == "scatter":
-        return lab.scatter(mesh, x, src=root)
-    if collective == "reduce":
-        return lab.reduce(mesh, x, dst=root)
-    return lab.gather(mesh, x, dst=root)
 
 
 # -- 2. ranks that disagree on the root ---------------------------------------------------------

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import refusal
 from lab.__main__ import main
 from lab.sim.nccl import tuner_file
 
@@ -20,16 +21,6 @@ POLARIS = Path(__file__).parent / "data" / "clusters" / "polaris-nccl-2.21"
 LOGS = [str(POLARIS / "n2_all_reduce.log"), str(POLARIS / "n8_all_reduce.log")]
 AS_BUILT = ["--model", "nccl", "--nic-gbit", "200", "--nics-per-node", "2", "--nic-path", "phb",
             "--cpu", "amd", "--fabric", "dragonfly:256:1.0625:0.7"]
-
-
-def refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and "Traceback" not in err, err
-    line = err.strip().splitlines()[-1]
-    assert line.startswith("python -m lab cluster fit: error: "), err
-    return line
 
 
 def test_polaris_fitted_and_predicted_at_256_and_540_nodes(capsys, tmp_path):

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from helpers import line_of, write
 import lab.sim
 from lab.sim import read_nccl_tests, read_osu
 
@@ -33,17 +34,6 @@ def fold(text: str, width: int) -> str:
     """``text`` as a terminal (or ``fold -w``) wraps it: every line cut into pieces of ``width``."""
     return "".join("".join(line[i:i + width] + "\n" for i in range(0, max(len(line), 1), width))
                    for line in text.splitlines())
-
-
-def write(tmp_path: Path, name: str, text: str) -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def line_of(text: str, needle: str) -> int:
-    """The 1-based number of the first line of ``text`` that holds ``needle``."""
-    return next(number for number, line in enumerate(text.splitlines(), 1) if needle in line)
 
 
 def values(df: pd.DataFrame, row: int, *columns: str) -> list:

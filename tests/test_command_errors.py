@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import refusal
 import lab
 from lab.__main__ import main
 
@@ -80,17 +81,6 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(lab, "launch", started)
     monkeypatch.setattr(lab, "spawn", started)
-
-
-def refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
-    """``python -m lab ARGV``'s error line, once it exited with status 2 (and printed no traceback)."""
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and "Traceback" not in err, err
-    line = err.strip().splitlines()[-1]
-    assert line.startswith(f"python -m lab {argv[0]}") and ": error: " in line, err
-    return line
 
 
 @pytest.mark.parametrize("argv, says", BAD_INPUTS, ids=[" ".join(argv)[:60] for argv, _ in BAD_INPUTS])

@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from helpers import line_of, write
 from lab import sim
 from lab.sim import log_lines, log_ranks, read_nccl_tests, read_osu
 from lab.sim.log_ranks import bandwidth_ranks
@@ -58,16 +59,6 @@ def log_text(rows: list[str], n_gpus: int = 1, devices: list[str] = ()) -> str:
               "iters: 20 agg iters: 1 validation: 1 graph: 0")
     using = ["# Using devices", *devices] if devices else []
     return "\n".join([params, "#", *using, "#", HEADER, *rows, "# Out of bounds values : 0 OK", "#"]) + "\n"
-
-
-def write(tmp_path: Path, name: str, text: str) -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def line_of(text: str, needle: str) -> int:
-    return next(number for number, line in enumerate(text.splitlines(), 1) if needle in line)
 
 
 # --- item 1: the rank count, from every source, agreeing ---------------------------------------

@@ -22,6 +22,7 @@ import textwrap
 import pytest
 import torch
 
+from helpers import rooted
 import lab
 
 STRIDE = 3
@@ -42,16 +43,6 @@ def root_of(mesh: lab.Mesh, how: str) -> int:
     if how == "split":
         return 0 if mesh.rank == 0 else 1
     return (mesh.rank + 1) % mesh.world_size
-
-
-def rooted(mesh: lab.Mesh, collective: str, x: torch.Tensor, root: int) -> object:
-    if collective == "broadcast":
-        return lab.broadcast(mesh, x, src=root)
-    if collective == "scatter":
-        return lab.scatter(mesh, x, src=root)
-    if collective == "reduce":
-        return lab.reduce(mesh, x, dst=root)
-    return lab.gather(mesh, x, dst=root)
 
 
 def disagree(mesh: lab.Mesh, collective: str, count: int, how: str, then: int) -> None:

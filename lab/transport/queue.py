@@ -108,6 +108,7 @@ class QueueTransport(Transport):
         self.parking = Parking(self.rank, self._inbox)
         n = self.world_size
         self._counts = np.frombuffer(endpoints.counts, np.int64).reshape(2, n, n)  # put, taken: [src, dst]
+        self._gone_since: dict[int, float] = {}  # peer -> when its liveness pipe was first seen closed
         self._liveness = select.poll()
         for fd in self._peer_alive_fd.values():
             self._liveness.register(fd, select.POLLIN)
@@ -239,7 +240,13 @@ class QueueTransport(Transport):
     def _check_peers_alive(self, where: object) -> None:
         for fd, _ in self._liveness.poll(0):  # only a closed alive pipe has an event: nobody writes
             peer = self._peer_of_fd[fd]
-            raise PeerLostError(f"rank {self.rank}: rank {peer} is gone (waiting in {where})")
+            # A peer that closed after its last put is gone only once what it put has come (its
+            # queue's feeder thread may still be writing it), or after UNREAD_ARRIVAL_S of waiting.
+            coming = self._counts[0, peer, self.rank] - self._counts[1, peer, self.rank] - \
+                len(self.parking.tags().get(peer, ()))
+            first_seen = self._gone_since.setdefault(peer, time.monotonic())
+            if coming <= 0 or time.monotonic() - first_seen > UNREAD_ARRIVAL_S:
+                raise PeerLostError(f"rank {self.rank}: rank {peer} is gone (waiting in {where})")
 
     def close(self) -> None:
         if self._closed:
