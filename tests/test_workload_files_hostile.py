@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import lab.sim as sim
+from lab import sim
 from lab import workload
 from lab.sim.limits import MAX_WORLD_SIZE, SimulationTooLarge
 from lab.workload import format as fmt

@@ -21,6 +21,21 @@ from lab.sim.nccl.model import (COLLECTIVES, PAIRS, NcclModel, PairTerms, Predic
                                 tree_depth)
 from lab.sim.nccl.topology import ClusterTopology, Dragonfly, FatTree, Graph, nominal_graph
 
-__all__ = ["ClusterTopology", "Dragonfly", "FatTree", "Graph", "nominal_graph", "NcclModel", "PairTerms",
-           "Prediction", "predict_nccl", "shipped", "fit", "FitReport", "tuner_file",
-           "COLLECTIVES", "PAIRS", "tree_depth"]
+__all__ = [
+                                "COLLECTIVES",
+                                "PAIRS",
+                                "ClusterTopology",
+                                "Dragonfly",
+                                "FatTree",
+                                "FitReport",
+                                "Graph",
+                                "NcclModel",
+                                "PairTerms",
+                                "Prediction",
+                                "fit",
+                                "nominal_graph",
+                                "predict_nccl",
+                                "shipped",
+                                "tree_depth",
+                                "tuner_file",
+]

@@ -141,7 +141,7 @@ class NcclModel:
     def channels_used(self, pair: Pair, nbytes: int, nodes: int) -> int:
         """NCCL's channels for a call (``getChannnelThreadInfo``): fewer while each thread of each
         channel would have less than its threshold of bytes (ring LL's threshold times the ranks)."""
-        algorithm, protocol = pair
+        _, protocol = pair
         ranks = nodes * self.topology.gpus_per_node
         threads = C.MAX_THREADS[protocol]
         if pair == ("ring", "simple") and self.channels[node_class(nodes)] * self.channel_gbyte[
@@ -310,5 +310,13 @@ def shipped(topology: ClusterTopology, graphs: tuple[Graph, Graph, Graph] | None
                      ring_plateau=C.RING_PLATEAU if topology.gpu != "volta" else C.RING_PLATEAU_BEFORE_AMPERE)
 
 
-__all__ = ["NcclModel", "PairTerms", "Prediction", "shipped", "predict_nccl", "COLLECTIVES", "PAIRS",
-           "tree_depth"]
+__all__ = [
+    "COLLECTIVES",
+    "PAIRS",
+    "NcclModel",
+    "PairTerms",
+    "Prediction",
+    "predict_nccl",
+    "shipped",
+    "tree_depth",
+]
