@@ -26,9 +26,9 @@ import pandas as pd
 
 import lab
 from lab import tuning
+from lab.algorithms import registry
 from lab.benchmark import measure
 from lab.collectives import choice as collectives
-from lab.collectives import registry
 from lab.sim.sweep import parse_size
 
 

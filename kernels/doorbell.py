@@ -41,7 +41,7 @@ STATUS_NAMES = ("ok", "mismatch", "silence", "peer lost", "invalid", "stray")
 # default a wait spins only briefly: a benchmark on dedicated cores sets spin_limit high. On an
 # oversubscribed machine yielding beats both spinning and sleeping (it hands the core to the
 # peer at once): the lab's compiled plane opens its mailboxes with 50 spins and 1,000 yields
-# (lab/plane.py, measured there).
+# (lab/compiled/plane.py, measured there).
 DEFAULT_SPIN_LIMIT = 500  # pause-spins before yielding (about 20 microseconds)
 DEFAULT_YIELD_LIMIT = 8  # sched_yield calls before sleeping on the futex
 FUTEX_TIMEOUT_NS = 1_000_000  # a sleep's longest nap: bounds a missed wake and the clock checks

@@ -35,7 +35,7 @@ the first time, all the mailbox code it links in included). ``None`` as the redu
 byte-copy path when Numba compiles: it works on addresses and byte counts, so one compilation
 serves every dtype; only a fold compiles per (dtype, reduction type). Numba's cache knows only
 the source file of the function it caches: :mod:`kernels.cache` guards every file of
-``kernels/`` (and ``lab.compiled_sources`` the lab's callers) so that no stale code runs.
+``kernels/`` (and ``lab.compiled.sources`` the lab's callers) so that no stale code runs.
 
 Per rank (every rank runs the same compiled function)::
 

@@ -12,22 +12,52 @@
 
 import importlib
 
-from lab import compiled_sources  # noqa: F401  (first: compiled code is never older than its sources)
-from lab.collectives.calls import (all_to_all, allgather, allreduce, barrier, broadcast, gather, reduce, reduce_scatter,
-                             scatter)
-from lab.errors import (CollectiveMismatchError, DeadlineError, EmulationUnavailable, LabError, PeerLostError,
-                        RankError)
+from lab import (  # lab.backend, lab.bucketing and lab.ddp work after `import lab`
+    backend,
+    bucketing,
+    ddp,
+    recording,
+    tuning,
+)
+from lab.collectives.calls import (
+    all_to_all,
+    allgather,
+    allreduce,
+    barrier,
+    broadcast,
+    gather,
+    reduce,
+    reduce_scatter,
+    scatter,
+)
+from lab.collectives.plans import (
+    Plan,
+    all_to_all_init,
+    allgather_init,
+    allreduce_init,
+    barrier_init,
+    broadcast_init,
+    gather_init,
+    reduce_init,
+    reduce_scatter_init,
+    scatter_init,
+)
+from lab.comm.issue import Work
+from lab.comm.mesh import Mesh
+from lab.compiled import sources as compiled_sources  # noqa: F401  (first: compiled code is never older than its sources)
+from lab.compiled.registered import empty
+from lab.errors import (
+    CollectiveMismatchError,
+    DeadlineError,
+    EmulationUnavailable,
+    LabError,
+    PeerLostError,
+    RankError,
+)
+from lab.hosts.launchers import launcher_env
 from lab.launch import Cluster, launch, spawn
-from lab.launchers import launcher_env
-from lab.issue import Work
-from lab.mesh import Mesh
 from lab.ops import ReduceOp
-from lab.plans import (Plan, all_to_all_init, allgather_init, allreduce_init, barrier_init, broadcast_init,
-                       gather_init, reduce_init, reduce_scatter_init, scatter_init)
 from lab.reference import gloo_reference
-from lab.registered import empty
-from lab import backend, bucketing, ddp  # lab.backend, lab.bucketing and lab.ddp work after `import lab`
-from lab import recording, tuning
 
 #: Loaded on first use (``lab.sim.simulate``, ``lab.workload.load``): a rank that only runs
 #: collectives never imports the simulator, the cluster fitter or pandas.

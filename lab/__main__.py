@@ -26,7 +26,7 @@ import time
 import pandas as pd
 
 from lab.command_line import checked, number, output_file, refused, whole
-from lab.hosts import check_link_gbit
+from lab.hosts.emulated import check_link_gbit
 
 
 def compile_plane() -> None:
@@ -206,11 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     trace.add_argument("-o", "--output", default="timeline.json")
     trace.add_argument("--png", help="also draw it to this PNG")
     trace.set_defaults(run=timeline, parser=trace)
+    from lab.perf import add_parser as add_perf  # python -m lab perf (lab/perf/)
+    from lab.sim.cluster_cli import add_parser as add_cluster  # python -m lab cluster (lab/sim/)
     from lab.sim.explain import add_parser as add_explain  # python -m lab explain (lab/sim/explain.py)
     from lab.sim.sweep import add_parser as add_simulate  # python -m lab simulate (lab/sim/sweep.py)
     from lab.workload.cli import add_parser as add_workload  # python -m lab workload (lab/workload/cli.py)
-    from lab.perf import add_parser as add_perf  # python -m lab perf (lab/perf/)
-    from lab.sim.cluster_cli import add_parser as add_cluster  # python -m lab cluster (lab/sim/cluster_cli.py)
 
     for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster):  # each its subcommand
         add_parser(commands)

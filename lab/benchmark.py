@@ -21,11 +21,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from lab import plans
+from lab.algorithms import registry
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import calls as collectives
-from lab.collectives import registry
-from lab.mesh import Mesh
+from lab.collectives import plans
+from lab.comm.mesh import Mesh
 from lab.reference import ensure_gloo, gloo_collective
 
 #: 1 KB to 16 MB in powers of 4, as the lesson's exercise asks.

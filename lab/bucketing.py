@@ -22,7 +22,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from lab.buffers import check_tensor
 from lab.collectives.calls import allreduce
 from lab.collectives.choice import check_algorithm
-from lab.mesh import Mesh
+from lab.comm.mesh import Mesh
 from lab.ops import check_reduces, parse_op, reduction
 
 #: DDP's default bucket size.

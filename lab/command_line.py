@@ -54,13 +54,6 @@ def checked(convert: Callable[[str], Value],
     return value
 
 
-def network_term(name: str, convert: Callable[[str], Any] = number) -> Callable[[str], Any]:
-    """An argparse type for :class:`lab.sim.Network`'s term ``name``, checked as the Network checks it."""
-    from lab.sim.network import Network
-
-    return checked(convert, lambda value: Network(**{name: value}))
-
-
 def refused(problem: BaseException) -> str:
     """An error's one line: an ``OSError`` names its file (``/x/y.log: No such file or directory``)."""
     if isinstance(problem, OSError) and problem.filename is not None:

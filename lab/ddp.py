@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lab.collectives.calls import allreduce
-from lab.mesh import Mesh
+from lab.comm.mesh import Mesh
 
 
 def allreduce_hook(mesh: Mesh, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

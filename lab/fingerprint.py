@@ -7,7 +7,7 @@ first ``CONTEXT_BYTES`` differ from the receive's (another mesh's, or a send of 
 MPI matches by communicator, source and tag. Ranks in different collectives, or with different arguments, are
 caught at their first message by comparing fingerprints.
 
-Algorithm codes are registered by :mod:`lab.collectives.registry` (this module imports no
+Algorithm codes are registered by :mod:`lab.algorithms.registry` (this module imports no
 algorithm), unique within a collective.
 """
 
@@ -123,4 +123,4 @@ class Signature(NamedTuple):
     count: int
     op: str = ""
     root: int = -1
-    compiled: bool = True  # may take the compiled path (lab.plane) when small enough
+    compiled: bool = True  # may take the compiled path (lab.compiled.plane) when small enough

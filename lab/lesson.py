@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from lab.collectives import calls as collectives
-from lab.mesh import Mesh
+from lab.comm.mesh import Mesh
 
 
 def _check(mesh: Mesh, rank: int, world_size: int) -> None:

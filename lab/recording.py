@@ -1,7 +1,7 @@
 """What a rank's issue order tells a recording of its calls, and how a recording starts.
 
 Every collective and point-to-point call of a rank passes once through its issue order
-(:class:`lab.issue.IssueQueue`): a mesh's call, a plan's run, the torch backend's operations. Where
+(:class:`lab.comm.issue.IssueQueue`): a mesh's call, a plan's run, the torch backend's operations. Where
 the rank records (``lab.spawn(..., workload=)``, ``LAB_WORKLOAD``,
 ``lab.backend.Options(workload=)``), the queue holds a :class:`Recording`, and each call that
 comes with an :class:`Operation` (what the program issued, as global ranks) is noted as issued,

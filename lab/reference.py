@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from lab.chunking import split_bounds
-from lab.mesh import Mesh
+from lab.comm.mesh import Mesh
+from lab.hosts.rendezvous import env_store, pool_store
 from lab.ops import parse_op
-from lab.rendezvous import env_store, pool_store
 
 _EPSILON = {torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 _TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG", "band": "BAND",

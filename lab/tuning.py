@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from lab.collectives import allreduce_chain_tree, allreduce_ring_channels, double_tree_schedule, registry
+from lab.algorithms import registry
 
 TUNING_PATH = Path(__file__).with_name("tuning.json")
 
@@ -63,7 +63,7 @@ def register_advisor(name: str, advisor: Callable[[str, int, int, dict], tuple[d
 
 def algorithm_shape(algorithm: str, world_size: int, collective: str = "allreduce") -> tuple[float, float]:
     """(latency steps on the critical path, bytes through the busiest rank per tensor byte): the
-    algorithm's ``shape`` (:mod:`lab.collectives.registry`), from its docstring's cost. Never
+    algorithm's ``shape`` (:mod:`lab.algorithms.registry`), from its docstring's cost. Never
     zero, so that a fit can always use both terms."""
     steps, volume = registry.ALGORITHMS[collective][algorithm].shape(world_size)
     return max(steps, 1), max(volume, 1e-12)
@@ -158,64 +158,17 @@ def _ring_fits(intra: str, models: dict | None) -> tuple[dict, dict] | None:
     return None if inside is None or across is None else (inside, across)
 
 
-def predict_hierarchical_us(nbytes: int, world_size: int, hosts: int, intra: str, models: dict | None = None,
-                            nics_per_host: int = 1) -> float | None:
-    """Hierarchical allreduce's time on ``hosts`` hosts of L = N/H ranks: ring phases inside the
-    host on the ``intra`` transport's ring fit, 2(L-1)·(α + T/L·β), plus the ring across hosts on
-    tcp's ring fit, 2(H-1)·(α' + T/H·β'): the L shards share the host's link, or with
-    ``nics_per_host`` NICs ⌈L/nics⌉ of them each, 2(H-1)·(α' + ⌈L/nics⌉·T/(H·L)·β'). None without fits."""
+def across_hosts_us(algorithm: str, nbytes: int, world_size: int, hosts: int, intra: str = "shm",
+                    models: dict | None = None, nics_per_host: int = 1) -> float | None:
+    """An allreduce algorithm that knows hosts, timed on ``hosts`` hosts of N/H ranks by its own
+    closed form (its registry entry's ``across_hosts``) on the ring fits: the ``intra``
+    transport's inside a host, tcp's between hosts. None without both fits."""
     terms = _ring_fits(intra, models)
     if terms is None:
         return None
-    (alpha, beta), (alpha_x, beta_x) = ((t["alpha_step_us"], t["beta_byte_us"]) for t in terms)
-    per_host = world_size // hosts
-    shards_per_nic = -(-per_host // nics_per_host)
-    return (2 * (per_host - 1) * (alpha + nbytes / per_host * beta)
-            + 2 * (hosts - 1) * (alpha_x + shards_per_nic * nbytes / (hosts * per_host) * beta_x))
-
-
-def predict_ring_channels_us(nbytes: int, world_size: int, hosts: int, intra: str, models: dict | None = None,
-                             nics_per_host: int = 1) -> float | None:
-    """Ring allreduce over channels' time on ``hosts`` hosts of L = N/H ranks, C channels (the
-    default for L, :func:`lab.collectives.allreduce_ring_channels.channel_count`), on the same
-    ring fits as :func:`predict_hierarchical_us`: each of the 2(N-1) ring steps is one slot
-    between hosts, whose C messages of T/(N·C) queue on the host's ``nics_per_host`` links,
-    ⌈C/nics⌉·(α' + T/(N·C)·β') on the busiest, and C-1 slots inside, α + T/(N·C)·β each. With
-    one link per host (the lab's emulated hosts) that is more than the flat ring's
-    2(N-1)·(α' + T/N·β'). None without fits."""
-    terms = _ring_fits(intra, models)
-    if terms is None:
-        return None
-    (alpha, beta), (alpha_x, beta_x) = ((t["alpha_step_us"], t["beta_byte_us"]) for t in terms)
-    channels = allreduce_ring_channels.channel_count({world_size // hosts})
-    chunk = nbytes / (world_size * channels)
-    across = -(-channels // nics_per_host) * (alpha_x + chunk * beta_x)
-    return 2 * (world_size - 1) * (across + (channels - 1) * (alpha + chunk * beta))
-
-
-def predict_chain_tree_us(nbytes: int, world_size: int, hosts: int, intra: str, models: dict | None = None,
-                          nics_per_host: int = 1) -> float | None:
-    """The chain-and-tree allreduce's time on ``hosts`` hosts of L = N/H ranks, on the same ring
-    fits as :func:`predict_hierarchical_us`, in S segments of T/(2S) (the algorithm's count, for
-    4-byte elements): each segment takes its timetable's P slots (the period: 5 with L > 1 and
-    H >= 4), each as long as a message between hosts, α' + T/(2S)·β', since in every slot some
-    rank of the chain talks across hosts and the slots keep the chain in step; one more with one
-    NIC per host, where both trees' heads queue on it; plus the pipeline's fill, P such slots per
-    level of hosts and 2 inside per rank of a chain, α + T/(2S)·β. Against :mod:`lab.sim` on
-    the same terms (4 and 16 hosts of 8 ranks, rails or one NIC, α' 5 µs at 400 Gbit/s): within
-    25 % from 16 MiB up, up to 1.7x above it at 64 KiB-1 MiB. None without fits."""
-    terms = _ring_fits(intra, models)
-    if terms is None:
-        return None
-    (alpha, beta), (alpha_x, beta_x) = ((t["alpha_step_us"], t["beta_byte_us"]) for t in terms)
-    per_host, levels = world_size // hosts, (hosts - 1).bit_length()
-    trees = allreduce_chain_tree.chain_trees(allreduce_chain_tree.host_layout(world_size, hosts))
-    period, depth = double_tree_schedule.period_of(trees), double_tree_schedule.depth_of(trees)
-    segments = double_tree_schedule.segment_count(nbytes // 4, 4, world_size, depth=depth)
-    piece = nbytes / (2 * segments)
-    across, inside = alpha_x + piece * beta_x, alpha + piece * beta
-    slots = period + (nics_per_host == 1 and per_host > 1)
-    return (segments * slots + period * levels) * across + 2 * (per_host - 1) * inside
+    inside, across = ((t["alpha_step_us"], t["beta_byte_us"]) for t in terms)
+    return registry.ALGORITHMS["allreduce"][algorithm].across_hosts(nbytes, world_size, hosts, inside, across,
+                                                                   nics_per_host)
 
 
 def flat_across_hosts_us(nbytes: int, world_size: int, models: dict | None = None) -> dict[str, float]:
@@ -237,18 +190,18 @@ def flat_across_hosts_us(nbytes: int, world_size: int, models: dict | None = Non
 def choose_across_hosts(nbytes: int, world_size: int, hosts: int, intra: str = "shm",
                         models: dict | None = None, nics_per_host: int = 1) -> str:
     """``auto`` for an allreduce whose ranks span ``hosts`` hosts: the least predicted time among
-    the flat algorithms on the link between hosts (:func:`flat_across_hosts_us`) and the closed
-    forms of ``"hierarchical"``, ``"ring_channels"`` and ``"chain_tree"``
-    (:func:`predict_hierarchical_us` and the two after it; ``nics_per_host``: 1 on the lab's
-    emulated hosts), a flat one winning ties. Without fits: hierarchical from
-    ``AUTO_LARGE_MIN_BYTES`` up, tcp's choice below."""
+    the flat algorithms on the link between hosts (:func:`flat_across_hosts_us`) and every
+    registered algorithm that knows hosts, by its own closed form (:func:`across_hosts_us`;
+    ``nics_per_host``: 1 on the lab's emulated hosts), a flat one winning ties. Without fits: the
+    registry's ``fallback="across_hosts"`` pick (hierarchical) from ``AUTO_LARGE_MIN_BYTES`` up,
+    tcp's choice below."""
     times = flat_across_hosts_us(nbytes, world_size, models)
-    across = {"hierarchical": predict_hierarchical_us(nbytes, world_size, hosts, intra, models, nics_per_host),
-              "ring_channels": predict_ring_channels_us(nbytes, world_size, hosts, intra, models, nics_per_host),
-              "chain_tree": predict_chain_tree_us(nbytes, world_size, hosts, intra, models, nics_per_host)}
+    across = {name: across_hosts_us(name, nbytes, world_size, hosts, intra, models, nics_per_host)
+              for name in registry.across_hosts("allreduce")}
     if not times or None in across.values():
         flat = choose(nbytes, world_size, "tcp", "allreduce", models)
-        return "hierarchical" if nbytes >= AUTO_LARGE_MIN_BYTES else flat
+        large = registry.across_hosts_fallback("allreduce")
+        return large if large and nbytes >= AUTO_LARGE_MIN_BYTES else flat
     return min({**times, **across}.items(), key=lambda item: item[1])[0]
 
 

@@ -13,9 +13,8 @@ import pandas as pd
 import torch
 
 import lab
-from lab.collectives import registry
+from lab.algorithms import registry
 from lab.reference import gloo_collective, tolerance
-
 
 
 def cases() -> list[tuple[str, str]]:

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 import kernels
+from lab.algorithms import registry
 from lab.collectives import calls as collectives
-from lab.collectives import registry
-from lab.mesh import Mesh
+from lab.comm.mesh import Mesh
 
 
 def compile_all(mesh: Mesh) -> int:

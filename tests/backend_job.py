@@ -131,7 +131,7 @@ def all_reduce_coalesced_and_async(rank: int, n: int, gloo: dist.ProcessGroup) -
 @check
 def small_all_reduce_on_one_host_runs_compiled(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
     # torchrun on one host: transport "auto" is the shm transport with its mailboxes, so a 1 KB
-    # all_reduce is one Numba call (lab.plane), as under lab.launch
+    # all_reduce is one Numba call (lab.compiled.plane), as under lab.launch
     mesh = dist.group.WORLD.mesh
     before = mesh.stats()["collectives_compiled"]
     x = pattern(256, rank)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import multiprocessing
 
 import pytest
+from helpers import shm_entries
 
 import lab
-from helpers import shm_entries
 
 _SHM_BEFORE = pytest.StashKey[set]()
 
@@ -66,8 +66,8 @@ def compiled_plane_warm():
 def warm_compiled_plane() -> None:
     """Run every compilable algorithm once in two ranks (compiling it, or loading it from Numba's
     disk cache), and check each ran."""
-    from lab.collectives import registry
-    from lab.plane import DEFAULT_MAX_BYTES
+    from lab.algorithms import registry
+    from lab.compiled.plane import DEFAULT_MAX_BYTES
     from lab.warmup import compile_all
 
     ran = lab.spawn(compile_all, 2, transport="shm", env={"LAB_COMPILED_MAX_BYTES": str(DEFAULT_MAX_BYTES)})

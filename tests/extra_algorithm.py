@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from lab.collectives import allreduce_tree
-from lab.collectives.broadcast_binomial import broadcast_binomial
-from lab.collectives.fold import power_terms
-from lab.collectives.reduce_binomial import reduce_binomial
-from lab.collectives.registry import Algorithm, register
+from lab.algorithms import allreduce_tree
+from lab.algorithms.broadcast_binomial import broadcast_binomial
+from lab.algorithms.fold import power_terms
+from lab.algorithms.reduce_binomial import reduce_binomial
+from lab.algorithms.registry import Algorithm, register
 from lab.ops import Reduction
 
 NAME = "reduce_broadcast"

@@ -33,9 +33,8 @@ import torch
 import lab
 import lab.lesson
 from lab.__main__ import main as lab_main
-from lab.hosts import Hosts
+from lab.hosts.emulated import Hosts
 from lab.reference import gloo_collective, tolerance
-
 
 # -- pools and processes ---------------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import pool, rooted
 
 import lab
-from helpers import pool, rooted
 from lab import fingerprint
 
 STRIDE = 3

@@ -18,10 +18,10 @@ import subprocess
 import sys
 import textwrap
 
+import backend_job
 import pytest
 import torch.distributed as dist
 
-import backend_job
 import lab
 
 HERE = os.path.dirname(os.path.abspath(__file__))

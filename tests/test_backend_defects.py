@@ -26,15 +26,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import free_port, pool
 
 import lab
-from helpers import free_port, pool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STRIDE = 3
 INCARNATIONS = 2
 DESTROYED = "destroy closes the world's mesh"
-#: More than lab.backend_group.RUN_NOW_MAX_BYTES: an all_reduce of it goes to the communication thread.
+#: More than lab.backend.group.RUN_NOW_MAX_BYTES: an all_reduce of it goes to the communication thread.
 QUEUED_NUMEL = 24_000
 
 CHECKS: dict[str, Callable[[int, int], None]] = {}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import pool
 
 import lab
-from helpers import pool
 from lab.bucketing import allreduce_coalesced, plan_buckets
 
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16]

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import refusal
+
 from lab.__main__ import main
 from lab.sim.nccl import tuner_file
 

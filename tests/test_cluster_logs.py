@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
 from helpers import line_of, write
+
 import lab.sim
 from lab.sim import read_nccl_tests, read_osu
 

@@ -13,7 +13,7 @@ import pytest
 
 import lab
 from lab import catalog
-from lab.collectives import registry
+from lab.algorithms import registry
 from lab.perf import table
 from lab.sim import cluster, cluster_cases, log_ranks, read_nccl_tests
 from lab.workload import format as workload_format

@@ -22,7 +22,7 @@ op reaches the wire only as a field of the fixed-size fingerprint. What differs 
 and element width, which every transport runs in full. What depends on the op and dtype runs in
 full on shm: the kernels of lab.ops (one per op and dtype, whichever algorithm calls them; every
 algorithm that is not compilable takes them on shm too, and tests/test_kernels.py checks them
-alone), the compiled plane's coded kernels (lab.plane: the compilable algorithms under its
+alone), the compiled plane's coded kernels (lab.compiled.plane: the compilable algorithms under its
 threshold, which every count here is), and where an algorithm finishes ``avg`` (float32 ``avg``
 runs on every transport, as half-type ``avg`` divides before any message).
 """
@@ -34,15 +34,28 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import (
+    ALGORITHMS,
+    assert_no_failures,
+    check_all_to_all,
+    check_allgather,
+    check_allreduce,
+    check_broadcast,
+    check_other_inputs,
+    check_reduce,
+    check_reduce_scatter,
+    describe_mismatch,
+    expected_reduction,
+    pool,
+    slow_from_five,
+    tensor,
+    values,
+)
 
 import lab
 import lab.lesson
-from helpers import (ALGORITHMS, assert_no_failures, check_all_to_all, check_allgather, check_allreduce,
-                     check_broadcast, check_other_inputs, check_reduce, check_reduce_scatter,
-                     describe_mismatch, expected_reduction, pool, slow_from_five, tensor, values)
-from lab.collectives.double_tree_schedule import double_trees
+from lab.algorithms.double_tree_schedule import double_trees
 from lab.transport.shm import DEFAULT_EAGER_BYTES
-
 
 # -- rank-side checks (run in every rank's process) ----------------------------------------------
 

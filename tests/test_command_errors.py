@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import refusal
+
 import lab
 from lab.__main__ import main
 

@@ -1,4 +1,4 @@
-"""The compiled data plane (lab.plane): a small collective in one Numba call over the shm mailboxes.
+"""The compiled data plane (lab.compiled.plane): a small collective in one Numba call over the shm mailboxes.
 
 The compiled run of each algorithm must give the bits its Python run gives (the same source, two
 runs): the root mesh of an shm pool takes the compiled path, a sub-mesh of all its ranks the
@@ -15,14 +15,18 @@ import time
 
 import pytest
 import torch
+from helpers import pool, slow_from_five
 
 import lab
-from helpers import pool, slow_from_five
-from lab.collectives import registry
+from lab.algorithms import registry
 from lab.collectives.prepared import find_lane
+from lab.compiled.plane import (
+    DEFAULT_SPIN_LIMIT,
+    DEFAULT_YIELD_LIMIT,
+    OVERSUBSCRIBED_SPIN_LIMIT,
+    waiting_policy_from_env,
+)
 from lab.ops import REDUCE_DTYPES
-from lab.plane import (DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT, OVERSUBSCRIBED_SPIN_LIMIT,
-                       waiting_policy_from_env)
 
 STRIDE = 3
 MAX_BYTES = 4096  # the compiled path's threshold in these pools (LAB_COMPILED_MAX_BYTES): sizes around it stay small

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lab
-from lab.plane import MAX_DEADLINE_NS, deadline_ns
+from lab.compiled.plane import MAX_DEADLINE_NS, deadline_ns
 
 STRIDE = 3
 SMALL = 256  # float32 elements: 1 KB, on the compiled path

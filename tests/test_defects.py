@@ -424,7 +424,7 @@ def test_from_env_names_the_bad_variable(monkeypatch, variables, message):
 
 
 def test_from_env_across_hosts_without_a_secret_is_a_clear_error(monkeypatch):
-    from lab.rendezvous import env_store
+    from lab.hosts.rendezvous import env_store
 
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(free_port())}.items():

@@ -63,16 +63,16 @@ def test_the_layout_maps_every_module_and_names_only_files_that_exist():
 
 
 def test_a_layout_that_misses_a_module_or_names_a_missing_file_fails(tmp_path: Path):
-    for module in ("lab/mesh.py", "lab/sim/core.py", "kernels/reduce.py", "bench/conftest.py"):
+    for module in ("lab/comm/mesh.py", "lab/sim/core.py", "kernels/reduce.py", "bench/conftest.py"):
         (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / module).write_text("")
-    complete = "- `lab/mesh.py`: Mesh\n- `lab/sim/core.py`: simulate\n- `kernels/reduce.py`: kernels\n"
+    complete = "- `lab/comm/mesh.py`: Mesh\n- `lab/sim/core.py`: simulate\n- `kernels/reduce.py`: kernels\n"
     complete += "- `bench/conftest.py`: the harness\n"
     assert layout_problems(tmp_path, complete) == []
     missing_one = complete.replace("- `lab/sim/core.py`: simulate\n", "")
     assert layout_problems(tmp_path, missing_one) == ["lab/sim/core.py: no line in docs/layout.md"]
-    stale = complete + "- `lab/gone.py`: moved away\n- `lab/mesh.py`: Mesh again\n"
-    assert layout_problems(tmp_path, stale) == ["lab/mesh.py: named twice", "lab/gone.py: not in the repository"]
+    stale = complete + "- `lab/gone.py`: moved away\n- `lab/comm/mesh.py`: Mesh again\n"
+    assert layout_problems(tmp_path, stale) == ["lab/comm/mesh.py: named twice", "lab/gone.py: not in the repository"]
 
 
 if __name__ == "__main__":

@@ -16,8 +16,14 @@ import torch
 from helpers import pool, run_without_buffers
 
 import lab
-from lab.collectives.allreduce_double_tree import bytes_sent
-from lab.collectives.double_tree_schedule import HOST_LATENCY_BYTES, double_trees, latency_bytes, schedule, segment_count
+from lab.algorithms.allreduce_double_tree import bytes_sent
+from lab.algorithms.double_tree_schedule import (
+    HOST_LATENCY_BYTES,
+    double_trees,
+    latency_bytes,
+    schedule,
+    segment_count,
+)
 
 SCHEDULE_WORLDS = [*range(1, 34), 64, 100, 127, 128]
 STRIDE = 3

@@ -7,8 +7,13 @@ import re
 import pytest
 
 from lab import checks
-from lab.collectives.double_tree_schedule import forced_segment_bytes
-from lab.plane import DEFAULT_MAX_BYTES, DEFAULT_YIELD_LIMIT, max_bytes_from_env, waiting_policy_from_env
+from lab.algorithms.double_tree_schedule import forced_segment_bytes
+from lab.compiled.plane import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_YIELD_LIMIT,
+    max_bytes_from_env,
+    waiting_policy_from_env,
+)
 from lab.transport import peer_memory
 from lab.transport.pipe_poller import DEFAULT_SPIN, spin_from_env
 

@@ -11,8 +11,8 @@ import pytest
 
 from lab import sim, tuning
 from lab.__main__ import main
+from lab.algorithms import registry
 from lab.collectives import choice as collectives
-from lab.collectives import registry
 from lab.sim.plot import arrows
 from lab.sim.record import record
 

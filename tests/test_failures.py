@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import pool
 
 import lab
 import lab.lesson
-from helpers import pool
 
 
 def raise_on_rank_two(mesh: lab.Mesh) -> None:

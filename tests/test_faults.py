@@ -26,9 +26,18 @@ import time
 
 import pytest
 import torch
-from helpers import (DEADLINE_MS, DEATH_DEADLINE_MS, EXIT_GUARD_S, assert_death_reported_without_a_deadline,
-                     assert_stall_ended_by_the_pool, faulty_job, inject, run_collective, shm_entries,
-                     sigint_as_ctrl_c)
+from helpers import (
+    DEADLINE_MS,
+    DEATH_DEADLINE_MS,
+    EXIT_GUARD_S,
+    assert_death_reported_without_a_deadline,
+    assert_stall_ended_by_the_pool,
+    faulty_job,
+    inject,
+    run_collective,
+    shm_entries,
+    sigint_as_ctrl_c,
+)
 
 import lab
 import lab.transport.shm

@@ -16,13 +16,11 @@ the kernel's ``combine`` on them (see tests/test_collectives.py's docstring).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
-import lab
 from helpers import assert_matches_and_identical, compare_with_gloo, large_allreduce, pool
 
+import lab
 
 #: The fast loop's pools: shm at 1-4, one each of queue and tcp; CI runs every one.
 FAST = {("shm", 1), ("shm", 2), ("shm", 3), ("shm", 4), ("queue", 3), ("tcp", 2)}

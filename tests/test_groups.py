@@ -16,11 +16,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    assert_no_failures,
+    check_all_to_all,
+    check_allgather,
+    check_allreduce,
+    check_broadcast,
+    check_reduce,
+    check_reduce_scatter,
+    child_env,
+    free_port,
+    pool,
+    require_hosts,
+)
 
 import lab
 import lab.sim as sim
-from helpers import (assert_no_failures, check_all_to_all, check_allgather, check_allreduce, check_broadcast,
-                     check_reduce, check_reduce_scatter, child_env, free_port, pool, require_hosts)
 from lab.collectives.choice import ALGORITHMS
 
 
@@ -382,7 +393,7 @@ def test_auto_picks_hierarchical_across_hosts_when_the_model_says():
         assert tuning.choose_across_hosts(nbytes, 8, 2, "shm", models(5.0)) == "hierarchical", nbytes
     # Expensive steps inside the host (α = 500 µs): the flat tree's 6 link steps win at 1 KB.
     assert tuning.choose_across_hosts(1 << 10, 8, 2, "shm", models(500.0)) == "tree"
-    assert tuning.predict_hierarchical_us(1 << 10, 8, 2, "shm", {}) is None  # no fits: None
+    assert tuning.across_hosts_us("hierarchical", 1 << 10, 8, 2, "shm", {}) is None  # no fits: None
     # Without fits: hierarchical from AUTO_LARGE_MIN_BYTES up.
     assert tuning.choose_across_hosts(tuning.AUTO_LARGE_MIN_BYTES, 8, 2, "shm", {}) == "hierarchical"
 
@@ -404,9 +415,9 @@ def test_flat_algorithms_across_hosts_are_weighed_on_the_link_not_on_their_own_f
 
 
 def test_sub_mesh_arguments_are_checked_and_ranks_translated():
-    """``Mesh.sub_mesh``'s numbering (:class:`lab.membership.Membership`), without processes: bad
+    """``Mesh.sub_mesh``'s numbering (:class:`lab.comm.membership.Membership`), without processes: bad
     members or context raise naming the argument; ranks and hosts translate both ways."""
-    from lab.membership import Membership, agree_split
+    from lab.comm.membership import Membership, agree_split
 
     world = Membership(global_rank=3, hosts=[0, 0, 1, 1, 1])
     pair = world.sub([4, 3], context=7)

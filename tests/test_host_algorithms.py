@@ -26,15 +26,26 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from helpers import (DTYPES, assert_no_failures, describe_mismatch, expected_reduction, ops_for, pool,
-                     reduction_matches, run_without_buffers, slow_from_five, tensor, values)
+from helpers import (
+    DTYPES,
+    assert_no_failures,
+    describe_mismatch,
+    expected_reduction,
+    ops_for,
+    pool,
+    reduction_matches,
+    run_without_buffers,
+    slow_from_five,
+    tensor,
+    values,
+)
 
 import lab
 from lab import sim, tuning
-from lab.collectives import allreduce_chain_tree, allreduce_ring_channels
-from lab.collectives.allreduce_chain_tree import chain_schedule, chain_trees, host_layout
-from lab.collectives.allreduce_ring_channels import channel_count, channel_rings
-from lab.collectives.double_tree_schedule import period_of
+from lab.algorithms import allreduce_chain_tree, allreduce_ring_channels
+from lab.algorithms.allreduce_chain_tree import chain_schedule, chain_trees, host_layout
+from lab.algorithms.allreduce_ring_channels import channel_count, channel_rings
+from lab.algorithms.double_tree_schedule import period_of
 
 ALGORITHMS = {"ring_channels": allreduce_ring_channels, "chain_tree": allreduce_chain_tree}
 
@@ -54,7 +65,7 @@ ALL_SHAPES = [shape for shapes in SHAPES.values() for shape in shapes] + [
 
 
 def groups(shape: list[int]) -> tuple[tuple[int, ...], ...]:
-    """The ranks of each host (what ``lab.peers.host_groups`` finds)."""
+    """The ranks of each host (what ``lab.algorithms.peers.host_groups`` finds)."""
     found: dict[int, list[int]] = {}
     for rank, host in enumerate(shape):
         found.setdefault(host, []).append(rank)
@@ -188,7 +199,7 @@ def test_ring_channels_beats_the_ring_on_rails_and_its_closed_form_is_the_simula
     assert times["ring_channels"] < times["ring"] / 2
     models = {"shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 8 / 1e6}}},
               "tcp": {"allreduce": {"ring": {"alpha_step_us": 5.0, "beta_byte_us": 8 / 1e5}}}}
-    predicted = tuning.predict_ring_channels_us(64 << 20, 128, 16, "shm", models, nics_per_host=8)
+    predicted = tuning.across_hosts_us("ring_channels", 64 << 20, 128, 16, "shm", models, nics_per_host=8)
     assert predicted == pytest.approx(times["ring_channels"], rel=1e-6)
 
 
@@ -202,9 +213,37 @@ def test_auto_across_hosts_weighs_the_host_algorithms():
     assert tuning.choose_across_hosts(1 << 20, 128, 64, "shm", models(5.0)) == "chain_tree"
     # ring over channels never beats hierarchical (the same bytes between hosts, more steps)
     for nics in (1, 8):
-        assert (tuning.predict_ring_channels_us(16 << 20, 16, 2, "shm", models(5.0), nics)
-                > tuning.predict_hierarchical_us(16 << 20, 16, 2, "shm", models(5.0), nics))
-    assert tuning.predict_chain_tree_us(1 << 20, 16, 2, "shm", {}) is None  # no fits: None
+        assert (tuning.across_hosts_us("ring_channels", 16 << 20, 16, 2, "shm", models(5.0), nics)
+                > tuning.across_hosts_us("hierarchical", 16 << 20, 16, 2, "shm", models(5.0), nics))
+    assert tuning.across_hosts_us("chain_tree", 1 << 20, 16, 2, "shm", {}) is None  # no fits: None
+
+
+def test_a_planted_algorithm_that_knows_hosts_is_weighed_across_hosts_by_its_one_registry_line(monkeypatch):
+    """One file and one line, as for a flat algorithm: an allreduce registered with a closed form
+    across hosts (``across_hosts``) is among what ``auto`` weighs there, with no other edit; it
+    wins where its form says so, and the shipped ones again once it is gone."""
+    from lab.algorithms import registry
+
+    models = {"shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 1e-5}}},
+              "tcp": {"allreduce": {"ring": {"alpha_step_us": 5.0, "beta_byte_us": 8e-5}}}}
+    seen = []
+
+    def across_hosts_us(nbytes, world_size, hosts, inside, across, nics_per_host=1):
+        seen.append((nbytes, world_size, hosts, inside, across, nics_per_host))
+        return 1.0 if nbytes >= 1 << 20 else 1e9  # wins from 1 MiB
+
+    planted = registry.Algorithm("allreduce", "planted_across", print, lambda n: (1, 1.0), 201, auto=False,
+                                 across_hosts=across_hosts_us)
+    shipped = tuning.choose_across_hosts(4 << 20, 16, 4, "shm", models)
+    # the session's registry and wire codes are given back after the test
+    monkeypatch.setitem(registry.ALGORITHMS, "allreduce", dict(registry.ALGORITHMS["allreduce"]))
+    monkeypatch.setattr(registry.fingerprint, "_ALGORITHM_CODES", dict(registry.fingerprint._ALGORITHM_CODES))
+    monkeypatch.setattr(registry.fingerprint, "_ALGORITHM_NAMES", dict(registry.fingerprint._ALGORITHM_NAMES))
+    registry.register(planted)
+    assert tuning.choose_across_hosts(4 << 20, 16, 4, "shm", models, nics_per_host=2) == "planted_across"
+    assert seen[-1] == (4 << 20, 16, 4, (1.0, 1e-5), (5.0, 8e-5), 2)
+    assert tuning.choose_across_hosts(1 << 10, 16, 4, "shm", models) != "planted_across"
+    assert shipped != "planted_across"
 
 
 # -- real runs on emulated hosts -------------------------------------------------------------------

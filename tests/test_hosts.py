@@ -22,14 +22,28 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import (DEADLINE_MS, DEATH_DEADLINE_MS, EXIT_GUARD_S, assert_death_reported_without_a_deadline,
-                     assert_matches_and_identical, assert_no_failures, assert_stall_ended_by_the_pool,
-                     check_allgather, check_allreduce, check_broadcast, check_other_inputs,
-                     check_reduce_scatter, compare_with_gloo, faulty_job, large_allreduce, require_hosts,
-                     sigint_as_ctrl_c)
+from helpers import (
+    DEADLINE_MS,
+    DEATH_DEADLINE_MS,
+    EXIT_GUARD_S,
+    assert_death_reported_without_a_deadline,
+    assert_matches_and_identical,
+    assert_no_failures,
+    assert_stall_ended_by_the_pool,
+    check_allgather,
+    check_allreduce,
+    check_broadcast,
+    check_other_inputs,
+    check_reduce_scatter,
+    compare_with_gloo,
+    faulty_job,
+    large_allreduce,
+    require_hosts,
+    sigint_as_ctrl_c,
+)
 
 import lab
-from lab.hosts import Hosts
+from lab.hosts.emulated import Hosts
 
 # Slow, the whole module: emulated hosts (namespaces, capped links).
 pytestmark = pytest.mark.slow
@@ -363,7 +377,7 @@ def test_a_killed_or_stalled_rank_ends_the_run_in_time(fault, victim, which, tmp
 
 
 def test_hosts_say_when_their_keeper_died():
-    """lab.hosts alone: the keeper's sentinel becomes readable and lost() names it."""
+    """lab.hosts.emulated alone: the keeper's sentinel becomes readable and lost() names it."""
     require_hosts()
     with Hosts(2) as hosts:
         keeper = hosts.pids[0]

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from helpers import child_env, free_port
 
 from lab.errors import DeadlineError, LabError
-from lab.job_secret import SecretFile, job_secret, sweep_stale_secret_files
-from lab.rendezvous import LaunchEnv, agree_hosts, host_block, placement_problems
+from lab.hosts.job_secret import SecretFile, job_secret, sweep_stale_secret_files
+from lab.hosts.rendezvous import LaunchEnv, agree_hosts, host_block, placement_problems
 from lab.transport.hand_out import HELLO_TIMEOUT_S, connect_hand_out
 
 # Slow, the whole module: jobs launched as torchrun does, one process per rank.

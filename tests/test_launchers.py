@@ -1,6 +1,6 @@
 """`lab.Mesh.from_env()` under torchrun, MPICH's and Open MPI's mpiexec, and Slurm's srun.
 
-The detection (:mod:`lab.launchers`) on faked environments, launcher by launcher: what each reads,
+The detection (:mod:`lab.hosts.launchers`) on faked environments, launcher by launcher: what each reads,
 the defaults for MASTER_ADDR and MASTER_PORT, precedence when several launchers' variables are
 present, half-set environments, and Slurm's compressed host and tasks-per-node lists. Then real
 jobs: ``mpiexec -n 3`` (MPICH's, from the venv) over tcp and auto, and three processes with
@@ -20,9 +20,16 @@ import pytest
 from helpers import child_env
 
 import lab
-from lab import launchers
-from lab.launchers import LaunchEnv, derived_port, first_host, launch_env, launcher_env, parse_tasks_per_node
-from lab.rendezvous import learn_host_index, serve_store
+from lab.hosts import launchers
+from lab.hosts.launchers import (
+    LaunchEnv,
+    derived_port,
+    first_host,
+    launch_env,
+    launcher_env,
+    parse_tasks_per_node,
+)
+from lab.hosts.rendezvous import learn_host_index, serve_store
 
 SCRIPT = Path(__file__).parent / "scripts" / "launched_rank.py"
 MPIEXEC = Path(sys.executable).with_name("mpiexec")

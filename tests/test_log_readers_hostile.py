@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from helpers import line_of, write
+
 from lab import sim
 from lab.sim import log_lines, log_ranks, read_nccl_tests, read_osu
 from lab.sim.log_ranks import bandwidth_ranks

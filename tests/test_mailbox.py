@@ -75,7 +75,7 @@ def fresh_region(world_size: int) -> np.ndarray:
 
 @njit
 def allreduce_recursive_doubling(region, rank, world_size, buf, tag, deadline_ns, family):
-    """Recursive doubling with the standard fold (lab.collectives.allreduce_recursive_doubling),
+    """Recursive doubling with the standard fold (lab.algorithms.allreduce_recursive_doubling),
     a sum, as one compiled call that opens the mailboxes and builds the reduction itself; every
     fold goes through the mailbox (``recv_buffer``/``sendrecv_buffer`` with the reduction).
     Returns the status and the messages sent and received."""

@@ -23,8 +23,8 @@ import torch
 from helpers import assert_no_failures, pool, slow_from_five
 
 import lab
+from lab.compiled.plane import DEFAULT_MAX_BYTES
 from lab.ops import DTYPES, REDUCE_DTYPES
-from lab.plane import DEFAULT_MAX_BYTES
 from lab.reference import gloo_collective
 
 STRIDE = 3

@@ -16,8 +16,19 @@ import pandas as pd
 import pytest
 
 from lab.sim.logs import read_nccl_tests
-from lab.sim.nccl import (ClusterTopology, Dragonfly, FatTree, Graph, NcclModel, fit, nominal_graph, shipped,
-                          tree_depth, tuner_file, validation)
+from lab.sim.nccl import (
+    ClusterTopology,
+    Dragonfly,
+    FatTree,
+    Graph,
+    NcclModel,
+    fit,
+    nominal_graph,
+    shipped,
+    tree_depth,
+    tuner_file,
+    validation,
+)
 from lab.sim.nccl.known import POLARIS
 
 pytestmark = pytest.mark.no_ranks

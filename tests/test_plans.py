@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import pool
 
 import lab
-from helpers import pool
 
 TRANSPORTS = {"shm": 4, "queue": 3, "tcp": 2}
 

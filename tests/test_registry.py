@@ -12,10 +12,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import pool
 
 import lab
-from helpers import pool
-from lab.collectives import registry
+from lab.algorithms import registry
 
 STRIDE = 3
 
@@ -28,6 +28,7 @@ def cluster():
 
 def new_algorithm_everywhere(mesh: lab.Mesh) -> list[str]:
     import extra_algorithm  # registers it in this rank's process
+
     from lab import tuning, validate
     from lab.collectives.choice import forced_algorithm
     from lab.reference import gloo_collective

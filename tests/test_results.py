@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from lab.__main__ import main
-from lab.collectives import registry
+from lab.algorithms import registry
 from lab.report import splice, with_spliced
 from lab.results.sweeps import least_of_rounds, sweep
 

@@ -16,9 +16,9 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+from helpers import pool, slow_from_five
 
 import lab
-from helpers import pool, slow_from_five
 from lab.collectives.choice import ALGORITHMS
 
 STRIDE = 3

@@ -17,11 +17,12 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from helpers import pool, slow_from_five
 
 import lab
-from lab.collectives import calls, double_tree_schedule
 import lab.sim as sim
-from helpers import pool, slow_from_five
+from lab.algorithms import double_tree_schedule
+from lab.collectives import calls
 from lab.sim.cluster import predict_table
 from lab.sim.record import ROOTED, Schedule
 from lab.sim.replay import replay
@@ -312,8 +313,9 @@ def test_simulate_command_writes_results_and_the_report_section(tmp_path):
 def test_the_command_and_the_api_describe_one_cluster_alike(tmp_path, gap):
     """One default gap: ``simulate --alpha-us 5`` is ``Network(alpha_us=5)``, ``--gap-us`` is ``gap_us``
     (a 1 KB double tree is where the port's hold shows: at 16 ranks 2.11x the tree at all of α, 1.43x at 0.5 µs)."""
-    from lab.__main__ import main
     import pandas as pd
+
+    from lab.__main__ import main
 
     main(["simulate", "--world-sizes", "16", "--sizes", "1KB", "--gbit", "100", "--alpha-us", "5", *gap,
           "--out", str(tmp_path), "--measured", ""])
@@ -410,7 +412,7 @@ def test_the_double_trees_fewest_steps_are_its_messages(monkeypatch, world_size,
     trees carries each segment up and down."""
     if segment_bytes is not None:
         monkeypatch.setenv("LAB_SEGMENT_BYTES", str(segment_bytes))
-    entry = lab.collectives.registry.ALGORITHMS["allreduce"]["double_tree"]
+    entry = lab.algorithms.registry.ALGORITHMS["allreduce"]["double_tree"]
     mesh = sim.record.RecordingMesh(world_size)
     fewest = entry.fewest_steps(world_size, 256, 4, **entry.options(mesh))
     schedule = sim.record.record("allreduce", "double_tree", world_size, 1024)  # (not simulate's cache)

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import child_env, free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_job.py"
@@ -40,18 +39,29 @@ import time  # noqa: E402
 import tracemalloc  # noqa: E402
 
 import numpy as np  # noqa: E402
-
-import lab  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import lab  # noqa: E402
 from lab.errors import LabError, PeerLostError  # noqa: E402
 from lab.transport.base import CONTEXT_BYTES, TAG_BYTES, Recv, Send, TagMismatch  # noqa: E402
-from lab.transport.handshake import (  # noqa: E402
-    _ACCEPTOR_KEY, _ACCEPTOR_PROOF, _CONNECTOR_KEY, _CONNECTOR_PROOF, _HELLO, _REFUSED_PROOF, _REFUSED_RANK,
-    HANDSHAKE_TIMEOUT_S, MAGIC, MAX_PENDING_HANDSHAKES, VERSION, derive, transcript)
 from lab.transport.frames import HEAD_BYTES, HEADER, MAC_BYTES, head  # noqa: E402
+from lab.transport.handshake import (  # noqa: E402
+    _ACCEPTOR_KEY,
+    _ACCEPTOR_PROOF,
+    _CONNECTOR_KEY,
+    _CONNECTOR_PROOF,
+    _HELLO,
+    _REFUSED_PROOF,
+    _REFUSED_RANK,
+    HANDSHAKE_TIMEOUT_S,
+    MAGIC,
+    MAX_PENDING_HANDSHAKES,
+    VERSION,
+    derive,
+    transcript,
+)
 from lab.transport.tcp import TcpTransport  # noqa: E402
 
 SECRET = b"test-job-secret"

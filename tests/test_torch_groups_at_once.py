@@ -20,13 +20,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import child_env, free_port
 
 import lab
-from helpers import child_env, free_port
-from lab.issue import IssueQueue
+from lab.comm.issue import IssueQueue
 
 STRIDE = 3
-#: Small (run on the caller's thread where it may be), and past lab.backend_group.RUN_NOW_MAX_BYTES
+#: Small (run on the caller's thread where it may be), and past lab.backend.group.RUN_NOW_MAX_BYTES
 #: and the shm transport's segments (the communication thread; several segments a message).
 COUNTS = (5, 70_000)
 

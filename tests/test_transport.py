@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers import pool
 
 import lab
-from helpers import pool
 from lab.errors import CollectiveMismatchError, DeadlineError
 from lab.transport import shm
 from lab.transport.base import CONTEXT_BYTES, Recv, Send, SharedFd, TagMismatch

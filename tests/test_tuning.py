@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from lab import results, tuning
+from lab.algorithms import registry
 from lab.benchmark import ALGORITHMS
-from lab.collectives import registry
 from lab.collectives.choice import choose, forced_algorithm
 from lab.results import fit_alpha_beta, models, tuning_from
 

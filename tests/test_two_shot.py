@@ -1,4 +1,4 @@
-"""Two-shot allreduce (lab.collectives.allreduce_two_shot): on shm it reads the peers' memory in
+"""Two-shot allreduce (lab.algorithms.allreduce_two_shot): on shm it reads the peers' memory in
 place (lab.transport.peer_memory); elsewhere, and on sub-meshes, the same schedule over messages.
 
 Every rank checks its own output against a fold of ``index * stride + rank`` in rank order (the

@@ -21,8 +21,8 @@ import textwrap
 
 import pytest
 import torch
-
 from helpers import rooted
+
 import lab
 
 STRIDE = 3

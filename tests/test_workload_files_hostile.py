@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import sim
-from lab import workload
+from lab import sim, workload
 from lab.sim.limits import MAX_WORLD_SIZE, SimulationTooLarge
 from lab.workload import format as fmt
 from lab.workload.replay import Replay, template_copies, whole_steps

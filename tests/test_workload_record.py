@@ -22,7 +22,7 @@ from helpers import child_env, free_port, require_hosts
 
 import lab
 from lab import recording, workload
-from lab.rendezvous import pool_store
+from lab.hosts.rendezvous import pool_store
 from lab.workload import record
 from lab.workload.record import Recorder, write_header
 

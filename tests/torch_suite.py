@@ -28,9 +28,10 @@ from torch.testing._internal.common_distributed import DistTestCases  # noqa: E4
 for feature in ("plugin", "ddp", "subgroup"):  # before distributed_test reads them at import
     DistTestCases.backend_feature[feature].add("lab")
 
-import lab  # noqa: E402,F401 - registers "lab" here and in every spawned rank
 from torch.testing._internal.common_utils import run_tests  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
+
+import lab  # noqa: E402,F401 - registers "lab" here and in every spawned rank
 
 
 class TestLabBackend(TestDistBackend, DistributedTest._DistTestBase):

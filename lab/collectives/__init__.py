@@ -1,6 +1,7 @@
-"""The collectives: the public calls (:mod:`lab.collectives.calls`), one file per algorithm, their
-registry (:mod:`lab.collectives.registry`) and how ``auto`` chooses (:mod:`lab.collectives.choice`).
+"""The public collectives: the calls and their checks (:mod:`lab.collectives.calls`,
+:mod:`lab.collectives.prepared`), gather and scatter's blocks, persistent plans
+(:mod:`lab.collectives.plans`) and which algorithm runs (:mod:`lab.collectives.choice`).
 
-Empty on purpose: importing an algorithm or the registry runs nothing else (``lab.tuning`` reads
-the registry, and the calls sit above ``lab.tuning``).
+The algorithms they run live a floor below, in :mod:`lab.algorithms`. Empty on purpose: importing
+one call's module runs nothing else.
 """

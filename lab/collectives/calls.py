@@ -21,12 +21,24 @@ from lab.buffers import as_buffer, check_tensor, to_caller_type
 from lab.chunking import row_bounds, split_bounds
 from lab.collectives.choice import ALGORITHMS, check_algorithm, choose, forced_algorithm, lab_algo, pick
 from lab.collectives.gather_scatter import gather, prepare_gather, prepare_scatter, scatter
-from lab.collectives.prepared import (Prepared, Signature, check_root, compiled_run, describe, find_lane,
-                                      issue, lane_key, make_lane, parse_op, recording, remembered)
+from lab.collectives.prepared import (
+    Prepared,
+    Signature,
+    check_root,
+    compiled_run,
+    describe,
+    find_lane,
+    issue,
+    lane_key,
+    make_lane,
+    parse_op,
+    recording,
+    remembered,
+)
 from lab.ops import DTYPES, ReduceOp, check_reduces
 
 if TYPE_CHECKING:
-    from lab.mesh import Mesh
+    from lab.comm.mesh import Mesh
 
 ALLREDUCE_ALGORITHMS = ALGORITHMS["allreduce"]
 _REDUCE, = ALGORITHMS["reduce"]

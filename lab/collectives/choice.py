@@ -2,7 +2,7 @@
 
 ``"auto"`` asks the fitted models (:mod:`lab.tuning`) for the fastest algorithm at this size, world
 size and transport, prefers a compilable algorithm where the compiled path takes the tensor
-(:mod:`lab.plane`), and weighs ``"hierarchical"``, ``"ring_channels"`` and ``"chain_tree"`` for an
+(:mod:`lab.compiled.plane`), and weighs ``"hierarchical"``, ``"ring_channels"`` and ``"chain_tree"`` for an
 allreduce across hosts.
 
     pick(mesh, "allreduce", "auto", 4 << 20)     # the fitted models' fastest for 4 MiB, e.g. "ring"
@@ -14,13 +14,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from lab import tuning
-from lab.collectives import registry
+from lab.algorithms import registry
 
 if TYPE_CHECKING:
-    from lab.mesh import Mesh
+    from lab.comm.mesh import Mesh
 
 #: Every collective's algorithms, by name (``"auto"`` picks one of them; see :func:`choose`): the
-#: registry's entries (:mod:`lab.collectives.registry`), each callable. reduce and barrier have one each.
+#: registry's entries (:mod:`lab.algorithms.registry`), each callable. reduce and barrier have one each.
 ALGORITHMS: dict[str, dict[str, registry.Algorithm]] = registry.ALGORITHMS
 
 
@@ -127,7 +127,7 @@ _PICKS: dict[tuple, str] = {}
 
 def _auto(collective: str, nbytes: int, world_size: int, transport: str, hosts: int, compiled: bool) -> str:
     """``"auto"``'s pick (see :func:`pick`); ``compiled``: the compiled path takes the tensor."""
-    # Small enough for the compiled path (lab.plane): the model's pick if it compiles, else the
+    # Small enough for the compiled path (lab.compiled.plane): the model's pick if it compiles, else the
     # collective's first compilable algorithm (one Numba call beats a Python exchange).
     if compiled and not forced_algorithm(collective):
         compilable = registry.compiled(collective)

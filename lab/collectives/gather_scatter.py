@@ -13,7 +13,7 @@ from lab.collectives.choice import ALGORITHMS, pick
 from lab.collectives.prepared import Prepared, Signature, check_root, describe, issue
 
 if TYPE_CHECKING:
-    from lab.mesh import Mesh
+    from lab.comm.mesh import Mesh
 
 
 def gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:

@@ -20,8 +20,8 @@ from lab.ops import parse_op as parse_any_op
 from lab.recording import Operation
 
 if TYPE_CHECKING:
-    from lab.planned_run import PlannedRun
-    from lab.mesh import Mesh
+    from lab.comm.mesh import Mesh
+    from lab.comm.planned_run import PlannedRun
 
 _OPS_BY_NAME = {o.value: o for o in ReduceOp}
 
@@ -96,7 +96,7 @@ class Lane:
     same arguments on an exact ``torch.Tensor`` of the same dtype and size, contiguous and on the
     CPU, runs the compiled call on the tensor's memory by its address (no checks repeated, no
     buffer wrapped, no numpy view made, nothing of the tensor kept), in issue order as a plan's
-    run (:meth:`lab.issue.IssueQueue.run_alone`; ``what``, the call as a recording notes it, where
+    run (:meth:`lab.comm.issue.IssueQueue.run_alone`; ``what``, the call as a recording notes it, where
     the rank records)."""
 
     __slots__ = ("_nbytes", "_refused", "_rest", "_run", "_run_alone", "_what")

@@ -38,7 +38,7 @@ def launch(world_size: int, **options: Any) -> Cluster:
     directed edge); shm messages of at most ``eager_bytes`` (0 to 4,048; default 4,048) travel
     inline in the pipe.
 
-    ``hosts=H`` places the ranks on H emulated hosts (:mod:`lab.hosts`: a network namespace each,
+    ``hosts=H`` places the ranks on H emulated hosts (:mod:`lab.hosts.emulated`: a network namespace each,
     one switch, each host's link capped at ``link_gbit`` Gbit/s each way, uncapped if None); host
     h holds ranks ``[h*L, (h+1)*L)``, ``L = world_size // H``. With ``H > 1`` the transport must be
     ``"tcp"`` or ``"auto"`` (shared memory inside a host, TCP between hosts). Raises

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 from lab import checks
-from lab.hosts import check_link_gbit
+from lab.hosts.emulated import check_link_gbit
 from lab.launch.transports import POOL_TRANSPORTS, TRANSPORTS, PoolTransport
 from lab.transport import shm_endpoints
 
@@ -49,7 +49,7 @@ class PoolOptions:
 
     def checked(self, world_size: Any) -> PoolOptions:
         """Refuse a bad ``world_size`` or option, and raise the open-file limit if the pool needs it.
-        Returns these options with numpy integers made Python ints (for the ranks and lab.hosts)."""
+        Returns these options with numpy integers made Python ints (for the ranks and lab.hosts.emulated)."""
         checks.positive_int(world_size, "world_size")
         transport = self.transport
         if transport not in TRANSPORTS:
@@ -107,7 +107,7 @@ class PoolOptions:
             return
         if not checks.is_int(hosts) or not 1 <= hosts <= world_size or world_size % hosts:
             raise ValueError(f"hosts must be an int that divides world_size ({world_size}); got {hosts!r}")
-        check_link_gbit(self.link_gbit)  # the range tbf can cap at (lab.hosts.LINK_GBIT)
+        check_link_gbit(self.link_gbit)  # the range tbf can cap at (lab.hosts.emulated.LINK_GBIT)
         if hosts > 1 and not wire.crosses_hosts:
             crossing = " or ".join(repr(name) for name, entry in POOL_TRANSPORTS.items()
                                    if entry.crosses_hosts)

@@ -20,12 +20,12 @@ from typing import Any
 
 from lab import recording
 from lab.errors import LabError
-from lab.hosts import Hosts
+from lab.hosts.emulated import Hosts
+from lab.hosts.rendezvous import serve_store
 from lab.launch.diagnosis import FAILURE_GRACE_S, RankFailure, death, diagnose
 from lab.launch.forkserver import forkserver_pid, start_context
 from lab.launch.options import PoolOptions, environment, takes_pool_options
 from lab.launch.rank import READY, STOP, RankOptions, rank_main
-from lab.rendezvous import serve_store
 
 #: How long the parent waits for a new pool's ranks to come up.
 STARTUP_TIMEOUT_S = 120.0
@@ -187,7 +187,7 @@ class Cluster:
 
     def _check_keeper(self) -> None:
         """If the emulated hosts' keeper died, their links went with it: no rank is to blame.
-        Close the pool and raise a LabError saying what died (lab.hosts.Hosts.lost)."""
+        Close the pool and raise a LabError saying what died (lab.hosts.emulated.Hosts.lost)."""
         lost = self.hosts.lost() if self.hosts is not None else None
         if lost:
             self._closed_why = lost

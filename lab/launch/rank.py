@@ -16,13 +16,13 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from lab.comm.mesh import Mesh
 from lab.errors import DeadlineError
-from lab.hosts import Host
+from lab.hosts.emulated import Host
+from lab.hosts.rendezvous import pool_store
 from lab.launch.diagnosis import RankFailure
 from lab.launch.forkserver import die_with_parent
 from lab.launch.transports import POOL_TRANSPORTS
-from lab.mesh import Mesh
-from lab.rendezvous import pool_store
 
 #: The parent's "stop" (an empty task) and the rank's "joined the mesh".
 STOP = b""

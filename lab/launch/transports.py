@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from lab.rendezvous import pool_store
+from lab.hosts.rendezvous import pool_store
 from lab.transport import mixed as mixed_transport
 from lab.transport import queue as queue_transport
 from lab.transport import shm as shm_transport

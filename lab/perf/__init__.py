@@ -38,11 +38,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from lab.algorithms import registry
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import calls as collectives
-from lab.collectives import registry
 from lab.command_line import refused, whole
-from lab.hosts import check_link_gbit
+from lab.hosts.emulated import check_link_gbit
 from lab.launch.transports import POOL_TRANSPORTS
 from lab.perf.data import as_tensor, count_wrong, exact_limit, expected, layout, pattern, rank_bytes, reduced
 from lab.perf.spec import AVERAGES, OPS, PROGRAMS, REDUCED_TYPES, REDUCING, TYPES, Spec

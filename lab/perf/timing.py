@@ -10,10 +10,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from lab.algorithms import registry
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import calls as collectives
-from lab.collectives import registry
-from lab.mesh import Mesh
+from lab.comm.mesh import Mesh
 from lab.perf.data import as_tensor, count_wrong, exact_limit, expected, layout, pattern
 from lab.perf.spec import TYPES, Spec
 

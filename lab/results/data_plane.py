@@ -29,7 +29,7 @@ import pandas as pd
 
 import lab
 from lab import benchmark, mpich
-from lab.plane import max_bytes_from_env
+from lab.compiled.plane import max_bytes_from_env
 from lab.report import splice
 
 SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]

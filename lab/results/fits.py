@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from lab.collectives import registry
+from lab.algorithms import registry
 from lab.tuning import algorithm_shape
 
 

@@ -1,6 +1,6 @@
 """``python -m lab results --hosts 4 8 --link-gbit 1``: the lesson's claims measured across hosts.
 
-One rank per emulated host (:mod:`lab.hosts`), every host's link capped at ``G`` Gbit/s each way,
+One rank per emulated host (:mod:`lab.hosts.emulated`), every host's link capped at ``G`` Gbit/s each way,
 so each rank's link is its own bottleneck, as the lesson assumes. For every host count and rate:
 every allreduce algorithm and gloo from 1 KB to 64 MB, an α-β fit per algorithm, the ring/tree
 crossover predicted (from the fits) and measured, busbw against the cap, the CPU load of each
@@ -31,9 +31,9 @@ import pandas as pd
 import torch
 
 import lab
+from lab.algorithms import registry
 from lab.benchmark import measure
-from lab.collectives import registry
-from lab.hosts import check_link_gbit
+from lab.hosts.emulated import check_link_gbit
 from lab.report import splice
 from lab.results.fits import bandwidth_gbps, crossover, fit_medians
 from lab.results.plots import across_hosts

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from lab.algorithms import registry
 from lab.catalog import COLLECTIVES as CATALOG
-from lab.collectives import registry
 from lab.results.sweeps import REFERENCES, Measurements, lab_transports
 
 

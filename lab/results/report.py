@@ -12,10 +12,15 @@ import numpy as np
 import pandas as pd
 
 from lab import tuning
-from lab.collectives import registry
+from lab.algorithms import registry
 from lab.results.fits import by_size, tuning_from
-from lab.results.sweeps import (OTHER_COLLECTIVES, PYTHON_KERNEL_MAX_BYTES, Measurements, lab_transports,
-                                size_label)
+from lab.results.sweeps import (
+    OTHER_COLLECTIVES,
+    PYTHON_KERNEL_MAX_BYTES,
+    Measurements,
+    lab_transports,
+    size_label,
+)
 
 
 def markdown(frame: pd.DataFrame) -> str:

@@ -23,9 +23,9 @@ import torch
 
 import lab
 from lab import mpich
+from lab.algorithms import registry
 from lab.benchmark import measure, time_bucketing, time_kernel, time_overlap, transformer_gradients
 from lab.catalog import COLLECTIVES as CATALOG
-from lab.collectives import registry
 from lab.sim.network import last_level_cache_bytes
 from lab.validate import validation_table
 

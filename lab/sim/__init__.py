@@ -19,11 +19,16 @@ results, :mod:`lab.sim.validation` scores the fit against them, and :mod:`lab.si
 
 import importlib
 
-from lab.sim.fitted import calibrated
 from lab.sim.core import SimResult, best_algorithm, estimate, simulate
+from lab.sim.fitted import calibrated
+from lab.sim.limits import (
+    DEFAULT_MAX_SECONDS,
+    DEFAULT_MAX_STEPS,
+    Estimate,
+    SimulationTooLarge,
+    SimulationUnsupported,
+)
 from lab.sim.network import Network
-from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, Estimate, SimulationTooLarge,
-                            SimulationUnsupported)
 from lab.sim.record import algorithms
 from lab.sim.replay import Message, ScheduleError
 

@@ -11,8 +11,8 @@ loading it when first asked (a rank that never needs advice never imports the si
 
 from __future__ import annotations
 
+from lab.algorithms import registry
 from lab.catalog import COLLECTIVES as CATALOG
-from lab.collectives import registry
 from lab.sim.core import simulate
 from lab.sim.limits import SimulationTooLarge, SimulationUnsupported
 from lab.sim.network import Network

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab.command_line import finite_json, network_term, refused, whole
+from lab.command_line import finite_json, refused, whole
 from lab.perf.table import predicted
 from lab.sim.cluster import FitReport, check_predictable, fit_cluster_report, predict_table
 from lab.sim.cluster_cases import widest_ranks_per_host
 from lab.sim.limits import MAX_WORLD_SIZE, SimulationUnsupported
 from lab.sim.logs import COLLECTIVES, read_nccl_tests
 from lab.sim.nccl import cli as nccl_cli
-from lab.sim.network import Network
+from lab.sim.network import Network, network_term
 
 
 def _built(args: argparse.Namespace) -> Network:

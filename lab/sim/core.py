@@ -8,11 +8,18 @@ from typing import Any
 import numpy as np
 
 from lab import checks
-from lab.sim import record as recorder
 from lab.sim import limits
+from lab.sim import record as recorder
+from lab.sim.limits import (
+    DEFAULT_MAX_SECONDS,
+    DEFAULT_MAX_STEPS,
+    MAX_NBYTES,
+    MAX_WORLD_SIZE,
+    Estimate,
+    SimulationTooLarge,
+    SimulationUnsupported,
+)
 from lab.sim.network import Network
-from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_NBYTES, MAX_WORLD_SIZE, Estimate,
-                            SimulationTooLarge, SimulationUnsupported)
 from lab.sim.record import ROOTED, Schedule, algorithms, record
 from lab.sim.replay import Message, replay
 

@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 from lab import checks, tuning
+from lab.algorithms import registry
 from lab.catalog import COLLECTIVES as CATALOG
-from lab.collectives import registry
 from lab.collectives.choice import forced_algorithm
 from lab.command_line import checked, output_file, refused, whole
 from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE, SimulationUnsupported

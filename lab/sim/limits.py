@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
 from array import array
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from lab.errors import LabError

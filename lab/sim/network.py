@@ -5,10 +5,13 @@ cores a host's ranks share."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lab import checks
+from lab.command_line import checked, number
 
 #: The accepted ranges, wide enough for any real network and narrow enough that every simulated
 #: time is finite: a message of 2**40 bytes at the slowest rate is 8.8e15 µs, and no path of
@@ -306,3 +309,8 @@ class Network:
                 shared = "all ranks" if self.cpu_group == MAX_RANKS_PER_HOST else f"{self.cpu_group} ranks"
                 text += f", {self.cores} cores shared by {shared}"
         return text
+
+
+def network_term(name: str, convert: Callable[[str], Any] = number) -> Callable[[str], Any]:
+    """An argparse type for :class:`Network`'s term ``name``, checked as the Network checks it."""
+    return checked(convert, lambda value: Network(**{name: value}))

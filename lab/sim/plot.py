@@ -14,7 +14,6 @@ only here).
 from __future__ import annotations
 
 import textwrap
-
 from dataclasses import dataclass
 from pathlib import Path
 

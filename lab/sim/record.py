@@ -38,11 +38,20 @@ from typing import Any
 
 import numpy as np
 
+from lab.algorithms import registry
 from lab.catalog import COLLECTIVES as CATALOG
-from lab.collectives import registry
 from lab.ops import DType, Reduction
-from lab.sim.limits import (STEP_FIELDS, Estimate, Meter, SimulationTooLarge, SimulationUnsupported,
-                            at_least_one_step_per_rank, describe, sample_ranks, too_many_steps)
+from lab.sim.limits import (
+    STEP_FIELDS,
+    Estimate,
+    Meter,
+    SimulationTooLarge,
+    SimulationUnsupported,
+    at_least_one_step_per_rank,
+    describe,
+    sample_ranks,
+    too_many_steps,
+)
 from lab.sim.virtual import counting_passes, mapped_input, virtual
 
 #: Every collective the lab may have, in the order tables and reports list them.
@@ -54,7 +63,7 @@ REDUCING = tuple(name for name, record in CATALOG.items() if record.reduces)
 
 class RecordingMesh:
     """What the public collectives and the algorithms use of a :class:`lab.Mesh` (the
-    :class:`lab.peers.Peers` interface, ``issue``, ``collective``, ``kernels``, ``new_flat``),
+    :class:`lab.algorithms.peers.Peers` interface, ``issue``, ``collective``, ``kernels``, ``new_flat``),
     with no transport: it records each transfer as a step and moves nothing. Its kernels do
     nothing and its outputs are virtual, so no data is touched; each instance is its own, so
     recordings in several threads at once do not meet.
@@ -138,7 +147,7 @@ class RecordingMesh:
         self._step((dst, data.nbytes, src, out.nbytes, reduction is not None))
 
     def host_of(self, rank: int) -> int:
-        return rank // self._ranks_per_host  # what lab.peers.hierarchy groups by (hierarchical allreduce)
+        return rank // self._ranks_per_host  # what lab.algorithms.peers.hierarchy groups by (hierarchical allreduce)
 
     @staticmethod
     def kernels(op: Any, dtype: DType) -> Reduction:

@@ -24,12 +24,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lab.command_line import checked, network_term, number, refused, whole
+from lab.command_line import checked, number, refused, whole
 from lab.report import splice
 from lab.sim.core import check_limits, simulate
-from lab.sim.network import Network
-from lab.sim.limits import (DEFAULT_MAX_SECONDS, DEFAULT_MAX_STEPS, MAX_NBYTES, MAX_WORLD_SIZE,
-                            SimulationUnsupported)
+from lab.sim.limits import (
+    DEFAULT_MAX_SECONDS,
+    DEFAULT_MAX_STEPS,
+    MAX_NBYTES,
+    MAX_WORLD_SIZE,
+    SimulationUnsupported,
+)
+from lab.sim.network import Network, network_term
 from lab.sim.record import COLLECTIVES, algorithms
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

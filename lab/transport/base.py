@@ -34,7 +34,7 @@ rank learns why the job failed. The ``"queue"`` transport (``lab.spawn``'s only,
 diagnoses) carries none.
 
 Threads. Several threads may drive one transport at once, each in its own context (a torch
-group's issue order: :mod:`lab.issue`): each entry point holds the transport's ``_lock``
+group's issue order: :mod:`lab.comm.issue`): each entry point holds the transport's ``_lock``
 (:func:`locked`), which a wait lets go of, so that one thread's wait never holds up another's
 messages; what one thread reads of another context is parked for it.
 """
@@ -277,7 +277,7 @@ class Transport(ABC):
         (:mod:`lab.transport.parking`) or still on the channel, looked at without waiting: for
         diagnosis after a deadline (a message from the same collective with another fingerprint
         means the ranks disagree), and where every message should have been received (a mesh's
-        close: :func:`lab.unread.raise_if_unread`). Transports that cannot look
+        close: :func:`lab.comm.unread.raise_if_unread`). Transports that cannot look
         return ``{}``."""
         return {}
 

@@ -263,7 +263,7 @@ class _HandOut:
                   "mailbox": None,
                   "extra": {k: getattr(ep, k) for k in ("eager_bytes", "mailbox_slot_bytes", "mailbox_depth",
                                                         "scratch_slot_bytes", "scratch_arena_bytes")}}
-        if ep.mailbox is not None:  # the compiled plane's mailboxes (lab.plane), shared by the host's ranks
+        if ep.mailbox is not None:  # the compiled plane's mailboxes (lab.compiled.plane), shared by the host's ranks
             layout["mailbox"] = len(fds)
             fds.append(ep.mailbox.fd)
         try:

@@ -7,7 +7,7 @@ over both nonces, both ranks and the direction, so a proof seen on one connectio
 any other (a relay between two real ranks gains nothing: it cannot read the frame keys, derived
 the same way). The connecting side proves itself first; the accepting side answers only a proven
 peer. The secret itself never travels: it is handed to the ranks by their launcher (see
-:mod:`lab.rendezvous`).
+:mod:`lab.hosts.rendezvous`).
 
 Strangers. The listener handshakes every connection at once, drops one that has not proven itself
 within ``HANDSHAKE_TIMEOUT_S``, and is closed once the mesh is complete. It holds at most

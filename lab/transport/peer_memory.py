@@ -35,9 +35,9 @@ from kernels import two_shot as flags
 from kernels.doorbell import PEER_LOST, SILENCE
 from lab import checks
 from lab.chunking import split_bounds
+from lab.compiled.plane import deadline_ns as compiled_deadline_ns
 from lab.errors import CollectiveMismatchError, LabError, PeerLostError
 from lab.ops import Reduction
-from lab.plane import deadline_ns as compiled_deadline_ns
 from lab.transport.base import TagMismatch, silence_error
 
 DEFAULT_SLOT_BYTES = 4 * 1024 * 1024

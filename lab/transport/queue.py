@@ -234,7 +234,7 @@ class QueueTransport(Transport):
     def stray(self, tag: bytes) -> tuple[int, bytes] | None:
         """Among the parked messages only, a glance without the lock nor a wait for one on its way
         (:meth:`unconsumed_tags` waits); one in a queue is met by the next receive from its peer,
-        or at the end (:func:`lab.unread.raise_if_unread`)."""
+        or at the end (:func:`lab.comm.unread.raise_if_unread`)."""
         return fingerprint.earlier(tag, self.parking.tags()) if self.parking.messages else None
 
     def _check_peers_alive(self, where: object) -> None:

@@ -125,7 +125,7 @@ class ShmTransport(PipeNotices, PipeUnread, Transport):
         self._poller = PipePoller(self._read_fd, self._lock)
         liveness = np.array([self._read_fd.get(peer, -1) for peer in range(self.world_size)], np.int64)
         self._shared = ShmMappings(endpoints, liveness)  # the segments' slots, the mailboxes and the scratch
-        #: The compiled path's mailboxes (lab.plane) and the two-shot allreduce and registered buffers
+        #: The compiled path's mailboxes (lab.compiled.plane) and the two-shot allreduce and registered buffers
         #: (lab.transport.peer_memory); None for one rank.
         self.mailbox, self.scratch = self._shared.mailbox, self._shared.scratch
         peers = list(self._read_fd)

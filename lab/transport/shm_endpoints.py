@@ -10,7 +10,7 @@ carries the frames: a 48-byte descriptor (kind, slot or eager-credit count, byte
 eager message's payload right behind it.
 
 Shared scratch. One more memfd, shared by every rank, holds the compiled path's mailboxes
-(:class:`Mailbox`, :mod:`lab.plane`) and, from the next page on, every rank's two-shot slot and
+(:class:`Mailbox`, :mod:`lab.compiled.plane`) and, from the next page on, every rank's two-shot slot and
 registered-tensor arena (:mod:`lab.transport.peer_memory`): the two-shot allreduce reads its peers'
 memory there in place, with no descriptor and no pipe.
 """
@@ -62,7 +62,7 @@ class ShmEndpoints:
     inbox: dict[int, SharedFd]  # src -> read end of the pipe src -> rank
     outbox: dict[int, SharedFd]  # dst -> write end of the pipe rank -> dst
     segments: list[SharedFd] = field(default_factory=list)  # one per rank, empty for world_size 1
-    mailbox: SharedFd | None = None  # every rank's compiled-path mailboxes (lab.plane); None: no compiled path
+    mailbox: SharedFd | None = None  # every rank's compiled-path mailboxes (lab.compiled.plane); None: no compiled path
     mailbox_slot_bytes: int = 0
     mailbox_depth: int = 0
     scratch_slot_bytes: int = 0  # the two-shot slots and registered arenas, after the mailboxes (0: none)
@@ -78,7 +78,7 @@ class ShmEndpoints:
 
 @dataclass
 class Mailbox:
-    """A rank's view of the mailboxes (``kernels.mailbox``), what :class:`lab.plane.CompiledPlane` runs on."""
+    """A rank's view of the mailboxes (``kernels.mailbox``), what :class:`lab.compiled.plane.CompiledPlane` runs on."""
 
     region: np.ndarray  # uint8, 64-byte aligned, shared by every rank
     rank: int

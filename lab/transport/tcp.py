@@ -280,7 +280,7 @@ class TcpTransport(Turns, Transport):
 
     def stray(self, tag: bytes) -> tuple[int, bytes] | None:
         """Among the parked frames only (one still in a socket is met by the next receive from its
-        peer, or at the end: :func:`lab.unread.raise_if_unread`), without the lock: a glance."""
+        peer, or at the end: :func:`lab.comm.unread.raise_if_unread`), without the lock: a glance."""
         return fingerprint.earlier(tag, self.parking.tags()) if self.parking.messages else None
 
     def _raise_if_told(self, where: object) -> None:

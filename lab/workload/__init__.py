@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from lab.collectives import registry
+from lab.algorithms import registry
 from lab.sim.fitted import calibrated
 from lab.sim.network import Network
 from lab.workload.format import Event, Gradients, Workload, load

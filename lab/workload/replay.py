@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lab import checks
-from lab.collectives import registry
+from lab.algorithms import registry
 from lab.sim.core import simulate
 from lab.sim.limits import SimulationTooLarge, SimulationUnsupported
 from lab.sim.network import Network

@@ -1,7 +1,7 @@
 """Two emulated hosts, one TCP transfer from host 0 to host 1; stdlib only (no lab, no torch),
 so it runs under any Python and any user: ``python host_link.py NBYTES GBIT USERNS``.
 
-Loads ``lab/hosts.py`` by path, builds ``Hosts(2, GBIT)`` (``USERNS``: ``1``, ``0`` or ``auto``),
+Loads ``lab/hosts/emulated.py`` by path, builds ``Hosts(2, GBIT)`` (``USERNS``: ``1``, ``0`` or ``auto``),
 and prints one JSON line: the transfer's seconds, the user namespace used, the holders' pids.
 """
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("lab_hosts", Path(__file__).parents[2] / "lab" / "hosts.py")
+spec = importlib.util.spec_from_file_location("lab_hosts", Path(__file__).parents[2] / "lab" / "hosts" / "emulated.py")
 hosts_module = importlib.util.module_from_spec(spec)
 sys.modules["lab_hosts"] = hosts_module
 spec.loader.exec_module(hosts_module)

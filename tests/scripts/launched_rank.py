@@ -8,7 +8,7 @@ import sys
 import torch
 
 import lab
-from lab.launchers import launch_env
+from lab.hosts.launchers import launch_env
 
 transport = sys.argv[1]
 env = launch_env()

@@ -13,7 +13,7 @@ import psutil
 import torch
 
 import lab
-from lab.rendezvous import env_store
+from lab.hosts.rendezvous import env_store
 from lab.transport import handshake
 
 if os.environ.get("TCP_JOB_HOLD") and os.environ["RANK"] != "0":

@@ -15,10 +15,20 @@ clusters as built. No simulation: a prediction is a few hundred arithmetic opera
 node count.
 """
 
-from lab.sim.nccl import tuner_file  # (validation: imported by name; it reads lab.sim.cluster, which imports this package)
+from lab.sim.nccl import (
+                                tuner_file,  # (validation: imported by name; it reads lab.sim.cluster, which imports this package)
+)
 from lab.sim.nccl.fitting import FitReport, fit
-from lab.sim.nccl.model import (COLLECTIVES, PAIRS, NcclModel, PairTerms, Prediction, predict_nccl, shipped,
-                                tree_depth)
+from lab.sim.nccl.model import (
+                                COLLECTIVES,
+                                PAIRS,
+                                NcclModel,
+                                PairTerms,
+                                Prediction,
+                                predict_nccl,
+                                shipped,
+                                tree_depth,
+)
 from lab.sim.nccl.topology import ClusterTopology, Dragonfly, FatTree, Graph, nominal_graph
 
 __all__ = [

@@ -23,8 +23,8 @@ import json
 
 import pandas as pd
 
-from lab.perf.table import predicted as predicted_table
 from lab.command_line import checked, finite_json, number, output_file, refused, whole
+from lab.perf.table import predicted as predicted_table
 from lab.sim.nccl import tuner_file
 from lab.sim.nccl.fitting import FitReport, fit
 from lab.sim.nccl.model import collective_name

@@ -29,8 +29,17 @@ import numpy as np
 import pandas as pd
 
 from lab.sim.nccl import constants as C
-from lab.sim.nccl.model import (NODE_CLASSES, PAIRS, NcclModel, Pair, collective_name, node_class, shipped,
-                                steps, tree_depth)
+from lab.sim.nccl.model import (
+    NODE_CLASSES,
+    PAIRS,
+    NcclModel,
+    Pair,
+    collective_name,
+    node_class,
+    shipped,
+    steps,
+    tree_depth,
+)
 from lab.sim.nccl.topology import ClusterTopology, Graph, nominal_graph
 
 #: The unknowns of a pair, in the order a term is freed when the rows can tell it apart.

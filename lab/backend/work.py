@@ -1,0 +1,118 @@
+"""What the ``"lab"`` backend hands torch for each operation: :class:`LabWork`.
+
+``wait()`` raises ``torch.distributed.DistBackendError`` carrying the lab's message and the
+group's flight recorder, with the lab's exception as its ``__cause__``; a failed operation's
+future completes with a :class:`Failed` value that raises that same error when anything reads it.
+
+    work = group.allreduce([grads])      # a LabWork, at once
+    work.get_future().wait()             # [grads], reduced (or raises the failure)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lab.comm.issue import Work
+from lab.recording import Operation
+
+
+class Issuer(Protocol):
+    """What a :class:`LabWork` needs of its group (:class:`lab.backend.group.LabProcessGroup`)."""
+
+    def issue(self, run: Callable[[], Any], now: bool, p2p: str, what: Operation | None) -> Work: ...
+
+    def torch_error(self, exc: BaseException) -> BaseException: ...
+
+
+class Failed:
+    """The value of a failed collective's future: reading it in any way raises the failure.
+
+    C++ consumers take the tensors out of a future's Python value by pickling it, so
+    ``__reduce__`` raising turns into an exception where they are (DDP's backward: a
+    ``RuntimeError`` whose message carries this error's), where a future completed with
+    ``set_exception`` would crash them (its value is the exception, which holds no tensors)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __reduce__(self) -> Any:
+        raise self.error
+
+    def __getitem__(self, index: Any) -> Any:
+        raise self.error
+
+    def __iter__(self) -> Any:
+        raise self.error
+
+    def __len__(self) -> int:
+        raise self.error
+
+
+class LabWork(dist._Work):
+    """A lab collective issued for torch: ``wait()``, ``is_completed()``, ``get_future()``."""
+
+    def __init__(self, group: Issuer, run: Callable[[], Any], outputs: list[torch.Tensor],
+                 now: bool = False, p2p: str = "", what: Operation | None = None) -> None:
+        super().__init__()
+        self._group, self._outputs = group, outputs
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._error: BaseException | None = None
+        self._converting = threading.Lock()
+        self._source = -1
+        self._work = group.issue(run, now, p2p, what)  # (what: noted where the rank records)
+        self._work.add_done_callback(self._complete)
+
+    def _torch_error(self, exc: BaseException) -> BaseException:
+        """``exc`` as torch's error, converted once (by the waiter or the completing thread)."""
+        with self._converting:
+            if self._error is None:
+                self._error = self._group.torch_error(exc)
+            return self._error
+
+    def _complete(self, work: Work) -> None:
+        try:  # (on the thread that completed it: the lab's own reading, no wait of the program's)
+            result = work.outcome()
+        except BaseException as exc:  # noqa: BLE001 - every failure reaches the future's readers
+            self._future.set_result(Failed(self._torch_error(exc)))
+            return
+        if isinstance(result, int):  # a receive: the sender
+            self._source = result
+        self._future.set_result(self._outputs)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the collective completes; raise ``DistBackendError`` if it failed."""
+        seconds = None if timeout is None or timeout == timedelta(0) else timeout.total_seconds()
+        try:
+            self._work.wait(seconds)
+        except BaseException as exc:  # noqa: BLE001 - the collective's failure, or our wait's limit
+            if not self._work.is_completed():  # our wait's own limit, not the collective's failure
+                raise dist.DistBackendError(f"{self._group}: wait(timeout={timeout}) expired; the collective "
+                                            "is still running") from None
+            raise self._torch_error(exc)  # its __cause__ is the lab's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_completed() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def get_future(self) -> torch.futures.Future:
+        """Completes with the output tensors (a value that raises the error, on failure)."""
+        return self._future
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self._source
+
+    def source_rank(self) -> int:
+        return self._source_rank()
