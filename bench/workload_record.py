@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import lab
-from lab.recording import Operation, record
+from lab.comm.operations import Operation, record
 from lab.workload.record import Recorder
 
 INPUTS = ("torch", "numpy")
@@ -81,7 +81,7 @@ def ddp_steps(mesh: lab.Mesh, steps: int) -> tuple[list[int], int]:
 
 def recorder_us(calls: int, rounds: int = 5) -> tuple[float, float]:
     """In this process, no rank: µs a synchronous call's notes cost (issued, completed, returned,
-    as :func:`lab.recording.record` makes them) and µs its line costs at the step's end."""
+    as :func:`lab.comm.operations.record` makes them) and µs its line costs at the step's end."""
     path = os.path.join(tempfile.mkdtemp(prefix="lab-workload-"), "micro.jsonl")
     recorder = Recorder(path, 0, 2)
     what = Operation("allreduce", (0, 1), "float32", 4, 256, 256, reduce_op="sum")

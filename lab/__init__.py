@@ -12,13 +12,7 @@
 
 import importlib
 
-from lab import (  # lab.backend, lab.bucketing and lab.ddp work after `import lab`
-    backend,
-    bucketing,
-    ddp,
-    recording,
-    tuning,
-)
+from lab import backend, bucketing, ddp, tuning
 from lab.collectives.calls import (
     all_to_all,
     allgather,
@@ -42,6 +36,7 @@ from lab.collectives.plans import (
     reduce_scatter_init,
     scatter_init,
 )
+from lab.comm import operations as recording
 from lab.comm.issue import Work
 from lab.comm.mesh import Mesh
 from lab.compiled import sources as compiled_sources  # noqa: F401  (first: compiled code is never older than its sources)

@@ -206,7 +206,7 @@ def choose_across_hosts(nbytes: int, world_size: int, hosts: int, intra: str = "
 
 
 @dataclass(frozen=True)
-class Prediction:
+class AlgorithmTime:
     """One algorithm's predicted time, split into its α-β terms.
 
     ``steps`` latency terms and ``path_bytes`` bytes on the critical path: for the fitted model
@@ -234,13 +234,13 @@ class Choice:
     algorithm: str
     source: str  # "fitted model", "simulator" or "size threshold"
     nbytes: int  # the size the predictions are for (the simulator's: its size bucket's smallest)
-    predictions: dict[str, Prediction]
+    predictions: dict[str, AlgorithmTime]
     left_out: dict[str, str]  # candidates without a prediction, and why
     network: dict | None  # the simulator's Network keyword arguments, when it decided
 
 
 def _fitted_predictions(nbytes: int, world_size: int, transport: str, collective: str,
-                        models: dict) -> dict[str, Prediction]:
+                        models: dict) -> dict[str, AlgorithmTime]:
     """The fitted model's predictions for the candidates that have a fit."""
     fits = models.get(transport, {}).get(collective, {})
     out = {}
@@ -250,7 +250,7 @@ def _fitted_predictions(nbytes: int, world_size: int, transport: str, collective
             continue
         steps, volume = algorithm_shape(algorithm, world_size, collective)
         latency, bandwidth = fitted_terms(fit, algorithm, nbytes, world_size, collective)
-        out[algorithm] = Prediction(algorithm, latency + bandwidth, "fitted model", round(steps), volume * nbytes,
+        out[algorithm] = AlgorithmTime(algorithm, latency + bandwidth, "fitted model", round(steps), volume * nbytes,
                                     latency, bandwidth)
     return out
 

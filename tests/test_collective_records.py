@@ -68,7 +68,7 @@ def test_the_readers_perf_and_the_simulator_read_the_records():
     assert log_ranks.FLAT == ("broadcast", "reduce") and cluster.BUS_FACTOR == log_ranks.BUS_FACTOR
     assert cluster_cases.OUTPUT_SIZED == ("allgather", "gather")
     assert lab.perf.PROGRAMS["all_to_all"] == "alltoall_perf"
-    assert lab.sim.record.ROOTED == {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src"}
+    assert lab.sim.schedule.ROOTED == {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src"}
 
 
 def test_a_gathers_predicted_busbw_is_nccl_tests():

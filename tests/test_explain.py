@@ -14,7 +14,7 @@ from lab.__main__ import main
 from lab.algorithms import registry
 from lab.collectives import choice as collectives
 from lab.sim.plot import arrows
-from lab.sim.record import record
+from lab.sim.schedule import record
 
 NETWORK = {"alpha_us": 20.0, "gbit": 10.0}
 
@@ -30,7 +30,7 @@ def simulator_only(monkeypatch):
 
 
 def simulated(nbytes: int, world_size: int) -> dict[str, float]:
-    return sim.predict("allreduce", world_size, nbytes, sim.Network(**NETWORK),
+    return sim.compare("allreduce", world_size, nbytes, sim.Network(**NETWORK),
                        candidates=registry.auto_candidates("allreduce"))
 
 

@@ -195,7 +195,7 @@ def test_ring_channels_beats_the_ring_on_rails_and_its_closed_form_is_the_simula
     prediction ``auto`` uses is the simulated time on the same terms."""
     rails = sim.Network(alpha_us=5.0, gbit=100.0, ranks_per_host=8, nics_per_host=8, intra_alpha_us=1.0,
                         intra_gbit=1000.0)
-    times = sim.predict("allreduce", 128, 64 << 20, rails, candidates=["ring", "ring_channels", "chain_tree"])
+    times = sim.compare("allreduce", 128, 64 << 20, rails, candidates=["ring", "ring_channels", "chain_tree"])
     assert times["ring_channels"] < times["ring"] / 2
     models = {"shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 8 / 1e6}}},
               "tcp": {"allreduce": {"ring": {"alpha_step_us": 5.0, "beta_byte_us": 8 / 1e5}}}}

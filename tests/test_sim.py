@@ -24,8 +24,8 @@ import lab.sim as sim
 from lab.algorithms import double_tree_schedule
 from lab.collectives import calls
 from lab.sim.cluster import predict_table
-from lab.sim.record import ROOTED, Schedule
-from lab.sim.replay import replay
+from lab.sim.event_loop import replay
+from lab.sim.schedule import ROOTED, Schedule
 
 ALGORITHMS = sim.algorithms()
 CASES = [(c, a) for c, names in ALGORITHMS.items() for a in names]
@@ -173,7 +173,7 @@ def test_best_algorithm_follows_the_alpha_beta_tradeoff():
     # 1 KB on 64 ranks: tree's 12 α beat ring's 126 α. 64 MB: ring's 2T(N-1)/N beats tree's 12 T.
     assert sim.best_algorithm("allreduce", 64, 1 << 10, NET, candidates=["ring", "tree"]) == "tree"
     assert sim.best_algorithm("allreduce", 64, 64 << 20, NET, candidates=["ring", "tree"]) == "ring"
-    times = sim.predict("allreduce", 64, 64 << 20, NET)
+    times = sim.compare("allreduce", 64, 64 << 20, NET)
     assert set(times) == set(ALGORITHMS["allreduce"]) and min(times, key=times.get) == sim.best_algorithm(
         "allreduce", 64, 64 << 20, NET)
 
@@ -211,7 +211,7 @@ def test_best_algorithm_follows_the_alpha_beta_tradeoff():
     (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_steps=0), "max_steps must be an integer >= 1 or None"),
     (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_steps=1.5), "max_steps must be"),
     (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_seconds=-1), "max_seconds must be a number > 0 or None"),
-    (lambda: sim.predict("allreduce", 4, 1024, max_steps="many"), "max_steps must be"),
+    (lambda: sim.compare("allreduce", 4, 1024, max_steps="many"), "max_steps must be"),
     (lambda: sim.best_algorithm("allreduce", 4, 1024, max_seconds=float("nan")), "max_seconds must be"),
 ])
 def test_bad_arguments_are_value_errors_that_name_the_parameter(call, match):
@@ -234,7 +234,9 @@ RACKS = sim.Network(ranks_per_host=8)
      "ranks_per_host must be"),
     (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=1024, candidates="ring"), TypeError,
      "candidates must be a list"),
-    (lambda: sim.predict("allreduce", 4, True), ValueError, "nbytes must be .*; got True"),
+    (lambda: sim.compare("allreduce", 4, True), ValueError, "nbytes must be .*; got True"),
+    (lambda: sim.predict("allreduce", 4, 1024), TypeError,
+     r"cluster must be a lab.sim.Network .*got str \(every algorithm's time at N ranks: lab.sim.compare"),
     (lambda: sim.simulate("allreduce", "ring", 4, True), ValueError, "nbytes must be .*; got True"),
     (lambda: sim.estimate("allreduce", "ring", 4, True), ValueError, "nbytes must be .*; got True"),
     (lambda: sim.estimate("allreduce", "ring", 4, 1024, ranks_per_host=0), ValueError, "ranks_per_host must be"),
@@ -379,7 +381,7 @@ def test_the_estimate_counts_the_steps_from_sampled_ranks():
     assert ring.steps == 2_000 * 2 * 1_999 and ring.sampled < 2_000
     assert ring.memory_bytes >= ring.steps * 100 and ring.seconds > 0
     assert sim.estimate("allreduce", "naive", 2_000, 4096).steps == 2 * 1_999 + 1_999 * 2
-    actual = sim.record.record("allreduce", "tree", 2_000, 4096).steps
+    actual = sim.schedule.record("allreduce", "tree", 2_000, 4096).steps
     assert actual / 2 <= sim.estimate("allreduce", "tree", 2_000, 4096).steps <= 2 * actual
     small = sim.estimate("broadcast", "binomial", 8, 4096, root=3)  # few ranks: recorded, exact
     assert small.exact and small.steps == 14
@@ -413,9 +415,9 @@ def test_the_double_trees_fewest_steps_are_its_messages(monkeypatch, world_size,
     if segment_bytes is not None:
         monkeypatch.setenv("LAB_SEGMENT_BYTES", str(segment_bytes))
     entry = lab.algorithms.registry.ALGORITHMS["allreduce"]["double_tree"]
-    mesh = sim.record.RecordingMesh(world_size)
+    mesh = sim.schedule.RecordingMesh(world_size)
     fewest = entry.fewest_steps(world_size, 256, 4, **entry.options(mesh))
-    schedule = sim.record.record("allreduce", "double_tree", world_size, 1024)  # (not simulate's cache)
+    schedule = sim.schedule.record("allreduce", "double_tree", world_size, 1024)  # (not simulate's cache)
     assert int((schedule.send_peer >= 0).sum()) == fewest <= schedule.steps
 
 
@@ -450,11 +452,11 @@ def test_predict_and_best_algorithm_take_the_limit_and_leave_nothing_out_silentl
     """An algorithm past the limit is an error naming it, not a silently missing entry (which
     would make best_algorithm answer among the others)."""
     with pytest.raises(sim.SimulationTooLarge, match=r"allreduce \(ring\).*past max_steps=2,000.*candidates="):
-        sim.predict("allreduce", 64, 4096, NET, max_steps=2_000)
+        sim.compare("allreduce", 64, 4096, NET, max_steps=2_000)
     with pytest.raises(sim.SimulationTooLarge, match="max_steps=2,000"):
         sim.best_algorithm("allreduce", 64, 4096, NET, max_steps=2_000)
     assert sim.best_algorithm("allreduce", 64, 4096, NET, max_steps=2_000, candidates=["tree", "naive"]) == "tree"
-    times = sim.predict("allreduce", 64, 4096, NET, max_steps=10_000, max_seconds=600)
+    times = sim.compare("allreduce", 64, 4096, NET, max_steps=10_000, max_seconds=600)
     assert set(times) == set(ALGORITHMS["allreduce"])
 
 

@@ -87,7 +87,7 @@ def test_local_passes_are_recorded_and_cost_a_copy_each_on_the_rank_s_core():
     reduce_scatter of 8,000 bytes on 2 ranks, copy 0.001 µs/B alone: the work copy 8 µs, the
     step's send copy 4, the wire 20 + 3.2, the receive's copy 4, the block's copy 4: 43.2 µs.
     """
-    from lab.sim.record import record
+    from lab.sim.schedule import record
 
     T = 1 << 20
     scatter = record("reduce_scatter", "ring", 4, T)
@@ -107,7 +107,7 @@ def test_recordings_in_two_threads_count_their_own_local_passes():
     what one alone finds (Bruck's 3T per rank, reduce_scatter's T + T/N)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from lab.sim.record import record
+    from lab.sim.schedule import record
 
     def passes(case):
         schedule = record(*case)
@@ -126,8 +126,8 @@ def test_a_back_to_back_loop_lets_the_senders_of_a_gather_run_ahead():
     loop, as lab.benchmark times it, a sender's call ends once its message has left (6 µs) and it
     starts the next, so from the second call on the root finds its messages there: 20 µs a call."""
     from lab.sim.calibrate import benchmark_us
-    from lab.sim.record import record
-    from lab.sim.replay import loop_times, match_messages
+    from lab.sim.event_loop import loop_times, match_messages
+    from lab.sim.schedule import record
 
     net = sim.Network(alpha_us=1.0, gbit=1e9, send_overhead_us=5.0, recv_overhead_us=10.0)
     assert sim.simulate("gather", "linear", 3, 1024, net).time_us == pytest.approx(26.0, abs=1e-3)
@@ -274,8 +274,8 @@ def test_a_large_message_waits_for_its_receive_and_a_small_one_does_not():
     """Rank 1 receives a small message from rank 2, then a large one from rank 0. Eagerly the
     large one takes rank 1's port first and the small one queues behind it; with rendezvous it
     waits until rank 1 posts its receive, after the small one."""
-    from lab.sim.record import Schedule
-    from lab.sim.replay import replay
+    from lab.sim.event_loop import replay
+    from lab.sim.schedule import Schedule
 
     large, small = 1 << 20, 1000
     one = np.array

@@ -223,7 +223,7 @@ def test_auto_asks_the_registered_advisor_where_no_fit_decides(monkeypatch):
 
     def tree_wins(collective, nbytes, world_size, network):
         asked.append((collective, nbytes, world_size, network["alpha_us"]))
-        return {a: tuning.Prediction(a, 1.0 if a == "tree" else 2.0, "mine", 1, 0.0, 1.0, 0.0)
+        return {a: tuning.AlgorithmTime(a, 1.0 if a == "tree" else 2.0, "mine", 1, 0.0, 1.0, 0.0)
                 for a in ("ring", "tree")}, {"naive": "not asked"}
 
     monkeypatch.setattr(tuning, "ADVISORS", {})

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from helpers import child_env, free_port, require_hosts
 
 import lab
-from lab import recording, workload
+from lab import workload
+from lab.comm import operations as recording
 from lab.hosts.rendezvous import pool_store
 from lab.workload import record
 from lab.workload.record import Recorder, write_header

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from lab import checks
 from lab.collectives import choice
 from lab.comm.mesh import Mesh
+from lab.comm.operations import Operation
 from lab.errors import DeadlineError
 from lab.ops import DTYPES, dtype_of
-from lab.recording import Operation
 from lab.transport.base import Silence
 
 NAME = "lab"
@@ -98,7 +98,7 @@ def describe(mesh: Mesh, dim: str | None, op: str, inputs: list, outputs: list,
     tensors (lists of lists too) in the first one's dtype; an all_to_all's ``split_sizes`` (in,
     out; none given: even); ``ran``: the lab collective it runs (``lab.collectives.Prepared``, or
     a list of them), whose algorithm it notes (theirs where they agree on one); ``rest``: roots
-    and peers as the group's ranks, and the rest of :class:`lab.recording.Operation`'s fields. A
+    and peers as the group's ranks, and the rest of :class:`lab.comm.operations.Operation`'s fields. A
     receive from any source learns its sender from what its run returns.
 
         describe(mesh, "dp", "allreduce", [grads], [grads], ran=prepared, reduce_op="sum")

@@ -37,8 +37,8 @@ from lab.backend.work import LabWork
 from lab.collectives import calls as collectives
 from lab.comm.issue import Work
 from lab.comm.mesh import Mesh
+from lab.comm.operations import Operation
 from lab.errors import LabError
-from lab.recording import Operation
 
 #: A collective with at most this many bytes of output runs on the calling thread when nothing
 #: else is in flight: handing it to the communication thread and waking the caller again cost

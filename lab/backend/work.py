@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lab.comm.issue import Work
-from lab.recording import Operation
+from lab.comm.operations import Operation
 
 
 class Issuer(Protocol):

@@ -14,10 +14,10 @@ import torch
 
 from lab import checks
 from lab.collectives.choice import lab_algo
+from lab.comm.operations import Operation
 from lab.fingerprint import Signature
 from lab.ops import ReduceOp
 from lab.ops import parse_op as parse_any_op
-from lab.recording import Operation
 
 if TYPE_CHECKING:
     from lab.comm.mesh import Mesh

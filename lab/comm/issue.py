@@ -23,8 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from lab import checks
+from lab.comm.operations import Operation, Recording, record
 from lab.errors import LabError
-from lab.recording import Operation, Recording, record
 
 
 def this_process() -> int:
@@ -94,7 +94,7 @@ class Work:
 class IssueQueue:
     """The issue order of rank ``rank``'s meshes, owned by the process that made it."""
 
-    #: Where the rank records its calls (lab.recording): set by the layer that starts a recording.
+    #: Where the rank records its calls (lab.comm.operations): set by the layer that starts a recording.
     recorder: Recording | None = None
 
     def __init__(self, rank: int) -> None:
@@ -122,7 +122,7 @@ class IssueQueue:
         call; a receive issued before an asynchronous send may run it while waiting
         (:meth:`run_sends_behind`). ``refused``: what numbers the collective of ``run`` where an
         earlier failure is raised in its place (see :meth:`wait_all`). ``what``: the call as the
-        program issued it, noted where the rank records (:mod:`lab.recording`)."""
+        program issued it, noted where the rank records (:mod:`lab.comm.operations`)."""
         if what is not None and self.recorder is not None and not self._local.driving:
             return record(self.recorder, what, checks.flag(async_op, "async_op"),
                           lambda noted: self.issue(noted, async_op, p2p, refused), run)

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from lab import checks, recording
+from lab import checks
+from lab.comm import operations as recording
 from lab.comm.channels import Channels
 from lab.comm.exchange import Exchange
 from lab.comm.membership import Membership, agree_split

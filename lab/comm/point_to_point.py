@@ -19,9 +19,9 @@ from lab.buffers import as_buffer
 from lab.comm import p2p
 from lab.comm.exchange import Exchange
 from lab.comm.issue import IssueQueue
+from lab.comm.operations import Operation
 from lab.errors import DeadlineError
 from lab.ops import DTYPES, DType, dtype_of
-from lab.recording import Operation
 from lab.transport.base import Recv, Send, silence_error
 
 
@@ -60,7 +60,7 @@ class PointToPoint(Exchange):
         """Wait for every asynchronous collective issued so far; raise the first failure."""
         self._channels.issue.wait_all(recorded=True)
 
-    # -- what a recording notes (lab.recording) ------------------------------------------------
+    # -- what a recording notes (lab.comm.operations) ------------------------------------------------
 
     @property
     def recording(self) -> bool:
@@ -76,7 +76,7 @@ class PointToPoint(Exchange):
     def describe(self, op: str, dtype: DType, count: int, out_count: int, *, root: int | None = None,
                  peer: int | None = None, dim: str | None = None, **rest: Any) -> Operation:
         """A call of ``op`` on this mesh as a recording notes it (``root``, ``peer``: this mesh's
-        ranks; ``rest``: :class:`lab.recording.Operation`'s other fields). Callers build it only
+        ranks; ``rest``: :class:`lab.comm.operations.Operation`'s other fields). Callers build it only
         where the rank records (:attr:`recording`).
 
             mesh.describe("broadcast", DTYPES["float32"], 256, 256, root=1)   # N=2: group (0, 1)

@@ -23,7 +23,7 @@ SOURCES = tuple(sorted([
     *(f"kernels/{path.name}" for path in (ROOT / "kernels").glob("*.py")),
     *(f"lab/algorithms/{name}.py" for name in _ALGORITHMS),
     "lab/checks.py", "lab/compiled/__init__.py", "lab/fingerprint.py", "lab/flight.py", "lab/ops.py", "lab/algorithms/peers.py",
-    "lab/compiled/plane.py", "lab/sim/network.py", "lab/sim/record.py", "lab/sim/replay.py",
+    "lab/compiled/plane.py", "lab/sim/network.py", "lab/sim/schedule.py", "lab/sim/event_loop.py",
 ]))
 
 cache.guard("lab", [ROOT / source for source in SOURCES])

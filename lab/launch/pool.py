@@ -18,7 +18,7 @@ from datetime import timedelta
 from multiprocessing.connection import wait
 from typing import Any
 
-from lab import recording
+from lab.comm import operations as recording
 from lab.errors import LabError
 from lab.hosts.emulated import Hosts
 from lab.hosts.rendezvous import serve_store

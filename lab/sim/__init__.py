@@ -9,8 +9,8 @@ Limits: a case whose recording would pass ``max_steps`` (default 10 million step
 or ``max_seconds`` (default 300 s) raises :class:`SimulationTooLarge` before it is recorded,
 saying how to raise the limit; :func:`estimate` says what a case would cost.
 
-How: :mod:`lab.sim.record` runs the public collective once per rank on a mesh that records
-each send and receive instead of moving data; :mod:`lab.sim.replay` times those steps in a
+How: :mod:`lab.sim.schedule` runs the public collective once per rank on a mesh that records
+each send and receive instead of moving data; :mod:`lab.sim.event_loop` times those steps in a
 discrete-event loop (Numba). :mod:`lab.sim.calibrate` fits a :class:`Network` to measured
 results, :mod:`lab.sim.validation` scores the fit against them, and :mod:`lab.sim.sweep` is
 ``python -m lab simulate``. :mod:`lab.sim.cluster` fits a cluster to its own nccl-tests logs
@@ -19,7 +19,8 @@ results, :mod:`lab.sim.validation` scores the fit against them, and :mod:`lab.si
 
 import importlib
 
-from lab.sim.core import SimResult, best_algorithm, estimate, simulate
+from lab.sim.core import SimResult, best_algorithm, compare, estimate, simulate
+from lab.sim.event_loop import Message, ScheduleError
 from lab.sim.fitted import calibrated
 from lab.sim.limits import (
     DEFAULT_MAX_SECONDS,
@@ -29,11 +30,10 @@ from lab.sim.limits import (
     SimulationUnsupported,
 )
 from lab.sim.network import Network
-from lab.sim.record import algorithms
-from lab.sim.replay import Message, ScheduleError
+from lab.sim.schedule import algorithms
 
 #: What reads and fits clusters' logs, with pandas: loaded on first use (``lab.sim.fit_cluster``).
-_ON_FIRST_USE = {"FitReport": "lab.sim.cluster", "Prediction": "lab.sim.cluster", "fit_cluster": "lab.sim.cluster",
+_ON_FIRST_USE = {"FitReport": "lab.sim.cluster", "ClusterPrediction": "lab.sim.cluster", "fit_cluster": "lab.sim.cluster",
                  "fit_cluster_report": "lab.sim.cluster", "predict": "lab.sim.cluster",
                  "read_nccl_tests": "lab.sim.logs", "read_osu": "lab.sim.logs"}
 
@@ -46,4 +46,4 @@ def __getattr__(name: str) -> object:
 __all__ = ["Network", "simulate", "best_algorithm", "predict", "estimate", "algorithms", "SimResult", "Message",
            "Estimate", "SimulationUnsupported", "SimulationTooLarge", "ScheduleError", "DEFAULT_MAX_STEPS",
            "DEFAULT_MAX_SECONDS", "read_nccl_tests", "read_osu", "calibrated", "fit_cluster", "fit_cluster_report",
-           "FitReport", "Prediction"]
+           "FitReport", "ClusterPrediction", "compare"]

@@ -6,7 +6,7 @@ nothing of the simulator; ``import lab`` registers this one as ``"simulator"``,
 loading it when first asked (a rank that never needs advice never imports the simulator).
 
     advise("allreduce", 1 << 20, 8, {"alpha_us": 20.0, "gbit": 10.0})
-    # -> ({"ring": Prediction(...), "tree": ...}, {"naive": "records more than 200,000 steps"})
+    # -> ({"ring": AlgorithmTime(...), "tree": ...}, {"naive": "records more than 200,000 steps"})
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim.core import simulate
 from lab.sim.limits import SimulationTooLarge, SimulationUnsupported
 from lab.sim.network import Network
-from lab.tuning import Prediction
+from lab.tuning import AlgorithmTime
 
 #: ``auto``'s simulations stop at this many recorded steps (a 64-rank ring allreduce is 8,064):
 #: a candidate past it is left out of the comparison, a decision made on step counts only, so
@@ -31,7 +31,7 @@ def simulated_input(collective: str, nbytes: int, world_size: int) -> int:
 
 
 def advise(collective: str, nbytes: int, world_size: int, network: dict
-           ) -> tuple[dict[str, Prediction], dict[str, str]] | None:
+           ) -> tuple[dict[str, AlgorithmTime], dict[str, str]] | None:
     """Each ``auto`` candidate simulated on ``Network(**network)``, and those left out with why
     (the recorder cannot run it, or it records more than :data:`SIMULATION_MAX_STEPS` steps);
     None where ``Network`` does not take ``network`` (written by another version of the lab)."""
@@ -53,6 +53,6 @@ def advise(collective: str, nbytes: int, world_size: int, network: dict
             continue
         steps = len(result.critical_path)
         path_bytes = sum(m.nbytes for m in result.critical_path)
-        out[algorithm] = Prediction(algorithm, result.time_us, "simulator", steps, path_bytes,
+        out[algorithm] = AlgorithmTime(algorithm, result.time_us, "simulator", steps, path_bytes,
                                     steps * net.alpha_us, path_bytes * net.beta_us_per_byte)
     return out, left_out

@@ -46,9 +46,9 @@ import pandas as pd
 
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim.core import recorded_schedule
+from lab.sim.event_loop import loop_times, match_messages
 from lab.sim.network import MAX_RANKS_PER_HOST, Network, last_level_cache_bytes
-from lab.sim.record import Schedule, algorithms
-from lab.sim.replay import loop_times, match_messages
+from lab.sim.schedule import Schedule, algorithms
 
 #: Measured CSVs (globs relative to the results directory) and what their rows are.
 SOURCES = [("allreduce.csv", "transport"), ("collectives.csv", "transport"),
@@ -163,7 +163,7 @@ class Fit:
 
 def benchmark_us(schedule: Schedule, match: np.ndarray, network: Network) -> float:
     """What ``python -m lab results`` would measure of a case: the median of the last
-    ``LOOP_CALLS - 1`` calls of a back-to-back loop (:func:`~lab.sim.replay.loop_times`; the first
+    ``LOOP_CALLS - 1`` calls of a back-to-back loop (:func:`~lab.sim.event_loop.loop_times`; the first
     starts cold, as the benchmark's warm-up calls do). ``schedule`` is one call's, repeated
     ``LOOP_CALLS`` times, and ``match`` its pairing (:func:`benchmark_schedule`)."""
     return float(np.median(loop_times(schedule, match, network, LOOP_CALLS)[1:]))

@@ -2,7 +2,7 @@
 
     net = lab.sim.fit_cluster([df_1host, df_2hosts])             # a Network with the logs' terms
     report = lab.sim.fit_cluster_report([df_1host, df_2hosts])   # the same, and how well each is known
-    lab.sim.predict(net, "allreduce", hosts=16, nbytes=1 << 20)  # Prediction(time_us, algorithm, times)
+    lab.sim.predict(net, "allreduce", hosts=16, nbytes=1 << 20)  # ClusterPrediction(time_us, algorithm, times)
 
 The fitted terms are the link terms the logs can see: α and bandwidth inside a host (seen by a
 log with several ranks on a host) and between hosts (a log with several hosts). What logs of one
@@ -58,7 +58,7 @@ BANDS = [("up to 64 KiB", 64 << 10), ("64 KiB-1 MiB", (1 << 20) - 1), ("1-32 MiB
 
 
 @dataclass(frozen=True)
-class Prediction:
+class ClusterPrediction:
     """The best algorithm's time at a cluster size, and every candidate's time (µs)."""
 
     time_us: float
@@ -243,20 +243,20 @@ def fit_cluster(logs: list[pd.DataFrame], network: Network | None = None, *,
 
 
 def predict_hosts(network: Network, collective: str, *, hosts: int, nbytes: int,
-                  ranks_per_host: int | None = None, candidates: list[str] | None = None) -> Prediction:
+                  ranks_per_host: int | None = None, candidates: list[str] | None = None) -> ClusterPrediction:
     """The best algorithm's simulated time for ``collective`` on ``hosts`` hosts of
     ``ranks_per_host`` ranks (default: the network's), ``nbytes`` as nccl-tests counts a size
     (allgather's is the whole output); the least over the algorithms (or ``candidates``), as
     NCCL's tuner takes the least.
 
-        predict_hosts(net, "allreduce", hosts=16, nbytes=64 << 20)   # Prediction(time_us=..., algorithm=...)
+        predict_hosts(net, "allreduce", hosts=16, nbytes=64 << 20)   # ClusterPrediction(time_us=..., algorithm=...)
     """
     network, world, nbytes = _hosts_case(network, collective, hosts, nbytes, ranks_per_host)
-    times = core.predict(collective, world, nbytes, network, candidates=candidates)
+    times = core.compare(collective, world, nbytes, network, candidates=candidates)
     if not times:
         raise ValueError(f"no algorithm of {collective} can be simulated at {hosts} hosts")
     best = min(times, key=times.get)
-    return Prediction(times[best], best, times)
+    return ClusterPrediction(times[best], best, times)
 
 
 def check_predictable(network: Network, collective: str, *, hosts: int, nbytes: int,
@@ -319,21 +319,20 @@ def predict_table(network: Network, collective: str, hosts: int, sizes: list[int
     return pd.DataFrame(rows, columns=["bytes", "time_us", "algbw", "busbw", "algorithm"])
 
 
-def predict(network_or_collective: Any, *args: Any, **kwargs: Any) -> Any:
-    """Two forms: ``predict(cluster, "allreduce", hosts=16, nbytes=B)``, a cluster model at 16 hosts,
-    is :func:`predict_hosts` for a :class:`Network` (the simulator: a :class:`Prediction`, the
-    best algorithm's µs and which) and :func:`lab.sim.nccl.predict_nccl` for an
-    :class:`lab.sim.nccl.NcclModel` (NCCL's closed forms: the µs, algorithm and protocol NCCL
-    runs); ``predict("allreduce", world_size, nbytes, net)`` is :func:`lab.sim.core.predict`
-    (``{algorithm: µs}`` at N ranks).
+def predict(cluster: Any, *args: Any, **kwargs: Any) -> Any:
+    """A cluster model at ``hosts`` hosts: :func:`predict_hosts` for a :class:`Network` (the
+    simulator: a :class:`ClusterPrediction`, the best algorithm's µs and which) and
+    :func:`lab.sim.nccl.predict_nccl` for an :class:`lab.sim.nccl.NcclModel` (NCCL's closed forms:
+    the µs, algorithm and protocol NCCL runs). Every algorithm's time at N ranks is
+    :func:`lab.sim.compare`.
 
         lab.sim.predict(net, "allreduce", hosts=16, nbytes=1 << 20).algorithm     # "tree", say
         lab.sim.predict(nccl_fit.model, "allreduce", hosts=540, nbytes=1 << 30).protocol   # "simple"
-        lab.sim.predict("allreduce", 1024, 1 << 20, net)["ring"]                  # µs
     """
-    if isinstance(network_or_collective, Network):
-        return predict_hosts(network_or_collective, *args, **kwargs)
+    if isinstance(cluster, Network):
+        return predict_hosts(cluster, *args, **kwargs)
     from lab.sim.nccl.model import NcclModel, predict_nccl  # (here: lab.sim.nccl imports this module)
-    if isinstance(network_or_collective, NcclModel):
-        return predict_nccl(network_or_collective, *args, **kwargs)
-    return core.predict(network_or_collective, *args, **kwargs)
+    if isinstance(cluster, NcclModel):
+        return predict_nccl(cluster, *args, **kwargs)
+    raise TypeError(f"cluster must be a lab.sim.Network or a lab.sim.nccl.NcclModel; got {type(cluster).__name__} "
+                    "(every algorithm's time at N ranks: lab.sim.compare(collective, world_size, nbytes, network))")

@@ -17,10 +17,10 @@ import pandas as pd
 
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim import core
+from lab.sim.event_loop import finish_times, match_messages
 from lab.sim.limits import SimulationUnsupported
 from lab.sim.network import Network
-from lab.sim.record import Schedule, algorithms
-from lab.sim.replay import finish_times, match_messages
+from lab.sim.schedule import Schedule, algorithms
 
 #: Collectives whose nccl-tests size is every rank's output together (each rank's input is size / N).
 OUTPUT_SIZED = tuple(name for name, record in CATALOG.items() if record.sized_by_output)

@@ -9,7 +9,8 @@ import numpy as np
 
 from lab import checks
 from lab.sim import limits
-from lab.sim import record as recorder
+from lab.sim import schedule as recorder
+from lab.sim.event_loop import Message, replay
 from lab.sim.limits import (
     DEFAULT_MAX_SECONDS,
     DEFAULT_MAX_STEPS,
@@ -20,8 +21,7 @@ from lab.sim.limits import (
     SimulationUnsupported,
 )
 from lab.sim.network import Network
-from lab.sim.record import ROOTED, Schedule, algorithms, record
-from lab.sim.replay import Message, replay
+from lab.sim.schedule import ROOTED, Schedule, algorithms, record
 
 #: Recorded schedules up to this many steps are kept (a calibration replays the same ones often),
 #: up to this many steps in all (about 41 bytes a step: 164 MB), the oldest dropped first.
@@ -213,7 +213,7 @@ def estimate(collective: str, algorithm: str, world_size: int, nbytes: int, *, r
     return recorder.estimate(collective, table_algorithm, world_size, nbytes, root, ranks_per_host)
 
 
-def predict(collective: str, world_size: int, nbytes: int, network: Network | None = None, *, root: int = 0,
+def compare(collective: str, world_size: int, nbytes: int, network: Network | None = None, *, root: int = 0,
             candidates: list[str] | tuple[str, ...] | None = None, max_steps: int | None = DEFAULT_MAX_STEPS,
             max_seconds: float | None = DEFAULT_MAX_SECONDS) -> dict[str, float]:
     """``{algorithm: simulated time_us}`` for every algorithm of ``collective`` (or ``candidates``);
@@ -239,8 +239,8 @@ def predictable(collective: str, world_size: int, nbytes: int, *, ranks_per_host
                 candidates: list[str] | tuple[str, ...] | None = None,
                 max_steps: int | None = DEFAULT_MAX_STEPS,
                 max_seconds: float | None = DEFAULT_MAX_SECONDS) -> list[str]:
-    """The algorithms :func:`predict` would simulate (those the recorder can run), from the
-    estimates alone: a case past the limits raises :class:`SimulationTooLarge` as :func:`predict`
+    """The algorithms :func:`compare` would simulate (those the recorder can run), from the
+    estimates alone: a case past the limits raises :class:`SimulationTooLarge` as :func:`compare`
     would, before anything is recorded in full (``python -m lab cluster fit`` checks its host
     counts so, before it fits).
 
@@ -268,7 +268,7 @@ def _runnable(collective: str, world_size: int, nbytes: int, root: int, ranks_pe
 
 
 def _runs(names: tuple[str, ...], name: str, step: Any, *args: Any) -> Any:
-    """``step(*args)`` for candidate ``name`` of :func:`predict`: its result (True if None), or
+    """``step(*args)`` for candidate ``name`` of :func:`compare`: its result (True if None), or
     False where the recorder cannot run it; a case too large says how to leave it out."""
     try:
         result = step(*args)
@@ -284,12 +284,12 @@ def best_algorithm(collective: str, world_size: int, nbytes: int, network: Netwo
                    root: int = 0, candidates: list[str] | tuple[str, ...] | None = None,
                    max_steps: int | None = DEFAULT_MAX_STEPS, max_seconds: float | None = DEFAULT_MAX_SECONDS) -> str:
     """The algorithm with the least simulated time (ties: the first in the lab's table); limits
-    as in :func:`predict`.
+    as in :func:`compare`.
 
         lab.sim.best_algorithm("allreduce", world_size=1024, nbytes=1 << 20,
                                network=lab.sim.Network(alpha_us=20.0, gbit=10.0))
     """
-    times = predict(collective, world_size, nbytes, network, root=root, candidates=candidates,
+    times = compare(collective, world_size, nbytes, network, root=root, candidates=candidates,
                     max_steps=max_steps, max_seconds=max_seconds)
     if not times:
         raise ValueError(f"no algorithm of {collective} can be simulated")

@@ -120,7 +120,7 @@ def plot(collective: str, algorithm: str, world_size: int, nbytes: int, transpor
     transport's calibrated network (or the default ``Network()``); returns a line saying so."""
     from lab.sim import Network, simulate
     from lab.sim.plot import draw
-    from lab.sim.record import record
+    from lab.sim.schedule import record
 
     network_kwargs = tuning.calibrated_networks().get(transport)
     network = Network(**network_kwargs) if network_kwargs else Network()

@@ -1,6 +1,6 @@
 """The simulator's limits: what a case costs, estimated before it is recorded, and the refusals.
 
-A recording costs about 170 bytes and a few µs per step, so before recording :func:`lab.sim.record.estimate`
+A recording costs about 170 bytes and a few µs per step, so before recording :func:`lab.sim.schedule.estimate`
 records a sample of ranks (the root, rank 0, the last rank and 16 others, each standing for its
 share of the rest) and a :class:`Meter` refuses with :class:`SimulationTooLarge` past
 ``max_steps`` or ``max_seconds``, naming the limit and how to raise it.
@@ -144,7 +144,7 @@ def sample_ranks(world_size: int, root: int) -> list[tuple[int, bool]]:
 
 
 class Recorder(Protocol):
-    """What a :class:`Meter` reads and sets of the recorder (:class:`lab.sim.record.RecordingMesh`)."""
+    """What a :class:`Meter` reads and sets of the recorder (:class:`lab.sim.schedule.RecordingMesh`)."""
 
     world_size: int
     steps: array  # STEP_FIELDS int64 per recorded step

@@ -2,12 +2,12 @@
 
     python -m lab explain allreduce ring --ranks 8 --bytes 256K --plot ring_8.png
 
-:func:`arrows` lays the recorded schedule (:mod:`lab.sim.record`) out in logical steps, the way
+:func:`arrows` lays the recorded schedule (:mod:`lab.sim.schedule`) out in logical steps, the way
 the lesson draws the ring: a rank's step starts one column after its previous step ended, a
 message leaves at the start of the sender's step and lands at the end of the receiver's step, which
 ends no earlier than the message left. Each arrow says whether the receiver added the chunk into
 its buffer (reduce) or stored it (copy), and whether it is on the critical path that the replay
-(:mod:`lab.sim.replay`) found on the network. :func:`draw` makes the PNG (matplotlib, imported
+(:mod:`lab.sim.event_loop`) found on the network. :func:`draw` makes the PNG (matplotlib, imported
 only here).
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.sim.record import Schedule
-from lab.sim.replay import Message, ScheduleError, match_messages
+from lab.sim.event_loop import Message, ScheduleError, match_messages
+from lab.sim.schedule import Schedule
 
 
 @dataclass(frozen=True)

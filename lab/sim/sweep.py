@@ -35,7 +35,7 @@ from lab.sim.limits import (
     SimulationUnsupported,
 )
 from lab.sim.network import Network, network_term
-from lab.sim.record import COLLECTIVES, algorithms
+from lab.sim.schedule import COLLECTIVES, algorithms
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -2,7 +2,7 @@
 
 Per rank, in issue order: ``calc <ns>`` for the compute before each event, and each collective
 as the messages of the lab's own algorithm at the target group's size and bytes (re-recorded by
-:mod:`lab.sim.record`, its ranks mapped to the group's global ranks): a step's send and receive
+:mod:`lab.sim.schedule`, its ranks mapped to the group's global ranks): a step's send and receive
 both require the step before; an operation's first step requires its issue point and the rank's
 previous operation (one issue order per mesh); a synchronous operation's last step, or the
 ``wait`` on an asynchronous one, is what the next compute requires. Each collective's messages

@@ -1,6 +1,6 @@
 """Recording a workload: each rank's operations as issued, and the compute between them.
 
-A :class:`Recorder` belongs to one rank. The lab's issue order (:mod:`lab.recording`, where
+A :class:`Recorder` belongs to one rank. The lab's issue order (:mod:`lab.comm.operations`, where
 this module registers it on import) calls :meth:`Recorder.issue` when a call is issued,
 :meth:`Recorder.completed` when it completes, :meth:`Recorder.wait` when the program waits on its
 Work, and :meth:`Recorder.returned` when control goes back to the program; the time between a
@@ -44,8 +44,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lab import recording
-from lab.recording import Operation
+from lab.comm import operations as recording
+from lab.comm.operations import Operation
 from lab.workload.format import DTYPE_BYTES, FORMAT, POINT_TO_POINT, VERSION
 
 #: Distinct operations whose fixed fields a recorder keeps as JSON (past this, it starts over).

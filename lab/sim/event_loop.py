@@ -34,7 +34,7 @@ import numba
 import numpy as np
 
 from lab.sim.network import Network
-from lab.sim.record import Schedule
+from lab.sim.schedule import Schedule
 
 
 class Message(NamedTuple):
@@ -381,7 +381,7 @@ def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.n
 def loop_times(s: Schedule, match: np.ndarray, network: Network, calls: int) -> np.ndarray:
     """Each call's time in a back-to-back loop of ``calls``, as :mod:`lab.benchmark` times it: every
     rank times its own call, from the end of its last one to the end of this one, and a call takes
-    its slowest rank's time. ``s`` is one call's schedule :meth:`~lab.sim.record.Schedule.repeated`
+    its slowest rank's time. ``s`` is one call's schedule :meth:`~lab.sim.schedule.Schedule.repeated`
     ``calls`` times (``match`` its pairing). The ranks of a rooted collective that only send run
     ahead into the next call while the root takes their messages, as they do in the real loop.
     """
