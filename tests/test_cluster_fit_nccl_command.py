@@ -85,6 +85,17 @@ def test_bad_topology_names_the_option(capsys, options, message):
     assert message in refusal(capsys, ["cluster", "fit", *LOGS, "--model", "nccl", *options])
 
 
+def test_nccl_2_18_logs_fitted_with_its_tuner(capsys):
+    old = Path(__file__).parent / "data" / "clusters" / "polaris-nccl-2.18"
+    assert main(["cluster", "fit", str(old / "n2_all_gather.log"), str(old / "n8_all_gather.log"), *AS_BUILT,
+                 "--nccl-version", "2.18", "--predict-hosts", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (table,) = [p["table"] for p in out["predictions"] if p["hosts"] == 128]
+    assert all(row["algorithm"] == "ring" for row in table)
+    line = refusal(capsys, ["cluster", "fit", *LOGS, *AS_BUILT, "--nccl-version", "2.19"])
+    assert "argument --nccl-version: invalid choice: '2.19'" in line
+
+
 def test_nccl_options_refused_with_the_simulator(capsys):
     line = refusal(capsys, ["cluster", "fit", *LOGS, "--nic-gbit", "200"])
     assert "argument --nic-gbit: only with --model nccl" in line
