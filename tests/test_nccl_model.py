@@ -80,7 +80,8 @@ def test_nccl_2_18_differs_where_its_tuning_cc_does():
     """v2.18.5-1 against v2.21.5-1: the tree's Simple hop (4/6/14 µs, not 28) and the ring LL's
     share of the graph (1/4, not 1/2); every other term the same."""
     old, new = shipped(POLARIS, version="2.18"), shipped(POLARIS)
-    assert (old.pairs[("tree", "simple")].net_hop_us, old.pairs[("tree", "simple")].intra_hop_us) == (14.0, 4.0)
+    tree = old.pairs[("tree", "simple")]
+    assert (tree.net_hop_us, tree.intra_hop_us) == (14.0, 4.0)
     assert old.bus_gbyte(("ring", "ll"), 8) == pytest.approx(2 * 24.0 / 4)  # under llMaxBw's 19
     assert new.bus_gbyte(("ring", "ll"), 8) == pytest.approx(19.0)
     changed = {pair for pair in old.pairs if old.pairs[pair] != new.pairs[pair]}

@@ -275,18 +275,20 @@ def _fit_pair(base: NcclModel, blocks: dict[Pair, _Block], chooser: NcclModel, s
     changes side (at most :data:`ROUNDS` times)."""
     model = _fitted_model(base, blocks, chooser)
     defaults, intra_hop = _defaults(model, pair), model.pairs[pair].intra_hop_us
-    current = model
-    sides: list[bool | None] = [None] * len(index)
+    pipelined = pair[0] == "ring" and base.pipelined_ring
+
+    def sides(current: NcclModel) -> list[bool | None]:
+        return [current.wire_bound(samples[i].collective, pair, samples[i].nodes, samples[i].nbytes)
+                if pipelined else None for i in index]
+
+    side = sides(model)
     for _ in range(ROUNDS):
-        if pair[0] == "ring" and current.pipelined_ring:
-            sides = [current.wire_bound(samples[i].collective, pair, samples[i].nodes, samples[i].nbytes)
-                     for i in index]
-        block = _solve(pair, index, [_row(model, samples[i], pair, side) for i, side in zip(index, sides)],
-                       times, defaults, intra_hop)
-        current = _fitted_model(base, {**blocks, pair: block}, chooser)
-        if pair[0] != "ring" or not current.pipelined_ring or sides == [
-                current.wire_bound(samples[i].collective, pair, samples[i].nodes, samples[i].nbytes) for i in index]:
+        block = _solve(pair, index, [_row(model, samples[i], pair, s) for i, s in zip(index, side)], times,
+                       defaults, intra_hop)
+        changed = sides(_fitted_model(base, {**blocks, pair: block}, chooser))
+        if changed == side:
             break
+        side = changed
     return block
 
 
