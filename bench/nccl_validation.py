@@ -9,7 +9,8 @@ The logs (``tests/data/clusters/polaris-nccl-2.21/``, SOURCE.md names their sour
 all_reduce_perf and all_gather_perf, 4 B to 1 GiB. The fit sees the 2- and 8-node logs of both
 collectives; the 256- and 540-node logs are only compared against. ``--set polaris-nccl-2.18`` is
 the same cluster under NCCL 2.18 (``tests/data/clusters/polaris-nccl-2.18/``), predicted at 128
-nodes (all_gather only: the all_reduce run failed to start) and 540, into ``--out``'s ``2.18/``.
+nodes (all_gather only: the all_reduce run failed to start) and 540, into ``--out``'s ``2.18/``,
+with NCCL 2.18's tuner (its constants where they differ from 2.21's) picking and estimating.
 Polaris as built is ``lab.sim.nccl.known.POLARIS`` (its dragonfly given; ``--no-fabric`` leaves it
 out). Error is ``predicted / measured - 1`` of the out-of-place time. Writes into ``--out``:
 ``fit.csv`` (every term, its value, source, the rows that fixed it), ``cases.csv`` (every size of the 256- and
@@ -34,8 +35,8 @@ from lab.sim.nccl.known import POLARIS
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "clusters"
-#: Each set's logs: the node counts fitted and those predicted.
-SETS = {"polaris-nccl-2.21": ((2, 8), (256, 540)), "polaris-nccl-2.18": ((2, 8), (128, 540))}
+#: Each set's logs: the node counts fitted, those predicted, and the NCCL release that ran them.
+SETS = {"polaris-nccl-2.21": ((2, 8), (256, 540), "2.21"), "polaris-nccl-2.18": ((2, 8), (128, 540), "2.18")}
 COLLECTIVES = {"allreduce": "all_reduce", "allgather": "all_gather"}
 
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-fabric", action="store_true", help="Polaris without its given dragonfly")
     parser.add_argument("--set", choices=SETS, default="polaris-nccl-2.21", help="which logs")
     args = parser.parse_args(argv)
-    fit_nodes, predicted_nodes = SETS[args.set]
+    fit_nodes, predicted_nodes, version = SETS[args.set]
     folder = DATA / args.set
     if not args.out.parent.is_dir():
         parser.error(f"--out: {args.out.parent} is not a folder")
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         args.out = args.out / args.set.rsplit("-", 1)[1]
     topology = replace(POLARIS, fabric=None) if args.no_fabric else POLARIS
     start = time.perf_counter()
-    report = fit(topology, logs(fit_nodes, folder))
-    cases = validation.cases(report.model, shipped(topology), logs(predicted_nodes, folder))
+    report = fit(topology, logs(fit_nodes, folder), version)
+    cases = validation.cases(report.model, shipped(topology, version=version), logs(predicted_nodes, folder))
     bands = validation.bands(cases)
     seconds = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)

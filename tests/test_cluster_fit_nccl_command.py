@@ -64,6 +64,10 @@ def test_gpus_per_node_from_the_logs_and_fat_tree(capsys):
     (["--nic-gbit", "0"], "argument --nic-gbit: nic_gbit must be a finite number > 0; got 0.0"),
     (["--nic-gbit", "nan"], "argument --nic-gbit: nic_gbit must be a finite number > 0"),
     (["--nic-gbit", "-200"], "argument --nic-gbit: nic_gbit must be"),
+    (["--nic-gbit", "inf"], "argument --nic-gbit: nic_gbit must be a finite number > 0; got inf"),
+    (["--nic-gbit", "200", "--nics-per-node", "nan"], "argument --nics-per-node: must be a whole number"),
+    (["--nic-gbit", "200", "--predict-hosts", "0"], "argument --predict-hosts: must be a whole number"),
+    (["--nic-gbit", "200", "--predict-hosts", "-540"], "argument --predict-hosts: must be a whole number"),
     (["--nic-gbit", "200", "--nics-per-node", "0"], "argument --nics-per-node: must be a whole number"),
     (["--nic-gbit", "200", "--gpus-per-node", "-4"], "argument --gpus-per-node: must be a whole number"),
     (["--nic-gbit", "200", "--gpus-per-node", "3"], "n2_all_reduce.log's ranks=8 is not a whole number"),
@@ -83,6 +87,17 @@ def test_gpus_per_node_from_the_logs_and_fat_tree(capsys):
 ])
 def test_bad_topology_names_the_option(capsys, options, message):
     assert message in refusal(capsys, ["cluster", "fit", *LOGS, "--model", "nccl", *options])
+
+
+def test_nccl_2_18_logs_fitted_with_its_tuner(capsys):
+    old = Path(__file__).parent / "data" / "clusters" / "polaris-nccl-2.18"
+    assert main(["cluster", "fit", str(old / "n2_all_gather.log"), str(old / "n8_all_gather.log"), *AS_BUILT,
+                 "--nccl-version", "2.18", "--predict-hosts", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (table,) = [p["table"] for p in out["predictions"] if p["hosts"] == 128]
+    assert all(row["algorithm"] == "ring" for row in table)
+    line = refusal(capsys, ["cluster", "fit", *LOGS, *AS_BUILT, "--nccl-version", "2.19"])
+    assert "argument --nccl-version: invalid choice: '2.19'" in line
 
 
 def test_nccl_options_refused_with_the_simulator(capsys):

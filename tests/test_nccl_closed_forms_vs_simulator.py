@@ -6,12 +6,14 @@ adjustments. NCCL's closed form is then ``2(n-1) α + 2(n-1)/n · S / β`` for a
 latency ``(steps - net steps) α + net steps α`` counts 2n network steps less the 2 it takes back
 inside the node: 2(n-1) in all) and ``(n-1) α + (n-1)/n · S / β`` for allgather; the simulator
 replays the lab's ring, 2(n-1) (n-1) steps of S/n bytes, on a Network of α and β. Tolerance 0.1 %:
-the simulator's chunks are whole float32 elements.
+the simulator's chunks are whole float32 elements. A fitted model's ring is pipelined (its steps
+and its bytes overlap): there it is the longer of the simulated ring's two parts.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -45,6 +47,10 @@ def test_ring_simple_closed_form_is_the_simulated_ring(collective, hosts):
         assert (closed.algorithm, closed.protocol) == ("ring", "simple")
         simulated = lab.sim.predict(network, collective, hosts=hosts, nbytes=size, candidates=["ring"])
         assert closed.time_us == pytest.approx(simulated.time_us, rel=1e-3), (collective, hosts, size)
+        # a fitted model's pipelined ring overlaps the simulated ring's two parts: the longer of them
+        piped = lab.sim.predict(replace(model, pipelined_ring=True), collective, hosts=hosts, nbytes=size)
+        steps_us = (2 if collective == "allreduce" else 1) * (hosts - 1) * ALPHA_US
+        assert piped.time_us == pytest.approx(max(steps_us, simulated.time_us - steps_us), rel=1e-3)
 
 
 def test_predict_answers_nccls_pick_with_its_protocol():

@@ -7,12 +7,12 @@
     shipped(topology).predict("allreduce", nodes=540, nbytes=1 << 30)  # what NCCL itself estimates
     tuner_file.write("nccl_tuner.conf", tuner_file.rules(report.model, nodes=[256, 540]))
 
-:mod:`~lab.sim.nccl.constants` NCCL 2.21's shipped numbers; :mod:`~lab.sim.nccl.topology` the
-cluster stated once; :mod:`~lab.sim.nccl.model` the closed forms; :mod:`~lab.sim.nccl.fitting` the fit
-and its report; :mod:`~lab.sim.nccl.validation` a fit scored on logs it never saw;
-:mod:`~lab.sim.nccl.tuner_file` NCCL's example tuner plugin's file; :mod:`~lab.sim.nccl.known`
-clusters as built. No simulation: a prediction is a few hundred arithmetic operations, at any
-node count.
+:mod:`~lab.sim.nccl.constants` NCCL 2.21's shipped numbers (and 2.18's where they differ);
+:mod:`~lab.sim.nccl.topology` the cluster stated once; :mod:`~lab.sim.nccl.model` the closed forms;
+:mod:`~lab.sim.nccl.fitting` the fit and its report; :mod:`~lab.sim.nccl.validation` a fit scored
+on logs it never saw; :mod:`~lab.sim.nccl.tuner_file` NCCL's example tuner plugin's file;
+:mod:`~lab.sim.nccl.known` clusters as built. No simulation: a prediction is a few hundred
+arithmetic operations, at any node count.
 """
 
 from lab.sim.nccl import (

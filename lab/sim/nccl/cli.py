@@ -7,7 +7,8 @@ to a cluster's nccl-tests logs of 2 or more nodes, predicted at more nodes, in a
 The cluster is stated once, on the command line: GPUs a node (default: the logs' ranks over their
 hosts), NICs a node (default: one a GPU) and their Gbit/s, how far a NIC is from its GPUs
 (``--nic-path``: LL128 runs across nodes only up to PXB), the CPU vendor (NCCL's tables are indexed
-by it), and the fabric above the nodes, given as built (``fat-tree:NODES_PER_LEAF:OVERSUBSCRIPTION
+by it), the NCCL release that ran the logs (``--nccl-version``: 2.21, or 2.18), and the fabric above
+the nodes, given as built (``fat-tree:NODES_PER_LEAF:OVERSUBSCRIPTION
 [:SPINE_HOP_US]`` or ``dragonfly:NODES_PER_GROUP:GLOBAL_LINK_SHARE[:GLOBAL_HOP_US]``). Prints every
 term (its value, whether fitted, NCCL's default or given, and which logs and sizes fixed it), then
 per collective and node count an nccl-tests table predicted there with the algorithm, protocol and
@@ -26,6 +27,7 @@ import pandas as pd
 from lab.command_line import checked, finite_json, number, output_file, refused, whole
 from lab.perf.table import predicted as predicted_table
 from lab.sim.nccl import tuner_file
+from lab.sim.nccl.constants import VERSIONS
 from lab.sim.nccl.fitting import FitReport, fit
 from lab.sim.nccl.model import collective_name
 from lab.sim.nccl.topology import CPUS, NIC_PATHS, ClusterTopology, Dragonfly, FatTree, positive
@@ -36,7 +38,8 @@ FABRIC_FORMS = ("fat-tree:NODES_PER_LEAF:OVERSUBSCRIPTION[:SPINE_HOP_US] or "
 FABRICS = {"fat-tree": (FatTree, ("nodes_per_leaf", "oversubscription", "spine_hop_us")),
            "dragonfly": (Dragonfly, ("nodes_per_group", "global_link_share", "global_hop_us"))}
 #: The options only NCCL's model takes (None: not given).
-NCCL_OPTIONS = ("gpus_per_node", "nics_per_node", "nic_gbit", "nic_path", "cpu", "fabric", "tuner_file")
+NCCL_OPTIONS = ("gpus_per_node", "nics_per_node", "nic_gbit", "nic_path", "cpu", "fabric", "tuner_file",
+                "nccl_version")
 
 
 def fabric(text: str) -> FatTree | Dragonfly:
@@ -72,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "(default pxb)")
     nccl.add_argument("--cpu", choices=CPUS, help="the CPU's vendor (default intel)")
     nccl.add_argument("--fabric", type=fabric, help=f"{FABRIC_FORMS} (given as built: no log sees it)")
+    nccl.add_argument("--nccl-version", choices=VERSIONS,
+                      help="the NCCL release that ran the logs (default 2.21): its tuner picks each size's "
+                           "algorithm and protocol and gives the terms no log sees")
     nccl.add_argument("--tuner-file", metavar="PATH",
                       help="write NCCL's example tuner plugin's file for the --predict-hosts node counts")
 
@@ -147,7 +153,7 @@ def run(args: argparse.Namespace, logs: list[pd.DataFrame]) -> int:
     except ValueError as problem:
         args.parser.error(f"argument --predict-hosts: {problem}")
     try:
-        report = fit(topology, logs)
+        report = fit(topology, logs, args.nccl_version or "2.21")
     except ValueError as problem:
         args.parser.error(refused(problem))
     predicted = predictions(report, logs, args.predict_hosts)
@@ -165,7 +171,8 @@ def run(args: argparse.Namespace, logs: list[pd.DataFrame]) -> int:
                "tuner_file": args.tuner_file}
         print(json.dumps(finite_json(out), allow_nan=False))
         return 0
-    head = f"NCCL's cost model (NCCL 2.21's tuner, fitted to the logs) on {describe(topology)}"
+    head = (f"NCCL's cost model (NCCL {args.nccl_version or '2.21'}'s tuner, fitted to the logs) on "
+            f"{describe(topology)}")
     parts = [head, report.text()]
     for p in predicted:
         title = f"Predicted {p['collective']} at {p['hosts']} nodes ({p['ranks']} ranks):"

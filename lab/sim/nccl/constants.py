@@ -1,4 +1,5 @@
-"""NCCL 2.21's tuner constants, as shipped: the numbers behind every estimate of :mod:`lab.sim.nccl`.
+"""NCCL 2.21's tuner constants, as shipped, and where NCCL 2.18's differ: the numbers behind every
+estimate of :mod:`lab.sim.nccl`.
 
 From NVIDIA/nccl at tag v2.21.5-1 (commit ab2b89c4c339bd7f816fbc114a4b05d386b66290):
 ``src/graph/tuning.cc`` (``baseLat``, ``hwLat``, ``llMaxBws``, ``perChMax*Bws``, ``getNetOverhead``,
@@ -90,3 +91,15 @@ MAX_CHANNELS = 32
 #: channels (ring LL's threshold is multiplied by the rank count).
 MAX_THREADS = {"ll": 512, "ll128": 640, "simple": 512}
 THREAD_THRESHOLD = {"ll": 8, "ll128": 8, "simple": 64}
+
+#: The releases whose tuner the model knows. NCCL 2.18 (v2.18.3-1 to v2.18.6-1 share tuning.cc and
+#: enqueue.cc; the NVIDIA HPC SDK 23.9 ships 2.18.5) differs from 2.21 for rings and trees in two
+#: places (``git diff v2.18.5-1 v2.21.5-1 -- src/graph/tuning.cc``; search.cc's speeds, the thread
+#: thresholds, getNetOverhead, llMaxBws for Ampere, the plateau and the tree correction are the same):
+VERSIONS = ("2.21", "2.18")
+#: hwLat[link]["tree"]'s Simple hop in 2.18: 4 µs on NVLink, 6 on PCI, 14 on the network (2.21: 28 each).
+TREE_SIMPLE_HOP_LATENCY_US_2_18 = {"nvlink": 4.0, "pci": 6.0, "net": 14.0}
+#: The ring LL's share of the graph's bandwidth in 2.18: 1/4 across nodes and for allreduce (1/3 for
+#: other collectives on one node, which the model, pricing a pair alike for every collective, leaves
+#: at 1/4); 2.21: 1/2.
+RING_LL_EFFICIENCY_2_18 = 0.25

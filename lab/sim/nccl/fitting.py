@@ -15,6 +15,13 @@ where its rows can tell it from the others, it carries at least 1 % of some row'
 rows know it to within 50 % (its relative standard error); every other term keeps NCCL's
 default (the hop inside a node always does: with the same GPUs a node in every log it moves with
 the base). The fabric's terms are given, never fitted.
+
+The fitted model is NCCL's structure with one change: its rings are pipelined (a call takes the
+longer of its chain of steps and its bytes on the wire, :class:`~lab.sim.nccl.model.NcclModel`),
+so a ring's row is either latency-bound or bandwidth-bound; the fit alternates between telling each
+row's side from the model and solving, until no row changes side. The tree keeps NCCL's
+medium-size bandwidth correction (a tree row's bandwidth is fitted as NCCL's uncorrected one); the
+ring's plateau factor, which the pipelined ring replaces, is dropped.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ LATENCIES = ("base_us", "net_hop_us", "overhead_us", "channel_hop_us")
 MIN_SHARE = 0.01  # a term must carry this share of some row's time to be fitted
 MAX_STD_ERROR = 0.5  # and be known to within this relative standard error
 INDEPENDENT = 1e-3  # a column whose part outside the others' span is smaller than this is not told apart
+ROUNDS = 20  # a pipelined ring's fit: at most this many passes of telling each row's side and solving
 
 
 @dataclass(frozen=True)
@@ -113,10 +121,12 @@ def samples_of(topology: ClusterTopology, logs: Iterable[pd.DataFrame]) -> list[
     return samples
 
 
-def _row(model: NcclModel, sample: Sample, pair: Pair) -> tuple[np.ndarray, float, int]:
+def _row(model: NcclModel, sample: Sample, pair: Pair, wire_bound: bool | None = None
+         ) -> tuple[np.ndarray, float, int]:
     """The row's coefficients on the pair's unknowns (:data:`TERMS`; ``overhead_us`` stands for a
     ring step inside a node across nodes, max(intra hop, overhead)), the time the pinned hop
-    inside a node and the fabric's given terms take, and the call's channels."""
+    inside a node and the fabric's given terms take, and the call's channels. A pipelined ring's
+    row is its base and either its steps (``wire_bound`` False) or its bytes (True)."""
     gpus = model.topology.gpus_per_node
     ranks = sample.nodes * gpus
     used = model.channels_used(pair, sample.nbytes, sample.nodes)
@@ -144,7 +154,13 @@ def _row(model: NcclModel, sample: Sample, pair: Pair) -> tuple[np.ndarray, floa
         fixed = 2 * ((gpus - 1) * terms.intra_hop_us + across * crossing)
         per_byte = 2.0
     share = model.topology.crossing_share(sample.nodes, model.bus_gbyte(pair, sample.nodes))
+    share *= model.tree_factor(pair, sample.nbytes)
     row[TERMS.index(f"bus_{node_class(sample.nodes) + 1}")] = sample.nbytes * per_byte / 1000.0 / share
+    if wire_bound is True:
+        row[[TERMS.index(name) for name in LATENCIES if name != "base_us"]] = 0.0
+        fixed = 0.0
+    elif wire_bound is False:
+        row[[TERMS.index(f"bus_{k}") for k in (1, 2, 3)]] = 0.0
     return row, fixed, used
 
 
@@ -258,12 +274,37 @@ def _fitted_model(base: NcclModel, blocks: dict[Pair, _Block], chooser: NcclMode
                               channel_hop_us=block.values[TERMS.index("channel_hop_us")],
                               efficiency=tuple(efficiency), cap_gbyte=tuple(cap))
     return replace(base, pairs=pairs, channel_gbyte=tuple(channel_gbyte), ring_plateau=1.0,
-                   tree_correction=False, chooser=chooser, name="fitted")
+                   chooser=chooser, name="fitted")
 
 
-def _fit_graph(topology: ClusterTopology, samples: Sequence[Sample], graphs: tuple[Graph, Graph, Graph]):
-    chooser = shipped(topology, graphs)
-    base = replace(chooser, ring_plateau=1.0, tree_correction=False)
+def _fit_pair(base: NcclModel, blocks: dict[Pair, _Block], chooser: NcclModel, samples: Sequence[Sample],
+              pair: Pair, index: list[int], times: np.ndarray) -> _Block:
+    """One pair's block. A pipelined ring's rows are each its steps' or its bytes': which, the
+    model says, so the fit alternates between telling each row's side and solving until no row
+    changes side (at most :data:`ROUNDS` times)."""
+    model = _fitted_model(base, blocks, chooser)
+    defaults, intra_hop = _defaults(model, pair), model.pairs[pair].intra_hop_us
+    pipelined = pair[0] == "ring" and base.pipelined_ring
+
+    def sides(current: NcclModel) -> list[bool | None]:
+        return [current.wire_bound(samples[i].collective, pair, samples[i].nodes, samples[i].nbytes)
+                if pipelined else None for i in index]
+
+    side = sides(model)
+    for _ in range(ROUNDS):
+        block = _solve(pair, index, [_row(model, samples[i], pair, s) for i, s in zip(index, side)], times,
+                       defaults, intra_hop)
+        changed = sides(_fitted_model(base, {**blocks, pair: block}, chooser))
+        if changed == side:
+            break
+        side = changed
+    return block
+
+
+def _fit_graph(topology: ClusterTopology, samples: Sequence[Sample], graphs: tuple[Graph, Graph, Graph],
+               version: str):
+    chooser = shipped(topology, graphs, version)
+    base = replace(chooser, ring_plateau=1.0, pipelined_ring=True)
     picks = [chooser.pick(s.collective, s.nodes, s.nbytes) for s in samples]
     times = np.array([s.time_us for s in samples])
     blocks: dict[Pair, _Block] = {}
@@ -272,9 +313,7 @@ def _fit_graph(topology: ClusterTopology, samples: Sequence[Sample], graphs: tup
     model = base
     for pair in order:
         index = [i for i, p in enumerate(picks) if p == pair]
-        rows = [_row(model, samples[i], pair) for i in index]
-        blocks[pair] = _solve(pair, index, rows, times[index], _defaults(model, pair),
-                              model.pairs[pair].intra_hop_us)
+        blocks[pair] = _fit_pair(base, blocks, chooser, samples, pair, index, times[index])
         model = _fitted_model(base, blocks, chooser)
     predicted = np.array([model.time_us(s.collective, p, s.nodes, s.nbytes) for s, p in zip(samples, picks)])
     return model, blocks, picks, predicted
@@ -386,17 +425,21 @@ def _term(pair: str, name: str, value: float, unit: str, block: _Block | None, j
             "std_error": float(block.errors[j])}
 
 
-def fit(topology: ClusterTopology, logs: Iterable[pd.DataFrame]) -> FitReport:
+def fit(topology: ClusterTopology, logs: Iterable[pd.DataFrame], version: str = "2.21") -> FitReport:
     """The cluster's terms from its nccl-tests logs (DataFrames of :func:`lab.sim.read_nccl_tests`,
-    each with its collective and ranks), on the graph whose switch points match the logs best."""
+    each with its collective and ranks), on the graph whose switch points match the logs best;
+    ``version`` the NCCL release that ran them (2.21 or 2.18): its tuner picks each size's pair
+    and gives the terms no log sees."""
     if not isinstance(topology, ClusterTopology):
         raise TypeError(f"topology must be a ClusterTopology; got {topology!r}")
+    if version not in C.VERSIONS:
+        raise ValueError(f"version must be one of {', '.join(C.VERSIONS)}; got {version!r}")
     samples = samples_of(topology, logs)
     measured = np.array([s.time_us for s in samples])
     tried, best = [], None
     nominal = nominal_graph(topology, 2)
     for graphs in _candidate_graphs(topology):
-        model, blocks, picks, predicted = _fit_graph(topology, samples, graphs)
+        model, blocks, picks, predicted = _fit_graph(topology, samples, graphs, version)
         score = float(np.mean(np.abs(np.log(predicted / measured))))
         tried.append({"channels": graphs[1].channels, "gbyte": graphs[1].inter_gbyte, "log_error": score,
                       "nominal": graphs[1] == nominal})

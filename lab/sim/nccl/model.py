@@ -11,11 +11,18 @@ For a collective of ``S`` bytes on ``nodes`` nodes of ``g`` GPUs (``n = nodes * 
         depth = log2(nodes), rounded down: a chain inside a node, a double binary tree across
     bus bandwidth = min(cap, efficiency * channels * channel_bandwidth)   (per node class: 1, 2, >2)
     algorithm bandwidth = bus bandwidth * (ring: n / steps, tree: 1/2)
-    time = latency + S / algorithm bandwidth
+    time = latency + S / algorithm bandwidth                            (NCCL's tuner)
+    ring time = base + max(latency - base, S / algorithm bandwidth)     (pipelined_ring: the fit's)
 
 as in ``ncclTopoTuneModel`` and ``ncclTopoGetAlgoTime`` (NCCL 2.21, :mod:`lab.sim.nccl.constants`),
 with NCCL's two adjustments of its estimate (the ring's plateau factor on Simple allreduce latency,
-the tree's medium-size bandwidth correction) as switches. ``channel_hop`` is the lab's term, not
+the tree's medium-size bandwidth correction) as switches (a fitted model keeps the tree's and drops
+the plateau, which its pipelined ring replaces). ``pipelined_ring`` is the lab's structure,
+not NCCL's: the ring's steps overlap its transfers, so a ring call takes its chain of steps or its
+bytes on the wire, whichever is longer, not their sum (on Polaris' 8-node allgather, Simple's steps
+cost about 50 µs each when latency-bound, 1.6 ms for 31 steps, yet from 128 MiB up the times sit
+only about 0.3 ms above the wire time; at 256 nodes 1,023 steps of it take 45 ms from 256 MiB to
+1 GiB, flat, while the wire time grows from 6 to 25 ms). ``channel_hop`` is the lab's term, not
 NCCL's: what each channel past the first adds to a network step (the proxy posts every channel's
 sends in turn); NCCL's tuner has it 0. The fabric's terms (:mod:`lab.sim.nccl.topology`) are added
 as given: a job spanning several groups or leaves pays ``crossing_hop_us`` on every ring step (the
@@ -126,6 +133,7 @@ class NcclModel:
     channel_gbyte: tuple[float, float, float]
     ring_plateau: float = C.RING_PLATEAU
     tree_correction: bool = True
+    pipelined_ring: bool = False
     chooser: NcclModel | None = field(default=None, repr=False)
     name: str = "NCCL 2.21 tuner"
 
@@ -184,19 +192,38 @@ class NcclModel:
         ratio = ranks / steps(collective, ranks, nodes)[0] if pair[0] == "ring" else 0.5
         return self.bus_gbyte(pair, nodes) * ratio
 
+    def tree_factor(self, pair: Pair, nbytes: int) -> float:
+        """NCCL's medium-size correction of a tree's bandwidth (1 for rings, or where switched off)."""
+        size_index = log2i(nbytes >> 6)
+        if self.tree_correction and pair[0] == "tree" and size_index < 23:
+            return C.TREE_CORRECTION[pair[1]][size_index]
+        return 1.0
+
     def time_us(self, collective: str, pair: Pair, nodes: int, nbytes: int) -> float:
-        """The closed form for one pair, with NCCL's adjustments where this model has them."""
+        """The closed form for one pair, with NCCL's adjustments where this model has them: the
+        latency plus the wire time, or for a pipelined ring its base plus the longer of the two."""
+        latency, wire = self.parts_us(collective, pair, nodes, nbytes)
+        if self.pipelined_ring and pair[0] == "ring":
+            base = self.pairs[pair].base_us
+            return base + max(latency - base, wire)
+        return latency + wire
+
+    def wire_bound(self, collective: str, pair: Pair, nodes: int, nbytes: int) -> bool:
+        """Whether a pipelined ring's call takes its wire time (not its chain of steps)."""
+        latency, wire = self.parts_us(collective, pair, nodes, nbytes)
+        return bool(wire > latency - self.pairs[pair].base_us)
+
+    def parts_us(self, collective: str, pair: Pair, nodes: int, nbytes: int) -> tuple[float, float]:
+        """The pair's latency and its bytes' time on the wire (µs)."""
         used = self.channels_used(pair, nbytes, nodes)
         latency = self.latency_us(collective, pair, nodes, used)
         bandwidth = self.algorithm_gbyte(collective, pair, nodes)
-        size_index = log2i(nbytes >> 6)
-        if self.tree_correction and pair[0] == "tree" and size_index < 23:
-            bandwidth *= C.TREE_CORRECTION[pair[1]][size_index]
+        bandwidth *= self.tree_factor(pair, nbytes)
         ranks = nodes * self.topology.gpus_per_node
         if (pair == ("ring", "simple") and collective == "allreduce" and nodes > 1
                 and nbytes // (self.comm_channels(nodes) * ranks) >= 64):
             latency *= self.ring_plateau
-        return latency + nbytes / (1000.0 * bandwidth)
+        return latency, nbytes / (1000.0 * bandwidth)
 
     def times(self, collective: Any, nodes: Any, nbytes: Any) -> dict[Pair, float]:
         """Every enabled pair's time (µs) for the call."""
@@ -254,9 +281,10 @@ def predict_nccl(model: NcclModel, collective: Any, *, hosts: Any, nbytes: Any,
     return model.predict(collective, model.topology.nodes(hosts, "hosts"), byte_count(nbytes), choose)
 
 
-def _shipped_pair(topology: ClusterTopology, pair: Pair, channels: tuple[int, int, int]) -> PairTerms:
-    """NCCL 2.21's terms for a pair: tuning.cc's latencies and its bandwidth refinements written
-    as an efficiency under a ceiling, per node class."""
+def _shipped_pair(topology: ClusterTopology, pair: Pair, channels: tuple[int, int, int],
+                  version: str = "2.21") -> PairTerms:
+    """NCCL's terms for a pair (its release ``version``'s): tuning.cc's latencies and its
+    bandwidth refinements written as an efficiency under a ceiling, per node class."""
     algorithm, protocol = pair
     index = C.PROTOCOLS.index(protocol)
     gpu = topology.gpu
@@ -267,7 +295,8 @@ def _shipped_pair(topology: ClusterTopology, pair: Pair, channels: tuple[int, in
         c = channels[k]
         tree_cap = c * C.TREE_MAX_GBYTE[gpu][k]
         if pair == ("ring", "ll"):
-            e, m = C.RING_LL_EFFICIENCY, ll_max[k]
+            e = C.RING_LL_EFFICIENCY_2_18 if version == "2.18" else C.RING_LL_EFFICIENCY
+            m = ll_max[k]
         elif pair == ("ring", "ll128"):
             e = C.LL128_EFFICIENCY if topology.gpus_per_node >= 2 else C.LL128_EFFICIENCY_ONE_GPU_A_NODE
             m = c * C.RING_LL128_MAX_GBYTE[gpu][k]
@@ -283,9 +312,11 @@ def _shipped_pair(topology: ClusterTopology, pair: Pair, channels: tuple[int, in
         efficiency.append(e)
         cap.append(m)
     overhead = C.NET_OVERHEAD_US[topology.cpu] * (C.SIMPLE_NET_OVERHEAD_FACTOR if protocol == "simple" else 1)
+    hops = {link: C.HOP_LATENCY_US[link][algorithm][index] for link in C.LINKS}
+    if version == "2.18" and pair == ("tree", "simple"):
+        hops = C.TREE_SIMPLE_HOP_LATENCY_US_2_18
     return PairTerms(base_us=C.BASE_LATENCY_US[algorithm][protocol],
-                     intra_hop_us=C.HOP_LATENCY_US[topology.intra_link][algorithm][index],
-                     net_hop_us=C.HOP_LATENCY_US["net"][algorithm][index],
+                     intra_hop_us=hops[topology.intra_link], net_hop_us=hops["net"],
                      overhead_us=overhead if algorithm == "ring" else 0.0, channel_hop_us=0.0,
                      efficiency=tuple(efficiency), cap_gbyte=tuple(cap))
 
@@ -294,20 +325,25 @@ def graphs_by_class(topology: ClusterTopology) -> tuple[Graph, Graph, Graph]:
     return nominal_graph(topology, 1), nominal_graph(topology, 2), nominal_graph(topology, 3)
 
 
-def shipped(topology: ClusterTopology, graphs: tuple[Graph, Graph, Graph] | None = None) -> NcclModel:
-    """NCCL 2.21's estimate for the cluster: its constants, and the graph of each node class
-    (``graphs``; by default what its search finds from the nominal speeds, :func:`nominal_graph`).
-    Jobs of 1 and 2 nodes use a graph's bandwidth inside a node (``bwIntra``), larger ones across."""
+def shipped(topology: ClusterTopology, graphs: tuple[Graph, Graph, Graph] | None = None,
+            version: str = "2.21") -> NcclModel:
+    """NCCL's estimate for the cluster: the constants of its release ``version`` (2.21 or 2.18,
+    :data:`~lab.sim.nccl.constants.VERSIONS`), and the graph of each node class (``graphs``; by
+    default what its search finds from the nominal speeds, :func:`nominal_graph`). Jobs of 1 and 2
+    nodes use a graph's bandwidth inside a node (``bwIntra``), larger ones across."""
     if not isinstance(topology, ClusterTopology):
         raise TypeError(f"topology must be a ClusterTopology; got {topology!r}")
+    if version not in C.VERSIONS:
+        raise ValueError(f"version must be one of {', '.join(C.VERSIONS)}; got {version!r}")
     graphs = graphs_by_class(topology) if graphs is None else graphs
     if len(graphs) != 3 or not all(isinstance(graph, Graph) for graph in graphs):
         raise TypeError(f"graphs must be three Graphs (1 node, 2 nodes, more); got {graphs!r}")
     channels = tuple(graph.channels for graph in graphs)
     bandwidth = (graphs[0].intra_gbyte, graphs[1].intra_gbyte, graphs[2].inter_gbyte)
-    pairs = {pair: _shipped_pair(topology, pair, channels) for pair in PAIRS}
+    pairs = {pair: _shipped_pair(topology, pair, channels, version) for pair in PAIRS}
     return NcclModel(topology=topology, pairs=pairs, channels=channels, channel_gbyte=bandwidth,
-                     ring_plateau=C.RING_PLATEAU if topology.gpu != "volta" else C.RING_PLATEAU_BEFORE_AMPERE)
+                     ring_plateau=C.RING_PLATEAU if topology.gpu != "volta" else C.RING_PLATEAU_BEFORE_AMPERE,
+                     name=f"NCCL {version} tuner")
 
 
 __all__ = [
