@@ -16,36 +16,20 @@ arithmetic operations, at any node count.
 """
 
 from lab.sim.nccl import (
-                                tuner_file,  # (validation: imported by name; it reads lab.sim.cluster, which imports this package)
+           tuner_file,  # (validation: imported by name; it reads lab.sim.cluster, which imports this)
 )
 from lab.sim.nccl.fitting import FitReport, fit
 from lab.sim.nccl.model import (
-                                COLLECTIVES,
-                                PAIRS,
-                                NcclModel,
-                                PairTerms,
-                                Prediction,
-                                predict_nccl,
-                                shipped,
-                                tree_depth,
+           COLLECTIVES,
+           PAIRS,
+           NcclModel,
+           NcclPrediction,
+           PairTerms,
+           predict_nccl,
+           shipped,
+           tree_depth,
 )
 from lab.sim.nccl.topology import ClusterTopology, Dragonfly, FatTree, Graph, nominal_graph
 
-__all__ = [
-                                "COLLECTIVES",
-                                "PAIRS",
-                                "ClusterTopology",
-                                "Dragonfly",
-                                "FatTree",
-                                "FitReport",
-                                "Graph",
-                                "NcclModel",
-                                "PairTerms",
-                                "Prediction",
-                                "fit",
-                                "nominal_graph",
-                                "predict_nccl",
-                                "shipped",
-                                "tree_depth",
-                                "tuner_file",
-]
+__all__ = ["COLLECTIVES", "PAIRS", "ClusterTopology", "Dragonfly", "FatTree", "FitReport", "Graph", "NcclModel",
+           "NcclPrediction", "PairTerms", "fit", "nominal_graph", "predict_nccl", "shipped", "tree_depth", "tuner_file"]

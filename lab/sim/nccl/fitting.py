@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,12 +40,12 @@ from lab.sim.nccl.model import (
     PAIRS,
     NcclModel,
     Pair,
-    collective_name,
     node_class,
     shipped,
     steps,
     tree_depth,
 )
+from lab.sim.nccl.samples import Sample, knees, samples_of
 from lab.sim.nccl.topology import ClusterTopology, Graph, nominal_graph
 
 #: The unknowns of a pair, in the order a term is freed when the rows can tell it apart.
@@ -56,15 +55,6 @@ MIN_SHARE = 0.01  # a term must carry this share of some row's time to be fitted
 MAX_STD_ERROR = 0.5  # and be known to within this relative standard error
 INDEPENDENT = 1e-3  # a column whose part outside the others' span is smaller than this is not told apart
 ROUNDS = 20  # a pipelined ring's fit: at most this many passes of telling each row's side and solving
-
-
-@dataclass(frozen=True)
-class Sample:
-    log: str
-    collective: str
-    nodes: int
-    nbytes: int
-    time_us: float
 
 
 @dataclass(frozen=True)
@@ -93,32 +83,6 @@ class FitReport:
                  f"(nominal {chosen['nominal']})",
                  self.terms.to_string(index=False, float_format=lambda v: f"{v:.4g}")]
         return "\n".join(lines)
-
-
-def samples_of(topology: ClusterTopology, logs: Iterable[pd.DataFrame]) -> list[Sample]:
-    """Every row of every log with bytes and a time, its node count from the log's ranks."""
-    samples = []
-    for number, df in enumerate(logs):
-        if not isinstance(df, pd.DataFrame):
-            raise TypeError(f"logs[{number}] must be a DataFrame of read_nccl_tests; got {type(df).__name__}")
-        name = Path(str(df.attrs.get("path", f"logs[{number}]"))).name
-        if df.attrs.get("collective") is None or df.attrs.get("ranks") is None:
-            raise ValueError(f"{name}: the log says neither its collective or its ranks; read it with "
-                             "read_nccl_tests(path, collective=...)")
-        collective = collective_name(df.attrs["collective"])
-        nodes = topology.nodes_of_ranks(df.attrs["ranks"], f"{name}'s ranks")
-        hosts = df.attrs.get("hosts")
-        if hosts is not None and hosts != nodes:
-            raise ValueError(f"{name}: {df.attrs['ranks']} ranks on {hosts} hosts, but gpus_per_node="
-                             f"{topology.gpus_per_node} makes {nodes} nodes")
-        if nodes < 2:
-            raise ValueError(f"{name}: one node; the fit needs logs across nodes")
-        for nbytes, time_us in zip(df["bytes"], df["oop_time_us"]):
-            if nbytes > 0 and math.isfinite(time_us) and time_us > 0:
-                samples.append(Sample(name, collective, nodes, int(nbytes), float(time_us)))
-    if not samples:
-        raise ValueError("logs: no row with bytes and a time")
-    return samples
 
 
 def _row(model: NcclModel, sample: Sample, pair: Pair, wire_bound: bool | None = None
@@ -334,31 +298,6 @@ def _candidate_graphs(topology: ClusterTopology) -> list[tuple[Graph, Graph, Gra
     return candidates
 
 
-def _knees(samples: Sequence[Sample], chooser: NcclModel) -> pd.DataFrame:
-    """Where each log's time jumps from one size to the next by 1.5x or more and by 1.5x the step
-    before (a knee, not the doubling of a bandwidth-bound time), next to where the chosen graph's
-    tuner switches pair or a call's channel count changes."""
-    rows = []
-    by_log: dict[str, list[Sample]] = {}
-    for s in samples:
-        by_log.setdefault(s.log, []).append(s)
-    for log, rows_of_log in by_log.items():
-        rows_of_log.sort(key=lambda s: s.nbytes)
-        for earlier, before, after in zip([None, *rows_of_log], rows_of_log, rows_of_log[1:]):
-            old = chooser.pick(before.collective, before.nodes, before.nbytes)
-            new = chooser.pick(after.collective, after.nodes, after.nbytes)
-            rise = after.time_us / before.time_us
-            knee = rise >= 1.5 and (earlier is None or rise >= 1.5 * before.time_us / earlier.time_us)
-            channels = [chooser.channels_used(pair, s.nbytes, s.nodes) for pair, s in ((old, before),
-                                                                                         (new, after))]
-            if knee or old != new:
-                rows.append({"log": log, "nodes": after.nodes, "bytes": after.nbytes, "knee": knee,
-                             "time_before_us": before.time_us, "time_us": after.time_us,
-                             "switch": f"{'/'.join(old)} -> {'/'.join(new)}" if old != new else "",
-                             "channels": f"{channels[0]} -> {channels[1]}" if len(set(channels)) > 1 else ""})
-    return pd.DataFrame(rows)
-
-
 def _sizes(samples: Sequence[Sample], index: list[int]) -> str:
     """The logs and size ranges of a term's rows, e.g. ``n2_all_reduce.log 4 B-64 KiB``."""
     spans: dict[str, list[int]] = {}
@@ -453,4 +392,4 @@ def fit(topology: ClusterTopology, logs: Iterable[pd.DataFrame], version: str = 
                            "error": p / s.time_us - 1} for s, p, pair in zip(samples, predicted, picks)])
     graphs = pd.DataFrame(tried).sort_values("log_error", kind="stable", ignore_index=True)
     return FitReport(model=model, terms=terms, samples=table, graphs=graphs,
-                     knees=_knees(samples, model.chooser))
+                     knees=knees(samples, model.chooser))

@@ -111,7 +111,7 @@ class PairTerms:
 
 
 @dataclass(frozen=True)
-class Prediction:
+class NcclPrediction:
     collective: str
     nodes: int
     nbytes: int
@@ -238,7 +238,7 @@ class NcclModel:
         times = self.times(collective, nodes, nbytes)
         return min(times, key=times.__getitem__)
 
-    def predict(self, collective: Any, nodes: Any, nbytes: Any, choose: str = "nccl") -> Prediction:
+    def predict(self, collective: Any, nodes: Any, nbytes: Any, choose: str = "nccl") -> NcclPrediction:
         """The time of the pair NCCL runs (``choose="nccl"``: its tuner's cheapest) or of this
         model's cheapest (``"fastest"``: what a tuner plugin could make NCCL run)."""
         if choose not in CHOICES:
@@ -249,7 +249,7 @@ class NcclModel:
         if pair not in times:
             raise ValueError(f"the chooser's pick {pair} has no terms in {self.name}")
         name = collective_name(collective)
-        return Prediction(name, int(nodes), int(nbytes), float(times[pair]), pair[0], pair[1],
+        return NcclPrediction(name, int(nodes), int(nbytes), float(times[pair]), pair[0], pair[1],
                           self.channels_used(pair, int(nbytes), int(nodes)))
 
     def table(self, collective: Any, nodes: Any, sizes: Iterable[Any], choose: str = "nccl") -> pd.DataFrame:
@@ -267,7 +267,7 @@ class NcclModel:
 
 
 def predict_nccl(model: NcclModel, collective: Any, *, hosts: Any, nbytes: Any,
-                 choose: str = "nccl") -> Prediction:
+                 choose: str = "nccl") -> NcclPrediction:
     """``lab.sim.predict(model, collective, hosts=H, nbytes=B)`` for a model of NCCL's closed forms
     (``lab.sim.nccl.fit(...).model``, or :func:`shipped`): the time (µs) of the pair NCCL runs on
     ``hosts`` nodes, which algorithm and protocol, on how many channels; ``nbytes`` as nccl-tests
@@ -351,7 +351,7 @@ __all__ = [
     "PAIRS",
     "NcclModel",
     "PairTerms",
-    "Prediction",
+    "NcclPrediction",
     "predict_nccl",
     "shipped",
     "tree_depth",
