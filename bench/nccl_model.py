@@ -17,9 +17,9 @@ from pathlib import Path
 
 START = time.perf_counter()
 
-from lab.sim.logs import read_nccl_tests  # noqa: E402  (the imports are part of what is timed)
-from lab.sim.nccl import fit  # noqa: E402
-from lab.sim.nccl.known import POLARIS  # noqa: E402
+from lab.sim.logs import read_nccl_tests
+from lab.sim.nccl import fit
+from lab.sim.nccl.known import POLARIS
 
 POLARIS_LOGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "clusters" / "polaris-nccl-2.21"
 SIZES = [1 << k for k in range(2, 31, 2)]  # 4 B to 1 GiB, factor 4

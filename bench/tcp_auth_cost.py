@@ -13,8 +13,8 @@ import argparse
 import statistics
 
 import lab
-import lab.transport.tcp as tcp
 from lab.benchmark import summarize, time_collective
+from lab.transport import tcp
 
 CASES = [("1 KB", 1 << 10, "tree"), ("16 MB", 16 << 20, "ring")]
 

@@ -148,7 +148,7 @@ def minimum(a, b):
         return canonical(a + b)
     if a == b:  # equal: the same bits, or -0.0 and +0.0, of which min is -0.0
         return b if is_negative(b) else a
-    return a if a < b else b
+    return min(b, a)
 
 
 @njit(inline="always")
@@ -157,7 +157,7 @@ def maximum(a, b):
         return canonical(a + b)
     if a == b:  # -0.0 and +0.0: max is +0.0
         return a if is_negative(b) else b
-    return a if a > b else b
+    return max(b, a)
 
 
 # --- native kernels ---------------------------------------------------------------------------

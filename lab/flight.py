@@ -21,7 +21,7 @@ FLIGHT_RECORDER_SIZE = 32
 class Position:
     """Where a rank is, for error messages: ``allreduce #7 (ring) step 3``. Formatted lazily."""
 
-    __slots__ = ("collective", "seq", "algorithm", "step", "mesh")
+    __slots__ = ("algorithm", "collective", "mesh", "seq", "step")
 
     def __init__(self, mesh: str = "") -> None:
         self.collective, self.seq, self.algorithm, self.step = "send/recv", 0, "", 0

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

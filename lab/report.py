@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_BLOCK = re.compile(r"<!-- (?P<marker>[\w-]+):begin -->\n.*?\n<!-- (?P=marker):end -->", re.S)
+_BLOCK = re.compile(r"<!-- (?P<marker>[\w-]+):begin -->\n.*?\n<!-- (?P=marker):end -->", re.DOTALL)
 
 
 def _markers(marker: str) -> tuple[str, str]:

@@ -253,7 +253,7 @@ def check_allgather(mesh: lab.Mesh, full: bool = True) -> list[str]:
     for count in counts(mesh.world_size):
         for algorithm, dtype in [(a, d) for a in ALGORITHMS["allgather"] for d in dtypes_for(mesh.world_size, a, full)]:
             for shape in [(count,), (count, 2)]:
-                def rank_input(r: int) -> torch.Tensor:
+                def rank_input(r: int, shape=shape, dtype=dtype) -> torch.Tensor:
                     return tensor(values(int(np.prod(shape)), r, dtype), dtype).reshape(shape)
 
                 x = rank_input(mesh.rank)
@@ -363,7 +363,7 @@ def check_all_to_all(mesh: lab.Mesh, full: bool = True) -> list[str]:
     for rows in counts(n):
         for algorithm, dtype in [(a, d) for a in ALGORITHMS["all_to_all"] for d in dtypes_for(n, a, full)]:
             for shape in [(rows,), (rows, 2)]:
-                def rank_input(r: int) -> torch.Tensor:
+                def rank_input(r: int, shape=shape, dtype=dtype) -> torch.Tensor:
                     return tensor(values(int(np.prod(shape)), r, dtype), dtype).reshape(shape)
 
                 x = rank_input(mesh.rank)

@@ -187,7 +187,7 @@ def test_torch_s_own_distributed_tests_pass_on_the_lab():
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**CHILD_ENV, "WORLD_SIZE": "3"})
     report = done.stderr + done.stdout
     # unittest -v: "name (class) ... " then the ranks' log lines, then "ok" (or FAIL, ERROR, skipped ...)
-    starts = [(m.start(), m.group(1)) for m in re.finditer(r"^(test_\w+) \(.*?\) \.\.\. ", report, re.M)]
+    starts = [(m.start(), m.group(1)) for m in re.finditer(r"^(test_\w+) \(.*?\) \.\.\. ", report, re.MULTILINE)]
     assert starts, f"torch_suite.py ran no test (exit {done.returncode}):\n{report[-4000:]}"
     outcome = {}
     for (start, name), (end, _) in zip(starts, [*starts[1:], (len(report), "")], strict=True):

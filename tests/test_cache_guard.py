@@ -19,7 +19,7 @@ from lab.compiled.sources import ROOT, SOURCES
 pytestmark = pytest.mark.no_ranks
 
 #: Code that Numba compiles: a decorated function, or a dispatcher made with njit(...).
-COMPILED = re.compile(r"^\s*@(compilable|njit|numba\.njit)\b|\bnjit\([^)]*\)\(", re.M)
+COMPILED = re.compile(r"^\s*@(compilable|njit|numba\.njit)\b|\bnjit\([^)]*\)\(", re.MULTILINE)
 
 ENTRY = """
 from numba import njit

@@ -3,6 +3,8 @@ splits a 2-D buffer along whole rows."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,7 @@ def _check_invariants(bounds: list[tuple[int, int]], length: int, parts: int) ->
     assert len(bounds) == parts
     assert bounds[0][0] == 0
     assert bounds[-1][1] == length
-    for (_, stop), (start, _) in zip(bounds, bounds[1:]):
+    for (_, stop), (start, _) in itertools.pairwise(bounds):
         assert stop == start, "pieces must be contiguous (no gap, no overlap)"
     sizes = [stop - start for start, stop in bounds]
     assert all(size >= 0 for size in sizes)
@@ -38,7 +40,7 @@ def _check_invariants(bounds: list[tuple[int, int]], length: int, parts: int) ->
 
 
 @pytest.mark.parametrize("parts", range(1, 10))
-@pytest.mark.parametrize("length", range(0, 41))
+@pytest.mark.parametrize("length", range(41))
 def test_split_bounds_matches_array_split_small(length, parts):
     """For every length 0..40 and parts 1..9 the bounds are exactly numpy.array_split's pieces."""
     bounds = split_bounds(length, parts)
@@ -56,7 +58,7 @@ def test_split_bounds_matches_array_split_large(length, parts):
 
 
 @pytest.mark.parametrize("parts", range(1, 10))
-@pytest.mark.parametrize("length", [*range(0, 41), 1_000_003, 2**31 + 5, 10**12 + 7])
+@pytest.mark.parametrize("length", [*range(41), 1_000_003, 2**31 + 5, 10**12 + 7])
 def test_split_bounds_invariants(length, parts):
     """Pieces are contiguous, cover range(length) exactly once, and differ in size by at most one."""
     bounds = split_bounds(length, parts)
@@ -110,7 +112,7 @@ def test_row_bounds_splits_whole_rows(rows, row_elements, parts):
     assert all(a % row_elements == 0 and b % row_elements == 0 for a, b in bounds)
     assert len(bounds) == parts
     assert bounds[0][0] == 0 and bounds[-1][1] == rows * row_elements
-    assert all(stop == start for (_, stop), (start, _) in zip(bounds, bounds[1:]))
+    assert all(stop == start for (_, stop), (start, _) in itertools.pairwise(bounds))
     row_counts = [(b - a) // row_elements for a, b in bounds]
     assert row_counts == [b - a for a, b in split_bounds(rows, parts)]
     assert max(row_counts) - min(row_counts) <= 1

@@ -207,7 +207,7 @@ def byte_model(collective: str, algorithm: str, rank: int, n: int, total: int) -
         return total * (rank != 0), children * total
     if algorithm == "pairwise":
         return (total * (n - 1) // n,) * 2
-    return (block * sum(bin(i).count("1") for i in range(n)),) * 2  # bruck
+    return (block * sum((i).bit_count() for i in range(n)),) * 2  # bruck
 
 
 BYTE_CASES = [("allreduce", a) for a in ("ring", "recursive_doubling", "halving_doubling", "double_tree")] + [

@@ -31,7 +31,7 @@ from helpers import (
 )
 
 import lab
-import lab.sim as sim
+from lab import sim
 from lab.collectives.choice import ALGORITHMS
 
 

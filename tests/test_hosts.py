@@ -194,11 +194,10 @@ def test_namespaces_links_and_caps_are_made_and_removed():
 def test_an_exception_inside_the_pool_removes_everything():
     require_hosts()
     before = root_network()
-    with pytest.raises(RuntimeError, match="user code failed"):
-        with lab.launch(2, hosts=2, transport="tcp") as cluster:
-            pids = cluster.hosts.pids + cluster.pids
-            inodes = [os.stat(h.netns).st_ino for h in cluster.hosts.hosts]
-            raise RuntimeError("user code failed")
+    with pytest.raises(RuntimeError, match="user code failed"), lab.launch(2, hosts=2, transport="tcp") as cluster:
+        pids = cluster.hosts.pids + cluster.pids
+        inodes = [os.stat(h.netns).st_ino for h in cluster.hosts.hosts]
+        raise RuntimeError("user code failed")
     all_gone(pids, inodes)
     assert root_network() == before
 

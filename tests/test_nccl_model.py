@@ -8,6 +8,7 @@ nodes and predicted at 256 and 540, per size band, at least as close as docs/clu
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -306,7 +307,7 @@ def test_tuner_file_written_and_read_back(tmp_path):
         for collective in ("allreduce", "allgather"):
             mine = [r for r in rules if r.nodes == count and r.collective == collective]
             assert mine[0].min_bytes == 1 and mine[-1].max_bytes == tuner_file.SIZE_MAX
-            assert all(a.max_bytes + 1 == b.min_bytes for a, b in zip(mine, mine[1:]))
+            assert all(a.max_bytes + 1 == b.min_bytes for a, b in itertools.pairwise(mine))
             for rule in mine:
                 fastest = report.model.predict(collective, count, rule.min_bytes, choose="fastest")
                 assert (fastest.algorithm, fastest.protocol) == (rule.algorithm, rule.protocol)

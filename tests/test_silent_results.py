@@ -197,7 +197,7 @@ def awkward_values(count: int, rank: int, dtype: str, seed: int) -> torch.Tensor
     else:
         nans = np.array([0x7E00, 0xFE00, 0x7E01, 0xFC01] if dtype == "float16" else [0x7FC0, 0xFFC0, 0x7FC1, 0xFF81],
                         np.uint16)
-        subnormal = [0x0001, 0x8003] if dtype == "float16" else [0x0001, 0x8003]
+        subnormal = [0x0001, 0x8003]  # the same bits are subnormal in float16 and bfloat16
         special_bits = np.concatenate([np.array([0x0000, 0x8000], np.uint16), nans, np.array(subnormal, np.uint16),
                                        np.array([0x7C00, 0xFC00] if dtype == "float16" else [0x7F80, 0xFF80], np.uint16)])
         torch_dtype = getattr(torch, dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import inspect
+import itertools
 import math
 import os
 import time
@@ -20,7 +21,7 @@ import torch
 from helpers import pool, slow_from_five
 
 import lab
-import lab.sim as sim
+from lab import sim
 from lab.algorithms import double_tree_schedule
 from lab.collectives import calls
 from lab.sim.cluster import predict_table
@@ -66,7 +67,7 @@ def test_critical_path_is_a_chain_that_ends_at_the_finish():
     r = sim.simulate("allreduce", "naive", 6, 4000, NET)
     path = r.critical_path
     assert path[0].start_us == 0.0 and path[-1].end_us == r.time_us
-    assert all(a.end_us == b.start_us for a, b in zip(path, path[1:]))
+    assert all(a.end_us == b.start_us for a, b in itertools.pairwise(path))
     # Naive: rank 0's receive port, then its send port, serialise all 2(N-1) whole-tensor messages.
     assert [m.dst for m in path[:5]] == [0] * 5 and [m.src for m in path[5:]] == [0] * 5
     assert r.time_us == pytest.approx(10 * NET.message_us(4000), rel=1e-12)

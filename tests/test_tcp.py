@@ -33,21 +33,21 @@ def test_torchrun_three_local_processes():
 
 # -- a listening rank against strangers and bad frames (in this process: rank 0 in a thread) -------
 
-import struct  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import tracemalloc  # noqa: E402
+import struct
+import threading
+import time
+import tracemalloc
 
-import numpy as np  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+import numpy as np
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import lab  # noqa: E402
-from lab.errors import LabError, PeerLostError  # noqa: E402
-from lab.transport.base import CONTEXT_BYTES, TAG_BYTES, Recv, Send, TagMismatch  # noqa: E402
-from lab.transport.frames import HEAD_BYTES, HEADER, MAC_BYTES, head  # noqa: E402
-from lab.transport.handshake import (  # noqa: E402
+import lab
+from lab.errors import LabError, PeerLostError
+from lab.transport.base import CONTEXT_BYTES, TAG_BYTES, Recv, Send, TagMismatch
+from lab.transport.frames import HEAD_BYTES, HEADER, MAC_BYTES, head
+from lab.transport.handshake import (
     _ACCEPTOR_KEY,
     _ACCEPTOR_PROOF,
     _CONNECTOR_KEY,
@@ -62,7 +62,7 @@ from lab.transport.handshake import (  # noqa: E402
     derive,
     transcript,
 )
-from lab.transport.tcp import TcpTransport  # noqa: E402
+from lab.transport.tcp import TcpTransport
 
 SECRET = b"test-job-secret"
 TAG = b"fingerprint".ljust(TAG_BYTES, b"\0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -45,7 +46,7 @@ def test_every_rank_writes_one_row_per_collective(tmp_path):
         assert mine[0]["nbytes"] == 48 and mine[0]["bytes_sent"] == 2 * 48 * 2 // 3  # 2T(N-1)/N
         assert sum(r["bytes_sent"] for r in mine) == stats[rank]["bytes_sent"]
         assert sum(r["bytes_received"] for r in mine) == stats[rank]["bytes_received"]
-        assert all(a["start_ns"] + a["duration_ns"] <= b["start_ns"] for a, b in zip(mine, mine[1:]))
+        assert all(a["start_ns"] + a["duration_ns"] <= b["start_ns"] for a, b in itertools.pairwise(mine))
 
 
 def test_lab_trace_environment_variable(tmp_path, monkeypatch):

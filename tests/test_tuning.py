@@ -162,7 +162,7 @@ def test_at_a_measured_world_size_auto_follows_the_measured_medians():
     # the single line through the three sizes is far off at 16 MB (the bend), so it alone picks the ring there
     steps, volume = tuning.algorithm_shape("ring", 8)
     line_16mb = steps * ring["alpha_step_us"] + volume * (16 << 20) * ring["beta_byte_us"]
-    assert line_16mb < 143775.0 < 310473.0
+    assert line_16mb < 143775.0  # under half the 310,473 µs measured
     # each measured size predicts what was measured there; between two, the line through them
     for nbytes, us in ring["points"]:
         assert tuning.predict_us("ring", nbytes, 8, "queue", models=fitted) == pytest.approx(us)
@@ -219,7 +219,6 @@ def test_auto_asks_the_registered_advisor_where_no_fit_decides(monkeypatch):
 
     def cannot(collective, nbytes, world_size, network):
         asked.append("cannot")
-        return None
 
     def tree_wins(collective, nbytes, world_size, network):
         asked.append((collective, nbytes, world_size, network["alpha_us"]))

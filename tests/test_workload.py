@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-import lab.sim as sim
-from lab import workload
+from lab import sim, workload
 from lab.workload.retarget import Layout
 
 pytestmark = pytest.mark.no_ranks
@@ -393,7 +392,7 @@ def test_a_recording_counts_the_compute_between_calls_and_replays(tmp_path):
     write_header(path, 2)
     for rank in range(2):
         now = [0]
-        recorder = Recorder(path, rank, 2, clock=lambda: now[0])
+        recorder = Recorder(path, rank, 2, clock=lambda now=now: now[0])
         now[0] += 100_000
         index = recorder.operation("allreduce", [0, 1], "float32", 2000, 2000, reduce_op="sum", is_async=True)
         now[0] += 5_000  # inside the lab: not compute

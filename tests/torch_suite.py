@@ -23,15 +23,15 @@ os.environ.pop("CI", None)
 os.environ.setdefault("WORLD_SIZE", "3")
 os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="lab-torch-suite-"))
 
-from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+from torch.testing._internal.common_distributed import DistTestCases
 
 for feature in ("plugin", "ddp", "subgroup"):  # before distributed_test reads them at import
     DistTestCases.backend_feature[feature].add("lab")
 
-from torch.testing._internal.common_utils import run_tests  # noqa: E402
-from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
+from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend
 
-import lab  # noqa: E402,F401 - registers "lab" here and in every spawned rank
+import lab  # noqa: F401 - registers "lab" here and in every spawned rank
 
 
 class TestLabBackend(TestDistBackend, DistributedTest._DistTestBase):

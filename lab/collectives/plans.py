@@ -25,7 +25,7 @@ and on sub-meshes; it belongs to the mesh and process that made it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from lab import fingerprint
 from lab.collectives.calls import (
@@ -85,7 +85,7 @@ class Plan:
         """Release the plan (idempotent); using it afterwards is a :class:`lab.LabError`."""
         self._freed, self._run_now = True, None  # (its compiled call goes: lab.flight.FlightRecorder.release)
 
-    def __enter__(self) -> Plan:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -51,7 +51,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Self
 
 if __package__:  # lab.hosts.emulated
     from lab.hosts import keeper as hosts_keeper
@@ -209,7 +209,7 @@ class Hosts:
         keeper.stdout.close()
         keeper.stderr.close()
 
-    def __enter__(self) -> Hosts:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -95,7 +95,7 @@ def _hold_network_namespace() -> int:
 def _run_in(pid: int, tool: str, commands: list[str]) -> None:
     """Run ``commands`` through ``ip -batch -`` or ``tc -batch -`` inside process ``pid``'s network namespace."""
     done = subprocess.run(
-        [tool, "-batch", "-"], input="\n".join(commands) + "\n", capture_output=True, text=True,
+        [tool, "-batch", "-"], input="\n".join(commands) + "\n", capture_output=True, text=True, check=False,
         preexec_fn=lambda: setns(f"/proc/{pid}/ns/net", CLONE_NEWNET),
     )
     if done.returncode:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
-from typing import Any
+from typing import Any, Self
 
 from lab.comm import operations as recording
 from lab.errors import LabError
@@ -230,7 +230,7 @@ class Cluster:
         if self.hosts is not None:
             self.hosts.close()
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:

@@ -52,7 +52,7 @@ def rank_main(endpoints: Any, control: Any, options: RankOptions) -> None:
     _take_environment(endpoints, options)
     try:
         mesh = _join(endpoints, options)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 (whatever stops the join, the parent hears of it)
         control.send_bytes(pickle.dumps(("error", _failure(exc, None))))
         return
     control.send_bytes(READY)
@@ -123,7 +123,7 @@ def _run(mesh: Mesh, task: bytes, rank_pid: int, rank: int) -> tuple[str, Any]:
         if recorder is not None:
             recorder.close()  # its lines written: the parent may read the file once the run returns
         return "ok", pickle.dumps(result)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 (whatever a task raises goes back to the parent)
         _leave_if_forked(rank_pid, rank)
         in_flight = mesh.in_flight
         reply = ("error", _failure(exc, mesh, in_flight))

@@ -43,7 +43,27 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
     raise AttributeError(f"module 'lab.sim' has no attribute {name!r}")
 
-__all__ = ["Network", "simulate", "best_algorithm", "predict", "estimate", "algorithms", "SimResult", "Message",
-           "Estimate", "SimulationUnsupported", "SimulationTooLarge", "ScheduleError", "DEFAULT_MAX_STEPS",
-           "DEFAULT_MAX_SECONDS", "read_nccl_tests", "read_osu", "calibrated", "fit_cluster", "fit_cluster_report",
-           "FitReport", "ClusterPrediction", "compare"]
+__all__ = [
+    "DEFAULT_MAX_SECONDS",
+    "DEFAULT_MAX_STEPS",
+    "ClusterPrediction",
+    "Estimate",
+    "FitReport",
+    "Message",
+    "Network",
+    "ScheduleError",
+    "SimResult",
+    "SimulationTooLarge",
+    "SimulationUnsupported",
+    "algorithms",
+    "best_algorithm",
+    "calibrated",
+    "compare",
+    "estimate",
+    "fit_cluster",
+    "fit_cluster_report",
+    "predict",
+    "read_nccl_tests",
+    "read_osu",
+    "simulate",
+]

@@ -270,7 +270,7 @@ def _double_tree_line(grid: pd.DataFrame, n: int) -> str:
 def label_float(nbytes: float) -> str:
     if not math.isfinite(nbytes):
         return "never (in the sizes swept)"
-    return label(int(round(nbytes))) if nbytes < 1 << 10 else (
+    return label(round(nbytes)) if nbytes < 1 << 10 else (
         f"{nbytes / (1 << 20):.3g} MB" if nbytes >= 1 << 20 else f"{nbytes / (1 << 10):.3g} KB")
 
 

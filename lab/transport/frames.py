@@ -72,8 +72,20 @@ class Job:
     """One frame in flight: header and its MAC, payload, MAC; sent or received a piece at a time.
     A receive's ``mac`` is made when its header arrives (``None`` until then)."""
 
-    __slots__ = ("peer", "array", "bytes", "header", "header_done", "offset", "combine", "scratch", "filled",
-                 "mac", "trailer", "trailer_done")
+    __slots__ = (
+        "array",
+        "bytes",
+        "combine",
+        "filled",
+        "header",
+        "header_done",
+        "mac",
+        "offset",
+        "peer",
+        "scratch",
+        "trailer",
+        "trailer_done",
+    )
 
     def __init__(self, peer: int, array: np.ndarray, mac, combine=None) -> None:
         self.peer, self.array, self.combine, self.mac = peer, array, combine, mac

@@ -186,7 +186,7 @@ class _Handshake:
     """An accepted connection not yet proven: what it sent so far, when it arrived, and whether
     its hello named a rank still awaited (what a real rank sends at once, a silent stranger never)."""
 
-    __slots__ = ("nonce", "received", "started", "promising")
+    __slots__ = ("nonce", "promising", "received", "started")
 
     def __init__(self) -> None:
         self.nonce = secrets.token_bytes(32)

@@ -432,7 +432,7 @@ def mesh_dims(workload: Workload) -> dict[str, int] | None:
         for event in events:
             if event.kind == "op" and event.dim is not None:
                 group = sorted(event.group)
-                gaps = {b - a for a, b in zip(group, group[1:])}
+                gaps = {b - a for a, b in itertools.pairwise(group)}
                 steps.setdefault(event.dim, set()).add((len(group), gaps.pop() if len(gaps) == 1 else -1))
     if not steps or any(len(seen) != 1 for seen in steps.values()):
         return None
