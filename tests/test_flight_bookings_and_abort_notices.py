@@ -102,7 +102,7 @@ LAUNCHER_TRANSPORTS = ["tcp", "auto"]
 #: The silent rank's peers' deadline (item 23: 2 s).
 STOPPED_DEADLINE_MS = 2000
 #: What a rank process runs (this module is importable there: the tests' folder is on its path).
-RANK_PROGRAM = "import test_abort_defects; test_abort_defects.rank_program()"
+RANK_PROGRAM = "import test_flight_bookings_and_abort_notices; test_flight_bookings_and_abort_notices.rank_program()"
 
 
 def rank_program() -> None:

@@ -1,4 +1,4 @@
-"""Regression tests for what ranks must agree on, and what a failure leaves behind (issue 33).
+"""What ranks must agree on, and what a failure leaves behind (found from outside, issue 33).
 
 2. ranks that disagree on a rooted collective's root: every "root" only sent and returned (the
    message left unread is an error at the next collective or at the end: tests/test_unread_messages.py);

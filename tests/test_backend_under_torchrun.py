@@ -1,8 +1,8 @@
-"""Regression tests for the "lab" backend's defects found from outside (issue 33, items 1, 4, 5, 11,
-12, 17, 24), and lab.allreduce's refusal of read-only memory (item 12).
+"""The "lab" backend under torchrun, made twice per job: what outsiders found (issue 33, items 1, 4, 5,
+11, 12, 17, 24), and lab.allreduce's refusal of read-only memory (item 12).
 
 The backend's checks run under torchrun, this file its job (``python -m torch.distributed.run
---standalone --nproc-per-node N tests/test_backend_defects.py OUT TRANSPORT``): each rank makes the
+--standalone --nproc-per-node N tests/test_backend_under_torchrun.py OUT TRANSPORT``): each rank makes the
 world twice (``destroy_process_group()`` between: item 11), runs every check of :data:`CHECKS` in
 each incarnation on its own data (``index * stride + rank``), checks its own output and writes
 ``OUT/rank<r>.json``.

@@ -1,4 +1,5 @@
-"""Regression tests for the defects found from outside (issue 9), one or more per item.
+"""Pools and meshes used as outsiders use them: async work in flight, threads, forked children, failed
+starts, bad options, environments and deadlines (defects found from outside, issue 9, one test or more each).
 
 Each test is named after what a user did. The tcp security items (1, 7) live in test_tcp.py,
 the blame of a stopped rank (10) in test_faults.py and test_failures.py.
