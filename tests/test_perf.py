@@ -162,7 +162,7 @@ def test_bad_arguments_are_argparse_errors_naming_the_option_before_anything_run
     def launch(*args, **kwargs):
         raise AssertionError("a pool started")
 
-    monkeypatch.setattr(lab, "launch", launch)
+    monkeypatch.setattr(perf, "launch", launch)
     with pytest.raises(SystemExit) as exited:
         main(["perf", *argv])
     error = capsys.readouterr().err

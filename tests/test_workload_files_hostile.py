@@ -15,6 +15,7 @@ import pytest
 
 from lab import sim, workload
 from lab.sim.limits import MAX_WORLD_SIZE, SimulationTooLarge
+from lab.workload import calls as workload_calls
 from lab.workload import format as fmt
 from lab.workload.replay import Replay, template_copies, whole_steps
 from lab.workload.retarget import Layout
@@ -290,7 +291,7 @@ def test_a_collective_the_simulator_refuses_is_refused_before_the_ranks_are_made
     def never(*args):
         raise AssertionError("the replay made its ranks before the simulator refused")
 
-    monkeypatch.setattr(workload, "Replay", never)
+    monkeypatch.setattr(workload_calls, "Replay", never)
     w = workload.load(written(tmp_path, allreduces(4)))
     with pytest.raises(SimulationTooLarge, match=r"allreduce \(ring\) on 100,000 ranks"):
         workload.replay(w, world_size=100_000, network=NET, algorithms={"allreduce": "ring"})

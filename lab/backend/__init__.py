@@ -4,7 +4,7 @@
 program then runs on the lab's algorithms, deadlines, mismatch detection, flight recorder,
 counters and trace by changing one word::
 
-    import lab, torch.distributed as dist
+    import torch.distributed as dist                # after the lab's package is imported
     dist.init_process_group("lab")                  # torchrun, tcp://, file:// or store=
     dist.all_reduce(grads)                          # lab.allreduce on the group's mesh
     model = torch.nn.parallel.DistributedDataParallel(model)   # DDP, FSDP2, DeviceMesh: unmodified

@@ -42,7 +42,9 @@ from lab.algorithms import registry
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.collectives import calls as collectives
 from lab.command_line import refused, whole
+from lab.errors import EmulationUnavailable
 from lab.hosts.emulated import check_link_gbit
+from lab.launch import launch
 from lab.launch.transports import POOL_TRANSPORTS
 from lab.perf.data import as_tensor, count_wrong, exact_limit, expected, layout, pattern, rank_bytes, reduced
 from lab.perf.spec import AVERAGES, OPS, PROGRAMS, REDUCED_TYPES, REDUCING, TYPES, Spec
@@ -175,14 +177,12 @@ def _check_sizes(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """``python -m lab perf``: the table on stdout, a row as each size is done; exit status 1 if
     any element was wrong, as nccl-tests."""
-    import lab  # (lab.launch at call time: a test stands in for it)
-
     spec = check(args)
     hosts = args.hosts if args.hosts and args.hosts > 1 else None
     transport = _transport(args)
     try:
-        cluster = lab.launch(args.ranks, transport=transport, hosts=hosts, link_gbit=args.link_gbit)
-    except lab.EmulationUnavailable as error:
+        cluster = launch(args.ranks, transport=transport, hosts=hosts, link_gbit=args.link_gbit)
+    except EmulationUnavailable as error:
         args.parser.error(f"argument --hosts: {error}")
     except (ValueError, OSError) as error:  # what the pool refuses besides the options (LAB_TRACE, ulimit -n)
         args.parser.error(refused(error))

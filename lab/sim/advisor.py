@@ -2,7 +2,7 @@
 every candidate is replayed on the transport's calibrated network and the least time wins.
 
 :mod:`lab.tuning` asks whatever advisor is registered (:data:`lab.tuning.ADVISORS`) and imports
-nothing of the simulator; ``import lab`` registers this one as ``"simulator"``,
+nothing of the simulator; the lab's package registers this one as ``"simulator"``,
 loading it when first asked (a rank that never needs advice never imports the simulator).
 
     advise("allreduce", 1 << 20, 8, {"alpha_us": 20.0, "gbit": 10.0})

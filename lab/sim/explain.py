@@ -36,7 +36,7 @@ def _why_source(choice: tuning.Choice, world_size: int, transport: str, collecti
     """Which predictions decided, and why those."""
     worlds = ", ".join(map(str, tuning.swept_worlds())) or "none"
     if choice.source == "simulator":
-        from lab.sim import Network
+        from lab.sim.network import Network
 
         fitted = len(tuning.fitted_models().get(transport, {}).get(collective, {}))
         why = (f"tuning.json's fits were measured at N = {worlds}, not {world_size}" if fitted >= 2
@@ -118,7 +118,8 @@ def explain(collective: str, world_size: int, nbytes: int, transport: str = "shm
 def plot(collective: str, algorithm: str, world_size: int, nbytes: int, transport: str, path: str | Path) -> str:
     """Draw ``algorithm``'s recorded schedule to ``path`` (:mod:`lab.sim.plot`), timed on the
     transport's calibrated network (or the default ``Network()``); returns a line saying so."""
-    from lab.sim import Network, simulate
+    from lab.sim.core import simulate
+    from lab.sim.network import Network
     from lab.sim.plot import draw
     from lab.sim.schedule import record
 

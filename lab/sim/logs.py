@@ -248,7 +248,7 @@ def _rows(path: Path, lines: list[Line], width: int, hosts: list[str] | None) ->
 
 def _frame(path: Path, rows: list[Row], names: list[str], kinds: dict[str, type]) -> pd.DataFrame:
     """The rows as a DataFrame, each column of its kind (``kinds``, else float; ``N/A`` is NaN)."""
-    import pandas as pd  # here, not at the top: ``import lab`` imports lab.sim in every rank process
+    import pandas as pd  # at the first log read: loading lab.sim loads no pandas
 
     table: dict[str, list] = {name: [] for name in names}
     for number, fields in rows:

@@ -23,7 +23,8 @@ from lab.command_line import output_file, refused, whole
 from lab.errors import LabError
 from lab.sim.limits import MAX_WORLD_SIZE
 from lab.sim.network import Network
-from lab.workload import load, network_named, replay
+from lab.workload.calls import network_named, replay
+from lab.workload.format import load
 from lab.workload.goal import export_goal
 from lab.workload.replay import DEFAULT_MAX_EVENTS
 

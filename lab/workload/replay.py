@@ -408,7 +408,7 @@ class Replay:
         last = ends.argmax(axis=0)
         compute = self.step_compute[last, np.arange(ends.shape[1])]
         exposed = np.maximum(step_us - compute, 0.0)
-        import pandas as pd  # (here: import lab, which records through lab.workload, need not load pandas)
+        import pandas as pd  # at the first breakdown: a rank that records loads lab.workload, not pandas
 
         frame = pd.DataFrame(sorted(self.rows.values(), key=lambda r: (r["step"], r["index"])))
         if not frame.empty:
