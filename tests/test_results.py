@@ -11,7 +11,7 @@ import pytest
 
 from lab.__main__ import main
 from lab.algorithms import registry
-from lab.report import splice, with_spliced
+from lab.report_sections import splice, with_spliced
 from lab.results.sweeps import least_of_rounds, sweep
 
 pytestmark = pytest.mark.no_ranks

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lab import tuning
 from lab.benchmark import SIZES
-from lab.report import with_spliced
+from lab.report_sections import with_spliced
 from lab.results import plots, report, workloads
 from lab.results.fits import fit_alpha_beta, models, tuning_from
 from lab.results.sweeps import ROUNDS, kernel_sweep, load, measure_all, save_machine, save_tables

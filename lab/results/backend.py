@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 import lab
 from lab.catalog import COLLECTIVES as CATALOG
-from lab.report import splice
+from lab.report_sections import splice
 
 SIZES = (1024, 16 * 1024 * 1024)
 MARKER = "backend"

@@ -30,7 +30,7 @@ import pandas as pd
 import lab
 from lab import benchmark, mpich
 from lab.compiled.plane import max_bytes_from_env
-from lab.report import splice
+from lab.report_sections import splice
 
 SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 WORLD_SIZES = [2, 4, 8]

@@ -16,7 +16,7 @@ import lab
 from lab import sim
 from lab.benchmark import measure
 from lab.hosts.emulated import check_link_gbit
-from lab.report import splice
+from lab.report_sections import splice
 from lab.results.hosts import SIZES, allreduce_cases, bytes_sent, calls_for, hosts_dir
 from lab.results.report import markdown
 from lab.results.sweeps import machine, save_tables

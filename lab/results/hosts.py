@@ -34,7 +34,7 @@ import lab
 from lab.algorithms import registry
 from lab.benchmark import measure
 from lab.hosts.emulated import check_link_gbit
-from lab.report import splice
+from lab.report_sections import splice
 from lab.results.fits import bandwidth_gbps, crossover, fit_medians
 from lab.results.plots import across_hosts
 from lab.results.report import markdown

@@ -1,7 +1,7 @@
 """``results/REPORT.md``: one function per section, each reading the tables of one run.
 
 The sections of other commands (``--hosts``, ``simulate``) are spliced in after it, between
-markers (:func:`lab.report.splice`).
+markers (:func:`lab.report_sections.splice`).
 """
 
 from __future__ import annotations

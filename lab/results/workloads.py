@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab.report import splice
+from lab.report_sections import splice
 
 MARKER = "workloads"
 FOLDER = "workloads"  # under results/

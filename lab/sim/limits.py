@@ -143,7 +143,7 @@ def sample_ranks(world_size: int, root: int) -> list[tuple[int, bool]]:
     return [(rank, False) for rank in picked] + [(rank, True) for rank in special]
 
 
-class Recorder(Protocol):
+class ScheduleRecorder(Protocol):
     """What a :class:`Meter` reads and sets of the recorder (:class:`lab.sim.schedule.RecordingMesh`)."""
 
     world_size: int
@@ -171,7 +171,7 @@ class Meter:
     CHECK_EVERY = 8  # steps
     FINISH_STEPS, FINISH_S = 1_000_000, 10.0
 
-    def __init__(self, mesh: Recorder, case: str, sample: list[tuple[int, bool]], max_steps: int | None,
+    def __init__(self, mesh: ScheduleRecorder, case: str, sample: list[tuple[int, bool]], max_steps: int | None,
                  max_seconds: float | None) -> None:
         self.mesh, self.case, self.sampled = mesh, case, len(sample)
         self.limits = {"max_steps": max_steps, "max_seconds": max_seconds}

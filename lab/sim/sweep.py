@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from lab.command_line import checked, number, refused, whole
-from lab.report import splice
+from lab.report_sections import splice
 from lab.sim.core import check_limits, simulate
 from lab.sim.limits import (
     DEFAULT_MAX_SECONDS,

@@ -18,7 +18,7 @@ arithmetic operations, at any node count.
 from lab.sim.nccl import (
            tuner_file,  # (validation: imported by name; it reads lab.sim.cluster, which imports this)
 )
-from lab.sim.nccl.fitting import FitReport, fit
+from lab.sim.nccl.fitting import NcclFitReport, fit
 from lab.sim.nccl.model import (
            COLLECTIVES,
            PAIRS,
@@ -31,5 +31,5 @@ from lab.sim.nccl.model import (
 )
 from lab.sim.nccl.topology import ClusterTopology, Dragonfly, FatTree, Graph, nominal_graph
 
-__all__ = ["COLLECTIVES", "PAIRS", "ClusterTopology", "Dragonfly", "FatTree", "FitReport", "Graph", "NcclModel",
+__all__ = ["COLLECTIVES", "PAIRS", "ClusterTopology", "Dragonfly", "FatTree", "Graph", "NcclFitReport", "NcclModel",
            "NcclPrediction", "PairTerms", "fit", "nominal_graph", "predict_nccl", "shipped", "tree_depth", "tuner_file"]

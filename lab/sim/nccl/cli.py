@@ -28,7 +28,7 @@ from lab.command_line import checked, finite_json, number, output_file, refused,
 from lab.perf.table import predicted as predicted_table
 from lab.sim.nccl import tuner_file
 from lab.sim.nccl.constants import VERSIONS
-from lab.sim.nccl.fitting import FitReport, fit
+from lab.sim.nccl.fitting import NcclFitReport, fit
 from lab.sim.nccl.model import collective_name
 from lab.sim.nccl.topology import CPUS, NIC_PATHS, ClusterTopology, Dragonfly, FatTree, positive
 
@@ -123,7 +123,7 @@ def topology_of(args: argparse.Namespace, logs: list[pd.DataFrame]) -> ClusterTo
         args.parser.error(str(problem))
 
 
-def predictions(report: FitReport, logs: list[pd.DataFrame], hosts: list[int]) -> list[dict]:
+def predictions(report: NcclFitReport, logs: list[pd.DataFrame], hosts: list[int]) -> list[dict]:
     """Per collective of the logs and per node count: the predicted table at the logs' sizes."""
     collectives = list(dict.fromkeys(collective_name(df.attrs["collective"]) for df in logs))
     out = []

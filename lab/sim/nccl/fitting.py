@@ -58,7 +58,7 @@ ROUNDS = 20  # a pipelined ring's fit: at most this many passes of telling each 
 
 
 @dataclass(frozen=True)
-class FitReport:
+class NcclFitReport:
     """``model`` the fitted model; ``terms`` a row per term (pair, term, value, unit, source: fitted,
     NCCL's default or given, the rows that fixed it, their mean |error|, the term's relative
     standard error); ``samples`` every measured row with its pair and the model's error;
@@ -364,7 +364,7 @@ def _term(pair: str, name: str, value: float, unit: str, block: _Block | None, j
             "std_error": float(block.errors[j])}
 
 
-def fit(topology: ClusterTopology, logs: Iterable[pd.DataFrame], version: str = "2.21") -> FitReport:
+def fit(topology: ClusterTopology, logs: Iterable[pd.DataFrame], version: str = "2.21") -> NcclFitReport:
     """The cluster's terms from its nccl-tests logs (DataFrames of :func:`lab.sim.read_nccl_tests`,
     each with its collective and ranks), on the graph whose switch points match the logs best;
     ``version`` the NCCL release that ran them (2.21 or 2.18): its tuner picks each size's pair
@@ -391,5 +391,5 @@ def fit(topology: ClusterTopology, logs: Iterable[pd.DataFrame], version: str = 
                            "protocol": pair[1],
                            "error": p / s.time_us - 1} for s, p, pair in zip(samples, predicted, picks)])
     graphs = pd.DataFrame(tried).sort_values("log_error", kind="stable", ignore_index=True)
-    return FitReport(model=model, terms=terms, samples=table, graphs=graphs,
+    return NcclFitReport(model=model, terms=terms, samples=table, graphs=graphs,
                      knees=knees(samples, model.chooser))
