@@ -25,6 +25,7 @@ from lab.collectives import (all_to_all_bruck, all_to_all_pairwise, allgather_re
                              barrier_dissemination, broadcast_binomial, broadcast_scatter_allgather,
                              double_tree_schedule, gather_binomial, gather_linear, reduce_binomial,
                              reduce_scatter_recursive_halving, reduce_scatter_ring, scatter_binomial, scatter_linear)
+from lab.collectives import allgather_pat, reduce_scatter_pat
 from lab.compiled import Compilable
 
 
@@ -73,8 +74,10 @@ TABLE: tuple[Algorithm, ...] = (
     _entry("broadcast", broadcast_scatter_allgather, "scatter_allgather", 9, fallback="large"),
     _entry("allgather", allgather_ring, "ring", 1, fallback="large"),
     _entry("allgather", allgather_recursive_doubling, "recursive_doubling", 5, fallback="small"),
+    _entry("allgather", allgather_pat, "pat", 18),
     _entry("reduce_scatter", reduce_scatter_ring, "ring", 1, fallback="large"),
     _entry("reduce_scatter", reduce_scatter_recursive_halving, "recursive_halving", 8, fallback="small"),
+    _entry("reduce_scatter", reduce_scatter_pat, "pat", 18),
     _entry("reduce", reduce_binomial, "binomial", 4, fallback="small"),
     _entry("all_to_all", all_to_all_pairwise, "pairwise", 10, fallback="large"),
     _entry("all_to_all", all_to_all_bruck, "bruck", 11, fallback="small", uneven=False),
