@@ -23,13 +23,14 @@ message per entry: ⌈log2 N⌉ of them, or ⌈log2 N⌉ + 1 when N = 2^k + 1 > 
 
 Per rank, N = 8::
 
-    reduce_scatter_messages(8)   # [(0, [1, 3, 5, 7]), (1, [2, 6]), (2, [4])]
-    allgather_messages(8)        # [(2, [4]), (1, [2, 6]), (0, [1, 3, 5, 7])]
-    reduce_scatter_messages(5)   # [(0, [3]), (1, [2]), (0, [1]), (2, [4])]
+    reduce_scatter_messages(8)   # ((0, (1, 3, 5, 7)), (1, (2, 6)), (2, (4,)))
+    allgather_messages(8)        # ((2, (4,)), (1, (2, 6)), (0, (1, 3, 5, 7)))
+    reduce_scatter_messages(5)   # ((0, (3,)), (1, (2,)), (0, (1,)), (2, (4,)))
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -49,12 +50,12 @@ def lowest_bit(offset: int) -> int:
     return (offset & -offset).bit_length() - 1
 
 
-def _low_group(world_size: int, group: int, delta: int) -> tuple[int, list[int]]:
-    return lowest_bit(group), list(range(group, world_size, delta))
+def _low_group(world_size: int, group: int, delta: int) -> tuple[int, range]:
+    return lowest_bit(group), range(group, world_size, delta)
 
 
-def _high_dimension(world_size: int, dim: int) -> tuple[int, list[int]]:
-    return dim, list(range(1 << dim, world_size, 2 << dim))
+def _high_dimension(world_size: int, dim: int) -> tuple[int, range]:
+    return dim, range(1 << dim, world_size, 2 << dim)
 
 
 def _depth_first(base: int, dims: int) -> Iterator[int]:
@@ -64,24 +65,26 @@ def _depth_first(base: int, dims: int) -> Iterator[int]:
         yield from _depth_first(base + (1 << dim), dim)
 
 
-def reduce_scatter_messages(world_size: int) -> list[tuple[int, list[int]]]:
+@functools.cache
+def reduce_scatter_messages(world_size: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """(dimension d, offsets s) of each reduce-scatter message in order: rank r sends its partials of
     blocks r + s to rank r + 2^d, which folds them into its partials of the same blocks."""
     factor, delta = aggregation(world_size)
     low_dims, dims = delta.bit_length() - 1, (factor * delta).bit_length() - 1
     messages = [_low_group(world_size, g, delta) for g in range(delta - 1, 0, -1)]
     messages += [_high_dimension(world_size, d) for d in range(low_dims, dims)]
-    return [(dim, offsets) for dim, offsets in messages if offsets]
+    return tuple((dim, tuple(offsets)) for dim, offsets in messages if offsets)
 
 
-def allgather_messages(world_size: int) -> list[tuple[int, list[int]]]:
+@functools.cache
+def allgather_messages(world_size: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """(dimension d, offsets s) of each allgather message in order: rank r receives blocks r + s from
     rank r + 2^d, which holds them at offsets s - 2^d."""
     factor, delta = aggregation(world_size)
     low_dims, dims = delta.bit_length() - 1, (factor * delta).bit_length() - 1
     messages = [_high_dimension(world_size, d) for d in reversed(range(low_dims, dims))]
     messages += [_low_group(world_size, g, delta) for g in _depth_first(0, low_dims)]
-    return [(dim, offsets) for dim, offsets in messages if offsets]
+    return tuple((dim, tuple(offsets)) for dim, offsets in messages if offsets)
 
 
 def message_count(world_size: int) -> int:
