@@ -21,9 +21,11 @@ from lab import tuning
 from lab.collectives import allgather_pat, reduce_scatter_pat, registry
 from lab.collectives.pat_schedule import aggregation, allgather_messages, lowest_bit, reduce_scatter_messages
 
-#: (dimension, offsets) of each message, as NCCL 2.29's getNextOp emits them at rank 0 (the sent
-#: blocks' offsets for reduce-scatter, the received ones for allgather) when every block fits one
-#: step buffer: its largest aggFactor. Traced from src/include/collectives.h on 2026-12-06.
+#: (dimension, offsets) of each message, as NCCL's getNextOp emits them at rank 0 (the sent blocks'
+#: offsets for reduce-scatter, the received ones for allgather) when every block fits one step
+#: buffer: its largest aggFactor. Traced on 2026-12-06 from src/include/collectives.h of NCCL's
+#: master of June 2026 (2.29.7 and the 2.30 development squash), by a line-by-line Python copy of
+#: both getNextOp kept out of the repository; it agreed with the schedule at every N from 2 to 129.
 NCCL_REDUCE_SCATTER = {
     2: [(0, [1])],
     3: [(1, [2]), (0, [1])],

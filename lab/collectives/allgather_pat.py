@@ -13,12 +13,13 @@ def allgather_pat(peers: Peers, buf: np.ndarray, bounds: list[tuple[int, int]]) 
     """Given chunk ``peers.rank`` of ``buf`` on every rank, fill in every other chunk.
 
     Reduce-scatter PAT's trees run the other way: block r spreads down a binomial tree rooted at
-    rank r. Rank r + s receives it at offset s from rank r + s - 2^lowbit(s), over dimension
-    lowbit(s), and passes it on over every lower dimension. The blocks that cross a dimension
-    together travel as one message (NCCL's aggregation; which and in what order:
-    :mod:`lab.collectives.pat_schedule`): for N = 2^k, message d (d = k-1 down to 0) goes to rank
-    r - 2^d and carries the N/2^(d+1) blocks at offsets that are multiples of 2^(d+1), all of
-    which arrived over higher dimensions, which go first.
+    rank r. Rank r - s holds it at offset s; it receives it from rank r - s + 2^lowbit(s) (lowbit:
+    the index of s's lowest set bit), over dimension lowbit(s), and passes it on over every lower
+    dimension. The blocks that cross a dimension together travel as one message (NCCL's
+    aggregation; which and in what order: :mod:`lab.collectives.pat_schedule`): for N = 2^k,
+    message d (d = k-1 down to 0) goes to rank r - 2^d and carries the N/2^(d+1) blocks at
+    offsets that are multiples of 2^(d+1), all of which arrived over higher dimensions, which go
+    first.
 
     As in NCCL, a message packs whole blocks, copied where they belong on arrival; NCCL cuts
     each block into step-buffer pieces and runs the schedule once per piece.
@@ -26,9 +27,9 @@ def allgather_pat(peers: Peers, buf: np.ndarray, bounds: list[tuple[int, int]]) 
     Cost: ⌈log2 N⌉·α + (N-1)/N·T·β for a T-byte result (one more α when N = 2^k + 1 > 3): the
     ring's bytes in recursive doubling's steps, with no fold steps when N is not a power of two.
 
-    Bytes, exactly (B_i = bytes of block i, lowbit(s) = 2^(index of s's lowest set bit)):
+    Bytes, exactly (B_i = bytes of block i, lowbit(s) = the index of s's lowest set bit):
     rank r receives Σ_{s=1}^{N-1} B_{(r+s) mod N} = T - B_r and sends
-    Σ_{s=1}^{N-1} B_{(r+s-lowbit(s)) mod N}; (N-1)/N·T each way when N divides the count.
+    Σ_{s=1}^{N-1} B_{(r+s-2^lowbit(s)) mod N}; (N-1)/N·T each way when N divides the count.
 
     Per rank, N=3, ``buf`` = [0, 0, 0] with ``buf[r] = 10 + r`` on rank r::
 

@@ -14,8 +14,8 @@ def reduce_scatter_pat(peers: Peers, buf: np.ndarray, reduction: Reduction, boun
     """Leave the reduction over all ranks of chunk ``peers.rank`` (``buf[bounds[rank]]``) in place.
 
     Block r's contributions climb a binomial tree rooted at rank r: rank r - s holds it at offset
-    s and, once its own partial of it is complete, sends it over dimension lowbit(s) to rank
-    r - s + 2^lowbit(s), which folds it into its partial. The partials that cross a dimension
+    s and, once its own partial of it is complete, sends it over dimension lowbit(s) (the index
+    of s's lowest set bit) to rank r - s + 2^lowbit(s), which folds it into its partial. The partials that cross a dimension
     together travel as one message (NCCL's aggregation; which and in what order:
     :mod:`lab.collectives.pat_schedule`): for N = 2^k, message d goes to rank r + 2^d and
     carries the N/2^(d+1) blocks at offsets with lowest bit d. Every partial is complete when it
@@ -29,9 +29,9 @@ def reduce_scatter_pat(peers: Peers, buf: np.ndarray, reduction: Reduction, boun
     Cost: ⌈log2 N⌉·α + (N-1)/N·T·β for a T-byte buffer (one more α when N = 2^k + 1 > 3): the
     ring's bytes in recursive halving's steps, with no fold steps when N is not a power of two.
 
-    Bytes, exactly (B_i = bytes of block i, lowbit(s) = 2^(index of s's lowest set bit)):
+    Bytes, exactly (B_i = bytes of block i, lowbit(s) = the index of s's lowest set bit):
     rank r sends Σ_{s=1}^{N-1} B_{(r+s) mod N} = T - B_r and receives
-    Σ_{s=1}^{N-1} B_{(r+s-lowbit(s)) mod N}; (N-1)/N·T each way when N divides the count.
+    Σ_{s=1}^{N-1} B_{(r+s-2^lowbit(s)) mod N}; (N-1)/N·T each way when N divides the count.
 
     Per rank, N=3, sum, ``buf`` = [r, r, r] with one element per chunk::
 
