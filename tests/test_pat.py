@@ -13,11 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import pool
 
 import lab
-import lab.sim as sim
-from helpers import pool
-from lab import tuning
+from lab import sim, tuning
 from lab.collectives import allgather_pat, reduce_scatter_pat, registry
 from lab.collectives.pat_schedule import aggregation, allgather_messages, lowest_bit, reduce_scatter_messages
 
