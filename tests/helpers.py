@@ -127,8 +127,8 @@ OPS = ["sum", "prod", "min", "max", "avg"]
 ALGORITHMS = {
     "allreduce": ["ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree", "auto"],
     "broadcast": ["binomial", "scatter_allgather", "auto"],
-    "allgather": ["ring", "recursive_doubling", "auto"],
-    "reduce_scatter": ["ring", "recursive_halving", "auto"],
+    "allgather": ["ring", "recursive_doubling", "pat", "auto"],
+    "reduce_scatter": ["ring", "recursive_halving", "pat", "auto"],
     "all_to_all": ["pairwise", "bruck", "auto"],
 }
 
@@ -516,7 +516,7 @@ def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int, full: bool = 
                 rows = stack.reshape(n, count, 1)[rank]
                 ref = gloo_collective(mesh, "reduce_scatter", rows.clone(), op=op)
                 tol = torch.tensor_split(tolerance(stack, op).reshape(count, 1), n)[rank]
-                for algorithm in ["ring", "recursive_halving"]:
+                for algorithm in ["ring", "recursive_halving", "pat"]:
                     got = lab.reduce_scatter(mesh, rows, op=op, algorithm=algorithm)
                     check(f"reduce_scatter {algorithm} {op} {dtype}[{count}]", got, ref, tol)
                 dst = n // 2
@@ -529,7 +529,7 @@ def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int, full: bool = 
                 got = lab.broadcast(mesh, stack[rank].clone(), src=src, algorithm=algorithm)
                 check(f"broadcast {algorithm} src={src} {dtype}[{count}]", got, gloo_collective(mesh, "broadcast", stack[rank].clone(), src=src), torch.zeros(count))
                 digests.append(digest(got))
-            for algorithm in ["ring", "recursive_doubling"]:
+            for algorithm in ["ring", "recursive_doubling", "pat"]:
                 got = lab.allgather(mesh, stack[rank], algorithm=algorithm)
                 check(f"allgather {algorithm} {dtype}[{count}]", got, gloo_collective(mesh, "allgather", stack[rank]), torch.zeros(n * count))
             ref = gloo_collective(mesh, "all_to_all", stack[rank])

@@ -189,6 +189,8 @@ def byte_model(collective: str, algorithm: str, rank: int, n: int, total: int) -
             return total, total
         core = lp * total if algorithm == "recursive_doubling" else 2 * total * (p - 1) // p
         return core + fold[0], core + fold[1]
+    if algorithm == "pat":  # each rank's N-1 blocks but its own leave it once, and N-1 blocks arrive
+        return (total * (n - 1) // n,) * 2
     if collective == "reduce_scatter":  # recursive_halving
         if sits_out:
             return total, block
@@ -211,7 +213,8 @@ def byte_model(collective: str, algorithm: str, rank: int, n: int, total: int) -
 
 
 BYTE_CASES = [("allreduce", a) for a in ("ring", "recursive_doubling", "halving_doubling", "double_tree")] + [
-    ("reduce_scatter", "recursive_halving"), ("allgather", "recursive_doubling"), ("broadcast", "scatter_allgather"),
+    ("reduce_scatter", "recursive_halving"), ("allgather", "recursive_doubling"), ("reduce_scatter", "pat"),
+    ("allgather", "pat"), ("broadcast", "scatter_allgather"),
     ("reduce", "binomial"), ("all_to_all", "pairwise"), ("all_to_all", "bruck")]
 
 

@@ -310,7 +310,8 @@ def test_tcp_ranks_dying_or_stalling(seed, fault, shm_unchanged, tmp_path):
 
 NEW_COLLECTIVES = ["allreduce-recursive_doubling", "allreduce-halving_doubling", "allreduce-double_tree",
                    "broadcast-scatter_allgather", "allgather-recursive_doubling", "reduce_scatter-recursive_halving",
-                   "reduce", "all_to_all-pairwise", "all_to_all-bruck", "barrier"]
+                   "reduce", "all_to_all-pairwise", "all_to_all-bruck", "barrier", "allgather-pat",
+                   "reduce_scatter-pat"]
 
 
 def run_new_collective(mesh: lab.Mesh, which: str, numel: int) -> None:

@@ -161,7 +161,8 @@ def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool =
 
     Like ``torch.distributed.all_gather_into_tensor``: every rank passes the same shape; a 0-d
     tensor gathers into shape ``(N,)``. The result has the caller's type (torch or numpy).
-    ``algorithm``: ``"ring"``, ``"recursive_doubling"`` or ``"auto"``.
+    ``algorithm``: ``"ring"``, ``"recursive_doubling"``, ``"pat"`` (NCCL's Parallel Aggregated Trees)
+    or ``"auto"``.
 
     Per rank, N=2::
 
@@ -198,8 +199,8 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "a
 
     Blocks are split along dim 0 as ``numpy.array_split`` does (equal when N divides dim 0, like
     ``torch.distributed.reduce_scatter_tensor``; otherwise the first blocks get one extra row).
-    ``tensor`` itself is not modified. ``algorithm``: ``"ring"``, ``"recursive_halving"`` or
-    ``"auto"``.
+    ``tensor`` itself is not modified. ``algorithm``: ``"ring"``, ``"recursive_halving"``, ``"pat"``
+    (NCCL's Parallel Aggregated Trees) or ``"auto"``.
 
     Per rank, N=2, sum::
 
