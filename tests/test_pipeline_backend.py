@@ -1,0 +1,111 @@
+"""torch's pipeline parallelism on the "lab" backend (issue 43, item 1): GPipe, 1F1B, interleaved
+1F1B and the two zero-bubble V schedules (ZBV, DualPipeV), unmodified, at 2 and 4 ranks, their
+losses, outputs and gradients bit-equal to the same pipeline on gloo; and what pipelining asks of
+the backend (objects, batched sends and receives with tags) with asynchronous work in flight.
+
+One torchrun launch per world size runs tests/pipeline_job.py, whose every rank compares its own
+stages against their gloo twins and writes what it found.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pipeline_job
+import pytest
+import torch
+import torch.distributed as dist
+
+import lab
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: Child processes import the lab under test (this checkout), not another installed copy.
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
+             "OMP_NUM_THREADS": "1"}
+WORLD_SIZES = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Callable:
+    """Each world size's per-rank results, from one torchrun launch each, made when first asked."""
+    launched: dict[int, list[dict[str, str]]] = {}
+
+    def of(n: int) -> list[dict[str, str]]:
+        if n not in launched:
+            out = tmp_path_factory.mktemp(f"pipeline{n}")
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                       os.path.join(HERE, "pipeline_job.py"), str(out)]
+            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=CHILD_ENV)
+            launched[n] = [json.loads((out / f"rank{rank}.json").read_text()) if (out / f"rank{rank}.json").exists()
+                           else {"launch": f"rank {rank} wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"}
+                           for rank in range(n)]
+        return launched[n]
+
+    return of
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", WORLD_SIZES)
+@pytest.mark.parametrize("name", list(pipeline_job.CHECKS))
+def test_pipelining_on_the_lab_is_bit_equal_to_gloo(results, n, name):
+    outcomes = {rank: per_rank.get(name, per_rank.get("launch", "not run")) for rank, per_rank in enumerate(results(n))}
+    failures = {rank: outcome for rank, outcome in outcomes.items() if outcome != "ok"}
+    assert not failures, "\n".join(f"rank {rank}: {outcome}" for rank, outcome in failures.items())
+
+
+# -- the receive that pipelining needs: into a tensor that requires grad -------------------------
+
+def write_into_leaves_that_require_grad(mesh: lab.Mesh, count: int) -> list[str]:
+    """Every operation that writes its output into a leaf tensor requiring grad (pipelining's
+    receive buffers, a broadcast parameter), small (run on the caller's thread) and large (on the
+    communication thread): gloo writes them; the lab must too, values as the pattern says."""
+    n, rank, wrong = mesh.world_size, mesh.rank, []
+    lab.backend.init_process_group(mesh)
+    right, left = (rank + 1) % n, (rank - 1) % n
+
+    def pattern(r: int, scale: int = 1) -> torch.Tensor:
+        return torch.arange(count * scale, dtype=torch.float32) * 3 + r
+
+    def leaf(scale: int = 1) -> torch.Tensor:
+        return torch.zeros(count * scale, requires_grad=True)
+
+    try:
+        received = leaf()
+        works = [dist.irecv(received, src=left), dist.isend(pattern(rank), dst=right)]
+        for work in works:
+            work.wait()
+        outputs = {"irecv": (received, pattern(left))}
+        reduced = leaf()
+        with torch.no_grad():
+            reduced.copy_(pattern(rank))
+        dist.all_reduce(reduced)
+        outputs["all_reduce"] = (reduced, sum(pattern(r) for r in range(n)))
+        broadcast = leaf()
+        with torch.no_grad():
+            broadcast.copy_(pattern(rank))
+        dist.broadcast(broadcast, src=n - 1)
+        outputs["broadcast"] = (broadcast, pattern(n - 1))
+        gathered = leaf(n)
+        dist.all_gather_into_tensor(gathered, pattern(rank))
+        outputs["all_gather_into_tensor"] = (gathered, torch.cat([pattern(r) for r in range(n)]))
+        scattered = leaf()
+        dist.reduce_scatter_tensor(scattered, pattern(rank, n))
+        outputs["reduce_scatter_tensor"] = (scattered, sum(pattern(r, n) for r in range(n))[rank * count:][:count])
+        for name, (got, want) in outputs.items():
+            if not torch.equal(got.detach(), want):
+                wrong.append(f"rank {rank}, {name}: {got[:4].tolist()} instead of {want[:4].tolist()}")
+    except RuntimeError as exc:
+        wrong.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()  # (the mesh stays open: the pool's)
+    return wrong
+
+
+@pytest.mark.parametrize("count", [7, 40_000])  # on the caller's thread, and on the communication thread
+@pytest.mark.parametrize("n", [2, 3])
+def test_operations_write_into_leaves_that_require_grad(n, count):
+    assert lab.spawn(write_into_leaves_that_require_grad, n, args=(count,), recv_timeout_ms=20_000) == [[]] * n
