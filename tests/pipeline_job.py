@@ -124,10 +124,20 @@ def expect_bit_equal(lab_run: list, gloo_run: list, what: str) -> None:
             raise AssertionError(f"{what} step {step}: the last stage's output differs from gloo's")
 
 
+def lab_messages() -> int:
+    """Messages this rank's lab mesh has sent (its sub-meshes' included: they share its channels)."""
+    return dist.group.WORLD.mesh.stats()["messages_sent"]
+
+
 def against_gloo(schedule_class: type, layout: str, rank: int, n: int, gloo: dist.ProcessGroup,
                  beside: dist.ProcessGroup | None = None) -> None:
+    before = lab_messages()
     lab_run = train(schedule_class, layout, dist.group.WORLD, rank, n, beside)
+    between = lab_messages()
     gloo_run = train(schedule_class, layout, gloo, rank, n)
+    if between == before or lab_messages() != between:  # each twin on its own backend
+        raise AssertionError(f"the lab sent {between - before} messages in the lab's run, "
+                             f"{lab_messages() - between} in gloo's")
     expect_bit_equal(lab_run, gloo_run, schedule_class.__name__)
 
 

@@ -51,7 +51,8 @@ def results(tmp_path_factory) -> Callable:
 @pytest.mark.slow
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("name", list(pipeline_job.CHECKS))
-def test_pipelining_on_the_lab_is_bit_equal_to_gloo(results, n, name):
+def test_every_pipelining_check_on_every_rank(results, n, name):
+    """A schedule: losses, outputs and gradients bit-equal to gloo's; the p2p check: its values."""
     outcomes = {rank: per_rank.get(name, per_rank.get("launch", "not run")) for rank, per_rank in enumerate(results(n))}
     failures = {rank: outcome for rank, outcome in outcomes.items() if outcome != "ok"}
     assert not failures, "\n".join(f"rank {rank}: {outcome}" for rank, outcome in failures.items())
