@@ -60,34 +60,42 @@ def test_every_pipelining_check_on_every_rank(results, n, name):
 
 # -- the receive that pipelining needs: into a tensor that requires grad -------------------------
 
-def write_into_leaves_that_require_grad(mesh: lab.Mesh, count: int) -> list[str]:
+def write_into_leaves_that_require_grad(mesh: lab.Mesh) -> list[str]:
     """Every operation that writes its output into a leaf tensor requiring grad (pipelining's
-    receive buffers, a broadcast parameter), small (run on the caller's thread) and large (on the
-    communication thread): gloo writes them; the lab must too, values as the pattern says."""
+    receive buffers, a broadcast parameter), small (7 elements: a collective runs on the caller's
+    thread) and large (40,000: on the communication thread): gloo writes them; the lab must too,
+    values as the pattern says."""
     n, rank, wrong = mesh.world_size, mesh.rank, []
     lab.backend.init_process_group(mesh)
     right, left = (rank + 1) % n, (rank - 1) % n
+    try:
+        for count in (7, 40_000):
+            wrong += write_every_output(count, rank, n, left, right)
+    finally:
+        dist.destroy_process_group()  # (the mesh stays open: the pool's)
+    return wrong
 
+
+def write_every_output(count: int, rank: int, n: int, left: int, right: int) -> list[str]:
     def pattern(r: int, scale: int = 1) -> torch.Tensor:
         return torch.arange(count * scale, dtype=torch.float32) * 3 + r
 
-    def leaf(scale: int = 1) -> torch.Tensor:
-        return torch.zeros(count * scale, requires_grad=True)
+    def leaf(scale: int = 1, like: torch.Tensor | None = None) -> torch.Tensor:
+        tensor = torch.zeros(count * scale, requires_grad=True)
+        if like is not None:
+            with torch.no_grad():
+                tensor.copy_(like)
+        return tensor
 
     try:
         received = leaf()
-        works = [dist.irecv(received, src=left), dist.isend(pattern(rank), dst=right)]
-        for work in works:
+        for work in [dist.irecv(received, src=left), dist.isend(pattern(rank), dst=right)]:
             work.wait()
         outputs = {"irecv": (received, pattern(left))}
-        reduced = leaf()
-        with torch.no_grad():
-            reduced.copy_(pattern(rank))
+        reduced = leaf(like=pattern(rank))
         dist.all_reduce(reduced)
         outputs["all_reduce"] = (reduced, sum(pattern(r) for r in range(n)))
-        broadcast = leaf()
-        with torch.no_grad():
-            broadcast.copy_(pattern(rank))
+        broadcast = leaf(like=pattern(rank))
         dist.broadcast(broadcast, src=n - 1)
         outputs["broadcast"] = (broadcast, pattern(n - 1))
         gathered = leaf(n)
@@ -96,17 +104,12 @@ def write_into_leaves_that_require_grad(mesh: lab.Mesh, count: int) -> list[str]
         scattered = leaf()
         dist.reduce_scatter_tensor(scattered, pattern(rank, n))
         outputs["reduce_scatter_tensor"] = (scattered, sum(pattern(r, n) for r in range(n))[rank * count:][:count])
-        for name, (got, want) in outputs.items():
-            if not torch.equal(got.detach(), want):
-                wrong.append(f"rank {rank}, {name}: {got[:4].tolist()} instead of {want[:4].tolist()}")
     except RuntimeError as exc:
-        wrong.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-    finally:
-        dist.destroy_process_group()  # (the mesh stays open: the pool's)
-    return wrong
+        return [f"rank {rank}, {count} elements: {type(exc).__name__}: {exc}"]
+    return [f"rank {rank}, {name} of {count}: {got[:4].tolist()} instead of {want[:4].tolist()}"
+            for name, (got, want) in outputs.items() if not torch.equal(got.detach(), want)]
 
 
-@pytest.mark.parametrize("count", [7, 40_000])  # on the caller's thread, and on the communication thread
 @pytest.mark.parametrize("n", [2, 3])
-def test_operations_write_into_leaves_that_require_grad(n, count):
-    assert lab.spawn(write_into_leaves_that_require_grad, n, args=(count,), recv_timeout_ms=20_000) == [[]] * n
+def test_operations_write_into_leaves_that_require_grad(n):
+    assert lab.spawn(write_into_leaves_that_require_grad, n, recv_timeout_ms=20_000) == [[]] * n
