@@ -4,7 +4,8 @@ losses, outputs and gradients bit-equal to the same pipeline on gloo; and what p
 the backend (objects, batched sends and receives with tags) with asynchronous work in flight.
 
 One torchrun launch per world size runs tests/pipeline_job.py, whose every rank compares its own
-stages against their gloo twins and writes what it found.
+stages against their gloo twins and writes what it found. The fix behind it, every operation
+writing into a leaf tensor that requires grad, is checked directly under ``lab.spawn``.
 """
 
 from __future__ import annotations
