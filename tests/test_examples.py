@@ -81,6 +81,14 @@ def test_ddp_and_fsdp2_on_the_lab_backend_match_gloo():
         assert all(abs(lab_loss - gloo_loss) <= 1e-5 * max(1.0, abs(gloo_loss)) for lab_loss, gloo_loss in steps), steps
 
 
+@pytest.mark.parametrize("example", [("pipeline_backend.py", "--backend", "lab", "--schedule", "interleaved"),
+                                     ("tensor_parallel_backend.py",)])
+def test_pipeline_and_tensor_parallel_on_the_lab_backend_equal_gloo(example):
+    """As the README runs them, at 2 ranks and 3 steps: the lab's loss is gloo's at every step."""
+    steps = losses(run_under_torchrun(example[0], 2, *example[1:], "--steps", "3"))
+    assert len(steps) == 3 and all(lab_loss == gloo_loss for lab_loss, gloo_loss in steps), steps
+
+
 def test_workload_examples_record_on_emulated_hosts_and_replay_at_scale(tmp_path):
     """Each records a few steps on two emulated hosts (fewer than the example's four: 2 cores) and
     prints the measured and replayed step there, then the step on 64 ranks (the example's 1,024

@@ -91,12 +91,14 @@ class LabProcessGroup(NamedGroup):
         as :func:`lab.backend.args.describe` says). A collective of at most ``RUN_NOW_MAX_BYTES`` of
         output runs before this returns when nothing else is in flight, and either no group has an
         order of its own or torch waits on it at once (the Work is then complete); a send or
-        receive always goes to the communication thread (an irecv must not block)."""
+        receive always goes to the communication thread (an irecv must not block). ``run`` writes its
+        outputs outside autograd, as torch's backends do: pipelining receives into buffers that
+        require grad, where a tracked in-place copy raises."""
         p2p = op if op in ("send", "recv") else ""
         now = not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES and (
             self.mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False)
         what = describe(self.mesh, self.dim, op, inputs, outputs, ran=ran, **rest)
-        return LabWork(self, run, outputs, now, p2p, what)
+        return LabWork(self, torch.no_grad()(run), outputs, now, p2p, what)
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
 
