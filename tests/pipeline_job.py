@@ -37,7 +37,7 @@ STEPS = 3
 #: Micro-batches per step: a multiple of 2 and 4 ranks, and at least twice the stages of a V schedule.
 MICROBATCHES = 8
 #: Elements of the all_reduce kept in flight beside the pipeline: more than
-#: ``lab.backend_group.RUN_NOW_MAX_BYTES``, so it runs on the communication thread.
+#: ``lab.backend.group.RUN_NOW_MAX_BYTES``, so it runs on the communication thread.
 IN_FLIGHT_NUMEL = 64_000
 
 CHECKS: dict[str, Callable[[int, int, dist.ProcessGroup], None]] = {}

@@ -91,9 +91,8 @@ class LabProcessGroup(NamedGroup):
         as :func:`lab.backend.args.describe` says). A collective of at most ``RUN_NOW_MAX_BYTES`` of
         output runs before this returns when nothing else is in flight, and either no group has an
         order of its own or torch waits on it at once (the Work is then complete); a send or
-        receive always goes to the communication thread (an irecv must not block). ``run`` writes its
-        outputs outside autograd, as torch's backends do: pipelining receives into buffers that
-        require grad, where a tracked in-place copy raises."""
+        receive always goes to the communication thread (an irecv must not block). ``run`` writes
+        outside autograd, as torch's backends do (pipelining receives into tensors that require grad)."""
         p2p = op if op in ("send", "recv") else ""
         now = not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES and (
             self.mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False)
