@@ -12,6 +12,7 @@
     python -m lab workload replay step.jsonl --ranks 1024 --network tcp   # a recorded step at 1,024 ranks
     python -m lab perf allreduce -b 1K -e 64M -f 2 --ranks 4   # the lab's own runs as an nccl-tests table
     python -m lab cluster fit 1host.log 2hosts.log --predict-hosts 4 8 16   # a cluster fitted to its logs
+    python -m lab flight /tmp/fr               # torch-format flight-recorder dumps: where the ranks part
 
 Exits non-zero if any validation row fails.
 """
@@ -211,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     from lab.workload.cli import add_parser as add_workload  # python -m lab workload (lab/workload/cli.py)
     from lab.perf import add_parser as add_perf  # python -m lab perf (lab/perf/)
     from lab.sim.cluster_cli import add_parser as add_cluster  # python -m lab cluster (lab/sim/cluster_cli.py)
+    from lab.flight_verdict import add_parser as add_flight  # python -m lab flight (lab/flight_verdict.py)
 
-    for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster):  # each its subcommand
+    for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster, add_flight):  # each its subcommand
         add_parser(commands)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*commands.choices, "-h", "--help"):
