@@ -46,7 +46,7 @@ class LabProcessGroup(NamedGroup):
         super().__init__(mesh.rank, mesh.world_size)
         self.mesh, self.options, self.owns_mesh, self.own_order = mesh, options, owns_mesh, own_order
         every = replicas_every(options.check_replicas)  # (lab/replicas.py: allreduce results compared)
-        gather = lambda t: collectives.prepare_allgather(mesh, t).run()  # noqa: E731 - on the group's thread
+        gather = lambda t: collectives.prepare_allgather(mesh, t).run()  # (runs on the group's thread)
         self.replicas = ReplicaCheck(self, every, gather) if every else None
 
     def __repr__(self) -> str:

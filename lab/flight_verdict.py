@@ -198,8 +198,8 @@ class Divergence:
                "dtype": "passed other dtypes", "args": "passed another reduce op or root",
                "state": "are still in it while the others completed it", "failed": "failed in it"}[self.kind]
         who = ", ".join(map(str, self.culprits)) or "every rank"
-        lines = [f"group {self.group} ({self.desc}), collective #{self.seq}: {self.kind} - "
-                 f"rank{'s' if len(self.culprits) != 1 else ''} {who} {how}",
+        ranks = f"rank{'s' if len(self.culprits) != 1 else ''} {who}"
+        lines = [f"group {self.group} ({self.desc}), collective #{self.seq}: {self.kind} - {ranks} {how}",
                  f"  expected: {self.expected}"]
         lines += [f"  rank {rank}: {text}" for rank, text in sorted(self.doing.items())]
         return "\n".join(lines)

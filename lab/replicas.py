@@ -97,9 +97,10 @@ class ReplicaCheck:
         common = max(votes, key=lambda h: (votes[h], -hashes.index(h)))  # a tie: rank 0's side
         reference = rows[hashes.index(common)]
         odd = [rank for rank, h in enumerate(hashes) if h != common]
-        lines = [f"{what} left rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} with other bits "
-                 f"than rank{'s' if len(hashes) - len(odd) > 1 else ''} "
-                 f"{', '.join(str(r) for r, h in enumerate(hashes) if h == common)}:"]
+        agreeing = [r for r, h in enumerate(hashes) if h == common]
+        headline = (f"{what} left rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} with other bits "
+                    f"than rank{'s' if len(agreeing) > 1 else ''} {', '.join(map(str, agreeing))}:")
+        lines = [headline]
         for rank in odd:
             differ = _differing(rows[rank], reference)
             if not differ:
