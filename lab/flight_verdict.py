@@ -12,7 +12,8 @@ number at which they part is named with its kind (the order torch's ``fr_trace``
 ``missing`` (a rank never entered it), ``type`` (it entered another collective), ``size``,
 ``dtype``, ``args`` (another reduce op or root: lab dumps say), ``state`` (it is still in it while
 others completed it) or ``failed`` (every rank entered it alike, and it failed: lab dumps say). The
-odd ranks are those outside the majority (a tie: outside the lowest rank's side).
+odd ranks are those outside the majority (a tie: outside the lowest rank's side); a rank whose
+last collective of the group failed was stopped there, and is not counted behind what follows.
 
     dumps = read_dumps("/tmp/fr")                  # {rank: dump}
     first = divergences(dumps)[0]                  # group "0", #3, kind "missing", culprits [1]
@@ -233,10 +234,15 @@ def _group_divergence(dumps: dict[int, dict], name: str, desc: str) -> Divergenc
         return None
     low = max(started)  # (a ring buffer forgets the oldest: compare what every rank still holds)
     high = max(max(n) for n in by_rank.values() if n)
+    last = {rank: max(numbered, default=0) for rank, numbered in by_rank.items()}
+    # A rank whose last collective here failed was stopped: a failure told to it by a peer (the
+    # lab's abort notice) may end it in an earlier collective than the one that failed, while its
+    # peers had completed that one and moved on; it is not behind what follows.
+    stopped = {rank for rank, numbered in by_rank.items() if numbered and _state(numbered[last[rank]][-1]) == "failed"}
     for seq in range(low, high + 1):
         present = {rank: numbered[seq] for rank, numbered in by_rank.items() if seq in numbered}
         kind, culprits = "", []
-        absent = sorted(set(by_rank) - set(present))
+        absent = sorted(r for r in set(by_rank) - set(present) if not (r in stopped and last[r] < seq))
         if absent:
             kind, culprits = "missing", absent
         for aspect, value in _ASPECTS:
@@ -248,8 +254,11 @@ def _group_divergence(dumps: dict[int, dict], name: str, desc: str) -> Divergenc
                 kind, culprits = aspect, sorted(r for r, v in values.items() if v != common)
         if not kind:
             states = {rank: _state(entries[-1]) for rank, entries in present.items()}
-            if "completed" in states.values() and set(states.values()) != {"completed"}:
-                kind, culprits = "state", sorted(r for r, s in states.items() if s != "completed")
+            moved_on = any(last[rank] > seq for rank in present)
+            behind = sorted(r for r, state in states.items() if state != "completed"
+                            and not (state == "failed" and moved_on))  # (failed early: stopped)
+            if "completed" in states.values() and behind:
+                kind, culprits = "state", behind
             elif set(states.values()) == {"failed"}:
                 kind = "failed"
         if kind:

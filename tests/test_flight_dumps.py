@@ -107,7 +107,7 @@ def test_jobs_that_part(backend: str, case: str, tmp_path) -> None:
     out = str(tmp_path / "dumps")
     subprocess.run([sys.executable, JOB, backend, case, out], check=True, timeout=300,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    assert verdict(out) == EXPECTED[case]
+    assert verdict(out) == EXPECTED[case], report(read_dumps(out))
     if backend == "gloo":
         assert fr_trace_verdict(out, str(tmp_path / "copy")) == EXPECTED[case]
 
@@ -160,6 +160,18 @@ def test_lab_fields_args_and_failures() -> None:
     failing = [entry(1, state="started", lab_error="DeadlineError")]
     found = divergences(dumps_of(failing, failing))[0]
     assert (found.kind, found.culprits) == ("failed", []) and "every rank failed in it" in str(found)
+
+
+def test_a_rank_a_later_failure_stopped_early_is_not_behind_it() -> None:
+    """The lab tells a failure to every peer: a slow rank still in #2 fails there, while the others
+    completed #2 and met the mismatch at #3; the records part at #3, not at #2."""
+    failed = lambda seq, **k: entry(seq, state="started", lab_error="CollectiveMismatchError", **k)
+    dumps = dumps_of([entry(1), entry(2), failed(3)], [entry(1), entry(2), failed(3, sizes=[[9]])],
+                     [entry(1), failed(2)])
+    assert first(dumps) == (3, "size", [1])
+    assert "failed (CollectiveMismatchError)" in divergences(dumps)[0].doing[2]
+    # a rank still in a collective the others completed, and nothing after: behind it
+    assert first(dumps_of([entry(1), entry(2)], [entry(1), entry(2, state="started")])) == (2, "state", [1])
 
 
 def test_a_tie_blames_the_side_without_the_lowest_rank() -> None:
