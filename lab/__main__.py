@@ -26,6 +26,7 @@ import time
 
 import pandas as pd
 
+from lab import flight_verdict  # python -m lab flight (lab/flight_verdict.py)
 from lab.command_line import checked, number, output_file, refused, whole
 from lab.hosts import check_link_gbit
 
@@ -212,9 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     from lab.workload.cli import add_parser as add_workload  # python -m lab workload (lab/workload/cli.py)
     from lab.perf import add_parser as add_perf  # python -m lab perf (lab/perf/)
     from lab.sim.cluster_cli import add_parser as add_cluster  # python -m lab cluster (lab/sim/cluster_cli.py)
-    from lab.flight_verdict import add_parser as add_flight  # python -m lab flight (lab/flight_verdict.py)
 
-    for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster, add_flight):  # each its subcommand
+    for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster, flight_verdict.add_parser):  # each its subcommand
         add_parser(commands)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*commands.choices, "-h", "--help"):

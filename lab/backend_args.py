@@ -175,7 +175,7 @@ class Options:
     works; rank 0 writes its header), given to the world's group; ``flight_dump``, a path prefix:
     a rank writes its flight records in torch's format to ``<prefix><rank>`` when a collective
     fails (``TORCH_FR_DUMP_TEMP_FILE`` also works; :mod:`lab.flight_dumps`); ``check_replicas``:
-    True (or K: every K-th allreduce of each tensor) compares a hash of every allreduce's result
+    True (or K: every K-th allreduce of each size and dtype) compares a hash of every allreduce's result
     across the ranks and fails it, naming the rank and the DDP parameter that differ
     (:mod:`lab.replicas`).
     """

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lab import checks, flight_dumps
+from lab import checks, replicas
 from lab.collectives import calls as collectives
 from lab.backend_args import (NamedGroup, Options, await_message, check_count, check_like, check_list, describe,
                               flatten_into, lab_op, one, output_bytes, unflatten_into)
@@ -27,7 +27,6 @@ from lab.errors import LabError
 from lab.issue import Work
 from lab.mesh import Mesh
 from lab.recording import Operation
-from lab.replicas import ReplicaCheck, replicas_every
 
 #: A collective with at most this many bytes of output runs on the calling thread when nothing
 #: else is in flight: handing it to the communication thread and waking the caller again cost
@@ -45,9 +44,6 @@ class LabProcessGroup(NamedGroup):
     def __init__(self, mesh: Mesh, options: Options, owns_mesh: bool = True, own_order: bool = False) -> None:
         super().__init__(mesh.rank, mesh.world_size)
         self.mesh, self.options, self.owns_mesh, self.own_order = mesh, options, owns_mesh, own_order
-        every = replicas_every(options.check_replicas)  # (lab/replicas.py: allreduce results compared)
-        gather = lambda t: collectives.prepare_allgather(mesh, t).run()  # (runs on the group's thread)
-        self.replicas = ReplicaCheck(self, every, gather) if every else None
 
     def __repr__(self) -> str:
         return f"lab process group {self._group_name or '?'} (rank {self.mesh.rank} of {self.mesh.world_size})"
@@ -67,7 +63,6 @@ class LabProcessGroup(NamedGroup):
         this rank's last collectives; a bad argument stays what it was."""
         if not isinstance(exc, LabError):
             return exc
-        flight_dumps.dump_on_failure(self)  # (where Options.flight_dump or TORCH_FR_DUMP_TEMP_FILE says)
         records = "\n".join(f"  {record}" for record in self.mesh.flight_records()[-8:])
         error = dist.DistBackendError(f"{type(exc).__name__}: {exc}\nflight recorder of rank {self.mesh.rank} "
                                       f"({self}), oldest first:\n{records}")
@@ -89,7 +84,7 @@ class LabProcessGroup(NamedGroup):
         now = not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES and (
             self.mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False)
         what = describe(self.mesh, self.dim, op, inputs, outputs, ran=ran, **rest)
-        return LabWork(self, run, outputs, now, p2p, what)
+        return LabWork(self, replicas.checked(self, op, run, outputs), outputs, now, p2p, what)
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
 
@@ -102,8 +97,6 @@ class LabProcessGroup(NamedGroup):
             if factor is not None:
                 tensor.mul_(factor)  # in place anyway: the result replaces it
             prepared.run()
-            if self.replicas is not None and self.replicas.due(tensor):
-                self.replicas.check(tensor)  # every rank's result alike, before the Work completes
 
         return self._work(run, tensors, "allreduce", tensors, ran=prepared, opts=opts, reduce_op=op)
 

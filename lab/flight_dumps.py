@@ -30,6 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lab.errors import LabError
 from lab.flight import FlightRecord
 
 #: The format version torch 2.13's recorder writes (its reader checks every rank's agrees).
@@ -164,16 +165,17 @@ def write_fr_trace(prefix: str | None = None, groups: list[Any] | None = None) -
     return path
 
 
-def dump_on_failure(group: Any) -> str | None:
-    """A collective of ``group`` failed: write this rank's dump where ``Options(flight_dump=...)``
-    or ``TORCH_FR_DUMP_TEMP_FILE`` says (nowhere if neither does). A dump that cannot be written
-    is a warning: the collective's own error is the one raised."""
+def dump_on_failure(group: Any, exc: BaseException) -> str | None:
+    """A collective of ``group`` failed with ``exc``: if it is the lab's failure (not a bad
+    argument), write this rank's dump where ``Options(flight_dump=...)`` or
+    ``TORCH_FR_DUMP_TEMP_FILE`` says (nowhere if neither does). A dump that cannot be written is a
+    warning: the collective's own error is the one raised."""
     prefix = getattr(group.options, "flight_dump", None) or os.environ.get(DUMP_ENV)
-    if not prefix:
+    if not prefix or not isinstance(exc, LabError):
         return None
     groups = lab_groups()
     try:
         return write_fr_trace(prefix, groups if group in groups else [group, *groups])
-    except (OSError, ValueError, TypeError) as exc:
-        warnings.warn(f"the lab could not write its flight-recorder dump to {prefix}<rank>: {exc}", stacklevel=2)
+    except (OSError, ValueError, TypeError) as problem:
+        warnings.warn(f"the lab could not write its flight-recorder dump to {prefix}<rank>: {problem}", stacklevel=2)
         return None

@@ -22,14 +22,18 @@ Cost: one hash of the result and a 8-byte allgather per checked allreduce.
 from __future__ import annotations
 
 import gc
+import threading
 import zlib
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from lab.collectives import calls
 from lab.errors import LabError
 
+_making = threading.Lock()
 #: Sizes and dtypes whose allreduces are counted (the least recently seen forgotten beyond this).
 COUNTED_KEYS = 4096
 
@@ -54,16 +58,41 @@ def content_hash(tensor: torch.Tensor) -> int:
     return zlib.crc32(flat.view(torch.uint8).numpy() if flat.numel() else b"")
 
 
+def checked(group: Any, op: str, run: Callable[[], Any], outputs: list) -> Callable[[], Any]:
+    """``run``, torch's ``op`` on ``group`` (a :class:`lab.backend_group.LabProcessGroup`), then,
+    where ``op`` is an allreduce and the group's ``Options.check_replicas`` asks, the check of each
+    of its ``outputs`` (on the group's thread, in issue order: every rank checks the same calls)."""
+    every = group.options.check_replicas
+    if op != "allreduce" or not every:
+        return run
+    with _making:  # (one check per group, made at its first allreduce, whichever thread issues it)
+        check = vars(group).get("replica_check")
+        if check is None:
+            check = vars(group)["replica_check"] = ReplicaCheck(group, replicas_every(every))
+
+    def run_and_check() -> Any:
+        result = run()
+        for tensor in outputs:
+            if check.due(tensor):
+                check.check(tensor)
+        return result
+
+    return run_and_check
+
+
 class ReplicaCheck:
     """The check of one group (``group``: its :class:`lab.backend_group.LabProcessGroup`), every
-    ``every``-th allreduce of each size and dtype; ``gather(tensor)`` allgathers a tensor over the
-    group's mesh (every rank's, concatenated in rank order) where the group's calls run."""
+    ``every``-th allreduce of each size and dtype."""
 
-    def __init__(self, group: Any, every: int, gather: Any) -> None:
-        self._group, self._every, self._gather = group, every, gather
+    def __init__(self, group: Any, every: int) -> None:
+        self._group, self._every = group, every
         self._counts: OrderedDict[tuple, int] = OrderedDict()
         self._modules: list[Any] = []  # the DDP modules over this group, found at the first check
         self._looked = False
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor``, concatenated in rank order (run where the group's calls run)."""
+        return calls.prepare_allgather(self._group.mesh, tensor).run()
 
     def due(self, tensor: torch.Tensor) -> bool:
         """Whether this allreduce of ``tensor`` is checked (the same answer on every rank: the
