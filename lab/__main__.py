@@ -12,6 +12,7 @@
     python -m lab workload replay step.jsonl --ranks 1024 --network tcp   # a recorded step at 1,024 ranks
     python -m lab perf allreduce -b 1K -e 64M -f 2 --ranks 4   # the lab's own runs as an nccl-tests table
     python -m lab cluster fit 1host.log 2hosts.log --predict-hosts 4 8 16   # a cluster fitted to its logs
+    python -m lab flight /tmp/fr               # torch-format flight-recorder dumps: where the ranks part
 
 Exits non-zero if any validation row fails.
 """
@@ -25,6 +26,7 @@ import time
 
 import pandas as pd
 
+from lab.backend import flight_verdict  # python -m lab flight (lab/backend/flight_verdict.py)
 from lab.command_line import checked, number, output_file, refused, whole
 from lab.hosts.emulated import check_link_gbit
 
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     from lab.sim.sweep import add_parser as add_simulate  # python -m lab simulate (lab/sim/sweep.py)
     from lab.workload.cli import add_parser as add_workload  # python -m lab workload (lab/workload/cli.py)
 
-    for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster):  # each its subcommand
+    for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster, flight_verdict.add_parser):  # each its subcommand
         add_parser(commands)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*commands.choices, "-h", "--help"):

@@ -45,6 +45,8 @@ class FlightRecord:
     root: int
     state: str = "running"  # running, done, or failed (ExceptionType)
     step: int = 0  # transfers (sends/receives) started; the step a failure happened at
+    start_ns: int = 0  # time.time_ns() when it began and ended (0: not known, a compiled call's)
+    end_ns: int = 0
 
     def cell(self) -> str:
         """Compact, for a side-by-side table: ``allreduce float32[1000] sum ring FAILED@3 DeadlineError``."""

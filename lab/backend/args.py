@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lab import checks
+from lab.backend.flight_dumps import check_prefix
+from lab.backend.replicas import replicas_every
 from lab.collectives import choice
 from lab.comm.mesh import Mesh
 from lab.comm.operations import Operation
@@ -170,7 +172,12 @@ class Options:
     ``timeout=`` torch passes; ``trace`` is a JSONL path (``LAB_TRACE`` also works);
     ``transport`` is ``"auto"`` (shm inside a host, tcp across) or ``"tcp"``; ``workload``, a
     file every rank records its operations into (:mod:`lab.workload`; ``LAB_WORKLOAD`` also
-    works; rank 0 writes its header), given to the world's group.
+    works; rank 0 writes its header), given to the world's group; ``flight_dump``, a path prefix:
+    a rank writes its flight records in torch's format to ``<prefix><rank>`` when a collective
+    fails (``TORCH_FR_DUMP_TEMP_FILE`` also works; :mod:`lab.backend.flight_dumps`); ``check_replicas``:
+    True (or K: every K-th allreduce of each size and dtype) compares a hash of every allreduce's result
+    across the ranks and fails it, naming the rank and the DDP parameter that differ
+    (:mod:`lab.backend.replicas`).
     """
 
     algorithms: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -178,9 +185,13 @@ class Options:
     trace: str | None = None
     transport: str = "auto"
     workload: str | None = None
+    flight_dump: str | None = None
+    check_replicas: bool | int = False
 
     def __post_init__(self) -> None:
         checks.trace_path(self.workload, "Options.workload")
+        check_prefix(self.flight_dump, "Options.flight_dump")
+        replicas_every(self.check_replicas)
         for collective, algorithm in self.algorithms.items():
             if collective not in choice.ALGORITHMS:
                 raise ValueError(f"Options.algorithms has no collective {collective!r}; collectives: "

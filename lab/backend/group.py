@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lab import checks
+from lab.backend import replicas
 from lab.backend.args import (
     NamedGroup,
     Options,
@@ -97,7 +98,7 @@ class LabProcessGroup(NamedGroup):
         now = not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES and (
             self.mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False)
         what = describe(self.mesh, self.dim, op, inputs, outputs, ran=ran, **rest)
-        return LabWork(self, torch.no_grad()(run), outputs, now, p2p, what)
+        return LabWork(self, replicas.checked(self, op, torch.no_grad()(run), outputs), outputs, now, p2p, what)
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from lab.backend import flight_dumps
 from lab.comm.issue import Work
 from lab.comm.operations import Operation
 
@@ -73,6 +74,7 @@ class LabWork(dist._Work):
         with self._converting:
             if self._error is None:
                 self._error = self._group.torch_error(exc)
+                flight_dumps.dump_on_failure(self._group, exc)  # (where Options.flight_dump says)
             return self._error
 
     def _complete(self, work: Work) -> None:

@@ -66,7 +66,8 @@ class Books:
         """Say where this rank is (collective ``seq`` at ``step``) and note it in the flight recorder."""
         position = self.position
         position.collective, position.seq, position.algorithm, position.step = name, seq, algorithm, step
-        return self.recorder.note(FlightRecord(seq, name, algorithm, dtype_name, count, op, root))
+        return self.recorder.note(FlightRecord(seq, name, algorithm, dtype_name, count, op, root,
+                                               start_ns=time.time_ns()))
 
     def failed(self, record: FlightRecord, exc: BaseException) -> None:
         """Record the failure; where the channels are left unclean, tell the peers what this rank
@@ -78,13 +79,14 @@ class Books:
         cause = exc if channels.clean or not isinstance(exc, LabError) else \
             channels.transport.share_failure(exc, self.position, channels.recv_timeout_ms / 1000)
         record.state, record.step = f"failed ({type(cause).__name__})", self.position.step
+        record.end_ns = time.time_ns()
         if cause is not exc:
             raise cause from exc
 
     def done(self, record: FlightRecord, start_ns: int, before: tuple[int, int, int]) -> None:
         """The collective of ``record`` is done; with a trace on, its row (it started at
         ``start_ns``, with the byte counters then and its tensor's bytes in ``before``)."""
-        record.state, record.step = "done", self.position.step
+        record.state, record.step, record.end_ns = "done", self.position.step, time.time_ns()
         counters = self.counters
         counters.add(collectives=1)
         if self._trace is not None:
