@@ -5,7 +5,7 @@ collective, fingerprints its messages (so ranks in different collectives are cau
 message), translates a sub-mesh's ranks to the global ranks of the shared channels and turns a
 transport's failure into the lab's error naming both sides; its :class:`lab.comm.books.Books`
 (``exchange.books``) keep each collective's flight record, count payload bytes and write the
-trace rows. :class:`lab.Mesh` builds on it. A root mesh and its sub-meshes share one
+trace rows. A :class:`lab.Mesh` holds one (``mesh.exchange``). A root mesh and its sub-meshes share one
 :class:`Channels`.
 """
 

@@ -283,6 +283,8 @@ class Mesh:
     def host_of(self, rank: int) -> int:
         return self.exchange.host_of(rank)
 
+    shared_allreduce = _of("exchange.shared_allreduce", "Two-shot's in-place path, for its algorithm run here.")
+
     # -- what the public collectives use (lab.comm.protocols.CallMesh) --------------------------
 
     kernels = staticmethod(Exchange.kernels)
