@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CALL_MODULES = [ROOT / "lab" / "collectives" / f"{name}.py"
                 for name in ("calls", "prepared", "gather_scatter", "plans", "choice")]
 BACKEND_MODULES = sorted((ROOT / "lab" / "backend").glob("*.py"))
-#: The names a mesh goes by in those modules (``world``, ``group``: the backend's world and new groups).
-MESH_NAMES = {"mesh", "world", "group"}
+#: The names a mesh goes by in those modules (``world``: the backend's world; its ``group`` is torch's).
+MESH_NAMES = {"mesh", "world"}
 MESH_ATTRIBUTES = {"mesh", "_mesh"}  # self.mesh, self._mesh
 
 
