@@ -119,22 +119,30 @@ def test_each_implementation_gives_every_declared_member(implementation: Any, pr
 
 
 def used_members(paths: list[Path]) -> dict[str, list[str]]:
-    """Every member used of a mesh in ``paths``: ``mesh.x``, ``self.mesh.x``, ``getattr(mesh, "x", ...)``,
-    with where."""
+    """Every member used of a mesh in ``paths``, with where."""
     used: dict[str, list[str]] = {}
     for path in paths:
-        for node in ast.walk(ast.parse(path.read_text())):
-            owner, name = None, None
-            if isinstance(node, ast.Attribute):
-                owner, name = node.value, node.attr
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
-                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
-                owner, name = node.args[0], node.args[1].value
-            is_mesh = isinstance(owner, ast.Name) and owner.id in MESH_NAMES or \
-                isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and \
-                owner.value.id == "self" and owner.attr in MESH_ATTRIBUTES
-            if is_mesh:
-                used.setdefault(name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        for name, where in scan(path).items():
+            used.setdefault(name, []).extend(f"{path.relative_to(ROOT)}:{line}" for line in where)
+    return used
+
+
+def scan(path: Path) -> dict[str, list[int]]:
+    """Every member used of a mesh in the module ``path`` (``mesh.x``, ``self.mesh.x``,
+    ``getattr(mesh, "x", ...)``), with the lines."""
+    used: dict[str, list[int]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        owner, name = None, None
+        if isinstance(node, ast.Attribute):
+            owner, name = node.value, node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+            owner, name = node.args[0], node.args[1].value
+        is_mesh = isinstance(owner, ast.Name) and owner.id in MESH_NAMES or \
+            isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and \
+            owner.value.id == "self" and owner.attr in MESH_ATTRIBUTES
+        if is_mesh:
+            used.setdefault(name, []).append(node.lineno)
     return used
 
 
@@ -195,3 +203,12 @@ def test_the_check_fails_a_member_missing_or_called_otherwise():
     assert conformance(NoDefault, Planted) == ["go: 'b' has no default"]
     assert conformance(ExtraRequired, Planted) == [
         "go: its parameter 'e', which callers do not pass, has no default"]
+
+
+def test_the_scan_finds_every_form_of_use(tmp_path: Path):
+    """A planted module's uses of a mesh are each found, under every name it goes by, and
+    nothing else is taken for one."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(mesh, world, other):\n    mesh.a; world.b(); getattr(mesh, 'c', 0); other.d\n"
+                       "class G:\n    def g(self):\n        self.mesh.e; self._mesh.f; self.other.h\n")
+    assert scan(planted) == {"a": [2], "b": [2], "c": [2], "e": [5], "f": [5]}
