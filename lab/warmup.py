@@ -29,7 +29,7 @@ def compile_all(mesh: Mesh) -> int:
     compiles its share of the entries alone (where the cache is cold, N ranks compile N at a time
     instead of each compiling all), then all run. Returns how many ran compiled (0 where the mesh
     has no mailboxes)."""
-    plane = mesh.plane
+    plane = mesh.exchange.plane
     if plane is not None:
         with plane.compiling_only():
             try:

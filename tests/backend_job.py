@@ -140,7 +140,7 @@ def small_all_reduce_on_one_host_runs_compiled(rank: int, n: int, gloo: dist.Pro
     if mesh.stats()["collectives_compiled"] != before + 1:
         raise AssertionError(f"a 1 KB all_reduce on one host did not take the compiled plane: {mesh.stats()}")
     # and the two-shot reads the peers' memory in place (the scratch came with the mailboxes)
-    if mesh.scratch is None:
+    if mesh.exchange.scratch is None:
         raise AssertionError("the shm transport under torchrun has no shared scratch")
     y = pattern(100_003, rank)
     lab.allreduce(mesh, y, algorithm="two_shot")

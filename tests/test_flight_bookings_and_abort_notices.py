@@ -52,7 +52,7 @@ def cycle_shapes(mesh: lab.Mesh, shapes: int, passes: int) -> list[str]:
             want = (torch.arange(count, dtype=torch.float32) * 7 + run) * n + n * (n - 1) // 2
             if not torch.equal(x, want):
                 failures.append(f"rank {mesh.rank} pass {run} count {count}: {x[:4].tolist()} != {want[:4].tolist()}")
-        sizes.append((len(mesh.recorder._booked), tracemalloc.get_traced_memory()[0]))
+        sizes.append((len(mesh.exchange.recorder._booked), tracemalloc.get_traced_memory()[0]))
     tracemalloc.stop()
     booked = [b for b, _ in sizes]
     if max(booked) > BOOKED_BOUND:
@@ -75,7 +75,7 @@ def plans_made_and_freed(mesh: lab.Mesh, plans: int) -> list[str]:
         want = (torch.arange(10, dtype=torch.float32) * 5 + run) * n + n * (n - 1) // 2
         if not torch.equal(x, want):
             failures.append(f"rank {mesh.rank} plan {run}: {x[:4].tolist()} != {want[:4].tolist()}")
-    booked = len(mesh.recorder._booked)
+    booked = len(mesh.exchange.recorder._booked)
     if booked > CALLS_PER_SHAPE + FLIGHT_RECORDER_SIZE + 2:
         failures.append(f"rank {mesh.rank}: {plans} plans made and freed leave {booked} numbers booked")
     return failures

@@ -329,14 +329,14 @@ def check_on_hosts(mesh: lab.Mesh, world_size: int) -> list[str]:
     try:
         for index, shape in enumerate(SHAPES[world_size]):
             membership.hosts[:world_size] = shape  # (the sub-mesh shares the list)
-            mesh.host = shape[mesh.rank]  # (what the pool's own counters between hosts compare with)
+            mesh.exchange.host = shape[mesh.rank]  # (what the pool's own counters between hosts compare with)
             whole = world_size == mesh.world_size
             target = mesh if whole else sub
             for algorithm in ALGORITHMS:
                 failures += check_results(target, shape, algorithm, full=index == 0)
                 failures += check_bits_and_bytes(target, shape, algorithm, whole)
     finally:
-        membership.hosts[:], mesh.host = saved_hosts, saved_host
+        membership.hosts[:], mesh.exchange.host = saved_hosts, saved_host
         os.environ.pop("LAB_SEGMENT_BYTES", None)
     return failures
 
@@ -354,7 +354,7 @@ def both_in_flight(mesh: lab.Mesh) -> list[str]:
     saved_hosts, saved_host = list(membership.hosts), mesh.host
     try:
         membership.hosts[:] = [0, 0, 1, 1]
-        mesh.host = membership.hosts[mesh.rank]
+        mesh.exchange.host = membership.hosts[mesh.rank]
         os.environ["LAB_SEGMENT_BYTES"] = "64"  # chain_tree in many segments
         n, index = mesh.world_size, torch.arange(3001, dtype=torch.float64)
         x, y, z = (index * 3 + mesh.rank for _ in range(3))
@@ -369,7 +369,7 @@ def both_in_flight(mesh: lab.Mesh) -> list[str]:
             if not torch.equal(got, want):
                 failures.append(f"rank {mesh.rank} {name}: {describe_mismatch(got, want)}")
     finally:
-        membership.hosts[:], mesh.host = saved_hosts, saved_host
+        membership.hosts[:], mesh.exchange.host = saved_hosts, saved_host
         os.environ.pop("LAB_SEGMENT_BYTES", None)
     return failures
 

@@ -74,7 +74,7 @@ def allreduce_with_thresholds_that_disagree(mesh: lab.Mesh, catch: bool) -> tupl
     """The last rank keeps every collective off the compiled path (as LAB_COMPILED_MAX_BYTES=0
     would): its 1 KB allreduce goes through the pipes while the others' wait in the mailboxes."""
     if mesh.rank == mesh.world_size - 1:
-        mesh.plane.max_bytes = 0
+        mesh.exchange.plane.max_bytes = 0
     y = pattern(SMALL, mesh.rank)
     start = time.monotonic()
     try:

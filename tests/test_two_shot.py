@@ -67,7 +67,7 @@ def exact_everywhere(mesh: lab.Mesh) -> list[str]:
     message schedule (a sub-mesh of every rank), bit for bit."""
     everyone = mesh.split(color=0)
     n, wrong = mesh.world_size, []
-    assert n == 1 or mesh.scratch is not None
+    assert n == 1 or mesh.exchange.scratch is not None
     for name, dtype in REDUCE_DTYPES.items():
         for count in counts(n):
             for op in OPS:
@@ -116,7 +116,7 @@ def registered_in_and_out(mesh: lab.Mesh) -> list[str]:
             for dtype in (torch.float32, torch.bfloat16, torch.int64):
                 mine = everywhere or mesh.rank % 2 == 0
                 x = lab.empty(mesh, (count,), dtype) if mine else torch.empty(count, dtype=dtype)
-                if mine and n > 1 and count and mesh.scratch.registered_offset(x.view(-1).view(torch.uint8).numpy()) < 0:
+                if mine and n > 1 and count and mesh.exchange.scratch.registered_offset(x.view(-1).view(torch.uint8).numpy()) < 0:
                     wrong.append(f"rank {mesh.rank}: lab.empty's tensor is not in the scratch")
                 for repeat in range(2):
                     x.copy_(pattern(count, mesh.rank + repeat, dtype))
@@ -141,7 +141,7 @@ def arena(mesh: lab.Mesh) -> str:
     if again.data_ptr() != address:
         return "freed memory not reused"
     try:
-        lab.empty(mesh, (mesh.scratch.arena_bytes,), torch.uint8)
+        lab.empty(mesh, (mesh.exchange.scratch.arena_bytes,), torch.uint8)
     except lab.LabError as exc:
         return str(exc)
     return "no error"

@@ -19,8 +19,8 @@ from lab import checks
 from lab.backend.flight_dumps import check_prefix
 from lab.backend.replicas import replicas_every
 from lab.collectives import choice
-from lab.comm.mesh import Mesh
 from lab.comm.operations import Operation
+from lab.comm.protocols import BackendMesh
 from lab.errors import DeadlineError
 from lab.ops import DTYPES, dtype_of
 from lab.transport.base import Silence
@@ -93,7 +93,7 @@ def flat_list(tensors: list) -> list[torch.Tensor]:
     return [t for item in tensors for t in (flat_list(item) if isinstance(item, list) else [item])]
 
 
-def describe(mesh: Mesh, dim: str | None, op: str, inputs: list, outputs: list,
+def describe(mesh: BackendMesh, dim: str | None, op: str, inputs: list, outputs: list,
              split_sizes: tuple | None = None, ran: Any = None, **rest: Any) -> Operation | None:
     """torch's operation ``op`` on the group of ``mesh`` (made for DeviceMesh dimension ``dim``)
     as a recording notes it (None where nothing records): elements in and out counted over its
@@ -149,7 +149,7 @@ def check_list(tensors: list[torch.Tensor], world_size: int, numel: int | None, 
         check_like(tensor, numel, dtype, f"{name}[{i}]")
 
 
-def await_message(mesh: Mesh, src: int | None, tag: int, meanwhile: Callable[[], None]) -> int:
+def await_message(mesh: BackendMesh, src: int | None, tag: int, meanwhile: Callable[[], None]) -> int:
     """``src`` (None: any rank) once its next tensor of ``tag`` has arrived, calling
     ``meanwhile()`` between waits of ``POLL_MS``; DeadlineError after the mesh's
     ``recv_timeout_ms`` without one."""

@@ -37,8 +37,8 @@ from lab.backend.args import (
 from lab.backend.work import LabWork
 from lab.collectives import calls as collectives
 from lab.comm.issue import Work
-from lab.comm.mesh import Mesh
 from lab.comm.operations import Operation
+from lab.comm.protocols import BackendMesh
 from lab.errors import LabError
 
 #: A collective with at most this many bytes of output runs on the calling thread when nothing
@@ -54,7 +54,7 @@ class LabProcessGroup(NamedGroup):
     order of its own, stopped at ``shutdown``; not ``owns_mesh``: the program's,
     :func:`lab.backend.init_process_group`)."""
 
-    def __init__(self, mesh: Mesh, options: Options, owns_mesh: bool = True, own_order: bool = False) -> None:
+    def __init__(self, mesh: BackendMesh, options: Options, owns_mesh: bool = True, own_order: bool = False) -> None:
         super().__init__(mesh.rank, mesh.world_size)
         self.mesh, self.options, self.owns_mesh, self.own_order = mesh, options, owns_mesh, own_order
 

@@ -38,14 +38,14 @@ from lab.collectives.prepared import (
 from lab.ops import DTYPES, ReduceOp, check_reduces
 
 if TYPE_CHECKING:
-    from lab.comm.mesh import Mesh
+    from lab.comm.protocols import CallMesh
 
 ALLREDUCE_ALGORITHMS = ALGORITHMS["allreduce"]
 _REDUCE, = ALGORITHMS["reduce"]
 _BARRIER, = ALGORITHMS["barrier"]
 
 
-def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
+def allreduce(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
     """Reduce ``tensor`` elementwise across all ranks, in place; return ``tensor``.
 
     ``op``: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``. ``algorithm``: ``"ring"``,
@@ -69,7 +69,7 @@ def allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
     return issue(mesh, prepare_allreduce(mesh, tensor, op, algorithm), async_op)
 
 
-def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
+def prepare_allreduce(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
     """:func:`allreduce`'s checks and choices, done now; its communication, ready to run."""
     reduce_op = parse_op(op)
     buffer = as_buffer(tensor)
@@ -99,7 +99,7 @@ def prepare_allreduce(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str =
     return Prepared(run, signature, planned, what)
 
 
-def _allreduce_template(mesh: Mesh, reduce_op: ReduceOp, algorithm: str, buffer: Any) -> tuple:
+def _allreduce_template(mesh: CallMesh, reduce_op: ReduceOp, algorithm: str, buffer: Any) -> tuple:
     """What an allreduce of ``buffer``'s dtype and size needs besides the tensor: checked, chosen,
     and its compiled call made where it takes one (None: the Python path, or an ``avg`` that
     divides before the exchange)."""
@@ -111,7 +111,7 @@ def _allreduce_template(mesh: Mesh, reduce_op: ReduceOp, algorithm: str, buffer:
     return signature, kernels, call
 
 
-def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
+def broadcast(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Overwrite ``tensor`` on every rank with rank ``src``'s, in place; return ``tensor``.
 
     ``algorithm``: ``"binomial"`` (⌈log2 N⌉ whole-tensor steps), ``"scatter_allgather"`` (van de
@@ -130,7 +130,7 @@ def broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", as
     return issue(mesh, prepare_broadcast(mesh, tensor, src, algorithm), async_op)
 
 
-def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
+def prepare_broadcast(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
     """:func:`broadcast`'s checks and choices, done now; its communication, ready to run."""
     root = check_root(mesh, src, "src")
     buffer = as_buffer(tensor)
@@ -156,7 +156,7 @@ def prepare_broadcast(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "a
                     describe(mesh, "broadcast", buffer.dtype, buffer.numel, buffer.numel, root=root))
 
 
-def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool = False) -> Any:
+def allgather(mesh: CallMesh, tensor: Any, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Concatenate every rank's ``tensor`` along dim 0, in rank order, into a new tensor.
 
     Like ``torch.distributed.all_gather_into_tensor``: every rank passes the same shape; a 0-d
@@ -171,7 +171,7 @@ def allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto", async_op: bool =
     return issue(mesh, prepare_allgather(mesh, tensor, algorithm), async_op)
 
 
-def prepare_allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Prepared:
+def prepare_allgather(mesh: CallMesh, tensor: Any, algorithm: str = "auto") -> Prepared:
     """:func:`allgather`'s checks and choices, done now; its communication, ready to run (each
     run returns a new tensor)."""
     dtype = check_tensor(tensor)
@@ -194,7 +194,7 @@ def prepare_allgather(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Prepa
     return Prepared(run, signature, what=describe(mesh, "allgather", dtype, numel, mesh.world_size * numel))
 
 
-def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
+def reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
     """Reduce ``tensor`` across ranks and return block ``rank`` of the result as a new tensor.
 
     Blocks are split along dim 0 as ``numpy.array_split`` does (equal when N divides dim 0, like
@@ -210,7 +210,7 @@ def reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "a
     return issue(mesh, prepare_reduce_scatter(mesh, tensor, op, algorithm), async_op)
 
 
-def prepare_reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
+def prepare_reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Prepared:
     """:func:`reduce_scatter`'s checks and choices, done now; its communication, ready to run
     (each run returns a new tensor)."""
     reduce_op = parse_op(op)
@@ -238,7 +238,7 @@ def prepare_reduce_scatter(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: 
     return Prepared(run, signature, what=what)
 
 
-def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: bool = False) -> Any:
+def reduce(mesh: CallMesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: bool = False) -> Any:
     """Reduce ``tensor`` elementwise across ranks into rank ``dst``'s ``tensor``, in place; return ``tensor``.
 
     Every other rank's ``tensor`` is left unchanged (binomial tree, ⌈log2 N⌉ steps).
@@ -251,7 +251,7 @@ def reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum", async_op: boo
     return issue(mesh, prepare_reduce(mesh, tensor, dst, op), async_op)
 
 
-def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Prepared:
+def prepare_reduce(mesh: CallMesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Prepared:
     """:func:`reduce`'s checks, done now; its communication, ready to run."""
     dst = check_root(mesh, dst, "dst")
     reduce_op = parse_op(op)
@@ -277,7 +277,7 @@ def prepare_reduce(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Pr
     return Prepared(run, signature, what=what)
 
 
-def all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
+def all_to_all(mesh: CallMesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
                algorithm: str = "auto", async_op: bool = False) -> Any:
     """Exchange blocks of rows: rank j gets block j of every rank's ``tensor``, concatenated in rank order.
 
@@ -328,7 +328,7 @@ def _bounds_of(sizes: list[int], row: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(ends))
 
 
-def prepare_all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
+def prepare_all_to_all(mesh: CallMesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
                        algorithm: str = "auto") -> Prepared:
     """:func:`all_to_all`'s checks and choices, done now; its communication, ready to run (each
     run returns a new tensor)."""
@@ -371,7 +371,7 @@ def prepare_all_to_all(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, 
     return Prepared(run, signature, what=what)
 
 
-def barrier(mesh: Mesh, async_op: bool = False) -> Any:
+def barrier(mesh: CallMesh, async_op: bool = False) -> Any:
     """Return once every rank has entered the barrier (dissemination: ⌈log2 N⌉ rounds, no payload).
 
     Per rank, N=2::
@@ -386,7 +386,7 @@ def barrier(mesh: Mesh, async_op: bool = False) -> Any:
     return issue(mesh, prepare_barrier(mesh), async_op)
 
 
-def prepare_barrier(mesh: Mesh) -> Prepared:
+def prepare_barrier(mesh: CallMesh) -> Prepared:
     """:func:`barrier`'s communication, ready to run."""
     signature = Signature("barrier", _BARRIER, DTYPES["float32"], 0)
 

@@ -17,7 +17,7 @@ from lab import tuning
 from lab.algorithms import registry
 
 if TYPE_CHECKING:
-    from lab.comm.mesh import Mesh
+    from lab.comm.protocols import CallMesh
 
 #: Every collective's algorithms, by name (``"auto"`` picks one of them; see :func:`choose`): the
 #: registry's entries (:mod:`lab.algorithms.registry`), each callable. reduce and barrier have one each.
@@ -98,7 +98,7 @@ def check_algorithm(algorithm: Any, collective: str = "allreduce") -> str:
     return algorithm
 
 
-def pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
+def pick(mesh: CallMesh, collective: str, algorithm: str, nbytes: int) -> str:
     """Check ``algorithm`` (before any communication) and resolve ``"auto"``.
 
     A mesh across hosts (``hosts=``, torchrun's nodes) lets allreduce's ``auto`` weigh
@@ -109,8 +109,8 @@ def pick(mesh: Mesh, collective: str, algorithm: str, nbytes: int) -> str:
     """
     if algorithm != "auto" or collective not in ALGORITHMS:
         return check_algorithm(algorithm, collective)
-    compiled_max_bytes = getattr(mesh, "compiled_max_bytes", 0)  # 0: no compiled path
-    key = (collective, nbytes, mesh.world_size, mesh.transport, getattr(mesh, "host_count", 1),
+    compiled_max_bytes = mesh.compiled_max_bytes  # 0: no compiled path
+    key = (collective, nbytes, mesh.world_size, mesh.transport, mesh.host_count,
            0 < compiled_max_bytes and nbytes <= compiled_max_bytes, lab_algo(),
            tuning.fitted_models)
     chosen = _PICKS.get(key)

@@ -13,10 +13,10 @@ from lab.collectives.choice import ALGORITHMS, pick
 from lab.collectives.prepared import Prepared, Signature, check_root, describe, issue
 
 if TYPE_CHECKING:
-    from lab.comm.mesh import Mesh
+    from lab.comm.protocols import CallMesh
 
 
-def gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
+def gather(mesh: CallMesh, tensor: Any, dst: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Concatenate every rank's ``tensor`` along dim 0, in rank order, into a new tensor on rank ``dst``.
 
     Every rank passes the same shape (a 0-d tensor gathers into shape ``(N,)``); rank ``dst``
@@ -32,7 +32,7 @@ def gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto", async
     return issue(mesh, prepare_gather(mesh, tensor, dst, algorithm), async_op)
 
 
-def prepare_gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto") -> Prepared:
+def prepare_gather(mesh: CallMesh, tensor: Any, dst: int = 0, algorithm: str = "auto") -> Prepared:
     """:func:`gather`'s checks and choices, done now; its communication, ready to run (each run
     returns a new tensor on ``dst``, None elsewhere)."""
     dst = check_root(mesh, dst, "dst")
@@ -59,7 +59,7 @@ def prepare_gather(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto
     return Prepared(run, signature, what=what)
 
 
-def scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
+def scatter(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
     """Return block ``rank`` of rank ``src``'s ``tensor`` as a new tensor on every rank.
 
     Blocks are split along dim 0 as ``numpy.array_split`` does (equal when N divides dim 0).
@@ -75,7 +75,7 @@ def scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto", asyn
     return issue(mesh, prepare_scatter(mesh, tensor, src, algorithm), async_op)
 
 
-def prepare_scatter(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
+def prepare_scatter(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Prepared:
     """:func:`scatter`'s checks and choices, done now; its communication, ready to run (each run
     returns a new tensor)."""
     src = check_root(mesh, src, "src")

@@ -44,13 +44,13 @@ from lab.comm.issue import Work, this_process
 from lab.errors import CollectiveMismatchError, LabError
 
 if TYPE_CHECKING:
-    from lab.comm.mesh import Mesh
+    from lab.comm.protocols import CallMesh
 
 
 class Plan:
     """One persistent collective of one mesh (made by ``lab.allreduce_init`` and its siblings)."""
 
-    def __init__(self, mesh: Mesh, prepared: Prepared) -> None:
+    def __init__(self, mesh: CallMesh, prepared: Prepared) -> None:
         self._mesh, self._prepared = mesh, prepared
         self._queue = mesh.issue_queue
         self._pid = this_process()
@@ -106,7 +106,7 @@ class Plan:
         return self._run_now
 
 
-def _agree(mesh: Mesh, prepared: Prepared) -> None:
+def _agree(mesh: CallMesh, prepared: Prepared) -> None:
     """Every rank's plan, compared on every rank (their fingerprints exchanged in the lab's own
     "agree" collective, which no user call can be taken for: :meth:`lab.Mesh.agree`)."""
     everyone = mesh.issue(lambda: mesh.agree(prepared.signature), async_op=False)
@@ -121,50 +121,50 @@ def _shown(tag: bytes) -> str:
     return fingerprint.describe(tag, numbered=False)
 
 
-def allreduce_init(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Plan:
+def allreduce_init(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Plan:
     """A persistent :func:`lab.allreduce` of ``tensor`` (see the module docstring); ``plan()``
     reduces ``tensor`` in place and returns it."""
     return Plan(mesh, prepare_allreduce(mesh, tensor, op, algorithm))
 
 
-def broadcast_init(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Plan:
+def broadcast_init(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Plan:
     """A persistent :func:`lab.broadcast` of ``tensor`` from ``src``."""
     return Plan(mesh, prepare_broadcast(mesh, tensor, src, algorithm))
 
 
-def reduce_init(mesh: Mesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Plan:
+def reduce_init(mesh: CallMesh, tensor: Any, dst: int = 0, op: Any = "sum") -> Plan:
     """A persistent :func:`lab.reduce` of ``tensor`` into rank ``dst``."""
     return Plan(mesh, prepare_reduce(mesh, tensor, dst, op))
 
 
-def allgather_init(mesh: Mesh, tensor: Any, algorithm: str = "auto") -> Plan:
+def allgather_init(mesh: CallMesh, tensor: Any, algorithm: str = "auto") -> Plan:
     """A persistent :func:`lab.allgather` of ``tensor``; each ``plan()`` returns a new tensor."""
     return Plan(mesh, prepare_allgather(mesh, tensor, algorithm))
 
 
-def reduce_scatter_init(mesh: Mesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Plan:
+def reduce_scatter_init(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto") -> Plan:
     """A persistent :func:`lab.reduce_scatter` of ``tensor``; each ``plan()`` returns a new tensor."""
     return Plan(mesh, prepare_reduce_scatter(mesh, tensor, op, algorithm))
 
 
-def all_to_all_init(mesh: Mesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
+def all_to_all_init(mesh: CallMesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
                     algorithm: str = "auto") -> Plan:
     """A persistent :func:`lab.all_to_all` of ``tensor`` (split sizes frozen too); each ``plan()``
     returns a new tensor."""
     return Plan(mesh, prepare_all_to_all(mesh, tensor, output_split_sizes, input_split_sizes, algorithm))
 
 
-def gather_init(mesh: Mesh, tensor: Any, dst: int = 0, algorithm: str = "auto") -> Plan:
+def gather_init(mesh: CallMesh, tensor: Any, dst: int = 0, algorithm: str = "auto") -> Plan:
     """A persistent :func:`lab.gather` of ``tensor`` to ``dst``; each ``plan()`` returns a new
     tensor on ``dst``, None elsewhere."""
     return Plan(mesh, prepare_gather(mesh, tensor, dst, algorithm))
 
 
-def scatter_init(mesh: Mesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Plan:
+def scatter_init(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto") -> Plan:
     """A persistent :func:`lab.scatter` of ``src``'s ``tensor``; each ``plan()`` returns a new tensor."""
     return Plan(mesh, prepare_scatter(mesh, tensor, src, algorithm))
 
 
-def barrier_init(mesh: Mesh) -> Plan:
+def barrier_init(mesh: CallMesh) -> Plan:
     """A persistent :func:`lab.barrier`."""
     return Plan(mesh, prepare_barrier(mesh))

@@ -20,8 +20,8 @@ from lab.ops import ReduceOp
 from lab.ops import parse_op as parse_any_op
 
 if TYPE_CHECKING:
-    from lab.comm.mesh import Mesh
     from lab.comm.planned_run import PlannedRun
+    from lab.comm.protocols import CallMesh
 
 _OPS_BY_NAME = {o.value: o for o in ReduceOp}
 
@@ -31,7 +31,7 @@ def parse_op(op: Any) -> ReduceOp:
     return _OPS_BY_NAME.get(op) or parse_any_op(op) if isinstance(op, str) else parse_any_op(op)
 
 
-def check_root(mesh: Mesh, root: Any, name: str) -> int:
+def check_root(mesh: CallMesh, root: Any, name: str) -> int:
     """``root`` as an int if it is a rank of ``mesh``, else a ``ValueError`` naming ``name``."""
     if not checks.is_int(root) or not 0 <= root < mesh.world_size:
         raise ValueError(f"{name} must be a rank in [0, {mesh.world_size}); got {root!r}")
@@ -52,19 +52,19 @@ class Prepared(NamedTuple):
     what: Operation | None = None
 
 
-def recording(mesh: Mesh) -> bool:
+def recording(mesh: CallMesh) -> bool:
     """Whether ``mesh``'s rank records its calls (:attr:`lab.Mesh.recording`; the simulator's
     recording mesh, which moves nothing, never does)."""
-    return getattr(mesh, "recording", False)
+    return mesh.recording
 
 
-def describe(mesh: Mesh, op: str, dtype: Any, count: int, out_count: int, **rest: Any) -> Operation | None:
+def describe(mesh: CallMesh, op: str, dtype: Any, count: int, out_count: int, **rest: Any) -> Operation | None:
     """A call of ``op`` as a recording notes it (:meth:`lab.Mesh.describe`), or None where nothing
     records: an unrecorded call builds nothing."""
     return mesh.describe(op, dtype, count, out_count, **rest) if recording(mesh) else None
 
 
-def issue(mesh: Mesh, prepared: Prepared, async_op: bool) -> Any:
+def issue(mesh: CallMesh, prepared: Prepared, async_op: bool) -> Any:
     """Run ``prepared`` in ``mesh``'s issue order, now or (``async_op``) on its communication
     thread; noted as ``prepared.what``, with the algorithm it runs, where the rank records."""
     if prepared.what is None:
@@ -72,7 +72,7 @@ def issue(mesh: Mesh, prepared: Prepared, async_op: bool) -> Any:
     return mesh.issue(prepared.run, async_op, what=prepared.what._replace(algorithm=prepared.signature.algorithm))
 
 
-def compiled_run(mesh: Mesh, signature: Signature, algorithm: Any, args: tuple, after: Callable[[], Any],
+def compiled_run(mesh: CallMesh, signature: Signature, algorithm: Any, args: tuple, after: Callable[[], Any],
                  in_place: bool = True) -> Callable[[], Any] | None:
     """A plan's run of the collective of ``signature``: ``algorithm`` on ``args`` through the
     compiled call made once, then ``after()`` (what the plain run returns); None where it would
@@ -101,7 +101,7 @@ class Lane:
 
     __slots__ = ("_nbytes", "_refused", "_rest", "_run", "_run_alone", "_what")
 
-    def __init__(self, mesh: Mesh, run: PlannedRun, nbytes: int, rest: tuple, what: Operation) -> None:
+    def __init__(self, mesh: CallMesh, run: PlannedRun, nbytes: int, rest: tuple, what: Operation) -> None:
         self._run, self._nbytes, self._rest, self._run_alone = run, nbytes, rest, mesh.issue_queue.run_alone
         self._refused, self._what = mesh.refused, what
 
@@ -117,7 +117,7 @@ def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
     return (collective, tensor.dtype, tensor.numel(), lab_algo(), *arguments, *map(type, arguments))
 
 
-def find_lane(mesh: Mesh, collective: str, tensor: Any, *arguments: Any) -> Lane | None:
+def find_lane(mesh: CallMesh, collective: str, tensor: Any, *arguments: Any) -> Lane | None:
     """The :class:`Lane` that a plain call of ``collective`` on ``tensor`` with ``arguments`` may
     take, or None (the full path: its first call, a numpy array, a subclass, a view whose memory
     is not its elements in order, memory torch did not allocate (it may be read-only: the full
@@ -134,7 +134,7 @@ def find_lane(mesh: Mesh, collective: str, tensor: Any, *arguments: Any) -> Lane
     return lane
 
 
-def make_lane(mesh: Mesh, key: tuple, signature: Signature, algorithm: Any, args: tuple) -> None:
+def make_lane(mesh: CallMesh, key: tuple, signature: Signature, algorithm: Any, args: tuple) -> None:
     """Keep a :class:`Lane` under ``key`` (:func:`lane_key`) for the compiled call of ``signature``
     running ``algorithm`` on arguments like ``args``, whose first is the tensor's buffer."""
     if key not in mesh.templates:
@@ -152,7 +152,7 @@ def make_lane(mesh: Mesh, key: tuple, signature: Signature, algorithm: Any, args
 MAX_REMEMBERED = 256
 
 
-def remembered(mesh: Mesh, key: Any, make: Callable[[], Any]) -> Any:
+def remembered(mesh: CallMesh, key: Any, make: Callable[[], Any]) -> Any:
     """``make()``, kept in ``mesh.templates`` under ``key``: what a plain call needs besides its
     tensor (checks passed, ``auto`` resolved, the compiled call looked up) is made once per
     distinct ``key``. ``key`` must hold every argument ``make`` depends on; an unhashable one

@@ -5,7 +5,7 @@ collective, fingerprints its messages (so ranks in different collectives are cau
 message), translates a sub-mesh's ranks to the global ranks of the shared channels and turns a
 transport's failure into the lab's error naming both sides; its :class:`lab.comm.books.Books`
 (``exchange.books``) keep each collective's flight record, count payload bytes and write the
-trace rows. :class:`lab.Mesh` builds on it. A root mesh and its sub-meshes share one
+trace rows. A :class:`lab.Mesh` holds one (``mesh.exchange``). A root mesh and its sub-meshes share one
 :class:`Channels`.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +52,8 @@ class Exchange:
         self._channels, self._membership = channels, membership
         self._transport = channels.transport
         self._rank, self._world_size = membership.rank, membership.world_size
-        self._lineage = [self, *parents]  # this mesh and its ancestors: a sub-mesh's parents (see _view)
+        #: This mesh's exchange and its ancestors': a sub-mesh's parents (lab.Mesh.sub_mesh).
+        self.lineage = [self, *parents]
         #: The compiled data plane of this mesh's small collectives (lab.compiled.plane), or None.
         self.plane = channels.plane if membership.members is None else None  # (mailboxes speak global ranks)
         self._trace = channels.trace
@@ -72,22 +72,11 @@ class Exchange:
         self._ledger = self.plane.ledger if self.plane is not None else np.zeros(LEDGER_WORDS, np.int64)
         channels.ledgers[membership.context] = self._ledger
         self._tag = b""
-        self._p2p_sent: Counter[tuple[int, int]] = Counter()  # point-to-point sequence numbers, per (peer, tag)
-        self._p2p_received: Counter[tuple[int, int]] = Counter()
-        self._next_any = 0  # recv(None) tries the ranks from this one on
         self.context = membership.context  # in every fingerprint
         self.position = Position(membership.describe())  # where this rank is: what errors name
         #: Flight records, counters (a transfer counts in each ancestor's too) and trace rows.
         self.books = Books(channels, membership, self._ledger, self.position, [parent.books for parent in parents])
         self.recorder = self.books.recorder
-        self.templates: dict = {}  # plain calls' checks and choices, by their arguments (lab.collectives)
-
-    def _view(self, membership: Membership) -> Exchange:
-        """A mesh of this one's type over ``membership`` (a sub-mesh's): the same channels, its
-        own numbering, counters and flight recorder."""
-        view = object.__new__(type(self))  # not type(self)(...): that would open new channels
-        Exchange.__init__(view, self._channels, membership, self._lineage)
-        return view
 
     @property
     def rank(self) -> int:
@@ -179,20 +168,23 @@ class Exchange:
 
     def send_buffer(self, dst: int, data: np.ndarray) -> None:
         """Send a flat buffer to ``dst`` (returns once the data is in the channel)."""
-        self._exchange([Send(dst, data)], [])
+        self.transfer([Send(dst, data)], [])
 
     def recv_buffer(self, src: int, out: np.ndarray, reduction: Reduction | None = None) -> None:
         """Receive from ``src`` into ``out``: copy, or ``reduction.combine(out, incoming)``."""
-        self._exchange([], [Recv(src, out, None if reduction is None else reduction.combine)])
+        self.transfer([], [Recv(src, out, None if reduction is None else reduction.combine)])
 
     def sendrecv_buffer(
         self, dst: int, data: np.ndarray, src: int, out: np.ndarray, reduction: Reduction | None = None
     ) -> None:
         """Send to ``dst`` and receive from ``src`` at once (one ring step)."""
-        self._exchange([Send(dst, data)], [Recv(src, out, None if reduction is None else reduction.combine)])
+        self.transfer([Send(dst, data)], [Recv(src, out, None if reduction is None else reduction.combine)])
 
-    def _exchange(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted=True):
-        """One step: ``sends`` and ``recvs`` at once, under the current fingerprint; then count them."""
+    def transfer(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted: bool = True,
+                 tag: bytes | None = None) -> None:
+        """One step: ``sends`` and ``recvs`` at once under the current fingerprint (``tag``: this from now on)."""
+        if tag is not None:
+            self._tag = tag
         self.position.step += 1
         timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
         trace_steps = self._trace is not None and self._trace.steps
@@ -238,6 +230,16 @@ class Exchange:
         self.books.count(bytes_sent=moved.bytes_sent, bytes_received=moved.bytes_received,
                          messages_sent=moved.messages, messages_received=moved.messages)
         return True
+
+    def ready_source(self, expected: dict[int, bytes], timeout_ms: float) -> int | None:
+        """:meth:`lab.transport.base.Transport.ready_source` in this mesh's ranks (a probe's wait)."""
+        try:
+            found = self._transport.ready_source({self._membership.to_global(r): tag for r, tag in expected.items()},
+                                                 timeout_ms / 1000, self.position)
+        except BaseException:
+            self.clean = False  # (a lost peer, a forged frame: the channels cannot be trusted)
+            raise
+        return None if found is None else self._membership.from_global(found)
 
     def mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError:
         """Global rank ``src`` sent ``got`` where this rank expected ``expected`` (its own tag)."""
@@ -305,7 +307,7 @@ class Exchange:
         self._tag = fingerprint.pack(self._membership.context, int(self._ledger[SEQ]), "agree", "", _INT64.code,
                                      "", -1, FINGERPRINT_WORDS)
         if others:
-            self._exchange([Send(r, everyone[self.rank]) for r in others],
+            self.transfer([Send(r, everyone[self.rank]) for r in others],
                            [Recv(r, everyone[r]) for r in others], counted=False)
         return [row.tobytes() for row in everyone]
 

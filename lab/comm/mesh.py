@@ -1,33 +1,48 @@
 """``lab.Mesh``: one rank's handle on the mesh, what algorithms and users send and receive through.
 
-:class:`lab.comm.exchange.Exchange` gives it the transfers algorithms use (fingerprint, deadlines,
-counters, flight recorder, trace), :class:`lab.comm.point_to_point.PointToPoint` the issue order
-(``async_op``) and point-to-point tensors; the mesh adds the launchers' constructors
-(:mod:`lab.comm.bootstrap`), ``close`` and sub-meshes.
+A mesh holds two parts and delegates to them: an :class:`lab.comm.exchange.Exchange`
+(``mesh.exchange``: the transfers algorithms run on, with their numbering, fingerprints,
+deadlines, counters, flight recorder and trace) and a :class:`lab.comm.point_to_point.PointToPoint`
+(``mesh.point_to_point``: the issue order, ``async_op``, and point-to-point tensors). It adds the
+launchers' constructors (:mod:`lab.comm.bootstrap`), ``close`` and sub-meshes. What the public
+calls and the torch backend use of it is declared in :mod:`lab.comm.protocols`, what algorithms
+use in :class:`lab.algorithms.peers.Peers`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lab import checks
-from lab.comm import operations as recording
 from lab.comm.channels import Channels
 from lab.comm.exchange import Exchange
 from lab.comm.membership import Membership, agree_split
 from lab.comm.point_to_point import PointToPoint
-from lab.flight import TraceFile
-from lab.ops import DTYPES
+from lab.flight import FlightRecord, TraceFile
+from lab.ops import DTYPES, DType, Reduction
 from lab.transport.base import Recv, Send, Transport
+
+if TYPE_CHECKING:
+    from lab.comm.operations import Operation
+    from lab.comm.planned_run import PlannedRun
+    from lab.fingerprint import Signature
 
 #: A receive that waits longer than this raises DeadlineError (override with recv_timeout_ms).
 DEFAULT_RECV_TIMEOUT_MS = 300_000
 
 
-class Mesh(PointToPoint):
+def _of(path: str, doc: str | None = None) -> property:
+    """A mesh's read-only attribute that is its part's (``"exchange.rank"``): read through the mesh."""
+    return property(attrgetter(path), doc=doc)
+
+
+class Mesh:
     """One rank's handle: ``rank``, ``world_size``, point-to-point ``send``/``recv``, ``stats``.
 
     Created for you in every rank by :func:`lab.spawn` / :func:`lab.launch`. ``host``,
@@ -40,16 +55,12 @@ class Mesh(PointToPoint):
                 x = mesh.recv(0)              # tensor([0., 1., 2., 3.])
     """
 
-    def __init__(
-        self,
-        transport: Transport,
-        *,
-        transport_name: str,
-        recv_timeout_ms: float | None = None,
-        trace: str | None = None,
-        placement: tuple[int, int, int] | None = None,
-        hosts: list[int] | None = None,
-    ) -> None:
+    #: The plain calls' checks and choices, by their arguments (:mod:`lab.collectives.prepared`).
+    templates: dict
+
+    def __init__(self, transport: Transport, *, transport_name: str, recv_timeout_ms: float | None = None,
+                 trace: str | None = None, placement: tuple[int, int, int] | None = None,
+                 hosts: list[int] | None = None) -> None:
         # (host, local_rank, local_world_size): one host holding every rank unless told otherwise
         placement = placement or (0, transport.rank, transport.world_size)
         # Host of every global rank: as agreed under a launcher (``hosts``), else ranks
@@ -60,7 +71,24 @@ class Mesh(PointToPoint):
         trace_file = TraceFile(trace_path, checks.env_flag("LAB_TRACE_STEPS")) if trace_path else None
         channels = Channels(transport, transport_name, DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None
                             else recv_timeout_ms, trace_file, placement)
-        super().__init__(channels, Membership(transport.rank, hosts), [])
+        self._compose(channels, Membership(transport.rank, hosts), [])
+
+    def _compose(self, channels: Channels | _OwnOrderChannels, membership: Membership,
+                 parents: list[Exchange]) -> None:
+        """This mesh's parts over ``channels`` for ``membership``'s ranks, counted in ``parents`` too."""
+        self._channels, self._membership, self._transport = channels, membership, channels.transport
+        #: The transfers algorithms run on (lab.algorithms.peers.Peers), numbered, fingerprinted and counted.
+        self.exchange = Exchange(channels, membership, parents)
+        #: The issue order (async_op) and point-to-point tensors.
+        self.point_to_point = PointToPoint(self.exchange, membership, channels.issue)
+        self.templates = {}
+
+    def _sub(self, membership: Membership, channels: _OwnOrderChannels | None = None) -> Mesh:
+        """The sub-mesh of ``membership``: this mesh's channels (``channels``: with an issue
+        order of its own), its own parts; its bytes counted in this mesh's too."""
+        sub = object.__new__(type(self))  # not type(self)(...): that would open new channels
+        sub._compose(channels or self._channels, membership, self.exchange.lineage)
+        return sub
 
     @classmethod
     def from_env(cls, *, recv_timeout_ms: float | None = None, trace: str | None = None,
@@ -136,19 +164,12 @@ class Mesh(PointToPoint):
 
     def record_workload(self, path: str, store: Any = None, recorded: dict | None = None) -> None:
         """Record every collective and point-to-point call of this rank (on this mesh and its
-        sub-meshes) into the workload file ``path`` (:mod:`lab.workload`), from now on.
-
-        ``store``: the ranks meet there so that rank 0 writes the file's header before any rank
-        records (under a launcher); without one, the header is written already (``lab.spawn``'s
-        parent writes it). ``recorded``: what the header says of the run, besides this mesh's
-        transport and hosts. A process already recording into ``path`` goes on with it.
+        sub-meshes) into the workload file ``path`` from now on
+        (:meth:`lab.comm.point_to_point.PointToPoint.record_workload`).
 
             mesh.record_workload("step.jsonl", store)   # every rank, once
         """
-        about = {"transport": self.transport, "hosts": self.host_count,
-                 "ranks_per_host": self.local_world_size, **(recorded or {})}
-        membership = self._membership  # (a sub-mesh records as its root: global ranks)
-        recording.attach(self.issue_queue, path, membership.global_rank, len(membership.hosts), store, about)
+        self.point_to_point.record_workload(path, store, recorded)
 
     def close(self) -> None:
         """Stop the communication thread, then release the transport: queued collectives are
@@ -163,7 +184,7 @@ class Mesh(PointToPoint):
         if self._membership.members is not None:
             return
         try:
-            self.raise_if_unread("closed the mesh")
+            self.exchange.raise_if_unread("closed the mesh")
         finally:
             self._channels.closed = True
             self._channels.issue.close()  # (first: what fails on the closed channels is told apart)
@@ -193,23 +214,12 @@ class Mesh(PointToPoint):
             raise ValueError(f"color must be an int in [0, 2**63), or None to opt out; got {color!r}")
         if key is not None and (not checks.is_int(key) or not -2**63 <= key < 2**63):
             raise ValueError(f"key must be an int (int64) or None; got {key!r}")
-        channels = self._channels
-
-        def run() -> list[list[int]]:
-            # Every rank's (color, key, next context id) to every other rank, in one step.
-            everyone = np.empty((self.world_size, 3), np.int64)
-            everyone[self.rank] = -1 if color is None else int(color), 0 if key is None else int(key), \
-                channels.next_context
-            others = [r for r in range(self.world_size) if r != self.rank]
-            with self.collective("split", "", DTYPES["int64"], 3):
-                if others:
-                    self._exchange([Send(r, everyone[self.rank]) for r in others],
-                                   [Recv(r, everyone[r]) for r in others])
-            return everyone.tolist()
-
+        channels, mine = self._channels, (-1 if color is None else int(color), 0 if key is None else int(key))
+        everyone = self.point_to_point.issue(lambda: _split_round(self.exchange, mine, channels.next_context),
+                                             async_op=False)
         # Members and context id, agreed from what every rank sent (lab.comm.membership.agree_split)
-        members, context, channels.next_context = agree_split(self.issue(run, async_op=False), color)
-        return None if members is None else self._view(self._membership.sub(members, context))
+        members, context, channels.next_context = agree_split(everyone, color)
+        return None if members is None else self._sub(self._membership.sub(members, context))
 
     def sub_mesh(self, members: list[int], context: int, own_order: bool = False) -> Mesh:
         """The sub-mesh of ``members`` (this mesh's ranks, in the sub-mesh's rank order; this rank
@@ -231,11 +241,120 @@ class Mesh(PointToPoint):
             pair.rank                                 # rank 2: 0, rank 0: 1
         """
         membership = self._membership.sub(members, context)
-        if not own_order:
-            return self._view(membership)
-        view = object.__new__(type(self))
-        Exchange.__init__(view, _OwnOrderChannels(self._channels), membership, self._lineage)
-        return view
+        return self._sub(membership, _OwnOrderChannels(self._channels) if own_order else None)
+
+
+    # -- who this rank is, and its counters: the exchange's ------------------------------------
+
+    rank = _of("exchange.rank")
+    world_size = _of("exchange.world_size")
+    host = _of("exchange.host", "The host this rank is on (0 without ``hosts=``).")
+    local_rank = _of("exchange.local_rank", "This rank's index among its host's ranks of this mesh.")
+    local_world_size = _of("exchange.local_world_size", "This mesh's ranks on this rank's host.")
+    host_count = _of("exchange.host_count", "The hosts this mesh's ranks are on.")
+    transport = _of("exchange.transport", 'The transport\'s name: "shm", "queue", "tcp" or "auto".')
+    recv_timeout_ms = _of("exchange.recv_timeout_ms", "A receive's longest silence before a DeadlineError.")
+    name = _of("exchange.name", '"" for the root mesh, "sub-mesh 1a2b3c4d" for a sub-mesh.')
+    closed = _of("exchange.closed", "True once this mesh (or its root, for a sub-mesh) was closed.")
+
+    def stats(self) -> dict[str, int]:
+        """:meth:`lab.comm.exchange.Exchange.stats`: payload bytes and messages since :meth:`reset_stats`."""
+        return self.exchange.stats()
+
+    def reset_stats(self) -> None:
+        self.exchange.reset_stats()
+
+    def flight_records(self) -> list[FlightRecord]:
+        """This rank's last collectives, oldest first (:meth:`lab.comm.exchange.Exchange.flight_records`)."""
+        return self.exchange.flight_records()
+
+    # -- what algorithms use (lab.algorithms.peers.Peers): the exchange's -----------------------
+
+    def send_buffer(self, dst: int, data: np.ndarray) -> None:
+        self.exchange.send_buffer(dst, data)
+
+    def recv_buffer(self, src: int, out: np.ndarray, reduction: Reduction | None = None) -> None:
+        self.exchange.recv_buffer(src, out, reduction)
+
+    def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray,
+                        reduction: Reduction | None = None) -> None:
+        self.exchange.sendrecv_buffer(dst, data, src, out, reduction)
+
+    def host_of(self, rank: int) -> int:
+        return self.exchange.host_of(rank)
+
+    shared_allreduce = _of("exchange.shared_allreduce", "Two-shot's in-place path, for its algorithm run here.")
+
+    # -- what the public collectives use (lab.comm.protocols.CallMesh) --------------------------
+
+    kernels = staticmethod(Exchange.kernels)
+    new_flat = staticmethod(Exchange.new_flat)
+
+    compiled_max_bytes = _of("exchange.compiled_max_bytes", "The largest tensor run in one compiled call (0: none).")
+
+    def collective(self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1,
+                   compiled: bool = True) -> AbstractContextManager[None]:
+        return self.exchange.collective(name, algorithm, dtype, count, op, root, compiled)
+
+    def run(self, algorithm: Callable[..., None], *args: Any, **options: Any) -> None:
+        self.exchange.run(algorithm, *args, **options)
+
+    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple, at: bool = False) -> PlannedRun | None:
+        return self.exchange.compiled_call(signature, algorithm, args, at)
+
+    def agree(self, signature: Signature) -> list[bytes]:
+        return self.exchange.agree(signature)
+
+    def refused(self) -> None:
+        self.exchange.refused()
+
+    # -- the issue order and point-to-point: the point_to_point part's --------------------------
+
+    issue_queue = _of("point_to_point.issue_queue", "The issue order this mesh shares with its root and theirs.")
+
+    def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "", numbered: bool = True,
+              what: Operation | None = None) -> Any:
+        return self.point_to_point.issue(run, async_op, p2p, numbered, what)
+
+    def issue_now(self, run: Callable[[], Any], what: Operation | None = None) -> Any:
+        return self.point_to_point.issue_now(run, what)
+
+    in_flight = _of("point_to_point.in_flight", "True while an asynchronous call in this mesh's issue order runs.")
+
+    def wait_all(self) -> None:
+        """Wait for every asynchronous collective issued so far; raise the first failure."""
+        self.point_to_point.wait_all()
+
+    recording = _of("point_to_point.recording", "True while this rank records its calls into a workload.")
+    global_ranks = _of("point_to_point.global_ranks", "This mesh's ranks as global ranks, in its rank order.")
+
+    def describe(self, op: str, dtype: DType, count: int, out_count: int, **rest: Any) -> Operation:
+        return self.point_to_point.describe(op, dtype, count, out_count, **rest)
+
+    def send(self, dst: int, tensor: Any, tag: int = 0) -> None:
+        """Send ``tensor`` to rank ``dst`` (:meth:`lab.comm.point_to_point.PointToPoint.send`)."""
+        self.point_to_point.send(dst, tensor, tag)
+
+    def recv(self, src: int | None, timeout_ms: float | None = None, tag: int = 0) -> Any:
+        """The next tensor from ``src`` (None: any rank; :meth:`lab.comm.point_to_point.PointToPoint.recv`)."""
+        return self.point_to_point.recv(src, timeout_ms, tag)
+
+    def probe(self, src: int | None, tag: int = 0, timeout_ms: float | None = None) -> int | None:
+        """The rank whose next tensor has arrived (:meth:`lab.comm.point_to_point.PointToPoint.probe`)."""
+        return self.point_to_point.probe(src, tag, timeout_ms)
+
+
+def _split_round(exchange: Exchange, color_key: tuple[int, int], next_context: int) -> list[list[int]]:
+    """:meth:`Mesh.split`'s collective: every rank's (color, key, next context id), in rank order,
+    this rank's sent to every other rank in one step."""
+    rank, world_size = exchange.rank, exchange.world_size
+    everyone = np.empty((world_size, 3), np.int64)
+    everyone[rank] = *color_key, next_context
+    others = [r for r in range(world_size) if r != rank]
+    with exchange.collective("split", "", DTYPES["int64"], 3):
+        if others:
+            exchange.transfer([Send(r, everyone[rank]) for r in others], [Recv(r, everyone[r]) for r in others])
+    return everyone.tolist()
 
 
 class _OwnOrderChannels:

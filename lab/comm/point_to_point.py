@@ -9,6 +9,7 @@ a message of another tag waits aside until its receive, as MPI matches by source
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -16,17 +17,26 @@ import numpy as np
 
 from lab import checks, fingerprint
 from lab.buffers import as_buffer
-from lab.comm import p2p
+from lab.comm import operations, p2p
 from lab.comm.exchange import Exchange
 from lab.comm.issue import IssueQueue
+from lab.comm.membership import Membership
 from lab.comm.operations import Operation
 from lab.errors import DeadlineError
 from lab.ops import DTYPES, DType, dtype_of
 from lab.transport.base import Recv, Send, silence_error
 
 
-class PointToPoint(Exchange):
-    """A mesh's issue order and point-to-point calls (see :class:`lab.Mesh`)."""
+class PointToPoint:
+    """A mesh's issue order and point-to-point calls (see :class:`lab.Mesh`), over ``exchange``
+    (the mesh's transfers, on ``membership``'s ranks) in the order ``issue_queue`` keeps."""
+
+    def __init__(self, exchange: Exchange, membership: Membership, issue_queue: IssueQueue) -> None:
+        self._exchange, self._membership, self._queue = exchange, membership, issue_queue
+        self.rank, self.world_size = membership.rank, membership.world_size
+        self._p2p_sent: Counter[tuple[int, int]] = Counter()  # point-to-point sequence numbers, per (peer, tag)
+        self._p2p_received: Counter[tuple[int, int]] = Counter()
+        self._next_any = 0  # recv(None) tries the ranks from this one on
 
     # -- issuing collectives, synchronously or not ----------------------------------------------
 
@@ -37,35 +47,51 @@ class PointToPoint(Exchange):
         its sub-meshes: :class:`lab.comm.issue.IssueQueue`). ``numbered`` False: ``run`` is no
         collective (a synchronous send, receive or probe), so a refusal numbers none. ``what``:
         the call as the program issued it, where the rank records (:meth:`describe`)."""
-        refused = self.refused if numbered and not p2p else None
-        return self._channels.issue.issue(run, async_op, p2p, refused, what)
+        refused = self._exchange.refused if numbered and not p2p else None
+        return self._queue.issue(run, async_op, p2p, refused, what)
 
     @property
     def issue_queue(self) -> IssueQueue:
         """The issue order this mesh shares with its root and the root's sub-meshes."""
-        return self._channels.issue
+        return self._queue
 
     def issue_now(self, run: Callable[[], Any], what: Operation | None = None) -> Any:
         """``issue(run, async_op=True)``, run on this thread when nothing is in flight; the Work
         returned is then complete (:meth:`lab.comm.issue.IssueQueue.issue_now`)."""
-        return self._channels.issue.issue_now(run, self.refused, what)
+        return self._queue.issue_now(run, self._exchange.refused, what)
 
     @property
     def in_flight(self) -> bool:
         """True while an asynchronous collective issued on this mesh (or its root, or any of the
         root's sub-meshes: they share one issue order) has not completed."""
-        return self._channels.issue.in_flight
+        return self._queue.in_flight
 
     def wait_all(self) -> None:
         """Wait for every asynchronous collective issued so far; raise the first failure."""
-        self._channels.issue.wait_all(recorded=True)
+        self._queue.wait_all(recorded=True)
 
     # -- what a recording notes (lab.comm.operations) ------------------------------------------------
 
     @property
     def recording(self) -> bool:
         """True while this rank records its calls (``lab.spawn(..., workload=)``, ``LAB_WORKLOAD``)."""
-        return self._channels.issue.recorder is not None
+        return self._queue.recorder is not None
+
+    def record_workload(self, path: str, store: Any = None, recorded: dict | None = None) -> None:
+        """Record every collective and point-to-point call of this rank (on this mesh and its
+        sub-meshes) into the workload file ``path`` (:mod:`lab.workload`), from now on.
+
+        ``store``: the ranks meet there so that rank 0 writes the file's header before any rank
+        records (under a launcher); without one, the header is written already (``lab.spawn``'s
+        parent writes it). ``recorded``: what the header says of the run, besides this mesh's
+        transport and hosts. A process already recording into ``path`` goes on with it.
+
+            mesh.record_workload("step.jsonl", store)   # every rank, once
+        """
+        exchange, membership = self._exchange, self._membership  # (a sub-mesh records as its root: global ranks)
+        about = {"transport": exchange.transport, "hosts": exchange.host_count,
+                 "ranks_per_host": exchange.local_world_size, **(recorded or {})}
+        operations.attach(self._queue, path, membership.global_rank, len(membership.hosts), store, about)
 
     @functools.cached_property
     def global_ranks(self) -> tuple[int, ...]:
@@ -121,10 +147,10 @@ class PointToPoint(Exchange):
             self._p2p_sent[dst, tag] += 1
             seq = self._p2p_sent[dst, tag]
             self._start_p2p("send", seq)
-            self._tag = self._p2p_tag(tag, seq, 0, p2p.HEADER_WORDS)
-            self._exchange([Send(dst, header)], [], counted=False)
-            self._tag = self._p2p_tag(tag, seq, buffer.dtype.code, buffer.numel)
-            self._exchange([Send(dst, buffer.load())], [])  # read now, after the async work before it
+            transfer = self._exchange.transfer
+            transfer([Send(dst, header)], [], counted=False, tag=self._p2p_tag(tag, seq, 0, p2p.HEADER_WORDS))
+            # (the payload read now, after the async work before it)
+            transfer([Send(dst, buffer.load())], [], tag=self._p2p_tag(tag, seq, buffer.dtype.code, buffer.numel))
 
         what = self.describe("send", buffer.dtype, buffer.numel, buffer.numel, peer=dst, tag=tag) \
             if self.recording else None
@@ -160,9 +186,9 @@ class PointToPoint(Exchange):
             chosen = self._ready_source(None, tag, timeout_ms)
             if chosen is None:
                 others = [r for r in range(self.world_size) if r != self.rank]
-                raise DeadlineError(f"{silence_error(self.rank, others, self.position)} "
-                                    f"(timeout_ms={self.recv_timeout_ms if timeout_ms is None else timeout_ms:g})",
-                                    others)
+                waited = self._exchange.recv_timeout_ms if timeout_ms is None else timeout_ms
+                raise DeadlineError(f"{silence_error(self.rank, others, self._exchange.position)} "
+                                    f"(timeout_ms={waited:g})", others)
             return chosen, self._receive(chosen, tag, timeout_ms)
 
         # (the tensor's dtype and size, and from any source its sender, come with it: learned)
@@ -208,17 +234,11 @@ class PointToPoint(Exchange):
         self._start_p2p("probe" if src is not None else "recv from any source", 0)
         # Each one's next header: what recv(src) would wait for (a peer's collectives later in its
         # issue order are not a tensor for us, and wait for their receive).
-        expected = {self._membership.to_global(r): self._p2p_tag(tag, self._p2p_received[r, tag] + 1, 0, p2p.HEADER_WORDS)
-                    for r in candidates}
-        timeout_ms = self.recv_timeout_ms if timeout_ms is None else timeout_ms
-        try:
-            found = self._transport.ready_source(expected, timeout_ms / 1000, self.position)
-        except BaseException:
-            self.clean = False  # (a lost peer, a forged frame: the channels cannot be trusted)
-            raise
+        expected = {r: self._p2p_tag(tag, self._p2p_received[r, tag] + 1, 0, p2p.HEADER_WORDS) for r in candidates}
+        timeout_ms = self._exchange.recv_timeout_ms if timeout_ms is None else timeout_ms
+        found = self._exchange.ready_source(expected, timeout_ms)
         if found is None:
             return None
-        found = self._membership.from_global(found)
         if src is None:
             self._next_any = (found + 1) % n
         return found
@@ -229,13 +249,13 @@ class PointToPoint(Exchange):
         seq = self._p2p_received[src, tag]
         self._start_p2p("recv", seq)
         header = np.empty(p2p.HEADER_WORDS, np.int64)
-        self._tag = self._p2p_tag(tag, seq, 0, p2p.HEADER_WORDS)
-        self._exchange([], [Recv(src, header)], timeout_ms, counted=False)
+        transfer = self._exchange.transfer
+        transfer([], [Recv(src, header)], timeout_ms, counted=False, tag=self._p2p_tag(tag, seq, 0, p2p.HEADER_WORDS))
         incoming = p2p.decode_header(header)
-        self._tag = self._p2p_tag(tag, seq, incoming.dtype.code, incoming.flat.size)
-        self._exchange([], [Recv(src, incoming.flat)], timeout_ms)
+        transfer([], [Recv(src, incoming.flat)], timeout_ms,
+                 tag=self._p2p_tag(tag, seq, incoming.dtype.code, incoming.flat.size))
         return incoming.tensor()
 
     def _start_p2p(self, kind: str, seq: int) -> None:
-        position = self.position
+        position = self._exchange.position
         position.collective, position.seq, position.algorithm, position.step = kind, seq, "", 0

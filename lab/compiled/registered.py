@@ -43,7 +43,7 @@ def empty(mesh: Any, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Te
             raise ValueError(f"shape must be non-negative ints; got {shape!r}")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype; got {dtype!r}")
-    scratch = mesh.scratch
+    scratch = mesh.exchange.scratch
     if scratch is None:
         return torch.empty(shape, dtype=dtype)
     lab_dtype = dtype_of(torch.empty(0, dtype=dtype), "dtype")

@@ -119,7 +119,7 @@ def _run(mesh: Mesh, task: bytes, rank_pid: int, rank: int) -> tuple[str, Any]:
         result = fn(mesh, *args)
         _leave_if_forked(rank_pid, rank)
         mesh.issue_queue.wait_all()  # a task ends when every collective it issued has completed
-        mesh.raise_if_unread("ended its run")  # (a message a disagreement left: not a silent end)
+        mesh.exchange.raise_if_unread("ended its run")  # (a message a disagreement left: not a silent end)
         if recorder is not None:
             recorder.close()  # its lines written: the parent may read the file once the run returns
         return "ok", pickle.dumps(result)
@@ -127,7 +127,7 @@ def _run(mesh: Mesh, task: bytes, rank_pid: int, rank: int) -> tuple[str, Any]:
         _leave_if_forked(rank_pid, rank)
         in_flight = mesh.in_flight
         reply = ("error", _failure(exc, mesh, in_flight))
-        if not mesh.clean or in_flight:
+        if not mesh.exchange.clean or in_flight:
             mesh.close()  # peers blocked on us see end-of-file now, not at their deadline
         return reply
 
@@ -136,7 +136,7 @@ def _failure(exc: BaseException, mesh: Mesh | None, in_flight: bool = False) -> 
     """What the parent is told of ``exc`` (call it while handling ``exc``: it takes the traceback)."""
     return RankFailure(
         type(exc).__name__, str(exc), traceback.format_exc(), time.monotonic_ns(),
-        clean=mesh is not None and mesh.clean and not in_flight,
+        clean=mesh is not None and mesh.exchange.clean and not in_flight,
         records=mesh.flight_records() if mesh else None,
         waiting_for=exc.peers if isinstance(exc, DeadlineError) else (), in_flight=in_flight,
         told=getattr(exc, "notice", None) is not None,

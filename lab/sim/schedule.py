@@ -62,11 +62,12 @@ ROOTED = {name: record.root for name, record in CATALOG.items() if record.root}
 REDUCING = tuple(name for name, record in CATALOG.items() if record.reduces)
 
 class RecordingMesh:
-    """What the public collectives and the algorithms use of a :class:`lab.Mesh` (the
-    :class:`lab.algorithms.peers.Peers` interface, ``issue``, ``collective``, ``kernels``, ``new_flat``),
-    with no transport: it records each transfer as a step and moves nothing. Its kernels do
-    nothing and its outputs are virtual, so no data is touched; each instance is its own, so
-    recordings in several threads at once do not meet.
+    """What the public collectives and the algorithms use of a :class:`lab.Mesh`
+    (:class:`lab.comm.protocols.CallMesh` and :class:`lab.algorithms.peers.Peers`), with no
+    transport: it records each transfer as a step and moves nothing. Its kernels do nothing and
+    its outputs are virtual, so no data is touched; each instance is its own, so recordings in
+    several threads at once do not meet. Plans and compiled calls are not simulated: it has no
+    compiled path, and it never records a workload.
 
     ``rank`` can be set, so one instance records every rank in turn. ``host``, ``local_rank`` and
     ``local_world_size`` follow ``ranks_per_host``, as on emulated hosts.
@@ -74,6 +75,9 @@ class RecordingMesh:
 
     transport = "sim"
     host_count = 1  # auto never weighs hierarchical here: the algorithm is always given
+    closed = False
+    recording = False  # (so no call describes itself)
+    compiled_max_bytes = 0  # no compiled path: every algorithm records as Python
 
     def __init__(self, world_size: int, ranks_per_host: int = 1) -> None:
         self._world_size, self._ranks_per_host = world_size, ranks_per_host
@@ -101,19 +105,33 @@ class RecordingMesh:
     def world_size(self) -> int:
         return self._world_size
 
-    def issue(self, run: Callable[[], Any], async_op: bool) -> Any:
+    def issue(self, run: Callable[[], Any], async_op: bool, *, what: Any = None) -> Any:
         return run()  # nothing is in flight, ever: run it now
+
+    @property
+    def issue_queue(self) -> Any:
+        raise SimulationUnsupported("a recording mesh has no issue order: plans and compiled calls are not simulated")
+
+    def refused(self) -> None:
+        pass  # nothing is in flight, so nothing is ever refused
 
     def wait_all(self) -> None:
         pass
 
+    def describe(self, op: str, dtype: DType, count: int, out_count: int, **rest: Any) -> Any:
+        raise SimulationUnsupported("a recording mesh records steps, not a workload's calls")
+
     @contextlib.contextmanager
-    def collective(self, name: str, algorithm: str, *args: Any, **kwargs: Any) -> Iterator[None]:
+    def collective(self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1,
+                   compiled: bool = True) -> Iterator[None]:
         self.ran.append((name, algorithm))
         yield
 
-    def compiled_call(self, *args: Any) -> None:
+    def compiled_call(self, signature: Any, algorithm: Any, args: tuple, at: bool = False) -> None:
         return None  # no compiled path: every algorithm records as Python
+
+    def agree(self, signature: Any) -> list[bytes]:
+        raise SimulationUnsupported("a recording mesh runs one rank at a time: plans are not simulated")
 
     def run(self, algorithm: Callable[..., None], *args: Any, **options: Any) -> None:
         """Run the algorithm on this recorder, as Python (what :meth:`lab.Mesh.run` does off shm)."""
