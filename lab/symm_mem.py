@@ -83,6 +83,8 @@ class _Block:
     scratch: Any
 
 
+#: The fingerprint a signal's wait hands the hook that drains the pipes meanwhile: no collective's.
+_NO_COLLECTIVE = np.zeros(32, np.uint8)
 #: Each live :func:`empty` allocation, by the address where its storage starts.
 _BLOCKS: dict[int, _Block] = {}
 
@@ -93,7 +95,7 @@ def _scratch(mesh: Mesh, what: str) -> Any:
         raise LabError(f"rank {mesh.rank}: {what} on a closed mesh")
     if mesh.world_size == 1:
         return None
-    if mesh.scratch is None or mesh._membership.members is not None:
+    if mesh.scratch is None or mesh.position.mesh:  # (a sub-mesh's ranks are not the scratch's)
         raise LabError(f"rank {mesh.rank}: {what} needs memory every rank maps: the shm transport's root mesh "
                        f"(this one: transport {mesh.transport!r}{', a sub-mesh' if mesh.scratch is not None else ''}); "
                        "lab.symm_mem.one_shot_all_reduce runs everywhere")
@@ -220,11 +222,10 @@ class SymmetricMemory:
             raise ValueError(f"timeout_ms must be a non-negative number (0: the mesh's recv_timeout_ms); "
                              f"got {timeout_ms!r}")
         self._check_open(where)
-        mesh = self._mesh
-        deadline_ns = compiled_deadline_ns(timeout_ms or mesh.recv_timeout_ms)
-        tag = np.frombuffer(mesh._tag[:32].ljust(32, b"\0"), np.uint8).copy()  # the hook's: the last collective's
-        hook = self._scratch.hook if self._scratch is not None else 0
-        status = flags.wait_word(self._region, self.rank, peer, offset, target, deadline_ns, self._liveness, hook, tag)
+        deadline_ns = compiled_deadline_ns(timeout_ms or self._mesh.recv_timeout_ms)
+        hook = self._scratch.hook if self._scratch is not None else 0  # (it drains the pipes; no collective's)
+        status = flags.wait_word(self._region, self.rank, peer, offset, target, deadline_ns, self._liveness, hook,
+                                 _NO_COLLECTIVE)
         if status == SILENCE:
             raise silence_error(self.rank, [peer], where)
         if status == PEER_LOST:

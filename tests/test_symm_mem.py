@@ -82,10 +82,9 @@ def out_of_place(mesh: lab.Mesh) -> list[str]:
     for name, dtype in REDUCE_DTYPES.items():
         for count in sorted({0, 1, max(n - 1, 1), 2 * n + 1, 3 * SLOT_BYTES // 2 + 7}):
             for where in ("symm_mem", "lab.empty", "torch"):
-                make = {"symm_mem": lambda: lab.symm_mem.empty(mesh, (count,), dtype.torch_dtype),
-                        "lab.empty": lambda: lab.empty(mesh, (count,), dtype.torch_dtype),
-                        "torch": lambda: torch.empty(count, dtype=dtype.torch_dtype)}[where]
-                x = make()
+                make = {"symm_mem": lab.symm_mem.empty, "lab.empty": lab.empty,
+                        "torch": lambda _, shape, dtype: torch.empty(shape, dtype=dtype)}[where]
+                x = make(mesh, (count,), dtype.torch_dtype)
                 for op in OPS:
                     if not takes(op, dtype):
                         continue

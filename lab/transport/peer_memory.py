@@ -199,10 +199,13 @@ class SharedScratch:
     # -- the two-shot allreduce ----------------------------------------------------------------
 
     def allreduce(self, buf: np.ndarray, reduction: Reduction, tag: bytes, timeout_s: float,
-                  where: object) -> Moved:
+                  where: object, one_shot: bool = False, source: np.ndarray | None = None) -> Moved:
         """Reduce ``buf`` (flat, contiguous) in place with every rank's, round by round (see the
         module docstring); every rank calls it with the same ``tag`` and size. Raises
-        TagMismatch, CollectiveMismatchError, DeadlineError or PeerLostError naming the peer."""
+        TagMismatch, CollectiveMismatchError, DeadlineError or PeerLostError naming the peer.
+        ``one_shot``: :meth:`one_shot` instead, from ``source``."""
+        if one_shot:
+            return self.one_shot(buf, reduction, tag, timeout_s, where, source)
         n, itemsize = self.world_size, buf.itemsize
         deadline_ns = compiled_deadline_ns(timeout_s * 1000)
         fingerprint = np.frombuffer(tag[:32].ljust(32, b"\0"), np.int64)
