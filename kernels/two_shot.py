@@ -31,6 +31,9 @@ Per rank, after copying its input into its slot and writing its header::
     status, peer = wait_all(region, rank, world_size, FILLED, round + 1, deadline_ns, liveness_fds, 0, fingerprint)
     # status OK: every rank's input of this round is readable; SILENCE or PEER_LOST: ``peer``'s is not
 
+:func:`wait_word` and :func:`store_word` wait for and store any int64 word of the region the
+same way (``lab.symm_mem``'s signal pads, which lie in the arenas).
+
 This module imports nothing from ``lab``.
 """
 

@@ -18,6 +18,10 @@ DONE. Memory traffic per rank: T in, T read while reducing (N slices of T/N), T 
 loads and stores where a ring makes about 2(N-1)/N·T of copies and 2(N-1)/N·T of reductions,
 each reading one more buffer. A registered tensor skips the copy in; its rank waits at the end
 until every peer has copied its slice out, since the caller may write the tensor next.
+
+One-shot (:meth:`SharedScratch.one_shot`) takes the same rounds, slots, headers and counters with
+one wait each: publish the input, wait for every rank's FILLED, fold all N inputs in rank order
+into the caller's buffer, publish DONE. ``lab.symm_mem``'s buffers lie in the arenas too.
 """
 
 from __future__ import annotations
