@@ -285,6 +285,8 @@ def one_shot_all_reduce(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh) -> tor
         x.copy_(torch.tensor([1.0, 2.0]) + mesh.rank)              # rank 0: [1, 2]   rank 1: [2, 3]
         lab.symm_mem.one_shot_all_reduce(x, "sum", mesh)           # both: [3, 5]; x unchanged
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor; got {type(tensor).__name__}")
     return one_shot_all_reduce_out(tensor, reduce_op, mesh, torch.empty(tensor.shape, dtype=tensor.dtype))
 
 
@@ -298,8 +300,9 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh, ou
     ``avg`` of float16/bfloat16 (which divides each input first), ``out`` is the copy. Elsewhere
     the one-shot's message form. Every rank ends with the same bits either way.
     """
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor; got {type(out).__name__}")
+    for name, value in (("tensor", tensor), ("out", out)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
     source = as_buffer(tensor, "tensor", writable=False)
     if out.shape != tensor.shape or out.dtype != tensor.dtype:
         raise ValueError(f"out must have tensor's shape and dtype {tuple(tensor.shape)} {tensor.dtype}; "

@@ -209,6 +209,7 @@ def bad_arguments(mesh: lab.Mesh) -> list[str]:
         "lab.symm_mem.empty": lambda: lab.symm_mem.rendezvous(torch.zeros(4), mesh),
         "out": lambda: lab.symm_mem.one_shot_all_reduce_out(torch.zeros(4), "sum", mesh, torch.zeros(5)),
         "op": lambda: lab.symm_mem.one_shot_all_reduce(torch.zeros(4), "median", mesh),
+        "tensor": lambda: lab.symm_mem.one_shot_all_reduce([1.0, 2.0], "sum", mesh),
     }
     missing = []
     for name, call in calls.items():
