@@ -1,13 +1,16 @@
-"""Two-shot allreduce against ring, gloo (and MPICH where mpi4py is installed), and the copy floor.
+"""Two-shot and one-shot allreduce against ring, gloo (and MPICH where mpi4py is installed), and the copy floor.
 
 In one run, on one pool per world size (shm): the copy bandwidth of one rank (numpy copy of
 16 MB, median of 20), then per size allreduce with ``ring``, ``two_shot``, ``two_shot`` on
-``lab.empty`` tensors (no copy in) and gloo, timed inside the ranks by ``lab.benchmark``'s rules
-(warm-up first; a call's time is its slowest rank's; the median over calls). Each row says how far
-it is from the floor: two-shot moves about 4T bytes through each rank's memory (T in, T read
-while reducing, T read and written out), so ``floor = 4T / copy_bw`` (3T for registered tensors).
+``lab.empty`` tensors (no copy in), ``one_shot``, ``lab.symm_mem.one_shot_all_reduce`` from a
+``lab.symm_mem.empty`` buffer (read in place, out of place) and gloo, timed inside the ranks by
+``lab.benchmark``'s rules (warm-up first; a call's time is its slowest rank's; the median over
+calls). Each row says how far it is from the floor, the bytes each rank moves through its memory
+at one rank's copy bandwidth: two-shot about 4T (T in, T read while reducing, T read and written
+out; 3T for registered tensors), one-shot (N+2)T (T in, N·T read, T out; (N+1)T from a symmetric
+buffer), the others counted as two-shot.
 
-Run:  python bench/two_shot.py [--ranks 4] [--sizes 262144,1048576,4194304,16777216]
+Run:  python bench/two_shot.py [--ranks 4] [--sizes 1024,16384,65536,262144,1048576,4194304,16777216]
 The machine is shared: note the load average printed with the table; ratios hold for one run only.
 """
 
@@ -26,7 +29,7 @@ from lab import mpich
 from lab.benchmark import copy_bandwidth, iterations_for, summarize, time_collective
 from lab.reference import ensure_gloo
 
-SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20]
+SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
 def time_registered(mesh: lab.Mesh, nbytes: int) -> list[int]:
@@ -47,6 +50,28 @@ def time_registered(mesh: lab.Mesh, nbytes: int) -> list[int]:
     return durations
 
 
+def time_symmetric(mesh: lab.Mesh, nbytes: int) -> list[int]:
+    """In one rank: each timed ``lab.symm_mem.one_shot_all_reduce_out`` from a symmetric buffer."""
+    iterations, warmup = iterations_for(nbytes)
+    ensure_gloo(mesh)
+    x = lab.symm_mem.empty(mesh, (nbytes // 4,), torch.float32)
+    x.copy_(torch.arange(nbytes // 4, dtype=torch.float32).mul_(1e-6).add_(mesh.rank))
+    out = torch.empty_like(x)
+    durations = []
+    dist.barrier()
+    for i in range(warmup + iterations):
+        start = time.perf_counter_ns()
+        lab.symm_mem.one_shot_all_reduce_out(x, "sum", mesh, out)
+        elapsed = time.perf_counter_ns() - start
+        if i >= warmup:
+            durations.append(elapsed)
+    return durations
+
+
+#: Bytes through one rank's memory per tensor byte (the floor), by case, at N ranks.
+PASSES = {"two_shot lab.empty": lambda n: 3, "one_shot": lambda n: n + 2, "one_shot symm_mem": lambda n: n + 1}
+
+
 def sweep(world_size: int, sizes: list[int], copy_gbps: float) -> pd.DataFrame:
     rows = []
     with lab.launch(world_size) as cluster:
@@ -54,6 +79,8 @@ def sweep(world_size: int, sizes: list[int], copy_gbps: float) -> pd.DataFrame:
             cases = {"ring": cluster.run(time_collective, "allreduce", "lab", nbytes, "ring"),
                      "two_shot": cluster.run(time_collective, "allreduce", "lab", nbytes, "two_shot"),
                      "two_shot lab.empty": cluster.run(time_registered, nbytes),
+                     "one_shot": cluster.run(time_collective, "allreduce", "lab", nbytes, "one_shot"),
+                     "one_shot symm_mem": cluster.run(time_symmetric, nbytes),
                      "gloo": cluster.run(time_collective, "allreduce", "gloo", nbytes)}
             for name, per_rank in cases.items():
                 rows.append({"N": world_size, "bytes": nbytes, "impl": name,
@@ -64,7 +91,7 @@ def sweep(world_size: int, sizes: list[int], copy_gbps: float) -> pd.DataFrame:
             rows.append({"N": world_size, "bytes": nbytes, "impl": "mpich",
                          **{k: row[k] for k in ("median_us", "p10_us", "p90_us", "algbw_GBps", "busbw_GBps", "calls")}})
     frame = pd.DataFrame(rows)
-    passes = frame["impl"].map(lambda impl: 3 if impl == "two_shot lab.empty" else 4)
+    passes = frame.apply(lambda r: PASSES.get(r["impl"], lambda n: 4)(r["N"]), axis=1)
     frame["floor_us"] = passes * frame["bytes"] / (copy_gbps * 1e3)
     frame["x floor"] = frame["median_us"] / frame["floor_us"]
     frame["vs gloo"] = frame.apply(lambda r: frame[(frame["bytes"] == r["bytes"]) & (frame["impl"] == "gloo")]

@@ -31,6 +31,9 @@ Per rank, after copying its input into its slot and writing its header::
     status, peer = wait_all(region, rank, world_size, FILLED, round + 1, deadline_ns, liveness_fds, 0, fingerprint)
     # status OK: every rank's input of this round is readable; SILENCE or PEER_LOST: ``peer``'s is not
 
+:func:`wait_word` and :func:`store_word` wait for and store any int64 word of the region the
+same way (``lab.symm_mem``'s signal pads, which lie in the arenas).
+
 This module imports nothing from ``lab``.
 """
 
@@ -97,10 +100,17 @@ def _sleep(words, doorbells, rank, index, target):
 
 @njit(cache=True, nogil=True)
 def _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds, hook, fingerprint):
-    """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST.
-    Every millisecond it polls ``peer``'s liveness pipe and, where due, calls ``hook`` with
-    ``fingerprint`` (:func:`kernels.hook.call_hook`: it drains ``liveness_fds``, the pipes)."""
-    index = (peer * AREA_BYTES + field) >> 3
+    """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST."""
+    return _wait_at(words, doorbells, rank, peer, (peer * AREA_BYTES + field) >> 3, target, deadline_ns,
+                    liveness_fds, hook, fingerprint)
+
+
+@njit(cache=True, nogil=True)
+def _wait_at(words, doorbells, rank, peer, index, target, deadline_ns, liveness_fds, hook, fingerprint):
+    """Wait until int64 word ``index`` of the region, which ``peer`` writes, is at least ``target``:
+    OK, SILENCE or PEER_LOST. Every millisecond it polls ``peer``'s liveness pipe and, where due,
+    calls ``hook`` with ``fingerprint`` (:func:`kernels.hook.call_hook`: it drains
+    ``liveness_fds``, the pipes)."""
     rounds = 0
     started = checked = hooked = monotonic_ns()
     while load_acquire(words, index) < target:
@@ -146,3 +156,21 @@ def wait_one(region, rank, peer, field, target, deadline_ns, liveness_fds, hook,
     """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST."""
     return _wait(region.view(np.int64), region.view(np.int32), rank, peer, field, target, deadline_ns,
                  liveness_fds, hook, fingerprint)
+
+
+@njit(cache=True, nogil=True)
+def wait_word(region, rank, peer, offset, target, deadline_ns, liveness_fds, hook, fingerprint):
+    """Wait until the int64 at byte ``offset`` of the region, which ``peer`` writes, is at least
+    ``target`` (a signal pad's counter, :mod:`lab.symm_mem`): OK, SILENCE or PEER_LOST."""
+    return _wait_at(region.view(np.int64), region.view(np.int32), rank, peer, offset >> 3, target, deadline_ns,
+                    liveness_fds, hook, fingerprint)
+
+
+@njit(cache=True, nogil=True)
+def store_word(region, peer, offset, value):
+    """Store the int64 at byte ``offset`` = ``value`` (release: our earlier writes go first), then
+    wake ``peer`` if it sleeps (it may wait on that word)."""
+    words, doorbells = region.view(np.int64), region.view(np.int32)
+    store_release(words, offset >> 3, value)
+    area = peer * AREA_BYTES
+    ring(words, doorbells, (area + DOORBELL) >> 2, (area + SLEEPING) >> 3)

@@ -12,7 +12,7 @@
 
 import importlib
 
-from lab import backend, bucketing, ddp, tuning
+from lab import backend, bucketing, ddp, symm_mem, tuning
 from lab.collectives.calls import (
     all_to_all,
     allgather,
@@ -128,5 +128,6 @@ __all__ = [
     "scatter_init",
     "sim",
     "spawn",
+    "symm_mem",
     "workload",
 ]

@@ -61,7 +61,7 @@ def parent_and_sub_mesh_in_different_orders(mesh: lab.Mesh, big: int, algorithm:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("algorithm", ["auto", "two_shot"])  # auto: 1 KB on the compiled path
+@pytest.mark.parametrize("algorithm", ["auto", "two_shot", "one_shot"])  # auto: 1 KB on the compiled path
 def test_a_wait_in_shared_memory_drains_the_pipes_for_another_mesh(world_size, algorithm):
     outs = lab.spawn(parent_and_sub_mesh_in_different_orders, world_size, args=(1 << 20, algorithm),
                      recv_timeout_ms=TIMEOUT_MS)
@@ -156,7 +156,7 @@ def allreduce_with_a_late_peer(mesh: lab.Mesh, algorithm: str) -> tuple[str, flo
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("algorithm", ["auto", "two_shot"])
+@pytest.mark.parametrize("algorithm", ["auto", "two_shot", "one_shot"])
 def test_a_deadline_under_a_nanosecond_still_expires(world_size, algorithm):
     outs = lab.spawn(allreduce_with_a_late_peer, world_size, args=(algorithm,), recv_timeout_ms=1e-7)
     for rank, (error, took) in enumerate(outs[:-1]):  # (the late rank finds its peers gone or late)
@@ -205,7 +205,7 @@ def allreduce_while_an_alarm_goes_off(mesh: lab.Mesh, algorithm: str, raising: b
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("algorithm", ["auto", "two_shot"])
+@pytest.mark.parametrize("algorithm", ["auto", "two_shot", "one_shot"])
 def test_a_signal_handler_runs_while_a_compiled_wait_lasts_and_the_wait_resumes(world_size, algorithm):
     outs = lab.spawn(allreduce_while_an_alarm_goes_off, world_size, args=(algorithm, False),
                      recv_timeout_ms=TIMEOUT_MS)
@@ -215,7 +215,7 @@ def test_a_signal_handler_runs_while_a_compiled_wait_lasts_and_the_wait_resumes(
 
 @pytest.mark.slow  # its peers wait out a 3 s deadline for the rank that left
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("algorithm", ["auto", "two_shot"])
+@pytest.mark.parametrize("algorithm", ["auto", "two_shot", "one_shot"])
 def test_what_a_signal_handler_raises_ends_the_wait(world_size, algorithm):
     # Rank 0 leaves the allreduce: its peers wait for it until their deadline (the plane is compiled
     # by then: the session's warm-up), so a short one, past the late rank's second.

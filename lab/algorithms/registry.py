@@ -29,6 +29,7 @@ from lab.algorithms import (
     allreduce_halving_doubling,
     allreduce_hierarchical,
     allreduce_naive,
+    allreduce_one_shot,
     allreduce_recursive_doubling,
     allreduce_ring,
     allreduce_ring_channels,
@@ -93,6 +94,7 @@ TABLE: tuple[Algorithm, ...] = (
     _entry("allreduce", allreduce_hierarchical, "hierarchical", 13, auto=False,  # weighed across hosts only
            fallback="across_hosts"),
     _entry("allreduce", allreduce_two_shot, "two_shot", 15),
+    _entry("allreduce", allreduce_one_shot, "one_shot", 19, auto=False),  # named only, until results fits it
     _entry("allreduce", allreduce_ring_channels, "ring_channels", 16, auto=False),  # weighed across hosts only
     _entry("allreduce", allreduce_chain_tree, "chain_tree", 17, auto=False,  # weighed across hosts only
            options=double_tree_schedule.call_options),

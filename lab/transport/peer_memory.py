@@ -18,6 +18,10 @@ DONE. Memory traffic per rank: T in, T read while reducing (N slices of T/N), T 
 loads and stores where a ring makes about 2(N-1)/N·T of copies and 2(N-1)/N·T of reductions,
 each reading one more buffer. A registered tensor skips the copy in; its rank waits at the end
 until every peer has copied its slice out, since the caller may write the tensor next.
+
+One-shot (:meth:`SharedScratch.one_shot`) takes the same rounds, slots, headers and counters with
+one wait each: publish the input, wait for every rank's FILLED, fold all N inputs in rank order
+into the caller's buffer, publish DONE. ``lab.symm_mem``'s buffers lie in the arenas too.
 """
 
 from __future__ import annotations
@@ -199,10 +203,13 @@ class SharedScratch:
     # -- the two-shot allreduce ----------------------------------------------------------------
 
     def allreduce(self, buf: np.ndarray, reduction: Reduction, tag: bytes, timeout_s: float,
-                  where: object) -> Moved:
+                  where: object, one_shot: bool = False, source: np.ndarray | None = None) -> Moved:
         """Reduce ``buf`` (flat, contiguous) in place with every rank's, round by round (see the
         module docstring); every rank calls it with the same ``tag`` and size. Raises
-        TagMismatch, CollectiveMismatchError, DeadlineError or PeerLostError naming the peer."""
+        TagMismatch, CollectiveMismatchError, DeadlineError or PeerLostError naming the peer.
+        ``one_shot``: :meth:`one_shot` instead, from ``source``."""
+        if one_shot:
+            return self.one_shot(buf, reduction, tag, timeout_s, where, source)
         n, itemsize = self.world_size, buf.itemsize
         deadline_ns = compiled_deadline_ns(timeout_s * 1000)
         fingerprint = np.frombuffer(tag[:32].ljust(32, b"\0"), np.int64)
@@ -244,6 +251,51 @@ class SharedScratch:
             # The caller may write its tensor as soon as we return: wait until no peer reads it.
             self._wait_all(flags.DONE, self.rounds, deadline_ns, where)
         return schedule_counts(buf.size, itemsize, self.rank, n)
+
+    def one_shot(self, buf: np.ndarray, reduction: Reduction, tag: bytes, timeout_s: float, where: object,
+                 source: np.ndarray | None = None) -> Moved:
+        """``buf`` = every rank's ``source`` (default ``buf``: in place) reduced in rank order
+        0..N-1, each rank reducing the whole tensor itself from the N inputs: one flag wait per
+        round (``slot_bytes`` of the tensor) where two-shot has three. The rounds, slots, headers
+        and counters are two-shot's (:meth:`allreduce`; the two interleave on one mesh): wait until
+        our slot is free, publish our input (copied into the slot, or, out of place, where it lies
+        in our arena), publish FILLED, wait for every rank's and compare headers, reduce, publish
+        DONE. A registered ``source`` is read in place, so its rank waits at the end until every
+        peer is done with it; in place, the input is always copied (``buf`` is written while the
+        peers read). Raises as :meth:`allreduce` does."""
+        source = buf if source is None else source
+        n, itemsize = self.world_size, buf.itemsize
+        deadline_ns = compiled_deadline_ns(timeout_s * 1000)
+        fingerprint = np.frombuffer(tag[:32].ljust(32, b"\0"), np.int64)
+        self._fingerprint = fingerprint.view(np.uint8)
+        registered = -1 if source is buf else self.registered_offset(source)
+        data = source.view(np.uint8)
+        per_round = max(1, self.slot_bytes // itemsize)
+        for lo in range(0, max(buf.size, 1), per_round):  # an empty tensor: one empty round (fingerprints still meet)
+            hi = min(buf.size, lo + per_round)
+            goal = self.rounds + 1
+            # Step 1: our slot is free once every rank is done with the last round.
+            self._wait_all(flags.DONE, goal - 1, deadline_ns, where)
+            # Step 2: publish our input: copied into our slot, or where it lies in our arena.
+            if registered >= 0:
+                at = registered + lo * itemsize
+            else:
+                at = self._slots + self.rank * self.slot_bytes
+                self.region[at:at + (hi - lo) * itemsize] = data[lo * itemsize:hi * itemsize]
+            self._write_header(fingerprint, buf.nbytes, at, (hi - lo) * itemsize)
+            flags.publish(self.region, self.rank, n, flags.FILLED, goal)
+            # Step 3: the one synchronisation: every rank's input, in the same collective.
+            self._wait_all(flags.FILLED, goal, deadline_ns, where)
+            sources = self._check_headers(tag, fingerprint, buf.nbytes, (hi - lo) * itemsize, where)
+            # Step 4: reduce the whole round from the N inputs, in rank order, into buf.
+            self._reduce(buf, lo, 0, hi - lo, sources, False, reduction)
+            flags.publish(self.region, self.rank, n, flags.DONE, goal)
+            self.rounds = goal
+        if registered >= 0:
+            # The caller may write its input as soon as we return: wait until no peer reads it.
+            self._wait_all(flags.DONE, self.rounds, deadline_ns, where)
+        moved = (n - 1) * buf.nbytes
+        return Moved(moved, moved, n - 1)
 
     def _write_header(self, fingerprint: np.ndarray, message_bytes: int, source: int, round_bytes: int) -> None:
         header = (self.rank * flags.AREA_BYTES + flags.HEADER) // 8
