@@ -218,17 +218,15 @@ class Exchange:
 
     def shared_allreduce(self, buf: np.ndarray, reduction: Reduction, one_shot: bool = False,
                          source: np.ndarray | None = None) -> bool:
-        """Allreduce ``buf`` in place by reading the peers' memory in place (the two-shot of
-        :mod:`lab.transport.peer_memory`, or its one-shot, from ``source`` where given); False, having done
-        nothing, where there is no scratch or this is a sub-mesh: the caller then sends messages."""
+        """Allreduce ``buf`` in place through the peers' memory (:mod:`lab.transport.peer_memory`'s two-shot, or
+        its one-shot from ``source``); False, doing nothing, without scratch or on a sub-mesh (send messages)."""
         if self.closed:
             raise LabError(f"{self._membership.who()}: this mesh is closed (an allreduce after mesh.close())")
         if self.scratch is None or self._membership.members is not None:
             return False
         self.position.step += 1
         with _failures(self, self.recv_timeout_ms):
-            moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1000, self.position,
-                                           one_shot, source)
+            moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1e3, self.position, one_shot, source)
         self.books.count(bytes_sent=moved.bytes_sent, bytes_received=moved.bytes_received,
                          messages_sent=moved.messages, messages_received=moved.messages)
         return True
