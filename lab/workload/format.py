@@ -21,7 +21,14 @@ the order that rank issued it::
   ``{"in": [...], "out": [...]}`` for an uneven all_to_all; ``algorithm`` the one the lab ran
   (``auto``'s pick resolved; absent for a send or receive); ``async`` whether the call returned a
   Work at once. ``issued_us``, ``waited_us`` and ``completed_us`` are measured on the rank's clock
-  from the start of the recording (informative; the replay does not read them).
+  from the start of the recording (informative; the replay does not read them, the per-stage
+  breakdown of a recording does: :func:`lab.workload.pipeline.measured_stages`).
+- A pipeline's transfers (a ``send`` or ``recv`` that ``torch.distributed.pipelining`` issued,
+  :mod:`lab.workload.pipeline`) also carry ``stage`` (the stage on this rank that sends or receives
+  it), ``peer_stage`` (the stage at the other end: a send feeds that stage's receive) and
+  ``microbatch``: all three or none, integers >= 0, ``peer_stage`` another stage than ``stage``.
+  A labelled send and the receive it pairs with must name each other's stages and one micro-batch.
+  Optional: a reader that does not know them replays the file the same.
 - ``kind`` ``"wait"``: the program waited on its operation ``index`` (``Work.wait()``).
 - ``kind`` ``"step"``: the end of a training step (``lab.workload.mark_step()``).
 - ``kind`` ``"gradients"``: a DDP model's gradients (``lab.workload.record_gradients``), at most one
@@ -71,6 +78,8 @@ READS = (1, 2)
 COLLECTIVES = tuple(CATALOG)
 POINT_TO_POINT = ("send", "recv")
 KINDS = ("op", "wait", "step")  # the events; a "gradients" line is none
+#: A pipeline transfer's labels (all or none), each an integer in [0, MAX_LABEL].
+PIPELINE_LABELS, MAX_LABEL = ("stage", "peer_stage", "microbatch"), 2**31 - 1
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2,
                "int32": 4, "int64": 8, "bool": 1, "complex64": 8, "complex128": 16}
 #: The most :func:`load` reads: a file of 1 GiB (some 3 million events: a replay needs a few
@@ -105,6 +114,12 @@ class Event:
     split_sizes: dict | None = None
     algorithm: str | None = None  # the one the lab ran (None: the file does not say)
     is_async: bool = False
+    stage: int | None = None  # a pipeline's transfer: the stage on this rank, the one at the other end
+    peer_stage: int | None = None
+    microbatch: int | None = None
+    issued_us: float | None = None  # the rank's clocks (informative)
+    waited_us: float | None = None
+    completed_us: float | None = None
 
     @property
     def nbytes(self) -> int:
@@ -224,9 +239,9 @@ def _event(row: Any, world_size: int, where: str) -> Event:
     if kind not in KINDS:
         raise ValueError(f"{where}: field 'kind' must be one of {', '.join(KINDS)}; got {_shown(kind)}")
     event = Event(rank, _need(row, "step", int, where), kind, _time_us(row, "compute_us", where))
-    for name in ("issued_us", "waited_us", "completed_us"):  # (informative: checked, not kept)
+    for name in ("issued_us", "waited_us", "completed_us"):  # (informative: checked, kept)
         if name in row:
-            _time_us(row, name, where)
+            setattr(event, name, _time_us(row, name, where))
     if "inferred" in row:
         _need(row, "inferred", bool, where)
     if kind == "step":
@@ -259,8 +274,28 @@ def _operation(row: dict, event: Event, world_size: int, where: str) -> None:
         if event.peer == event.rank:
             raise ValueError(f"{where}: field 'peer' must be another rank than {event.rank}; "
                              f"got {event.peer}")
+        _pipeline_labels(row, event, where)
+    elif any(name in row for name in PIPELINE_LABELS):
+        raise ValueError(f"{where}: field {next(n for n in PIPELINE_LABELS if n in row)!r} labels a pipeline's "
+                         f"send or receive, not a {event.op}")
     elif event.root is not None and event.root not in event.group:
         raise ValueError(f"{where}: field 'root' must be a member of the group; got {event.root}")
+
+
+def _pipeline_labels(row: dict, event: Event, where: str) -> None:
+    """A pipeline transfer's ``stage``, ``peer_stage`` and ``microbatch`` (all or none), into ``event``."""
+    named = [name for name in PIPELINE_LABELS if row.get(name) is not None]
+    if not named:
+        return
+    missing = [name for name in PIPELINE_LABELS if name not in named]
+    if missing:
+        raise ValueError(f"{where}: field {missing[0]!r} must come with {', '.join(named)} (a pipeline's "
+                         "transfer names its stage, its peer's stage and its micro-batch)")
+    event.stage, event.peer_stage, event.microbatch = (
+        _integer(row, name, where, 0, MAX_LABEL) for name in PIPELINE_LABELS)
+    if event.stage == event.peer_stage:
+        raise ValueError(f"{where}: field 'peer_stage' must be another stage than {event.stage}; "
+                         f"got {event.peer_stage}")
 
 
 def _group(row: dict, rank: int, world_size: int, where: str) -> tuple[int, ...]:
@@ -344,7 +379,7 @@ class _Reader:
         self.workload = workload
         self.issued: dict[int, int] = {}
         self.marked: dict[int, int] = {}
-        self.unpaired: dict[tuple[int, int, int], deque[tuple[str, int, str]]] = {}
+        self.unpaired: dict[tuple[int, int, int], deque[tuple[str, int, str, Event]]] = {}
 
     def add(self, row: Any, where: str) -> None:
         if isinstance(row, dict) and row.get("kind") == "gradients":
@@ -384,15 +419,23 @@ class _Reader:
         key = (src, dst, event.tag)
         waiting = self.unpaired.setdefault(key, deque())
         if not waiting or waiting[0][0] == event.op:
-            waiting.append((event.op, event.nbytes, where))
+            waiting.append((event.op, event.nbytes, where, event))
             return
-        op, nbytes, there = waiting.popleft()
+        op, nbytes, there, paired = waiting.popleft()
         if not waiting:
             del self.unpaired[key]
         if nbytes != event.nbytes:
             raise ValueError(f"{where}: this {event.op} of {event.nbytes:,} bytes (rank {src} to rank {dst}, "
                              f"tag {event.tag}) pairs with the {op} of {nbytes:,} bytes at {there}: a send "
                              "and its receive must carry the same bytes")
+        send, receive = (event, paired) if event.op == "send" else (paired, event)
+        labels = (send.stage, send.peer_stage, send.microbatch), (receive.peer_stage, receive.stage,
+                                                                  receive.microbatch)
+        if None not in labels[0] + labels[1] and labels[0] != labels[1]:
+            raise ValueError(f"{where}: fields 'stage', 'peer_stage', 'microbatch': this {event.op} (rank {src} to "
+                             f"rank {dst}, tag {event.tag}) pairs with the {op} at {there}, but the send is stage "
+                             f"{labels[0][0]}'s to stage {labels[0][1]} of micro-batch {labels[0][2]} and the receive "
+                             f"stage {labels[1][1]}'s from stage {labels[1][0]} of micro-batch {labels[1][2]}")
 
 
 def load(path: str | Path) -> Workload:
