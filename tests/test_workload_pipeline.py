@@ -107,7 +107,7 @@ def test_labels_round_trip_through_a_recording(tmp_path: Path) -> None:
         label = {"stage": rank + 3, "peer_stage": peer + 3, "microbatch": 7}
         recorder.expect([(op, peer, label), (op, 5, label)])  # (the second's peer is not the call's)
         for _ in range(2):
-            recorder.operation(op, [0, 1], "float32", 8, 8, is_async=False, peer=peer)
+            recorder.completed(recorder.operation(op, [0, 1], "float32", 8, 8, is_async=False, peer=peer))
             recorder.returned()
         recorder.expect([])
         recorder.mark_step()
