@@ -23,12 +23,8 @@ the order that rank issued it::
   Work at once. ``issued_us``, ``waited_us`` and ``completed_us`` are measured on the rank's clock
   from the start of the recording (informative; the replay does not read them, the per-stage
   breakdown of a recording does: :func:`lab.workload.pipeline.measured_stages`).
-- A pipeline's transfers (a ``send`` or ``recv`` that ``torch.distributed.pipelining`` issued,
-  :mod:`lab.workload.pipeline`) also carry ``stage`` (the stage on this rank that sends or receives
-  it), ``peer_stage`` (the stage at the other end: a send feeds that stage's receive) and
-  ``microbatch``: all three or none, integers >= 0, ``peer_stage`` another stage than ``stage``.
-  A labelled send and the receive it pairs with must name each other's stages and one micro-batch.
-  Optional: a reader that does not know them replays the file the same.
+- A pipeline's transfers may carry ``stage``, ``peer_stage`` and ``microbatch`` (all three or
+  none; :mod:`lab.workload.pipeline` says what they mean): a reader that ignores them replays the same.
 - ``kind`` ``"wait"``: the program waited on its operation ``index`` (``Work.wait()``).
 - ``kind`` ``"step"``: the end of a training step (``lab.workload.mark_step()``).
 - ``kind`` ``"gradients"``: a DDP model's gradients (``lab.workload.record_gradients``), at most one
@@ -71,6 +67,8 @@ from typing import Any, BinaryIO
 
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE
+from lab.workload.dims import mesh_dims
+from lab.workload.labels import PIPELINE_LABELS, check_pair, read_labels
 
 FORMAT, VERSION = "lab-workload", 2
 #: The versions :func:`load` reads (see the module's docstring).
@@ -78,8 +76,6 @@ READS = (1, 2)
 COLLECTIVES = tuple(CATALOG)
 POINT_TO_POINT = ("send", "recv")
 KINDS = ("op", "wait", "step")  # the events; a "gradients" line is none
-#: A pipeline transfer's labels (all or none), each an integer in [0, MAX_LABEL].
-PIPELINE_LABELS, MAX_LABEL = ("stage", "peer_stage", "microbatch"), 2**31 - 1
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2,
                "int32": 4, "int64": 8, "bool": 1, "complex64": 8, "complex128": 16}
 #: The most :func:`load` reads: a file of 1 GiB (some 3 million events: a replay needs a few
@@ -274,28 +270,10 @@ def _operation(row: dict, event: Event, world_size: int, where: str) -> None:
         if event.peer == event.rank:
             raise ValueError(f"{where}: field 'peer' must be another rank than {event.rank}; "
                              f"got {event.peer}")
-        _pipeline_labels(row, event, where)
-    elif any(name in row for name in PIPELINE_LABELS):
-        raise ValueError(f"{where}: field {next(n for n in PIPELINE_LABELS if n in row)!r} labels a pipeline's "
-                         f"send or receive, not a {event.op}")
     elif event.root is not None and event.root not in event.group:
         raise ValueError(f"{where}: field 'root' must be a member of the group; got {event.root}")
-
-
-def _pipeline_labels(row: dict, event: Event, where: str) -> None:
-    """A pipeline transfer's ``stage``, ``peer_stage`` and ``microbatch`` (all or none), into ``event``."""
-    named = [name for name in PIPELINE_LABELS if row.get(name) is not None]
-    if not named:
-        return
-    missing = [name for name in PIPELINE_LABELS if name not in named]
-    if missing:
-        raise ValueError(f"{where}: field {missing[0]!r} must come with {', '.join(named)} (a pipeline's "
-                         "transfer names its stage, its peer's stage and its micro-batch)")
-    event.stage, event.peer_stage, event.microbatch = (
-        _integer(row, name, where, 0, MAX_LABEL) for name in PIPELINE_LABELS)
-    if event.stage == event.peer_stage:
-        raise ValueError(f"{where}: field 'peer_stage' must be another stage than {event.stage}; "
-                         f"got {event.peer_stage}")
+    if any(row.get(name) is not None for name in PIPELINE_LABELS):  # (a pipeline's transfer)
+        read_labels(row, event, where, event.op in POINT_TO_POINT)
 
 
 def _group(row: dict, rank: int, world_size: int, where: str) -> tuple[int, ...]:
@@ -428,14 +406,8 @@ class _Reader:
             raise ValueError(f"{where}: this {event.op} of {event.nbytes:,} bytes (rank {src} to rank {dst}, "
                              f"tag {event.tag}) pairs with the {op} of {nbytes:,} bytes at {there}: a send "
                              "and its receive must carry the same bytes")
-        send, receive = (event, paired) if event.op == "send" else (paired, event)
-        labels = (send.stage, send.peer_stage, send.microbatch), (receive.peer_stage, receive.stage,
-                                                                  receive.microbatch)
-        if None not in labels[0] + labels[1] and labels[0] != labels[1]:
-            raise ValueError(f"{where}: fields 'stage', 'peer_stage', 'microbatch': this {event.op} (rank {src} to "
-                             f"rank {dst}, tag {event.tag}) pairs with the {op} at {there}, but the send is stage "
-                             f"{labels[0][0]}'s to stage {labels[0][1]} of micro-batch {labels[0][2]} and the receive "
-                             f"stage {labels[1][1]}'s from stage {labels[1][0]} of micro-batch {labels[1][2]}")
+        if event.stage is not None and paired.stage is not None:
+            check_pair(event, paired, where, there)
 
 
 def load(path: str | Path) -> Workload:
@@ -460,28 +432,3 @@ def load(path: str | Path) -> Workload:
     if workload.dims is None:
         workload.dims = mesh_dims(workload)
     return workload
-
-
-def mesh_dims(workload: Workload) -> dict[str, int] | None:
-    """The DeviceMesh the operations describe: each named ``dim``'s group size, outermost first
-    (row-major, as torch lays a DeviceMesh out: a dimension's groups step by the product of the
-    sizes after it); None where no operation names one, or where their groups are no such mesh of
-    ``world_size`` ranks (a 1-D mesh's dimension is torch's default group, which names none).
-
-        {"dp": 2, "tp": 2}    # from groups [0, 1], [2, 3] of "tp" and [0, 2], [1, 3] of "dp"
-    """
-    steps: dict[str, set[tuple[int, int]]] = {}  # each dimension's (size, the step between its ranks)
-    for events in workload.events.values():
-        for event in events:
-            if event.kind == "op" and event.dim is not None:
-                group = sorted(event.group)
-                gaps = {b - a for a, b in itertools.pairwise(group)}
-                steps.setdefault(event.dim, set()).add((len(group), gaps.pop() if len(gaps) == 1 else -1))
-    if not steps or any(len(seen) != 1 for seen in steps.values()):
-        return None
-    shape = sorted(((step, size, name) for name, ((size, step),) in steps.items()), reverse=True)
-    inner = [math.prod(size for _, size, _ in shape[i + 1:]) for i in range(len(shape))]
-    if math.prod(size for _, size, _ in shape) != workload.world_size or any(
-            size > 1 and step != stride for (step, size, _), stride in zip(shape, inner)):
-        return None
-    return {name: size for _, size, name in shape}
