@@ -46,10 +46,10 @@ def train(mesh: lab.Mesh, width: int, rows: int, microbatches: int, steps: int) 
     stage = PipelineStage(module, mesh.rank, mesh.world_size, torch.device("cpu"))
     schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda out, target: (out - target).square().mean())
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
-    data = torch.Generator().manual_seed(0)
+    data = torch.Generator().manual_seed(0)  # (drawn before the steps: no compute of theirs)
+    batches = [[torch.randn(rows * microbatches, width, generator=data) for _ in range(2)] for _ in range(steps)]
     times = []
-    for _ in range(steps):
-        inputs, target = (torch.randn(rows * microbatches, width, generator=data) for _ in range(2))
+    for inputs, target in batches:
         started = time.perf_counter()
         if mesh.rank == 0:
             schedule.step(inputs)

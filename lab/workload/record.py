@@ -177,7 +177,8 @@ class Recorder:
         """The pipeline's transfers the program issues next, in order (:mod:`lab.workload.pipeline`):
         each ``(op, peer, {"stage": ..., "peer_stage": ..., "microbatch": ...})`` or None; ``[]``: no
         more. Each send or receive issued takes the next one where its op and peer agree."""
-        self._labels = list(labels)
+        with self._lock:
+            self._labels = list(labels)
 
     def gradients(self, fields: dict) -> None:
         """Note a DDP model's gradients (:func:`record_gradients`): a ``gradients`` line, the first
