@@ -227,3 +227,42 @@ def test_a_recorded_pipeline_keeps_its_stages(tmp_path: Path, world_size: int) -
     result = lab.workload.replay(w, network=FREE)
     assert sorted(result.stages["rank"].unique()) == list(range(world_size))
     assert (result.stages["bubble_share"] > 0).all() and (result.stages["bubble_share"] < 1).all()
+
+
+def _interleaved(mesh: lab.Mesh) -> str:
+    """A step of interleaved 1F1B, rank r holding stages r and r + n, recorded."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    torch.set_num_threads(1)
+    lab.backend.init_process_group(mesh)
+    n = mesh.world_size
+    stages = [PipelineStage(torch.nn.Linear(WIDTH, WIDTH), index, 2 * n, torch.device("cpu"))
+              for index in (mesh.rank, mesh.rank + n)]
+    schedule = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=lambda out, target: (out - target).square().mean())
+    data = torch.ones(2 * MICROBATCHES, WIDTH)
+    if mesh.rank == 0:
+        schedule.step(data)
+    elif mesh.rank == n - 1:
+        schedule.step(target=data)
+    else:
+        schedule.step()
+    lab.workload.mark_step()
+    dist.destroy_process_group()
+    return "ok"
+
+
+def test_an_interleaved_pipeline_names_each_of_a_ranks_stages(tmp_path: Path) -> None:
+    path, n = tmp_path / "interleaved.jsonl", 2
+    assert lab.spawn(_interleaved, n, workload=str(path)) == ["ok"] * n
+    w = load(path)  # (each labelled send pairs with the receive of the inverse labels, or load refuses it)
+    last = 2 * n - 1
+    for rank in range(n):
+        transfers = [e for e in w.events[rank] if e.kind == "op" and e.stage is not None]
+        assert {e.stage for e in transfers} == {rank, rank + n}
+        for stage in (rank, rank + n):
+            for op, peer_stage in (("send", stage + 1), ("recv", stage - 1), ("send", stage - 1), ("recv", stage + 1)):
+                mine = [e.microbatch for e in transfers if (e.stage, e.op, e.peer_stage) == (stage, op, peer_stage)]
+                assert mine == (list(range(MICROBATCHES)) if 0 <= peer_stage <= last else []), (rank, stage, op)
+                assert all(e.peer == peer_stage % n for e in transfers if e.peer_stage == peer_stage)
