@@ -1,6 +1,7 @@
-"""Pipelines as workloads (lab.workload.pipeline): a recording of torch's pipelining keeps each
-transfer's stage, peer stage and micro-batch; the replay's per-stage bubble is GPipe's
-(S - 1) / (M + S - 1) on a hand-made workload; the labels round-trip and bad ones are refused."""
+"""Pipelines as workloads (lab.workload.pipeline, lab.workload.schedule): a recording of torch's
+pipelining keeps each transfer's stage, peer stage and micro-batch; the replay's per-stage bubble is
+GPipe's (S - 1) / (M + S - 1) on a hand-made workload, and on GPipe and 1F1B formed again at more
+micro-batches or stages; the labels round-trip and bad ones are refused."""
 
 from __future__ import annotations
 
@@ -266,3 +267,39 @@ def test_an_interleaved_pipeline_names_each_of_a_ranks_stages(tmp_path: Path) ->
                 mine = [e.microbatch for e in transfers if (e.stage, e.op, e.peer_stage) == (stage, op, peer_stage)]
                 assert mine == (list(range(MICROBATCHES)) if 0 <= peer_stage <= last else []), (rank, stage, op)
                 assert all(e.peer == peer_stage % n for e in transfers if e.peer_stage == peer_stage)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, microbatches", [(1, 3), (2, 1), (3, 5), (4, 8), (6, 2)])
+def test_a_formed_schedule_idles_gpipes_bubble(schedule: str, stages: int, microbatches: int) -> None:
+    from lab.workload.schedule import pipeline_workload
+
+    per_microbatch = FORWARD_US + BACKWARD_US
+    w = pipeline_workload(schedule, [per_microbatch] * stages, microbatches, 64, steps=2)
+    result = lab.workload.replay(w, network=FREE)
+    np.testing.assert_allclose(result.step_us, (microbatches + stages - 1) * per_microbatch, rtol=1e-9)
+    if stages > 1:
+        np.testing.assert_allclose(result.stages["bubble_share"], (stages - 1) / (microbatches + stages - 1),
+                                   rtol=1e-9)
+        np.testing.assert_allclose(result.stages["compute_us"], microbatches * per_microbatch, rtol=1e-9)
+
+
+def test_a_recording_retargeted_to_more_microbatches_and_stages(tmp_path: Path) -> None:
+    from lab.workload.schedule import retarget
+
+    w = load(write(tmp_path / "gpipe.jsonl", 4, gpipe(4, 8, 3)))
+    for microbatches, stages in ((16, None), (8, 8), (2, 2)):
+        target = retarget(w, microbatches=microbatches, stages=stages)
+        s = stages or 4
+        per_stage = lab.workload.replay(target, network=FREE).stages
+        assert sorted(per_stage["rank"].unique()) == list(range(s)) and len(per_stage) == 3 * s
+        # each micro-batch's compute kept, the model's split among the stages
+        np.testing.assert_allclose(per_stage["compute_us"], microbatches * (FORWARD_US + BACKWARD_US) * 4 / s)
+        np.testing.assert_allclose(per_stage["bubble_share"], (s - 1) / (microbatches + s - 1), rtol=1e-9)
+        sent = [e for e in target.events[0] if e.kind == "op"]
+        assert {e.nbytes for e in sent} == {64} and {e.microbatch for e in sent} == set(range(microbatches))
+    for bad in ({"microbatches": 0}, {"stages": True}, {"microbatches": 2.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            retarget(w, **bad)
+    with pytest.raises(ValueError, match="schedule"):
+        retarget(w, schedule="zb")
