@@ -12,8 +12,9 @@ its recorded compute and its time blocked on collectives: :func:`lab.workload.pi
 averaged over the stages). Replayed: each recording on the network the lab fitted for where it ran
 (``lab.sim.calibrated("shm")``; ``calibrated("tcp", hosts=4, link_gbit=...)``), and the one-host
 recording re-targeted onto the 4 hosts' network, against the 4 hosts' measurement (target: the
-step and the bubble's share within 15 %). The emulated hosts are namespaces of one machine: the
-stages share its cores. Writes ``pipeline.csv``, ``stages.csv`` and ``timeline.png`` (the 4-host
+step and the bubble's share within 15 %). Predicted: the 4 hosts' recording formed again as 1F1B
+at 2 and 4 times the micro-batches and at twice the stages (:mod:`lab.workload.schedule`). The emulated hosts are namespaces of one machine: the
+stages share its cores. Writes ``pipeline.csv``, ``stages.csv``, ``formed.csv`` and ``timeline.png`` (the 4-host
 step's stages, measured above replayed) into ``--out`` and prints the table as markdown.
 """
 
@@ -32,6 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 import lab
 from lab.comm import operations as recording
 from lab.workload.pipeline import measured_stages
+from lab.workload.schedule import retarget
 
 STAGES, TARGET = 4, 0.15
 
@@ -92,6 +94,19 @@ def compare(label: str, path: Path, network: lab.sim.Network, measured: pd.DataF
     print(f"{label}: step measured {real_step:.1f} ms, replayed {step:.1f} ms ({row['step_error']:+.1%}); bubble "
           f"{real_bubble:.1%} measured, {bubble:.1%} replayed", flush=True)
     return row, result
+
+
+def predictions(path: Path, network: lab.sim.Network, microbatches: int, warmup: int) -> pd.DataFrame:
+    """The recording at ``path`` formed again as 1F1B (:func:`lab.workload.schedule.retarget`) at
+    2 and 4 times its micro-batches and at twice its stages, replayed on ``network``: a prediction."""
+    recorded = lab.workload.load(path)
+    rows = []
+    for factor_m, factor_s in ((1, 1), (2, 1), (4, 1), (1, 2)):
+        formed = retarget(recorded, microbatches=microbatches * factor_m, stages=STAGES * factor_s)
+        step, bubble = summary(lab.workload.replay(formed, network=network).stages, min(warmup, formed.steps - 1))
+        rows.append({"stages": STAGES * factor_s, "microbatches": microbatches * factor_m, "replayed_ms": step,
+                     "replayed_bubble": bubble})
+    return pd.DataFrame(rows)
 
 
 def picture(path: Path, origins: list[int], result: lab.workload.ReplayResult, step: int, out: Path) -> None:
@@ -171,8 +186,12 @@ def main() -> None:
     table.to_csv(out / "pipeline.csv", index=False, float_format="%.6g")
     pd.concat([frame.assign(case=name) for name, frame in measured.items()]).to_csv(
         out / "stages.csv", index=False, float_format="%.6g")
+    formed = predictions(hosts, tcp, args.microbatches, args.warmup)
+    formed.to_csv(out / "formed.csv", index=False, float_format="%.6g")
     picture(hosts, origins, results[f"{STAGES} hosts, replayed there"], args.steps - 1, out / "timeline.png")
-    print(f"\n{table.to_string(index=False, float_format=lambda v: f'{v:.3g}')}\n\nWrote {out}/pipeline.csv, stages.csv, timeline.png")
+    shown = {"float_format": lambda v: f"{v:.3g}", "index": False}
+    print(f"\n{table.to_string(**shown)}\n\nthe 4 hosts' recording formed again (predicted):\n"
+          f"{formed.to_string(**shown)}\n\nWrote {out}/pipeline.csv, stages.csv, formed.csv, timeline.png")
 
 
 if __name__ == "__main__":
