@@ -42,6 +42,7 @@ here), its handles :class:`lab.backend.work.LabWork`.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -86,6 +87,10 @@ def create(options: Any, pg_options: Any = None) -> LabProcessGroup:
     if pg_options is not None and not isinstance(pg_options, Options):
         raise TypeError(f"pg_options must be lab.backend.Options; got {type(pg_options).__name__}")
     members = list(options.global_ranks_in_group)
+    if "torch.distributed.pipelining" in sys.modules:  # (a recording then labels its stages' transfers)
+        from lab.workload.pipeline import label_pipelines
+
+        label_pipelines()
     given = _world.pop("given", None)
     if given is not None:
         return _lent_world(given, options, lab_options)

@@ -6,6 +6,7 @@
     r = lab.workload.replay(w, world_size=1024, network=lab.sim.Network(alpha_us=5, gbit=100))
     r.step_us; r.compute_us; r.exposed_comm_us              # per recorded step
     r.breakdown                                             # one row per operation
+    r.stages                                                # a pipeline's: compute, exposed, bubble per stage
     r.timeline("sim.json")                                  # the simulated step, for Perfetto
     lab.workload.record_gradients(ddp_model)                # while recording: then replay(w, bucket_mb=4)
 

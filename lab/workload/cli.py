@@ -90,6 +90,14 @@ def summary(result, top: int = 10) -> str:
             if total
             else ""
         )
+    stages = result.stages
+    if stages is not None and not stages.empty:  # a pipeline's: each stage's step after the first
+        kept = stages[stages["step"] >= first].groupby("rank")
+        mean = kept[["compute_us", "exposed_us", "bubble_us", "bubble_share"]].mean()
+        lines += ["", "per stage (mean over the steps ranked): compute, exposed communication, bubble"]
+        lines += [f"rank {rank} (stage {', '.join(map(str, held))}): compute {row.compute_us:,.1f} µs, exposed "
+                  f"{row.exposed_us:,.1f} µs, bubble {row.bubble_us:,.1f} µs ({row.bubble_share:.0%} of the step)"
+                  for (rank, row), held in zip(mean.iterrows(), kept["stages"].first())]
     return "\n".join(lines)
 
 
@@ -105,6 +113,7 @@ def as_json(result) -> dict:
         "compute_us": finite(result.compute_us),
         "exposed_comm_us": finite(result.exposed_comm_us),
         "breakdown": json.loads(result.breakdown.to_json(orient="records")),
+        "stages": json.loads(result.stages.to_json(orient="records")) if result.stages is not None else [],
     }
 
 

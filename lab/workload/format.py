@@ -21,7 +21,10 @@ the order that rank issued it::
   ``{"in": [...], "out": [...]}`` for an uneven all_to_all; ``algorithm`` the one the lab ran
   (``auto``'s pick resolved; absent for a send or receive); ``async`` whether the call returned a
   Work at once. ``issued_us``, ``waited_us`` and ``completed_us`` are measured on the rank's clock
-  from the start of the recording (informative; the replay does not read them).
+  from the start of the recording (informative; the replay does not read them, the per-stage
+  breakdown of a recording does: :func:`lab.workload.pipeline.measured_stages`).
+- A pipeline's transfers may carry ``stage``, ``peer_stage`` and ``microbatch`` (all three or
+  none; :mod:`lab.workload.pipeline` says what they mean): a reader that ignores them replays the same.
 - ``kind`` ``"wait"``: the program waited on its operation ``index`` (``Work.wait()``).
 - ``kind`` ``"step"``: the end of a training step (``lab.workload.mark_step()``).
 - ``kind`` ``"gradients"``: a DDP model's gradients (``lab.workload.record_gradients``), at most one
@@ -64,6 +67,8 @@ from typing import Any, BinaryIO
 
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE
+from lab.workload.dims import mesh_dims
+from lab.workload.labels import PIPELINE_LABELS, check_pair, read_labels
 
 FORMAT, VERSION = "lab-workload", 2
 #: The versions :func:`load` reads (see the module's docstring).
@@ -105,6 +110,12 @@ class Event:
     split_sizes: dict | None = None
     algorithm: str | None = None  # the one the lab ran (None: the file does not say)
     is_async: bool = False
+    stage: int | None = None  # a pipeline's transfer: the stage on this rank, the one at the other end
+    peer_stage: int | None = None
+    microbatch: int | None = None
+    issued_us: float | None = None  # the rank's clocks (informative)
+    waited_us: float | None = None
+    completed_us: float | None = None
 
     @property
     def nbytes(self) -> int:
@@ -224,9 +235,9 @@ def _event(row: Any, world_size: int, where: str) -> Event:
     if kind not in KINDS:
         raise ValueError(f"{where}: field 'kind' must be one of {', '.join(KINDS)}; got {_shown(kind)}")
     event = Event(rank, _need(row, "step", int, where), kind, _time_us(row, "compute_us", where))
-    for name in ("issued_us", "waited_us", "completed_us"):  # (informative: checked, not kept)
+    for name in ("issued_us", "waited_us", "completed_us"):  # (informative: checked, kept)
         if name in row:
-            _time_us(row, name, where)
+            setattr(event, name, _time_us(row, name, where))
     if "inferred" in row:
         _need(row, "inferred", bool, where)
     if kind == "step":
@@ -261,6 +272,8 @@ def _operation(row: dict, event: Event, world_size: int, where: str) -> None:
                              f"got {event.peer}")
     elif event.root is not None and event.root not in event.group:
         raise ValueError(f"{where}: field 'root' must be a member of the group; got {event.root}")
+    if any(row.get(name) is not None for name in PIPELINE_LABELS):  # (a pipeline's transfer)
+        read_labels(row, event, where, event.op in POINT_TO_POINT)
 
 
 def _group(row: dict, rank: int, world_size: int, where: str) -> tuple[int, ...]:
@@ -344,7 +357,7 @@ class _Reader:
         self.workload = workload
         self.issued: dict[int, int] = {}
         self.marked: dict[int, int] = {}
-        self.unpaired: dict[tuple[int, int, int], deque[tuple[str, int, str]]] = {}
+        self.unpaired: dict[tuple[int, int, int], deque[tuple[str, int, str, Event]]] = {}
 
     def add(self, row: Any, where: str) -> None:
         if isinstance(row, dict) and row.get("kind") == "gradients":
@@ -384,15 +397,17 @@ class _Reader:
         key = (src, dst, event.tag)
         waiting = self.unpaired.setdefault(key, deque())
         if not waiting or waiting[0][0] == event.op:
-            waiting.append((event.op, event.nbytes, where))
+            waiting.append((event.op, event.nbytes, where, event))
             return
-        op, nbytes, there = waiting.popleft()
+        op, nbytes, there, paired = waiting.popleft()
         if not waiting:
             del self.unpaired[key]
         if nbytes != event.nbytes:
             raise ValueError(f"{where}: this {event.op} of {event.nbytes:,} bytes (rank {src} to rank {dst}, "
                              f"tag {event.tag}) pairs with the {op} of {nbytes:,} bytes at {there}: a send "
                              "and its receive must carry the same bytes")
+        if event.stage is not None and paired.stage is not None:
+            check_pair(event, paired, where, there)
 
 
 def load(path: str | Path) -> Workload:
@@ -417,28 +432,3 @@ def load(path: str | Path) -> Workload:
     if workload.dims is None:
         workload.dims = mesh_dims(workload)
     return workload
-
-
-def mesh_dims(workload: Workload) -> dict[str, int] | None:
-    """The DeviceMesh the operations describe: each named ``dim``'s group size, outermost first
-    (row-major, as torch lays a DeviceMesh out: a dimension's groups step by the product of the
-    sizes after it); None where no operation names one, or where their groups are no such mesh of
-    ``world_size`` ranks (a 1-D mesh's dimension is torch's default group, which names none).
-
-        {"dp": 2, "tp": 2}    # from groups [0, 1], [2, 3] of "tp" and [0, 2], [1, 3] of "dp"
-    """
-    steps: dict[str, set[tuple[int, int]]] = {}  # each dimension's (size, the step between its ranks)
-    for events in workload.events.values():
-        for event in events:
-            if event.kind == "op" and event.dim is not None:
-                group = sorted(event.group)
-                gaps = {b - a for a, b in itertools.pairwise(group)}
-                steps.setdefault(event.dim, set()).add((len(group), gaps.pop() if len(gaps) == 1 else -1))
-    if not steps or any(len(seen) != 1 for seen in steps.values()):
-        return None
-    shape = sorted(((step, size, name) for name, ((size, step),) in steps.items()), reverse=True)
-    inner = [math.prod(size for _, size, _ in shape[i + 1:]) for i in range(len(shape))]
-    if math.prod(size for _, size, _ in shape) != workload.world_size or any(
-            size > 1 and step != stride for (step, size, _), stride in zip(shape, inner)):
-        return None
-    return {name: size for _, size, name in shape}

@@ -87,7 +87,14 @@ class Recorder:
         self._returned = self._start  # when the program last got control back
         self._inside = 0  # lab calls in progress (a composite call issues others inside it)
         self._gradients: dict | None = None  # what record_gradients noted (once)
+        self._labels: list = []  # a pipeline's labels of the transfers about to be issued (expect)
         self.step, self.issued = 0, 0
+
+    @property
+    def origin_ns(self) -> int:
+        """The clock's reading (``time.perf_counter_ns``: one clock for every process of a machine)
+        that the file's times of this rank count from: what lines up the ranks' timelines."""
+        return self._start
 
     def _now_us(self, now: int) -> float:
         return (now - self._start) / 1e3
@@ -117,6 +124,10 @@ class Recorder:
             index, self.issued = self.issued, self.issued + 1
             row = {"kind": "op", "step": self.step, "index": index, "what": what, "async": is_async,
                    "compute_us": self._compute_us(now), "issued_us": self._now_us(now)}
+            if self._labels and what.op in POINT_TO_POINT:
+                op, peer, label = self._labels.pop(0) or (None, None, None)
+                if (op, peer) == (what.op, what.peer):  # (else not the transfer labelled: none)
+                    row["label"] = label
             self._rows.append(row)
             self._ops[index] = row
             if is_async:
@@ -161,6 +172,13 @@ class Recorder:
             self._inside = max(self._inside - 1, 0)
             if not self._inside:
                 self._returned = self._clock()
+
+    def expect(self, labels: list) -> None:
+        """The pipeline's transfers the program issues next, in order (:mod:`lab.workload.pipeline`):
+        each ``(op, peer, {"stage": ..., "peer_stage": ..., "microbatch": ...})`` or None; ``[]``: no
+        more. Each send or receive issued takes the next one where its op and peer agree."""
+        with self._lock:
+            self._labels = list(labels)
 
     def gradients(self, fields: dict) -> None:
         """Note a DDP model's gradients (:func:`record_gradients`): a ``gradients`` line, the first
@@ -207,7 +225,8 @@ class Recorder:
             return f'{head},"index":{row["index"]},"waited_us":{row["waited_us"]:.3f},{compute}{inferred}}}\n'
         completed = f',"completed_us":{row["completed_us"]:.3f}' if "completed_us" in row else ""
         is_async = "true" if row["async"] else "false"
-        return (f'{head},"index":{row["index"]},{self._fixed_of(row)},"async":{is_async},{compute},'
+        label = "".join(f',"{name}":{value}' for name, value in row["label"].items()) if "label" in row else ""
+        return (f'{head},"index":{row["index"]},{self._fixed_of(row)}{label},"async":{is_async},{compute},'
                 f'"issued_us":{row["issued_us"]:.3f}{completed}}}\n')
 
     def _fixed_of(self, row: dict) -> str:

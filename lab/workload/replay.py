@@ -8,7 +8,9 @@ issue order (the lab's one issue order per mesh, NCCL's stream): an operation is
 once issued and once the rank's previous operation completed. A collective starts when its last
 member is ready and ends, on every member, after the simulator's time for the lab's own
 algorithm at the group's size and bytes (:func:`lab.sim.simulate`, cached per collective,
-algorithm, group size, bytes and root); a send and its receive take one message's α + n·β.
+algorithm, group size, bytes and root). A send is eager, as the lab's are: it takes one message's
+α + n·β from when it is ready, whether its receive is posted or not, and the receive completes once
+it is ready and that message has arrived (a pipeline's stage issues its sends and goes on).
 
 What it does not model: contention between collectives of different groups that run at once
 (each is timed as if alone on the network), compute slowed by communication, and anything the
@@ -34,6 +36,7 @@ from lab.sim.limits import SimulationTooLarge, SimulationUnsupported
 from lab.sim.network import Network
 from lab.timeline import trace_events
 from lab.workload.format import POINT_TO_POINT, Event, Workload
+from lab.workload.pipeline import stage_of, stages
 from lab.workload.retarget import Layout
 
 if TYPE_CHECKING:
@@ -130,7 +133,10 @@ class ReplayResult:
     ``breakdown``: one row per operation of the step (by its index in the template rank's issue
     order): op, group size, bytes, the algorithm timed and the one the recording says ran
     (``recorded_algorithm``; None where the file does not say), predicted µs, exposed µs (the
-    longest any member was blocked on it) and its share of the step."""
+    longest any member was blocked on it) and its share of the step. ``stages``: a pipeline's
+    breakdown per rank that holds stages and per step (:func:`lab.workload.pipeline.stages`: its
+    compute, its time blocked on collectives, and the bubble, the rest of the step; empty where no
+    transfer names a stage)."""
 
     world_size: int
     network: Network
@@ -139,6 +145,7 @@ class ReplayResult:
     exposed_comm_us: np.ndarray
     breakdown: pd.DataFrame
     slices: list[dict]
+    stages: pd.DataFrame | None = None
 
     def timeline(self, path: str | Path) -> None:
         """The simulated steps as a Chrome/Perfetto trace (``python -m lab timeline``'s format): per
@@ -233,6 +240,7 @@ class Replay:
         self.arriving: deque[_Op] = deque()
         self.step_end = np.zeros((n, workload.steps))
         self.step_compute = np.zeros((n, workload.steps))
+        self.step_exposed = np.zeros((n, workload.steps))  # blocked on collectives
         self.exposed: dict[tuple[int, int], float] = {}  # (step, index) -> longest block on it
         self.rows: dict[tuple[int, int], dict] = {}
         self.slices: list[dict] = []
@@ -311,6 +319,8 @@ class Replay:
         self.clock[rank] = max(self.clock[rank], op.done)
         row = (op.event.step, op.event.index)
         self.exposed[row] = max(self.exposed.get(row, 0.0), self.clock[rank] - since)
+        if op.event.op not in POINT_TO_POINT:
+            self.step_exposed[rank, event.step] += self.clock[rank] - since
         self.blocked_since[rank] = None
 
     def _issue(self, rank: int, event: Event) -> None:
@@ -338,6 +348,9 @@ class Replay:
         """``op`` is ready (issued, and its rank's previous operation done); resolve its collective
         once every member is."""
         op.ready = max(op.issued, self.ops[op.rank][op.position - 1].done if op.position else 0.0)
+        if op.event.op in POINT_TO_POINT:
+            self._transfer(op)
+            return
         instance = self.instances.setdefault(op.key, [])
         if instance:
             self._check_same(instance[0], op)
@@ -354,29 +367,43 @@ class Replay:
                 f"{op.rank} (recorded rank {b.rank}) calls {b.op} of {b.count} {b.dtype} on the same group"
             )
 
+    def _transfer(self, op: _Op) -> None:
+        """A send or receive ready: a send leaves now (eager); a receive completes once its send's
+        message has arrived, the one that left first where it has not."""
+        waiting = self.instances.setdefault(op.key, [])
+        if op.event.op == "send":
+            duration = self.network.alpha_us + op.event.nbytes * self.network.beta_us_per_byte
+            self._finish(op, op.ready, op.ready + duration, "message", duration)
+        if not waiting:  # (the other end is not ready yet: it finds this one)
+            waiting.append(op)
+            return
+        other = waiting.pop()
+        del self.instances[op.key]
+        send, receive = (op, other) if op.event.op == "send" else (other, op)
+        self._finish(receive, receive.ready, max(receive.ready, send.done), "message", send.done - send.start)
+
     def _resolve(self, instance: list[_Op]) -> None:
         first = instance[0]
         event = first.event
         start = max(op.ready for op in instance)
-        if event.op in POINT_TO_POINT:
-            duration, algorithm = (
-                self.network.alpha_us + event.nbytes * self.network.beta_us_per_byte,
-                "message",
-            )
-        else:
-            duration, algorithm = collective_us(*timed(event, first.size, self.layout, self.algorithms),
-                                                self.network)
+        duration, algorithm = collective_us(*timed(event, first.size, self.layout, self.algorithms), self.network)
+        for op in instance:
+            self._finish(op, start, start + duration, algorithm, duration)
+
+    def _finish(self, op: _Op, start: float, done: float, algorithm: str, duration: float) -> None:
+        """``op`` ran from ``start`` to ``done``: its row, its slice, and its rank's next operation ready."""
+        event = op.event
         row = self.rows.setdefault(
             (event.step, event.index),
             {
                 "step": event.step,
                 "index": event.index,
                 "op": event.op,
-                "group_size": first.size,
+                "group_size": op.size,
                 "dim": event.dim,
                 "nbytes": event.nbytes
                 if event.op in POINT_TO_POINT
-                else self.layout.nbytes(event, first.size),
+                else self.layout.nbytes(event, op.size),
                 "algorithm": algorithm,
                 "recorded_algorithm": event.algorithm,
                 "async": event.is_async,
@@ -384,21 +411,13 @@ class Replay:
             },
         )
         row["predicted_us"] = max(row["predicted_us"], duration)
-        for op in instance:
-            op.start, op.done = start, start + duration
-            if self.record_slices:
-                self.slices.append(
-                    {
-                        "rank": op.rank,
-                        "cat": "communication",
-                        "name": f"{event.op} {algorithm}",
-                        "start_us": start,
-                        "end_us": op.done,
-                    }
-                )
-            ops = self.ops[op.rank]
-            if op.position + 1 < len(ops) and ops[op.position + 1].ready is None:
-                self.arriving.append(ops[op.position + 1])
+        op.start, op.done = start, done
+        if self.record_slices:
+            self.slices.append({"rank": op.rank, "cat": "communication", "name": f"{event.op} {algorithm}",
+                                "start_us": start, "end_us": done})
+        ops = self.ops[op.rank]
+        if op.position + 1 < len(ops) and ops[op.position + 1].ready is None:
+            self.arriving.append(ops[op.position + 1])
 
     def result(self) -> ReplayResult:
         ends = self.step_end
@@ -416,4 +435,9 @@ class Replay:
                 self.exposed.get((s, i), 0.0) for s, i in zip(frame["step"], frame["index"])
             ]
             frame["share"] = frame["exposed_us"] / frame["step"].map(dict(enumerate(step_us)))
-        return ReplayResult(self.layout.world_size, self.network, step_us, compute, exposed, frame, self.slices)
+        held = {template: stage_of(self.workload, template) for template in set(self.templates)}
+        own = {rank: held[template] for rank, template in enumerate(self.templates)}
+        per_stage = stages(step_us, self.step_compute, self.step_exposed,
+                           {rank: mine for rank, mine in own.items() if mine})
+        return ReplayResult(self.layout.world_size, self.network, step_us, compute, exposed, frame, self.slices,
+                            per_stage)
