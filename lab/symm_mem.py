@@ -95,11 +95,11 @@ def _scratch(mesh: Mesh, what: str) -> Any:
         raise LabError(f"rank {mesh.rank}: {what} on a closed mesh")
     if mesh.world_size == 1:
         return None
-    if mesh.scratch is None or mesh.position.mesh:  # (a sub-mesh's ranks are not the scratch's)
+    if mesh.exchange.scratch is None or mesh.exchange.position.mesh:  # (a sub-mesh's ranks are not the scratch's)
         raise LabError(f"rank {mesh.rank}: {what} needs memory every rank maps: the shm transport's root mesh "
-                       f"(this one: transport {mesh.transport!r}{', a sub-mesh' if mesh.scratch is not None else ''}); "
+                       f"(this one: transport {mesh.transport!r}{', a sub-mesh' if mesh.exchange.scratch is not None else ''}); "
                        "lab.symm_mem.one_shot_all_reduce runs everywhere")
-    return mesh.scratch
+    return mesh.exchange.scratch
 
 
 def empty(mesh: Mesh, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -40,7 +40,7 @@ def exact_everywhere(mesh: lab.Mesh) -> list[str]:
     (a sub-mesh of every rank) and two-shot, bit for bit."""
     everyone = mesh.split(color=0)
     n, wrong = mesh.world_size, []
-    assert n == 1 or mesh.scratch is not None
+    assert n == 1 or mesh.exchange.scratch is not None
     for name, dtype in REDUCE_DTYPES.items():
         for count in counts(n):
             for op in OPS:

@@ -283,7 +283,7 @@ class Mesh:
     def host_of(self, rank: int) -> int:
         return self.exchange.host_of(rank)
 
-    shared_allreduce = _of("exchange.shared_allreduce", "Two-shot's in-place path, for its algorithm run here.")
+    shared_allreduce = _of("exchange.shared_allreduce", "Two-shot's and one-shot's shared-memory path, for them run here.")
 
     # -- what the public collectives use (lab.comm.protocols.CallMesh) --------------------------
 
