@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import child_env, free_port, pool
+from helpers import child_env, free_port, pool, wait_until
 
 import lab
 
@@ -94,11 +94,13 @@ def test_two_threads_on_one_pool_each_get_their_own_results(cluster):
 # -- 4. a rank that raises with async collectives in flight ----------------------------------------
 
 
-def raise_with_work_in_flight(mesh: lab.Mesh) -> None:
-    if mesh.rank == 0:
-        time.sleep(0.3)  # rank 1's collective cannot complete before it raises
+def raise_with_work_in_flight(mesh: lab.Mesh, flags: str) -> None:
+    raising = Path(flags) / "raising"
+    if mesh.rank == 0:  # joins once rank 1 is raising: its collective cannot complete before that
+        wait_until(raising.exists, "rank 1 to raise")
     lab.allreduce(mesh, torch.ones(1000), async_op=True)
     if mesh.rank == 1:
+        raising.touch()
         raise RuntimeError("user code failed after issuing an async allreduce")
 
 
@@ -107,10 +109,10 @@ def sum_ranks(mesh: lab.Mesh) -> float:
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_failure_with_async_work_in_flight_closes_the_pool_and_says_so(transport):
+def test_a_failure_with_async_work_in_flight_closes_the_pool_and_says_so(transport, tmp_path):
     with pool(3, transport) as c:
         with pytest.raises(lab.RankError) as info:
-            c.run(raise_with_work_in_flight)
+            c.run(raise_with_work_in_flight, str(tmp_path))
         assert info.value.rank == 1 and info.value.exc_type == "RuntimeError"
         with pytest.raises(lab.LabError, match="closed.*asynchronous collectives in flight"):
             c.run(sum_ranks)
