@@ -129,7 +129,7 @@ def run_ranks(n: int, how: str, init: str | None = None) -> list[str]:
         if how == "silent" and rank == n - 1:
             process.kill()  # the others have ended (they were waiting for it): no need to wait out its sleep
         try:
-            stdout, stderr = process.communicate(timeout=120)
+            stdout, stderr = process.communicate(timeout=300)  # a hang guard: three torch starts on a loaded machine
         except subprocess.TimeoutExpired:
             for other in processes:
                 other.kill()
