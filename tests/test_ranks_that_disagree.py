@@ -46,10 +46,14 @@ def pattern(count: int, rank: int) -> torch.Tensor:
 # -- 2. ranks that disagree on the root ---------------------------------------------------------
 
 
-def disagreeing_root(mesh: lab.Mesh, collective: str, count: int, how: str) -> None:
+def disagreeing_root(mesh: lab.Mesh, collective: str, count: int, how: str, flags: str) -> None:
     """One rooted collective whose root differs between ranks: ``split``, rank 0 says 0 and the
-    others 1; ``cycle``, each rank names the next one."""
+    others 1; ``cycle``, each rank names the next one. The ranks enter it together (each leaves
+    the file ``ready<rank>`` in ``flags`` and waits for the others'): a rank a loaded machine
+    starts late is not taken for a silent one by the others' short deadline."""
     n, rank = mesh.world_size, mesh.rank
+    (Path(flags) / f"ready{rank}").touch()
+    wait_until(lambda: all((Path(flags) / f"ready{r}").exists() for r in range(n)), "every rank")
     root = (0 if rank == 0 else 1) if how == "split" else (rank + 1) % n
     rooted(mesh, collective, pattern(count, rank), root)
 
@@ -57,7 +61,7 @@ def disagreeing_root(mesh: lab.Mesh, collective: str, count: int, how: str) -> N
 @pytest.mark.slow  # the ranks that all wait for a root wait out their deadlines
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ranks_that_disagree_on_the_root_never_end_silently(transport, world_size):
+def test_ranks_that_disagree_on_the_root_never_end_silently(transport, world_size, tmp_path):
     # Catching it at the call itself takes a wait of every rank, which deadlocks sub-meshes entered
     # in different orders (tests/test_silent_results.py's contexts, round 2). Where every rank only
     # sends, the message one left unread is found by the next collective, or at the end of the
@@ -66,8 +70,10 @@ def test_ranks_that_disagree_on_the_root_never_end_silently(transport, world_siz
         for collective in ROOTED:
             for how in ("split", "cycle"):
                 case = (collective, count, how)
+                flags = tmp_path / "-".join(map(str, case))
+                flags.mkdir()
                 with pytest.raises(lab.RankError) as info:
-                    lab.spawn(disagreeing_root, world_size, args=case, transport=transport,
+                    lab.spawn(disagreeing_root, world_size, args=(*case, str(flags)), transport=transport,
                               recv_timeout_ms=1000)
                 error = info.value
                 assert error.exc_type in ("CollectiveMismatchError", "DeadlineError"), (case, str(error))
