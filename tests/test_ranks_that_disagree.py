@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import pool, rooted, wait_until
+from helpers import enter_together, pool, rooted, wait_until
 
 import lab
 from lab import fingerprint
@@ -48,12 +48,9 @@ def pattern(count: int, rank: int) -> torch.Tensor:
 
 def disagreeing_root(mesh: lab.Mesh, collective: str, count: int, how: str, flags: str) -> None:
     """One rooted collective whose root differs between ranks: ``split``, rank 0 says 0 and the
-    others 1; ``cycle``, each rank names the next one. The ranks enter it together (each leaves
-    the file ``ready<rank>`` in ``flags`` and waits for the others'): a rank a loaded machine
-    starts late is not taken for a silent one by the others' short deadline."""
+    others 1; ``cycle``, each rank names the next one. The ranks enter it together (``flags``)."""
     n, rank = mesh.world_size, mesh.rank
-    (Path(flags) / f"ready{rank}").touch()
-    wait_until(lambda: all((Path(flags) / f"ready{r}").exists() for r in range(n)), "every rank")
+    enter_together(mesh, flags)
     root = (0 if rank == 0 else 1) if how == "split" else (rank + 1) % n
     rooted(mesh, collective, pattern(count, rank), root)
 
