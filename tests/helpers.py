@@ -4,7 +4,8 @@ every collective, the failure collectors, faults injected into a rank, and the c
 Rank-side functions live here, in an importable module, so that rank processes can unpickle them.
 
 - Pools and processes: :func:`pool`, :func:`child_env`, :func:`free_port`, :func:`sigint_as_ctrl_c`,
-  :func:`shm_entries`, :func:`require_hosts` (skips, saying why, where emulated hosts cannot be made).
+  :func:`shm_entries`, :func:`wait_until` (one process's step awaited by another, not slept out), :func:`enter_together`,
+  :func:`require_hosts` (skips, saying why, where emulated hosts cannot be made).
 - Per-rank checks (``check_*``: each returns its rank's failures as text; inputs ``index * STRIDE
   + rank``, exact expected values; see tests/test_collectives.py's docstring for the wire set) and
   :func:`assert_no_failures`, which collects every rank's.
@@ -95,6 +96,26 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def wait_until(ready, what: str, limit_s: float = 120.0) -> None:
+    """Poll ``ready()`` until it holds: one process waits for another's step by what it can observe
+    (a file the other wrote, a handle completed, a process gone), never by a sleep that a loaded
+    machine can outlast. ``limit_s`` only ends a hang, naming ``what`` was awaited."""
+    end = time.monotonic() + limit_s
+    while not ready():
+        if time.monotonic() > end:
+            raise TimeoutError(f"still waiting for {what} after {limit_s:.0f} s")
+        time.sleep(0.01)
+
+
+def enter_together(mesh: lab.Mesh, flags: str) -> None:
+    """Every rank leaves the file ``ready<rank>`` in the folder ``flags`` and waits for the others':
+    they start their next call together, so that a rank a loaded machine started late is not taken
+    for a silent one by the others' short deadline."""
+    (Path(flags) / f"ready{mesh.rank}").touch()
+    ready = [Path(flags) / f"ready{rank}" for rank in range(mesh.world_size)]
+    wait_until(lambda: all(path.exists() for path in ready), "every rank to start")
 
 
 @functools.cache

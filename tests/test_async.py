@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import wait_until
 
 import lab
 
@@ -38,13 +39,16 @@ def async_in_order(mesh: lab.Mesh) -> list[str]:
     return failures
 
 
-def overlap_compute(mesh: lab.Mesh) -> tuple[bool, bool]:
-    """An async allreduce waiting on a slow peer does not block this rank's computation."""
-    x = torch.ones(10)
+def overlap_compute(mesh: lab.Mesh, flags: str) -> tuple[bool, bool]:
+    """An async allreduce waiting on a slow peer does not block this rank's computation (rank 1
+    joins once rank 0 has its handle, and has looked at it: the file ``handed`` in ``flags``)."""
+    x, handed = torch.ones(10), Path(flags) / "handed"
     if mesh.rank == 1:
-        time.sleep(0.5)
+        wait_until(handed.exists, "rank 0's handle")
     work = lab.allreduce(mesh, x, async_op=True)
     done_before_compute = work.is_completed()
+    if mesh.rank == 0:
+        handed.touch()
     torch.randn(200, 200) @ torch.randn(200, 200)
     work.wait()
     return done_before_compute, bool(torch.equal(x, torch.full((10,), float(mesh.world_size))))
@@ -64,9 +68,9 @@ def test_async_collectives_complete_in_issue_order(transport):
     assert not [f for per_rank in outputs for f in per_rank]
 
 
-def test_async_returns_before_the_collective_completes():
-    outputs = lab.spawn(overlap_compute, 2)
-    assert outputs[0] == (False, True)  # rank 0 got its handle while rank 1 was still asleep
+def test_async_returns_before_the_collective_completes(tmp_path):
+    outputs = lab.spawn(overlap_compute, 2, args=(str(tmp_path),))
+    assert outputs[0] == (False, True)  # rank 0 got its handle while rank 1 was still waiting
     assert all(ok for _, ok in outputs)
 
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from helpers import pool, slow_from_five
+from helpers import enter_together, pool, slow_from_five
 
 import lab
 from lab.algorithms import registry
@@ -292,6 +292,7 @@ def test_a_rank_in_another_collective_is_a_mismatch_naming_it(compiled_env, what
 
 
 def stalled(mesh: lab.Mesh, how: str, out: str) -> str:
+    enter_together(mesh, out)  # (a rank started late is not the one that stops)
     if mesh.rank == 1:
         if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -328,6 +329,7 @@ def each_compiled(mesh: lab.Mesh, collective: str, count: int) -> None:
 def failing_in_each(mesh: lab.Mesh, collective: str, how: str, out: str) -> str:
     """Rank 1 of 3 stops (sleeps past the deadline), dies, or (``"mismatched"``) calls the
     collective on another size (the barrier: an allreduce instead): what each rank sees."""
+    enter_together(mesh, out)  # (a rank started late is not the one that stops)
     if mesh.rank == 1 and how in ("stopped", "killed"):
         if how == "killed":
             os.kill(os.getpid(), signal.SIGKILL)

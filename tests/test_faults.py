@@ -86,7 +86,7 @@ def run_faulty(job, case: dict, fault: str, stamp, **options) -> tuple[lab.RankE
 
 
 def no_rank_left() -> None:
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + EXIT_GUARD_S  # a hang guard: a loaded machine reaps late
     while [p for p in multiprocessing.active_children() if p.name.startswith("lab-rank")]:
         assert time.monotonic() < deadline, "rank processes left running"
         time.sleep(0.05)

@@ -626,7 +626,7 @@ def test_killed_peer_is_reported_as_lost():
         killed = time.monotonic()
         ranks.kill(1)
         (status, failed, out), dead = ranks.results()
-        assert time.monotonic() - killed < 10
+        assert time.monotonic() - killed < LONG_DEADLINE_NS / 1e9  # told of the death, not timed out
     assert dead is None
     assert (status, failed) == (doorbell.PEER_LOST, 1)
     np.testing.assert_array_equal(out, np.full(4, -1, np.float32))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import pool
+from helpers import enter_together, pool
 
 import lab
 
@@ -330,6 +330,7 @@ def test_plans_run_out_of_step_are_a_mismatch_naming_the_rank_and_both_plans(tra
 
 def silent_during_a_plan(mesh: lab.Mesh, how: str, out: str) -> str:
     """Rank 1 makes the plan, then goes silent (or dies) while the others run it."""
+    enter_together(mesh, out)  # (the plan's agreement, under the 1 s deadline, is not the fault)
     plan = lab.allreduce_init(mesh, torch.ones(10), algorithm="recursive_doubling")
     if mesh.rank == 1:
         plan()

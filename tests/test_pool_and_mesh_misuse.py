@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import child_env, free_port, pool
+from helpers import child_env, free_port, pool, wait_until
 
 import lab
 
@@ -94,11 +94,13 @@ def test_two_threads_on_one_pool_each_get_their_own_results(cluster):
 # -- 4. a rank that raises with async collectives in flight ----------------------------------------
 
 
-def raise_with_work_in_flight(mesh: lab.Mesh) -> None:
-    if mesh.rank == 0:
-        time.sleep(0.3)  # rank 1's collective cannot complete before it raises
+def raise_with_work_in_flight(mesh: lab.Mesh, flags: str) -> None:
+    raising = Path(flags) / "raising"
+    if mesh.rank == 0:  # joins once rank 1 is raising: its collective cannot complete before that
+        wait_until(raising.exists, "rank 1 to raise")
     lab.allreduce(mesh, torch.ones(1000), async_op=True)
     if mesh.rank == 1:
+        raising.touch()
         raise RuntimeError("user code failed after issuing an async allreduce")
 
 
@@ -107,10 +109,10 @@ def sum_ranks(mesh: lab.Mesh) -> float:
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_failure_with_async_work_in_flight_closes_the_pool_and_says_so(transport):
+def test_a_failure_with_async_work_in_flight_closes_the_pool_and_says_so(transport, tmp_path):
     with pool(3, transport) as c:
         with pytest.raises(lab.RankError) as info:
-            c.run(raise_with_work_in_flight)
+            c.run(raise_with_work_in_flight, str(tmp_path))
         assert info.value.rank == 1 and info.value.exc_type == "RuntimeError"
         with pytest.raises(lab.LabError, match="closed.*asynchronous collectives in flight"):
             c.run(sum_ranks)
@@ -201,8 +203,9 @@ def test_a_rank_failing_at_start_ends_the_pool_within_the_grace():
     """Rank 1 dies while the others wait for it in the tcp handshake: spawn fails once the
     failure grace is over, not at the 60 s connection timeout (ranks start with spawn here; the
     time is counted from rank 1's death, so slow imports on a loaded machine do not count)."""
+    # (a hang guard only: four processes import torch, which takes minutes on a loaded machine)
     done = subprocess.run([sys.executable, str(SCRIPTS / "startup_failure.py")], capture_output=True, text=True,
-                          timeout=120, env=child_env(LAB_START_METHOD="spawn"))
+                          timeout=400, env=child_env(LAB_START_METHOD="spawn"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     elapsed = float(done.stdout.split("failed after ")[1].split(" s")[0])
     assert "rank 1's process exited with code 3" in done.stdout and elapsed < 45, done.stdout
@@ -214,7 +217,7 @@ def test_a_rank_failing_at_start_ends_the_pool_within_the_grace():
 @pytest.mark.slow
 def test_a_stopped_or_killed_forkserver_is_named():
     done = subprocess.run([sys.executable, str(SCRIPTS / "forkserver_faults.py")], capture_output=True, text=True,
-                          timeout=180, env=child_env())
+                          timeout=400, env=child_env())  # a hang guard: three pools on a loaded machine
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "stopped: is stopped" in done.stdout and "killed: the forkserver that started it" in done.stdout
     assert "after: [3.0, 3.0, 3.0]" in done.stdout, done.stdout

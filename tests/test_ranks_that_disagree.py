@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import pool, rooted
+from helpers import enter_together, pool, rooted, wait_until
 
 import lab
 from lab import fingerprint
@@ -45,10 +46,11 @@ def pattern(count: int, rank: int) -> torch.Tensor:
 # -- 2. ranks that disagree on the root ---------------------------------------------------------
 
 
-def disagreeing_root(mesh: lab.Mesh, collective: str, count: int, how: str) -> None:
+def disagreeing_root(mesh: lab.Mesh, collective: str, count: int, how: str, flags: str) -> None:
     """One rooted collective whose root differs between ranks: ``split``, rank 0 says 0 and the
-    others 1; ``cycle``, each rank names the next one."""
+    others 1; ``cycle``, each rank names the next one. The ranks enter it together (``flags``)."""
     n, rank = mesh.world_size, mesh.rank
+    enter_together(mesh, flags)
     root = (0 if rank == 0 else 1) if how == "split" else (rank + 1) % n
     rooted(mesh, collective, pattern(count, rank), root)
 
@@ -56,7 +58,7 @@ def disagreeing_root(mesh: lab.Mesh, collective: str, count: int, how: str) -> N
 @pytest.mark.slow  # the ranks that all wait for a root wait out their deadlines
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ranks_that_disagree_on_the_root_never_end_silently(transport, world_size):
+def test_ranks_that_disagree_on_the_root_never_end_silently(transport, world_size, tmp_path):
     # Catching it at the call itself takes a wait of every rank, which deadlocks sub-meshes entered
     # in different orders (tests/test_silent_results.py's contexts, round 2). Where every rank only
     # sends, the message one left unread is found by the next collective, or at the end of the
@@ -65,8 +67,10 @@ def test_ranks_that_disagree_on_the_root_never_end_silently(transport, world_siz
         for collective in ROOTED:
             for how in ("split", "cycle"):
                 case = (collective, count, how)
+                flags = tmp_path / "-".join(map(str, case))
+                flags.mkdir()
                 with pytest.raises(lab.RankError) as info:
-                    lab.spawn(disagreeing_root, world_size, args=case, transport=transport,
+                    lab.spawn(disagreeing_root, world_size, args=(*case, str(flags)), transport=transport,
                               recv_timeout_ms=1000)
                 error = info.value
                 assert error.exc_type in ("CollectiveMismatchError", "DeadlineError"), (case, str(error))
@@ -130,21 +134,24 @@ def test_describe_names_any_32_bytes():
 # -- 6. a failure the program had is consumed; a refused collective keeps the ranks in step -------
 
 
-def failed_receive_then_allreduces(mesh: lab.Mesh, consume: bool) -> list[str]:
-    """Rank 1's asynchronous receive from rank 0 fails (rank 0 sends nothing; it comes late), then
-    every rank runs two allreduces. ``consume``: rank 1 had the failure from ``wait()``; both
-    allreduces must be right. Otherwise rank 1's first allreduce raises it in its place; every
-    allreduce must then raise or be right."""
+def failed_receive_then_allreduces(mesh: lab.Mesh, consume: bool, flags: str) -> list[str]:
+    """Rank 1's asynchronous receive from rank 0 fails (rank 0 sends nothing until it has: rank 1
+    leaves the file ``gave_up`` in ``flags`` once it has seen the receive fail), then every rank runs
+    two allreduces. ``consume``: rank 1 had the failure from ``wait()``; both allreduces must be
+    right. Otherwise rank 1's first allreduce raises it in its place; every allreduce must then
+    raise or be right."""
     rank, n, seen = mesh.rank, mesh.world_size, []
+    gave_up = Path(flags) / "gave_up"
     if rank == 1:
         work = mesh.issue(lambda: mesh.recv(0, timeout_ms=200), async_op=True, p2p="recv")
         if consume:
             with pytest.raises(lab.DeadlineError):
                 work.wait()
-        else:
-            time.sleep(0.5)
+        else:  # failed, its failure not yet had by the program
+            wait_until(work.is_completed, "rank 1's receive to give up")
+        gave_up.touch()
     else:
-        time.sleep(0.6)  # after rank 1's receive gave up
+        wait_until(gave_up.exists, "rank 1's receive to give up")
     for call in range(2):
         x = pattern(4, rank) + 100 * call
         try:
@@ -159,16 +166,16 @@ def failed_receive_then_allreduces(mesh: lab.Mesh, consume: bool) -> list[str]:
     return seen
 
 
-def test_a_failure_the_program_had_is_not_raised_again(cluster):
-    for rank, seen in enumerate(cluster.run(failed_receive_then_allreduces, True)):
+def test_a_failure_the_program_had_is_not_raised_again(cluster, tmp_path):
+    for rank, seen in enumerate(cluster.run(failed_receive_then_allreduces, True, str(tmp_path))):
         assert seen == ["right", "right"], (rank, seen)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])  # (3: CI, not the fast loop)
-def test_a_collective_refused_for_an_earlier_failure_keeps_its_number(transport, world_size):
-    outputs = lab.spawn(failed_receive_then_allreduces, world_size, args=(False,), transport=transport,
-                        recv_timeout_ms=3_000)
+def test_a_collective_refused_for_an_earlier_failure_keeps_its_number(transport, world_size, tmp_path):
+    outputs = lab.spawn(failed_receive_then_allreduces, world_size, args=(False, str(tmp_path)),
+                        transport=transport, recv_timeout_ms=3_000)
     for rank, seen in enumerate(outputs):
         assert not any(s.startswith("WRONG") for s in seen), (rank, seen)
     assert outputs[1][0].startswith("DeadlineError") and "recv #1" in outputs[1][0], outputs

@@ -12,9 +12,11 @@ import math
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import wait_until
 
 import lab
 from lab.compiled.plane import MAX_DEADLINE_NS, deadline_ns
@@ -143,24 +145,33 @@ def test_huge_deadlines_are_no_deadline(world_size, timeout_ms):
     assert [f for rank in outs for f in rank] == []
 
 
-def allreduce_with_a_late_peer(mesh: lab.Mesh, algorithm: str) -> tuple[str, float]:
-    """Every rank but the last enters at once; the last a second later."""
-    if mesh.rank == mesh.world_size - 1:
-        time.sleep(1.0)
+def allreduce_with_a_late_peer(mesh: lab.Mesh, algorithm: str, flags: str) -> tuple[str, float]:
+    """Every rank but the last enters at once; the last only once the others have left the
+    allreduce (each leaves the file ``left<rank>`` in ``flags``), or after a minute: a deadline
+    that never expires makes them return with its data instead."""
+    last = mesh.world_size - 1
+    if mesh.rank == last:
+        others = [Path(flags) / f"left{rank}" for rank in range(last)]
+        try:
+            wait_until(lambda: all(path.exists() for path in others), "the others to leave", limit_s=60)
+        except TimeoutError:
+            pass  # (they still wait: join, and they return instead of raising)
     start = time.monotonic()
     try:
         lab.allreduce(mesh, pattern(SMALL, mesh.rank), algorithm=algorithm)
+        outcome = "returned"
     except lab.LabError as exc:
-        return type(exc).__name__, time.monotonic() - start
-    return "returned", time.monotonic() - start
+        outcome = type(exc).__name__
+    (Path(flags) / f"left{mesh.rank}").touch()
+    return outcome, time.monotonic() - start
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("algorithm", ["auto", "two_shot", "one_shot"])
-def test_a_deadline_under_a_nanosecond_still_expires(world_size, algorithm):
-    outs = lab.spawn(allreduce_with_a_late_peer, world_size, args=(algorithm,), recv_timeout_ms=1e-7)
+def test_a_deadline_under_a_nanosecond_still_expires(world_size, algorithm, tmp_path):
+    outs = lab.spawn(allreduce_with_a_late_peer, world_size, args=(algorithm, str(tmp_path)), recv_timeout_ms=1e-7)
     for rank, (error, took) in enumerate(outs[:-1]):  # (the late rank finds its peers gone or late)
-        assert error == "DeadlineError" and took < 0.5, (rank, error, took)
+        assert error == "DeadlineError", (rank, error, took)  # expired before the late rank came
 
 
 # -- signal handlers ----------------------------------------------------------------------------------
@@ -169,13 +180,16 @@ class Preempted(Exception):
     pass
 
 
-def allreduce_while_an_alarm_goes_off(mesh: lab.Mesh, algorithm: str, raising: bool) -> tuple[str, float]:
-    """Rank 0 sets a SIGALRM for 50 ms into a 1 KB allreduce whose last rank comes 1 s late; its
-    handler notes when it ran (and raises, where ``raising``). Rank 0 returns how the allreduce
-    ended and how long after the alarm its handler ran; the others whether their result is right."""
-    y = pattern(SMALL, mesh.rank)
-    if mesh.rank == mesh.world_size - 1:
-        time.sleep(1.0)
+def allreduce_while_an_alarm_goes_off(mesh: lab.Mesh, algorithm: str, raising: bool,
+                                      flags: str) -> tuple[str, float]:
+    """Rank 0 sets a SIGALRM for 50 ms into a 1 KB allreduce whose last rank comes only once rank
+    0's handler has run (the handler leaves the file ``handled`` in ``flags``); the handler notes
+    when it ran (and raises, where ``raising``). A handler held up by the wait would hold up the
+    last rank with it, until the deadline. Rank 0 returns how the allreduce ended and how long
+    after the alarm its handler ran; the others whether their result is right."""
+    y, handled = pattern(SMALL, mesh.rank), Path(flags) / "handled"
+    if mesh.rank == mesh.world_size - 1 and mesh.rank != 0:
+        wait_until(handled.exists, "rank 0's alarm handler", limit_s=4 * TIMEOUT_MS / 1000)
     if mesh.rank != 0:
         try:
             lab.allreduce(mesh, y, algorithm=algorithm)
@@ -186,6 +200,7 @@ def allreduce_while_an_alarm_goes_off(mesh: lab.Mesh, algorithm: str, raising: b
 
     def on_alarm(signum, frame):
         ran.append(time.monotonic())
+        handled.touch()
         if raising:
             raise Preempted("checkpoint now")
 
@@ -206,22 +221,26 @@ def allreduce_while_an_alarm_goes_off(mesh: lab.Mesh, algorithm: str, raising: b
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("algorithm", ["auto", "two_shot", "one_shot"])
-def test_a_signal_handler_runs_while_a_compiled_wait_lasts_and_the_wait_resumes(world_size, algorithm):
-    outs = lab.spawn(allreduce_while_an_alarm_goes_off, world_size, args=(algorithm, False),
+def test_a_signal_handler_runs_while_a_compiled_wait_lasts_and_the_wait_resumes(world_size, algorithm, tmp_path):
+    outs = lab.spawn(allreduce_while_an_alarm_goes_off, world_size, args=(algorithm, False, str(tmp_path)),
                      recv_timeout_ms=TIMEOUT_MS)
+    # right on every rank: the last rank came only after the handler ran, so it ran inside the wait
+    # (one held up by the wait would have held the last rank up, until the deadline failed them)
     assert [outcome for outcome, _ in outs] == ["right"] * world_size
-    assert outs[0][1] < 0.5  # the peer is 1 s late: a handler held up by the wait runs after that
 
 
 @pytest.mark.slow  # its peers wait out a 3 s deadline for the rank that left
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("algorithm", ["auto", "two_shot", "one_shot"])
-def test_what_a_signal_handler_raises_ends_the_wait(world_size, algorithm):
+def test_what_a_signal_handler_raises_ends_the_wait(world_size, algorithm, tmp_path):
     # Rank 0 leaves the allreduce: its peers wait for it until their deadline (the plane is compiled
-    # by then: the session's warm-up), so a short one, past the late rank's second.
-    outs = lab.spawn(allreduce_while_an_alarm_goes_off, world_size, args=(algorithm, True),
-                     recv_timeout_ms=3_000)
-    assert outs[0][0] == "Preempted" and outs[0][1] < 0.5, outs[0]
+    # by then: the session's warm-up), so a short one. A handler held up by the wait would run only
+    # once rank 0's own deadline ended it (its last peer stays away until the handler has run):
+    # 3 s after the alarm, against a handler that runs at once.
+    deadline_ms = 3_000
+    outs = lab.spawn(allreduce_while_an_alarm_goes_off, world_size, args=(algorithm, True, str(tmp_path)),
+                     recv_timeout_ms=deadline_ms)
+    assert outs[0][0] == "Preempted" and outs[0][1] < deadline_ms / 2 / 1000, outs[0]
 
 
 # -- 21: the barrier's lane --------------------------------------------------------------------------

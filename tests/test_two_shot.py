@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import pool, slow_from_five
+from helpers import enter_together, pool, slow_from_five
 
 import lab
 from lab.ops import REDUCE_DTYPES
@@ -213,6 +213,7 @@ def test_a_rank_in_another_collective_is_a_mismatch_naming_it(what):
 
 
 def stalled(mesh: lab.Mesh, how: str, out: str) -> str:
+    enter_together(mesh, out)  # (the first allreduce, under the 1 s deadline, is not the fault)
     lab.allreduce(mesh, torch.ones(10), algorithm="two_shot")  # one round through, then rank 1 stops
     if mesh.rank == 1:
         if how == "killed":
