@@ -31,6 +31,7 @@ from helpers import (
     DEATH_DEADLINE_MS,
     EXIT_GUARD_S,
     assert_death_reported_without_a_deadline,
+    enter_together,
     assert_stall_ended_by_the_pool,
     faulty_job,
     inject,
@@ -165,6 +166,7 @@ def test_a_stalled_rank_is_named_over_the_deadlines_it_caused(seed, shm_unchange
 def disagree(mesh: lab.Mesh, how: str, stamp: str) -> None:
     odd = mesh.rank == 1
     x = torch.arange(1000, dtype=torch.float32) + mesh.rank
+    enter_together(mesh, os.path.dirname(stamp))  # (a rank started late is not the silent one)
     lab.allreduce(mesh, x.clone())  # one good collective first: the seq numbers agree
     if mesh.rank == 0:
         with open(stamp, "w") as file:
