@@ -220,19 +220,9 @@ class SharedScratch:
         for lo in range(0, max(buf.size, 1), per_round):  # an empty tensor: one empty round (fingerprints still meet)
             hi = min(buf.size, lo + per_round)
             goal = self.rounds + 1
-            # Step 1: our slot is free once every rank has copied the last round out of it.
-            self._wait_all(flags.DONE, goal - 1, deadline_ns, where)
-            # Step 2: publish our input: copied into our slot, or where it already lies in our arena.
-            if registered >= 0:
-                source = registered + lo * itemsize
-            else:
-                source = self._slots + self.rank * self.slot_bytes
-                self.region[source:source + (hi - lo) * itemsize] = data[lo * itemsize:hi * itemsize]
-            self._write_header(fingerprint, buf.nbytes, source, (hi - lo) * itemsize)
-            flags.publish(self.region, self.rank, n, flags.FILLED, goal)
-            # Step 3: wait for every rank's input and check that it is in the same collective.
-            self._wait_all(flags.FILLED, goal, deadline_ns, where)
-            sources = self._check_headers(tag, fingerprint, buf.nbytes, (hi - lo) * itemsize, where)
+            # Steps 1-3: our slot free, our input published, every rank's input in the same collective.
+            sources = self._meet(data, registered, lo, hi, itemsize, tag, fingerprint, buf.nbytes, goal,
+                                 deadline_ns, where)
             # Step 4: reduce our slice from the N inputs, in rank order, into buf and our source.
             bounds = split_bounds(hi - lo, n)
             start, stop = bounds[self.rank]
@@ -251,6 +241,23 @@ class SharedScratch:
             # The caller may write its tensor as soon as we return: wait until no peer reads it.
             self._wait_all(flags.DONE, self.rounds, deadline_ns, where)
         return schedule_counts(buf.size, itemsize, self.rank, n)
+
+    def _meet(self, data: np.ndarray, registered: int, lo: int, hi: int, itemsize: int, tag: bytes,
+              fingerprint: np.ndarray, nbytes: int, goal: int, deadline_ns: int, where: object) -> list[int]:
+        """One round's meeting, shared by two-shot and one-shot: wait until our slot is free (every
+        rank done with the last round), publish elements ``lo:hi`` of our input (``data``'s bytes,
+        copied into our slot, or where they lie in our arena at ``registered``), then wait for every
+        rank's and check that it is in the same collective; every rank's input offset."""
+        self._wait_all(flags.DONE, goal - 1, deadline_ns, where)
+        if registered >= 0:
+            at = registered + lo * itemsize
+        else:
+            at = self._slots + self.rank * self.slot_bytes
+            self.region[at:at + (hi - lo) * itemsize] = data[lo * itemsize:hi * itemsize]
+        self._write_header(fingerprint, nbytes, at, (hi - lo) * itemsize)
+        flags.publish(self.region, self.rank, self.world_size, flags.FILLED, goal)
+        self._wait_all(flags.FILLED, goal, deadline_ns, where)
+        return self._check_headers(tag, fingerprint, nbytes, (hi - lo) * itemsize, where)
 
     def one_shot(self, buf: np.ndarray, reduction: Reduction, tag: bytes, timeout_s: float, where: object,
                  source: np.ndarray | None = None) -> Moved:
@@ -274,19 +281,9 @@ class SharedScratch:
         for lo in range(0, max(buf.size, 1), per_round):  # an empty tensor: one empty round (fingerprints still meet)
             hi = min(buf.size, lo + per_round)
             goal = self.rounds + 1
-            # Step 1: our slot is free once every rank is done with the last round.
-            self._wait_all(flags.DONE, goal - 1, deadline_ns, where)
-            # Step 2: publish our input: copied into our slot, or where it lies in our arena.
-            if registered >= 0:
-                at = registered + lo * itemsize
-            else:
-                at = self._slots + self.rank * self.slot_bytes
-                self.region[at:at + (hi - lo) * itemsize] = data[lo * itemsize:hi * itemsize]
-            self._write_header(fingerprint, buf.nbytes, at, (hi - lo) * itemsize)
-            flags.publish(self.region, self.rank, n, flags.FILLED, goal)
-            # Step 3: the one synchronisation: every rank's input, in the same collective.
-            self._wait_all(flags.FILLED, goal, deadline_ns, where)
-            sources = self._check_headers(tag, fingerprint, buf.nbytes, (hi - lo) * itemsize, where)
+            # Steps 1-3 (two-shot's): the one synchronisation, every rank's input in the same collective.
+            sources = self._meet(data, registered, lo, hi, itemsize, tag, fingerprint, buf.nbytes, goal,
+                                 deadline_ns, where)
             # Step 4: reduce the whole round from the N inputs, in rank order, into buf.
             self._reduce(buf, lo, 0, hi - lo, sources, False, reduction)
             flags.publish(self.region, self.rank, n, flags.DONE, goal)
