@@ -59,13 +59,17 @@ def main() -> None:
                         median = measure(cluster, "allreduce", "lab", nbytes, algorithm)["median_us"]
                         best[algorithm] = min(best.get(algorithm, float("inf")), median)
                 fastest = min(candidates, key=best.get)
-                rows.append({"ranks": ranks, "bytes": nbytes, "auto runs": picked[0],
-                             "fitted alone": tuning.choose(nbytes, ranks, args.transport, networks={}),
-                             "best": fastest, "best_us": best[fastest], "auto_us": best["auto"],
-                             "auto / best": best["auto"] / best[fastest],
-                             "picked / best": best[picked[0]] / best[fastest] if picked[0] in best else float("nan"),
-                             **{f"{a}_us": best[a] for a in candidates}})
-                print(pd.DataFrame(rows[-1:]).to_string(index=False, float_format=lambda v: f"{v:.3g}"), flush=True)
+                rows.append({
+                    "ranks": ranks, "bytes": nbytes, "auto runs": picked[0],
+                    "fitted alone": tuning.choose(nbytes, ranks, args.transport,
+                                                  networks={}), "best": fastest, "best_us": best[fastest],
+                    "auto_us": best["auto"], "auto / best": best["auto"] / best[fastest],
+                    "picked / best": best[picked[0]] / best[fastest] if picked[0] in best else float("nan"),
+                    **{f"{a}_us": best[a]
+                       for a in candidates}})
+                print(
+                    pd.DataFrame(rows[-1:]).to_string(index=False, float_format=lambda v: f"{v:.3g}"),
+                    flush=True)
     print(f"load average after: {os.getloadavg()}")
     table = pd.DataFrame(rows)
     pd.set_option("display.width", 250)

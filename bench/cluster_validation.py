@@ -50,10 +50,12 @@ from lab.sim.cluster import BANDS, band_of
 from lab.sim.network import MAX_RANKS_PER_HOST
 
 #: Per size band, the (lowest, highest) predicted / measured that meets the target; None: no target.
-TARGETS = {"up to 64 KiB": (0.5, 2.0), "64 KiB-1 MiB": None, "1-32 MiB": (0.65, 1.35), "from 64 MiB": (0.85, 1.15)}
+TARGETS = {
+    "up to 64 KiB": (0.5, 2.0), "64 KiB-1 MiB": None, "1-32 MiB": (0.65, 1.35), "from 64 MiB": (0.85, 1.15)}
 FIT_HOSTS, PREDICTED_HOSTS = 2, (4, 8)
-EMULATED = {"emulated hosts, α-β fitted": None,
-            "emulated hosts as built, CPU fitted": ["recv_overhead_us", "copy_us_per_byte"]}
+EMULATED = {
+    "emulated hosts, α-β fitted": None,
+    "emulated hosts as built, CPU fitted": ["recv_overhead_us", "copy_us_per_byte"]}
 PUBLIC_LOGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "logs" / "public"
 
 
@@ -78,10 +80,13 @@ PUBLIC = [("H100 nodes, 1 GPU a node", ["alltoall_h100_2nodes_1gpu.log"], ["allt
 
 def perf_command(collective: str, hosts: int, args: argparse.Namespace) -> list[str]:
     """``python -m lab perf`` for ``collective`` on ``hosts`` emulated hosts of one rank each."""
-    return [sys.executable, "-m", "lab", "perf", collective, "-b", args.minbytes, "-e", args.maxbytes,
-            "-f", str(args.stepfactor), "-n", str(args.iters), "-w", str(args.warmup_iters),
-            "--ranks", str(hosts), "--hosts", str(hosts), "--link-gbit", f"{args.link_gbit:g}",
-            "--algorithm", args.algorithm]
+    return [
+        sys.executable, "-m", "lab", "perf", collective, "-b", args.minbytes, "-e", args.maxbytes, "-f",
+        str(args.stepfactor), "-n",
+        str(args.iters), "-w",
+        str(args.warmup_iters), "--ranks",
+        str(hosts), "--hosts",
+        str(hosts), "--link-gbit", f"{args.link_gbit:g}", "--algorithm", args.algorithm]
 
 
 def run_perf(collective: str, hosts: int, args: argparse.Namespace, out: Path) -> tuple[pd.DataFrame, dict]:
@@ -95,20 +100,24 @@ def run_perf(collective: str, hosts: int, args: argparse.Namespace, out: Path) -
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command[1:])} failed ({done.returncode}):\n{done.stderr}")
     path.write_text(done.stdout)
-    run = {"command": " ".join(["python", *command[1:]]), "log": path.name, "seconds": round(seconds, 1),
-           "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
+    run = {
+        "command": " ".join(["python", *command[1:]]), "log": path.name, "seconds": round(seconds, 1),
+        "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
     print(f"{run['command']}: {seconds:.0f} s, load {run['load_before']} -> {run['load_after']}", flush=True)
     return lab.sim.read_nccl_tests(path), run
 
 
 def predicted_cases(network: lab.sim.Network, log: pd.DataFrame, algorithm: str) -> pd.DataFrame:
     """Every size of ``log`` predicted on ``network`` at the log's hosts and ranks a host, ``algorithm`` alone."""
-    collective, hosts, per_host = log.attrs["collective"], log.attrs["hosts"], log.attrs["ranks"] // log.attrs["hosts"]
-    predicted = [lab.sim.predict(network, collective, hosts=hosts, nbytes=int(size), ranks_per_host=per_host,
-                                 candidates=[algorithm]).time_us for size in log["bytes"]]
-    return pd.DataFrame({"collective": collective, "ranks_per_host": per_host, "hosts": hosts,
-                         "size": log["bytes"].astype(int), "role": "predicted", "measured_us": log["oop_time_us"],
-                         "predicted_us": predicted})
+    collective, hosts, per_host = log.attrs["collective"], log.attrs[
+        "hosts"], log.attrs["ranks"] // log.attrs["hosts"]
+    predicted = [
+        lab.sim.predict(network, collective, hosts=hosts, nbytes=int(size), ranks_per_host=per_host,
+                        candidates=[algorithm]).time_us for size in log["bytes"]]
+    return pd.DataFrame({
+        "collective": collective, "ranks_per_host": per_host, "hosts": hosts,
+        "size": log["bytes"].astype(int), "role": "predicted", "measured_us": log["oop_time_us"],
+        "predicted_us": predicted})
 
 
 def validate(case: Validation) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -118,13 +127,15 @@ def validate(case: Validation) -> tuple[pd.DataFrame, pd.DataFrame]:
     fitted = report.cases.rename(columns={"bytes": "size"}).assign(
         ranks_per_host=lambda f: f["ranks"] // f["hosts"], role="fit")
     columns = ["collective", "ranks_per_host", "hosts", "size", "role", "measured_us", "predicted_us"]
-    cases = pd.concat([fitted[columns], *(predicted_cases(report.network, log, case.algorithm)
-                                          for log in case.predicted)], ignore_index=True)
+    cases = pd.concat(
+        [fitted[columns], *(predicted_cases(report.network, log, case.algorithm) for log in case.predicted)],
+        ignore_index=True)
     cases.insert(0, "source", case.source)
     cases["error"] = cases["predicted_us"] / cases["measured_us"] - 1
     cases["band"] = [band_of(int(size)) for size in cases["size"]]
-    terms = report.terms[["term", "meaning", "value", "fitted"]].assign(
-        source=case.source, collective=case.fit[0].attrs["collective"], fit_error=report.error)
+    terms = report.terms[["term", "meaning", "value",
+                          "fitted"]].assign(source=case.source, collective=case.fit[0].attrs["collective"],
+                                            fit_error=report.error)
     return cases, terms
 
 
@@ -140,10 +151,11 @@ def band_table(cases: pd.DataFrame) -> pd.DataFrame:
                 continue
             target, ratios = TARGETS[band], errors + 1
             meets = None if target is None else bool(((ratios >= target[0]) & (ratios <= target[1])).all())
-            rows.append({**dict(zip(keys, key)), "band": band, "cases": len(errors),
-                         "mean_abs_error": float(errors.abs().mean()),
-                         "worst_error": float(errors.loc[errors.abs().idxmax()]),
-                         "target": "" if target is None else target_text(target), "meets": meets})
+            rows.append({
+                **dict(zip(keys, key)), "band": band, "cases": len(errors),
+                "mean_abs_error": float(errors.abs().mean()),
+                "worst_error": float(errors.loc[errors.abs().idxmax()]),
+                "target": "" if target is None else target_text(target), "meets": meets})
     return pd.DataFrame(rows)
 
 
@@ -176,9 +188,10 @@ def emulated(args: argparse.Namespace, out: Path) -> tuple[list[Validation], lis
         for hosts in (FIT_HOSTS, *PREDICTED_HOSTS):
             logs[hosts], run = run_perf(collective, hosts, args, out)
             runs.append(run)
-        validations += [Validation(source, [logs[FIT_HOSTS]], [logs[h] for h in PREDICTED_HOSTS],
-                                   lab.sim.Network() if terms is None else as_built, args.algorithm, terms)
-                        for source, terms in EMULATED.items()]
+        validations += [
+            Validation(source, [logs[FIT_HOSTS]], [logs[h] for h in PREDICTED_HOSTS],
+                       lab.sim.Network() if terms is None else as_built, args.algorithm, terms)
+            for source, terms in EMULATED.items()]
     return validations, runs
 
 
@@ -187,14 +200,16 @@ def public() -> list[Validation]:
     def read(names: list[str]) -> list[pd.DataFrame]:
         return [lab.sim.read_nccl_tests(PUBLIC_LOGS / name) for name in names]
 
-    return [Validation(source, read(fit), read(predicted), network, "pairwise")
-            for source, fit, predicted, network in PUBLIC]
+    return [
+        Validation(source, read(fit), read(predicted), network, "pairwise")
+        for source, fit, predicted, network in PUBLIC]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--collectives", nargs="+", default=["allreduce"], choices=sorted(PROGRAMS))
-    parser.add_argument("--algorithm", default="ring", help="the algorithm every run uses and the model predicts")
+    parser.add_argument("--algorithm", default="ring",
+                        help="the algorithm every run uses and the model predicts")
     parser.add_argument("-b", "--minbytes", default="1K")
     parser.add_argument("-e", "--maxbytes", default="128M")
     parser.add_argument("-f", "--stepfactor", type=int, default=2)
@@ -214,10 +229,13 @@ def main() -> None:
     cases.to_csv(out / "cases.csv", index=False, float_format="%.6g")
     bands.to_csv(out / "bands.csv", index=False, float_format="%.6g")
     terms.to_csv(out / "fit.csv", index=False, float_format="%.6g")
-    save_machine(out, {**info, "command": " ".join(["python", *sys.argv]), "seconds": round(time.monotonic() - started),
-                       "load_average_end": [round(x, 2) for x in os.getloadavg()], "runs": runs})
+    save_machine(
+        out, {
+            **info, "command": " ".join(["python", *sys.argv]), "seconds": round(time.monotonic() - started),
+            "load_average_end": [round(x, 2) for x in os.getloadavg()], "runs": runs})
     for (source, collective), group in terms[terms["fitted"]].groupby(["source", "collective"], sort=False):
-        print(f"{source}, {collective}: fitted " + ", ".join(f"{row.term} {row.value:.4g}" for row in group.itertuples()))
+        print(f"{source}, {collective}: fitted " + ", ".join(f"{row.term} {row.value:.4g}"
+                                                             for row in group.itertuples()))
     print(f"\n{markdown(bands)}")
 
 

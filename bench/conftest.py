@@ -31,7 +31,6 @@ def size_id(nbytes: int) -> str:
 
 class RankClock:
     """A timer for pytest-benchmark that advances only when a rank-side duration is replayed."""
-
     def __init__(self) -> None:
         self.now = 0.0
 
@@ -63,11 +62,11 @@ def bench_collective(benchmark, cluster: lab.Cluster, collective: str, impl: str
     per_rank = cluster.run(time_collective, collective, impl, nbytes, algorithm)
     nbytes = 0 if collective == "barrier" else nbytes  # a barrier moves no bytes
     benchmark.group = f"{collective} {size_id(nbytes)}"
-    benchmark.extra_info.update(
-        collective=collective, impl=impl, algorithm=algorithm if impl == "lab" else "gloo",
-        transport=cluster.transport if impl == "lab" else "gloo", world=cluster.world_size, bytes=nbytes,
-        **summarize(per_rank, collective, nbytes, cluster.world_size),
-    )
+    benchmark.extra_info.update(collective=collective, impl=impl,
+                                algorithm=algorithm if impl == "lab" else "gloo",
+                                transport=cluster.transport if impl == "lab" else "gloo",
+                                world=cluster.world_size, bytes=nbytes,
+                                **summarize(per_rank, collective, nbytes, cluster.world_size))
     replay(benchmark, per_rank)
 
 

@@ -128,11 +128,9 @@ def main() -> None:
         parser.error("need --iterations >= 2 and --warmup >= 0")
 
     ctx = mp.get_context("spawn")
-    print(
-        f"Python {platform.python_version()}, os.cpu_count()={os.cpu_count()}, "
-        f"spawn, {args.warmup} warm-up + {args.iterations} timed round trips; "
-        "one-way latency in us"
-    )
+    print(f"Python {platform.python_version()}, os.cpu_count()={os.cpu_count()}, "
+          f"spawn, {args.warmup} warm-up + {args.iterations} timed round trips; "
+          "one-way latency in us")
     print(f"{'channel':<16} {'median':>8} {'p10':>8} {'p90':>8}")
     for kind in KINDS:
         samples = measure(ctx, kind, args.warmup, args.iterations)

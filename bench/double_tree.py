@@ -62,9 +62,10 @@ def shm(args: argparse.Namespace) -> None:
                         medians_ms.setdefault((nbytes, algorithm), []).extend(slowest)
         for nbytes in args.sizes:
             ms = {a: statistics.median(medians_ms[nbytes, a]) for a in ALGORITHMS}
-            print(f"N={ranks} {nbytes:>10,} B  " + "  ".join(f"{a} {ms[a]:8.2f} ms" for a in ALGORITHMS)
-                  + f"   double_tree/ring {ms['double_tree'] / ms['ring']:.2f}"
-                  f"  double_tree/tree {ms['double_tree'] / ms['tree']:.2f}", flush=True)
+            print(
+                f"N={ranks} {nbytes:>10,} B  " + "  ".join(f"{a} {ms[a]:8.2f} ms" for a in ALGORITHMS) +
+                f"   double_tree/ring {ms['double_tree'] / ms['ring']:.2f}"
+                f"  double_tree/tree {ms['double_tree'] / ms['tree']:.2f}", flush=True)
     print(f"load average after: {os.getloadavg()}")
 
 
@@ -72,15 +73,18 @@ def sim(args: argparse.Namespace) -> None:
     network = lab.sim.Network(alpha_us=args.alpha_us, gbit=args.gbit)
     for ranks in args.ranks:
         for nbytes in args.sizes:
-            us = {a: lab.sim.simulate("allreduce", a, world_size=ranks, nbytes=nbytes, network=network).time_us
-                  for a in ALGORITHMS}
-            print(f"N={ranks} {nbytes:>10,} B  " + "  ".join(f"{a} {us[a]:10.1f} us" for a in ALGORITHMS)
-                  + f"   double_tree/ring {us['double_tree'] / us['ring']:.2f}"
-                  f"  double_tree/tree {us['double_tree'] / us['tree']:.2f}", flush=True)
+            us = {
+                a: lab.sim.simulate("allreduce", a, world_size=ranks, nbytes=nbytes, network=network).time_us
+                for a in ALGORITHMS}
+            print(
+                f"N={ranks} {nbytes:>10,} B  " + "  ".join(f"{a} {us[a]:10.1f} us" for a in ALGORITHMS) +
+                f"   double_tree/ring {us['double_tree'] / us['ring']:.2f}"
+                f"  double_tree/tree {us['double_tree'] / us['tree']:.2f}", flush=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("where", choices=["shm", "sim"])
     parser.add_argument("--ranks", type=int, nargs="+")
     parser.add_argument("--sizes", type=int, nargs="+", help="bytes per rank's tensor")
@@ -93,7 +97,8 @@ def main() -> None:
         args.ranks, args.sizes = args.ranks or [4], args.sizes or [1 << 20, 16 << 20]
         shm(args)
     else:
-        args.ranks, args.sizes = args.ranks or [1024], args.sizes or [1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+        args.ranks, args.sizes = args.ranks or [1024], args.sizes or [
+            1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
         sim(args)
 
 

@@ -25,7 +25,6 @@ import lab.sim
 RANKS, PER_HOST = 16, 8
 SIZES = [1 << k for k in range(3, 29)]
 
-
 #: A log's line and the rank that wrote it.
 Line = tuple[int, str]
 
@@ -36,7 +35,7 @@ def info_page(page: int) -> list[Line]:
     for rank in range(RANKS):
         host, pid, device = f"node-a{7 + rank // PER_HOST:02d}", 41230 + rank, rank % PER_HOST
         lines += [(rank, f"{host}:{pid}:{pid + 70 + page % 7} [{device}] NCCL INFO Channel {c:02d}/0 : "
-                         f"{rank}[{device}] -> {(rank + 1) % RANKS}[{(rank + 1) % PER_HOST}] via P2P/CUMEM")
+                   f"{rank}[{device}] -> {(rank + 1) % RANKS}[{(rank + 1) % PER_HOST}] via P2P/CUMEM")
                   for c in range(8)]
         lines.append((rank, f"{host}:{pid}:{pid + 71} [{device}] NCCL INFO Connected all rings"))
         lines.append((rank, f"{host}:{pid}:{pid + 71} [{device}] NCCL INFO Connected all trees"))
@@ -46,18 +45,21 @@ def info_page(page: int) -> list[Line]:
 
 def nccl_tests_log(megabytes: float) -> list[Line]:
     """all_reduce_perf on 16 ranks, its table's rows spread among pages of NCCL's log."""
-    head = ["# nThread 1 nGpus 1 minBytes 8 maxBytes 268435456 step: 2(factor) warmup iters: 5 iters: 20 "
-            "agg iters: 1 validation: 1 graph: 0", "#", "# Using devices"]
-    head += [f"#  Rank {r:2d} Group  0 Pid {41230 + r:6d} on   node-a{7 + r // PER_HOST:02d} device "
-             f"{r % PER_HOST:2d} [0x{r:02x}] NVIDIA H100 80GB HBM3" for r in range(RANKS)]
+    head = [
+        "# nThread 1 nGpus 1 minBytes 8 maxBytes 268435456 step: 2(factor) warmup iters: 5 iters: 20 "
+        "agg iters: 1 validation: 1 graph: 0", "#", "# Using devices"]
+    head += [
+        f"#  Rank {r:2d} Group  0 Pid {41230 + r:6d} on   node-a{7 + r // PER_HOST:02d} device "
+        f"{r % PER_HOST:2d} [0x{r:02x}] NVIDIA H100 80GB HBM3" for r in range(RANKS)]
     rows = []
     for size in SIZES:
         us = 20.0 + size / 40e3
         algbw = size / us / 1e3
         cells = f"{us:7.2f}  {algbw:6.2f}  {algbw * 2 * (RANKS - 1) / RANKS:6.2f}       0"
         rows.append(f"{size:12d}  {size // 4:12d}     float     sum      -1  {cells}  {cells}")
-    table = ["#", "#       size         count      type   redop    root     time   algbw   busbw #wrong"
-                  "     time   algbw   busbw #wrong"]
+    table = [
+        "#", "#       size         count      type   redop    root     time   algbw   busbw #wrong"
+        "     time   algbw   busbw #wrong"]
     foot = ["# Out of bounds values : 0 OK", "# Avg bus bandwidth    : 1.0", "#"]
     return _spread(head, table, rows, foot, megabytes)
 
@@ -66,8 +68,9 @@ def osu_log(megabytes: float) -> list[Line]:
     """osu_allreduce -f, its rows spread among pages of NCCL's log (MPI-CUDA built on NCCL)."""
     head = ["", "# OSU MPI-CUDA Allreduce Latency Test v7.4", "# Datatype: MPI_CHAR."]
     table = ["# Size       Avg Latency(us)   Min Latency(us)   Max Latency(us)  Iterations"]
-    rows = [f"{size:<10d}{20 + size / 4e4:16.2f}{19 + size / 4e4:18.2f}{22 + size / 4e4:18.2f}{100:12d}"
-            for size in SIZES]
+    rows = [
+        f"{size:<10d}{20 + size / 4e4:16.2f}{19 + size / 4e4:18.2f}{22 + size / 4e4:18.2f}{100:12d}"
+        for size in SIZES]
     return _spread(head, table, rows, [], megabytes)
 
 
@@ -108,8 +111,8 @@ def main() -> None:
     nccl_tests, nccl_read = nccl_tests_log(args.mb), lab.sim.read_nccl_tests
     with tempfile.TemporaryDirectory() as folder:
         for name, log, read in (("all_reduce_perf.log", text(nccl_tests), nccl_read),
-                                ("all_reduce_perf_tagged.log", text(nccl_tests, tagged=True), nccl_read),
-                                ("osu_allreduce.txt", text(osu_log(args.mb)), lab.sim.read_osu)):
+                                ("all_reduce_perf_tagged.log", text(nccl_tests, tagged=True),
+                                 nccl_read), ("osu_allreduce.txt", text(osu_log(args.mb)), lab.sim.read_osu)):
             path = Path(folder) / name
             path.write_text(log)
             df = read(path)

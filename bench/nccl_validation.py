@@ -42,16 +42,17 @@ COLLECTIVES = {"allreduce": "all_reduce", "allgather": "all_gather"}
 
 def logs(nodes: tuple[int, ...], folder: Path = DATA / "polaris-nccl-2.21") -> list[pd.DataFrame]:
     """The set's logs at ``nodes`` (a node count a collective has no log of is left out)."""
-    paths = [(folder / f"n{n}_{name}.log", collective) for n in nodes
-             for collective, name in COLLECTIVES.items()]
+    paths = [
+        (folder / f"n{n}_{name}.log", collective) for n in nodes for collective, name in COLLECTIVES.items()]
     return [read_nccl_tests(path, collective=collective) for path, collective in paths if path.exists()]
 
 
 def markdown(bands: pd.DataFrame) -> str:
     """The band table: per node count and band, the target and each model's share within it, mean
     |error| and worst error."""
-    lines = ["| nodes | band (target) | fitted: within, mean (worst) | NCCL's estimate: within, mean (worst) "
-             "|", "|---|---|---|---|"]
+    lines = [
+        "| nodes | band (target) | fitted: within, mean (worst) | NCCL's estimate: within, mean (worst) "
+        "|", "|---|---|---|---|"]
     for row in bands.itertuples():
         cells = []
         for label in ("fitted", "nccl"):

@@ -49,7 +49,8 @@ def train(mesh: lab.Mesh, width: int, rows: int, microbatches: int, steps: int) 
     schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda out, target: (out - target).square().mean())
     optimizer = torch.optim.SGD(module.parameters(), lr=1e-3)
     data = torch.Generator().manual_seed(0)  # (drawn before the steps: no compute of theirs)
-    batches = [[torch.randn(rows * microbatches, width, generator=data) for _ in range(2)] for _ in range(steps)]
+    batches = [[torch.randn(rows * microbatches, width, generator=data) for _ in range(2)]
+               for _ in range(steps)]
     times = []
     for inputs, target in batches:
         started = time.perf_counter()
@@ -88,11 +89,13 @@ def compare(label: str, path: Path, network: lab.sim.Network, measured: pd.DataF
     """The replay of ``path`` on ``network`` against the ``measured`` per-stage breakdown."""
     result = lab.workload.replay(lab.workload.load(path), network=network)
     (step, bubble), (real_step, real_bubble) = summary(result.stages, warmup), summary(measured, warmup)
-    row = {"case": label, "measured_ms": real_step, "replayed_ms": step, "step_error": step / real_step - 1,
-           "measured_bubble": real_bubble, "replayed_bubble": bubble, "bubble_error": bubble / real_bubble - 1}
+    row = {
+        "case": label, "measured_ms": real_step, "replayed_ms": step, "step_error": step / real_step - 1,
+        "measured_bubble": real_bubble, "replayed_bubble": bubble, "bubble_error": bubble / real_bubble - 1}
     row["meets"] = abs(row["step_error"]) <= TARGET and abs(row["bubble_error"]) <= TARGET
-    print(f"{label}: step measured {real_step:.1f} ms, replayed {step:.1f} ms ({row['step_error']:+.1%}); bubble "
-          f"{real_bubble:.1%} measured, {bubble:.1%} replayed", flush=True)
+    print(
+        f"{label}: step measured {real_step:.1f} ms, replayed {step:.1f} ms ({row['step_error']:+.1%}); bubble "
+        f"{real_bubble:.1%} measured, {bubble:.1%} replayed", flush=True)
     return row, result
 
 
@@ -103,9 +106,11 @@ def predictions(path: Path, network: lab.sim.Network, microbatches: int, warmup:
     rows = []
     for factor_m, factor_s in ((1, 1), (2, 1), (4, 1), (1, 2)):
         formed = retarget(recorded, microbatches=microbatches * factor_m, stages=STAGES * factor_s)
-        step, bubble = summary(lab.workload.replay(formed, network=network).stages, min(warmup, formed.steps - 1))
-        rows.append({"stages": STAGES * factor_s, "microbatches": microbatches * factor_m, "replayed_ms": step,
-                     "replayed_bubble": bubble})
+        step, bubble = summary(
+            lab.workload.replay(formed, network=network).stages, min(warmup, formed.steps - 1))
+        rows.append({
+            "stages": STAGES * factor_s, "microbatches": microbatches * factor_m, "replayed_ms": step,
+            "replayed_bubble": bubble})
     return pd.DataFrame(rows)
 
 
@@ -122,7 +127,8 @@ def picture(path: Path, origins: list[int], result: lab.workload.ReplayResult, s
     for axis, title, blocks in ((axes[0], "measured", _measured_blocks(workload, origins, step)),
                                 (axes[1], "replayed", _replayed_blocks(result, step))):
         for rank, intervals in blocks.items():
-            axis.broken_barh([(s / 1e3, (e - s) / 1e3) for s, e in intervals], (rank - 0.4, 0.8), color="tab:blue")
+            axis.broken_barh([(s / 1e3, (e - s) / 1e3) for s, e in intervals], (rank - 0.4, 0.8),
+                             color="tab:blue")
         axis.set_yticks(range(STAGES), [f"stage {r}" for r in range(STAGES)])
         axis.invert_yaxis()
         axis.set_title(f"{title}: compute of step {step} (gaps: bubble and communication)", fontsize=10)
@@ -166,26 +172,31 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--rows", type=int, default=32, help="rows of a micro-batch")
     parser.add_argument("--width", type=int, default=512, help="each stage's Linear(width, width)")
-    parser.add_argument("--link-gbit", type=float, default=1.0, help="the emulated hosts' links (fitted: 1, 10)")
+    parser.add_argument("--link-gbit", type=float, default=1.0,
+                        help="the emulated hosts' links (fitted: 1, 10)")
     parser.add_argument("--out", default="/tmp/pipeline_workload")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     one_host, one_steps, _ = record("one_host", args, transport="shm")
-    hosts, hosts_steps, origins = record("hosts", args, transport="tcp", hosts=STAGES, link_gbit=args.link_gbit)
-    measured = {name: measured_stages(lab.workload.load(path), steps)
-                for name, path, steps in (("one", one_host, one_steps), ("hosts", hosts, hosts_steps))}
+    hosts, hosts_steps, origins = record("hosts", args, transport="tcp", hosts=STAGES,
+                                         link_gbit=args.link_gbit)
+    measured = {
+        name: measured_stages(lab.workload.load(path), steps)
+        for name, path, steps in (("one", one_host, one_steps), ("hosts", hosts, hosts_steps))}
     shm, tcp = lab.sim.calibrated("shm"), lab.sim.calibrated("tcp", hosts=STAGES, link_gbit=args.link_gbit)
     rows, results = [], {}
-    for label, path, network, against in (("one host, replayed there", one_host, shm, "one"),
-                                          (f"{STAGES} hosts, replayed there", hosts, tcp, "hosts"),
-                                          (f"one host re-targeted to {STAGES} hosts", one_host, tcp, "hosts")):
+    for label, path, network, against in (("one host, replayed there", one_host, shm,
+                                           "one"), (f"{STAGES} hosts, replayed there", hosts, tcp, "hosts"),
+                                          (f"one host re-targeted to {STAGES} hosts", one_host, tcp,
+                                           "hosts")):
         row, results[label] = compare(label, path, network, measured[against], args.warmup)
         rows.append(row)
     table = pd.DataFrame(rows)
     table.to_csv(out / "pipeline.csv", index=False, float_format="%.6g")
-    pd.concat([frame.assign(case=name) for name, frame in measured.items()]).to_csv(
-        out / "stages.csv", index=False, float_format="%.6g")
+    pd.concat([frame.assign(case=name)
+               for name, frame in measured.items()]).to_csv(out / "stages.csv", index=False,
+                                                            float_format="%.6g")
     formed = predictions(hosts, tcp, args.microbatches, args.warmup)
     formed.to_csv(out / "formed.csv", index=False, float_format="%.6g")
     picture(hosts, origins, results[f"{STAGES} hosts, replayed there"], args.steps - 1, out / "timeline.png")

@@ -107,6 +107,7 @@ def time_calls(mesh: lab.Mesh, algorithm: str, nbytes: int, calls: int,
 
         def call() -> None:
             lab.allreduce(mesh, x, algorithm=algorithm)
+
     for _ in range(WARMUP):
         call()
         x.mul_(1.0 / mesh.world_size)
@@ -196,9 +197,11 @@ def measure(args: argparse.Namespace, world: int) -> dict:
     a case being ``(impl, algorithm, spin, eager)``."""
     # One pool per configuration, all open at once; rounds alternate between them, so a burst
     # of load from elsewhere on the machine hits every configuration alike.
-    compiled_max = {} if args.compiled_max_bytes is None else {"LAB_COMPILED_MAX_BYTES": str(args.compiled_max_bytes)}
-    thresholds = {"lab": compiled_max, "plan": compiled_max, "gloo": compiled_max,
-                  "python": {"LAB_COMPILED_MAX_BYTES": "0"}}
+    compiled_max = {} if args.compiled_max_bytes is None else {
+        "LAB_COMPILED_MAX_BYTES": str(args.compiled_max_bytes)}
+    thresholds = {
+        "lab": compiled_max, "plan": compiled_max, "gloo": compiled_max,
+        "python": {"LAB_COMPILED_MAX_BYTES": "0"}}
     waits = [(spin, wait) for spin in args.spin for wait in args.compiled_wait]
     first = (waits[0], args.eager_bytes[0])
     pools, cases, results = {}, [], {}
@@ -218,9 +221,8 @@ def measure(args: argparse.Namespace, world: int) -> dict:
                     key = (eager, *sorted(environment.items()))
                     if key not in pools:
                         pools[key] = _launch(world, eager, environment)
-                    algorithms = (["gloo"] if impl == "gloo"
-                                  else args.python_algorithms or args.algorithms if impl == "python"
-                                  else args.algorithms)
+                    algorithms = (["gloo"] if impl == "gloo" else args.python_algorithms or args.algorithms
+                                  if impl == "python" else args.algorithms)
                     cases += [((impl, algorithm, label, eager), key) for algorithm in algorithms]
         for _ in range(args.rounds):
             for case, key in cases:
@@ -247,17 +249,17 @@ def report(args: argparse.Namespace, world: int, results: dict) -> None:
         switches = np.mean([s for out in rounds for _, s, _ in out]) / args.calls
         compiled = [c for out in rounds for _, _, c in out if c is not None]
         medians[impl, algorithm, spin, eager, nbytes] = float(np.median(slowest)), per_round
-        print(f"{world:>5} {nbytes:>7} {impl:>6} {algorithm:>18} {spin or '-':>13} "
-              f"{eager if eager is not None else '-':>5} {np.median(slowest):>10.1f} "
-              f"{np.percentile(slowest, 10):>7.1f} {np.percentile(slowest, 90):>8.1f} {switches:>13.2f} "
-              f"{np.mean(compiled) / args.calls if compiled else float('nan'):>13.2f}   "
-              f"({', '.join(f'{m:.0f}' for m in per_round)})", flush=True)
+        print(
+            f"{world:>5} {nbytes:>7} {impl:>6} {algorithm:>18} {spin or '-':>13} "
+            f"{eager if eager is not None else '-':>5} {np.median(slowest):>10.1f} "
+            f"{np.percentile(slowest, 10):>7.1f} {np.percentile(slowest, 90):>8.1f} {switches:>13.2f} "
+            f"{np.mean(compiled) / args.calls if compiled else float('nan'):>13.2f}   "
+            f"({', '.join(f'{m:.0f}' for m in per_round)})", flush=True)
     if len(args.impls) < 2:
         return
     for nbytes in args.bytes:
         row = {key[:4]: value for key, value in medians.items() if key[4] == nbytes}
-        refs = {name: value for name in ("mpich", "gloo")
-                for key, value in row.items() if key[0] == name}
+        refs = {name: value for name in ("mpich", "gloo") for key, value in row.items() if key[0] == name}
         python = {key: value for key, value in row.items() if key[0] == "python"}
         best = min(python.items(), key=lambda item: item[1][0]) if python else None
         for (impl, algorithm, spin, eager), (median, per_round) in row.items():
@@ -273,17 +275,21 @@ def report(args: argparse.Namespace, world: int, results: dict) -> None:
                               f"({', '.join(f'{a / b:.2f}' for a, b in zip(per_round, ref_rounds))})")
             elif impl == "python" and best and (impl, algorithm, spin, eager) == best[0]:
                 ratios.append("<- python best")
-            print(f"  ratio {world:>2} ranks {nbytes:>7} B {impl:>6} {algorithm:>18}"
-                  f"{'' if spin is None else f' wait {spin}'}{'' if eager is None else f' eager {eager}'}: "
-                  f"{median:8.1f} µs  {'  '.join(ratios)}", flush=True)
+            print(
+                f"  ratio {world:>2} ranks {nbytes:>7} B {impl:>6} {algorithm:>18}"
+                f"{'' if spin is None else f' wait {spin}'}{'' if eager is None else f' eager {eager}'}: "
+                f"{median:8.1f} µs  {'  '.join(ratios)}", flush=True)
 
 
 def header(args: argparse.Namespace) -> None:
     load = os.getloadavg()
-    print(f"# load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores; "
-          f"{args.calls} calls x {args.rounds} rounds", flush=True)
-    print(f"{'ranks':>5} {'bytes':>7} {'impl':>6} {'algorithm':>18} {'wait':>13} {'eager':>5} {'median µs':>10} "
-          f"{'p10':>7} {'p90':>8} {'switches/call':>13} {'compiled/call':>13}   (median of each round)", flush=True)
+    print(
+        f"# load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores; "
+        f"{args.calls} calls x {args.rounds} rounds", flush=True)
+    print(
+        f"{'ranks':>5} {'bytes':>7} {'impl':>6} {'algorithm':>18} {'wait':>13} {'eager':>5} {'median µs':>10} "
+        f"{'p10':>7} {'p90':>8} {'switches/call':>13} {'compiled/call':>13}   (median of each round)",
+        flush=True)
 
 
 def _without_missing(impls: list[str]) -> list[str]:
@@ -295,7 +301,8 @@ def _without_missing(impls: list[str]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=None, help="default: 1 2 4 8")
     parser.add_argument("--algorithms", nargs="+", default=["recursive_doubling", "tree"])
     parser.add_argument("--python-algorithms", nargs="+", default=None,
@@ -313,8 +320,9 @@ def main() -> None:
                         help="shm eager thresholds to compare (default: lab's)")
     parser.add_argument("--compare", action="store_true",
                         help="the comparison of docs/compiled.md (ignores --algorithms, --bytes, --impls)")
-    parser.add_argument("--parts", nargs="+", default=["head", "sweep", "one"], choices=["head", "sweep", "one"],
-                        help="with --compare: which of its parts to run (--ranks replaces head's and sweep's)")
+    parser.add_argument(
+        "--parts", nargs="+", default=["head", "sweep", "one"], choices=["head", "sweep", "one"],
+        help="with --compare: which of its parts to run (--ranks replaces head's and sweep's)")
     args = parser.parse_args()
     if not args.compare:
         args.ranks = args.ranks or [1, 2, 4, 8]
@@ -325,16 +333,15 @@ def main() -> None:
         return
     python_algorithms = ["auto", "recursive_doubling", "tree"]
     parts = {
-        "head": ("1 KB allreduce: compiled plain call, Python path, plan, MPICH, gloo",
-                 {"ranks": [2, 4, 8], "bytes": [1024], "impls": ["lab", "python", "plan", "mpich", "gloo"],
-                  "algorithms": ["auto"], "python_algorithms": python_algorithms, "compiled_max_bytes": None}),
-        "sweep": ("size sweep: compiled (threshold raised to 256 KiB) against the Python path",
-                  {"ranks": [2, 4, 8], "bytes": [1024, 4096, 16384, 65536, 262144], "impls": ["lab", "python"],
-                   "algorithms": ["auto"], "python_algorithms": python_algorithms, "compiled_max_bytes": 262144}),
-        "one": ("1 rank (no communication): the per-call Python cost, plain call against plan",
-                {"ranks": [1], "bytes": [1024], "impls": ["lab", "plan"], "algorithms": ["auto"],
-                 "python_algorithms": None, "compiled_max_bytes": None}),
-    }
+        "head": ("1 KB allreduce: compiled plain call, Python path, plan, MPICH, gloo", {
+            "ranks": [2, 4, 8], "bytes": [1024], "impls": ["lab", "python", "plan", "mpich", "gloo"],
+            "algorithms": ["auto"], "python_algorithms": python_algorithms, "compiled_max_bytes": None}),
+        "sweep": ("size sweep: compiled (threshold raised to 256 KiB) against the Python path", {
+            "ranks": [2, 4, 8], "bytes": [1024, 4096, 16384, 65536, 262144], "impls": ["lab", "python"],
+            "algorithms": ["auto"], "python_algorithms": python_algorithms, "compiled_max_bytes": 262144}),
+        "one": ("1 rank (no communication): the per-call Python cost, plain call against plan", {
+            "ranks": [1], "bytes": [1024], "impls": ["lab", "plan"], "algorithms": ["auto"],
+            "python_algorithms": None, "compiled_max_bytes": None})}
     for name in args.parts:
         title, settings = parts[name]
         if args.ranks is not None and name != "one":

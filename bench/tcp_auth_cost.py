@@ -21,7 +21,6 @@ CASES = [("1 KB", 1 << 10, "tree"), ("16 MB", 16 << 20, "ring")]
 
 class _NoMac:
     """A stand-in with the MAC's interface and no work: both ends agree on its constant digest."""
-
     def update(self, data) -> None:
         pass
 
@@ -51,7 +50,8 @@ def main() -> None:
             for _ in range(args.rounds):  # interleaved, so drift hits both alike
                 for authenticated in (True, False):
                     per_rank = cluster.run(timed, authenticated, nbytes, algorithm)
-                    medians[authenticated].append(summarize(per_rank, "allreduce", nbytes, args.world_size)["median_us"])
+                    medians[authenticated].append(
+                        summarize(per_rank, "allreduce", nbytes, args.world_size)["median_us"])
             on, off = statistics.median(medians[True]), statistics.median(medians[False])
             print(f"{label} {algorithm} allreduce, {args.world_size} ranks: authenticated {on:,.0f} us, "
                   f"no MAC {off:,.0f} us, cost {on - off:+,.0f} us ({on / off - 1:+.0%})")

@@ -8,7 +8,8 @@ from conftest import BENCH_SIZES, RANK_CLOCK, bench_collective, size_id
 
 from lab.benchmark import ALGORITHMS
 
-COLLECTIVES = ["broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather", "scatter"]
+COLLECTIVES = [
+    "broadcast", "allgather", "reduce_scatter", "reduce", "all_to_all", "barrier", "gather", "scatter"]
 CASES = [(c, a) for c in COLLECTIVES for a in ALGORITHMS[c]]
 
 

@@ -22,4 +22,6 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=7, help="rounds of calls per size")
     parser.add_argument("--out", help="where to write backend.csv (default: a temporary directory)")
     args = parser.parse_args()
-    sys.exit(backend.main(args.out or tempfile.mkdtemp(prefix="lab-backend-"), args.ranks, args.steps, args.rounds))
+    sys.exit(
+        backend.main(args.out or tempfile.mkdtemp(prefix="lab-backend-"), args.ranks, args.steps,
+                     args.rounds))

@@ -69,33 +69,41 @@ def time_symmetric(mesh: lab.Mesh, nbytes: int) -> list[int]:
 
 
 #: Bytes through one rank's memory per tensor byte (the floor), by case, at N ranks.
-PASSES = {"two_shot lab.empty": lambda n: 3, "one_shot": lambda n: n + 2, "one_shot symm_mem": lambda n: n + 1}
+PASSES = {
+    "two_shot lab.empty": lambda n: 3, "one_shot": lambda n: n + 2, "one_shot symm_mem": lambda n: n + 1}
 
 
 def sweep(world_size: int, sizes: list[int], copy_gbps: float) -> pd.DataFrame:
     rows = []
     with lab.launch(world_size) as cluster:
         for nbytes in sizes:
-            cases = {"ring": cluster.run(time_collective, "allreduce", "lab", nbytes, "ring"),
-                     "two_shot": cluster.run(time_collective, "allreduce", "lab", nbytes, "two_shot"),
-                     "two_shot lab.empty": cluster.run(time_registered, nbytes),
-                     "one_shot": cluster.run(time_collective, "allreduce", "lab", nbytes, "one_shot"),
-                     "one_shot symm_mem": cluster.run(time_symmetric, nbytes),
-                     "gloo": cluster.run(time_collective, "allreduce", "gloo", nbytes)}
+            cases = {
+                "ring": cluster.run(time_collective, "allreduce", "lab", nbytes,
+                                    "ring"), "two_shot": cluster.run(time_collective, "allreduce", "lab",
+                                                                     nbytes, "two_shot"),
+                "two_shot lab.empty": cluster.run(time_registered, nbytes),
+                "one_shot": cluster.run(time_collective, "allreduce", "lab", nbytes,
+                                        "one_shot"), "one_shot symm_mem": cluster.run(time_symmetric, nbytes),
+                "gloo": cluster.run(time_collective, "allreduce", "gloo", nbytes)}
             for name, per_rank in cases.items():
-                rows.append({"N": world_size, "bytes": nbytes, "impl": name,
-                             **summarize(per_rank, "allreduce", nbytes, world_size)})
+                rows.append({
+                    "N": world_size, "bytes": nbytes, "impl": name,
+                    **summarize(per_rank, "allreduce", nbytes, world_size)})
     if mpich.unavailable() is None:
         for nbytes in sizes:
             row = mpich.measure(world_size, nbytes)
-            rows.append({"N": world_size, "bytes": nbytes, "impl": "mpich",
-                         **{k: row[k] for k in ("median_us", "p10_us", "p90_us", "algbw_GBps", "busbw_GBps", "calls")}})
+            rows.append({
+                "N": world_size, "bytes": nbytes, "impl": "mpich",
+                **{k: row[k]
+                   for k in ("median_us", "p10_us", "p90_us", "algbw_GBps", "busbw_GBps", "calls")}})
     frame = pd.DataFrame(rows)
     passes = frame.apply(lambda r: PASSES.get(r["impl"], lambda n: 4)(r["N"]), axis=1)
     frame["floor_us"] = passes * frame["bytes"] / (copy_gbps * 1e3)
     frame["x floor"] = frame["median_us"] / frame["floor_us"]
-    frame["vs gloo"] = frame.apply(lambda r: frame[(frame["bytes"] == r["bytes"]) & (frame["impl"] == "gloo")]
-                                   ["median_us"].iloc[0] / r["median_us"], axis=1)
+    frame["vs gloo"] = frame.apply(
+        lambda r: frame[
+            (frame["bytes"] == r["bytes"]) & (frame["impl"] == "gloo")]["median_us"].iloc[0] / r["median_us"],
+        axis=1)
     return frame
 
 
@@ -105,13 +113,15 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated tensor bytes")
     args = parser.parse_args()
     copy_gbps = copy_bandwidth()
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; one rank copies {copy_gbps:.1f} GB/s"
-          + ("" if mpich.unavailable() is None else f"; MPICH skipped: {mpich.unavailable()}"))
+    print(
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; one rank copies {copy_gbps:.1f} GB/s"
+        + ("" if mpich.unavailable() is None else f"; MPICH skipped: {mpich.unavailable()}"))
     sizes = [int(s) for s in args.sizes.split(",")]
     for world_size in (int(n) for n in args.ranks.split(",")):
         frame = sweep(world_size, sizes, copy_gbps)
-        columns = ["N", "bytes", "impl", "median_us", "p10_us", "p90_us", "busbw_GBps", "floor_us", "x floor",
-                   "vs gloo"]
+        columns = [
+            "N", "bytes", "impl", "median_us", "p10_us", "p90_us", "busbw_GBps", "floor_us", "x floor",
+            "vs gloo"]
         print(frame[columns].to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 

@@ -123,12 +123,14 @@ def compare(case: dict, recorded: dict[int, tuple[Path, float]], source: int, ta
     scaled = replayed(recorded[source][0], target, warmup, scale)[0] if scale != 1 else step
     measured = recorded[target][1]
     error = step / measured - 1
-    print(f"{case['parallelism']} {case['model']} {comparison} ({source} -> {target}): "
-          f"measured {measured:.1f} ms, replayed {step:.1f} ms ({error:+.1%})", flush=True)
-    return {**case, "comparison": comparison, "recorded_hosts": source, "replayed_hosts": target,
-            "measured_ms": measured, "replayed_ms": step, "compute_ms": compute, "algorithms": algorithms,
-            "error": error, "target": TARGETS[comparison], "meets": abs(error) <= TARGETS[comparison],
-            "cores_scaled_ms": scaled, "cores_scaled_error": scaled / measured - 1}
+    print(
+        f"{case['parallelism']} {case['model']} {comparison} ({source} -> {target}): "
+        f"measured {measured:.1f} ms, replayed {step:.1f} ms ({error:+.1%})", flush=True)
+    return {
+        **case, "comparison": comparison, "recorded_hosts": source, "replayed_hosts": target,
+        "measured_ms": measured, "replayed_ms": step, "compute_ms": compute, "algorithms": algorithms,
+        "error": error, "target": TARGETS[comparison], "meets": abs(error) <= TARGETS[comparison],
+        "cores_scaled_ms": scaled, "cores_scaled_error": scaled / measured - 1}
 
 
 def cases(args: argparse.Namespace, folder: Path) -> pd.DataFrame:
@@ -136,11 +138,13 @@ def cases(args: argparse.Namespace, folder: Path) -> pd.DataFrame:
     rows = []
     for parallelism in ("ddp", "fsdp2"):
         for model, batch in (("communication-bound", 16), ("balanced", args.balanced_batch)):
-            recorded = {hosts: measure(parallelism, batch, hosts, args.steps, args.warmup, folder)
-                        for hosts in (2, 4)}
+            recorded = {
+                hosts: measure(parallelism, batch, hosts, args.steps, args.warmup, folder)
+                for hosts in (2, 4)}
             case = {"parallelism": parallelism, "model": model, "batch": batch}
-            rows += [compare(case, recorded, source, target, args.warmup)
-                     for source, target in ((2, 2), (4, 4), (2, 4))]
+            rows += [
+                compare(case, recorded, source, target, args.warmup)
+                for source, target in ((2, 2), (4, 4), (2, 4))]
     return pd.DataFrame(rows)
 
 
@@ -150,8 +154,9 @@ def replay_time(path: Path, ranks: int) -> dict:
     network = dataclasses.replace(lab.sim.calibrated("tcp", hosts=4, link_gbit=LINK_GBIT), ranks_per_cpu=1)
     started = time.perf_counter()
     result = lab.workload.replay(lab.workload.load(path), world_size=ranks, network=network, timeline=False)
-    return {"recording": path.name, "ranks": ranks, "seconds": time.perf_counter() - started,
-            "step_ms": float(result.step_us[-1]) / 1e3, "operations": len(result.breakdown)}
+    return {
+        "recording": path.name, "ranks": ranks, "seconds": time.perf_counter() - started,
+        "step_ms": float(result.step_us[-1]) / 1e3, "operations": len(result.breakdown)}
 
 
 def main() -> None:

@@ -24,14 +24,16 @@ def model() -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="lab", choices=["lab", "gloo"], help="the default process group's")
+    parser.add_argument("--backend", default="lab", choices=["lab", "gloo"],
+                        help="the default process group's")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
     other = "gloo" if args.backend == "lab" else "lab"
-    twins = {args.backend: DistributedDataParallel(model()),
-             other: DistributedDataParallel(model(), process_group=dist.new_group(backend=other))}
+    twins = {
+        args.backend: DistributedDataParallel(model()),
+        other: DistributedDataParallel(model(), process_group=dist.new_group(backend=other))}
     optimizers = {name: torch.optim.SGD(ddp.parameters(), lr=0.01) for name, ddp in twins.items()}
     data = torch.Generator().manual_seed(rank)  # each rank its own shard of every batch
     for step in range(args.steps):

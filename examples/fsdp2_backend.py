@@ -31,13 +31,15 @@ def sharded_model(group: dist.ProcessGroup) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="lab", choices=["lab", "gloo"], help="the default process group's")
+    parser.add_argument("--backend", default="lab", choices=["lab", "gloo"],
+                        help="the default process group's")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
     other = "gloo" if args.backend == "lab" else "lab"
-    twins = {args.backend: sharded_model(dist.group.WORLD), other: sharded_model(dist.new_group(backend=other))}
+    twins = {
+        args.backend: sharded_model(dist.group.WORLD), other: sharded_model(dist.new_group(backend=other))}
     optimizers = {name: torch.optim.Adam(model.parameters(), lr=1e-3) for name, model in twins.items()}
     data = torch.Generator().manual_seed(rank)
     for step in range(args.steps):

@@ -26,9 +26,10 @@ import lab  # noqa: F401 - registers the "lab" backend
 
 #: Each schedule, and where its stages sit: one per rank, two looped (rank r holds r and r + n) or
 #: two in a V (rank r holds r and 2n - 1 - r: the last stage is back on rank 0).
-SCHEDULES = {"gpipe": (ScheduleGPipe, "single"), "1f1b": (Schedule1F1B, "single"),
-             "interleaved": (ScheduleInterleaved1F1B, "loop"), "zbv": (ScheduleZBVZeroBubble, "v"),
-             "dualpipev": (ScheduleDualPipeV, "v")}
+SCHEDULES = {
+    "gpipe": (ScheduleGPipe, "single"), "1f1b": (Schedule1F1B, "single"),
+    "interleaved": (ScheduleInterleaved1F1B, "loop"), "zbv": (ScheduleZBVZeroBubble, "v"),
+    "dualpipev": (ScheduleDualPipeV, "v")}
 WIDTH = 64
 
 
@@ -45,8 +46,9 @@ def pipeline(name: str, group: dist.ProcessGroup, microbatches: int) -> tuple:
     for index in indices:
         torch.manual_seed(index)  # stage `index`'s weights, the same in both twins
         modules.append(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()))
-    stages = [PipelineStage(module, index, n * len(indices), torch.device("cpu"), group=group)
-              for module, index in zip(modules, indices)]
+    stages = [
+        PipelineStage(module, index, n * len(indices), torch.device("cpu"), group=group)
+        for module, index in zip(modules, indices)]
     schedule = schedule_class(stages[0] if layout == "single" else stages, microbatches,
                               loss_fn=torch.nn.functional.mse_loss)
     optimizer = torch.optim.SGD([p for module in modules for p in module.parameters()], lr=0.05)
@@ -55,15 +57,17 @@ def pipeline(name: str, group: dist.ProcessGroup, microbatches: int) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="lab", choices=["lab", "gloo"], help="the default process group's")
+    parser.add_argument("--backend", default="lab", choices=["lab", "gloo"],
+                        help="the default process group's")
     parser.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     dist.init_process_group(args.backend)
     other = "gloo" if args.backend == "lab" else "lab"
-    twins = {args.backend: pipeline(args.schedule, dist.group.WORLD, args.microbatches),
-             other: pipeline(args.schedule, dist.new_group(backend=other), args.microbatches)}
+    twins = {
+        args.backend: pipeline(args.schedule, dist.group.WORLD, args.microbatches),
+        other: pipeline(args.schedule, dist.new_group(backend=other), args.microbatches)}
     data = torch.Generator().manual_seed(0)  # the batch is fed to stage 0, the target to the last
     for step in range(args.steps):
         x = torch.randn(4 * args.microbatches, WIDTH, generator=data)

@@ -33,7 +33,6 @@ WIDTH, SEQUENCE, BATCH, TP = 64, 16, 8, 2
 
 class Block(torch.nn.Module):
     """``x + down(relu(up(norm(x))))``, the same weights in every process that builds it."""
-
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -47,11 +46,14 @@ class Block(torch.nn.Module):
 
 def parallel_block(mesh: DeviceMesh) -> torch.nn.Module:
     dp, tp = mesh.mesh_dim_names
-    block = parallelize_module(Block(), mesh[tp], {
-        "norm": SequenceParallel(),                         # the sequence stays sharded here
-        "up": ColwiseParallel(input_layouts=Shard(1)),      # all-gathers the sequence, shards the features
-        "down": RowwiseParallel(output_layouts=Shard(1)),   # reduce-scatters back along the sequence
-    })
+    block = parallelize_module(
+        Block(),
+        mesh[tp],
+        {
+            "norm": SequenceParallel(),  # the sequence stays sharded here
+            "up": ColwiseParallel(input_layouts=Shard(1)),  # all-gathers the sequence, shards the features
+            "down": RowwiseParallel(output_layouts=Shard(1))  # reduce-scatters back along the sequence
+        })
     return fully_shard(block, mesh=mesh[dp])
 
 
@@ -63,16 +65,18 @@ def main() -> None:
     shape = (dist.get_world_size() // TP, TP)
     # The twin's dimensions have names of their own: torch takes two meshes of the same ranks and
     # names for one (DeviceMesh's equality ignores the backend), and DTensor would run both on one.
-    meshes = {"lab": init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")),
-              "gloo": init_device_mesh("cpu", shape, mesh_dim_names=("gloo_dp", "gloo_tp"),
-                                       backend_override={"gloo_dp": "gloo", "gloo_tp": "gloo"})}
+    meshes = {
+        "lab": init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")),
+        "gloo": init_device_mesh("cpu", shape, mesh_dim_names=("gloo_dp", "gloo_tp"),
+                                 backend_override={"gloo_dp": "gloo", "gloo_tp": "gloo"})}
     twins = {name: parallel_block(mesh) for name, mesh in meshes.items()}
     optimizers = {name: torch.optim.Adam(block.parameters(), lr=1e-3) for name, block in twins.items()}
     dp_rank, tp_rank = meshes["lab"].get_coordinate()
     data = torch.Generator().manual_seed(dp_rank)  # each dp replica its own batches
     rows = SEQUENCE // TP
     for step in range(args.steps):
-        x = torch.randn(BATCH, SEQUENCE, WIDTH, generator=data)[:, tp_rank * rows:(tp_rank + 1) * rows].contiguous()
+        x = torch.randn(BATCH, SEQUENCE, WIDTH,
+                        generator=data)[:, tp_rank * rows:(tp_rank + 1) * rows].contiguous()
         losses = {}
         for name, block in twins.items():
             loss = block(x).pow(2).mean()

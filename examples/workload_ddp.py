@@ -76,6 +76,7 @@ def main() -> None:
     print(f"\n(replayed on {args.ranks:,} ranks in {time.perf_counter() - started:.1f} s)")
     rebucketed = lab.workload.replay(w, world_size=args.ranks, network=own_cores, timeline=False,
                                      bucket_mb=args.bucket_mb)
+
     def ms(values) -> str:  # the median after the warm-up step
         return f"{statistics.median(values[1:]) / 1e3:,.1f} ms"
 

@@ -55,7 +55,8 @@ def load_acquire(typingctx, arr, index):
 def store_release(typingctx, arr, index, value):
     """``arr[index] = value`` as a release store: everything written before it is visible to a
     reader whose acquire load sees ``value``."""
-    if not (_is_integer_vector(arr) and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
+    if not (_is_integer_vector(arr) and isinstance(index, types.Integer) and
+            isinstance(value, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
@@ -71,7 +72,8 @@ def store_release(typingctx, arr, index, value):
 @intrinsic
 def atomic_add(typingctx, arr, index, value):
     """``arr[index] += value`` as one sequentially consistent read-modify-write; returns the old value."""
-    if not (_is_integer_vector(arr) and isinstance(index, types.Integer) and isinstance(value, types.Integer)):
+    if not (_is_integer_vector(arr) and isinstance(index, types.Integer) and
+            isinstance(value, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
@@ -86,7 +88,6 @@ def atomic_add(typingctx, arr, index, value):
 @intrinsic
 def fence_seq_cst(typingctx):
     """A full fence: no load after it is satisfied before a store ahead of it is visible."""
-
     def codegen(context, builder, signature, args):
         builder.fence("seq_cst")
         return context.get_dummy_value()
@@ -115,15 +116,15 @@ def stack_words(typingctx, count):
 
 
 # The spin-wait hint: x86 ``pause``, aarch64 ``yield`` (hint #1); nothing elsewhere.
-_RELAX_INTRINSIC = {"x86_64": "llvm.x86.sse2.pause", "amd64": "llvm.x86.sse2.pause",
-                    "aarch64": "llvm.aarch64.hint", "arm64": "llvm.aarch64.hint"}.get(platform.machine().lower())
+_RELAX_INTRINSIC = {
+    "x86_64": "llvm.x86.sse2.pause", "amd64": "llvm.x86.sse2.pause", "aarch64": "llvm.aarch64.hint",
+    "arm64": "llvm.aarch64.hint"}.get(platform.machine().lower())
 
 
 @intrinsic
 def cpu_relax(typingctx):
     """Tell the core this is a spin-wait (frees the sibling hyperthread, saves power). Through an
     LLVM intrinsic: Numba's JIT has no inline-assembly parser."""
-
     def codegen(context, builder, signature, args):
         if _RELAX_INTRINSIC == "llvm.x86.sse2.pause":
             hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),

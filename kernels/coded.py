@@ -56,7 +56,6 @@ def coded_reduction(typingctx, op, family, kind, divides):
     """The reduction of ``op`` (``OP_CODES``) on ``family`` (``FAMILY_CODES``), built in compiled
     code; ``kind`` (``KIND_CODES``): what byte buffers hold; ``divides``: ``finalize`` divides by N
     (avg of float32/float64)."""
-
     def codegen(context, builder, signature, args):
         reduction = cgutils.create_struct_proxy(coded_reduction_type)(context, builder)
         for field, value, typ in zip(("op", "family", "kind"), args[:3], signature.args[:3]):
@@ -129,16 +128,20 @@ def _combine(reduction, dst, src):
 def _finalize(reduction, buf, world_size):
     # Only float32/float64 avg divides at the end (half precision divides each contribution first).
     if buf.dtype == types.uint8:
+
         def finalize_bytes(reduction, buf, world_size):
             if reduction.divides and buf.size:
                 if reduction.kind == 0:
                     k.divide(buf.view(np.float32), np.float64(world_size))
                 elif reduction.kind == 1:
                     k.divide(buf.view(np.float64), np.float64(world_size))
+
         return finalize_bytes
     if isinstance(buf.dtype, types.Float):
+
         def finalize(reduction, buf, world_size):
             if reduction.divides and buf.size:
                 k.divide(buf, np.float64(world_size))
+
         return finalize
     return lambda reduction, buf, world_size: None

@@ -64,12 +64,14 @@ def _call_run_hook(typingctx, number, fingerprint_address):
     def codegen(context, builder, signature, args):
         pyapi = context.get_python_api(builder)
         gil = pyapi.gil_ensure()
-        add_module = pyapi._get_function(ir.FunctionType(pyapi.pyobj, [pyapi.cstring]), name="PyImport_AddModule")
+        add_module = pyapi._get_function(ir.FunctionType(pyapi.pyobj, [pyapi.cstring]),
+                                         name="PyImport_AddModule")
         module = builder.call(add_module, [context.insert_const_string(builder.module, __name__)])  # borrowed
         run_hook = pyapi.object_getattr_string(module, "_run_hook")
-        arguments = [pyapi.long_from_longlong(args[0]),
-                     pyapi.bytes_from_string_and_size(builder.inttoptr(args[1], pyapi.cstring),
-                                                      context.get_constant(types.intp, FINGERPRINT_BYTES))]
+        arguments = [
+            pyapi.long_from_longlong(args[0]),
+            pyapi.bytes_from_string_and_size(builder.inttoptr(args[1], pyapi.cstring),
+                                             context.get_constant(types.intp, FINGERPRINT_BYTES))]
         result = pyapi.call_function_objargs(run_hook, arguments)
         raised = cgutils.is_null(builder, result)
         for obj in (result, run_hook, *arguments):
@@ -78,6 +80,7 @@ def _call_run_hook(typingctx, number, fingerprint_address):
         with builder.if_then(raised, likely=False):
             context.call_conv.return_exc(builder)  # the exception is set: the wrapper raises it
         return context.get_dummy_value()
+
     return types.none(types.int64, types.int64), codegen
 
 

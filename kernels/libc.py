@@ -52,8 +52,8 @@ def _call_libc(context, builder, signature, args, name, restype, params, var_arg
     """Call the C function ``name`` (``restype name(params...)``, variadic past them with
     ``var_arg``) on integer arguments: each is cast to int64, then to its parameter (a pointer from
     an address, a narrower int); variadic ones go as int64 (a C long)."""
-    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(restype, params, var_arg=var_arg),
-                                              name)
+    function = cgutils.get_or_insert_function(builder.module,
+                                              ir.FunctionType(restype, params, var_arg=var_arg), name)
     values = []
     for i, (value, value_type) in enumerate(zip(args, signature.args)):
         word = context.cast(builder, value, value_type, types.int64)
@@ -69,7 +69,6 @@ def _call_libc(context, builder, signature, args, name, restype, params, var_arg
 @intrinsic
 def sched_yield(typingctx):
     """``sched_yield()``: let another runnable thread have this core; returns 0."""
-
     def codegen(context, builder, signature, args):
         return _call_libc(context, builder, signature, args, "sched_yield", _I32, [])
 
@@ -183,7 +182,8 @@ def futex_wait(words, index, expected, timeout_ns):
         return -1
     timespec = stack_words(2)
     timespec[0], timespec[1] = timeout_ns // 1_000_000_000, timeout_ns % 1_000_000_000
-    return _syscall(SYS_FUTEX, address_of(words) + index * 4, FUTEX_WAIT, expected, address_of(timespec), 0, 0)
+    return _syscall(SYS_FUTEX,
+                    address_of(words) + index * 4, FUTEX_WAIT, expected, address_of(timespec), 0, 0)
 
 
 @njit(cache=True, nogil=True)

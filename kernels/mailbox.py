@@ -112,14 +112,12 @@ _FIELDS = [
     ("yield_limit", types.int64),
     ("rings", types.int64[:, ::1]),
     ("waiting", types.int64[::1]),
-    ("hook", types.int64),
-]
+    ("hook", types.int64)]
 
 
 @structref.register
 class MailboxPeersType(types.StructRef):
     """The Numba type of ``MailboxPeers`` (one instance: :data:`mailbox_peers_type`)."""
-
     def preprocess_fields(self, fields):
         return tuple((name, types.unliteral(typ)) for name, typ in fields)
 
@@ -148,7 +146,8 @@ def open_mailbox(region, rank, world_size, slot_bytes, depth, liveness_fds):
         raise ValueError("MailboxPeers: liveness_fds needs one fd (or -1) per rank")
     used = region_bytes(world_size, slot_bytes, depth)
     if region.size < used:
-        raise ValueError("MailboxPeers: the region is smaller than region_bytes(world_size, slot_bytes, depth)")
+        raise ValueError(
+            "MailboxPeers: the region is smaller than region_bytes(world_size, slot_bytes, depth)")
     if address_of(region) % LINE != 0:
         raise ValueError("MailboxPeers: the region must be 64-byte aligned")
     peers = structref.new(mailbox_peers_type)
@@ -262,7 +261,6 @@ structref.define_boxing(MailboxPeersType, MailboxPeers)
 def _construct(region, rank, world_size, slot_bytes, depth, liveness_fds):
     """``MailboxPeers(...)`` in compiled code is ``open_mailbox(...)`` too (not a constructor
     taking every field, which ``structref.define_proxy`` would define)."""
-
     def impl(region, rank, world_size, slot_bytes, depth, liveness_fds):
         return open_mailbox(region, rank, world_size, slot_bytes, depth, liveness_fds)
 
@@ -291,7 +289,8 @@ def _begin_method(peers, fingerprint, deadline_ns):
 def _send_buffer_method(peers, dst, data):
     """Send ``data`` (1-D, C-contiguous, any dtype) to ``dst``; returns once it is in the ring
     (at once, if the collective has failed)."""
-    return lambda peers, dst, data: rings.send(peers, np.int64(dst), address_of(data), data.nbytes, data.itemsize)
+    return lambda peers, dst, data: rings.send(peers, np.int64(dst), address_of(data), data.nbytes, data.
+                                               itemsize)
 
 
 @overload_method(MailboxPeersType, "recv_buffer", jit_options=_METHOD_OPTIONS)
@@ -300,12 +299,15 @@ def _recv_buffer_method(peers, src, out, reduction=None):
     ``reduction.combine(out_piece, incoming)`` per slot-sized piece, ``incoming`` being the slot
     viewed with ``out``'s dtype."""
     if _absent(reduction):  # the byte-level path: one compilation serves every dtype
+
         def copy(peers, src, out, reduction=None):
             rings.recv(peers, np.int64(src), address_of(out), out.nbytes, out.itemsize)
+
         return copy
 
     def fold(peers, src, out, reduction=None):
         rings.recv_fold(peers, np.int64(src), out, reduction)
+
     return fold
 
 
@@ -316,14 +318,17 @@ def _sendrecv_buffer_method(peers, dst, data, src, out, reduction=None):
     with ``reduction`` as in ``recv_buffer``). ``out`` must not overlap ``data`` (a piece may
     arrive before the same piece of ``data`` has gone)."""
     if _absent(reduction):
+
         def copy(peers, dst, data, src, out, reduction=None):
-            rings.sendrecv(peers, np.int64(dst), address_of(data), data.nbytes, data.itemsize,
-                      np.int64(src), address_of(out), out.nbytes, out.itemsize)
+            rings.sendrecv(peers, np.int64(dst), address_of(data), data.nbytes, data.itemsize, np.int64(src),
+                           address_of(out), out.nbytes, out.itemsize)
+
         return copy
 
     def fold(peers, dst, data, src, out, reduction=None):
-        rings.sendrecv_fold(peers, np.int64(dst), address_of(data), data.nbytes, data.itemsize,
-                       np.int64(src), out, reduction)
+        rings.sendrecv_fold(peers, np.int64(dst), address_of(data), data.nbytes, data.itemsize, np.int64(src),
+                            out, reduction)
+
     return fold
 
 

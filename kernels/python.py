@@ -37,11 +37,8 @@ def python_max_into(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 PYTHON_KERNELS: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {
-    "sum": python_sum_into,
-    "prod": python_prod_into,
-    "min": python_min_into,
-    "max": python_max_into,
-}
+    "sum": python_sum_into, "prod": python_prod_into, "min": python_min_into, "max": python_max_into}
+
 
 def _numpy_into(ufunc: np.ufunc) -> Callable[[np.ndarray, np.ndarray], None]:
     def reduce_into(dst: np.ndarray, src: np.ndarray) -> None:
@@ -51,8 +48,5 @@ def _numpy_into(ufunc: np.ufunc) -> Callable[[np.ndarray, np.ndarray], None]:
 
 
 NUMPY_KERNELS: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {
-    "sum": _numpy_into(np.add),
-    "prod": _numpy_into(np.multiply),
-    "min": _numpy_into(np.minimum),
-    "max": _numpy_into(np.maximum),
-}
+    "sum": _numpy_into(np.add), "prod": _numpy_into(np.multiply), "min": _numpy_into(np.minimum),
+    "max": _numpy_into(np.maximum)}

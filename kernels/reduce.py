@@ -35,16 +35,12 @@ from numba import njit, types
 from numba.extending import intrinsic, overload
 
 NATIVE_SIGNATURES = [
-    "void(float32[::1], float32[::1])",
-    "void(float64[::1], float64[::1])",
-    "void(int32[::1], int32[::1])",
-    "void(int64[::1], int64[::1])",
-]
+    "void(float32[::1], float32[::1])", "void(float64[::1], float64[::1])", "void(int32[::1], int32[::1])",
+    "void(int64[::1], int64[::1])"]
 INTEGER_SIGNATURES = NATIVE_SIGNATURES[2:]  # the bitwise ops: integers only
 HALF_SIGNATURE = ["void(uint16[::1], uint16[::1])"]
 NATIVE_SCALE_SIGNATURES = ["void(float32[::1], float64)", "void(float64[::1], float64)"]
 HALF_SCALE_SIGNATURE = ["void(uint16[::1], float64)"]
-
 
 # --- bit casts between float32 and uint32 (no memory round trip) -------------------------------
 
@@ -211,8 +207,9 @@ def divide(dst, divisor):
         dst[i] = dst[i] / divisor
 
 
-@njit(["void(float32[::1], float32[::1], float32[::1], float32[::1])",
-       "void(float64[::1], float64[::1], float64[::1], float64[::1])"], cache=True, nogil=True)
+@njit([
+    "void(float32[::1], float32[::1], float32[::1], float32[::1])",
+    "void(float64[::1], float64[::1], float64[::1], float64[::1])"], cache=True, nogil=True)
 def sum3_into(dst, a, b, c):
     """``dst += a + b + c`` in one pass: reads four buffers and writes one, where three chained
     two-input adds read and write ``dst`` three times (the K=4 fused reduce of the benchmarks)."""
@@ -261,13 +258,15 @@ def float16_prod_into(dst, src):
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_min_into(dst, src):
     for i in range(dst.size):
-        dst[i] = half_minimum(dst[i], src[i], float16_to_float32(dst[i]), float16_to_float32(src[i]), FLOAT16_NAN)
+        dst[i] = half_minimum(dst[i], src[i], float16_to_float32(dst[i]), float16_to_float32(src[i]),
+                              FLOAT16_NAN)
 
 
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def float16_max_into(dst, src):
     for i in range(dst.size):
-        dst[i] = half_maximum(dst[i], src[i], float16_to_float32(dst[i]), float16_to_float32(src[i]), FLOAT16_NAN)
+        dst[i] = half_maximum(dst[i], src[i], float16_to_float32(dst[i]), float16_to_float32(src[i]),
+                              FLOAT16_NAN)
 
 
 @njit(HALF_SCALE_SIGNATURE, cache=True, nogil=True)
@@ -296,13 +295,15 @@ def bfloat16_prod_into(dst, src):
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_min_into(dst, src):
     for i in range(dst.size):
-        dst[i] = half_minimum(dst[i], src[i], bfloat16_to_float32(dst[i]), bfloat16_to_float32(src[i]), BFLOAT16_NAN)
+        dst[i] = half_minimum(dst[i], src[i], bfloat16_to_float32(dst[i]), bfloat16_to_float32(src[i]),
+                              BFLOAT16_NAN)
 
 
 @njit(HALF_SIGNATURE, cache=True, nogil=True)
 def bfloat16_max_into(dst, src):
     for i in range(dst.size):
-        dst[i] = half_maximum(dst[i], src[i], bfloat16_to_float32(dst[i]), bfloat16_to_float32(src[i]), BFLOAT16_NAN)
+        dst[i] = half_maximum(dst[i], src[i], bfloat16_to_float32(dst[i]), bfloat16_to_float32(src[i]),
+                              BFLOAT16_NAN)
 
 
 @njit(HALF_SCALE_SIGNATURE, cache=True, nogil=True)
@@ -327,8 +328,7 @@ KERNELS = {
     ("sum", "bfloat16"): bfloat16_sum_into,
     ("prod", "bfloat16"): bfloat16_prod_into,
     ("min", "bfloat16"): bfloat16_min_into,
-    ("max", "bfloat16"): bfloat16_max_into,
-}
+    ("max", "bfloat16"): bfloat16_max_into}
 
 #: ``DIVIDE[family](dst, divisor)`` divides in place (the second half of ``avg``; floats only).
 DIVIDE = {"native": divide, "float16": float16_divide, "bfloat16": bfloat16_divide}

@@ -151,13 +151,15 @@ def unread_on_pipes(words, in_channels):
 @njit(cache=True, nogil=True)
 def send(peers, dst, address, nbytes, itemsize):
     if _usable(peers, dst, itemsize, dst, itemsize):
-        _exchange(peers, dst, address, nbytes, itemsize, _NOBODY, _NOTHING, _NOTHING, _ONE, peers.region, None)
+        _exchange(peers, dst, address, nbytes, itemsize, _NOBODY, _NOTHING, _NOTHING, _ONE, peers.region,
+                  None)
 
 
 @njit(cache=True, nogil=True)
 def recv(peers, src, address, nbytes, itemsize):
     if _usable(peers, src, itemsize, src, itemsize):
-        _exchange(peers, _NOBODY, _NOTHING, _NOTHING, _ONE, src, address, nbytes, itemsize, peers.region, None)
+        _exchange(peers, _NOBODY, _NOTHING, _NOTHING, _ONE, src, address, nbytes, itemsize, peers.region,
+                  None)
 
 
 @njit(cache=True, nogil=True)
@@ -168,10 +170,11 @@ def recv_fold(peers, src, out, reduction):
 
 
 @njit(cache=True, nogil=True)
-def sendrecv(peers, dst, send_address, send_bytes, send_itemsize, src, recv_address, recv_bytes, recv_itemsize):
+def sendrecv(peers, dst, send_address, send_bytes, send_itemsize, src, recv_address, recv_bytes,
+             recv_itemsize):
     if _usable(peers, dst, send_itemsize, src, recv_itemsize):
-        _exchange(peers, dst, send_address, send_bytes, send_itemsize, src, recv_address, recv_bytes, recv_itemsize,
-                  peers.region, None)
+        _exchange(peers, dst, send_address, send_bytes, send_itemsize, src, recv_address, recv_bytes,
+                  recv_itemsize, peers.region, None)
 
 
 @njit(cache=True, nogil=True)
@@ -181,10 +184,9 @@ def sendrecv_fold(peers, dst, send_address, send_bytes, send_itemsize, src, out,
                   out.itemsize, out, reduction)
 
 
-
 @njit(cache=True, nogil=True)
-def _exchange(peers, dst, send_address, send_bytes, send_itemsize,
-              src, recv_address, recv_bytes, recv_itemsize, out, reduction):
+def _exchange(peers, dst, send_address, send_bytes, send_itemsize, src, recv_address, recv_bytes,
+              recv_itemsize, out, reduction):
     """Send ``send_bytes`` at ``send_address`` to ``dst`` (none if -1) and receive ``recv_bytes``
     to ``recv_address`` from ``src`` (none if -1; folded into ``out`` with ``reduction`` unless it
     is None), interleaving pieces, waiting only when neither can move. Pieces are whole items:
@@ -275,9 +277,9 @@ def _try_recv(peers, src, address, piece_bytes, message_bytes, out, first, reduc
             return False
     slot = channel + SLOTS + (n % peers.depth) * slot_stride(peers.slot_bytes)
     header, fingerprint = slot >> 3, peers.fingerprint_words
-    if (words[header] != fingerprint[0] or words[header + 1] != fingerprint[1]
-            or words[header + 2] != fingerprint[2] or words[header + 3] != fingerprint[3]
-            or words[header + PIECE_WORD] != piece_bytes or words[header + MESSAGE_WORD] != message_bytes):
+    if (words[header] != fingerprint[0] or words[header + 1] != fingerprint[1] or
+            words[header + 2] != fingerprint[2] or words[header + 3] != fingerprint[3] or
+            words[header + PIECE_WORD] != piece_bytes or words[header + MESSAGE_WORD] != message_bytes):
         _mismatch(peers, src, slot)
         return True
     payload = slot + HEADER_BYTES
@@ -285,7 +287,8 @@ def _try_recv(peers, src, address, piece_bytes, message_bytes, out, first, reduc
         memcpy(address, address_of(words) + payload, piece_bytes)
     elif piece_bytes > 0:
         count = piece_bytes // out.itemsize
-        reduction.combine(out[first:first + count], peers.region[payload:payload + piece_bytes].view(out.dtype))
+        reduction.combine(out[first:first + count],
+                          peers.region[payload:payload + piece_bytes].view(out.dtype))
     rings[TAKEN_BY_ME, src] = n + 1
     store_release(words, (channel + TAKEN) >> 3, n + 1)  # free the slot: our reads of it go first
     peers.bytes_received[src] += piece_bytes
@@ -303,7 +306,6 @@ def _mismatch(peers, src, slot):
 
 
 # --- waiting ---------------------------------------------------------------------------------------
-
 
 
 @njit(cache=True, nogil=True)

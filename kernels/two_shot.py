@@ -145,7 +145,8 @@ def wait_all(region, rank, world_size, field, target, deadline_ns, liveness_fds,
     words, doorbells = region.view(np.int64), region.view(np.int32)
     for step in range(1, world_size):
         peer = (rank + step) % world_size
-        status = _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds, hook, fingerprint)
+        status = _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds, hook,
+                       fingerprint)
         if status != OK:
             return status, peer
     return OK, -1
@@ -162,8 +163,8 @@ def wait_one(region, rank, peer, field, target, deadline_ns, liveness_fds, hook,
 def wait_word(region, rank, peer, offset, target, deadline_ns, liveness_fds, hook, fingerprint):
     """Wait until the int64 at byte ``offset`` of the region, which ``peer`` writes, is at least
     ``target`` (a signal pad's counter, :mod:`lab.symm_mem`): OK, SILENCE or PEER_LOST."""
-    return _wait_at(region.view(np.int64), region.view(np.int32), rank, peer, offset >> 3, target, deadline_ns,
-                    liveness_fds, hook, fingerprint)
+    return _wait_at(region.view(np.int64), region.view(np.int32), rank, peer, offset >> 3, target,
+                    deadline_ns, liveness_fds, hook, fingerprint)
 
 
 @njit(cache=True, nogil=True)

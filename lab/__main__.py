@@ -38,8 +38,9 @@ def compile_plane() -> None:
     from lab.warmup import cache_is_cold, compile_all
 
     if cache_is_cold():
-        print("Compiling the compiled data plane with Numba: about a minute on a machine's first run "
-              "(once, into Numba's disk cache; later runs load it in about 3 s) ...", flush=True)
+        print(
+            "Compiling the compiled data plane with Numba: about a minute on a machine's first run "
+            "(once, into Numba's disk cache; later runs load it in about 3 s) ...", flush=True)
     started = time.monotonic()
     lab.spawn(compile_all, 2, transport="shm")
     print(f"Compiled data plane ready ({time.monotonic() - started:.1f} s).\n", flush=True)
@@ -79,11 +80,15 @@ def validate(args: argparse.Namespace) -> int:
     n, numel = 4, 256 * 1024
     counters = byte_table(n, numel)
     print(f"\nPayload bytes per rank, one allreduce of T = {numel * 4:,} bytes (float32) on N = {n} ranks")
-    print(f"ring: 2T(N-1)/N = {2 * numel * 4 * (n - 1) // n:,} each way; naive root: (N-1)T = {(n - 1) * numel * 4:,}\n")
+    print(
+        f"ring: 2T(N-1)/N = {2 * numel * 4 * (n - 1) // n:,} each way; naive root: (N-1)T = {(n - 1) * numel * 4:,}\n"
+    )
     print(counters.to_string(index=False))
 
     failed = int((table["result"] == "FAIL").sum() + (counters["result"] == "FAIL").sum())
-    print(f"\n{len(table) + len(counters) - failed} passed, {failed} failed in {time.monotonic() - started:.1f} s")
+    print(
+        f"\n{len(table) + len(counters) - failed} passed, {failed} failed in {time.monotonic() - started:.1f} s"
+    )
     return 1 if failed else 0
 
 
@@ -123,8 +128,8 @@ def results(args: argparse.Namespace) -> int:
             return hierarchy.main(args.out, args.hosts, args.ranks_per_host, args.link_gbit[0],
                                   sizes if args.quick else None)
         return hosts.main(args.out, args.hosts, args.link_gbit, sizes if args.quick else None)
-    return results_module.main(args.out, args.ranks, args.transports, sizes, update_tuning=not args.keep_tuning,
-                               rounds=args.rounds)
+    return results_module.main(args.out, args.ranks, args.transports, sizes,
+                               update_tuning=not args.keep_tuning, rounds=args.rounds)
 
 
 def kernels(args: argparse.Namespace) -> int:
@@ -132,8 +137,9 @@ def kernels(args: argparse.Namespace) -> int:
 
     table = kernel_sweep()
     pd.set_option("display.width", 200)
-    print(table.pivot_table(index="bytes", columns=["impl", "variant"], values="GBps").to_string(
-        float_format=lambda v: f"{v:.3g}"))
+    print(
+        table.pivot_table(index="bytes", columns=["impl", "variant"],
+                          values="GBps").to_string(float_format=lambda v: f"{v:.3g}"))
     print("\nGB/s: bytes of all inputs read per second")
     return 0
 
@@ -156,15 +162,54 @@ def timeline(args: argparse.Namespace) -> int:
         json.dump(to_chrome_trace(rows), out)
     if args.png:
         plot_timeline(rows, args.png)
-    print(f"{len(rows)} rows -> {args.output}" + (f" and {args.png}" if args.png else "")
-          + " (open the JSON in https://ui.perfetto.dev)")
+    print(f"{len(rows)} rows -> {args.output}" + (f" and {args.png}" if args.png else "") +
+          " (open the JSON in https://ui.perfetto.dev)")
     return 0
+
+
+def add_results(commands: argparse._SubParsersAction) -> None:
+    """``python -m lab results``: what it measures, into which files."""
+    sweep = commands.add_parser("results", help="regenerate results/ and lab/tuning.json")
+    sweep.add_argument("--out", default="results")
+    sweep.add_argument("--ranks", type=whole(1), default=4)
+    sweep.add_argument("--transports", nargs="+", default=["shm", "queue", "tcp"],
+                       choices=["shm", "queue", "tcp"])
+    sweep.add_argument("--quick", action="store_true", help="1 KB, 1 MB and 16 MB only")
+    sweep.add_argument("--rounds", type=whole(1), default=5,
+                       help="rounds of every case, the least round's median kept (default 5; 1 is 5x faster)")
+    sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
+    sweep.add_argument(
+        "--calibrate-only", action="store_true",
+        help="measure nothing: refit to OUT's CSVs (and OUT/ranks/N's) the simulator's network per "
+        "transport and the models of every world size measured into lab/tuning.json")
+    sweep.add_argument(
+        "--report-only", action="store_true",
+        help="measure nothing: rewrite OUT/REPORT.md from OUT's CSVs and machine.json (keeping the "
+        "sections other commands spliced in)")
+    sweep.add_argument("--hosts", nargs="+", type=whole(1), metavar="H",
+                       help="instead: allreduce across H emulated hosts, one rank each (writes OUT/hosts/)")
+    sweep.add_argument("--link-gbit", nargs="+", type=checked(number, check_link_gbit), default=[1.0],
+                       metavar="G", help="with --hosts: each host's link cap in Gbit/s each way (default 1)")
+    sweep.add_argument(
+        "--ranks-per-host", type=whole(1), metavar="L",
+        help="with --hosts: L ranks per host, transport='auto': hierarchical vs ring vs gloo "
+        "(writes OUT/hosts/hierarchical*.csv and REPORT.md's 'Many ranks per host')")
+    sweep.add_argument(
+        "--backend", action="store_true",
+        help="instead: dist.all_reduce on the \"lab\" backend vs lab.allreduce vs gloo, and a DDP "
+        "step on each, under torchrun with --ranks ranks (OUT/backend.csv, REPORT.md's section)")
+    sweep.add_argument(
+        "--data-plane", nargs="*", type=whole(1), metavar="N",
+        help="instead: allreduce 1 KB to 16 MB on shm at N ranks (default 2 4 8): plain call, plan, "
+        "compiled path off, gloo and MPICH, and the memory floor (OUT/data_plane.csv, "
+        "REPORT.md's section)")
+    sweep.set_defaults(run=results, parser=sweep)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lab",
-        description="The collectives lab. Without a command: the validation table (lab vs gloo) and byte counters.")
+        prog="python -m lab", description=
+        "The collectives lab. Without a command: the validation table (lab vs gloo) and byte counters.")
     commands = parser.add_subparsers(dest="command")
     check = commands.add_parser("validate", help="the validation table (the default)")
     check.add_argument("--transports", nargs="+", default=["shm", "queue"], choices=["shm", "queue", "tcp"])
@@ -172,35 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--elements", type=whole(1), default=1001, help="per rank (default 1001: odd)")
     check.add_argument("--seed", type=whole(0), default=0)
     check.set_defaults(run=validate, parser=check)
-    sweep = commands.add_parser("results", help="regenerate results/ and lab/tuning.json")
-    sweep.add_argument("--out", default="results")
-    sweep.add_argument("--ranks", type=whole(1), default=4)
-    sweep.add_argument("--transports", nargs="+", default=["shm", "queue", "tcp"], choices=["shm", "queue", "tcp"])
-    sweep.add_argument("--quick", action="store_true", help="1 KB, 1 MB and 16 MB only")
-    sweep.add_argument("--rounds", type=whole(1), default=5,
-                       help="rounds of every case, the least round's median kept (default 5; 1 is 5x faster)")
-    sweep.add_argument("--keep-tuning", action="store_true", help="do not refresh lab/tuning.json")
-    sweep.add_argument("--calibrate-only", action="store_true",
-                       help="measure nothing: refit to OUT's CSVs (and OUT/ranks/N's) the simulator's network per "
-                            "transport and the models of every world size measured into lab/tuning.json")
-    sweep.add_argument("--report-only", action="store_true",
-                       help="measure nothing: rewrite OUT/REPORT.md from OUT's CSVs and machine.json (keeping the "
-                            "sections other commands spliced in)")
-    sweep.add_argument("--hosts", nargs="+", type=whole(1), metavar="H",
-                       help="instead: allreduce across H emulated hosts, one rank each (writes OUT/hosts/)")
-    sweep.add_argument("--link-gbit", nargs="+", type=checked(number, check_link_gbit), default=[1.0],
-                       metavar="G", help="with --hosts: each host's link cap in Gbit/s each way (default 1)")
-    sweep.add_argument("--ranks-per-host", type=whole(1), metavar="L",
-                       help="with --hosts: L ranks per host, transport='auto': hierarchical vs ring vs gloo "
-                            "(writes OUT/hosts/hierarchical*.csv and REPORT.md's 'Many ranks per host')")
-    sweep.add_argument("--backend", action="store_true",
-                       help="instead: dist.all_reduce on the \"lab\" backend vs lab.allreduce vs gloo, and a DDP "
-                            "step on each, under torchrun with --ranks ranks (OUT/backend.csv, REPORT.md's section)")
-    sweep.add_argument("--data-plane", nargs="*", type=whole(1), metavar="N",
-                       help="instead: allreduce 1 KB to 16 MB on shm at N ranks (default 2 4 8): plain call, plan, "
-                            "compiled path off, gloo and MPICH, and the memory floor (OUT/data_plane.csv, "
-                            "REPORT.md's section)")
-    sweep.set_defaults(run=results, parser=sweep)
+    add_results(commands)
     kernel = commands.add_parser("kernels", help="Python vs numpy vs Numba reduction bandwidth")
     kernel.set_defaults(run=kernels)
     trace = commands.add_parser("timeline", help="a JSONL trace as a Chrome/Perfetto timeline")
@@ -214,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     from lab.sim.sweep import add_parser as add_simulate  # python -m lab simulate (lab/sim/sweep.py)
     from lab.workload.cli import add_parser as add_workload  # python -m lab workload (lab/workload/cli.py)
 
-    for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster, flight_verdict.add_parser):  # each its subcommand
+    for add_parser in (add_simulate, add_explain, add_workload, add_perf, add_cluster,
+                       flight_verdict.add_parser):  # each its subcommand
         add_parser(commands)
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in (*commands.choices, "-h", "--help"):

@@ -69,6 +69,7 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
     x = _input(collective, nbytes, mesh.world_size, mesh.rank)
     plan = None
     if impl == "gloo":
+
         def call() -> Any:
             return gloo_collective(mesh, collective, x)
     elif impl == "plan":
@@ -76,14 +77,16 @@ def time_collective(mesh: Mesh, collective: str, impl: str, nbytes: int, algorit
             raise ValueError(f"impl 'plan' times allreduce plans only; got {collective!r}")
         call = plan = plans.allreduce_init(mesh, x, algorithm=algorithm)
     elif not registry.choosable(collective):  # reduce and barrier: one algorithm, no argument
-        call = {"reduce": lambda: collectives.reduce(mesh, x, dst=0),
-                "barrier": lambda: collectives.barrier(mesh)}[collective]
+        call = {
+            "reduce": lambda: collectives.reduce(mesh, x, dst=0),
+            "barrier": lambda: collectives.barrier(mesh)}[collective]
     else:
         root = CATALOG[collective].root
         options = {root: 0} if root else {}
 
         def call() -> Any:
             return getattr(collectives, collective)(mesh, x, algorithm=algorithm, **options)
+
     durations = []
     dist.barrier()
     for i in range(warmup + iterations):
@@ -105,22 +108,19 @@ def summarize(per_rank: list[list[int]], collective: str, nbytes: int, world_siz
     median = float(np.median(slowest))
     algbw = nbytes / (median * 1e3)
     return {
-        "median_us": median,
-        "p10_us": float(np.percentile(slowest, 10)),
-        "p90_us": float(np.percentile(slowest, 90)),
-        "algbw_GBps": algbw,
-        "busbw_GBps": algbw * bus_factor(collective, world_size),
-        "calls": len(slowest),
-    }
+        "median_us": median, "p10_us": float(np.percentile(slowest,
+                                                           10)), "p90_us": float(np.percentile(slowest, 90)),
+        "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(collective, world_size), "calls": len(slowest)}
 
 
 def measure(cluster: Any, collective: str, impl: str, nbytes: int, algorithm: str = "auto",
             iterations: int | None = None) -> dict[str, Any]:
     """Run one case on a pool (``lab.launch``) and summarize it: the unit every sweep is made of."""
     per_rank = cluster.run(time_collective, collective, impl, nbytes, algorithm, iterations)
-    row = {"collective": collective, "impl": impl, "algorithm": "gloo" if impl == "gloo" else algorithm,
-           "transport": "gloo" if impl == "gloo" else cluster.transport, "world": cluster.world_size,
-           "bytes": nbytes if CATALOG[collective].moves_bytes else 0}
+    row = {
+        "collective": collective, "impl": impl, "algorithm": "gloo" if impl == "gloo" else algorithm,
+        "transport": "gloo" if impl == "gloo" else cluster.transport, "world": cluster.world_size,
+        "bytes": nbytes if CATALOG[collective].moves_bytes else 0}
     return {**row, **summarize(per_rank, collective, row["bytes"], cluster.world_size)}
 
 
@@ -152,20 +152,25 @@ def time_kernel(impl: str, nbytes: int, inputs: int = 2, repeats: int | None = N
     rng = np.random.default_rng(0)
     dst, *srcs = (rng.random(numel, dtype=np.float32) for _ in range(inputs))
     if impl == "python":
+
         def call() -> None:
             for src in srcs:
                 PYTHON_KERNELS["sum"](dst, src)
     elif impl == "numpy":
+
         def call() -> None:
             for src in srcs:
                 NUMPY_KERNELS["sum"](dst, src)
     elif inputs == 4:
+
         def call() -> None:
             sum3_into(dst, *srcs)
     else:
+
         def call() -> None:
             for src in srcs:
                 sum_into(dst, src)
+
     if repeats is None:
         repeats = 3 if impl == "python" else max(20, min(200, (64 << 20) // max(nbytes, 1)))
     call()  # warm-up: page faults, Numba dispatch
@@ -185,11 +190,13 @@ def transformer_gradients(layers: int = 167, width: int = 64) -> list[torch.Tens
     """A transformer's parameter list, shape for shape: per layer QKV and output projections, two
     LayerNorms and a 4x MLP, weights and biases (12 tensors a layer; 167 layers: 2,004 tensors)."""
     d = width
-    shapes = [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,)]
+    shapes = [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,),
+              (d,)]
     return [torch.randn(shape) for _ in range(layers) for shape in shapes]
 
 
-def time_bucketing(mesh: Mesh, bucketed: bool, repeats: int = 3, bucket_bytes: int | None = None) -> list[int]:
+def time_bucketing(mesh: Mesh, bucketed: bool, repeats: int = 3,
+                   bucket_bytes: int | None = None) -> list[int]:
     """In one rank: ns per full gradient sync, one allreduce per tensor or one per bucket."""
     from lab.bucketing import DEFAULT_BUCKET_BYTES, allreduce_coalesced
 
@@ -219,13 +226,13 @@ def time_overlap(mesh: Mesh, mode: str, steps: int = 5, layers: int = 8, width: 
     """
     ensure_gloo(mesh)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-                                  for _ in range(layers)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(layers)])
     works: list = []
     if mode == "overlap":
         for parameter in model.parameters():
-            parameter.register_post_accumulate_grad_hook(
-                lambda p: works.append(collectives.allreduce(mesh, p.grad, op="avg", async_op=True)))
+            parameter.register_post_accumulate_grad_hook(lambda p: works.append(
+                collectives.allreduce(mesh, p.grad, op="avg", async_op=True)))
     x = torch.randn(batch, width)
     durations = []
     dist.barrier()

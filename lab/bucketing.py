@@ -86,6 +86,6 @@ def allreduce_coalesced(mesh: Mesh, tensors: Sequence[Any], op: Any = "sum", alg
             allreduce(mesh, flat, op=reduce_op, algorithm=algorithm)
             offset = 0
             for tensor in members:
-                tensor[...] = flat[offset: offset + tensor.size].reshape(tensor.shape)
+                tensor[...] = flat[offset:offset + tensor.size].reshape(tensor.shape)
                 offset += tensor.size
     return tensors

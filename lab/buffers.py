@@ -76,7 +76,8 @@ def check_tensor(tensor: Any, name: str = "tensor") -> DType:
     """Validate a collective's tensor argument (type, dtype, device); return its :class:`DType`."""
     if isinstance(tensor, torch.Tensor):
         if tensor.is_nested:
-            raise TypeError(f"{name} is a nested tensor; collectives take dense tensors (use .to_padded_tensor())")
+            raise TypeError(
+                f"{name} is a nested tensor; collectives take dense tensors (use .to_padded_tensor())")
         if tensor.layout != torch.strided:
             raise TypeError(f"{name} has layout {tensor.layout}; collectives take dense (strided) tensors "
                             "(use .to_dense())")
@@ -148,8 +149,9 @@ def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffe
             raise ValueError(f"{name} is a read-only numpy array; collectives write their result into it")
         contiguous, numel = tensor.flags.c_contiguous, tensor.size
     if writable and not contiguous and _overlaps(tensor):  # a contiguous tensor has no repeated elements
-        raise ValueError(f"{name} has elements that share memory (an expand() or broadcast view), so an in-place "
-                         "result cannot be written into it; pass a copy (.clone() / .copy())")
+        raise ValueError(
+            f"{name} has elements that share memory (an expand() or broadcast view), so an in-place "
+            "result cannot be written into it; pass a copy (.clone() / .copy())")
     if contiguous:
         return Buffer(tensor, dtype, _flat_storage(tensor, dtype), True, numel)
     return Buffer(tensor, dtype, None, False, numel)  # copied by load(), when the collective runs
@@ -163,5 +165,6 @@ def new_flat(numel: int, dtype: DType) -> np.ndarray:
 def to_caller_type(flat: np.ndarray, dtype: DType, shape: tuple[int, ...], like: Any) -> Any:
     """Wrap a flat buffer (no copy) as a tensor of ``like``'s kind (torch or numpy) and ``shape``."""
     if isinstance(like, torch.Tensor):
-        return torch.from_numpy(flat).view(dtype.torch_dtype).reshape(shape)  # (bit patterns: viewed as the dtype)
+        return torch.from_numpy(flat).view(dtype.torch_dtype).reshape(
+            shape)  # (bit patterns: viewed as the dtype)
     return flat.view(like.dtype).reshape(shape)

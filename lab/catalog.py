@@ -54,25 +54,25 @@ class Collective:
 
 
 #: Every collective, in the lab's order (its registry's).
-COLLECTIVES: dict[str, Collective] = {record.name: record for record in (
-    Collective("allreduce", "all_reduce_perf", None, reduces=True, returns=False, sized_by_output=False,
-               splits=False, bus_scale=2.0),
-    Collective("broadcast", "broadcast_perf", "src", reduces=False, returns=False, sized_by_output=False,
-               splits=False, bus_scale=1.0, per_rank=False),
-    Collective("allgather", "all_gather_perf", None, reduces=False, returns=True, sized_by_output=True,
-               splits=True, bus_scale=1.0),
-    Collective("reduce_scatter", "reduce_scatter_perf", None, reduces=True, returns=True,
-               sized_by_output=False, splits=True, bus_scale=1.0),
-    Collective("reduce", "reduce_perf", "dst", reduces=True, returns=False, sized_by_output=False,
-               splits=False, bus_scale=1.0, per_rank=False),
-    Collective("all_to_all", "alltoall_perf", None, reduces=False, returns=True, sized_by_output=False,
-               splits=True, bus_scale=1.0),
-    Collective("barrier", None, None, reduces=False, returns=False, sized_by_output=False, splits=False,
-               bus_scale=0.0, per_rank=False),
-    Collective("gather", "gather_perf", "dst", reduces=False, returns=True, sized_by_output=True, splits=True,
-               bus_scale=1.0),
-    Collective("scatter", "scatter_perf", "src", reduces=False, returns=True, sized_by_output=False,
-               splits=True, bus_scale=1.0),
-)}
+COLLECTIVES: dict[str, Collective] = {
+    record.name: record
+    for record in (Collective("allreduce", "all_reduce_perf", None, reduces=True, returns=False,
+                              sized_by_output=False, splits=False, bus_scale=2.0),
+                   Collective("broadcast", "broadcast_perf", "src", reduces=False, returns=False,
+                              sized_by_output=False, splits=False, bus_scale=1.0, per_rank=False),
+                   Collective("allgather", "all_gather_perf", None, reduces=False, returns=True,
+                              sized_by_output=True, splits=True, bus_scale=1.0),
+                   Collective("reduce_scatter", "reduce_scatter_perf", None, reduces=True, returns=True,
+                              sized_by_output=False, splits=True, bus_scale=1.0),
+                   Collective("reduce", "reduce_perf", "dst", reduces=True, returns=False,
+                              sized_by_output=False, splits=False, bus_scale=1.0, per_rank=False),
+                   Collective("all_to_all", "alltoall_perf", None, reduces=False, returns=True,
+                              sized_by_output=False, splits=True, bus_scale=1.0),
+                   Collective("barrier", None, None, reduces=False, returns=False, sized_by_output=False,
+                              splits=False, bus_scale=0.0, per_rank=False),
+                   Collective("gather", "gather_perf", "dst", reduces=False, returns=True,
+                              sized_by_output=True, splits=True, bus_scale=1.0),
+                   Collective("scatter", "scatter_perf", "src", reduces=False, returns=True,
+                              sized_by_output=False, splits=True, bus_scale=1.0))}
 #: The collectives nccl-tests has a program for (all but the barrier), by the lab's name.
 MEASURED: tuple[str, ...] = tuple(name for name, record in COLLECTIVES.items() if record.program)

@@ -77,7 +77,8 @@ def env_int(variable: str, default: int, low: int = 0, high: int = 2**31 - 1, mu
     value = int(text) if text.isascii() and text.isdigit() else None
     if value is None or not low <= value <= high or value % multiple:
         what = f"a multiple of {multiple:,} " if multiple > 1 else "an integer "
-        raise ValueError(f"environment variable {variable} must be {what}in [{low:,}, {high:,}]; got {text!r}")
+        raise ValueError(
+            f"environment variable {variable} must be {what}in [{low:,}, {high:,}]; got {text!r}")
     return value
 
 

@@ -27,6 +27,7 @@ def whole(low: int = 0, high: int | None = None) -> Callable[[str], int]:
             span = f"from {low:,} up" if high is None else f"from {low:,} to {high:,}"
             raise argparse.ArgumentTypeError(f"must be a whole number {span}; got {text!r}")
         return value
+
     return whole_number
 
 
@@ -51,6 +52,7 @@ def checked(convert: Callable[[str], Value],
         except (ValueError, TypeError, OverflowError) as problem:
             raise argparse.ArgumentTypeError(str(problem)) from None
         return converted
+
     return value
 
 

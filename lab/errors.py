@@ -18,7 +18,6 @@ class DeadlineError(LabError, TimeoutError):
     The message names the waiting rank, the peer it waited for, the collective and its step;
     ``peers`` holds the ranks it was waiting for (empty where unknown).
     """
-
     def __init__(self, message: str = "", peers: tuple[int, ...] | list[int] = ()) -> None:
         super().__init__(message)
         self.peers = tuple(peers)
@@ -47,17 +46,8 @@ class RankError(LabError):
     class name), ``exc_message``, ``remote_traceback`` (the traceback text from the rank) and
     ``exitcode`` (set when the process died instead of raising).
     """
-
-    def __init__(
-        self,
-        rank: int,
-        exc_type: str,
-        exc_message: str,
-        remote_traceback: str = "",
-        exitcode: int | None = None,
-        others: str = "",
-        flight_records: dict | None = None,
-    ) -> None:
+    def __init__(self, rank: int, exc_type: str, exc_message: str, remote_traceback: str = "",
+                 exitcode: int | None = None, others: str = "", flight_records: dict | None = None) -> None:
         self.rank = rank
         self.exc_type = exc_type
         self.exc_message = exc_message
@@ -76,11 +66,8 @@ class RankError(LabError):
         super().__init__(text)
 
     def __reduce__(self):
-        return (
-            type(self),
-            (self.rank, self.exc_type, self.exc_message, self.remote_traceback, self.exitcode, self.others,
-             self.flight_records),
-        )
+        return (type(self), (self.rank, self.exc_type, self.exc_message, self.remote_traceback, self.exitcode,
+                             self.others, self.flight_records))
 
 
 def format_flight_records(records: dict, last: int = 8) -> str:

@@ -52,8 +52,8 @@ def pack(context: int, seq: int, collective: str, algorithm: str, dtype_code: in
          count: int) -> bytes:
     """The fingerprint of one collective's messages (``algorithm`` "": none, as in a split)."""
     code = _ALGORITHM_CODES[collective, algorithm] if algorithm else 0
-    return FINGERPRINT.pack(context, 0, seq, COLLECTIVES.index(collective), code, dtype_code, REDUCE_OPS.index(op),
-                            root, count)
+    return FINGERPRINT.pack(context, 0, seq, COLLECTIVES.index(collective), code, dtype_code,
+                            REDUCE_OPS.index(op), root, count)
 
 
 def pack_p2p(context: int, tag: int, seq: int, dtype_code: int, count: int) -> bytes:
@@ -73,7 +73,7 @@ def disagreeing(tag: bytes, unconsumed: dict[int, list[bytes]]) -> tuple[int, by
     for src, tags in unconsumed.items():
         for got in tags:
             got_context, _, got_seq, coll = FINGERPRINT.unpack_from(got)[:4]
-            if got_context == context and got_seq == seq and coll and got[: len(tag)] != tag:
+            if got_context == context and got_seq == seq and coll and got[:len(tag)] != tag:
                 return src, got
     return None
 

@@ -29,7 +29,8 @@ class Position:
 
     def __str__(self) -> str:
         algorithm = f" ({self.algorithm})" if self.algorithm else ""
-        return f"{self.collective} #{self.seq}{algorithm} step {self.step}" + (f" on {self.mesh}" if self.mesh else "")
+        return f"{self.collective} #{self.seq}{algorithm} step {self.step}" + (f" on {self.mesh}"
+                                                                               if self.mesh else "")
 
 
 @dataclass
@@ -50,8 +51,9 @@ class FlightRecord:
 
     def cell(self) -> str:
         """Compact, for a side-by-side table: ``allreduce float32[1000] sum ring FAILED@3 DeadlineError``."""
-        parts = [self.collective, f"{self.dtype}[{self.count}]", self.op, f"root={self.root}" if self.root >= 0 else "",
-                 self.algorithm]
+        parts = [
+            self.collective, f"{self.dtype}[{self.count}]", self.op,
+            f"root={self.root}" if self.root >= 0 else "", self.algorithm]
         if self.state == "done":
             parts.append("ok")
         elif self.state == "running":
@@ -78,7 +80,6 @@ class FlightRecorder:
     :meth:`release` when that call goes (a plan freed, a plain call's template forgotten), so the
     books hold the live calls' fields and at most ``FLIGHT_RECORDER_SIZE`` released ones the ring
     still shows: a released number is reused only once no row of the ring holds it."""
-
     def __init__(self, ring: Any) -> None:
         self._records: deque[FlightRecord] = deque(maxlen=FLIGHT_RECORDER_SIZE)
         self._ring = ring
@@ -111,14 +112,14 @@ class FlightRecorder:
         """Oldest first, up to collective ``last_seq``; a running one shows ``running_step``."""
         if self._records and self._records[-1].state == "running":
             self._records[-1].step = running_step
-        booked = [FlightRecord(seq, *self._booked[record], state="done", step=1)
-                  for seq, record in self._ring.tolist() if seq > max(0, last_seq - FLIGHT_RECORDER_SIZE)]
+        booked = [
+            FlightRecord(seq, *self._booked[record], state="done", step=1)
+            for seq, record in self._ring.tolist() if seq > max(0, last_seq - FLIGHT_RECORDER_SIZE)]
         return sorted([*self._records, *booked], key=lambda r: r.seq)[-FLIGHT_RECORDER_SIZE:]
 
 
 class TraceFile:
     """The JSONL trace at ``path``: one row per collective (and per step with ``steps``)."""
-
     def __init__(self, path: str, steps: bool) -> None:
         self.path, self.steps = path, steps
 

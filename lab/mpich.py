@@ -49,14 +49,19 @@ def measure(world_size: int, nbytes: int, iterations: int | None = None, per_ran
         raise RuntimeError(f"MPICH cannot be measured: {reason}")
     timed, warmup = iterations_for(nbytes)
     timed = timed if iterations is None else iterations
-    command = [_mpiexec(), "-n", str(world_size), sys.executable, "-m", "lab.mpich", "--rank-side",
-               str(nbytes), str(timed), str(warmup)]
+    command = [
+        _mpiexec(), "-n",
+        str(world_size), sys.executable, "-m", "lab.mpich", "--rank-side",
+        str(nbytes),
+        str(timed),
+        str(warmup)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"mpiexec failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     durations = json.loads(done.stdout.strip().splitlines()[-1])
-    row = {"collective": "allreduce", "impl": "mpich", "algorithm": "mpich", "transport": "mpich",
-           "world": world_size, "bytes": nbytes}
+    row = {
+        "collective": "allreduce", "impl": "mpich", "algorithm": "mpich", "transport": "mpich",
+        "world": world_size, "bytes": nbytes}
     row = {**row, **summarize(durations, "allreduce", nbytes, world_size)}
     return (row, durations) if per_rank else row
 

@@ -30,8 +30,9 @@ class ReduceOp(str, enum.Enum):
     BXOR = "bxor"
 
 
-_TORCH_OP_NAMES = {"SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg", "BAND": "band",
-                   "BOR": "bor", "BXOR": "bxor"}
+_TORCH_OP_NAMES = {
+    "SUM": "sum", "PRODUCT": "prod", "MIN": "min", "MAX": "max", "AVG": "avg", "BAND": "band", "BOR": "bor",
+    "BXOR": "bxor"}
 _BITWISE = frozenset({"band", "bor", "bxor"})
 
 
@@ -105,31 +106,23 @@ def _moved(name: str, code: int, storage: Any, bits: torch.dtype | None = None) 
 
 DTYPES: dict[str, DType] = {
     d.name: d
-    for d in (
-        DType("float32", torch.float32, np.dtype(np.float32), "native", 1),
-        DType("float64", torch.float64, np.dtype(np.float64), "native", 2),
-        DType("int32", torch.int32, np.dtype(np.int32), "native", 3),
-        DType("int64", torch.int64, np.dtype(np.int64), "native", 4),
-        DType("float16", torch.float16, np.dtype(np.uint16), "float16", 5, torch.uint16),
-        DType("bfloat16", torch.bfloat16, np.dtype(np.uint16), "bfloat16", 6, torch.uint16),
-        _moved("uint8", 7, np.uint8),
-        _moved("int8", 8, np.int8),
-        _moved("int16", 9, np.int16),
-        _moved("bool", 10, np.bool_),
-        _moved("complex64", 11, np.complex64),
-        _moved("complex128", 12, np.complex128),
-        _moved("uint16", 13, np.uint16),
-        _moved("uint32", 14, np.uint32),
-        _moved("uint64", 15, np.uint64),
-        _moved("complex32", 16, np.uint32, torch.uint32),
-        _moved("float8_e4m3fn", 17, np.uint8, torch.uint8),
-        _moved("float8_e5m2", 18, np.uint8, torch.uint8),
-        _moved("float8_e4m3fnuz", 19, np.uint8, torch.uint8),
-        _moved("float8_e5m2fnuz", 20, np.uint8, torch.uint8),
-        _moved("float8_e8m0fnu", 21, np.uint8, torch.uint8),
-        _moved("float4_e2m1fn_x2", 22, np.uint8, torch.uint8),
-    )
-}
+    for d in (DType("float32", torch.float32, np.dtype(np.float32), "native", 1),
+              DType("float64", torch.float64, np.dtype(np.float64), "native", 2),
+              DType("int32", torch.int32, np.dtype(np.int32), "native", 3),
+              DType("int64", torch.int64, np.dtype(np.int64), "native", 4),
+              DType("float16", torch.float16, np.dtype(np.uint16), "float16", 5, torch.uint16),
+              DType("bfloat16", torch.bfloat16, np.dtype(np.uint16), "bfloat16", 6, torch.uint16),
+              _moved("uint8", 7, np.uint8), _moved("int8", 8, np.int8), _moved("int16", 9, np.int16),
+              _moved("bool", 10, np.bool_), _moved("complex64", 11, np.complex64),
+              _moved("complex128", 12, np.complex128), _moved("uint16", 13, np.uint16),
+              _moved("uint32", 14, np.uint32), _moved("uint64", 15, np.uint64),
+              _moved("complex32", 16, np.uint32, torch.uint32),
+              _moved("float8_e4m3fn", 17, np.uint8, torch.uint8),
+              _moved("float8_e5m2", 18, np.uint8, torch.uint8),
+              _moved("float8_e4m3fnuz", 19, np.uint8, torch.uint8),
+              _moved("float8_e5m2fnuz", 20, np.uint8, torch.uint8),
+              _moved("float8_e8m0fnu", 21, np.uint8, torch.uint8),
+              _moved("float4_e2m1fn_x2", 22, np.uint8, torch.uint8))}
 DTYPES_BY_CODE = {d.code: d for d in DTYPES.values()}
 #: The dtypes allreduce, reduce and reduce_scatter take (the others are only moved).
 REDUCE_DTYPES: dict[str, DType] = {name: d for name, d in DTYPES.items() if d.reduces}
@@ -145,7 +138,9 @@ def dtype_of(tensor: Any, name: str = "tensor") -> DType:
         shown = str(tensor.dtype).removeprefix("torch.")
     elif isinstance(tensor, np.ndarray):
         if not tensor.dtype.isnative:
-            raise TypeError(f"{name} has non-native byte order ({tensor.dtype.str}); convert it with .astype(dtype.newbyteorder('='))")
+            raise TypeError(
+                f"{name} has non-native byte order ({tensor.dtype.str}); convert it with .astype(dtype.newbyteorder('='))"
+            )
         found = DTYPES.get(tensor.dtype.name)
         if found is not None and found.storage.itemsize != tensor.dtype.itemsize:
             found = None  # a numpy dtype that only shares a name (complex32 does not exist in numpy)
@@ -161,9 +156,10 @@ def check_reduces(dtype: DType, collective: str, name: str = "tensor") -> None:
     """``TypeError`` naming ``name`` unless ``collective`` (a reduction) can reduce ``dtype``;
     it lists the dtypes it takes. Raised before any communication."""
     if not dtype.reduces:
-        raise TypeError(f"{name} has dtype {dtype.name}, which {collective} cannot reduce (it only moves bytes: "
-                        f"broadcast, allgather, gather, scatter, all_to_all and send/recv take it); {collective} "
-                        f"supports: {', '.join(REDUCE_DTYPES)}")
+        raise TypeError(
+            f"{name} has dtype {dtype.name}, which {collective} cannot reduce (it only moves bytes: "
+            f"broadcast, allgather, gather, scatter, all_to_all and send/recv take it); {collective} "
+            f"supports: {', '.join(REDUCE_DTYPES)}")
 
 
 @dataclass(frozen=True)
@@ -217,7 +213,8 @@ def reduction(op: ReduceOp, dtype: DType) -> Reduction:
     if op is ReduceOp.AVG and not dtype.is_floating:
         raise TypeError(f"op 'avg' needs a floating dtype; tensor has dtype {dtype.name} (use 'sum')")
     if op.value in _BITWISE and dtype.name not in ("int32", "int64"):
-        raise TypeError(f"op {op.value!r} needs an integer dtype (int32, int64); tensor has dtype {dtype.name}")
+        raise TypeError(
+            f"op {op.value!r} needs an integer dtype (int32, int64); tensor has dtype {dtype.name}")
     kernel_op = "sum" if op is ReduceOp.AVG else op.value
     divide = DIVIDE[dtype.family] if op is ReduceOp.AVG else None
     prescales = divide is not None and dtype.family in ("float16", "bfloat16")

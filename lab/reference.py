@@ -15,9 +15,11 @@ from lab.comm.mesh import Mesh
 from lab.hosts.rendezvous import env_store, pool_store
 from lab.ops import parse_op
 
-_EPSILON = {torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-_TORCH_REDUCE_OPS = {"sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG", "band": "BAND",
-                     "bor": "BOR", "bxor": "BXOR"}
+_EPSILON = {
+    torch.float32: 2.0**-23, torch.float64: 2.0**-52, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+_TORCH_REDUCE_OPS = {
+    "sum": "SUM", "prod": "PRODUCT", "min": "MIN", "max": "MAX", "avg": "AVG", "band": "BAND", "bor": "BOR",
+    "bxor": "BXOR"}
 
 
 def ensure_gloo(mesh: Mesh) -> None:
@@ -25,10 +27,8 @@ def ensure_gloo(mesh: Mesh) -> None:
     if dist.is_initialized():
         return
     store = pool_store() if "LAB_STORE" in os.environ else env_store()
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore("gloo", store), rank=mesh.rank, world_size=mesh.world_size,
-        timeout=timedelta(milliseconds=mesh.recv_timeout_ms),
-    )
+    dist.init_process_group("gloo", store=dist.PrefixStore("gloo", store), rank=mesh.rank,
+                            world_size=mesh.world_size, timeout=timedelta(milliseconds=mesh.recv_timeout_ms))
 
 
 def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
@@ -64,6 +64,7 @@ def gloo_collective(mesh: Mesh, op: str, tensor: Any, /, **options: Any) -> Any:
 
 # Each collective through gloo: (contiguous tensor, rank, world size, reduce op, options) -> result.
 
+
 def _allreduce(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor:
     dist.all_reduce(t, op=reduce_op)
     return t
@@ -91,7 +92,8 @@ def _reduce_scatter(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options:
 
 def _reduce(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) -> torch.Tensor:
     dst = options.get("dst", 0)
-    dist.reduce(t if rank == dst else t.clone(), dst=dst, op=reduce_op)  # gloo may use a non-root buffer as scratch
+    dist.reduce(t if rank == dst else t.clone(), dst=dst,
+                op=reduce_op)  # gloo may use a non-root buffer as scratch
     return t
 
 
@@ -129,8 +131,10 @@ def _barrier(t: torch.Tensor, rank: int, n: int, reduce_op: Any, options: dict) 
     dist.barrier()
 
 
-_GLOO = {"allreduce": _allreduce, "broadcast": _broadcast, "allgather": _allgather, "reduce_scatter": _reduce_scatter,
-         "reduce": _reduce, "all_to_all": _all_to_all, "barrier": _barrier, "gather": _gather, "scatter": _scatter}
+_GLOO = {
+    "allreduce": _allreduce, "broadcast": _broadcast, "allgather": _allgather,
+    "reduce_scatter": _reduce_scatter, "reduce": _reduce, "all_to_all": _all_to_all, "barrier": _barrier,
+    "gather": _gather, "scatter": _scatter}
 REFERENCE_OPS = tuple(_GLOO)
 _IN_PLACE = ("allreduce", "broadcast", "reduce")  # the result is the caller's tensor
 

@@ -96,9 +96,10 @@ def _scratch(mesh: Mesh, what: str) -> Any:
     if mesh.world_size == 1:
         return None
     if mesh.exchange.scratch is None or mesh.exchange.position.mesh:  # (a sub-mesh's ranks are not the scratch's)
-        raise LabError(f"rank {mesh.rank}: {what} needs memory every rank maps: the shm transport's root mesh "
-                       f"(this one: transport {mesh.transport!r}{', a sub-mesh' if mesh.exchange.scratch is not None else ''}); "
-                       "lab.symm_mem.one_shot_all_reduce runs everywhere")
+        raise LabError(
+            f"rank {mesh.rank}: {what} needs memory every rank maps: the shm transport's root mesh "
+            f"(this one: transport {mesh.transport!r}{', a sub-mesh' if mesh.exchange.scratch is not None else ''}); "
+            "lab.symm_mem.one_shot_all_reduce runs everywhere")
     return mesh.exchange.scratch
 
 
@@ -144,7 +145,6 @@ class SymmetricMemory:
     ``_SymmetricMemory`` (``rank``, ``world_size``, ``buffer_size``, ``get_buffer``,
     ``get_signal_pad``, ``put_signal``, ``wait_signal``, ``barrier``). Signals are not
     collectives: they keep no issue order with the mesh's collectives."""
-
     def __init__(self, mesh: Mesh, block: _Block, data: list[int], pads: list[int], buffer_size: int) -> None:
         self._mesh, self._region, self._data, self._pads = mesh, block.region, data, pads
         self.rank, self.world_size, self.buffer_size = mesh.rank, mesh.world_size, buffer_size
@@ -169,8 +169,9 @@ class SymmetricMemory:
             raise ValueError(f"storage_offset must be a non-negative int; got {storage_offset!r}")
         start, nbytes = storage_offset * itemsize, math.prod(sizes) * itemsize
         if start + nbytes > self.buffer_size:
-            raise ValueError(f"sizes {sizes} of {dtype} from storage_offset {storage_offset} need {start + nbytes} "
-                             f"bytes; each rank's buffer has {self.buffer_size}")
+            raise ValueError(
+                f"sizes {sizes} of {dtype} from storage_offset {storage_offset} need {start + nbytes} "
+                f"bytes; each rank's buffer has {self.buffer_size}")
         self._check_open("get_buffer")
         at = self._data[rank] + start
         return torch.from_numpy(self._region[at:at + nbytes]).view(dtype).view(sizes)
@@ -224,8 +225,8 @@ class SymmetricMemory:
         self._check_open(where)
         deadline_ns = compiled_deadline_ns(timeout_ms or self._mesh.recv_timeout_ms)
         hook = self._scratch.hook if self._scratch is not None else 0  # (it drains the pipes; no collective's)
-        status = flags.wait_word(self._region, self.rank, peer, offset, target, deadline_ns, self._liveness, hook,
-                                 _NO_COLLECTIVE)
+        status = flags.wait_word(self._region, self.rank, peer, offset, target, deadline_ns, self._liveness,
+                                 hook, _NO_COLLECTIVE)
         if status == SILENCE:
             raise silence_error(self.rank, [peer], where)
         if status == PEER_LOST:
@@ -252,17 +253,21 @@ def rendezvous(tensor: torch.Tensor, mesh: Mesh) -> SymmetricMemory:
         handle = lab.symm_mem.rendezvous(buf, mesh)   # handle.rank == mesh.rank, handle.world_size == 2
     """
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor made by lab.symm_mem.empty; got {type(tensor).__name__}")
+        raise TypeError(
+            f"tensor must be a torch.Tensor made by lab.symm_mem.empty; got {type(tensor).__name__}")
     block = _BLOCKS.get(tensor.untyped_storage().data_ptr())
     if block is None:
-        raise ValueError("tensor must be made by lab.symm_mem.empty (its buffer lies behind a signal pad every rank maps)")
+        raise ValueError(
+            "tensor must be made by lab.symm_mem.empty (its buffer lies behind a signal pad every rank maps)")
     scratch = _scratch(mesh, "lab.symm_mem.rendezvous")
     if block.scratch is not scratch:
         raise ValueError("tensor was made by lab.symm_mem.empty on another mesh")
     lab_dtype = dtype_of(tensor)
     # Every rank's (data, pad, bytes, dtype, shape): one allgather, so mismatches surface everywhere.
-    mine = torch.tensor([block.data, block.pad, block.nbytes, lab_dtype.code, tensor.dim(), *tensor.shape[:8],
-                         *[0] * (8 - min(tensor.dim(), 8)), hash(tuple(tensor.shape))], dtype=torch.int64)
+    mine = torch.tensor([
+        block.data, block.pad, block.nbytes, lab_dtype.code,
+        tensor.dim(), *tensor.shape[:8], *[0] * (8 - min(tensor.dim(), 8)),
+        hash(tuple(tensor.shape))], dtype=torch.int64)
     everyone = allgather(mesh, mine).view(mesh.world_size, -1)
     for peer in range(mesh.world_size):
         if not torch.equal(everyone[peer, 2:], mine[2:]):
@@ -270,7 +275,8 @@ def rendezvous(tensor: torch.Tensor, mesh: Mesh) -> SymmetricMemory:
             theirs = tuple(everyone[peer, 5:5 + min(dim, 8)].tolist())
             raise CollectiveMismatchError(
                 f"rank {mesh.rank} called lab.symm_mem.rendezvous with a {tuple(tensor.shape)} "
-                f"{lab_dtype.name} tensor; rank {peer} with a {theirs} {DTYPES_BY_CODE[int(everyone[peer, 3])].name} one")
+                f"{lab_dtype.name} tensor; rank {peer} with a {theirs} {DTYPES_BY_CODE[int(everyone[peer, 3])].name} one"
+            )
     return SymmetricMemory(mesh, block, everyone[:, 0].tolist(), everyone[:, 1].tolist(), block.nbytes)
 
 
@@ -290,7 +296,8 @@ def one_shot_all_reduce(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh) -> tor
     return one_shot_all_reduce_out(tensor, reduce_op, mesh, torch.empty(tensor.shape, dtype=tensor.dtype))
 
 
-def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh, out: torch.Tensor) -> torch.Tensor:
+def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
+                            out: torch.Tensor) -> torch.Tensor:
     """:func:`one_shot_all_reduce` into ``out`` (contiguous, ``tensor``'s shape and dtype; ``out``
     may be ``tensor`` itself: in place); returns ``out``.
 
@@ -316,7 +323,8 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh, ou
     nbytes = target.nbytes
     first, other = out.data_ptr(), tensor.data_ptr() if source.shared else 0
     if source.shared and nbytes and first < other + nbytes and other < first + nbytes and first != other:
-        raise ValueError("out overlaps tensor without being it; pass tensor itself (in place) or separate memory")
+        raise ValueError(
+            "out overlaps tensor without being it; pass tensor itself (in place) or separate memory")
     if first == other or kernels.prescales or not source.shared:
         if first != other:
             out.copy_(tensor)

@@ -83,10 +83,11 @@ def to_chrome_trace(rows: list[dict]) -> dict:
         return {"traceEvents": []}
     origin = min(row["start_ns"] for row in rows)
     tracks = {rank: f"rank {rank}" for rank in sorted({row["rank"] for row in rows})}
-    slices = [{"name": _slice_name(row), "cat": row.get("kind", "collective"), "tid": row["rank"],
-               "ts": (row["start_ns"] - origin) / 1e3, "dur": row["duration_ns"] / 1e3,
-               "args": {k: v for k, v in row.items() if k not in ("start_ns", "duration_ns")}}
-              for row in rows]
+    slices = [{
+        "name": _slice_name(row), "cat": row.get("kind", "collective"), "tid": row["rank"],
+        "ts": (row["start_ns"] - origin) / 1e3, "dur": row["duration_ns"] / 1e3,
+        "args": {k: v
+                 for k, v in row.items() if k not in ("start_ns", "duration_ns")}} for row in rows]
     return trace_events(tracks, slices)
 
 

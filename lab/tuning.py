@@ -116,14 +116,15 @@ def predict_us(algorithm: str, nbytes: int, world_size: int, transport: str, col
 
     ``models``: fits in ``tuning.json``'s layout (default: that file's).
     """
-    fit = (fitted_models() if models is None else models).get(transport, {}).get(collective, {}).get(algorithm)
+    fit = (fitted_models() if models is None else models).get(transport, {}).get(collective,
+                                                                                 {}).get(algorithm)
     if fit is None:
         return None
     return sum(fitted_terms(fit, algorithm, nbytes, world_size, collective))
 
 
-def fitted_terms(fit: dict, algorithm: str, nbytes: int, world_size: int, collective: str = "allreduce"
-                 ) -> tuple[float, float]:
+def fitted_terms(fit: dict, algorithm: str, nbytes: int, world_size: int,
+                 collective: str = "allreduce") -> tuple[float, float]:
     """(latency µs, per-byte µs) of one fitted model for an ``nbytes`` call on ``world_size`` ranks.
 
     At the world size its ``points`` were measured at: between two measured sizes the line
@@ -168,7 +169,7 @@ def across_hosts_us(algorithm: str, nbytes: int, world_size: int, hosts: int, in
         return None
     inside, across = ((t["alpha_step_us"], t["beta_byte_us"]) for t in terms)
     return registry.ALGORITHMS["allreduce"][algorithm].across_hosts(nbytes, world_size, hosts, inside, across,
-                                                                   nics_per_host)
+                                                                    nics_per_host)
 
 
 def flat_across_hosts_us(nbytes: int, world_size: int, models: dict | None = None) -> dict[str, float]:
@@ -182,8 +183,9 @@ def flat_across_hosts_us(nbytes: int, world_size: int, models: dict | None = Non
     if "ring" not in tcp:
         return {}
     alpha, beta = tcp["ring"]["alpha_step_us"], tcp["ring"]["beta_byte_us"]
-    shapes = {name: algorithm_shape(name, world_size) for name in registry.auto_candidates("allreduce")
-              if name in tcp}
+    shapes = {
+        name: algorithm_shape(name, world_size)
+        for name in registry.auto_candidates("allreduce") if name in tcp}
     return {name: steps * alpha + volume * nbytes * beta for name, (steps, volume) in shapes.items()}
 
 
@@ -196,8 +198,9 @@ def choose_across_hosts(nbytes: int, world_size: int, hosts: int, intra: str = "
     registry's ``fallback="across_hosts"`` pick (hierarchical) from ``AUTO_LARGE_MIN_BYTES`` up,
     tcp's choice below."""
     times = flat_across_hosts_us(nbytes, world_size, models)
-    across = {name: across_hosts_us(name, nbytes, world_size, hosts, intra, models, nics_per_host)
-              for name in registry.across_hosts("allreduce")}
+    across = {
+        name: across_hosts_us(name, nbytes, world_size, hosts, intra, models, nics_per_host)
+        for name in registry.across_hosts("allreduce")}
     if not times or None in across.values():
         flat = choose(nbytes, world_size, "tcp", "allreduce", models)
         large = registry.across_hosts_fallback("allreduce")
@@ -250,8 +253,8 @@ def _fitted_predictions(nbytes: int, world_size: int, transport: str, collective
             continue
         steps, volume = algorithm_shape(algorithm, world_size, collective)
         latency, bandwidth = fitted_terms(fit, algorithm, nbytes, world_size, collective)
-        out[algorithm] = AlgorithmTime(algorithm, latency + bandwidth, "fitted model", round(steps), volume * nbytes,
-                                    latency, bandwidth)
+        out[algorithm] = AlgorithmTime(algorithm, latency + bandwidth, "fitted model", round(steps),
+                                       volume * nbytes, latency, bandwidth)
     return out
 
 
@@ -261,12 +264,13 @@ def size_bucket(nbytes: int) -> int:
     return 1 << (nbytes.bit_length() - 1) if nbytes > 0 else 0
 
 
-def _tables(world_size: int, models: dict | None, networks: dict | None, worlds: tuple[int, ...] | None
-            ) -> tuple[dict, dict, tuple[int, ...] | None]:
+def _tables(world_size: int, models: dict | None, networks: dict | None,
+            worlds: tuple[int, ...] | None) -> tuple[dict, dict, tuple[int, ...] | None]:
     """:func:`decide`'s models, networks and worlds: those passed in, else ``tuning.json``'s (the
     models measured at ``world_size``, else the main sweep's)."""
     if models is None:
-        models, worlds = measured_models(world_size) or fitted_models(), swept_worlds() if worlds is None else worlds
+        models, worlds = measured_models(world_size) or fitted_models(), swept_worlds(
+        ) if worlds is None else worlds
     return models, calibrated_networks() if networks is None else networks, worlds
 
 
@@ -303,11 +307,13 @@ def decide(nbytes: int, world_size: int, transport: str, collective: str = "allr
     if len(fitted) >= 2:
         return Choice(min(fitted, key=lambda a: fitted[a].time_us), "fitted model", nbytes, fitted, {}, None)
     small, large = registry.fallback(collective)
-    return Choice(large if nbytes >= AUTO_LARGE_MIN_BYTES else small, "size threshold", nbytes, fitted, {}, None)
+    return Choice(large if nbytes >= AUTO_LARGE_MIN_BYTES else small, "size threshold", nbytes, fitted, {},
+                  None)
 
 
 def choose(nbytes: int, world_size: int, transport: str, collective: str = "allreduce",
-           models: dict | None = None, networks: dict | None = None, worlds: tuple[int, ...] | None = None) -> str:
+           models: dict | None = None, networks: dict | None = None,
+           worlds: tuple[int, ...] | None = None) -> str:
     """The algorithm ``auto`` runs: :func:`decide`'s pick. The simulator's picks are kept per
     (collective, transport, N, size bucket, network): a later call in the same bucket replays
     nothing."""

@@ -31,6 +31,8 @@ SHARED_RESULT = ("allreduce", "broadcast", "allgather")
 def byte_algorithms() -> list[str]:
     """Allreduce algorithms in the byte-counter table, each against its docstring's formula."""
     return [name for name, entry in registry.ALGORITHMS["allreduce"].items() if entry.bytes_sent]
+
+
 DTYPES = ("float32", "int32")
 
 
@@ -47,13 +49,15 @@ def _inputs(world_size: int, count: int, dtype: str, seed: int) -> torch.Tensor:
 def _options(mesh: lab.Mesh, primitive: str) -> dict:
     """The root of rooted collectives: the last rank (not the default, 0)."""
     last = mesh.world_size - 1
-    return {"broadcast": {"src": last}, "reduce": {"dst": last}, "gather": {"dst": last},
-            "scatter": {"src": last}}.get(primitive, {})
+    return {
+        "broadcast": {"src": last}, "reduce": {"dst": last}, "gather": {"dst": last},
+        "scatter": {"src": last}}.get(primitive, {})
 
 
 def _run_lab(mesh: lab.Mesh, primitive: str, algorithm: str, x: torch.Tensor) -> torch.Tensor | None:
     if primitive in ("reduce", "barrier"):
-        return getattr(lab, primitive)(mesh, *([x] if primitive == "reduce" else []), **_options(mesh, primitive))
+        return getattr(lab, primitive)(mesh, *([x] if primitive == "reduce" else []),
+                                       **_options(mesh, primitive))
     return getattr(lab, primitive)(mesh, x, algorithm=algorithm, **_options(mesh, primitive))
 
 
@@ -77,11 +81,10 @@ def validate_rank(mesh: lab.Mesh, count: int, seed: int) -> list[dict]:
             error = (got.double() - expected.double()).abs()
             rows.append({
                 "primitive": primitive, "algorithm": algorithm, "dtype": dtype,
-                "error": float(error.max()) if error.numel() else 0.0,
-                "within": bool((error <= bound_here).all()),
+                "error": float(error.max()) if error.numel() else 0.0, "within": bool((error
+                                                                                       <= bound_here).all()),
                 "tolerance": float(bound_here.max()) if bound_here.numel() else 0.0,
-                "digest": hashlib.blake2b(got.numpy().tobytes()).hexdigest(),
-            })
+                "digest": hashlib.blake2b(got.numpy().tobytes()).hexdigest()})
     return rows
 
 
@@ -107,13 +110,12 @@ def validation_table(transports: list[str], world_sizes: list[int], count: int, 
                 shared = row["primitive"] in SHARED_RESULT
                 ok = all(c["within"] for c in cells) and (same or not shared)
                 frames.append({
-                    "transport": transport, "N": n, "primitive": row["primitive"], "algorithm": row["algorithm"],
-                    "dtype": row["dtype"], "elements": count,
-                    "max |lab - gloo|": max(c["error"] for c in cells),
-                    "tolerance": max(c["tolerance"] for c in cells),
+                    "transport": transport, "N": n, "primitive": row["primitive"],
+                    "algorithm": row["algorithm"], "dtype": row["dtype"], "elements": count,
+                    "max |lab - gloo|": max(c["error"] for c in cells), "tolerance": max(c["tolerance"]
+                                                                                         for c in cells),
                     "identical on all ranks": ("yes" if same else "NO") if shared else "n/a",
-                    "result": "PASS" if ok else "FAIL",
-                })
+                    "result": "PASS" if ok else "FAIL"})
     return pd.DataFrame(frames)
 
 
@@ -126,7 +128,8 @@ def byte_table(world_size: int, numel: int) -> pd.DataFrame:
         algorithm, rank = row["algorithm"], row["rank"]
         model, formula = registry.ALGORITHMS["allreduce"][algorithm].bytes_sent(rank, world_size, total)
         ok = row["bytes_sent"] == row["bytes_received"] == model
-        rows.append({"algorithm": algorithm, "rank": rank, "bytes sent": row["bytes_sent"],
-                     "bytes received": row["bytes_received"], "model": formula, "model bytes": model,
-                     "result": "PASS" if ok else "FAIL"})
+        rows.append({
+            "algorithm": algorithm, "rank": rank, "bytes sent": row["bytes_sent"],
+            "bytes received": row["bytes_received"], "model": formula, "model bytes": model,
+            "result": "PASS" if ok else "FAIL"})
     return pd.DataFrame(rows)

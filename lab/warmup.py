@@ -45,22 +45,24 @@ def compile_all(mesh: Mesh) -> int:
 def cache_is_cold() -> bool:
     """Whether Numba's disk cache holds none of the compiled data plane (a machine's first run:
     ``NUMBA_CACHE_DIR``, else ``kernels/__pycache__``)."""
-    root = Path(numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(kernels.__file__).parent / "__pycache__"
+    root = Path(
+        numba.config.CACHE_DIR) if numba.config.CACHE_DIR else Path(kernels.__file__).parent / "__pycache__"
     return not any(root.rglob("mailbox.*.nbi"))
 
 
 def _run_each_compilable(mesh: Mesh) -> None:
     x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
     tensor = torch.ones(4)  # twice: the second call takes the lane the first made
-    calls = {"allreduce": lambda a: [collectives.allreduce(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
-             "broadcast": lambda a: [collectives.broadcast(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
-             "allgather": lambda a: collectives.allgather(mesh, x, algorithm=a),
-             "reduce_scatter": lambda a: collectives.reduce_scatter(mesh, rows, algorithm=a),
-             "reduce": lambda a: collectives.reduce(mesh, x),
-             "all_to_all": lambda a: collectives.all_to_all(mesh, rows, algorithm=a),
-             "barrier": lambda a: collectives.barrier(mesh),
-             "gather": lambda a: collectives.gather(mesh, x, algorithm=a),
-             "scatter": lambda a: collectives.scatter(mesh, rows, algorithm=a)}
+    calls = {
+        "allreduce": lambda a: [collectives.allreduce(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
+        "broadcast": lambda a: [collectives.broadcast(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
+        "allgather": lambda a: collectives.allgather(mesh, x, algorithm=a),
+        "reduce_scatter": lambda a: collectives.reduce_scatter(mesh, rows, algorithm=a),
+        "reduce": lambda a: collectives.reduce(mesh, x),
+        "all_to_all": lambda a: collectives.all_to_all(mesh, rows, algorithm=a),
+        "barrier": lambda a: collectives.barrier(mesh),
+        "gather": lambda a: collectives.gather(mesh, x, algorithm=a),
+        "scatter": lambda a: collectives.scatter(mesh, rows, algorithm=a)}
     for collective in registry.ALGORITHMS:  # a KeyError here: a new collective needs its call above
         for algorithm in registry.compiled(collective):
             calls[collective](algorithm)

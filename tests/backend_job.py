@@ -54,10 +54,13 @@ def expect_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 # -- collectives ------------------------------------------------------------------------------
 
+
 @check
 def all_reduce_every_op_and_dtype(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
-    ops = {dist.ReduceOp.SUM: lambda xs: sum(xs), dist.ReduceOp.PRODUCT: None,
-           dist.ReduceOp.MIN: lambda xs: torch.stack(xs).amin(0), dist.ReduceOp.MAX: lambda xs: torch.stack(xs).amax(0)}
+    ops = {
+        dist.ReduceOp.SUM: lambda xs: sum(xs), dist.ReduceOp.PRODUCT: None,
+        dist.ReduceOp.MIN: lambda xs: torch.stack(xs).amin(0),
+        dist.ReduceOp.MAX: lambda xs: torch.stack(xs).amax(0)}
     for dtype in FLOAT_DTYPES + INT_DTYPES:
         for count in COUNTS:
             # the inputs as the dtype holds them
@@ -67,7 +70,8 @@ def all_reduce_every_op_and_dtype(rank: int, n: int, gloo: dist.ProcessGroup) ->
                 dist.all_reduce(x, op=op)
                 # product, and sums of half types (rounded at every step, in an order of their
                 # own): gloo's result, within the dtype's tolerance
-                if reference is None or (op == dist.ReduceOp.SUM and dtype in (torch.bfloat16, torch.float16)):
+                if reference is None or (op == dist.ReduceOp.SUM and
+                                         dtype in (torch.bfloat16, torch.float16)):
                     want = pattern(count, rank, dtype)
                     dist.all_reduce(want, op=op, group=gloo)
                     torch.testing.assert_close(x, want, msg=f"{op} {dtype}[{count}] against gloo")
@@ -99,7 +103,8 @@ def all_reduce_avg_and_premul_sum(rank: int, n: int, gloo: dist.ProcessGroup) ->
 
 
 @check
-def all_reduce_random_floats_match_gloo_and_are_bit_identical(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
+def all_reduce_random_floats_match_gloo_and_are_bit_identical(rank: int, n: int,
+                                                              gloo: dist.ProcessGroup) -> None:
     generator = torch.Generator().manual_seed(100 + rank)
     for count in (5, 4097, 100_000):
         x = torch.randn(count, generator=generator)
@@ -163,7 +168,8 @@ def reduce_every_root(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
         for count in (1, 7):
             x = pattern(count, rank, torch.int64)
             dist.reduce(x, dst=root, op=dist.ReduceOp.SUM)
-            want = sum(pattern(count, r, torch.int64) for r in range(n)) if rank == root else pattern(count, rank, torch.int64)
+            want = sum(pattern(count, r, torch.int64)
+                       for r in range(n)) if rank == root else pattern(count, rank, torch.int64)
             expect_equal(x, want, f"reduce root {root} [{count}]")
 
 
@@ -177,7 +183,8 @@ def all_gather_list_tensor_and_every_dtype(rank: int, n: int, gloo: dist.Process
                 expect_equal(outputs[r], pattern(count, r, dtype), f"all_gather {dtype}[{count}] from {r}")
             into = torch.empty(n * count, dtype=dtype)
             dist.all_gather_into_tensor(into, pattern(count, rank, dtype))
-            expect_equal(into, torch.cat([pattern(count, r, dtype) for r in range(n)]), f"into tensor {dtype}")
+            expect_equal(into, torch.cat([pattern(count, r, dtype) for r in range(n)]),
+                         f"into tensor {dtype}")
 
 
 @check
@@ -202,7 +209,9 @@ def reduce_scatter_list_and_tensor(rank: int, n: int, gloo: dist.ProcessGroup) -
         whole = pattern(n * count, rank)
         out = torch.empty(count)
         dist.reduce_scatter_tensor(out, whole, op=dist.ReduceOp.MAX)
-        expect_equal(out, pattern(n * count, n - 1)[rank * count:(rank + 1) * count], f"reduce_scatter_tensor [{count}]")
+        expect_equal(out,
+                     pattern(n * count, n - 1)[rank * count:(rank + 1) * count],
+                     f"reduce_scatter_tensor [{count}]")
 
 
 @check
@@ -258,6 +267,7 @@ def barrier_and_monitored_barrier(rank: int, n: int, gloo: dist.ProcessGroup) ->
 
 # -- point-to-point ---------------------------------------------------------------------------
 
+
 @check
 def send_recv_isend_irecv_and_batch(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
     if n == 1:
@@ -300,8 +310,9 @@ def send_recv_with_tags(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
     for work in sends:
         work.wait()
     got = torch.empty(2, dtype=torch.int64)
-    ops = [dist.P2POp(dist.irecv, got, left, tag=left), dist.P2POp(dist.isend, pattern(2, rank, torch.int64),
-                                                                  right, tag=rank)]
+    ops = [
+        dist.P2POp(dist.irecv, got, left, tag=left),
+        dist.P2POp(dist.isend, pattern(2, rank, torch.int64), right, tag=rank)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     expect_equal(got, pattern(2, left, torch.int64), "batch_isend_irecv with tags")
@@ -316,9 +327,13 @@ def send_recv_with_tags(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
         dist.send(torch.tensor([rank + 0.5]), dst=0, tag=8)
     # A send queued behind a collective never overtakes it to serve a waiting receive: rank 0's
     # isend would reach rank 1 inside the all_reduce.
-    got, total = torch.empty(1), torch.ones(100_000)  # past the compiled path: over the channels the send uses
+    got, total = torch.empty(1), torch.ones(
+        100_000)  # past the compiled path: over the channels the send uses
     if rank == 0:
-        works = [dist.irecv(got, src=1), dist.all_reduce(total, async_op=True), dist.isend(torch.ones(1), dst=1)]
+        works = [
+            dist.irecv(got, src=1),
+            dist.all_reduce(total, async_op=True),
+            dist.isend(torch.ones(1), dst=1)]
     else:
         time.sleep(0.2 if rank == 1 else 0)  # rank 0's receive waits, with the send behind it
         works = [dist.isend(torch.full((1,), 2.0), dst=0)] if rank == 1 else []
@@ -352,6 +367,7 @@ def recv_from_any_source(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
 
 
 # -- objects, groups, functional collectives, device meshes ------------------------------------
+
 
 @check
 def object_collectives(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
@@ -398,7 +414,8 @@ def functional_collectives(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
     reduced = funcol.all_reduce(pattern(6, rank), "sum", world)
     expect_equal(funcol.wait_tensor(reduced), sum(pattern(6, r) for r in range(n)), "funcol.all_reduce")
     gathered = funcol.all_gather_tensor(pattern(2, rank), 0, world)
-    expect_equal(funcol.wait_tensor(gathered), torch.cat([pattern(2, r) for r in range(n)]), "funcol.all_gather_tensor")
+    expect_equal(funcol.wait_tensor(gathered), torch.cat([pattern(2, r) for r in range(n)]),
+                 "funcol.all_gather_tensor")
     scattered = funcol.reduce_scatter_tensor(pattern(2 * n, rank), "sum", 0, world)
     want = sum(pattern(2 * n, r) for r in range(n))[2 * rank:2 * rank + 2]
     expect_equal(funcol.wait_tensor(scattered), want, "funcol.reduce_scatter_tensor")
@@ -420,6 +437,7 @@ def device_mesh_two_dimensions(rank: int, n: int, gloo: dist.ProcessGroup) -> No
 
 
 # -- training ---------------------------------------------------------------------------------
+
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
@@ -465,7 +483,8 @@ def fsdp2_matches_one_process(rank: int, n: int, gloo: dist.ProcessGroup) -> Non
     fully_shard(model, mesh=mesh)
     _train(model, batches, slice(4 * rank, 4 * rank + 4))
     for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-6, msg=f"FSDP2 parameter {name}")
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-6,
+                                   msg=f"FSDP2 parameter {name}")
 
 
 def main(out: str) -> None:

@@ -74,6 +74,5 @@ def warm_compiled_plane() -> None:
     # one call per compilable algorithm, and allreduce's and broadcast's twice more (a torch tensor: the lane's call)
     expected = sum(len(registry.compiled(collective)) for collective in registry.ALGORITHMS) \
         + 2 * (len(registry.compiled("allreduce")) + len(registry.compiled("broadcast")))
-    assert ran == [expected] * 2, f"the compiled plane's warm-up ran {ran} compiled collectives, expected {expected}"
-
-
+    assert ran == [expected
+                   ] * 2, f"the compiled plane's warm-up ran {ran} compiled collectives, expected {expected}"

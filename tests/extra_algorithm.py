@@ -31,5 +31,6 @@ def shape(world_size: int) -> tuple[float, float]:
     return 2 * d, 2 * d
 
 
-register(Algorithm("allreduce", NAME, allreduce_reduce_broadcast, shape, code=200,
-                   bytes_sent=allreduce_tree.bytes_sent))  # the same messages as tree allreduce
+register(
+    Algorithm("allreduce", NAME, allreduce_reduce_broadcast, shape, code=200,
+              bytes_sent=allreduce_tree.bytes_sent))  # the same messages as tree allreduce

@@ -39,6 +39,7 @@ from lab.reference import gloo_collective, tolerance
 
 # -- pools and processes ---------------------------------------------------------------------------
 
+
 def shm_entries() -> set[str]:
     """What /dev/shm holds, less multiprocessing's semaphores (another test process may be making
     them; the lab's own memory is memfds, which never appear here) and less what a process outside
@@ -138,30 +139,22 @@ def require_hosts() -> None:
 
 STRIDE = 3
 
-
 DTYPES = ["float32", "float64", "int32", "int64", "float16", "bfloat16"]
-
 
 OPS = ["sum", "prod", "min", "max", "avg"]
 
-
 ALGORITHMS = {
-    "allreduce": ["ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree", "auto"],
-    "broadcast": ["binomial", "scatter_allgather", "auto"],
-    "allgather": ["ring", "recursive_doubling", "pat", "auto"],
-    "reduce_scatter": ["ring", "recursive_halving", "pat", "auto"],
-    "all_to_all": ["pairwise", "bruck", "auto"],
-}
-
+    "allreduce": ["ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree",
+                  "auto"], "broadcast": ["binomial", "scatter_allgather",
+                                         "auto"], "allgather": ["ring", "recursive_doubling", "pat", "auto"],
+    "reduce_scatter": ["ring", "recursive_halving", "pat",
+                       "auto"], "all_to_all": ["pairwise", "bruck", "auto"]}
 
 FIRST_ALGORITHMS = {"ring", "tree", "naive", "binomial", "auto"}  # the full matrix at every N, as always
 
-
 FULL_MATRIX_WORLDS = (3, 6, 8)
 
-
 SWEEP_DTYPES = ["float32", "int64", "bfloat16"]
-
 
 PROD_VALUES = np.array([-2.0, -1.0, 1.0, 2.0])  # products stay exact powers of two
 
@@ -247,10 +240,8 @@ def check_allreduce(mesh: lab.Mesh, full: bool = True) -> list[str]:
                     result = lab.allreduce(mesh, x, op=op, algorithm=algorithm)
                     want = expected_reduction(stack, op, dtype)
                     if result is not x or not reduction_matches(x, want, stack, op, dtype):
-                        failures.append(
-                            f"rank {mesh.rank} allreduce {algorithm} {op} {dtype}[{count}]: "
-                            + ("not in place" if result is not x else describe_mismatch(x, want))
-                        )
+                        failures.append(f"rank {mesh.rank} allreduce {algorithm} {op} {dtype}[{count}]: " +
+                                        ("not in place" if result is not x else describe_mismatch(x, want)))
     return failures
 
 
@@ -258,22 +249,24 @@ def check_broadcast(mesh: lab.Mesh, full: bool = True) -> list[str]:
     failures = []
     for count in counts(mesh.world_size):
         for algorithm in ALGORITHMS["broadcast"]:
-            for dtype, src in [(d, s) for d in dtypes_for(mesh.world_size, algorithm, full)
-                               for s in range(mesh.world_size)]:
+            for dtype, src in [
+                (d, s) for d in dtypes_for(mesh.world_size, algorithm, full) for s in range(mesh.world_size)]:
                 x = tensor(values(count, mesh.rank, dtype), dtype)
                 result = lab.broadcast(mesh, x, src=src, algorithm=algorithm)
                 want = tensor(values(count, src, dtype), dtype)
                 if result is not x or not torch.equal(x, want):
-                    failures.append(f"rank {mesh.rank} broadcast {algorithm} src={src} {dtype}[{count}]: "
-                                    + ("not in place" if result is not x else describe_mismatch(x, want)))
+                    failures.append(f"rank {mesh.rank} broadcast {algorithm} src={src} {dtype}[{count}]: " +
+                                    ("not in place" if result is not x else describe_mismatch(x, want)))
     return failures
 
 
 def check_allgather(mesh: lab.Mesh, full: bool = True) -> list[str]:
     failures = []
     for count in counts(mesh.world_size):
-        for algorithm, dtype in [(a, d) for a in ALGORITHMS["allgather"] for d in dtypes_for(mesh.world_size, a, full)]:
+        for algorithm, dtype in [
+            (a, d) for a in ALGORITHMS["allgather"] for d in dtypes_for(mesh.world_size, a, full)]:
             for shape in [(count,), (count, 2)]:
+
                 def rank_input(r: int, shape=shape, dtype=dtype) -> torch.Tensor:
                     return tensor(values(int(np.prod(shape)), r, dtype), dtype).reshape(shape)
 
@@ -282,8 +275,8 @@ def check_allgather(mesh: lab.Mesh, full: bool = True) -> list[str]:
                 got = lab.allgather(mesh, x, algorithm=algorithm)
                 want = torch.cat([rank_input(r) for r in range(mesh.world_size)])
                 if not torch.equal(got, want) or not torch.equal(x, before):
-                    failures.append(f"rank {mesh.rank} allgather {algorithm} {dtype}{list(shape)}: "
-                                    + describe_mismatch(got, want))
+                    failures.append(f"rank {mesh.rank} allgather {algorithm} {dtype}{list(shape)}: " +
+                                    describe_mismatch(got, want))
     return failures
 
 
@@ -291,7 +284,8 @@ def check_reduce_scatter(mesh: lab.Mesh, full: bool = True) -> list[str]:
     failures = []
     n = mesh.world_size
     for rows in counts(n):
-        for algorithm, dtype in [(a, d) for a in ALGORITHMS["reduce_scatter"] for d in dtypes_for(n, a, full)]:
+        for algorithm, dtype in [
+            (a, d) for a in ALGORITHMS["reduce_scatter"] for d in dtypes_for(n, a, full)]:
             for op in ops_for(dtype, full):
                 for shape in [(rows,), (rows, 3)]:
                     numel = int(np.prod(shape))
@@ -301,11 +295,13 @@ def check_reduce_scatter(mesh: lab.Mesh, full: bool = True) -> list[str]:
                     got = lab.reduce_scatter(mesh, x, op=op, algorithm=algorithm)
                     reduced = expected_reduction(stack, op, dtype).reshape(shape)
                     want = torch.tensor_split(reduced, n)[mesh.rank] if rows else reduced[:0]
-                    own = np.stack([torch.tensor_split(torch.from_numpy(r).reshape(shape), n)[mesh.rank].numpy()
-                                    for r in stack]) if rows else stack[:, :0].reshape(n, *want.shape)
+                    own = np.stack([
+                        torch.tensor_split(torch.from_numpy(r).reshape(shape), n)[mesh.rank].numpy()
+                        for r in stack]) if rows else stack[:, :0].reshape(n, *want.shape)
                     if not reduction_matches(got, want, own, op, dtype) or not torch.equal(x, before):
-                        failures.append(f"rank {mesh.rank} reduce_scatter {algorithm} {op} {dtype}{list(shape)}: "
-                                        + describe_mismatch(got, want))
+                        failures.append(
+                            f"rank {mesh.rank} reduce_scatter {algorithm} {op} {dtype}{list(shape)}: " +
+                            describe_mismatch(got, want))
     return failures
 
 
@@ -321,14 +317,17 @@ def check_other_inputs(mesh: lab.Mesh) -> list[str]:
         if not isinstance(a, np.ndarray) or not np.array_equal(a, want):
             failures.append(f"rank {rank} numpy allreduce {dtype}")
         g = lab.allgather(mesh, values(3, rank, dtype).astype(dtype))
-        if not isinstance(g, np.ndarray) or not np.array_equal(g, np.concatenate([values(3, r, dtype) for r in range(n)]).astype(dtype)):
+        if not isinstance(g, np.ndarray) or not np.array_equal(
+                g,
+                np.concatenate([values(3, r, dtype) for r in range(n)]).astype(dtype)):
             failures.append(f"rank {rank} numpy allgather {dtype}")
     # a non-contiguous view: the result lands in the caller's strided tensor, neighbours untouched
     base = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6) + rank
     view = base[:, 1::2]
     lab.allreduce(mesh, view, algorithm="ring")
     want = sum(torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6) + r for r in range(n))
-    if not torch.equal(base[:, 1::2], want[:, 1::2]) or not torch.equal(base[:, ::2], (torch.arange(24.0).reshape(4, 6) + rank)[:, ::2]):
+    if not torch.equal(base[:, 1::2], want[:, 1::2]) or not torch.equal(
+            base[:, ::2], (torch.arange(24.0).reshape(4, 6) + rank)[:, ::2]):
         failures.append(f"rank {rank} non-contiguous allreduce")
     transposed = (torch.arange(6.0).reshape(2, 3) + rank).t()
     got = lab.reduce_scatter(mesh, transposed)
@@ -364,10 +363,11 @@ def check_reduce(mesh: lab.Mesh, full: bool = True) -> list[str]:
                     before = x.clone()
                     result = lab.reduce(mesh, x, dst=dst, op=op)
                     want = expected_reduction(stack, op, dtype) if mesh.rank == dst else before
-                    ok = reduction_matches(x, want, stack, op, dtype) if mesh.rank == dst else torch.equal(x, before)
+                    ok = reduction_matches(x, want, stack, op, dtype) if mesh.rank == dst else torch.equal(
+                        x, before)
                     if result is not x or not ok:
-                        failures.append(f"rank {mesh.rank} reduce dst={dst} {op} {dtype}[{count}]: "
-                                        + ("not in place" if result is not x else describe_mismatch(x, want)))
+                        failures.append(f"rank {mesh.rank} reduce dst={dst} {op} {dtype}[{count}]: " +
+                                        ("not in place" if result is not x else describe_mismatch(x, want)))
     a = values(2 * n + 1, mesh.rank, "float32").astype(np.float32)
     lab.reduce(mesh, a, dst=n - 1, op="max")
     want = np.max([values(2 * n + 1, r, "float32") for r in range(n)], axis=0) if mesh.rank == n - 1 \
@@ -384,6 +384,7 @@ def check_all_to_all(mesh: lab.Mesh, full: bool = True) -> list[str]:
     for rows in counts(n):
         for algorithm, dtype in [(a, d) for a in ALGORITHMS["all_to_all"] for d in dtypes_for(n, a, full)]:
             for shape in [(rows,), (rows, 2)]:
+
                 def rank_input(r: int, shape=shape, dtype=dtype) -> torch.Tensor:
                     return tensor(values(int(np.prod(shape)), r, dtype), dtype).reshape(shape)
 
@@ -392,10 +393,11 @@ def check_all_to_all(mesh: lab.Mesh, full: bool = True) -> list[str]:
                 got = lab.all_to_all(mesh, x, algorithm=algorithm)
                 want = torch.cat([torch.tensor_split(rank_input(r), n)[mesh.rank] for r in range(n)])
                 if not torch.equal(got, want) or not torch.equal(x, before):
-                    failures.append(f"rank {mesh.rank} all_to_all {algorithm} {dtype}{list(shape)}: "
-                                    + describe_mismatch(got, want))
+                    failures.append(f"rank {mesh.rank} all_to_all {algorithm} {dtype}{list(shape)}: " +
+                                    describe_mismatch(got, want))
     g = lab.all_to_all(mesh, np.arange(2 * n, dtype=np.int32) + 100 * mesh.rank)
-    if not isinstance(g, np.ndarray) or g.tolist() != [100 * r + k for r in range(n) for k in (2 * mesh.rank, 2 * mesh.rank + 1)]:
+    if not isinstance(g, np.ndarray) or g.tolist() != [
+            100 * r + k for r in range(n) for k in (2 * mesh.rank, 2 * mesh.rank + 1)]:
         failures.append(f"rank {mesh.rank} numpy all_to_all")
     return failures
 
@@ -409,12 +411,9 @@ def assert_no_failures(outputs: list[list[str]]) -> None:
 
 DEADLINE_MS = 1500  # the deadline of the stall cases: peers give up on a stalled rank after it
 
-
 DEATH_DEADLINE_MS = 30_000  # the death cases: a death reported before this did not wait for a deadline
 
-
 EXIT_GUARD_S = 120  # an interrupted parent must exit: far past its grace periods, only a hang fails it
-
 
 STALL_S = 20 * DEADLINE_MS / 1000  # a stalled rank sleeps this long, unless the pool ends it first
 
@@ -478,9 +477,7 @@ def assert_stall_ended_by_the_pool(error: lab.RankError, since_fault: float, cas
 
 FLOATS = ["float32", "float64", "float16", "bfloat16"]
 
-
 INTS = ["int32", "int64"]
-
 
 ALLREDUCE = ["ring", "tree", "naive", "recursive_doubling", "halving_doubling", "double_tree", "auto"]
 
@@ -493,13 +490,15 @@ def random_stack(world_size: int, count: int, dtype: str, op: str, seed: int) ->
         if dtype in INTS:
             row = rng.integers(-3, 4, count) if op == "prod" else rng.integers(-1000, 1000, count)
         else:
-            row = rng.uniform(0.5, 1.5, count) * rng.choice([-1, 1], count) if op == "prod" else rng.normal(0, 10, count)
+            row = rng.uniform(0.5, 1.5, count) * rng.choice([-1, 1], count) if op == "prod" else rng.normal(
+                0, 10, count)
         rows.append(torch.tensor(row).to(getattr(torch, dtype)))
     return torch.stack(rows)
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
+    return hashlib.blake2b(
+        t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 
 
 WIRE_DTYPES = ["float32", "int64", "bfloat16"]  # 4, 8 and 2 bytes: the wire set (module docstring)
@@ -512,7 +511,8 @@ def gloo_ops(dtype: str, full: bool) -> list[str]:
     return ["sum", "prod", "min", "max"] + (["avg"] if dtype in FLOATS else [])
 
 
-def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int, full: bool = True) -> tuple[list[str], list[str]]:
+def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int,
+                      full: bool = True) -> tuple[list[str], list[str]]:
     """Run each primitive through the lab and through gloo; return (failures, allreduce digests).
     ``full``: every dtype and op; otherwise the wire set."""
     failures, digests = [], []
@@ -546,13 +546,16 @@ def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int, full: bool = 
                 check(f"reduce dst={dst} {op} {dtype}[{count}]", got, ref,
                       tolerance(stack, op) if rank == dst else torch.zeros(count))
             stack = random_stack(n, count, dtype, "sum", seed + 1)
-            for src, algorithm in [(s, a) for s in sorted({0, n - 1}) for a in ["binomial", "scatter_allgather"]]:
+            for src, algorithm in [
+                (s, a) for s in sorted({0, n - 1}) for a in ["binomial", "scatter_allgather"]]:
                 got = lab.broadcast(mesh, stack[rank].clone(), src=src, algorithm=algorithm)
-                check(f"broadcast {algorithm} src={src} {dtype}[{count}]", got, gloo_collective(mesh, "broadcast", stack[rank].clone(), src=src), torch.zeros(count))
+                check(f"broadcast {algorithm} src={src} {dtype}[{count}]", got,
+                      gloo_collective(mesh, "broadcast", stack[rank].clone(), src=src), torch.zeros(count))
                 digests.append(digest(got))
             for algorithm in ["ring", "recursive_doubling", "pat"]:
                 got = lab.allgather(mesh, stack[rank], algorithm=algorithm)
-                check(f"allgather {algorithm} {dtype}[{count}]", got, gloo_collective(mesh, "allgather", stack[rank]), torch.zeros(n * count))
+                check(f"allgather {algorithm} {dtype}[{count}]", got,
+                      gloo_collective(mesh, "allgather", stack[rank]), torch.zeros(n * count))
             ref = gloo_collective(mesh, "all_to_all", stack[rank])
             for algorithm in ["pairwise", "bruck"]:
                 got = lab.all_to_all(mesh, stack[rank], algorithm=algorithm)
@@ -588,7 +591,8 @@ def run_without_buffers(steps: list[tuple]) -> None:
 
     def pending(rank: int) -> list[tuple[int, int, int]]:
         send, recv = steps[rank][position[rank]]
-        messages = ([(rank, send.peer, send.slot)] if send else []) + ([(recv.peer, rank, recv.slot)] if recv else [])
+        messages = ([(rank, send.peer, send.slot)] if send else []) + ([
+            (recv.peer, rank, recv.slot)] if recv else [])
         return [m for m in messages if m not in moved]
 
     while any(position[r] < len(steps[r]) for r in range(len(steps))):

@@ -81,8 +81,9 @@ def train(schedule_class: type, layout: str, group: dist.ProcessGroup, rank: int
     indices = stage_indices(layout, rank, n)
     num_stages = n * len(indices)
     modules = [stage_module(index) for index in indices]
-    stages = [PipelineStage(module, index, num_stages, torch.device("cpu"), group=group)
-              for module, index in zip(modules, indices, strict=True)]
+    stages = [
+        PipelineStage(module, index, num_stages, torch.device("cpu"), group=group)
+        for module, index in zip(modules, indices, strict=True)]
     schedule = schedule_class(stages if layout != "single" else stages[0], MICROBATCHES,
                               loss_fn=torch.nn.functional.mse_loss)
     parameters = [p for module in modules for p in module.parameters()]
@@ -102,9 +103,10 @@ def train(schedule_class: type, layout: str, group: dist.ProcessGroup, rank: int
             want = sum(torch.arange(IN_FLIGHT_NUMEL, dtype=torch.float32) * 3 + r for r in range(n))
             if not torch.equal(reduced, want):
                 raise AssertionError(f"step {step}: the all_reduce in flight beside the pipeline is wrong")
-        seen.append({"losses": [loss.detach().clone() for loss in losses],
-                     "output": None if output is None else output.detach().clone(),
-                     "grads": [p.grad.clone() for p in parameters]})
+        seen.append({
+            "losses": [loss.detach().clone() for loss in losses],
+            "output": None if output is None else output.detach().clone(),
+            "grads": [p.grad.clone() for p in parameters]})
         optimizer.step()
         optimizer.zero_grad()
     return seen
@@ -119,8 +121,9 @@ def expect_bit_equal(lab_run: list, gloo_run: list, what: str) -> None:
                 if not torch.equal(g, w):
                     raise AssertionError(f"{what} step {step}: {name}[{i}] differs from gloo's: "
                                          f"{g.reshape(-1)[:4].tolist()} vs {w.reshape(-1)[:4].tolist()}")
-        if (got["output"] is None) != (want["output"] is None) or (
-                want["output"] is not None and not torch.equal(got["output"], want["output"])):
+        if (got["output"] is None) != (want["output"]
+                                       is None) or (want["output"] is not None and
+                                                    not torch.equal(got["output"], want["output"])):
             raise AssertionError(f"{what} step {step}: the last stage's output differs from gloo's")
 
 
@@ -193,14 +196,17 @@ def p2p_with_async_work_in_flight(rank: int, n: int, gloo: dist.ProcessGroup) ->
         raise AssertionError(f"recv_object_list: got {received[0]}")
     got = {tag: torch.empty(5) for tag in (1, 2, 3)}
     ops = [dist.P2POp(dist.irecv, got[tag], left, tag=tag) for tag in (3, 1, 2)]
-    ops += [dist.P2POp(dist.isend, torch.arange(5.0) * 3 + rank + 10 * tag, right, tag=tag) for tag in (1, 2, 3)]
+    ops += [
+        dist.P2POp(dist.isend,
+                   torch.arange(5.0) * 3 + rank + 10 * tag, right, tag=tag) for tag in (1, 2, 3)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     for tag, tensor in got.items():
         if not torch.equal(tensor, torch.arange(5.0) * 3 + left + 10 * tag):
             raise AssertionError(f"batch_isend_irecv tag={tag}: got {tensor.tolist()}")
     in_flight.wait()
-    if not torch.equal(queued, sum(torch.arange(IN_FLIGHT_NUMEL, dtype=torch.float32) * 3 + r for r in range(n))):
+    if not torch.equal(queued,
+                       sum(torch.arange(IN_FLIGHT_NUMEL, dtype=torch.float32) * 3 + r for r in range(n))):
         raise AssertionError("the all_reduce in flight is wrong")
 
 

@@ -45,7 +45,6 @@ NAMES = ("dp", "tp")
 
 class Block(torch.nn.Module):
     """A transformer's MLP block: ``x + down(relu(up(norm(x))))``."""
-
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -61,11 +60,14 @@ def parallel_block(mesh: DeviceMesh, names: tuple[str, str]) -> torch.nn.Module:
     """The block, tensor-parallel over the mesh's dimension ``names[1]`` with its sequence sharded
     outside the projections, then fully sharded over ``names[0]``."""
     dp, tp = names
-    block = parallelize_module(Block(), mesh[tp], {
-        "norm": SequenceParallel(),                         # input and output sharded along the sequence
-        "up": ColwiseParallel(input_layouts=Shard(1)),      # all-gathers the sequence, shards the features
-        "down": RowwiseParallel(output_layouts=Shard(1)),   # reduce-scatters back along the sequence
-    })
+    block = parallelize_module(
+        Block(),
+        mesh[tp],
+        {
+            "norm": SequenceParallel(),  # input and output sharded along the sequence
+            "up": ColwiseParallel(input_layouts=Shard(1)),  # all-gathers the sequence, shards the features
+            "down": RowwiseParallel(output_layouts=Shard(1))  # reduce-scatters back along the sequence
+        })
     return fully_shard(block, mesh=mesh[dp])
 
 
@@ -94,8 +96,10 @@ def train(mesh: DeviceMesh, names: tuple[str, str]) -> list[dict]:
         grads = {name: p.grad.to_local().clone() for name, p in block.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
-        seen.append({"loss": loss.detach().clone(), "grads": grads,
-                     "parameters": {name: p.detach().to_local().clone() for name, p in block.named_parameters()}})
+        seen.append({
+            "loss": loss.detach().clone(), "grads": grads,
+            "parameters": {name: p.detach().to_local().clone()
+                           for name, p in block.named_parameters()}})
     return seen
 
 
@@ -115,7 +119,8 @@ def tensor_and_fsdp2_on_a_2d_mesh(n: int) -> None:
     for mesh, backend in ((lab_mesh, "lab"), (gloo_mesh, "gloo")):
         for name in mesh.mesh_dim_names:
             if dist.get_backend(mesh[name].get_group()) != backend:
-                raise AssertionError(f"mesh {name!r} is on {dist.get_backend(mesh[name].get_group())}, not {backend}")
+                raise AssertionError(
+                    f"mesh {name!r} is on {dist.get_backend(mesh[name].get_group())}, not {backend}")
     before = lab_messages()
     lab_run = train(lab_mesh, NAMES)
     between = lab_messages()
@@ -125,14 +130,16 @@ def tensor_and_fsdp2_on_a_2d_mesh(n: int) -> None:
                              f"{lab_messages() - between} in gloo's")
     for step, (got, want) in enumerate(zip(lab_run, gloo_run, strict=True)):
         if not torch.equal(got["loss"], want["loss"]):
-            raise AssertionError(f"step {step}: loss {got['loss'].item()!r} on the lab, {want['loss'].item()!r} on gloo")
+            raise AssertionError(
+                f"step {step}: loss {got['loss'].item()!r} on the lab, {want['loss'].item()!r} on gloo")
         for kind in ("grads", "parameters"):
             if sorted(got[kind]) != sorted(want[kind]) or len(want[kind]) != 6:
                 raise AssertionError(f"step {step}: {kind} of {sorted(got[kind])} vs {sorted(want[kind])}")
             for name, tensor in want[kind].items():
                 if not torch.equal(got[kind][name], tensor):
-                    raise AssertionError(f"step {step}: {kind} {name} differs from gloo's: "
-                                         f"{got[kind][name].reshape(-1)[:4].tolist()} vs {tensor.reshape(-1)[:4].tolist()}")
+                    raise AssertionError(
+                        f"step {step}: {kind} {name} differs from gloo's: "
+                        f"{got[kind][name].reshape(-1)[:4].tolist()} vs {tensor.reshape(-1)[:4].tolist()}")
 
 
 def main(out: str) -> None:

@@ -15,8 +15,9 @@ def async_in_order(mesh: lab.Mesh) -> list[str]:
     failures = []
     n = mesh.world_size
     tensors = [torch.full((1000 + i,), float(mesh.rank + i)) for i in range(8)]
-    works = [lab.allreduce(mesh, t, async_op=True, algorithm="ring" if i % 2 else "tree")
-             for i, t in enumerate(tensors)]
+    works = [
+        lab.allreduce(mesh, t, async_op=True, algorithm="ring" if i % 2 else "tree")
+        for i, t in enumerate(tensors)]
     gathered = lab.allgather(mesh, torch.tensor([mesh.rank]), async_op=True)
     scattered = lab.reduce_scatter(mesh, torch.arange(2.0 * n) + mesh.rank, async_op=True)
     root = lab.broadcast(mesh, torch.full((3,), float(mesh.rank)), src=n - 1, async_op=True)

@@ -26,8 +26,9 @@ import lab
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Child processes import the lab under test (this checkout), not another installed copy.
-CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
-             "OMP_NUM_THREADS": "1"}
+CHILD_ENV = {
+    **os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE),
+                                                 os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
 WORLD_SIZES = (2, 3, 4)
 
 
@@ -43,14 +44,17 @@ def results(tmp_path_factory) -> dict[int, list[dict[str, str]]]:
     outcomes = {}
     for n in WORLD_SIZES:
         out = tmp_path_factory.mktemp(f"backend{n}")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   os.path.join(HERE, "backend_job.py"), str(out)]
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+            os.path.join(HERE, "backend_job.py"),
+            str(out)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=CHILD_ENV)
         ranks = []
         for rank in range(n):
             path = out / f"rank{rank}.json"
-            ranks.append(json.loads(path.read_text()) if path.exists() else
-                         {"launch": f"rank {rank} wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"})
+            ranks.append(
+                json.loads(path.read_text()) if path.exists() else {
+                    "launch": f"rank {rank} wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"})
         outcomes[n] = ranks
     return outcomes
 
@@ -59,7 +63,9 @@ def results(tmp_path_factory) -> dict[int, list[dict[str, str]]]:
 @pytest.mark.parametrize("n", WORLD_SIZES)
 @pytest.mark.parametrize("name", list(backend_job.CHECKS))
 def test_every_operation_on_every_rank(results, n, name):
-    failures = {rank: per_rank.get(name, per_rank.get("launch", "not run")) for rank, per_rank in enumerate(results[n])}
+    failures = {
+        rank: per_rank.get(name, per_rank.get("launch", "not run"))
+        for rank, per_rank in enumerate(results[n])}
     failures = {rank: outcome for rank, outcome in failures.items() if outcome != "ok"}
     assert not failures, "\n".join(f"rank {rank}: {outcome}" for rank, outcome in failures.items())
 
@@ -122,14 +128,17 @@ FAULTY = textwrap.dedent("""
 
 def run_ranks(n: int, how: str, init: str | None = None) -> list[str]:
     init = init or f"tcp://127.0.0.1:{free_port()}"
-    processes = [subprocess.Popen([sys.executable, "-c", FAULTY, str(rank), str(n), init, how], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=CHILD_ENV) for rank in range(n)]
+    processes = [
+        subprocess.Popen([sys.executable, "-c", FAULTY,
+                          str(rank), str(n), init, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=CHILD_ENV) for rank in range(n)]
     outputs = []
     for rank, process in enumerate(processes):
         if how == "silent" and rank == n - 1:
             process.kill()  # the others have ended (they were waiting for it): no need to wait out its sleep
         try:
-            stdout, stderr = process.communicate(timeout=300)  # a hang guard: three torch starts on a loaded machine
+            stdout, stderr = process.communicate(
+                timeout=300)  # a hang guard: three torch starts on a loaded machine
         except subprocess.TimeoutExpired:
             for other in processes:
                 other.kill()
@@ -151,7 +160,8 @@ def test_a_mismatch_ends_every_rank_s_call_with_the_lab_s_error():
     """gloo aborts the process with ``terminate called`` on a size mismatch; the lab raises."""
     outputs = run_ranks(3, "mismatch")
     assert all(o.startswith("DistBackendError") for o in outputs), outputs
-    assert any("CollectiveMismatchError" in o and "float32[11]" in o and "float32[10]" in o for o in outputs), outputs
+    assert any("CollectiveMismatchError" in o and "float32[11]" in o and "float32[10]" in o
+               for o in outputs), outputs
     assert all("flight recorder" in o for o in outputs), outputs
 
 
@@ -161,8 +171,10 @@ def test_a_dead_peer_ends_every_surviving_call(how):
     outputs = run_ranks(3, how)
     assert outputs[2].startswith("exit -9"), outputs  # the victim
     for output in outputs[:2]:  # in DDP's backward too: an exception, never a crash or a hang
-        assert "DistBackendError" in output and ("PeerLostError" in output or "DeadlineError" in output), outputs
-        assert float(output.split(" after ")[1].split(" s")[0]) < 60, output  # not a hang: seen before the deadline
+        assert "DistBackendError" in output and ("PeerLostError" in output or
+                                                 "DeadlineError" in output), outputs
+        assert float(
+            output.split(" after ")[1].split(" s")[0]) < 60, output  # not a hang: seen before the deadline
 
 
 @pytest.mark.slow
@@ -185,12 +197,16 @@ TORCH_SUITE_SUBSET = ["test_all_reduce_sum", "test_DistributedDataParallelCPU"]
 def test_torch_s_own_distributed_tests_pass_on_the_lab():
     """torch's DistributedTest cases, unmodified, at WORLD_SIZE=3 against BACKEND=lab: each must
     run and pass (a skip would hide that it no longer runs here)."""
-    command = [sys.executable, os.path.join(HERE, "torch_suite.py"), "-v",
-               *(f"TestLabBackend.{name}" for name in TORCH_SUITE_SUBSET)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**CHILD_ENV, "WORLD_SIZE": "3"})
+    command = [
+        sys.executable,
+        os.path.join(HERE, "torch_suite.py"), "-v",
+        *(f"TestLabBackend.{name}" for name in TORCH_SUITE_SUBSET)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                          env={**CHILD_ENV, "WORLD_SIZE": "3"})
     report = done.stderr + done.stdout
     # unittest -v: "name (class) ... " then the ranks' log lines, then "ok" (or FAIL, ERROR, skipped ...)
-    starts = [(m.start(), m.group(1)) for m in re.finditer(r"^(test_\w+) \(.*?\) \.\.\. ", report, re.MULTILINE)]
+    starts = [
+        (m.start(), m.group(1)) for m in re.finditer(r"^(test_\w+) \(.*?\) \.\.\. ", report, re.MULTILINE)]
     assert starts, f"torch_suite.py ran no test (exit {done.returncode}):\n{report[-4000:]}"
     outcome = {}
     for (start, name), (end, _) in zip(starts, [*starts[1:], (len(report), "")], strict=True):

@@ -76,6 +76,7 @@ def still_in_step(rank: int, n: int, what: str) -> None:
 
 # -- item 1: groups of the same members, each with a context of its own -----------------------
 
+
 @check
 def two_groups_of_the_same_members_keep_their_messages_apart(rank: int, n: int) -> None:
     first, second = dist.new_group(list(range(n))), dist.new_group(list(range(n)))
@@ -94,6 +95,7 @@ def two_groups_of_the_same_members_keep_their_messages_apart(rank: int, n: int) 
 
 
 # -- item 4: every tensor of a list argument checked, in the caller ----------------------------
+
 
 @check
 def list_arguments_of_the_wrong_size_or_dtype_are_refused(rank: int, n: int) -> None:
@@ -127,6 +129,7 @@ def list_arguments_of_the_wrong_size_or_dtype_are_refused(rank: int, n: int) -> 
 
 
 # -- item 5: a non-contiguous input read when the collective runs, after the all_reduce before it
+
 
 def reduced_behind_a_late_rank(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A non-contiguous tensor (a transpose) with an async all_reduce of it issued, still queued on
@@ -163,6 +166,7 @@ def a_non_contiguous_input_is_read_after_the_all_reduce_before_it(rank: int, n: 
 
 # -- item 12: an in-place collective on read-only memory ---------------------------------------
 
+
 def read_only_tensor(count: int, rank: int, directory: str) -> torch.Tensor:
     """``pattern(count, rank)`` over a read-only np.memmap (torch warns that it is not writable)."""
     path = os.path.join(directory, f"read_only_{rank}.f32")
@@ -184,6 +188,7 @@ def an_all_reduce_on_read_only_memory_is_refused(rank: int, n: int) -> None:
 
 
 # -- item 24: what docs/backend.md says of monitored_barrier ----------------------------------
+
 
 @check
 def monitored_barrier_is_refused_by_torch(rank: int, n: int) -> None:
@@ -281,8 +286,10 @@ def results(tmp_path_factory) -> dict[tuple[int, str], list[dict[str, str]]]:
     outcomes = {}
     for n, transport in LAUNCHES:
         out = tmp_path_factory.mktemp(f"backend{n}{transport}")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   os.path.abspath(__file__), str(out), transport]
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+            os.path.abspath(__file__),
+            str(out), transport]
         # its own session: a launch that hangs is killed with its ranks, and its log still reported
         launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                   start_new_session=True)
@@ -292,8 +299,8 @@ def results(tmp_path_factory) -> dict[tuple[int, str], list[dict[str, str]]]:
             os.killpg(launch.pid, signal.SIGKILL)
             _, log = launch.communicate()
         outcomes[n, transport] = [
-            json.loads((out / f"rank{rank}.json").read_text()) if (out / f"rank{rank}.json").exists() else
-            {"launch": f"rank {rank} wrote nothing (exit {launch.returncode}):\n{log[-4000:]}"}
+            json.loads((out / f"rank{rank}.json").read_text()) if (out / f"rank{rank}.json").exists() else {
+                "launch": f"rank {rank} wrote nothing (exit {launch.returncode}):\n{log[-4000:]}"}
             for rank in range(n)]
     return outcomes
 
@@ -305,9 +312,12 @@ EXPECTED = [f"{name} #{i}" for i in range(INCARNATIONS) for name in [*CHECKS, DE
 @pytest.mark.parametrize("launch", LAUNCHES, ids=[f"{n}-{transport}" for n, transport in LAUNCHES])
 @pytest.mark.parametrize("name", EXPECTED)
 def test_every_rank_of_every_incarnation(results, launch, name):
-    outcomes = {rank: per_rank.get(name, per_rank.get("launch") or next(
-        (v for k, v in per_rank.items() if k.startswith("init")), "not run")) for rank, per_rank in
-        enumerate(results[launch])}
+    outcomes = {
+        rank: per_rank.get(
+            name,
+            per_rank.get("launch") or next((v
+                                            for k, v in per_rank.items() if k.startswith("init")), "not run"))
+        for rank, per_rank in enumerate(results[launch])}
     failures = {rank: outcome for rank, outcome in outcomes.items() if outcome != "ok"}
     assert not failures, "\n".join(f"rank {rank}: {outcome}" for rank, outcome in failures.items())
 
@@ -326,8 +336,9 @@ def test_ddp_backward_with_a_dead_peer_raises_what_the_docs_say_to_catch(n):
     DistBackendError and the lab's error (torch's C++ reducer converts it)."""
     init = f"tcp://127.0.0.1:{free_port()}"
     job = [sys.executable, os.path.abspath(__file__), "ddp-dead-peer"]
-    processes = [subprocess.Popen([*job, str(rank), str(n), init], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=job_env()) for rank in range(n)]
+    processes = [
+        subprocess.Popen([*job, str(rank), str(n), init], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=job_env()) for rank in range(n)]
     try:
         outputs = [process.communicate(timeout=300) for process in processes]  # a hang guard (torch starts)
     finally:

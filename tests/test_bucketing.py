@@ -19,8 +19,8 @@ def mixed_tensors(rank: int) -> list:
     for i in range(24):
         dtype = DTYPES[i % len(DTYPES)]
         numel = [0, 1, 3, 17, 100, 1001][i % 6]
-        tensors.append(((torch.arange(numel) * 3 + rank) % 32).to(dtype).reshape(-1, 1) if i % 5 == 0
-                       else ((torch.arange(numel) * 3 + rank) % 32).to(dtype))
+        tensors.append(((torch.arange(numel) * 3 + rank) % 32).to(dtype).reshape(-1, 1) if i %
+                       5 == 0 else ((torch.arange(numel) * 3 + rank) % 32).to(dtype))
     tensors.append(((np.arange(10) * 3 + rank) % 32).astype(np.float32))
     tensors.append(((torch.arange(20.0) * 3 + rank) % 32).reshape(4, 5)[:, ::2])
     return tensors
@@ -53,8 +53,12 @@ def test_every_tensor_comes_back_reduced_in_place(cluster, bucket_bytes):
 
 
 def test_buckets_hold_one_dtype_and_respect_the_size():
-    tensors = [torch.zeros(10), torch.zeros(10, dtype=torch.int64), torch.zeros(10), torch.zeros(100),
-               torch.zeros(5)]
+    tensors = [
+        torch.zeros(10),
+        torch.zeros(10, dtype=torch.int64),
+        torch.zeros(10),
+        torch.zeros(100),
+        torch.zeros(5)]
     buckets = plan_buckets(tensors, bucket_bytes=80)
     assert sorted(i for b in buckets for i in b) == list(range(5))
     for bucket in buckets:

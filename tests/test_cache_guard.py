@@ -126,7 +126,8 @@ def test_the_scan_sees_a_compiled_module_and_what_it_imports(tmp_path):
     (tmp_path / "lab" / "collectives").mkdir(parents=True)
     (tmp_path / "kernels").mkdir()
     (tmp_path / "lab" / "limits.py").write_text("LIMIT = 3\n")
-    (tmp_path / "lab" / "collectives" / "planted.py").write_text(textwrap.dedent("""
+    (tmp_path / "lab" / "collectives" / "planted.py").write_text(
+        textwrap.dedent("""
         from lab.compiled import compilable
         from lab.limits import LIMIT
 

@@ -48,10 +48,8 @@ def test_split_bounds_matches_array_split_small(length, parts):
     assert all(isinstance(a, int) and isinstance(b, int) for a, b in bounds)
 
 
-@pytest.mark.parametrize(
-    ("length", "parts"),
-    [(1_000_003, 7), (1_000_000, 8), (999_999, 1000), (65_537, 3), (3, 64), (0, 16)],
-)
+@pytest.mark.parametrize(("length", "parts"), [(1_000_003, 7), (1_000_000, 8), (999_999, 1000), (65_537, 3),
+                                               (3, 64), (0, 16)])
 def test_split_bounds_matches_array_split_large(length, parts):
     """Larger lengths (and more parts than elements) still match numpy.array_split."""
     assert split_bounds(length, parts) == _array_split_bounds(length, parts)

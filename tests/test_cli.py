@@ -13,7 +13,8 @@ from lab.validate import DTYPES, byte_algorithms, cases
 
 def run_lab(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-m", "lab", *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, "-m", "lab", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 @pytest.mark.slow
@@ -21,8 +22,10 @@ def test_validation_table_is_green():
     done = run_lab("--world-sizes", "2", "3", "--transports", "shm", "queue")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.rstrip().endswith(("PASS", "FAIL"))]
-    per_mesh = len(cases()) * len(DTYPES)  # per transport and world size; then one byte row per algorithm and rank
-    assert len(rows) == 2 * 2 * per_mesh + 4 * len(byte_algorithms()) and all(row.rstrip().endswith("PASS") for row in rows)
+    per_mesh = len(cases()) * len(
+        DTYPES)  # per transport and world size; then one byte row per algorithm and rank
+    assert len(rows) == 2 * 2 * per_mesh + 4 * len(byte_algorithms()) and all(row.rstrip().endswith("PASS")
+                                                                              for row in rows)
     assert "2T(N-1)/N" in done.stdout and ", 0 failed" in done.stdout
 
 

@@ -31,12 +31,13 @@ HEADER = [("#       size         count      type   redop    root     time   algb
 def nccl_tests_text(network: sim.Network, hosts: int, per_host: int, devices: bool = True) -> str:
     """all_reduce_perf's output as the known network's best simulated time would print it."""
     world = hosts * per_host
-    lines = [f"# nThread 1 nGpus 1 minBytes {SIZES[0]} maxBytes {SIZES[-1]} step: 4(factor) warmup iters: 5",
-             "#"]
+    lines = [
+        f"# nThread 1 nGpus 1 minBytes {SIZES[0]} maxBytes {SIZES[-1]} step: 4(factor) warmup iters: 5", "#"]
     if devices:
         lines.append("# Using devices")
-        lines += [f"#  Rank {r:2d} Group  0 Pid {100 + r:6d} on      host{r // per_host} "
-                  f"device {r % per_host:2d} [0x{r:02x}] SIM GPU" for r in range(world)]
+        lines += [
+            f"#  Rank {r:2d} Group  0 Pid {100 + r:6d} on      host{r // per_host} "
+            f"device {r % per_host:2d} [0x{r:02x}] SIM GPU" for r in range(world)]
     lines += ["#", *HEADER]
     for size in SIZES:
         t = sim.predict(network, "allreduce", hosts=hosts, nbytes=size, ranks_per_host=per_host).time_us
@@ -158,8 +159,7 @@ def test_a_bus_takes_one_message_at_a_time():
     ({"ranks_per_host": 2, "nic_map": (0,)}, "nic_map must list ranks_per_host=2 NICs"),
     ({"intra_fabric": "ring"}, "intra_fabric must be one of"),
     ({"oversubscription": 0.5}, "oversubscription must be a number from 1"),
-    ({"hosts_per_leaf": 1.5}, "hosts_per_leaf must be an integer from 1"),
-])
+    ({"hosts_per_leaf": 1.5}, "hosts_per_leaf must be an integer from 1")])
 def test_bad_host_terms_are_named(terms: dict, message: str):
     with pytest.raises(ValueError, match=message):
         sim.Network(**terms)

@@ -19,14 +19,16 @@ pytestmark = pytest.mark.no_ranks
 
 POLARIS = Path(__file__).parent / "data" / "clusters" / "polaris-nccl-2.21"
 LOGS = [str(POLARIS / "n2_all_reduce.log"), str(POLARIS / "n8_all_reduce.log")]
-AS_BUILT = ["--model", "nccl", "--nic-gbit", "200", "--nics-per-node", "2", "--nic-path", "phb",
-            "--cpu", "amd", "--fabric", "dragonfly:256:1.0625:0.7"]
+AS_BUILT = [
+    "--model", "nccl", "--nic-gbit", "200", "--nics-per-node", "2", "--nic-path", "phb", "--cpu", "amd",
+    "--fabric", "dragonfly:256:1.0625:0.7"]
 
 
 def test_polaris_fitted_and_predicted_at_256_and_540_nodes(capsys, tmp_path):
     conf = tmp_path / "nccl_tuner.conf"
-    assert main(["cluster", "fit", *LOGS, *AS_BUILT, "--predict-hosts", "256", "540",
-                 "--tuner-file", str(conf)]) == 0
+    assert main([
+        "cluster", "fit", *LOGS, *AS_BUILT, "--predict-hosts", "256", "540", "--tuner-file",
+        str(conf)]) == 0
     out = capsys.readouterr().out
     assert "4 GPUs a node" in out and "2 NICs of 200 Gbit/s at phb" in out and "Dragonfly(" in out
     assert "n2_all_reduce.log 4 B-64 KiB" in out  # which log fixed a term
@@ -54,8 +56,9 @@ def test_polaris_json_is_strict_and_names_each_terms_source(capsys):
 
 
 def test_gpus_per_node_from_the_logs_and_fat_tree(capsys):
-    assert main(["cluster", "fit", *LOGS, "--model", "nccl", "--nic-gbit", "200",
-                 "--fabric", "fat-tree:16:2", "--predict-hosts", "64"]) == 0
+    assert main([
+        "cluster", "fit", *LOGS, "--model", "nccl", "--nic-gbit", "200", "--fabric", "fat-tree:16:2",
+        "--predict-hosts", "64"]) == 0
     out = capsys.readouterr().out
     assert "4 GPUs a node" in out and "4 NICs of 200 Gbit/s" in out and "FatTree(nodes_per_leaf=16" in out
 
@@ -79,20 +82,22 @@ def test_gpus_per_node_from_the_logs_and_fat_tree(capsys):
     (["--nic-gbit", "200", "--fabric", "dragonfly:64:x"], "argument --fabric: global_link_share must be a"),
     (["--nic-gbit", "200", "--fabric", "dragonfly:64:1:-1"], "argument --fabric: global_hop_us must be"),
     ([], "argument --nic-gbit: required with --model nccl"),
-    (["--nic-gbit", "200", "--tuner-file", "/tmp", "--predict-hosts", "4"],
-     "argument --tuner-file: /tmp is a directory"),
-    (["--nic-gbit", "200", "--tuner-file", "/nonexistent/x.conf", "--predict-hosts", "4"],
-     "argument --tuner-file: the folder of /nonexistent/x.conf does not exist"),
-    (["--nic-gbit", "200", "--tuner-file", "x.conf"], "argument --tuner-file: needs the node counts of"),
-])
+    (["--nic-gbit", "200", "--tuner-file", "/tmp", "--predict-hosts", "4"
+      ], "argument --tuner-file: /tmp is a directory"),
+    (["--nic-gbit", "200", "--tuner-file", "/nonexistent/x.conf", "--predict-hosts", "4"
+      ], "argument --tuner-file: the folder of /nonexistent/x.conf does not exist"),
+    (["--nic-gbit", "200", "--tuner-file", "x.conf"], "argument --tuner-file: needs the node counts of")])
 def test_bad_topology_names_the_option(capsys, options, message):
     assert message in refusal(capsys, ["cluster", "fit", *LOGS, "--model", "nccl", *options])
 
 
 def test_nccl_2_18_logs_fitted_with_its_tuner(capsys):
     old = Path(__file__).parent / "data" / "clusters" / "polaris-nccl-2.18"
-    assert main(["cluster", "fit", str(old / "n2_all_gather.log"), str(old / "n8_all_gather.log"), *AS_BUILT,
-                 "--nccl-version", "2.18", "--predict-hosts", "128", "--json"]) == 0
+    assert main([
+        "cluster", "fit",
+        str(old / "n2_all_gather.log"),
+        str(old / "n8_all_gather.log"), *AS_BUILT, "--nccl-version", "2.18", "--predict-hosts", "128",
+        "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     (table,) = [p["table"] for p in out["predictions"] if p["hosts"] == 128]
     assert all(row["algorithm"] == "ring" for row in table)
@@ -109,6 +114,8 @@ def test_a_one_node_log_named(capsys, tmp_path):
     one_node = tmp_path / "n1.log"
     text = (POLARIS / "n2_all_reduce.log").read_text()
     one_node.write_text(text.replace("x3006c0s19b0n0", "x3006c0s13b1n0"))
-    line = refusal(capsys, ["cluster", "fit", str(one_node), "--model", "nccl", "--nic-gbit", "200",
-                            "--gpus-per-node", "8"])
+    line = refusal(
+        capsys,
+        ["cluster", "fit",
+         str(one_node), "--model", "nccl", "--nic-gbit", "200", "--gpus-per-node", "8"])
     assert "n1.log: one node; the fit needs logs across nodes" in line

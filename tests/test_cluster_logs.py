@@ -24,10 +24,11 @@ pytestmark = pytest.mark.no_ranks
 
 LOGS = Path(__file__).parent / "data" / "logs"
 ONE_HOST = LOGS / "all_reduce_8gpus_1host.log"
-NEW_COLUMNS = ["bytes", "count", "dtype", "redop", "root", "oop_time_us", "oop_algbw", "oop_busbw",
-               "oop_wrong", "ip_time_us", "ip_algbw", "ip_busbw", "ip_wrong"]
-OLD_TIMES = ["oop_time_us", "oop_algbw", "oop_busbw", "oop_error", "ip_time_us", "ip_algbw", "ip_busbw",
-             "ip_error"]
+NEW_COLUMNS = [
+    "bytes", "count", "dtype", "redop", "root", "oop_time_us", "oop_algbw", "oop_busbw", "oop_wrong",
+    "ip_time_us", "ip_algbw", "ip_busbw", "ip_wrong"]
+OLD_TIMES = [
+    "oop_time_us", "oop_algbw", "oop_busbw", "oop_error", "ip_time_us", "ip_algbw", "ip_busbw", "ip_error"]
 
 
 def fold(text: str, width: int) -> str:
@@ -48,20 +49,20 @@ def test_the_readers_are_lab_sim_api():
 def test_one_process_with_nGpus_8_is_8_ranks_on_one_host():
     df = read_nccl_tests(ONE_HOST)
     assert list(df.columns) == NEW_COLUMNS
-    assert df["bytes"].tolist() == [1024 * 4 ** k for k in range(9)]
+    assert df["bytes"].tolist() == [1024 * 4**k for k in range(9)]
     assert df["count"].tolist() == [n // 4 for n in df["bytes"]]
     assert values(df, 0, "oop_time_us", "oop_algbw", "oop_busbw", "ip_time_us") == [13.91, 0.07, 0.13, 13.81]
-    assert values(df, -1, "oop_time_us", "oop_algbw", "oop_busbw", "ip_busbw") == [369.1, 181.82, 318.18,
-                                                                                314.18]
+    assert values(df, -1, "oop_time_us", "oop_algbw", "oop_busbw",
+                  "ip_busbw") == [369.1, 181.82, 318.18, 314.18]
     assert (df["dtype"] == "float").all() and (df["redop"] == "sum").all() and (df["root"] == -1).all()
     assert (df[["oop_wrong", "ip_wrong"]] == 0).all().all()
     a = df.attrs
     assert (a["collective"], a["ranks"], a["hosts"], a["host_names"]) == ("allreduce", 8, 1, ["dgx-h100-01"])
     assert (a["ranks_from"], a["ranks_per_process"]) == ("devices", 8)
     assert a["devices"] == ["NVIDIA H100 80GB HBM3"]
-    assert a["params"] == {"n_thread": 1, "n_gpus": 8, "min_bytes": 1024, "max_bytes": 67108864,
-                           "step_factor": 4, "warmup_iters": 5, "iters": 20, "agg_iters": 1, "validation": 1,
-                           "graph": 0}
+    assert a["params"] == {
+        "n_thread": 1, "n_gpus": 8, "min_bytes": 1024, "max_bytes": 67108864, "step_factor": 4,
+        "warmup_iters": 5, "iters": 20, "agg_iters": 1, "validation": 1, "graph": 0}
     assert (a["avg_busbw"], a["out_of_bounds"], a["complete"], a["failure"]) == (105.092, 0, True, None)
     assert a["nccl_version"] == "2.18.5+cuda12.2" and a["cputime"] is False
     # the footer's average is over every row's busbw, out of place and in place
@@ -75,10 +76,10 @@ def test_16_ranks_on_2_hosts_under_open_mpi_tags_with_rows_cut_mid_line():
     a = df.attrs
     assert (a["ranks"], a["hosts"], a["host_names"]) == (16, 2, ["node-a07", "node-a08"])
     assert (a["ranks_per_process"], a["nccl_version"], a["avg_busbw"]) == (1, "2.18.3+cuda12.2", 28.5537)
-    assert df["bytes"].tolist() == [65536 * 4 ** k for k in range(7)]
+    assert df["bytes"].tolist() == [65536 * 4**k for k in range(7)]
     # cut by rank 9's piece
-    assert values(df, 1, "oop_time_us", "oop_algbw", "oop_busbw", "ip_time_us", "ip_busbw") == [
-        54.17, 4.84, 9.07, 52.19, 9.42]
+    assert values(df, 1, "oop_time_us", "oop_algbw", "oop_busbw", "ip_time_us",
+                  "ip_busbw") == [54.17, 4.84, 9.07, 52.19, 9.42]
     # "22.[1,0]<stdout>:38": the launcher's tag inside a number
     assert values(df, 2, "oop_busbw", "ip_time_us", "ip_algbw") == [22.38, 85.89, 12.21]
     # "-1node-a07:41230:41320 [0] NCCL INFO Using network IB", the row going on on the next line
@@ -92,14 +93,14 @@ def test_srun_labels_on_lines_a_terminal_wrapped_at_100_columns():
     a = df.attrs
     assert (a["collective"], a["ranks"], a["hosts"]) == ("allgather", 8, 2)
     assert a["host_names"] == ["gpu-b01", "gpu-b02"]
-    assert a["devices"] == ["NVIDIA L40S"]                              # "NVIDIA L4" + "0S" on the next line
-    assert (a["params"]["graph"], a["params"]["iters"]) == (0, 20)      # the parameters' wrapped tail
+    assert a["devices"] == ["NVIDIA L40S"]  # "NVIDIA L4" + "0S" on the next line
+    assert (a["params"]["graph"], a["params"]["iters"]) == (0, 20)  # the parameters' wrapped tail
     assert list(df.columns) == NEW_COLUMNS and (df["redop"] == "none").all()
-    assert df["bytes"].tolist() == [8192 * 4 ** k for k in range(6)]
+    assert df["bytes"].tolist() == [8192 * 4**k for k in range(6)]
     assert df["count"].tolist() == [n // 4 // 8 for n in df["bytes"]]
     # "1" + "0.50": a wrap inside a number
-    assert values(df, -1, "oop_time_us", "oop_busbw", "ip_time_us", "ip_algbw", "ip_busbw") == [
-        801.9, 9.15, 798.9, 10.50, 9.19]
+    assert values(df, -1, "oop_time_us", "oop_busbw", "ip_time_us", "ip_algbw",
+                  "ip_busbw") == [801.9, 9.15, 798.9, 10.50, 9.19]
     assert a["avg_busbw"] == 4.54919
 
 
@@ -153,8 +154,8 @@ def test_the_old_layout_has_redop_but_no_root_and_an_error_column():
     df = read_nccl_tests(LOGS / "all_reduce_old_layout.log")
     assert list(df.columns) == ["bytes", "count", "dtype", "redop", *OLD_TIMES]
     assert df["oop_error"].tolist() == [0.0] + [1e-6] * 6
-    assert values(df, -1, "bytes", "oop_time_us", "oop_busbw", "ip_time_us") == [16777216, 128.4, 196.0,
-                                                                               131.7]
+    assert values(df, -1, "bytes", "oop_time_us", "oop_busbw",
+                  "ip_time_us") == [16777216, 128.4, 196.0, 131.7]
     a = df.attrs
     assert (a["ranks"], a["hosts"], a["host_names"]) == (4, 1, ["dgx-work01"])  # "#   Rank  0 Pid": no Group
     assert "agg_iters" not in a["params"] and a["params"]["validation"] == 1 and a["avg_busbw"] == 67.8353
@@ -182,7 +183,7 @@ def test_a_log_cut_off_mid_row_reads_up_to_where_it_stops():
     path = LOGS / "reduce_scatter_truncated.log"
     assert not path.read_text().endswith("\n")
     df = read_nccl_tests(path)
-    assert df["bytes"].tolist() == [32768 * 4 ** k for k in range(5)]
+    assert df["bytes"].tolist() == [32768 * 4**k for k in range(5)]
     assert values(df, -1, "oop_time_us", "ip_time_us", "ip_busbw") == [443.1, 433.7, 14.51]
     a = df.attrs
     assert (a["complete"], a["avg_busbw"], a["out_of_bounds"]) == (False, None, None)
@@ -230,7 +231,7 @@ def test_without_device_lines_ranks_come_from_busbw_over_algbw(tmp_path):
     df = read_nccl_tests(write(tmp_path, "all_reduce.log", without_devices(ONE_HOST)))
     assert (df.attrs["ranks"], df.attrs["ranks_from"], df.attrs["hosts"]) == (8, "busbw/algbw", None)
     df = read_nccl_tests(write(tmp_path, "broadcast.log", without_devices(LOGS / "broadcast_old_layout.log")))
-    assert (df.attrs["ranks"], df.attrs["ranks_from"]) == (None, None)   # busbw = algbw whatever N
+    assert (df.attrs["ranks"], df.attrs["ranks_from"]) == (None, None)  # busbw = algbw whatever N
 
 
 def test_newer_columns_cputime_and_timestamp(tmp_path):
@@ -297,7 +298,7 @@ def test_two_runs_in_one_log_are_an_error_at_the_second(tmp_path):
 
 def test_osu_without_min_and_max_columns():
     df = read_osu(LOGS / "osu_allreduce.txt")
-    assert list(df.columns) == ["bytes", "avg_us"] and df["bytes"].tolist() == [2 ** k for k in range(21)]
+    assert list(df.columns) == ["bytes", "avg_us"] and df["bytes"].tolist() == [2**k for k in range(21)]
     assert df["avg_us"].iloc[[0, -1]].tolist() == [3.11, 122.86]
     a = df.attrs
     assert (a["collective"], a["benchmark"], a["version"]) == ("allreduce", "Allreduce Latency", "7.3")
@@ -318,9 +319,9 @@ def test_osu_full_format_under_srun_labels():
 def test_osu_v5_all_to_all_and_point_to_point_latency():
     df = read_osu(LOGS / "osu_alltoall_v5.txt")
     assert (df.attrs["collective"], df.attrs["version"]) == ("all_to_all", "5.6.3")
-    assert df.attrs["datatype"] is None                                 # v5 prints none
+    assert df.attrs["datatype"] is None  # v5 prints none
     assert df.iloc[-1].tolist() == [65536, 50.14, 41.11, 59.66, 100]
-    df = read_osu(LOGS / "osu_latency.txt")    # its Datatype line comes after the column header
+    df = read_osu(LOGS / "osu_latency.txt")  # its Datatype line comes after the column header
     assert (df.attrs["collective"], df.attrs["benchmark"]) == (None, "Latency")
     assert df.attrs["datatype"] == "MPI_CHAR"
     assert list(df.columns) == ["bytes", "avg_us"] and df["avg_us"].iloc[[0, -1]].tolist() == [1.58, 7.19]
@@ -328,12 +329,12 @@ def test_osu_v5_all_to_all_and_point_to_point_latency():
 
 def test_osu_wrapped_with_a_warning_and_cut_off(tmp_path):
     text = (LOGS / "osu_bcast_full_srun.txt").read_text()
-    df = read_osu(write(tmp_path, "osu.txt", fold(text, 36)))      # the title and the header wrap too
+    df = read_osu(write(tmp_path, "osu.txt", fold(text, 36)))  # the title and the header wrap too
     pd.testing.assert_frame_equal(df, read_osu(LOGS / "osu_bcast_full_srun.txt"))
     warned = text.replace("0: 1 ", "0: Warning: NUMA binding failed, continuing\n0: 1 ", 1)
     pd.testing.assert_frame_equal(read_osu(write(tmp_path, "osu.txt", warned)), df)
     df = read_osu(write(tmp_path, "osu.txt", text[:text.index("0: 2048 ") + 20]))
-    assert df["bytes"].tolist() == [2 ** k for k in range(11)] and df["avg_us"].iloc[-1] == 8.41
+    assert df["bytes"].tolist() == [2**k for k in range(11)] and df["avg_us"].iloc[-1] == 8.41
 
 
 def test_osu_garbage_no_rows_and_two_runs_are_errors(tmp_path):

@@ -18,10 +18,10 @@ from lab.sim.network import MAX_RANKS_PER_HOST
 pytestmark = pytest.mark.no_ranks
 
 PUBLIC = Path(__file__).parent / "data" / "logs" / "public"
-LOGS = {"alltoall_h100_2nodes_1gpu.log": (2, 2), "alltoall_h100_10nodes_1gpu.log": (10, 10),
-        "alltoall_h100_1node_8gpus.log": (8, 1), "alltoall_h100_2nodes_8gpus.log": (16, 2),
-        "alltoall_h100_10nodes_8gpus.log": (80, 10)}
-
+LOGS = {
+    "alltoall_h100_2nodes_1gpu.log": (2, 2), "alltoall_h100_10nodes_1gpu.log": (10, 10),
+    "alltoall_h100_1node_8gpus.log": (8, 1), "alltoall_h100_2nodes_8gpus.log": (16, 2),
+    "alltoall_h100_10nodes_8gpus.log": (80, 10)}
 
 #: Emulated hosts as built (links capped at 1 Gbit/s, α next to nothing, every rank on 2 shared
 #: cores), with CPU work per message and per byte: what a 2-host log's fit must find again.
@@ -33,7 +33,8 @@ SIZES = [1 << k for k in range(10, 25, 2)]  # 1 KiB to 16 MiB, factor 4
 def ring_log(network: sim.Network, hosts: int) -> str:
     """all_reduce_perf's output of ``hosts`` hosts of one rank, the ring's simulated times."""
     lines = ["# Collective test starting: all_reduce_perf", "#", "# Using devices"]
-    lines += [f"#  Rank {r:2d} Group  0 Pid {100 + r:6d} on host{r} device  0 [cpu] lab-tcp" for r in range(hosts)]
+    lines += [
+        f"#  Rank {r:2d} Group  0 Pid {100 + r:6d} on host{r} device  0 [cpu] lab-tcp" for r in range(hosts)]
     lines += ["#", *titles()]
     for size in SIZES:
         t = sim.predict(network, "allreduce", hosts=hosts, nbytes=size, candidates=["ring"]).time_us
@@ -48,9 +49,10 @@ def read(name: str):
 
 def predicted_ratios(network: sim.Network, log, per_host: int) -> list[float]:
     """predicted / measured out-of-place time of each size of ``log``, pairwise all-to-all."""
-    return [sim.predict(network, "all_to_all", hosts=log.attrs["hosts"], nbytes=int(size), ranks_per_host=per_host,
-                        candidates=["pairwise"]).time_us / measured
-            for size, measured in zip(log["bytes"], log["oop_time_us"])]
+    return [
+        sim.predict(network, "all_to_all", hosts=log.attrs["hosts"], nbytes=int(size),
+                    ranks_per_host=per_host, candidates=["pairwise"]).time_us / measured
+        for size, measured in zip(log["bytes"], log["oop_time_us"])]
 
 
 @pytest.mark.parametrize("name", sorted(LOGS))
@@ -62,7 +64,8 @@ def test_public_log_reads_as_its_cluster(name: str) -> None:
 
 
 def test_one_gpu_a_node_fits_at_two_nodes_and_predicts_ten_23_percent_slow() -> None:
-    report = sim.fit_cluster_report([read("alltoall_h100_2nodes_1gpu.log")], sim.Network(), candidates=["pairwise"])
+    report = sim.fit_cluster_report([read("alltoall_h100_2nodes_1gpu.log")], sim.Network(),
+                                    candidates=["pairwise"])
     # 36.5 GB/s of bus bandwidth between the two GPUs is 292 Gbit/s on their link.
     assert report.network.gbit == pytest.approx(292.3, rel=0.01)
     assert report.error < 0.01

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.no_ranks
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = catalog.COLLECTIVES
 #: nccl-tests' busbw / algbw at 8 ranks (its doc/PERFORMANCE.md).
-AT_8 = {"allreduce": 1.75, "broadcast": 1.0, "allgather": 0.875, "reduce_scatter": 0.875, "reduce": 1.0,
-        "all_to_all": 0.875, "barrier": 0.0, "gather": 0.875, "scatter": 0.875}
+AT_8 = {
+    "allreduce": 1.75, "broadcast": 1.0, "allgather": 0.875, "reduce_scatter": 0.875, "reduce": 1.0,
+    "all_to_all": 0.875, "barrier": 0.0, "gather": 0.875, "scatter": 0.875}
 
 
 def test_the_catalog_imports_nothing_of_the_lab():
@@ -63,8 +64,9 @@ def test_bus_factors_and_input_bytes_are_nccl_tests(name):
 def test_the_readers_perf_and_the_simulator_read_the_records():
     """Each part's own names, kept, are the records' facts (no copy of its own)."""
     assert log_ranks.COLLECTIVES == catalog.MEASURED and "barrier" not in log_ranks.COLLECTIVES
-    assert log_ranks.BUS_FACTOR == {"allreduce": 2.0, "allgather": 1.0, "reduce_scatter": 1.0,
-                                    "all_to_all": 1.0, "gather": 1.0, "scatter": 1.0}
+    assert log_ranks.BUS_FACTOR == {
+        "allreduce": 2.0, "allgather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0, "gather": 1.0,
+        "scatter": 1.0}
     assert log_ranks.FLAT == ("broadcast", "reduce") and cluster.BUS_FACTOR == log_ranks.BUS_FACTOR
     assert cluster_cases.OUTPUT_SIZED == ("allgather", "gather")
     assert lab.perf.PROGRAMS["all_to_all"] == "alltoall_perf"

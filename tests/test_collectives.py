@@ -76,7 +76,8 @@ def check_eager_boundary(mesh: lab.Mesh) -> list[str]:
                 x = tensor(stack[rank], dtype)
                 lab.allreduce(mesh, x, algorithm=algorithm)
                 if not torch.equal(x, want_sum):
-                    failures.append(f"rank {rank} allreduce {algorithm} [{count}]: {describe_mismatch(x, want_sum)}")
+                    failures.append(
+                        f"rank {rank} allreduce {algorithm} [{count}]: {describe_mismatch(x, want_sum)}")
             for algorithm in ALGORITHMS["broadcast"]:
                 x = tensor(stack[rank], dtype)
                 lab.broadcast(mesh, x, src=n - 1, algorithm=algorithm)
@@ -135,9 +136,12 @@ def check_lesson_and_arguments(mesh: lab.Mesh) -> list[str]:
                        torch.cat([(torch.arange(2.0 * n) + r)[2 * rank:2 * rank + 2] for r in range(n)])):
         failures.append(f"rank {rank} lesson all_to_all")
     lab.lesson.barrier(mesh, rank, n)
-    works = [lab.reduce(mesh, x.clone(), dst=0, async_op=True), lab.all_to_all(mesh, x, async_op=True),
-             lab.broadcast(mesh, x.clone(), src=0, algorithm="scatter_allgather", async_op=True)]
-    if not torch.equal(works[0].result(), total if rank == 0 else x) or not torch.equal(works[2].result(), torch.arange(2.0 * n)):
+    works = [
+        lab.reduce(mesh, x.clone(), dst=0, async_op=True),
+        lab.all_to_all(mesh, x, async_op=True),
+        lab.broadcast(mesh, x.clone(), src=0, algorithm="scatter_allgather", async_op=True)]
+    if not torch.equal(works[0].result(), total if rank == 0 else x) or not torch.equal(
+            works[2].result(), torch.arange(2.0 * n)):
         failures.append(f"rank {rank} async reduce/broadcast")
     bad = [
         (lambda: lab.reduce(mesh, x, dst=n), "dst must be a rank"),
@@ -148,8 +152,7 @@ def check_lesson_and_arguments(mesh: lab.Mesh) -> list[str]:
         (lambda: lab.allgather(mesh, x, algorithm="bruck"), "algorithm must be one of"),
         (lambda: lab.reduce_scatter(mesh, x, algorithm="tree"), "algorithm must be one of"),
         (lambda: lab.allreduce(mesh, x, algorithm="butterfly"), "algorithm must be one of"),
-        (lambda: lab.lesson.barrier(mesh, rank + 1, n), "rank must be"),
-    ]
+        (lambda: lab.lesson.barrier(mesh, rank + 1, n), "rank must be"),]
     for call, message in bad:
         try:
             call()
@@ -214,8 +217,8 @@ def byte_model(collective: str, algorithm: str, rank: int, n: int, total: int) -
 
 BYTE_CASES = [("allreduce", a) for a in ("ring", "recursive_doubling", "halving_doubling", "double_tree")] + [
     ("reduce_scatter", "recursive_halving"), ("allgather", "recursive_doubling"), ("reduce_scatter", "pat"),
-    ("allgather", "pat"), ("broadcast", "scatter_allgather"),
-    ("reduce", "binomial"), ("all_to_all", "pairwise"), ("all_to_all", "bruck")]
+    ("allgather", "pat"), ("broadcast", "scatter_allgather"), ("reduce", "binomial"),
+    ("all_to_all", "pairwise"), ("all_to_all", "bruck")]
 
 
 def byte_counts_every_algorithm(mesh: lab.Mesh, numel: int) -> list[str]:
@@ -226,7 +229,7 @@ def byte_counts_every_algorithm(mesh: lab.Mesh, numel: int) -> list[str]:
         mesh.reset_stats()
         x = torch.arange(float(numel))
         if collective == "allgather":
-            lab.allgather(mesh, x[: numel // n], algorithm=algorithm)
+            lab.allgather(mesh, x[:numel // n], algorithm=algorithm)
         elif collective == "broadcast":
             lab.broadcast(mesh, x, src=0, algorithm=algorithm)
         elif collective == "reduce":
@@ -259,7 +262,6 @@ def byte_counts(mesh: lab.Mesh, numel: int) -> dict[str, dict[str, int]]:
 
 # -- the pools -----------------------------------------------------------------------------------
 
-
 # (transport, N, shm eager threshold): the default threshold (4,048 bytes), and a tiny forced one
 # (16: one or two float64 elements travel eager, three do not) so every count crosses it. The shm
 # pools come first: SHM_POOLS is a prefix of POOLS, so a test parametrized over SHM_POOLS alone
@@ -273,7 +275,9 @@ def byte_counts(mesh: lab.Mesh, numel: int) -> dict[str, dict[str, int]]:
 # 4 and 7 against gloo, and tests/test_groups.py sub-meshes of sizes 1-5 on tcp and 1-3 on queue.
 SHM_POOLS = slow_from_five([*(("shm", n, None) for n in range(1, 9)), ("shm", 5, 16)], lambda p: p[1])
 WIRE_WORLDS = {"queue": (1, 3, 4, 7), "tcp": (1, 2, 5, 6, 8)}
-POOLS = [*SHM_POOLS, *slow_from_five([(t, n, None) for t, worlds in WIRE_WORLDS.items() for n in worlds], lambda p: p[1])]
+POOLS = [
+    *SHM_POOLS,
+    *slow_from_five([(t, n, None) for t, worlds in WIRE_WORLDS.items() for n in worlds], lambda p: p[1])]
 
 
 def pool_id(p: tuple) -> str:
@@ -284,7 +288,8 @@ def pool_id(p: tuple) -> str:
 def cluster(request):
     transport, world_size, eager_bytes = request.param
     options = {} if eager_bytes is None else {"eager_bytes": eager_bytes}
-    with pool(world_size, transport, segment_bytes=256, slots=2, env={"LAB_SEGMENT_BYTES": "256"}, **options) as c:
+    with pool(world_size, transport, segment_bytes=256, slots=2, env={"LAB_SEGMENT_BYTES": "256"},
+              **options) as c:
         yield c
 
 
@@ -343,7 +348,8 @@ def test_double_trees_are_spanning_trees_of_depth_log_n_with_leaves_swapped(n):
     ⌈log2 N⌉ hops. With N even every rank is a leaf in exactly one of the two."""
     for which in range(2):
         links = {r: double_trees(n, r)[which] for r in range(n)}
-        assert [r for r in range(n) if links[r][0] < 0] == [0 if which == 0 else (n - 1 if n % 2 == 0 else 1 % n)]
+        assert [r for r in range(n)
+                if links[r][0] < 0] == [0 if which == 0 else (n - 1 if n % 2 == 0 else 1 % n)]
         for r, (parent, children) in links.items():
             assert len(children) <= 2 and all(links[c][0] == r for c in children)
             assert parent < 0 or r in links[parent][1]
@@ -369,8 +375,8 @@ def test_byte_counters_match_the_cost_model(cluster):
         ring = by_algorithm["ring"]
         assert ring["bytes_sent"] == ring["bytes_received"] == 2 * total * (n - 1) // n
         assert ring["messages_sent"] == ring["messages_received"] == 2 * (n - 1)
-        children = sum(1 for k in range(n.bit_length()) if not rank & ((1 << k) - 1) and rank + (1 << k) < n
-                       and not rank & (1 << k))
+        children = sum(1 for k in range(n.bit_length())
+                       if not rank & ((1 << k) - 1) and rank + (1 << k) < n and not rank & (1 << k))
         tree_messages = children + (rank != 0)
         tree = by_algorithm["tree"]
         assert tree["bytes_sent"] == tree["bytes_received"] == tree_messages * total

@@ -31,8 +31,8 @@ BAD_INPUTS = [
     (["perf", "allreduce", "-b", "1e400"], "argument -b/--minbytes: invalid size '1e400'"),
     (["perf", "allreduce", "-b", "infK"], "argument -b/--minbytes: invalid size 'infK'"),
     (["perf", "allreduce", "-b", "inf"], "argument -b/--minbytes: invalid size 'inf'"),
-    (["perf", "allreduce", "-b", "1000G", "-e", "1000G"],
-     "argument -e/--maxbytes: 1,073,741,824,000 bytes on 4 ranks need about"),
+    (["perf", "allreduce", "-b", "1000G", "-e",
+      "1000G"], "argument -e/--maxbytes: 1,073,741,824,000 bytes on 4 ranks need about"),
     (["perf", "allreduce", "-e", "1e30"], "argument -e/--maxbytes"),
     (["perf", "allreduce", "-b", "1", "-e", "1M", "-i", "1"],
      "argument -i/--stepbytes: 1 to 1,048,576 bytes in steps of 1 is 1,048,576 sizes, more than 100,000"),
@@ -40,8 +40,8 @@ BAD_INPUTS = [
     (["cluster", "fit", ONE_GPU_LOG, "--predict-hosts", "0"], "argument --predict-hosts: must be a whole"),
     (["cluster", "fit", ONE_GPU_LOG, "--predict-hosts", "9" * 20], "argument --predict-hosts"),
     (["cluster", "fit", ONE_GPU_LOG, "--nics-per-host", "0"], "argument --nics-per-host: must be a whole"),
-    (["cluster", "fit", ONE_GPU_LOG, "--oversubscription", "nan"],
-     "argument --oversubscription: oversubscription must be a number from 1"),
+    (["cluster", "fit", ONE_GPU_LOG, "--oversubscription",
+      "nan"], "argument --oversubscription: oversubscription must be a number from 1"),
     (["cluster", "fit", ONE_GPU_LOG, "--hosts-per-leaf", "10" * 12], "--hosts-per-leaf: hosts_per_leaf must"),
     (["cluster", "fit", "/nonexistent.log"], "/nonexistent.log: No such file or directory"),
     (["simulate", "--world-sizes", "0"], "--world-sizes: must be a whole number from 1 to 16,777,216"),
@@ -55,23 +55,22 @@ BAD_INPUTS = [
     (["simulate", "--sizes", "4096", "--out", "/dev/null/sim"], "argument --out: /dev/null/sim: Not a"),
     (["explain", "allreduce", "--ranks", "0", "--bytes", "1K"], "argument --ranks: must be a whole number"),
     (["explain", "allreduce", "--ranks", "4", "--bytes", "2048G"], "argument --bytes: must be at most"),
-    (["explain", "allreduce", "ring", "--ranks", "4", "--bytes", "1K", "--plot", "/nonexistent/ring.png"],
-     "argument --plot: the folder of /nonexistent/ring.png does not exist"),
+    (["explain", "allreduce", "ring", "--ranks", "4", "--bytes", "1K", "--plot",
+      "/nonexistent/ring.png"], "argument --plot: the folder of /nonexistent/ring.png does not exist"),
     (["timeline", "/nonexistent.jsonl"], "/nonexistent.jsonl: No such file or directory"),
     (["timeline", str(TRACES)], f"{TRACES}: Is a directory"),
     (["timeline", str(TRACES / "not_json.jsonl")], "not_json.jsonl, line 2: not JSON"),
     (["timeline", str(TRACES / "no_rank.jsonl")], "no_rank.jsonl, line 1: 'rank' must be a whole number"),
     (["timeline", str(TRACES / "step_without_bytes.jsonl")], "line 1: 'sends' must be a list of [rank,"),
-    (["timeline", str(TRACES / "no_rank.jsonl"), "-o", "/nonexistent/t.json"],
-     "argument -o/--output: the folder of /nonexistent/t.json does not exist"),
+    (["timeline", str(TRACES / "no_rank.jsonl"), "-o",
+      "/nonexistent/t.json"], "argument -o/--output: the folder of /nonexistent/t.json does not exist"),
     (["validate", "--world-sizes", "99999"], "argument --world-sizes: at most 82 ranks on shm"),
     (["validate", "--elements", "0"], "argument --elements: must be a whole number from 1 up"),
     (["validate", "--elements", "100000000000"], "argument --elements: 100,000,000,000 elements at 4 ranks"),
     (["results", "--ranks", "0"], "argument --ranks: must be a whole number from 1 up"),
     (["results", "--hosts", "2", "--link-gbit", "nan"], "argument --link-gbit: link_gbit must be a number"),
     (["results", "--data-plane", "100"], "argument --data-plane: at most 82 ranks on shm"),
-    (["results", "--calibrate-only", "--out", "/nonexistent"], "argument --out: /nonexistent is no folder"),
-]
+    (["results", "--calibrate-only", "--out", "/nonexistent"], "argument --out: /nonexistent is no folder")]
 
 
 @pytest.fixture
@@ -111,7 +110,8 @@ def test_cluster_fit_names_a_log_whose_numbers_fit_several_collectives_and_takes
     line = refusal(capsys, ["cluster", "fit", str(path)])
     assert f"{path}: the log does not say which collective" in line and "fit 2: allgather, all_to_all" in line
     assert "--collective" in line
-    assert main(["cluster", "fit", str(path), "--collective", "all_to_all", "--predict-hosts", "1", "--json"]) == 0
+    assert main(["cluster", "fit",
+                 str(path), "--collective", "all_to_all", "--predict-hosts", "1", "--json"]) == 0
     (predicted,) = json.loads(capsys.readouterr().out)["predictions"]
     assert predicted["collective"] == "all_to_all"
     assert "argument --collective: invalid choice: 'alltoall'" in refusal(

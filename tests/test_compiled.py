@@ -50,9 +50,9 @@ def counts_around(itemsize: int, world_size: int) -> list[int]:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8) if a.numel()
-                                                                       else a, b.view(-1).view(torch.uint8)
-                                                                       if b.numel() else b)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.view(-1).view(torch.uint8) if a.numel() else a,
+        b.view(-1).view(torch.uint8) if b.numel() else b)
 
 
 def compiled_equals_python(mesh: lab.Mesh) -> list[str]:
@@ -85,7 +85,8 @@ def compiled_equals_python(mesh: lab.Mesh) -> list[str]:
                       lab.reduce_scatter(everyone, rows, op=op, algorithm="recursive_halving"))
                 for root in {0, n - 1}:
                     check(f"reduce {name}[{count}] {op} to {root}",
-                          lab.reduce(mesh, x.clone(), dst=root, op=op), lab.reduce(everyone, x.clone(), dst=root, op=op))
+                          lab.reduce(mesh, x.clone(), dst=root, op=op),
+                          lab.reduce(everyone, x.clone(), dst=root, op=op))
                 expected_compiled += (len(registry.compiled("allreduce")) + 1 + len({0, n - 1})) * small
             for root in {0, n - 1}:
                 check(f"broadcast {name}[{count}] from {root}",
@@ -152,7 +153,8 @@ def lanes(mesh: lab.Mesh) -> list[str]:
                     before = mesh.stats()["collectives_compiled"]
                     for call in range(3):  # the first makes the lane, where it runs compiled
                         x = pattern(count, rank, dtype.torch_dtype)
-                        if lab.allreduce(mesh, x, op=op, algorithm=algorithm) is not x or not same_bits(x, expected):
+                        if lab.allreduce(mesh, x, op=op,
+                                         algorithm=algorithm) is not x or not same_bits(x, expected):
                             wrong.append(f"rank {rank} call {call} {algorithm} {name}[{count}] {op}: "
                                          f"{x[:4].tolist()} != {expected[:4].tolist()}")
                     compiled = mesh.stats()["collectives_compiled"] - before  # 0 on one rank (no mailboxes)
@@ -160,7 +162,8 @@ def lanes(mesh: lab.Mesh) -> list[str]:
                     # (no lane for a half type's avg: it divides before the exchange, outside the compiled call)
                     no_lane = n == 1 or (op == "avg" and dtype.family in ("float16", "bfloat16"))
                     if compiled != 3 * (n > 1) or (lane is None) != no_lane:
-                        wrong.append(f"rank {rank} {algorithm} {name}[{count}] {op}: lane {lane}, {compiled} compiled")
+                        wrong.append(
+                            f"rank {rank} {algorithm} {name}[{count}] {op}: lane {lane}, {compiled} compiled")
     for name, dtype in REDUCE_DTYPES.items():
         for count in (0, 1, 2 * n + 1):
             for root in {0, n - 1}:
@@ -168,34 +171,41 @@ def lanes(mesh: lab.Mesh) -> list[str]:
                 before = mesh.stats()["collectives_compiled"]
                 for call in range(3):
                     x = pattern(count, rank, dtype.torch_dtype)
-                    if lab.broadcast(mesh, x, src=root, algorithm="binomial") is not x or not same_bits(x, expected):
+                    if lab.broadcast(mesh, x, src=root,
+                                     algorithm="binomial") is not x or not same_bits(x, expected):
                         wrong.append(f"rank {rank} call {call} broadcast {name}[{count}] from {root}: "
                                      f"{x[:4].tolist()} != {expected[:4].tolist()}")
                 compiled = mesh.stats()["collectives_compiled"] - before
                 lane = find_lane(mesh, "broadcast", x, root, "binomial")
                 if compiled != 3 * (n > 1) or (lane is None) != (n == 1):
-                    wrong.append(f"rank {rank} broadcast {name}[{count}] from {root}: lane {lane}, {compiled} compiled")
+                    wrong.append(
+                        f"rank {rank} broadcast {name}[{count}] from {root}: lane {lane}, {compiled} compiled"
+                    )
     count = 5
     total = torch.arange(count, dtype=torch.float32) * STRIDE * n + sum(range(n))
     lab.allreduce(mesh, pattern(count, rank, torch.float32))  # (the lane for the tensors below)
     whole = torch.cat([pattern(count, rank, torch.float32), pattern(count, rank, torch.float32)])
     strided = pattern(2 * count, rank, torch.float32)
     shapes = {
-        "a view at an offset": (whole[count:], lambda: torch.equal(whole[:count], pattern(count, rank, torch.float32))),
-        "a strided view": (strided[::2], lambda: torch.equal(strided[1::2], pattern(2 * count, rank, torch.float32)[1::2])),
+        "a view at an offset": (whole[count:],
+                                lambda: torch.equal(whole[:count], pattern(count, rank, torch.float32))),
+        "a strided view": (strided[::2], lambda: torch.equal(strided[1::2],
+                                                             pattern(2 * count, rank, torch.float32)[1::2])),
         "a numpy array": (pattern(count, rank, torch.float32).numpy(), lambda: True),
-        "a Parameter": (torch.nn.Parameter(pattern(count, rank, torch.float32), requires_grad=False), lambda: True),
+        "a Parameter": (torch.nn.Parameter(pattern(count, rank, torch.float32),
+                                           requires_grad=False), lambda: True),
         "a tensor that requires grad": (pattern(count, rank, torch.float32).requires_grad_(), lambda: True),
-        "a 2-d tensor": (pattern(count, rank, torch.float32).reshape(1, count), lambda: True),
-    }
+        "a 2-d tensor": (pattern(count, rank, torch.float32).reshape(1, count), lambda: True)}
     for what, (x, rest_untouched) in shapes.items():
         got = lab.allreduce(mesh, x)
         values = torch.as_tensor(got).detach().reshape(-1)
-        want = torch.arange(count, dtype=torch.float32) * 2 * STRIDE * n + sum(range(n)) if "strided" in what else total
+        want = torch.arange(count, dtype=torch.float32) * 2 * STRIDE * n + sum(
+            range(n)) if "strided" in what else total
         if got is not x or not torch.equal(values, want) or not rest_untouched():
             wrong.append(f"rank {rank} {what}: {values.tolist()}")
-    for what, x in {"a lazy negative view": torch._neg_view(pattern(count, rank, torch.float32)),
-                    "a tensor of another dtype": pattern(count, rank, torch.float64).to(torch.complex64)}.items():
+    for what, x in {
+            "a lazy negative view": torch._neg_view(pattern(count, rank, torch.float32)),
+            "a tensor of another dtype": pattern(count, rank, torch.float64).to(torch.complex64)}.items():
         try:
             lab.allreduce(mesh, x)
             wrong.append(f"rank {rank} {what}: no error")
@@ -278,7 +288,8 @@ def compiled_env(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("what", ["size", "op", "op, each from its lane", "collective", "across the threshold"])
+@pytest.mark.parametrize("what",
+                         ["size", "op", "op, each from its lane", "collective", "across the threshold"])
 def test_a_rank_in_another_collective_is_a_mismatch_naming_it(compiled_env, what):
     outputs = lab.spawn(mismatched, 3, args=(what,), recv_timeout_ms=3000)
     assert "no error" not in outputs, outputs
@@ -315,15 +326,14 @@ def each_compiled(mesh: lab.Mesh, collective: str, count: int) -> None:
     that some rank waits on rank 1's messages)."""
     x, rows = torch.ones(count), torch.ones(count * mesh.world_size)
     algorithm = {"algorithm": registry.compiled(collective)[0]} if registry.choosable(collective) else {}
-    {"allreduce": lambda: lab.allreduce(mesh, x, **algorithm),
-     "broadcast": lambda: lab.broadcast(mesh, x, src=1, **algorithm),
-     "allgather": lambda: lab.allgather(mesh, x, **algorithm),
-     "reduce_scatter": lambda: lab.reduce_scatter(mesh, rows, **algorithm),
-     "reduce": lambda: lab.reduce(mesh, x),
-     "all_to_all": lambda: lab.all_to_all(mesh, rows, **algorithm),
-     "barrier": lambda: lab.barrier(mesh),
-     "gather": lambda: lab.gather(mesh, x, **algorithm),
-     "scatter": lambda: lab.scatter(mesh, rows, src=1, **algorithm)}[collective]()
+    {
+        "allreduce": lambda: lab.allreduce(mesh, x, **algorithm),
+        "broadcast": lambda: lab.broadcast(mesh, x, src=1, **algorithm),
+        "allgather": lambda: lab.allgather(mesh, x, **algorithm),
+        "reduce_scatter": lambda: lab.reduce_scatter(mesh, rows, **algorithm),
+        "reduce": lambda: lab.reduce(mesh, x), "all_to_all": lambda: lab.all_to_all(mesh, rows, **algorithm),
+        "barrier": lambda: lab.barrier(mesh), "gather": lambda: lab.gather(mesh, x, **algorithm),
+        "scatter": lambda: lab.scatter(mesh, rows, src=1, **algorithm)}[collective]()
 
 
 def failing_in_each(mesh: lab.Mesh, collective: str, how: str, out: str) -> str:
@@ -358,7 +368,8 @@ def names_the_other_side(rank: int, message: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["stopped", "killed", "mismatched"])
 @pytest.mark.parametrize("collective", list(registry.ALGORITHMS))
-def test_each_compiled_collective_names_a_stopped_dead_or_mismatched_rank(compiled_env, collective, how, tmp_path):
+def test_each_compiled_collective_names_a_stopped_dead_or_mismatched_rank(compiled_env, collective, how,
+                                                                          tmp_path):
     """Inside every compiled collective: a rank that exchanges with the failing one gets the error
     naming it (DeadlineError after the 1 s deadline, PeerLostError before the 3 s one, or
     CollectiveMismatchError naming the other side); a rank that waits on one of those gets a
@@ -370,14 +381,17 @@ def test_each_compiled_collective_names_a_stopped_dead_or_mismatched_rank(compil
                 cluster.run(failing_in_each, collective, how, str(tmp_path))
         else:
             cluster.run(failing_in_each, collective, how, str(tmp_path))
-    expected = {"stopped": "DeadlineError", "killed": "PeerLostError", "mismatched": "CollectiveMismatchError"}[how]
+    expected = {
+        "stopped": "DeadlineError", "killed": "PeerLostError", "mismatched": "CollectiveMismatchError"}[how]
     files = {rank: tmp_path / f"rank{rank}" for rank in ((0, 2) if how != "mismatched" else (0, 1, 2))}
-    seen = {rank: f.read_text() for rank, f in files.items() if f.exists()}  # (a pool torn down by a death: maybe not all)
+    seen = {rank: f.read_text()
+            for rank, f in files.items() if f.exists()}  # (a pool torn down by a death: maybe not all)
     assert any(m.startswith(expected) and names_the_other_side(rank, m) for rank, m in seen.items()), seen
     for message in seen.values():
         assert message == "no error" or message.startswith((expected, "DeadlineError")), seen
         if message != "no error":
-            assert float(message.split(" after ")[1].split(" s")[0]) < 30, seen  # the deadline at most: no hang
+            assert float(
+                message.split(" after ")[1].split(" s")[0]) < 30, seen  # the deadline at most: no hang
 
 
 #: LAB_COMPILED_SPIN, LAB_COMPILED_YIELD: the waiting policies a deadline and a death must get through.

@@ -45,4 +45,3 @@ def test_lab_hook_matches_gloo_ddp():
     # replicas stay identical: every rank ends with the same parameters
     for params in zip(*(with_lab[r][1] for r in range(3))):
         assert all(torch.equal(params[0], p) for p in params[1:])
-

@@ -34,8 +34,10 @@ def layout_problems(root: Path, layout: str) -> list[str]:
     """What ``layout`` (docs/layout.md's text) gets wrong about the tree at ``root``: a module of
     :data:`MAPPED_PACKAGES` without its line, a line twice, a line naming a path that does not exist."""
     named = LAYOUT_LINE.findall(layout)
-    modules = {path.relative_to(root).as_posix() for package in MAPPED_PACKAGES
-               for path in (root / package).rglob("*.py")}
+    modules = {
+        path.relative_to(root).as_posix()
+        for package in MAPPED_PACKAGES
+        for path in (root / package).rglob("*.py")}
     problems = [f"{module}: no line in docs/layout.md" for module in sorted(modules - set(named))]
     problems += [f"{path}: named twice" for path in sorted({p for p in named if named.count(p) > 1})]
     return problems + [f"{path}: not in the repository" for path in named if not (root / path).exists()]
@@ -72,7 +74,8 @@ def test_a_layout_that_misses_a_module_or_names_a_missing_file_fails(tmp_path: P
     missing_one = complete.replace("- `lab/sim/core.py`: simulate\n", "")
     assert layout_problems(tmp_path, missing_one) == ["lab/sim/core.py: no line in docs/layout.md"]
     stale = complete + "- `lab/gone.py`: moved away\n- `lab/comm/mesh.py`: Mesh again\n"
-    assert layout_problems(tmp_path, stale) == ["lab/comm/mesh.py: named twice", "lab/gone.py: not in the repository"]
+    assert layout_problems(tmp_path,
+                           stale) == ["lab/comm/mesh.py: named twice", "lab/gone.py: not in the repository"]
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def test_both_ends_of_every_message_agree_on_its_slot_and_order(n, segments):
             if recv is not None:
                 received[recv.peer, rank].append((recv.slot, recv.tree, recv.segment))
     assert sent == received
-    links = sum(len(children) + (parent >= 0) for r in range(n) for parent, children in double_trees(n, r)) // 2
+    links = sum(len(children) + (parent >= 0) for r in range(n)
+                for parent, children in double_trees(n, r)) // 2
     assert sum(map(len, sent.values())) == 2 * links * segments  # up and down, per tree link and segment
 
 
@@ -63,7 +64,8 @@ def test_each_rank_forwards_a_segment_only_after_it_has_it(n):
             for segment in range(segments):
                 order = []
                 for send, recv in steps:  # within a step the receive and the send are of other pieces
-                    mine = [m for m in (recv, send) if m is not None and (m.tree, m.segment) == (tree, segment)]
+                    mine = [
+                        m for m in (recv, send) if m is not None and (m.tree, m.segment) == (tree, segment)]
                     assert len(mine) <= 1, f"rank {rank}: a step sends and receives the same piece"
                     order += mine
                 folded = [m for m in order if not m.sends and m.reduces]
@@ -134,8 +136,9 @@ def check_results(mesh: lab.Mesh) -> list[str]:
             lab.allreduce(mesh, noise, algorithm="double_tree")
             everyone = lab.allgather(mesh, noise.view(torch.int32)).view(n, count)
             if not bool((everyone == everyone[0]).all()):
-                failures.append(f"rank {rank} segments={forced or 'auto'} count {count}: random floats differ "
-                                "between ranks")
+                failures.append(
+                    f"rank {rank} segments={forced or 'auto'} count {count}: random floats differ "
+                    "between ranks")
         mesh.reset_stats()
         lab.allreduce(mesh, torch.arange(840.0), algorithm="double_tree")  # 2N divides 840 for N <= 7
         stats, (want, formula) = mesh.stats(), bytes_sent(rank, n, 840 * 4)

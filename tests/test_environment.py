@@ -24,15 +24,16 @@ READERS = {
     "LAB_COMPILED_SPIN": (lambda: waiting_policy_from_env(1)[0], None),
     "LAB_COMPILED_YIELD": (lambda: waiting_policy_from_env(1)[1], DEFAULT_YIELD_LIMIT),
     "LAB_COMPILED_MAX_BYTES": (max_bytes_from_env, DEFAULT_MAX_BYTES),
-    "LAB_SHM_SPIN": (spin_from_env, DEFAULT_SPIN),
-    "LAB_SHM_SCRATCH_BYTES": (peer_memory.slot_bytes_from_env, peer_memory.DEFAULT_SLOT_BYTES),
+    "LAB_SHM_SPIN": (spin_from_env, DEFAULT_SPIN), "LAB_SHM_SCRATCH_BYTES": (peer_memory.slot_bytes_from_env,
+                                                                             peer_memory.DEFAULT_SLOT_BYTES),
     "LAB_SHM_REGISTERED_BYTES": (peer_memory.arena_bytes_from_env, peer_memory.DEFAULT_ARENA_BYTES),
-    "LAB_SEGMENT_BYTES": (forced_segment_bytes, None),
-}
+    "LAB_SEGMENT_BYTES": (forced_segment_bytes, None)}
 
 #: Values no variable takes: not ASCII digits, signs, spaces, floats, and numbers past every range.
-ODD = ["²", "٣", "-1", "+8192", " 8192", "8192 ", "8_192", "8192.0", "1e4", "0x2000", "eight", str(2**63),
-       str(2**64 * 4096)]
+ODD = [
+    "²", "٣", "-1", "+8192", " 8192", "8192 ", "8_192", "8192.0", "1e4", "0x2000", "eight",
+    str(2**63),
+    str(2**64 * 4096)]
 
 
 @pytest.mark.parametrize("value", ODD)
@@ -40,7 +41,8 @@ ODD = ["²", "٣", "-1", "+8192", " 8192", "8192 ", "8_192", "8192.0", "1e4", "0
 def test_an_odd_value_is_refused_naming_the_variable_and_its_range(monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)
     read, _ = READERS[variable]
-    with pytest.raises(ValueError, match=rf"{variable} must be .*in \[[0-9,]+, [0-9,]+\]; got {re.escape(repr(value))}"):
+    with pytest.raises(ValueError,
+                       match=rf"{variable} must be .*in \[[0-9,]+, [0-9,]+\]; got {re.escape(repr(value))}"):
         read()
 
 
@@ -58,7 +60,8 @@ def test_byte_sizes_of_shared_memory_are_pages_and_fit_in_memory(monkeypatch):
     monkeypatch.setenv("LAB_SHM_SCRATCH_BYTES", "4097")
     with pytest.raises(ValueError, match="LAB_SHM_SCRATCH_BYTES must be a multiple of 4,096"):
         peer_memory.slot_bytes_from_env()
-    monkeypatch.setenv("LAB_SHM_REGISTERED_BYTES", str(2**50))  # more than this machine has: not a later ENOMEM
+    monkeypatch.setenv("LAB_SHM_REGISTERED_BYTES",
+                       str(2**50))  # more than this machine has: not a later ENOMEM
     with pytest.raises(ValueError, match="LAB_SHM_REGISTERED_BYTES"):
         peer_memory.arena_bytes_from_env()
 

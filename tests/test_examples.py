@@ -16,7 +16,6 @@ import lab
 # Slow, the whole module: each example run as a user runs it, DDP and FSDP2 among them.
 pytestmark = pytest.mark.slow
 
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -53,9 +52,10 @@ def run_under_torchrun(name: str, ranks: int, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     # A session of its own: on a timeout torchrun and its ranks end together (SIGKILL to torchrun
     # alone would leave the ranks running).
-    with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-                           str(EXAMPLES / name), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env, start_new_session=True) as launcher:
+    with subprocess.Popen([
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+            str(EXAMPLES / name), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as launcher:
         try:
             stdout, stderr = launcher.communicate(timeout=300)
         except subprocess.TimeoutExpired:
@@ -78,7 +78,9 @@ def test_ddp_and_fsdp2_on_the_lab_backend_match_gloo():
     for example in ("ddp_backend.py", "fsdp2_backend.py"):
         steps = losses(run_under_torchrun(example, 2, "--backend", "lab", "--steps", "3"))
         assert len(steps) == 3, example
-        assert all(abs(lab_loss - gloo_loss) <= 1e-5 * max(1.0, abs(gloo_loss)) for lab_loss, gloo_loss in steps), steps
+        assert all(
+            abs(lab_loss - gloo_loss) <= 1e-5 * max(1.0, abs(gloo_loss))
+            for lab_loss, gloo_loss in steps), steps
 
 
 @pytest.mark.parametrize("example", [("pipeline_backend.py", "--backend", "lab", "--schedule", "interleaved"),
@@ -94,8 +96,8 @@ def test_workload_examples_record_on_emulated_hosts_and_replay_at_scale(tmp_path
     prints the measured and replayed step there, then the step on 64 ranks (the example's 1,024
     take about 20 s each; bench/workload_accuracy.py times them) and what dominates."""
     require_hosts()
-    for example, ops in (("workload_ddp.py", {"allreduce"}),
-                         ("workload_fsdp2.py", {"allgather", "reduce_scatter"})):
+    for example, ops in (("workload_ddp.py", {"allreduce"}), ("workload_fsdp2.py",
+                                                              {"allgather", "reduce_scatter"})):
         path = tmp_path / f"{example}.jsonl"
         out = run_example(example, "--hosts", "2", "--steps", "3", "--ranks", "64", "--out", str(path))
         assert "on 2 hosts: measured" in out and "64 ranks on" in out, out
@@ -103,4 +105,5 @@ def test_workload_examples_record_on_emulated_hosts_and_replay_at_scale(tmp_path
         assert ("MB buckets instead of 1 MB: step" in out) == (example == "workload_ddp.py"), out
         w = lab.workload.load(path)
         assert w.steps == 3 and w.recorded["hosts"] == 2 and w.recorded["link_gbit"] == 1.0
-        assert {e.op for e in w.events[0] if e.kind == "op" and e.step == 2} == ops  # (step 0: the setup's too)
+        assert {e.op
+                for e in w.events[0] if e.kind == "op" and e.step == 2} == ops  # (step 0: the setup's too)

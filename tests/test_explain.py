@@ -65,13 +65,17 @@ def test_a_size_bucket_is_simulated_once(simulator_only, monkeypatch):
 
     def no_more(*args):
         raise AssertionError("simulated again")
+
     monkeypatch.setitem(tuning.ADVISORS, "simulator", no_more)
     assert tuning.choose(1 << 20, 8, "shm") == tuning.choose((2 << 20) - 4, 8, "shm") == first
 
 
 def test_fits_at_the_world_size_they_were_measured_at_still_decide(monkeypatch):
-    fits = {"shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 1e-6},
-                                  "tree": {"alpha_step_us": 1e4, "beta_byte_us": 1e-6}}}}
+    fits = {
+        "shm": {
+            "allreduce": {
+                "ring": {"alpha_step_us": 1.0, "beta_byte_us": 1e-6},
+                "tree": {"alpha_step_us": 1e4, "beta_byte_us": 1e-6}}}}
     choice = tuning.decide(1 << 10, 4, "shm", models=fits, networks={"shm": NETWORK}, worlds=(4,))
     assert (choice.algorithm, choice.source) == ("ring", "fitted model")
     choice = tuning.decide(1 << 10, 8, "shm", models=fits, networks={"shm": NETWORK}, worlds=(4,))
@@ -102,7 +106,8 @@ def test_two_ranks_ring_has_four_arrows_two_reduced_two_copied_two_critical():
     assert sum(a.critical for a in drawn) == len(timing.critical_path) == 2
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "recursive_doubling", "halving_doubling", "double_tree"])
+@pytest.mark.parametrize("algorithm",
+                         ["ring", "tree", "recursive_doubling", "halving_doubling", "double_tree"])
 @pytest.mark.parametrize("world_size", [3, 8])
 def test_every_message_is_an_arrow_and_the_critical_path_is_placed(algorithm, world_size):
     schedule = record("allreduce", algorithm, world_size, 256 << 10)
@@ -118,7 +123,8 @@ def test_the_critical_path_is_placed_with_cpu_terms_too(algorithm):
     # With CPU terms the critical path can pass from rank to rank through a shared core, not only
     # through messages: the replay names each critical message's recorded send, nothing is guessed.
     network = sim.Network(alpha_us=0.001, gbit=32.0, send_overhead_us=22.0, recv_overhead_us=42.0,
-                          copy_us_per_byte=5.4e-5, cores=2, ranks_per_cpu=8)  # 8 ranks on 2 cores, as fitted here
+                          copy_us_per_byte=5.4e-5, cores=2,
+                          ranks_per_cpu=8)  # 8 ranks on 2 cores, as fitted here
     schedule = record("allreduce", algorithm, 8, 256 << 10)
     result = sim.simulate("allreduce", algorithm, 8, 256 << 10, network)
     drawn = arrows(schedule, result.critical_path)
@@ -143,8 +149,7 @@ def test_plot_writes_a_png_of_the_expected_size(tmp_path, capsys):
     (["explain", "allreduce", "butterfly", "--ranks", "8", "--bytes", "1M"], "argument algorithm"),
     (["explain", "allreduce", "--ranks", "8", "--bytes", "1M", "--transport", "pigeon"], "--transport"),
     (["explain", "allsum", "--ranks", "8", "--bytes", "1M"], "collective"),
-    (["explain", "allreduce", "--bytes", "1M"], "--ranks"),
-])
+    (["explain", "allreduce", "--bytes", "1M"], "--ranks")])
 def test_bad_arguments_name_the_option(capsys, argv, option):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -155,6 +160,7 @@ def test_bad_arguments_name_the_option(capsys, argv, option):
 def test_lab_sim_works_after_a_plain_import_lab():
     code = ("import lab; r = lab.sim.simulate('allreduce', 'ring', 4, 1 << 20, lab.sim.Network(20.0, 10.0)); "
             "print(round(r.time_us, 1))")
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert float(done.stdout) == pytest.approx(6 * (20 + (1 << 18) * 8 / 10e3), abs=0.1)

@@ -25,23 +25,19 @@ def bad_arguments(mesh: lab.Mesh) -> list[tuple[str, str]]:
     """Each bad call on every rank: (exception type, message)."""
     x = torch.ones(4)
     calls = [
-        lambda: lab.broadcast(mesh, x, src=mesh.world_size),
-        lambda: lab.broadcast(mesh, x, src=-1),
-        lambda: lab.allreduce(mesh, x, op="mean"),
-        lambda: lab.allreduce(mesh, x, algorithm="butterfly"),
+        lambda: lab.broadcast(mesh, x, src=mesh.world_size), lambda: lab.broadcast(mesh, x, src=-1),
+        lambda: lab.allreduce(mesh, x, op="mean"), lambda: lab.allreduce(mesh, x, algorithm="butterfly"),
         lambda: lab.allreduce(mesh, x.to(torch.complex64)),
         lambda: lab.allreduce(mesh, torch.ones(3, dtype=torch.int32), op="avg"),
-        lambda: lab.allreduce(mesh, [1.0, 2.0]),
-        lambda: lab.allreduce(mesh, np.ones(3, np.uint8)),
+        lambda: lab.allreduce(mesh, [1.0, 2.0]), lambda: lab.allreduce(mesh, np.ones(3, np.uint8)),
         lambda: lab.reduce_scatter(mesh, torch.tensor(1.0)),
         lambda: lab.lesson.ring_allreduce(mesh, mesh.rank + 1, mesh.world_size, x),
         lambda: lab.lesson.broadcast(mesh, mesh.rank, mesh.world_size + 1, x, 0),
         lambda: lab.allgather(mesh, torch.empty(3, device="meta")),
-        lambda: lab.reduce_scatter(mesh, x, op="median"),
-        lambda: mesh.send((mesh.rank + 1) % mesh.world_size, "not a tensor"),
-        lambda: mesh.recv((mesh.rank + 1) % mesh.world_size, timeout_ms=0),
-        lambda: lab.allreduce(mesh, x, algorithm="auto", op=None),
-    ]
+        lambda: lab.reduce_scatter(mesh, x, op="median"), lambda: mesh.send(
+            (mesh.rank + 1) % mesh.world_size, "not a tensor"), lambda: mesh.recv(
+                (mesh.rank + 1) % mesh.world_size, timeout_ms=0),
+        lambda: lab.allreduce(mesh, x, algorithm="auto", op=None)]
     seen = []
     for call in calls:
         try:
@@ -73,11 +69,12 @@ def die(mesh: lab.Mesh) -> None:
 
 def lesson_api(mesh: lab.Mesh) -> list[list[float]]:
     x = torch.arange(4.0) + mesh.rank
-    out = [lab.lesson.ring_allreduce(mesh, mesh.rank, mesh.world_size, x.clone()).tolist(),
-           lab.lesson.tree_allreduce(mesh, mesh.rank, mesh.world_size, x.clone()).tolist(),
-           lab.lesson.broadcast(mesh, mesh.rank, mesh.world_size, x.clone(), 1).tolist(),
-           lab.lesson.allgather(mesh, mesh.rank, mesh.world_size, x[:1].clone()).tolist(),
-           lab.lesson.reduce_scatter(mesh, mesh.rank, mesh.world_size, x.clone()).tolist()]
+    out = [
+        lab.lesson.ring_allreduce(mesh, mesh.rank, mesh.world_size, x.clone()).tolist(),
+        lab.lesson.tree_allreduce(mesh, mesh.rank, mesh.world_size, x.clone()).tolist(),
+        lab.lesson.broadcast(mesh, mesh.rank, mesh.world_size, x.clone(), 1).tolist(),
+        lab.lesson.allgather(mesh, mesh.rank, mesh.world_size, x[:1].clone()).tolist(),
+        lab.lesson.reduce_scatter(mesh, mesh.rank, mesh.world_size, x.clone()).tolist()]
     return out
 
 
@@ -102,8 +99,9 @@ def test_a_raising_rank_is_named_with_its_exception_and_traceback():
 def test_bad_arguments_raise_before_communication_and_leave_the_mesh_usable(cluster):
     for per_rank in cluster.run(bad_arguments):
         *errors, result = per_rank
-        names = ["src", "src", "op", "algorithm", "complex64", "avg", "tensor", "uint8", "0-d", "rank", "world_size",
-                 "CPU", "op", "tensor", "timeout_ms", "op"]
+        names = [
+            "src", "src", "op", "algorithm", "complex64", "avg", "tensor", "uint8", "0-d", "rank",
+            "world_size", "CPU", "op", "tensor", "timeout_ms", "op"]
         assert len(errors) == len(names)
         for (kind, message), name in zip(errors, names):
             assert kind in ("ValueError", "TypeError") and name in message, (kind, message, name)
@@ -145,7 +143,8 @@ def test_fn_must_be_picklable():
         lab.spawn(lambda mesh: None, 2)
 
 
-@pytest.mark.parametrize("options, name", [({"segment_bytes": 100}, "segment_bytes"), ({"slots": 0}, "slots")])
+@pytest.mark.parametrize("options, name", [({"segment_bytes": 100}, "segment_bytes"),
+                                           ({"slots": 0}, "slots")])
 def test_bad_buffer_options_name_the_parameter(options, name):
     with pytest.raises(ValueError, match=name):
         lab.launch(2, **options)
@@ -158,7 +157,8 @@ def test_a_closed_cluster_refuses_work():
         cluster.run(lesson_api)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"world_size": 0}, "world_size"), ({"transport": "carrier-pigeon"}, "transport"),
+@pytest.mark.parametrize("kwargs, name", [({"world_size": 0}, "world_size"),
+                                          ({"transport": "carrier-pigeon"}, "transport"),
                                           ({"recv_timeout_ms": -5}, "recv_timeout_ms")])
 def test_bad_launch_options_name_the_parameter(kwargs, name):
     options = {"world_size": 2, **kwargs}

@@ -46,7 +46,8 @@ import lab.transport.shm
 # Slow, the whole module: killed, stopped and interrupted ranks, a soak.
 pytestmark = pytest.mark.slow
 
-COLLECTIVES = ["allreduce-ring", "allreduce-tree", "allreduce-naive", "broadcast", "allgather", "reduce_scatter"]
+COLLECTIVES = [
+    "allreduce-ring", "allreduce-tree", "allreduce-naive", "broadcast", "allgather", "reduce_scatter"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,20 +68,17 @@ def fault_case(seed: int) -> dict:
     rng = random.Random(seed)
     world_size = rng.randint(2, 5)
     return {
-        "transport": rng.choice(["shm", "queue"]),
-        "world_size": world_size,
-        "which": rng.choice(COLLECTIVES),
-        "numel": rng.choice([1, 7, 1000, 300_001]),
-        "victim": rng.randrange(world_size),
-        "at_transfer": rng.randint(1, 12),
-    }
+        "transport": rng.choice(["shm", "queue"]), "world_size": world_size, "which": rng.choice(COLLECTIVES),
+        "numel": rng.choice([1, 7, 1000, 300_001]), "victim": rng.randrange(world_size),
+        "at_transfer": rng.randint(1, 12)}
 
 
 def run_faulty(job, case: dict, fault: str, stamp, **options) -> tuple[lab.RankError, float]:
     """Spawn ``job`` with ``case``'s fault; return the error and the seconds from the fault to it."""
     deadline_ms = DEADLINE_MS if fault == "stall" else DEATH_DEADLINE_MS
     with pytest.raises(lab.RankError) as info:
-        lab.spawn(job, case["world_size"], transport=case["transport"], recv_timeout_ms=deadline_ms, **options,
+        lab.spawn(job, case["world_size"], transport=case["transport"], recv_timeout_ms=deadline_ms,
+                  **options,
                   args=(case["which"], case["numel"], case["victim"], case["at_transfer"], fault, str(stamp)))
     caught = time.time()
     return info.value, caught - float(stamp.read_text())
@@ -123,7 +121,8 @@ def test_a_rank_dying_at_a_random_step_is_named_promptly(seed, fault, shm_unchan
     no_rank_left()
 
 
-EAGER_COLLECTIVES = ["allreduce-recursive_doubling", "allreduce-ring", "allreduce-tree", "broadcast", "allgather"]
+EAGER_COLLECTIVES = [
+    "allreduce-recursive_doubling", "allreduce-ring", "allreduce-tree", "broadcast", "allgather"]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -137,8 +136,9 @@ def test_a_rank_dying_during_eager_traffic_is_named_promptly(seed, shm_unchanged
     victim, at_transfer = rng.randrange(world_size), rng.randint(1, 12)
     eager_bytes = 16 if seed % 4 == 3 else lab.transport.shm.DEFAULT_EAGER_BYTES
     fault = "sigkill" if seed % 2 else "exit"
-    case = {"transport": "shm", "world_size": world_size, "which": which, "numel": numel, "victim": victim,
-            "at_transfer": at_transfer}
+    case = {
+        "transport": "shm", "world_size": world_size, "which": which, "numel": numel, "victim": victim,
+        "at_transfer": at_transfer}
     error, since_fault = run_faulty(faulty_job, case, fault, tmp_path / "fault", eager_bytes=eager_bytes)
     assert error.rank == victim and error.exc_type == "ProcessDied", (seed, str(error))
     assert_death_reported_without_a_deadline(error, since_fault, case)
@@ -185,8 +185,10 @@ def disagree(mesh: lab.Mesh, how: str, stamp: str) -> None:
 
 
 @pytest.mark.parametrize("transport", ["shm", "queue"])
-@pytest.mark.parametrize("how, world_size", [("collective", 3), ("dtype", 4), ("size", 3), ("op", 2), ("root", 3)])
-def test_disagreeing_ranks_raise_a_mismatch_naming_both_sides(how, world_size, transport, shm_unchanged, tmp_path):
+@pytest.mark.parametrize("how, world_size", [("collective", 3), ("dtype", 4), ("size", 3), ("op", 2),
+                                             ("root", 3)])
+def test_disagreeing_ranks_raise_a_mismatch_naming_both_sides(how, world_size, transport, shm_unchanged,
+                                                              tmp_path):
     if how == "root" and transport == "queue":
         # A queue cannot be peeked after a deadline; with two ranks both "roots" send and nobody
         # waits, and the stray message is caught by the next collective.
@@ -310,10 +312,10 @@ def test_tcp_ranks_dying_or_stalling(seed, fault, shm_unchanged, tmp_path):
 
 # -- the algorithms and collectives of issue 11 -------------------------------------------------------
 
-NEW_COLLECTIVES = ["allreduce-recursive_doubling", "allreduce-halving_doubling", "allreduce-double_tree",
-                   "broadcast-scatter_allgather", "allgather-recursive_doubling", "reduce_scatter-recursive_halving",
-                   "reduce", "all_to_all-pairwise", "all_to_all-bruck", "barrier", "allgather-pat",
-                   "reduce_scatter-pat"]
+NEW_COLLECTIVES = [
+    "allreduce-recursive_doubling", "allreduce-halving_doubling", "allreduce-double_tree",
+    "broadcast-scatter_allgather", "allgather-recursive_doubling", "reduce_scatter-recursive_halving",
+    "reduce", "all_to_all-pairwise", "all_to_all-bruck", "barrier", "allgather-pat", "reduce_scatter-pat"]
 
 
 def run_new_collective(mesh: lab.Mesh, which: str, numel: int) -> None:
@@ -340,9 +342,10 @@ def new_fault_case(index: int) -> dict:
     """Collective ``index`` of NEW_COLLECTIVES on a seeded world of 2-7 ranks (folds included)."""
     rng = random.Random(300 + index)
     world_size = rng.randint(2, 7)
-    return {"transport": ["shm", "queue", "tcp"][index % 3], "world_size": world_size,
-            "which": NEW_COLLECTIVES[index], "numel": rng.choice([1, 7, 1000, 300_001]),
-            "victim": rng.randrange(world_size), "at_transfer": rng.randint(1, 12)}
+    return {
+        "transport": ["shm", "queue", "tcp"][index % 3], "world_size": world_size,
+        "which": NEW_COLLECTIVES[index], "numel": rng.choice([1, 7, 1000, 300_001]),
+        "victim": rng.randrange(world_size), "at_transfer": rng.randint(1, 12)}
 
 
 @pytest.mark.parametrize("index", range(len(NEW_COLLECTIVES)), ids=NEW_COLLECTIVES)

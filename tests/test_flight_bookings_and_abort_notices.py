@@ -51,7 +51,8 @@ def cycle_shapes(mesh: lab.Mesh, shapes: int, passes: int) -> list[str]:
             n = mesh.world_size
             want = (torch.arange(count, dtype=torch.float32) * 7 + run) * n + n * (n - 1) // 2
             if not torch.equal(x, want):
-                failures.append(f"rank {mesh.rank} pass {run} count {count}: {x[:4].tolist()} != {want[:4].tolist()}")
+                failures.append(
+                    f"rank {mesh.rank} pass {run} count {count}: {x[:4].tolist()} != {want[:4].tolist()}")
         sizes.append((len(mesh.exchange.recorder._booked), tracemalloc.get_traced_memory()[0]))
     tracemalloc.stop()
     booked = [b for b, _ in sizes]
@@ -141,8 +142,9 @@ def launched(scenario: str, transport: str, world_size: int, xdg: Path) -> list[
                         MASTER_PORT=str(port), XDG_RUNTIME_DIR=str(xdg), LAB_TEST_SCENARIO=scenario,
                         LAB_TEST_TRANSPORT=transport)
         env.pop("LAB_TCP_SECRET", None)
-        ranks.append(subprocess.Popen([sys.executable, "-c", RANK_PROGRAM], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        ranks.append(
+            subprocess.Popen([sys.executable, "-c", RANK_PROGRAM], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True))
     return ranks
 
 

@@ -54,11 +54,13 @@ def fr_trace_verdict(directory: str, scratch: str) -> tuple[int, str, list[int]]
     args = JobConfig().parse_args([scratch])
     details, version = read_dir(args)
     db = build_db(details, args, version)
-    first = next(c for c in db.collectives if not c.pass_check or c.missing_ranks)  # (a missing rank "passes")
+    first = next(c for c in db.collectives
+                 if not c.pass_check or c.missing_ranks)  # (a missing rank "passes")
     if first.missing_ranks:
         return first.collective_seq_id, "missing", sorted(first.missing_ranks)
-    kinds = {MatchState.COLLECTIVE_TYPE_MISMATCH: "type", MatchState.SIZE_OR_SYNTAX_MISMATCH: "size",
-             MatchState.COLLECTIVE_DTYPE_MISMATCH: "dtype", MatchState.COLLECTIVE_STATE_MISMATCH: "state"}
+    kinds = {
+        MatchState.COLLECTIVE_TYPE_MISMATCH: "type", MatchState.SIZE_OR_SYNTAX_MISMATCH: "size",
+        MatchState.COLLECTIVE_DTYPE_MISMATCH: "dtype", MatchState.COLLECTIVE_STATE_MISMATCH: "state"}
     found = {kinds[c.type_of_mismatch.state] for c in first.mismatch_collectives.values()}
     assert len(found) == 1, found
     return first.collective_seq_id, found.pop(), sorted(first.mismatch_collectives)
@@ -118,16 +120,19 @@ def test_jobs_that_part(backend: str, case: str, tmp_path) -> None:
 def entry(seq: int, name: str = "all_reduce", sizes: list | None = None, dtype: str = "Float",
           state: str = "completed", group: str = "0", record_id: int | None = None, **more) -> dict:
     sizes = [[8]] if sizes is None else sizes
-    return {"record_id": seq if record_id is None else record_id, "pg_id": 0,
-            "process_group": (group, "default_pg" if group == "0" else "undefined"),
-            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq, "profiling_name": f"nccl:{name}",
-            "time_created_ns": 1000 * seq, "input_sizes": sizes, "output_sizes": sizes, "input_dtypes": [dtype],
-            "output_dtypes": [dtype], "state": state, "is_p2p": False, "frames": [], **more}
+    return {
+        "record_id": seq if record_id is None else record_id, "pg_id": 0,
+        "process_group": (group, "default_pg" if group == "0" else "undefined"), "collective_seq_id": seq,
+        "p2p_seq_id": 0, "op_id": seq, "profiling_name": f"nccl:{name}", "time_created_ns": 1000 * seq,
+        "input_sizes": sizes, "output_sizes": sizes, "input_dtypes": [dtype], "output_dtypes": [dtype],
+        "state": state, "is_p2p": False, "frames": [], **more}
 
 
 def dumps_of(*per_rank: list[dict], groups: dict | None = None) -> dict[int, dict]:
     config = groups or {"0": {"name": "0", "desc": "default_pg", "ranks": str(list(range(len(per_rank))))}}
-    return {rank: {"version": "2.10", "pg_config": config, "entries": entries} for rank, entries in enumerate(per_rank)}
+    return {
+        rank: {"version": "2.10", "pg_config": config, "entries": entries}
+        for rank, entries in enumerate(per_rank)}
 
 
 def first(dumps: dict) -> tuple[int, str, list[int]]:
@@ -166,8 +171,8 @@ def test_a_rank_a_later_failure_stopped_early_is_not_behind_it() -> None:
     """The lab tells a failure to every peer: a slow rank still in #2 fails there, while the others
     completed #2 and met the mismatch at #3; the records part at #3, not at #2."""
     failed = lambda seq, **k: entry(seq, state="started", lab_error="CollectiveMismatchError", **k)
-    dumps = dumps_of([entry(1), entry(2), failed(3)], [entry(1), entry(2), failed(3, sizes=[[9]])],
-                     [entry(1), failed(2)])
+    dumps = dumps_of([entry(1), entry(2), failed(3)],
+                     [entry(1), entry(2), failed(3, sizes=[[9]])], [entry(1), failed(2)])
     assert first(dumps) == (3, "size", [1])
     assert "failed (CollectiveMismatchError)" in divergences(dumps)[0].doing[2]
     # a rank still in a collective the others completed, and nothing after: behind it
@@ -180,19 +185,24 @@ def test_a_tie_blames_the_side_without_the_lowest_rank() -> None:
 
 def test_rings_that_forgot_their_oldest_are_compared_where_they_overlap() -> None:
     assert divergences(dumps_of([entry(3), entry(4)], [entry(1), entry(2), entry(3), entry(4)])) == []
-    assert first(dumps_of([entry(3), entry(4)], [entry(1, sizes=[[1]]), entry(2), entry(3), entry(4),
-                                                 entry(5)])) == (5, "missing", [0])
+    assert first(
+        dumps_of([entry(3), entry(4)],
+                 [entry(1, sizes=[[1]]), entry(2),
+                  entry(3), entry(4), entry(5)])) == (5, "missing", [0])
 
 
 def test_groups_and_the_default_groups_empty_name() -> None:
     """gloo names the default group "" in pg_config and "0" in its entries; a sub-group's members
     come from its own row; each group's first divergence, the earliest entered first."""
-    config = {"": {"name": "", "desc": "", "ranks": "[0, 1, 2]"}, "1": {"name": "1", "desc": "x", "ranks": "[1, 2]"}}
+    config = {
+        "": {"name": "", "desc": "", "ranks": "[0, 1, 2]"},
+        "1": {"name": "1", "desc": "x", "ranks": "[1, 2]"}}
     sub = lambda seq, **k: entry(seq, group="1", record_id=10 + seq, **k)
-    dumps = dumps_of([entry(1), entry(2)], [entry(1), entry(2), sub(1)], [entry(1), sub(1, sizes=[[3]])],
-                     groups=config)
+    dumps = dumps_of([entry(1), entry(2)], [entry(1), entry(2), sub(1)],
+                     [entry(1), sub(1, sizes=[[3]])], groups=config)
     found = divergences(dumps)
-    assert [(d.group, d.seq, d.kind, d.culprits) for d in found] == [("1", 1, "size", [2]), ("0", 2, "missing", [2])]
+    assert [(d.group, d.seq, d.kind, d.culprits) for d in found] == [("1", 1, "size", [2]),
+                                                                     ("0", 2, "missing", [2])]
     assert "its last record" in found[1].doing[2]  # (its last in group 0, then the sub-group's)
 
 
@@ -231,11 +241,13 @@ def test_the_command(tmp_path) -> None:
     assert "rank 1: gloo:all_reduce #3 [[9]] Float" in text
     import json
 
-    listed = json.loads(subprocess.run([sys.executable, "-m", "lab", "flight", directory, "--json"],
-                                       capture_output=True, text=True, check=True).stdout)
+    listed = json.loads(
+        subprocess.run([sys.executable, "-m", "lab", "flight", directory, "--json"], capture_output=True,
+                       text=True, check=True).stdout)
     assert listed["ranks"] == [0, 1, 2, 3] and listed["divergences"][0]["culprits"] == [1]
-    refused = subprocess.run([sys.executable, "-m", "lab", "flight", str(tmp_path / "none")], capture_output=True,
-                             text=True, check=False)
+    refused = subprocess.run(
+        [sys.executable, "-m", "lab", "flight", str(tmp_path / "none")], capture_output=True, text=True,
+        check=False)
     assert refused.returncode == 2 and "is no folder" in refused.stderr
 
 

@@ -26,8 +26,10 @@ import lab
 FAST = {("shm", 1), ("shm", 2), ("shm", 3), ("shm", 4), ("queue", 3), ("tcp", 2)}
 
 
-@pytest.fixture(scope="module", params=[pytest.param((t, n), id=f"{t}-N{n}", marks=() if (t, n) in FAST else pytest.mark.slow)
-                                        for t in ("shm", "queue", "tcp") for n in (1, 2, 3, 4, 7)])
+@pytest.fixture(
+    scope="module", params=[
+        pytest.param((t, n), id=f"{t}-N{n}", marks=() if (t, n) in FAST else pytest.mark.slow)
+        for t in ("shm", "queue", "tcp") for n in (1, 2, 3, 4, 7)])
 def cluster(request):
     transport, world_size = request.param
     with pool(world_size, transport) as c:
@@ -36,7 +38,8 @@ def cluster(request):
 
 def test_every_primitive_matches_gloo_on_random_data(cluster):
     n = cluster.world_size
-    assert_matches_and_identical(cluster.run(compare_with_gloo, [1, n + 1, 1000], 2026, cluster.transport == "shm"))
+    assert_matches_and_identical(
+        cluster.run(compare_with_gloo, [1, n + 1, 1000], 2026, cluster.transport == "shm"))
 
 
 def test_large_allreduce_matches_gloo_and_is_bit_identical(cluster):
@@ -53,9 +56,11 @@ def test_gloo_reference_runs_on_its_own():
     with pytest.raises(ValueError, match="inputs"):
         lab.gloo_reference("allreduce", 2, inputs)
     outs = lab.gloo_reference("reduce", 3, inputs, dst=1, op="sum")
-    assert torch.equal(outs[1], sum(inputs)) and torch.equal(outs[0], inputs[0]) and torch.equal(outs[2], inputs[2])
+    assert torch.equal(outs[1], sum(inputs)) and torch.equal(outs[0], inputs[0]) and torch.equal(
+        outs[2], inputs[2])
     outs = lab.gloo_reference("all_to_all", 3, inputs)
-    assert [o.tolist() for o in outs] == [[[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]], [[2.0, 3.0], [3.0, 4.0], [4.0, 5.0]],
+    assert [o.tolist() for o in outs] == [[[0.0, 1.0], [1.0, 2.0], [2.0, 3.0]],
+                                          [[2.0, 3.0], [3.0, 4.0], [4.0, 5.0]],
                                           [[4.0, 5.0], [5.0, 6.0], [6.0, 7.0]]]
     assert lab.gloo_reference("barrier", 3, inputs) == [None, None, None]
     with pytest.raises(ValueError, match="op"):

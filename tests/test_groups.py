@@ -43,7 +43,8 @@ def members_of(mesh: lab.Mesh, color: int | None, key: int) -> list[int] | None:
     """What split(color, key) must give, from every rank's (color, key), in sub-mesh rank order."""
     everyone = lab.allgather(mesh, torch.tensor([-1 if color is None else color, key], dtype=torch.int64))
     pairs = everyone.view(mesh.world_size, 2).tolist()
-    return None if color is None else [r for _, r in sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)]
+    return None if color is None else [
+        r for _, r in sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)]
 
 
 def sub_cases() -> list[tuple[str, str, int]]:
@@ -104,8 +105,8 @@ def every_collective_on_every_size(mesh: lab.Mesh) -> list[str]:
         key = -mesh.rank if size % 2 == 0 else 0
         members = members_of(mesh, color, key)
         sub = mesh.split(color, key)
-        if (sub is None) != (color is None) or (sub is not None and (sub.world_size, sub.rank) != (
-                len(members), members.index(mesh.rank))):
+        if (sub is None) != (color is None) or (sub is not None and (sub.world_size, sub.rank)
+                                                != (len(members), members.index(mesh.rank))):
             failures.append(f"rank {mesh.rank} size {size}: split gave {sub and (sub.rank, sub.world_size)}")
             continue
         for step, case in enumerate(sub_cases()):
@@ -138,16 +139,21 @@ def overlapping_and_async(mesh: lab.Mesh) -> list[str]:
     cols = mesh.split(mesh.rank % 2, key=-mesh.rank)
     for count in (3, 5000):
         a, b, c = inputs(count, mesh.rank), inputs(count, mesh.rank) * 2, inputs(count, mesh.rank) * 3
-        works = [lab.allreduce(rows, a, async_op=True), lab.allreduce(cols, b, async_op=True),
-                 lab.allreduce(mesh, c, async_op=True)]
+        works = [
+            lab.allreduce(rows, a, async_op=True),
+            lab.allreduce(cols, b, async_op=True),
+            lab.allreduce(mesh, c, async_op=True)]
         assert mesh.in_flight or all(w.is_completed() for w in works)
         g = lab.allgather(cols, torch.tensor([float(mesh.rank)]))  # synchronous: after the three
         for w in works:
             w.wait()
-        checks = [(a, sum(inputs(count, m) for m in rows_members)), (b, sum(inputs(count, m) * 2 for m in cols_members)),
-                  (c, sum(inputs(count, m) * 3 for m in range(n))), (g, torch.tensor(cols_members, dtype=torch.float32))]
-        failures += [f"rank {mesh.rank} count {count} check {i}" for i, (got, want) in enumerate(checks)
-                     if not torch.equal(got, want)]
+        checks = [(a, sum(inputs(count, m) for m in rows_members)),
+                  (b, sum(inputs(count, m) * 2 for m in cols_members)),
+                  (c, sum(inputs(count, m) * 3 for m in range(n))),
+                  (g, torch.tensor(cols_members, dtype=torch.float32))]
+        failures += [
+            f"rank {mesh.rank} count {count} check {i}" for i, (got, want) in enumerate(checks)
+            if not torch.equal(got, want)]
     # A split of a split, made while an asynchronous collective is in flight on the parent.
     x = inputs(7, mesh.rank)
     work = lab.allreduce(mesh, x, async_op=True)
@@ -155,7 +161,8 @@ def overlapping_and_async(mesh: lab.Mesh) -> list[str]:
     inner = cols.split(cols.rank % 2)
     y = lab.allreduce(inner, inputs(7, mesh.rank))
     work.wait()
-    if not torch.equal(y, sum(inputs(7, m) for m in inner_members)) or not torch.equal(x, sum(inputs(7, m) for m in range(n))):
+    if not torch.equal(y, sum(inputs(7, m) for m in inner_members)) or not torch.equal(
+            x, sum(inputs(7, m) for m in range(n))):
         failures.append(f"rank {mesh.rank}: split of a split or the async parent allreduce")
     return failures
 
@@ -261,7 +268,8 @@ def test_trace_rows_of_a_sub_mesh_name_it_and_the_global_rank(tmp_path):
     lab.spawn(traced, 4, trace=str(path))
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     subs = [r for r in rows if "sub_mesh" in r]
-    assert sorted((r["global_rank"], r["rank"], r["world_size"]) for r in subs) == [(0, 0, 2), (1, 0, 2), (2, 1, 2), (3, 1, 2)]
+    assert sorted((r["global_rank"], r["rank"], r["world_size"]) for r in subs) == [(0, 0, 2), (1, 0, 2),
+                                                                                    (2, 1, 2), (3, 1, 2)]
     assert len({r["sub_mesh"] for r in subs}) == 2 and all(r["op"] == "allreduce" for r in subs)
 
 
@@ -294,7 +302,8 @@ def allreduce_bytes(mesh: lab.Mesh, count: int, algorithm: str) -> tuple[bool, d
     x = torch.arange(count, dtype=torch.float32) * 3 + mesh.rank
     mesh.reset_stats()
     lab.allreduce(mesh, x, algorithm=algorithm)
-    want = torch.arange(count, dtype=torch.float32) * 3 * mesh.world_size + mesh.world_size * (mesh.world_size - 1) // 2
+    want = torch.arange(
+        count, dtype=torch.float32) * 3 * mesh.world_size + mesh.world_size * (mesh.world_size - 1) // 2
     return torch.equal(x, want), mesh.stats()
 
 
@@ -335,7 +344,8 @@ def host_split(mesh: lab.Mesh) -> tuple[int, int, int, int, list[float]]:
 
 def test_sub_meshes_know_their_hosts_and_reduce_across_them(hosts_cluster):
     n, h = hosts_cluster.world_size, len(hosts_cluster.hosts)
-    for rank, (across_hosts, inside_hosts, local_size, local_rank, x) in enumerate(hosts_cluster.run(host_split)):
+    for rank, (across_hosts, inside_hosts, local_size, local_rank,
+               x) in enumerate(hosts_cluster.run(host_split)):
         assert (across_hosts, inside_hosts, local_size, local_rank) == (h, 1, n // h, 0), rank
         assert x == [float(n * (n - 1) // 2)] * 3, rank
 
@@ -354,15 +364,21 @@ def test_torchrun_nodes_with_auto_transport(nodes, per_node):
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     port = free_port()
     env = child_env(**({"LAB_TCP_SECRET": secrets.token_hex(32)} if nodes > 1 else {}))
-    jobs = [subprocess.Popen([torchrun, "--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node",
-                              str(per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-                              str(TORCHRUN_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env) for node in range(nodes)]
+    jobs = [
+        subprocess.Popen([
+            torchrun, "--nnodes",
+            str(nodes), "--node-rank",
+            str(node), "--nproc-per-node",
+            str(per_node), "--master-addr", "127.0.0.1", "--master-port",
+            str(port),
+            str(TORCHRUN_SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for node in range(nodes)]
     outputs = [job.communicate(timeout=180) for job in jobs]
     for job, (out, err) in zip(jobs, outputs):
         assert job.returncode == 0, out[-2000:] + err[-4000:]
     lines = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("OK"))
-    assert lines == [f"OK rank {r} of {nodes * per_node} on node {r // per_node}: auto" for r in range(nodes * per_node)]
+    assert lines == [
+        f"OK rank {r} of {nodes * per_node} on node {r // per_node}: auto" for r in range(nodes * per_node)]
 
 
 def uneven_hierarchical(mesh: lab.Mesh, count: int) -> bool:
@@ -385,8 +401,9 @@ def test_auto_picks_hierarchical_across_hosts_when_the_model_says():
 
     def models(shm_alpha_us: float) -> dict:
         flat = {"alpha_step_us": 50.0, "beta_byte_us": 8e-3}  # a slow link: 1 Gbit/s
-        return {"shm": {"allreduce": {"ring": {"alpha_step_us": shm_alpha_us, "beta_byte_us": 1e-4}}},
-                "tcp": {"allreduce": {"ring": flat, "tree": flat}}}
+        return {
+            "shm": {"allreduce": {"ring": {"alpha_step_us": shm_alpha_us, "beta_byte_us": 1e-4}}},
+            "tcp": {"allreduce": {"ring": flat, "tree": flat}}}
 
     # Cheap shared memory: hierarchical's 2(H-1) link steps and 2T(H-1)/H link bytes win at every size.
     for nbytes in (1 << 10, 16 << 20):
@@ -404,9 +421,11 @@ def test_flat_algorithms_across_hosts_are_weighed_on_the_link_not_on_their_own_f
     2(N-1)/N·T against the tree's 2·log2(N)·T) is auto's pick, not the tree."""
     from lab import tuning
 
-    models = {"shm": {"allreduce": {"ring": {"alpha_step_us": 50.0, "beta_byte_us": 1e-3}}},
-              "tcp": {"allreduce": {"ring": {"alpha_step_us": 236.0, "beta_byte_us": 1.9e-3},
-                                    "tree": {"alpha_step_us": 98.0, "beta_byte_us": 5.5e-4}}}}
+    models = {
+        "shm": {"allreduce": {"ring": {"alpha_step_us": 50.0, "beta_byte_us": 1e-3}}}, "tcp": {
+            "allreduce": {
+                "ring": {"alpha_step_us": 236.0, "beta_byte_us": 1.9e-3},
+                "tree": {"alpha_step_us": 98.0, "beta_byte_us": 5.5e-4}}}}
     assert tuning.choose(64 << 20, 4, "tcp", "allreduce", models) == "tree"  # on one machine
     assert tuning.choose_across_hosts(64 << 20, 4, 4, "tcp", models) == "ring"
     times = tuning.flat_across_hosts_us(64 << 20, 4, models)

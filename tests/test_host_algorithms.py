@@ -58,10 +58,9 @@ SHAPES = {
     5: [[0, 0, 0, 1, 1], [0, 0, 1, 1, 2]],  # 3 + 2, 2 + 2 + 1
     6: [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 2, 2]],
     7: [[0, 0, 0, 0, 1, 1, 1]],
-    8: [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3]],
-}
-ALL_SHAPES = [shape for shapes in SHAPES.values() for shape in shapes] + [
-    [0] * 4, [0] * 7, [0, 0, 0, 1, 1, 1, 2, 2], [0] * 8 + [1] * 8, [0] * 12]
+    8: [[0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 2, 2, 3, 3]]}
+ALL_SHAPES = [shape for shapes in SHAPES.values()
+              for shape in shapes] + [[0] * 4, [0] * 7, [0, 0, 0, 1, 1, 1, 2, 2], [0] * 8 + [1] * 8, [0] * 12]
 
 
 def groups(shape: list[int]) -> tuple[tuple[int, ...], ...]:
@@ -81,7 +80,6 @@ def shape_id(shape: list[int]) -> str:
 
 class RecordingPeers:
     """One rank of ``shape`` that writes down its steps: (send (peer, elements) or None, receive)."""
-
     def __init__(self, rank: int, shape: list[int]) -> None:
         self.rank, self.world_size, self.shape, self.steps = rank, len(shape), shape, []
 
@@ -116,7 +114,8 @@ def test_ring_channels_messages_meet_in_the_same_slot(shape):
         for k in range(len(ranks[0].steps)):
             for peers in ranks:
                 send = peers.steps[k][0]
-                assert send is None or ranks[send[0]].steps[k][1] == (peers.rank, send[1]), (count, k, peers.rank)
+                assert send is None or ranks[send[0]].steps[k][1] == (peers.rank, send[1]), (count, k,
+                                                                                             peers.rank)
 
 
 def test_channels_leave_each_host_through_different_ranks():
@@ -197,8 +196,9 @@ def test_ring_channels_beats_the_ring_on_rails_and_its_closed_form_is_the_simula
                         intra_gbit=1000.0)
     times = sim.compare("allreduce", 128, 64 << 20, rails, candidates=["ring", "ring_channels", "chain_tree"])
     assert times["ring_channels"] < times["ring"] / 2
-    models = {"shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 8 / 1e6}}},
-              "tcp": {"allreduce": {"ring": {"alpha_step_us": 5.0, "beta_byte_us": 8 / 1e5}}}}
+    models = {
+        "shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 8 / 1e6}}},
+        "tcp": {"allreduce": {"ring": {"alpha_step_us": 5.0, "beta_byte_us": 8 / 1e5}}}}
     predicted = tuning.across_hosts_us("ring_channels", 64 << 20, 128, 16, "shm", models, nics_per_host=8)
     assert predicted == pytest.approx(times["ring_channels"], rel=1e-6)
 
@@ -206,8 +206,9 @@ def test_ring_channels_beats_the_ring_on_rails_and_its_closed_form_is_the_simula
 def test_auto_across_hosts_weighs_the_host_algorithms():
     def models(flat_alpha_us: float) -> dict:
         flat = {"alpha_step_us": flat_alpha_us, "beta_byte_us": 8e-5}
-        return {"shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 1e-5}}},
-                "tcp": {"allreduce": {"ring": {"alpha_step_us": 5.0, "beta_byte_us": 8e-5}, "tree": flat}}}
+        return {
+            "shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 1e-5}}},
+            "tcp": {"allreduce": {"ring": {"alpha_step_us": 5.0, "beta_byte_us": 8e-5}, "tree": flat}}}
 
     # 64 hosts of 2, 1 MiB: the tree across hosts' ⌈log2 H⌉ levels beat hierarchical's 2(H-1) steps
     assert tuning.choose_across_hosts(1 << 20, 128, 64, "shm", models(5.0)) == "chain_tree"
@@ -224,8 +225,9 @@ def test_a_planted_algorithm_that_knows_hosts_is_weighed_across_hosts_by_its_one
     wins where its form says so, and the shipped ones again once it is gone."""
     from lab.algorithms import registry
 
-    models = {"shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 1e-5}}},
-              "tcp": {"allreduce": {"ring": {"alpha_step_us": 5.0, "beta_byte_us": 8e-5}}}}
+    models = {
+        "shm": {"allreduce": {"ring": {"alpha_step_us": 1.0, "beta_byte_us": 1e-5}}},
+        "tcp": {"allreduce": {"ring": {"alpha_step_us": 5.0, "beta_byte_us": 8e-5}}}}
     seen = []
 
     def across_hosts_us(nbytes, world_size, hosts, inside, across, nics_per_host=1):
@@ -271,7 +273,10 @@ def check_results(mesh: lab.Mesh, shape: list[int], algorithm: str, full: bool) 
     bfloat16 with sum) at every count; with ``full``, every dtype and op at N-1 and 2N+3 elements
     and a large sum and maximum in many segments."""
     failures, n = [], mesh.world_size
-    cases = {(d, o, c) for d in ("float32", "int64", "bfloat16") for o in ops_for(d, False) for c in counts(n)}
+    cases = {(d, o, c)
+             for d in ("float32", "int64", "bfloat16")
+             for o in ops_for(d, False)
+             for c in counts(n)}
     if full:
         cases |= {(d, o, c) for d in DTYPES for o in ops_for(d) for c in (n - 1, 2 * n + 3)}
         cases |= {("float32", "sum", 2000), ("int64", "max", 2000)}
@@ -359,13 +364,15 @@ def both_in_flight(mesh: lab.Mesh) -> list[str]:
         n, index = mesh.world_size, torch.arange(3001, dtype=torch.float64)
         x, y, z = (index * 3 + mesh.rank for _ in range(3))
         sum_op, max_op = torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX
-        works = [lab.allreduce(mesh, x, op=sum_op, algorithm="ring_channels", async_op=True),
-                 lab.allreduce(mesh, y, op=max_op, algorithm="chain_tree", async_op=True)]
+        works = [
+            lab.allreduce(mesh, x, op=sum_op, algorithm="ring_channels", async_op=True),
+            lab.allreduce(mesh, y, op=max_op, algorithm="chain_tree", async_op=True)]
         lab.allreduce(mesh, z, algorithm="ring")  # runs after them, in issue order
         for work in works:
             work.wait()
         for name, got, want in (("ring_channels", x, index * 3 * n + n * (n - 1) / 2),
-                                ("chain_tree", y, index * 3 + n - 1), ("ring", z, index * 3 * n + n * (n - 1) / 2)):
+                                ("chain_tree", y, index * 3 + n - 1), ("ring", z,
+                                                                       index * 3 * n + n * (n - 1) / 2)):
             if not torch.equal(got, want):
                 failures.append(f"rank {mesh.rank} {name}: {describe_mismatch(got, want)}")
     finally:

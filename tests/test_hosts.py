@@ -86,7 +86,8 @@ def all_gone(pids: list[int], inodes: list[int], within_s: float = 5.0) -> None:
         held = set(inodes) & live_network_namespaces()
         if not alive and not held:
             return
-        assert time.monotonic() < deadline, f"left behind: processes {alive}, network namespaces {sorted(held)}"
+        assert time.monotonic(
+        ) < deadline, f"left behind: processes {alive}, network namespaces {sorted(held)}"
         time.sleep(0.05)
 
 
@@ -109,13 +110,11 @@ def noop(mesh: lab.Mesh) -> None:
     (dict(hosts=2, transport="shm"), "transport must be 'tcp' or 'auto' with hosts > 1"),
     (dict(hosts=2, transport="queue"), "transport must be 'tcp' or 'auto' with hosts > 1"),
     (dict(hosts=3, transport="tcp"), r"hosts must be an int that divides world_size \(4\)"),
-    (dict(hosts=0, transport="tcp"), "hosts must be"),
-    (dict(hosts=True, transport="tcp"), "hosts must be"),
+    (dict(hosts=0, transport="tcp"), "hosts must be"), (dict(hosts=True, transport="tcp"), "hosts must be"),
     (dict(hosts=2, transport="tcp", link_gbit=0), "link_gbit must be a number from 1e-05 to 1000 Gbit/s"),
     (dict(hosts=2, transport="tcp", link_gbit="1"), "link_gbit must be a number from 1e-05 to 1000 Gbit/s"),
     (dict(link_gbit=1.0, transport="tcp"), "give hosts= too"),
-    (dict(hosts=2, transport="gloo"), "transport must be one of"),
-])
+    (dict(hosts=2, transport="gloo"), "transport must be one of")])
 def test_bad_host_options_are_value_errors(options, match):
     with pytest.raises(ValueError, match=match):
         lab.spawn(noop, 4, **options)
@@ -147,8 +146,9 @@ def test_link_gbit_outside_what_tbf_can_do_is_a_value_error_before_anything_is_m
         raise AssertionError("a keeper was started for a link_gbit that cannot be made")
 
     monkeypatch.setattr(subprocess, "Popen", no_keeper)
-    with pytest.raises(ValueError, match=r"link_gbit must be a number from 1e-05 to 1000 Gbit/s \(10 kbit/s to 1 "
-                                         r"Tbit/s.*\) or None \(uncapped\); got"):
+    with pytest.raises(
+            ValueError, match=r"link_gbit must be a number from 1e-05 to 1000 Gbit/s \(10 kbit/s to 1 "
+            r"Tbit/s.*\) or None \(uncapped\); got"):
         Hosts(2, link_gbit=gbit)
     with pytest.raises(ValueError, match="link_gbit must be a number from 1e-05 to 1000"):
         lab.spawn(noop, 2, hosts=2, link_gbit=gbit, transport="tcp")
@@ -183,9 +183,11 @@ def test_namespaces_links_and_caps_are_made_and_removed():
             qdisc = run("nsenter", f"--net={host.netns}", "tc", "qdisc", "show", "dev", "eth0")
             assert "tbf" in qdisc and "rate 500Mbit" in qdisc, qdisc  # the host's upload
         switch = run("nsenter", f"--net={hosts.switch_netns}", "tc", "qdisc", "show")
-        assert all(f"dev h{i} root" in switch for i in range(3)) and switch.count("rate 500Mbit") == 3  # downloads
+        assert all(f"dev h{i} root" in switch
+                   for i in range(3)) and switch.count("rate 500Mbit") == 3  # downloads
         bridge = run("nsenter", f"--net={hosts.switch_netns}", "ip", "-o", "link", "show", "master", "br0")
-        assert sorted(line.split(":")[1].strip().split("@")[0] for line in bridge.splitlines()) == ["h0", "h1", "h2"]
+        assert sorted(line.split(":")[1].strip().split("@")[0]
+                      for line in bridge.splitlines()) == ["h0", "h1", "h2"]
         assert root_network() == before  # nothing in the root namespace, even while they exist
     all_gone(pids, inodes, within_s=0.5)
     assert root_network() == before
@@ -194,7 +196,8 @@ def test_namespaces_links_and_caps_are_made_and_removed():
 def test_an_exception_inside_the_pool_removes_everything():
     require_hosts()
     before = root_network()
-    with pytest.raises(RuntimeError, match="user code failed"), lab.launch(2, hosts=2, transport="tcp") as cluster:
+    with pytest.raises(RuntimeError, match="user code failed"), lab.launch(2, hosts=2,
+                                                                           transport="tcp") as cluster:
         pids = cluster.hosts.pids + cluster.pids
         inodes = [os.stat(h.netns).st_ino for h in cluster.hosts.hosts]
         raise RuntimeError("user code failed")
@@ -227,9 +230,11 @@ def test_nothing_outlives_an_owner_killed_or_interrupted(how):
     assert root_network() == before
 
 
-def link_transfer(nbytes: int, gbit: float, userns: str, python: str = sys.executable, user: list[str] = ()) -> dict:
-    done = subprocess.run([*user, python, str(SCRIPTS / "host_link.py"), str(nbytes), str(gbit), userns],
-                          capture_output=True, text=True, timeout=60, cwd="/")
+def link_transfer(nbytes: int, gbit: float, userns: str, python: str = sys.executable,
+                  user: list[str] = ()) -> dict:
+    done = subprocess.run(
+        [*user, python, str(SCRIPTS / "host_link.py"),
+         str(nbytes), str(gbit), userns], capture_output=True, text=True, timeout=60, cwd="/")
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
@@ -347,9 +352,10 @@ def test_gloo_matrix_across_hosts(cluster):
 
 
 @pytest.mark.parametrize("fault, victim, which", [
-    ("sigkill", 2, "allreduce-ring"), ("sigkill", 0, "allgather"),
-    ("stall", 1, "allreduce-tree"), ("stall", 3, "broadcast"),
-])
+    ("sigkill", 2, "allreduce-ring"),
+    ("sigkill", 0, "allgather"),
+    ("stall", 1, "allreduce-tree"),
+    ("stall", 3, "broadcast"),])
 def test_a_killed_or_stalled_rank_ends_the_run_in_time(fault, victim, which, tmp_path):
     """Timed from the fault, as test_faults does: a death is reported before any deadline fires
     (30 s here), a stall before the stalled rank would wake."""
@@ -460,11 +466,12 @@ def made_up_sweep(hosts: int, slowdown: dict[str, float]) -> tuple:
         for nbytes in [1 << 10, 1 << 20, 64 << 20]:
             model = link_model_us(algorithm, hosts, nbytes, 1.0)
             median = (100 * (1 if algorithm == "tree" else hosts) + model) * slowdown.get(algorithm, 1.0)
-            rows.append({"hosts": hosts, "link_gbit": 1.0, "algorithm": algorithm, "bytes": nbytes,
-                         "median_us": median, "link_model_us": model, "cpu_busy": 0.5,
-                         "link_use": model / median})
-    counted = pd.DataFrame([{"hosts": hosts, "rank": 0, "algorithm": "ring", "bytes": 1 << 20,
-                             "bytes_sent": 2 * (1 << 20) * (hosts - 1) // hosts}])
+            rows.append({
+                "hosts": hosts, "link_gbit": 1.0, "algorithm": algorithm, "bytes": nbytes,
+                "median_us": median, "link_model_us": model, "cpu_busy": 0.5, "link_use": model / median})
+    counted = pd.DataFrame([{
+        "hosts": hosts, "rank": 0, "algorithm": "ring", "bytes": 1 << 20,
+        "bytes_sent": 2 * (1 << 20) * (hosts - 1) // hosts}])
     return pd.DataFrame(rows), counted
 
 

@@ -38,7 +38,6 @@ LENGTHS = (0, 1, 7, 100_003)
 NUMPY_UFUNC = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 TORCH_FN = {"sum": torch.add, "prod": torch.mul, "min": torch.minimum, "max": torch.maximum}
 
-
 # --- helpers ------------------------------------------------------------------------------------
 
 
@@ -52,11 +51,11 @@ def _native_pair(dtype, n: int, op: str, rng: np.random.Generator):
     single combine cannot overflow."""
     dtype = np.dtype(dtype)
     if dtype.kind == "f":
-        scale = 10.0 ** rng.uniform(-3, 3, size=(2, n))
+        scale = 10.0**rng.uniform(-3, 3, size=(2, n))
         a, b = (rng.standard_normal((2, n)) * scale).astype(dtype)
     else:
         bits = dtype.itemsize * 8
-        limit = 2 ** (bits // 2 - 1) if op == "prod" else 2 ** (bits - 2)
+        limit = 2**(bits // 2 - 1) if op == "prod" else 2**(bits - 2)
         a, b = rng.integers(-limit, limit, size=(2, n), dtype=dtype)
     b[::5] = a[::5]  # ties for min/max
     return a.copy(), b.copy()
@@ -76,10 +75,8 @@ def _assert_half_equal(got: np.ndarray, want: np.ndarray, is_nan) -> None:
     assert got.shape == want.shape
     got_nan, want_nan = is_nan(got), is_nan(want)
     bad = np.flatnonzero((got_nan != want_nan) | (~want_nan & (got != want)))
-    assert bad.size == 0, (
-        f"{bad.size} mismatches, first at {bad[:5].tolist()}: "
-        f"got {[hex(v) for v in got[bad[:5]]]}, want {[hex(v) for v in want[bad[:5]]]}"
-    )
+    assert bad.size == 0, (f"{bad.size} mismatches, first at {bad[:5].tolist()}: "
+                           f"got {[hex(v) for v in got[bad[:5]]]}, want {[hex(v) for v in want[bad[:5]]]}")
 
 
 def _assert_native_equal(got: np.ndarray, want: np.ndarray) -> None:
@@ -93,8 +90,7 @@ def _assert_native_equal(got: np.ndarray, want: np.ndarray) -> None:
         bad = got != want
     idx = np.flatnonzero(bad)
     assert idx.size == 0, (
-        f"{idx.size} mismatches, first at {idx[:5].tolist()}: {got[idx[:5]]} vs {want[idx[:5]]}"
-    )
+        f"{idx.size} mismatches, first at {idx[:5].tolist()}: {got[idx[:5]]} vs {want[idx[:5]]}")
 
 
 def _to_bf16_tensor(bits: np.ndarray) -> torch.Tensor:
@@ -116,7 +112,7 @@ def _half_pair(family: str, mode: str, n: int, rng: np.random.Generator):
     if mode == "bits":
         a, b = rng.integers(0, 2**16, size=(2, n), dtype=np.uint16)
     else:
-        x = (rng.standard_normal((2, n)) * 10.0 ** rng.uniform(-3, 2, size=(2, n))).astype(np.float32)
+        x = (rng.standard_normal((2, n)) * 10.0**rng.uniform(-3, 2, size=(2, n))).astype(np.float32)
         if family == "float16":
             a, b = _f16_bits_from_f32(x)
         else:
@@ -174,13 +170,10 @@ def test_kernels_import_nothing_from_lab():
                 if node.level >= 2:  # from .. import x: climbs out of kernels/
                     offenders.append(f"{path.name}:{node.lineno} relative import level {node.level}")
                 names = [node.module or ""] if node.level == 0 else []
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                "import_module",
-                "__import__",
-            ):
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
+                    node.func, "id", "")) in ("import_module", "__import__"):
                 names = [
-                    a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
-                ]
+                    a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             else:
                 continue
             offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "lab"]
@@ -230,7 +223,7 @@ def test_int32_prod_wraps_like_numpy():
     dst = a.copy()
     KERNELS["prod", "native"](dst, b)
     _assert_native_equal(dst, want)
-    assert dst[0] == 0 and dst[1] == np.int32(np.int64(46341) ** 2 - 2**32)
+    assert dst[0] == 0 and dst[1] == np.int32(np.int64(46341)**2 - 2**32)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: np.dtype(d).name)
@@ -290,8 +283,7 @@ def test_half_sum_rounds_once_per_step():
     src = _f16_bits_from_f32(np.array([1.0, 3.0, 8.0, 16.0, 2.0**-11], np.float32))
     KERNELS["sum", "float16"](dst, src)
     np.testing.assert_array_equal(
-        dst.view(np.float16).astype(np.float32), [2048.0, 2052.0, 65504.0, np.inf, 1.0]
-    )
+        dst.view(np.float16).astype(np.float32), [2048.0, 2052.0, 65504.0, np.inf, 1.0])
     dst = _bf16_bits(torch.tensor([256.0, 256.0], dtype=torch.bfloat16))
     src = _bf16_bits(torch.tensor([1.0, 3.0], dtype=torch.bfloat16))
     KERNELS["sum", "bfloat16"](dst, src)
@@ -388,22 +380,18 @@ def _float32_sample() -> np.ndarray:
     uniform = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
     # exponents 96..145 cover float16 subnormals, normals, and overflow
     exps = rng.integers(96, 146, 100_000, dtype=np.uint32)
-    near_f16 = (
-        (rng.integers(0, 2, 100_000, dtype=np.uint32) << 31)
-        | (exps << 23)
-        | rng.integers(0, 2**23, 100_000, dtype=np.uint32)
-    )
-    f16 = ALL_HALF[: 0x7C00].view(np.float16).astype(np.float64)  # 0 .. 65504
+    near_f16 = ((rng.integers(0, 2, 100_000, dtype=np.uint32) << 31)
+                | (exps << 23)
+                | rng.integers(0, 2**23, 100_000, dtype=np.uint32))
+    f16 = ALL_HALF[:0x7C00].view(np.float16).astype(np.float64)  # 0 .. 65504
     mids = ((f16[:-1] + f16[1:]) / 2).astype(np.float32)  # exact float16 ties
     mids = np.concatenate([mids, [np.float32((65504.0 + 65536.0) / 2)]]).view(np.uint32)
     bf_ties = (rng.integers(0, 2**16, 50_000, dtype=np.uint32) << 16) | 0x8000
-    specials = np.array(
-        [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001,
-         0x7FBFFFFF, 0x7F80FFFF, 0x7FFFFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x807FFFFF, 0x00800000,
-         0x477FE000, 0x477FEFFF, 0x477FF000, 0x47800000, 0x33000000, 0x33000001, 0x33800000, 0x387FC000,
-         0x38800000, 0xB3000000, 0xB3000001],
-        dtype=np.uint32,
-    )
+    specials = np.array([
+        0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FBFFFFF,
+        0x7F80FFFF, 0x7FFFFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x807FFFFF, 0x00800000, 0x477FE000,
+        0x477FEFFF, 0x477FF000, 0x47800000, 0x33000000, 0x33000001, 0x33800000, 0x387FC000, 0x38800000,
+        0xB3000000, 0xB3000001], dtype=np.uint32)
     ties = np.concatenate([mids, bf_ties])
     parts = [uniform, near_f16, ties, ties - 1, ties + 1, ties | 0x80000000, specials]
     return np.concatenate(parts).astype(np.uint32).view(np.float32)
@@ -446,9 +434,8 @@ def test_float32_to_bfloat16_rounding_matches_torch():
         (3 * 2.0**-25, 0x0002, 0x33C0),  # tie between 1 and 2 subnormal steps -> even (2)
         (float("inf"), 0x7C00, 0x7F80),
         (float("-inf"), 0xFC00, 0xFF80),
-        (3.4028234663852886e38, 0x7C00, 0x7F80),  # float32 max: Inf in both
-    ],
-)
+        (3.4028234663852886e38, 0x7C00, 0x7F80)  # float32 max: Inf in both
+    ])
 def test_narrowing_known_values(value, f16, bf16):
     """Hand-checked narrowing results for ±0, ties, subnormals and overflow."""
     assert int(float32_to_float16(value)) == f16
@@ -561,28 +548,34 @@ def _torch_ops():
     return dist.ReduceOp
 
 
-@pytest.mark.parametrize(
-    ("spelling", "expected"),
-    [
-        ("sum", ReduceOp.SUM), ("SUM", ReduceOp.SUM), ("Sum", ReduceOp.SUM),
-        ("prod", ReduceOp.PROD), ("PROD", ReduceOp.PROD),
-        ("PRODUCT", ReduceOp.PROD), ("product", ReduceOp.PROD),
-        ("min", ReduceOp.MIN), ("MIN", ReduceOp.MIN), ("max", ReduceOp.MAX), ("MAX", ReduceOp.MAX),
-        ("avg", ReduceOp.AVG), ("AVG", ReduceOp.AVG), ("ReduceOp.MAX", ReduceOp.MAX),
-        (ReduceOp.SUM, ReduceOp.SUM), (ReduceOp.PROD, ReduceOp.PROD), (ReduceOp.MIN, ReduceOp.MIN),
-        (ReduceOp.MAX, ReduceOp.MAX), (ReduceOp.AVG, ReduceOp.AVG),
-    ],
-)
+@pytest.mark.parametrize(("spelling", "expected"), [
+    ("sum", ReduceOp.SUM),
+    ("SUM", ReduceOp.SUM),
+    ("Sum", ReduceOp.SUM),
+    ("prod", ReduceOp.PROD),
+    ("PROD", ReduceOp.PROD),
+    ("PRODUCT", ReduceOp.PROD),
+    ("product", ReduceOp.PROD),
+    ("min", ReduceOp.MIN),
+    ("MIN", ReduceOp.MIN),
+    ("max", ReduceOp.MAX),
+    ("MAX", ReduceOp.MAX),
+    ("avg", ReduceOp.AVG),
+    ("AVG", ReduceOp.AVG),
+    ("ReduceOp.MAX", ReduceOp.MAX),
+    (ReduceOp.SUM, ReduceOp.SUM),
+    (ReduceOp.PROD, ReduceOp.PROD),
+    (ReduceOp.MIN, ReduceOp.MIN),
+    (ReduceOp.MAX, ReduceOp.MAX),
+    (ReduceOp.AVG, ReduceOp.AVG),])
 def test_parse_op_accepts_spellings(spelling, expected):
     """parse_op maps names in any case, "PRODUCT" and ReduceOp members to the ReduceOp member."""
     assert parse_op(spelling) is expected
 
 
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [("SUM", ReduceOp.SUM), ("PRODUCT", ReduceOp.PROD), ("MIN", ReduceOp.MIN), ("MAX", ReduceOp.MAX),
-     ("AVG", ReduceOp.AVG)],
-)
+@pytest.mark.parametrize(("name", "expected"), [("SUM", ReduceOp.SUM), ("PRODUCT", ReduceOp.PROD),
+                                                ("MIN", ReduceOp.MIN), ("MAX", ReduceOp.MAX),
+                                                ("AVG", ReduceOp.AVG)])
 def test_parse_op_accepts_torch_distributed_ops(name, expected):
     """torch.distributed.ReduceOp.SUM etc. map to the lab's ReduceOp."""
     assert parse_op(getattr(_torch_ops(), name)) is expected
@@ -602,7 +595,8 @@ def test_parse_op_maps_torch_bitwise_ops_and_rejects_premul_sum():
     factor: the torch backend applies it) has no lab equivalent: ValueError naming ``op``."""
     import torch.distributed as dist
 
-    assert [parse_op(getattr(_torch_ops(), name)).value for name in ("BAND", "BOR", "BXOR")] == ["band", "bor", "bxor"]
+    assert [parse_op(getattr(_torch_ops(), name)).value
+            for name in ("BAND", "BOR", "BXOR")] == ["band", "bor", "bxor"]
     with pytest.raises(ValueError, match=r"\bop\b"):
         parse_op(dist._make_nccl_premul_sum(2.0))
 
@@ -622,14 +616,12 @@ def test_dtype_of_accepts_native_numpy_arrays(name):
     assert found.storage == np.dtype(name) and found.family == "native"
 
 
-@pytest.mark.parametrize(
-    "tensor",
-    [
-        torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8), np.zeros(2, dtype=np.longdouble),
-        np.zeros(2, dtype="datetime64[s]"), np.zeros(2, dtype="U3"), np.zeros(2, dtype=object),
-    ],
-    ids=lambda t: f"{type(t).__module__.split('.')[0]}-{t.dtype}",
-)
+@pytest.mark.parametrize("tensor", [
+    torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8),
+    np.zeros(2, dtype=np.longdouble),
+    np.zeros(2, dtype="datetime64[s]"),
+    np.zeros(2, dtype="U3"),
+    np.zeros(2, dtype=object)], ids=lambda t: f"{type(t).__module__.split('.')[0]}-{t.dtype}")
 def test_dtype_of_rejects_unsupported_dtypes(tensor):
     """Unsupported dtypes are a TypeError naming the argument and listing every supported dtype."""
     with pytest.raises(TypeError) as info:
@@ -640,10 +632,13 @@ def test_dtype_of_rejects_unsupported_dtypes(tensor):
         assert name in message
 
 
-@pytest.mark.parametrize("tensor", [torch.zeros(2, dtype=torch.complex64), torch.zeros(2, dtype=torch.bool),
-                                    torch.zeros(2, dtype=torch.float8_e5m2), np.zeros(2, dtype=np.uint8),
-                                    np.zeros(2, dtype=bool), np.zeros(2, dtype=np.complex128)],
-                         ids=lambda t: f"{type(t).__module__.split('.')[0]}-{t.dtype}")
+@pytest.mark.parametrize("tensor", [
+    torch.zeros(2, dtype=torch.complex64),
+    torch.zeros(2, dtype=torch.bool),
+    torch.zeros(2, dtype=torch.float8_e5m2),
+    np.zeros(2, dtype=np.uint8),
+    np.zeros(2, dtype=bool),
+    np.zeros(2, dtype=np.complex128)], ids=lambda t: f"{type(t).__module__.split('.')[0]}-{t.dtype}")
 def test_moved_dtypes_are_supported_but_not_reduced(tensor):
     """The dtypes collectives only move map to their DType; a reduction of one is a TypeError naming
     the collective and listing the dtypes that reduce."""
@@ -725,7 +720,8 @@ def test_avg_finalize_divides(name, world_size):
     # small integers: the sum is exact in every float type, so the mean is sum / n rounded once
     exact = sum(_decode_dtype(name, r) for r in ranks) / world_size
     # (the half types round each contribution once more: within N roundings of the mean)
-    np.testing.assert_allclose(_decode_dtype(name, buf), exact, rtol=world_size * 2.0**-7, atol=world_size * 2.0**-7)
+    np.testing.assert_allclose(_decode_dtype(name, buf), exact, rtol=world_size * 2.0**-7,
+                               atol=world_size * 2.0**-7)
     if world_size > 1:
         assert not np.array_equal(_decode_dtype(name, buf), sum(_decode_dtype(name, r) for r in ranks))
 

@@ -43,21 +43,24 @@ SCRIPTS = Path(__file__).parent / "scripts"
 RANK = SCRIPTS / "launcher_rank.py"
 STRANGER = SCRIPTS / "launcher_shm_stranger.py"
 NOBODY = 65534
-as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root, to run a second process as another user (nobody)")
+as_root = pytest.mark.skipif(os.getuid() != 0,
+                             reason="needs root, to run a second process as another user (nobody)")
 
 
-def start_rank(rank: int, world_size: int, port: int, xdg: Path, *, group: int | None = 0, local: int | None = None,
-               local_world: int | None = None, **variables: str | None) -> subprocess.Popen:
+def start_rank(rank: int, world_size: int, port: int, xdg: Path, *, group: int | None = 0,
+               local: int | None = None, local_world: int | None = None,
+               **variables: str | None) -> subprocess.Popen:
     """One rank with torchrun's variables (``None`` leaves one unset). Every job of these tests
     keeps its secret files under ``xdg`` (``XDG_RUNTIME_DIR``), apart from other jobs'."""
-    env = child_env(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                    XDG_RUNTIME_DIR=str(xdg))
+    env = child_env(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port), XDG_RUNTIME_DIR=str(xdg))
     env.pop("LAB_TCP_SECRET", None)
-    given = {"GROUP_RANK": group, "LOCAL_RANK": rank if local is None and group == 0 else local,
-             "LOCAL_WORLD_SIZE": world_size if local_world is None and group == 0 else local_world, **variables}
+    given = {
+        "GROUP_RANK": group, "LOCAL_RANK": rank if local is None and group == 0 else local,
+        "LOCAL_WORLD_SIZE": world_size if local_world is None and group == 0 else local_world, **variables}
     env.update({name: str(value) for name, value in given.items() if value is not None})
-    return subprocess.Popen([sys.executable, str(RANK)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen([sys.executable, str(RANK)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 150) -> list[str]:
@@ -104,8 +107,10 @@ def wait_until(condition, what: str, timeout: float = 120) -> None:
 
 def stranger(name: str, count: int, uid: int) -> subprocess.Popen:
     """Silent connections to a hand-out socket from a second process running as ``uid``."""
-    return subprocess.Popen([sys.executable, str(STRANGER), name, str(count), str(uid), str(4 * HELLO_TIMEOUT_S)],
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(STRANGER), name,
+         str(count), str(uid),
+         str(4 * HELLO_TIMEOUT_S)], stdout=subprocess.PIPE, text=True)
 
 
 def report(proc: subprocess.Popen, prefix: str) -> dict:
@@ -196,7 +201,8 @@ def test_a_rank_waits_out_a_full_listen_queue_instead_of_failing():
         thread.join(120)
         assert "socket" in got, got
         mine, _ = listener.accept()
-        assert struct.unpack("3i", mine.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0] == os.getpid()
+        assert struct.unpack("3i", mine.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                   12))[0] == os.getpid()
         for sock in (*fillers, *accepted, mine, got["socket"]):
             sock.close()
 
@@ -214,7 +220,8 @@ def test_a_queue_that_stays_full_is_a_deadline_error_naming_the_hand_out():
                 filler.close()
                 break
             fillers.append(filler)
-        with pytest.raises(DeadlineError, match="local rank 2: local rank 0's shm hand-out queue stayed full"):
+        with pytest.raises(DeadlineError,
+                           match="local rank 2: local rank 0's shm hand-out queue stayed full"):
             connect_hand_out(name, time.monotonic() + 0.2, 2)
         for filler in fillers:
             filler.close()
@@ -232,8 +239,9 @@ def rank_zero_holding_its_secret_file(tmp_path: Path, transport: str, **variable
     """A one-host job of 2 ranks without LAB_TCP_SECRET, rank 1 held back right before it joins:
     rank 0 has written its secret file and waits for rank 1. Returns both ranks and the port."""
     port, go = free_port(), tmp_path / f"go-{secrets.token_hex(4)}"
-    ranks = [start_rank(r, 2, port, tmp_path, LAB_TEST_TRANSPORT=transport, LAB_TEST_GO=str(go),
-                        **(variables if r == 0 else {})) for r in range(2)]
+    ranks = [
+        start_rank(r, 2, port, tmp_path, LAB_TEST_TRANSPORT=transport, LAB_TEST_GO=str(go),
+                   **(variables if r == 0 else {})) for r in range(2)]
     assert ranks[1].stdout.readline().startswith("READY"), finish(ranks)  # it has read rank 0's file
     return ranks, port
 
@@ -328,8 +336,9 @@ def test_a_local_rank_with_another_secret_is_told_so_and_no_rank_waits_for_it(tm
     too (or, if it was served first, loses rank 0 at its first collective), and nobody waits out
     a deadline."""
     port, right = free_port(), secrets.token_hex(32)
-    ranks = [start_rank(r, 3, port, tmp_path, LAB_TCP_SECRET=right if r != 1 else secrets.token_hex(32))
-             for r in range(3)]
+    ranks = [
+        start_rank(r, 3, port, tmp_path, LAB_TCP_SECRET=right if r != 1 else secrets.token_hex(32))
+        for r in range(3)]
     outputs = finish(ranks)
     failures = [line(out, "FAILED") for out in outputs]
     assert failures[1].startswith("FAILED LabError: local rank 1: local rank 0"), outputs
@@ -337,22 +346,26 @@ def test_a_local_rank_with_another_secret_is_told_so_and_no_rank_waits_for_it(tm
     for failure in failures[:2]:
         assert "secret does not match" in failure and "LAB_TCP_SECRET" in failure, failure
     assert failures[2].startswith(("FAILED LabError", "FAILED PeerLostError")), outputs
-    assert not any("DeadlineError" in failure or "JSONDecodeError" in failure for failure in failures), outputs
+    assert not any("DeadlineError" in failure or "JSONDecodeError" in failure
+                   for failure in failures), outputs
 
 
 def test_a_rank_without_the_secret_rank_0_has_says_so_at_once(tmp_path):
     """On one host a rank without LAB_TCP_SECRET looks for rank 0's secret file; when rank 0 has
     the variable instead, it used to wait out the store's 120 s timeout for a file never made."""
     port = free_port()
-    ranks = [start_rank(r, 2, port, tmp_path, LAB_TEST_TRANSPORT="tcp",
-                        LAB_TCP_SECRET=secrets.token_hex(32) if r == 0 else None) for r in range(2)]
+    ranks = [
+        start_rank(r, 2, port, tmp_path, LAB_TEST_TRANSPORT="tcp",
+                   LAB_TCP_SECRET=secrets.token_hex(32) if r == 0 else None) for r in range(2)]
     try:
         out, err = ranks[1].communicate(timeout=150)
     finally:
         kill_all(ranks)  # rank 0 waits for rank 1's connection; torchrun would stop it at once
-    assert line(out, "FAILED") == ("FAILED LabError: rank 1: rank 0 takes the job's secret from LAB_TCP_SECRET, but "
-                                   "this rank has none: set LAB_TCP_SECRET to the same value on every rank (or, on one "
-                                   "host, on none)"), out + err[-3000:]
+    assert line(
+        out,
+        "FAILED") == ("FAILED LabError: rank 1: rank 0 takes the job's secret from LAB_TCP_SECRET, but "
+                      "this rank has none: set LAB_TCP_SECRET to the same value on every rank (or, on one "
+                      "host, on none)"), out + err[-3000:]
 
 
 # -- 11. where the ranks are: uneven nodes, contradicting launchers ------------------------------------
@@ -366,15 +379,20 @@ def test_torchrun_nodes_with_different_numbers_of_ranks(transport):
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     port = free_port()
     env = child_env(LAB_TCP_SECRET=secrets.token_hex(32), LAB_TEST_TRANSPORT=transport)
-    jobs = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(per_node),
-                              "--master-addr", "127.0.0.1", "--master-port", str(port), str(RANK)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for node, per_node in ((0, 2), (1, 1))]
+    jobs = [
+        subprocess.Popen([
+            torchrun, "--nnodes", "2", "--node-rank",
+            str(node), "--nproc-per-node",
+            str(per_node), "--master-addr", "127.0.0.1", "--master-port",
+            str(port),
+            str(RANK)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for node, per_node in ((0, 2), (1, 1))]
     outputs = finish(jobs, timeout=180)
     lines = sorted(text for out in outputs for text in out.splitlines() if text.startswith("OK"))
-    assert lines == ["OK rank 0 host 0 local 0 of 2 hosts 2: allreduce ok",
-                     "OK rank 1 host 0 local 1 of 2 hosts 2: allreduce ok",
-                     "OK rank 2 host 1 local 0 of 1 hosts 2: allreduce ok"], outputs
+    assert lines == [
+        "OK rank 0 host 0 local 0 of 2 hosts 2: allreduce ok",
+        "OK rank 1 host 0 local 1 of 2 hosts 2: allreduce ok",
+        "OK rank 2 host 1 local 0 of 1 hosts 2: allreduce ok"], outputs
 
 
 def test_ranks_whose_variables_contradict_each_other_fail_at_start_naming_them(tmp_path):
@@ -382,8 +400,9 @@ def test_ranks_whose_variables_contradict_each_other_fail_at_start_naming_them(t
     alone on host 1 but claims a partner. Every rank refuses at start-up, naming rank 2, instead
     of a hierarchical allreduce that waits for a rank that is not there."""
     port, secret = free_port(), secrets.token_hex(32)
-    ranks = [start_rank(r, 3, port, tmp_path, group=None, local_world=2, LAB_TCP_SECRET=secret,
-                        LAB_TEST_TRANSPORT="tcp") for r in range(3)]
+    ranks = [
+        start_rank(r, 3, port, tmp_path, group=None, local_world=2, LAB_TCP_SECRET=secret,
+                   LAB_TEST_TRANSPORT="tcp") for r in range(3)]
     outputs = finish(ranks)
     for rank, out in enumerate(outputs):
         assert line(out, "FAILED") == (
@@ -393,34 +412,40 @@ def test_ranks_whose_variables_contradict_each_other_fail_at_start_naming_them(t
         assert not line(out, "JOINED"), out
 
 
-@pytest.mark.parametrize("places, problems", [
-    ([(0, 0, 2), (0, 1, 2), (1, 0, 1)], []),  # uneven and consistent: torchrun with 2 + 1
-    ([(1, 0, 1), (0, 0, 2), (0, 1, 2)], []),  # hosts in any order
-    ([(0, 0, 2), (0, 1, 2), (1, 0, 2)], [("rank 2 on host 1 (GROUP_RANK=1) says LOCAL_WORLD_SIZE=2, but host 1 has 1 "
-                                           "(rank 2)")]),
-    ([(0, 0, 2), (0, 0, 2)], ["ranks 0, 1 on host 0 all say LOCAL_RANK=0"]),
-    ([(0, 0, 3), (0, 1, 2), (0, 2, 3)], [("rank 1 on host 0 (GROUP_RANK=0) says LOCAL_WORLD_SIZE=2, but host 0 has 3 "
-                                           "(ranks 0, 1, 2)")]),
-    ([(0, 0, 1), (0, 1, 1), (1, 0, 1)], [("ranks 0, 1 on host 0 (GROUP_RANK=0) say LOCAL_WORLD_SIZE=1, but host 0 has 2 "
-                                          "(ranks 0, 1)")]),
-])
+@pytest.mark.parametrize(
+    "places, problems",
+    [
+        ([(0, 0, 2), (0, 1, 2), (1, 0, 1)], []),  # uneven and consistent: torchrun with 2 + 1
+        ([(1, 0, 1), (0, 0, 2), (0, 1, 2)], []),  # hosts in any order
+        ([(0, 0, 2), (0, 1, 2),
+          (1, 0, 2)], [("rank 2 on host 1 (GROUP_RANK=1) says LOCAL_WORLD_SIZE=2, but host 1 has 1 "
+                        "(rank 2)")]),
+        ([(0, 0, 2), (0, 0, 2)], ["ranks 0, 1 on host 0 all say LOCAL_RANK=0"]),
+        ([(0, 0, 3), (0, 1, 2),
+          (0, 2, 3)], [("rank 1 on host 0 (GROUP_RANK=0) says LOCAL_WORLD_SIZE=2, but host 0 has 3 "
+                        "(ranks 0, 1, 2)")]),
+        ([(0, 0, 1), (0, 1, 1),
+          (1, 0, 1)], [("ranks 0, 1 on host 0 (GROUP_RANK=0) say LOCAL_WORLD_SIZE=1, but host 0 has 2 "
+                        "(ranks 0, 1)")])])
 def test_placement_problems_name_the_ranks(places, problems):
     assert placement_problems(places) == problems
 
 
 def test_a_rank_that_never_reports_is_named_when_the_store_gives_up():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=1))
     env = LaunchEnv(rank=0, world_size=3, master_addr="127.0.0.1", master_port=store.port, local_rank=0,
                     local_world_size=3, group_rank=0)
     store.set("lab/tcp/place/0/1", "0,1,3")
-    with pytest.raises(DeadlineError, match=r"rank 0: ranks \[2\] did not report where they run within 1 s") as caught:
+    with pytest.raises(DeadlineError,
+                       match=r"rank 0: ranks \[2\] did not report where they run within 1 s") as caught:
         agree_hosts(store, env, "lab/tcp")
     assert caught.value.peers == (2,)
 
 
 def test_auto_refuses_a_node_whose_ranks_are_not_consecutive():
-    env = LaunchEnv(rank=2, world_size=4, master_addr="127.0.0.1", master_port=1, local_rank=1, local_world_size=2,
-                    group_rank=0)
+    env = LaunchEnv(rank=2, world_size=4, master_addr="127.0.0.1", master_port=1, local_rank=1,
+                    local_world_size=2, group_rank=0)
     assert host_block([0, 0, 1, 1], LaunchEnv(3, 4, "127.0.0.1", 1, 1, 2, 1)) == 2
     with pytest.raises(ValueError, match=r"node 0 holds ranks \[0, 2\]"):
         host_block([0, 1, 0, 1], env)
@@ -441,8 +466,9 @@ def test_a_dangling_symlink_for_the_private_directory_is_a_clear_error(tmp_path,
     link.symlink_to(tmp_path / "nowhere")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(LabError, match=f"{link} is a symbolic link .* lab does not follow it: remove it, or set "
-                                       "LAB_TCP_SECRET"):
+    with pytest.raises(
+            LabError, match=f"{link} is a symbolic link .* lab does not follow it: remove it, or set "
+            "LAB_TCP_SECRET"):
         job_secret(store, rank_zero_env(store.port), "lab/tcp")
     assert not (tmp_path / "nowhere").exists() and not store.check(["lab/tcp/secret-file"])
     assert signal.getsignal(signal.SIGTERM) == before
@@ -456,9 +482,11 @@ def test_a_symlink_planted_by_another_user_is_never_followed(monkeypatch):
     try:
         shared.chmod(0o1777)
         link, target = shared / f"lab-{os.getuid()}", shared / "theirs"
-        plant = (f"import os; os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); os.mkdir({str(target)!r}); "
-                 f"os.chmod({str(target)!r}, 0o777); os.symlink({str(target)!r}, {str(link)!r})")
-        planted = subprocess.run([sys.executable, "-c", plant], capture_output=True, text=True, timeout=60, check=False)
+        plant = (
+            f"import os; os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); os.mkdir({str(target)!r}); "
+            f"os.chmod({str(target)!r}, 0o777); os.symlink({str(target)!r}, {str(link)!r})")
+        planted = subprocess.run([sys.executable, "-c", plant], capture_output=True, text=True, timeout=60,
+                                 check=False)
         assert planted.returncode == 0, planted.stderr
         assert link.lstat().st_uid == NOBODY
         monkeypatch.setenv("XDG_RUNTIME_DIR", str(shared))

@@ -43,7 +43,7 @@ MAX_FUNCTION_LINES = 60
 #: (strict): once the module complies, its entry must go.
 EXCEPTIONS: dict[tuple[str, str], str] = {
     ("function size", "lab.sim.event_loop"): "_replay is the simulator's event loop, compiled by Numba: its state is "
-    "some 30 arrays, and its steps are already helpers (_wire, _receive, _complete, _cpu) that take them as arguments",
+    "some 30 arrays, and its steps are already helpers (_wire, _receive, _complete, _cpu) that take them as arguments"
 }
 
 
@@ -122,7 +122,9 @@ def private_uses(current: str, tree: ast.Module, private_names: dict[str, set[st
         if isinstance(node, ast.ImportFrom):
             base = resolve(node.module or "", node.level, current)
             if base.partition(".")[0] in PACKAGES:
-                found += [f"line {node.lineno}: from {base} import {a.name}" for a in node.names if is_private(a.name)]
+                found += [
+                    f"line {node.lineno}: from {base} import {a.name}" for a in node.names
+                    if is_private(a.name)]
         elif isinstance(node, ast.Attribute) and is_private(node.attr):
             owner = node.value.id if isinstance(node.value, ast.Name) else None
             if owner in ("self", "cls"):
@@ -143,7 +145,8 @@ def packages_run(name: str, importer: str) -> list[str]:
     return [p for p in above if not importer.startswith(p + ".")]
 
 
-def import_graph(modules: dict[str, Path] = MODULES, trees: dict[str, ast.Module] = TREES) -> dict[str, set[str]]:
+def import_graph(modules: dict[str, Path] = MODULES, trees: dict[str,
+                                                                 ast.Module] = TREES) -> dict[str, set[str]]:
     """Module -> the modules of ours that importing it runs, one step (every import counts)."""
     graph = {name: set() for name in modules}
     for current, tree in trees.items():
@@ -156,8 +159,10 @@ def import_graph(modules: dict[str, Path] = MODULES, trees: dict[str, ast.Module
             else:
                 continue
             for target in targets:
-                graph[current] |= {t for t in (target, *packages_run(target, current))
-                                   if t in modules and t != current and not current.startswith(t + ".")}
+                graph[current] |= {
+                    t
+                    for t in (target, *packages_run(target, current))
+                    if t in modules and t != current and not current.startswith(t + ".")}
     return graph
 
 
@@ -202,14 +207,17 @@ def part_of(module: str) -> str:
 def part_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     """The module graph seen from above: part -> the parts its modules import (``lab`` left out)."""
     parts = {part_of(m) for m in graph} - {"lab"}
-    return {part: {part_of(t) for m, targets in graph.items() if part_of(m) == part for t in targets}
-            - {part, "lab"} for part in parts}
+    return {
+        part: {part_of(t)
+               for m, targets in graph.items() if part_of(m) == part for t in targets} - {part, "lab"}
+        for part in parts}
 
 
 def each_module(rule: str) -> list:
     """Every module, those excepted from ``rule`` marked as expected failures with the reason."""
-    return [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=EXCEPTIONS[rule, m]))
-            if (rule, m) in EXCEPTIONS else m for m in sorted(MODULES)]
+    return [
+        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=EXCEPTIONS[rule, m])) if
+        (rule, m) in EXCEPTIONS else m for m in sorted(MODULES)]
 
 
 def oversized(path: Path, tree: ast.Module) -> list[str]:
@@ -218,8 +226,9 @@ def oversized(path: Path, tree: ast.Module) -> list[str]:
     too_long = [f"{path.name}: {lines} lines > {MAX_MODULE_LINES}"] if lines > MAX_MODULE_LINES else []
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
-            too_long.append(f"class {node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines "
-                            f"> {MAX_CLASS_LINES}")
+            too_long.append(
+                f"class {node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines "
+                f"> {MAX_CLASS_LINES}")
     return too_long
 
 
@@ -231,9 +240,11 @@ def test_module_and_classes_are_small(module):
 
 @pytest.mark.parametrize("module", each_module("function size"))
 def test_functions_are_short(module):
-    too_long = [f"{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines > {MAX_FUNCTION_LINES}"
-                for node in ast.walk(TREES[module]) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    too_long = [
+        f"{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines > {MAX_FUNCTION_LINES}"
+        for node in ast.walk(TREES[module])
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno +
+        1 > MAX_FUNCTION_LINES]
     assert not too_long, f"{MODULES[module].relative_to(ROOT)}: " + "; ".join(too_long)
 
 
@@ -252,8 +263,9 @@ def test_no_package_imports_one_on_a_floor_above():
 
 
 def test_kernels_import_nothing_from_lab():
-    found = [f"{name} imports {target}" for name, targets in import_graph().items() if name.startswith("kernels")
-             for target in targets if target.startswith("lab")]
+    found = [
+        f"{name} imports {target}" for name, targets in import_graph().items() if name.startswith("kernels")
+        for target in targets if target.startswith("lab")]
     assert not found, found
 
 
@@ -269,35 +281,35 @@ def plant(root: Path, files: dict[str, str]) -> tuple[dict[str, Path], dict[str,
 def test_a_planted_circle_through_a_function_or_a_package_is_found(tmp_path: Path):
     """A circle closed by an import inside a function, and one closed by a package's
     ``__init__`` (importing ``lab.p.registry`` runs ``lab/p/__init__.py``), both fail the rule."""
-    modules, trees = plant(tmp_path, {
-        "lab/__init__.py": "", "kernels/__init__.py": "",
-        "lab/low.py": "def advise():\n    from lab.high import answer\n",
-        "lab/high.py": "from lab import low\n",
-        "lab/p/__init__.py": "from lab.p import choice\n",
-        "lab/p/registry.py": "",
-        "lab/p/choice.py": "from lab import tuning\n",
-        "lab/tuning.py": "from lab.p import registry\n",
-    })
-    assert circles(import_graph(modules, trees)) == [["lab.high", "lab.low"], ["lab.p", "lab.p.choice", "lab.tuning"]]
+    modules, trees = plant(
+        tmp_path, {
+            "lab/__init__.py": "", "kernels/__init__.py": "",
+            "lab/low.py": "def advise():\n    from lab.high import answer\n",
+            "lab/high.py": "from lab import low\n", "lab/p/__init__.py": "from lab.p import choice\n",
+            "lab/p/registry.py": "", "lab/p/choice.py": "from lab import tuning\n",
+            "lab/tuning.py": "from lab.p import registry\n"})
+    assert circles(import_graph(modules, trees)) == [["lab.high", "lab.low"],
+                                                     ["lab.p", "lab.p.choice", "lab.tuning"]]
 
 
 def test_a_planted_arrow_back_up_between_packages_is_found(tmp_path: Path):
     """Two packages whose modules import each other's, with no circle between modules, fail the
     floor rule, and so does a loose module a package imports that imports the package back."""
-    modules, trees = plant(tmp_path, {
-        "lab/__init__.py": "", "kernels/__init__.py": "",
-        "lab/p/__init__.py": "", "lab/p/a.py": "from lab.q import b\n", "lab/p/d.py": "",
-        "lab/q/__init__.py": "", "lab/q/b.py": "", "lab/q/c.py": "from lab.p import d\n",
-        "lab/r/__init__.py": "", "lab/r/choice.py": "from lab import tuning\n", "lab/r/registry.py": "",
-        "lab/tuning.py": "from lab.r import registry\n",
-    })
+    modules, trees = plant(
+        tmp_path, {
+            "lab/__init__.py": "", "kernels/__init__.py": "", "lab/p/__init__.py": "",
+            "lab/p/a.py": "from lab.q import b\n", "lab/p/d.py": "", "lab/q/__init__.py": "",
+            "lab/q/b.py": "", "lab/q/c.py": "from lab.p import d\n", "lab/r/__init__.py": "",
+            "lab/r/choice.py": "from lab import tuning\n", "lab/r/registry.py": "",
+            "lab/tuning.py": "from lab.r import registry\n"})
     assert not circles(import_graph(modules, trees))
     assert circles(part_graph(import_graph(modules, trees))) == [["lab.p", "lab.q"], ["lab.r", "lab.tuning"]]
 
 
 def test_a_planted_451_line_kernel_module_is_too_long(tmp_path: Path):
-    modules, trees = plant(tmp_path, {"lab/__init__.py": "", "kernels/__init__.py": "",
-                                      "kernels/big.py": "x = 1\n" * (MAX_MODULE_LINES + 1)})
+    modules, trees = plant(tmp_path, {
+        "lab/__init__.py": "", "kernels/__init__.py": "", "kernels/big.py": "x = 1\n" *
+        (MAX_MODULE_LINES + 1)})
     assert oversized(modules["kernels.big"], trees["kernels.big"]) == ["big.py: 451 lines > 450"]
     assert "kernels.mailbox" in MODULES  # the real kernels are under the rules
 

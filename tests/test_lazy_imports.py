@@ -41,7 +41,8 @@ def test_a_rank_running_collectives_imports_neither_the_simulator_nor_pandas(tra
 def test_import_lab_loads_them_only_when_first_used():
     code = (f"import sys, lab; before = [m for m in {ON_FIRST_USE!r} if m in sys.modules]; "
             "lab.sim.fit_cluster; lab.workload.load; print(before, 'pandas' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
     assert out.stdout.split() == ["[]", "True"], out.stdout + out.stderr
 
 

@@ -63,6 +63,7 @@ def log_text(rows: list[str], n_gpus: int = 1, devices: list[str] = ()) -> str:
 
 # --- item 1: the rank count, from every source, agreeing ---------------------------------------
 
+
 def test_an_8_gpu_process_without_device_lines_is_8_ranks_not_14():
     """Its only rows are small: 0.07 / 0.13 GB/s once read as 14 ranks. The rounding allows 7 to
     12 there (with the time, of which algbw is computed), 4 to 8 in the 512 B row: 8."""
@@ -70,7 +71,7 @@ def test_an_8_gpu_process_without_device_lines_is_8_ranks_not_14():
     assert (df.attrs["ranks"], df.attrs["ranks_per_process"], df.attrs["hosts"]) == (8, 8, None)
     assert df.attrs["ranks_from"] == "busbw/algbw"
     assert bandwidth_ranks("0.07", "0.13", 2.0, 1024, "13.91") == (7, 12)
-    assert bandwidth_ranks("0.07", "0.13", 2.0) == (6, math.inf)      # the bandwidths alone
+    assert bandwidth_ranks("0.07", "0.13", 2.0) == (6, math.inf)  # the bandwidths alone
 
 
 def test_a_garbled_device_line_is_an_error_naming_it():
@@ -113,7 +114,7 @@ def test_the_count_column_says_the_ranks_where_the_collective_splits_the_buffer(
     text = "".join(line + "\n" for line in (LOGS / "alltoall_no_check.log").read_text().splitlines()
                    if "Rank" not in line)
     df = read_nccl_tests(write(tmp_path, "alltoall.log", text))
-    assert (df.attrs["ranks"], df.attrs["ranks_from"]) == (8, "count")   # 131072 B = 4096 floats x 8
+    assert (df.attrs["ranks"], df.attrs["ranks_from"]) == (8, "count")  # 131072 B = 4096 floats x 8
     doubled = text.replace("      524288         16384", "      524288         32768")
     message = rf", line {line_of(doubled, '32768')}: size / count says 4 ranks here and 8 at line \d+$"
     with pytest.raises(ValueError, match=message):
@@ -125,7 +126,7 @@ def test_the_count_column_says_the_ranks_where_the_collective_splits_the_buffer(
 
 
 def test_rows_whose_busbw_over_algbw_disagree_are_an_error(tmp_path):
-    text = ONE_HOST.read_text().replace("181.82  318.18", "181.82  303.03")   # 2·5/6 of algbw: 6 ranks
+    text = ONE_HOST.read_text().replace("181.82  318.18", "181.82  303.03")  # 2·5/6 of algbw: 6 ranks
     message = rf", line {line_of(text, '303.03')}: busbw/algbw says 6 ranks here and 8 at line \d+$"
     with pytest.raises(ValueError, match=message):
         read_nccl_tests(write(tmp_path, "all_reduce.log", text))
@@ -162,8 +163,10 @@ def test_a_log_of_low_bandwidth_rows_reads_its_true_rank_count_or_none(tmp_path,
     determined = 0
     for n in SWEEP_RANKS:
         split = n if factor == 1.0 else 1  # allgather's size: count floats from each of N ranks
-        rows = [table_row(size // 4 // split * 4 * split, size // 4 // split, us, factor * (n - 1) / n)
-                for size in SWEEP_SIZES for us in SWEEP_TIMES if size // 4 // split]
+        rows = [
+            table_row(size // 4 // split * 4 * split, size // 4 // split, us,
+                      factor * (n - 1) / n) for size in SWEEP_SIZES for us in SWEEP_TIMES
+            if size // 4 // split]
         df = read_nccl_tests(write(tmp_path, f"{collective}.log", log_text(rows)))
         assert df.attrs["ranks"] in (n, None), n
         determined += df.attrs["ranks"] == n
@@ -173,8 +176,10 @@ def test_a_log_of_low_bandwidth_rows_reads_its_true_rank_count_or_none(tmp_path,
 def test_nan_negative_duplicate_and_unordered_rows_read_as_before(tmp_path):
     text = ONE_HOST.read_text()
     rows = text.splitlines()[16:25]
-    odd = [rows[3].replace("14.09    4.65    8.14", "  N/A     N/A     N/A"),
-           rows[0].replace("13.91    0.07    0.13", "-13.91   -0.07   -0.13"), rows[5], rows[5], rows[8], rows[1]]
+    odd = [
+        rows[3].replace("14.09    4.65    8.14", "  N/A     N/A     N/A"),
+        rows[0].replace("13.91    0.07    0.13",
+                        "-13.91   -0.07   -0.13"), rows[5], rows[5], rows[8], rows[1]]
     df = read_nccl_tests(write(tmp_path, "all_reduce.log", text.replace("\n".join(rows), "\n".join(odd))))
     assert df["bytes"].tolist() == [65536, 1024, 1048576, 1048576, 67108864, 4096]
     assert df["oop_time_us"].isna().tolist() == [True] + [False] * 5 and df["oop_time_us"][1] == -13.91
@@ -182,6 +187,7 @@ def test_nan_negative_duplicate_and_unordered_rows_read_as_before(tmp_path):
 
 
 # --- item 2: ranks per host as the device lines give them -------------------------------------
+
 
 def test_hosts_of_8_and_4_ranks_read_as_such_and_are_not_fitted():
     df = read_nccl_tests(HOSTILE / "all_reduce_12ranks_8_plus_4_hosts.log")
@@ -196,8 +202,9 @@ def test_hosts_of_8_and_4_ranks_read_as_such_and_are_not_fitted():
 
 def test_communicators_split_from_the_ranks_read_as_rank_0s_and_are_not_fitted(tmp_path):
     """NCCL_TESTS_SPLIT_MASK=0x1: processes 0, 2, ... and 1, 3, ... each a communicator of 4, at once."""
-    devices = [f"#  Rank {r:2d} Group {r % 2:2d} Pid {100 + r:6d} on {'host' + str(r // 4):>10s} "
-               f"device {r % 4:2d} [0x01] GPU" for r in range(8)]
+    devices = [
+        f"#  Rank {r:2d} Group {r % 2:2d} Pid {100 + r:6d} on {'host' + str(r // 4):>10s} "
+        f"device {r % 4:2d} [0x01] GPU" for r in range(8)]
     rows = [table_row(size, size // 4, 20.0 + size / 1e4, 2 * 3 / 4) for size in (1 << 20, 1 << 24)]
     df = read_nccl_tests(write(tmp_path, "all_reduce.log", log_text(rows, devices=devices)))
     assert (df.attrs["ranks"], df.attrs["groups"], df.attrs["host_ranks"]) == (4, 2, [2, 2])
@@ -206,6 +213,7 @@ def test_communicators_split_from_the_ranks_read_as_rank_0s_and_are_not_fitted(t
 
 
 # --- item 3: an OSU row with a column missing -------------------------------------------------
+
 
 def test_an_osu_row_without_its_latency_is_an_error_naming_its_line():
     """It once merged into the next row: sizes [1, 2, 48, 16, 32], 48 B with 8 B's latency."""
@@ -223,10 +231,12 @@ def test_an_nccl_tests_row_with_a_column_missing_is_an_error(tmp_path):
 
 # --- item 12: a file without end, or too large ------------------------------------------------
 
+
 @pytest.mark.parametrize("read", [read_nccl_tests, read_osu])
 def test_dev_zero_is_refused_at_the_line_limit(read):
-    with pytest.raises(ValueError, match=r"^/dev/zero, line 1: a line longer than 1,048,576 bytes "
-                                         r"\(lab.sim.log_lines.MAX_LINE_BYTES\)"):
+    with pytest.raises(
+            ValueError, match=r"^/dev/zero, line 1: a line longer than 1,048,576 bytes "
+            r"\(lab.sim.log_lines.MAX_LINE_BYTES\)"):
         read("/dev/zero")
 
 
@@ -253,6 +263,7 @@ def test_a_line_past_the_line_limit_is_refused_and_one_at_it_is_read(tmp_path, m
 
 
 # --- item 13: linear in the file's size -------------------------------------------------------
+
 
 def test_200_kb_of_words_after_the_parameters_are_not_glued_to_them(tmp_path):
     """Glued onto the parameter line they were scanned by its pattern again and again (200 KB:
@@ -287,18 +298,21 @@ def test_an_80k_digit_field_is_an_error_quoting_its_ends(tmp_path):
 #: Each nccl-tests program as its src/*.cu prints it: the lab's name, the redop and root columns,
 #: whether the count column is the whole buffer (else each rank's share: size = count × 4 B × N),
 #: and busbw / algbw at N ranks.
-PROGRAMS = {"all_reduce_perf": ("allreduce", "sum", -1, True, lambda n: 2 * (n - 1) / n),
-            "all_gather_perf": ("allgather", "none", -1, False, lambda n: (n - 1) / n),
-            "reduce_scatter_perf": ("reduce_scatter", "sum", -1, False, lambda n: (n - 1) / n),
-            "alltoall_perf": ("all_to_all", "none", -1, False, lambda n: (n - 1) / n),
-            "broadcast_perf": ("broadcast", "none", 0, True, lambda n: 1.0),
-            "reduce_perf": ("reduce", "sum", 0, True, lambda n: 1.0),
-            "gather_perf": ("gather", "none", 0, False, lambda n: (n - 1) / n),
-            "scatter_perf": ("scatter", "none", 0, False, lambda n: (n - 1) / n)}
+PROGRAMS = {
+    "all_reduce_perf": ("allreduce", "sum", -1, True, lambda n: 2 * (n - 1) / n),
+    "all_gather_perf": ("allgather", "none", -1, False, lambda n:
+                        (n - 1) / n), "reduce_scatter_perf": ("reduce_scatter", "sum", -1, False, lambda n:
+                                                              (n - 1) / n),
+    "alltoall_perf": ("all_to_all", "none", -1, False, lambda n:
+                      (n - 1) / n), "broadcast_perf": ("broadcast", "none", 0, True, lambda n: 1.0),
+    "reduce_perf": ("reduce", "sum", 0, True, lambda n: 1.0),
+    "gather_perf": ("gather", "none", 0, False, lambda n:
+                    (n - 1) / n), "scatter_perf": ("scatter", "none", 0, False, lambda n: (n - 1) / n)}
 #: Which collectives print the same numbers in every column: the log cannot tell them apart.
 ALIKE = [["allgather", "all_to_all"], ["gather", "scatter"]]
-COLUMNS = ["bytes", "count", "dtype", "redop", "root", "oop_time_us", "oop_algbw", "oop_busbw", "oop_wrong",
-           "ip_time_us", "ip_algbw", "ip_busbw", "ip_wrong"]
+COLUMNS = [
+    "bytes", "count", "dtype", "redop", "root", "oop_time_us", "oop_algbw", "oop_busbw", "oop_wrong",
+    "ip_time_us", "ip_algbw", "ip_busbw", "ip_wrong"]
 
 
 def program_rows(program: str, n: int) -> list[tuple[int, list[str]]]:
@@ -335,8 +349,9 @@ def test_a_log_that_names_no_collective_reads_as_the_one_its_numbers_allow(tmp_p
     """The whole log, device lines and all, in a file whose name says nothing: read as its
     collective, or an error naming the file and the collectives it could be."""
     collective = PROGRAMS[program][0]
-    devices = [f"#  Rank {r:4d} Group  0 Pid {1000 + r:6d} on node{r // 4:04d} device  {r % 4} [0x07] GPU"
-               for r in range(n)]
+    devices = [
+        f"#  Rank {r:4d} Group  0 Pid {1000 + r:6d} on node{r // 4:04d} device  {r % 4} [0x07] GPU"
+        for r in range(n)]
     rows = ["  ".join(fields) for _, fields in program_rows(program, n)]
     path = write(tmp_path, "run.log", log_text(rows, devices=devices))
     alike = next((alike for alike in ALIKE if collective in alike), None)
@@ -367,10 +382,11 @@ def test_numbers_that_fit_no_collective_are_an_error_naming_each(tmp_path):
     """sendrecv_perf's (busbw = algbw, redop none, root -1): no collective the lab reads."""
     rows = [table_row(size, size // 4, 20.0 + size / 1e4, 1.0) for size in (1 << 20, 1 << 24)]
     path = write(tmp_path, "run.log", log_text(rows))
-    message = (r": the log does not say which collective .* fit none of the collectives it could be "
-               r"\(allreduce: the redop column says none; broadcast: the root column says -1; allgather: line 5: "
-               r"the log's rank counts disagree: count \(line 5\) says 1; busbw/algbw \(line 5\) says 2507 or "
-               r"more; .*; scatter: the root column says -1\)$")
+    message = (
+        r": the log does not say which collective .* fit none of the collectives it could be "
+        r"\(allreduce: the redop column says none; broadcast: the root column says -1; allgather: line 5: "
+        r"the log's rank counts disagree: count \(line 5\) says 1; busbw/algbw \(line 5\) says 2507 or "
+        r"more; .*; scatter: the root column says -1\)$")
     with pytest.raises(ValueError, match=message):
         read_nccl_tests(path)
 

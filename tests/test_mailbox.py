@@ -48,8 +48,9 @@ RESULT_TIMEOUT_S = 120  # only a hang reaches it
 LONG_DEADLINE_NS = 30_000_000_000  # a death must be reported long before this
 SUM = OP_CODES["sum"]
 # What the folding allreduce runs on: (dtype of the buffer, storage family), float16 as uint16 bits.
-FOLDS = {"float32": (np.float32, FAMILY_CODES["native"]), "int64": (np.int64, FAMILY_CODES["native"]),
-         "float16": (np.uint16, FAMILY_CODES["float16"])}
+FOLDS = {
+    "float32": (np.float32, FAMILY_CODES["native"]), "int64": (np.int64, FAMILY_CODES["native"]),
+    "float16": (np.uint16, FAMILY_CODES["float16"])}
 
 
 def fingerprint(seed: int) -> np.ndarray:
@@ -125,7 +126,6 @@ class Ranks:
     (``peers`` from ``open_mailbox``) and sending back its result (``None`` for a child that
     died). With ``liveness``, rank r holds the only write end of pipe r and every other rank polls
     its read end. On exit every child is killed if still running and reaped."""
-
     def __init__(self, world_size: int, body, *, slot_bytes: int = SLOT, depth: int = DEPTH,
                  liveness: bool = False) -> None:
         self.world_size, self.body, self.slot_bytes, self.depth = world_size, body, slot_bytes, depth
@@ -134,7 +134,8 @@ class Ranks:
         self.result_fds: list[int] = []
 
     def __enter__(self) -> Self:
-        region = np.frombuffer(mmap.mmap(-1, region_bytes(self.world_size, self.slot_bytes, self.depth)), np.uint8)
+        region = np.frombuffer(mmap.mmap(-1, region_bytes(self.world_size, self.slot_bytes, self.depth)),
+                               np.uint8)
         results = [os.pipe() for _ in range(self.world_size)]
         alive = [os.pipe() for _ in range(self.world_size)] if self.liveness else []
         try:
@@ -196,7 +197,8 @@ class Ranks:
                     received[pending[fd]] += chunk
                 else:
                     del pending[fd]
-        outcomes = [pickle.loads(received[rank]) if received[rank] else None for rank in range(self.world_size)]
+        outcomes = [
+            pickle.loads(received[rank]) if received[rank] else None for rank in range(self.world_size)]
         for rank, outcome in enumerate(outcomes):
             if outcome is not None and outcome[0] == "error":
                 pytest.fail(f"rank {rank} raised:\n{outcome[1]}")
@@ -240,8 +242,8 @@ def compiled():
     assert (one.status, other.status, one.peer_fingerprint.size) == (doorbell.OK, doorbell.OK, 32)
     integer = typeof(0)
     for dtype, _ in FOLDS.values():
-        allreduce_recursive_doubling.compile((typeof(one.region), integer, integer, typeof(np.zeros(1, dtype)),
-                                              typeof(TAG), integer, integer))
+        allreduce_recursive_doubling.compile(
+            (typeof(one.region), integer, integer, typeof(np.zeros(1, dtype)), typeof(TAG), integer, integer))
 
 
 # --- the primitives -----------------------------------------------------------------------------
@@ -270,25 +272,26 @@ def test_primitives():
 
 
 def test_region_and_arguments():
-    assert not hasattr(region_bytes, "signatures")  # plain Python: the shm transport's parent compiles nothing
+    assert not hasattr(region_bytes,
+                       "signatures")  # plain Python: the shm transport's parent compiles nothing
     assert region_bytes(2, SLOT, DEPTH) == 2 * 128 + 2 * (128 + DEPTH * (64 + SLOT))
     assert region_bytes(3, 100, 2) % 64 == 0 and region_bytes(1, SLOT, DEPTH) == 128
     size = region_bytes(2, SLOT, DEPTH)
     region = np.frombuffer(mmap.mmap(-1, size + LINE), np.uint8)
     fds = np.full(2, -1, np.int32)
-    for rank, world_size, slot_bytes, depth, region_used, used_fds in [(2, 2, SLOT, DEPTH, region, fds),
-                                                                       (0, 2, 32, DEPTH, region, fds),
-                                                                       (0, 2, SLOT, 0, region, fds),
-                                                                       (0, 2, SLOT, DEPTH, region[:size - LINE], fds),
-                                                                       (0, 2, SLOT, DEPTH, region[8:8 + size], fds),
-                                                                       (0, 2, SLOT, DEPTH, region, fds[:1])]:
+    for rank, world_size, slot_bytes, depth, region_used, used_fds in [
+        (2, 2, SLOT, DEPTH, region, fds), (0, 2, 32, DEPTH, region, fds), (0, 2, SLOT, 0, region, fds),
+        (0, 2, SLOT, DEPTH, region[:size - LINE], fds), (0, 2, SLOT, DEPTH, region[8:8 + size], fds),
+        (0, 2, SLOT, DEPTH, region, fds[:1])]:
         with pytest.raises(ValueError, match="MailboxPeers"):
             open_mailbox(region_used, rank, world_size, slot_bytes, depth, used_fds)
     peers = MailboxPeers(region, 0, 2, SLOT, DEPTH, fds)  # the same compiled constructor
     assert isinstance(peers, MailboxPeers) and typeof(peers) == mailbox.mailbox_peers_type
-    assert (peers.rank, peers.world_size, peers.host_of(1), peers.status, peers.failed_peer) == (0, 2, 0, 0, -1)
+    assert (peers.rank, peers.world_size, peers.host_of(1), peers.status, peers.failed_peer) == (0, 2, 0, 0,
+                                                                                                 -1)
     assert (peers.slot_bytes, peers.depth, peers.liveness_fds.tolist()) == (SLOT, DEPTH, [-1, -1])
-    assert (peers.spin_limit, peers.yield_limit) == (doorbell.DEFAULT_SPIN_LIMIT, doorbell.DEFAULT_YIELD_LIMIT)
+    assert (peers.spin_limit, peers.yield_limit) == (doorbell.DEFAULT_SPIN_LIMIT,
+                                                     doorbell.DEFAULT_YIELD_LIMIT)
     peers.begin(TAG, 0)
     peers.send_buffer(0, data(3, 0, np.float32))  # to itself: a usage error, reported, not raised
     assert (peers.status, peers.failed_peer) == (doorbell.INVALID, 0)
@@ -337,7 +340,6 @@ print(sum(sum(s.cache_hits.values()) for s in stats), sum(sum(s.cache_misses.val
 def test_send_recv_every_size(dtype):
     """Rank 0 sends then receives, rank 1 the other way round (a message larger than the ring
     waits for the receiver to drain it); each checks what it got from the other."""
-
     def body(peers):
         peers.begin(TAG, LONG_DEADLINE_NS)
         partner = 1 - peers.rank
@@ -357,14 +359,14 @@ def test_send_recv_every_size(dtype):
     for rank, (status, received, sent, got) in enumerate(run(2, body)):
         assert status == doorbell.OK
         for count, out in zip(sizes(dtype), received):
-            np.testing.assert_array_equal(out, data(count, 1 - rank, dtype), err_msg=f"rank {rank}, {count} items")
+            np.testing.assert_array_equal(out, data(count, 1 - rank, dtype),
+                                          err_msg=f"rank {rank}, {count} items")
         assert sent[1 - rank] == got[1 - rank] == total
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_sendrecv_both_ways_every_size(dtype):
     """Both ranks sendrecv each other at once, messages up to 2.5 rings long: no deadlock."""
-
     def body(peers):
         peers.begin(TAG, LONG_DEADLINE_NS)
         partner = 1 - peers.rank
@@ -378,7 +380,8 @@ def test_sendrecv_both_ways_every_size(dtype):
     for rank, (status, received) in enumerate(run(2, body)):
         assert status == doorbell.OK
         for count, out in zip(sizes(dtype), received):
-            np.testing.assert_array_equal(out, data(count, 1 - rank, dtype), err_msg=f"rank {rank}, {count} items")
+            np.testing.assert_array_equal(out, data(count, 1 - rank, dtype),
+                                          err_msg=f"rank {rank}, {count} items")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 5, 8])
@@ -470,11 +473,12 @@ def test_allreduce_one_compiled_call(world_size):
 
     def body(peers):
         buf = data(count, peers.rank, np.float32)
-        outcome = allreduce_recursive_doubling(peers.region, peers.rank, world_size, buf, TAG, LONG_DEADLINE_NS,
-                                               FAMILY_CODES["native"])
+        outcome = allreduce_recursive_doubling(peers.region, peers.rank, world_size, buf, TAG,
+                                               LONG_DEADLINE_NS, FAMILY_CODES["native"])
         return outcome, buf
 
-    expected = (world_size * STRIDE * np.arange(count) + world_size * (world_size - 1) // 2).astype(np.float32)
+    expected = (world_size * STRIDE * np.arange(count) + world_size * (world_size - 1) // 2).astype(
+        np.float32)
     for rank, (outcome, buf) in enumerate(run(world_size, body)):
         assert outcome == (doorbell.OK, *expected_messages(rank, world_size)), f"rank {rank}"
         np.testing.assert_array_equal(buf, expected, err_msg=f"rank {rank}")
@@ -494,7 +498,8 @@ def test_fold_through_the_mailbox(fold):
 
     def body(peers):
         buf = buffer(np.arange(count) % 200 + peers.rank)
-        outcome = allreduce_recursive_doubling(peers.region, peers.rank, 3, buf, TAG, LONG_DEADLINE_NS, family)
+        outcome = allreduce_recursive_doubling(peers.region, peers.rank, 3, buf, TAG, LONG_DEADLINE_NS,
+                                               family)
         return outcome, buf
 
     expected = buffer(np.arange(count) % 200 * 3 + 3)  # ranks 0 + 1 + 2
@@ -519,7 +524,8 @@ def test_ten_thousand_tiny_messages():
     for rank, (status, got, sent, received, messages_sent, messages_received) in enumerate(run(2, body)):
         assert status == doorbell.OK
         np.testing.assert_array_equal(got, data(messages, 1 - rank, np.int64))
-        assert (sent, received, messages_sent, messages_received) == (8 * messages, 8 * messages, messages, messages)
+        assert (sent, received, messages_sent, messages_received) == (8 * messages, 8 * messages, messages,
+                                                                      messages)
 
 
 @pytest.mark.parametrize("policy", ["spin", "yield", "block"])
@@ -611,7 +617,6 @@ def test_silent_peer_is_reported_after_the_deadline():
 def test_killed_peer_is_reported_as_lost():
     """Rank 1 is SIGKILLed while rank 0 waits for it with a 30 s deadline: PEER_LOST (from its
     liveness pipe, not the deadline), soon after the kill."""
-
     def body(peers):
         if peers.rank == 1:
             time.sleep(RESULT_TIMEOUT_S)  # until killed
@@ -635,7 +640,6 @@ def test_killed_peer_is_reported_as_lost():
 def test_message_of_a_peer_that_exited_is_still_delivered():
     """Rank 1 sends and exits; rank 0 receives afterwards: the published message comes through
     (a last look before PEER_LOST), and only the next receive reports the loss."""
-
     def body(peers):
         peers.begin(TAG, LONG_DEADLINE_NS)
         if peers.rank == 1:

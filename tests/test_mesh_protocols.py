@@ -23,8 +23,9 @@ pytestmark = pytest.mark.no_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The public calls' modules, and the torch backend's.
-CALL_MODULES = [ROOT / "lab" / "collectives" / f"{name}.py"
-                for name in ("calls", "prepared", "gather_scatter", "plans", "choice")]
+CALL_MODULES = [
+    ROOT / "lab" / "collectives" / f"{name}.py"
+    for name in ("calls", "prepared", "gather_scatter", "plans", "choice")]
 BACKEND_MODULES = sorted((ROOT / "lab" / "backend").glob("*.py"))
 #: The names a mesh goes by in those modules (``world``: the backend's world; its ``group`` is torch's).
 MESH_NAMES = {"mesh", "world"}
@@ -39,8 +40,10 @@ def declared(protocol: type) -> dict[str, Any]:
         if cls in (object, Protocol, Generic):
             continue
         members.update({name: None for name in inspect.get_annotations(cls)})
-        members.update({name: value for name, value in cls.__dict__.items() if not name.startswith("_")
-                        and (isinstance(value, (property, staticmethod)) or inspect.isfunction(value))})
+        members.update({
+            name: value
+            for name, value in cls.__dict__.items() if not name.startswith("_") and
+            (isinstance(value, (property, staticmethod)) or inspect.isfunction(value))})
     return members
 
 
@@ -71,16 +74,18 @@ def signature_problems(name: str, wanted: Any, given: Any) -> list[str]:
         found = by_name.get(p.name)
         if found is None:
             problems.append(f"{name}: no parameter {p.name!r}")
-        elif p.kind == p.POSITIONAL_OR_KEYWORD and (index >= len(positional) or positional[index] is not found):
+        elif p.kind == p.POSITIONAL_OR_KEYWORD and (index >= len(positional) or
+                                                    positional[index] is not found):
             problems.append(f"{name}: {p.name!r} is not its parameter {index + 1}")
         elif p.kind == p.KEYWORD_ONLY and found.kind not in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
             problems.append(f"{name}: {p.name!r} cannot be passed by keyword")
         elif p.default is not p.empty and found.default is p.empty:
             problems.append(f"{name}: {p.name!r} has no default")
     wanted_names = {p.name for p in want}
-    problems += [f"{name}: its parameter {h.name!r}, which callers do not pass, has no default" for h in have
-                 if h.name not in wanted_names and h.default is h.empty and h.kind not in (h.VAR_POSITIONAL,
-                                                                                             h.VAR_KEYWORD)]
+    problems += [
+        f"{name}: its parameter {h.name!r}, which callers do not pass, has no default" for h in have
+        if h.name not in wanted_names and h.default is h.empty and h.kind not in (h.VAR_POSITIONAL,
+                                                                                  h.VAR_KEYWORD)]
     return problems
 
 
@@ -110,10 +115,15 @@ def conformance(implementation: Any, protocol: type) -> list[str]:
 
 
 @pytest.mark.parametrize(("implementation", "protocol"), [
-    (Mesh, CallMesh), (Mesh, BackendMesh), (Mesh, Peers),
-    (RecordingMesh(4, 2), CallMesh), (RecordingMesh, Peers),
-    (Exchange, Peers), (GroupView(RecordingMesh(4), [3, 0]), Peers),
-], ids=lambda value: getattr(value, "__name__", type(value).__name__))
+    (Mesh, CallMesh),
+    (Mesh, BackendMesh),
+    (Mesh, Peers),
+    (RecordingMesh(4, 2), CallMesh),
+    (RecordingMesh, Peers),
+    (Exchange, Peers),
+    (GroupView(RecordingMesh(4), [3, 0]), Peers),],
+                         ids=lambda value: getattr(value, "__name__",
+                                                   type(value).__name__))
 def test_each_implementation_gives_every_declared_member(implementation: Any, protocol: type):
     assert conformance(implementation, protocol) == []
 
@@ -163,35 +173,41 @@ def test_the_backend_uses_exactly_what_backend_mesh_declares_besides():
 class Planted(Protocol):
     size: int
 
-    def go(self, a: int, b: int = 0, *, c: str = "") -> None: ...
+    def go(self, a: int, b: int = 0, *, c: str = "") -> None:
+        ...
 
 
 class Conforming:
     size = 1
 
-    def go(self, a: int, b: int = 0, d: int = 5, *, c: str = "") -> None: ...
+    def go(self, a: int, b: int = 0, d: int = 5, *, c: str = "") -> None:
+        ...
 
 
 class Missing:
-    def go(self, a: int, b: int = 0, *, c: str = "") -> None: ...
+    def go(self, a: int, b: int = 0, *, c: str = "") -> None:
+        ...
 
 
 class Misnamed:
     size = 1
 
-    def go(self, a: int, bee: int = 0, *, c: str = "") -> None: ...
+    def go(self, a: int, bee: int = 0, *, c: str = "") -> None:
+        ...
 
 
 class NoDefault:
     size = 1
 
-    def go(self, a: int, b: int, *, c: str = "") -> None: ...
+    def go(self, a: int, b: int, *, c: str = "") -> None:
+        ...
 
 
 class ExtraRequired:
     size = 1
 
-    def go(self, a: int, b: int = 0, *, c: str = "", e: int) -> None: ...
+    def go(self, a: int, b: int = 0, *, c: str = "", e: int) -> None:
+        ...
 
 
 def test_the_check_fails_a_member_missing_or_called_otherwise():
@@ -201,8 +217,8 @@ def test_the_check_fails_a_member_missing_or_called_otherwise():
     assert conformance(Missing, Planted) == ["size: missing"]
     assert conformance(Misnamed, Planted) == ["go: no parameter 'b'"]
     assert conformance(NoDefault, Planted) == ["go: 'b' has no default"]
-    assert conformance(ExtraRequired, Planted) == [
-        "go: its parameter 'e', which callers do not pass, has no default"]
+    assert conformance(ExtraRequired,
+                       Planted) == ["go: its parameter 'e', which callers do not pass, has no default"]
 
 
 def test_the_scan_finds_every_form_of_use(tmp_path: Path):

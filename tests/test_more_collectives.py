@@ -87,12 +87,14 @@ def check_gather_scatter(mesh: lab.Mesh) -> list[str]:
         concat = np.concatenate if numpy else torch.cat
         want = concat([t.reshape(t.shape or (1,)) for t in inputs]) if rank == root else None
         if (got is None) != (want is None) or (want is not None and not same(got, want)):
-            failures.append(f"rank {rank} gather {algorithm} {dtype}[{count}] cols={cols} dst={root} numpy={numpy}")
+            failures.append(
+                f"rank {rank} gather {algorithm} {dtype}[{count}] cols={cols} dst={root} numpy={numpy}")
         # Only the root's contents are read: the others pass their own (different) tensor.
         block = (np.array_split if numpy else torch.tensor_split)(inputs[root], n)[rank]
         got = lab.scatter(mesh, inputs[rank], src=root, algorithm=algorithm)
         if not same(got, block):
-            failures.append(f"rank {rank} scatter {algorithm} {dtype}[{count}] cols={cols} src={root} numpy={numpy}")
+            failures.append(
+                f"rank {rank} scatter {algorithm} {dtype}[{count}] cols={cols} src={root} numpy={numpy}")
 
     for algorithm in ALGORITHMS:
         for i, count in enumerate(counts(n)):
@@ -150,7 +152,8 @@ def check_byte_counts(mesh: lab.Mesh) -> list[str]:
     n, rank, failures = mesh.world_size, mesh.rank, []
     for algorithm in ("binomial", "linear"):
         for root in range(n):
-            for collective, option, x in (("gather", "dst", torch.zeros(5)), ("scatter", "src", torch.zeros(5 * n))):
+            for collective, option, x in (("gather", "dst", torch.zeros(5)), ("scatter", "src",
+                                                                              torch.zeros(5 * n))):
                 mesh.reset_stats()
                 getattr(lab, collective)(mesh, x, algorithm=algorithm, **{option: root})
                 stats = mesh.stats()
@@ -184,9 +187,10 @@ def check_uneven_all_to_all(mesh: lab.Mesh) -> list[str]:
                 sends = table[rank]
                 receives = [table[i][rank] for i in range(n)]
                 for algorithm in ("pairwise", "auto"):
-                    got = lab.all_to_all(mesh, inputs[rank], output_split_sizes=receives, input_split_sizes=sends,
-                                         algorithm=algorithm)
-                    want = torch.cat([inputs[i][sum(table[i][:rank]):sum(table[i][:rank + 1])] for i in range(n)])
+                    got = lab.all_to_all(mesh, inputs[rank], output_split_sizes=receives,
+                                         input_split_sizes=sends, algorithm=algorithm)
+                    want = torch.cat([
+                        inputs[i][sum(table[i][:rank]):sum(table[i][:rank + 1])] for i in range(n)])
                     if not same(got, want):
                         failures.append(f"rank {rank} all_to_all {algorithm} {pattern} {dtype} x{cols}")
                     if mesh.flight_records()[-1].algorithm != "pairwise":
@@ -195,15 +199,16 @@ def check_uneven_all_to_all(mesh: lab.Mesh) -> list[str]:
     # numpy, and one side None: equal input blocks, output sizes given (and the other way round).
     x = np.arange(2 * n, dtype=np.complex64) * STRIDE + rank
     got = lab.all_to_all(mesh, x, output_split_sizes=[2] * n)
-    want = np.concatenate([(np.arange(2 * n, dtype=np.complex64) * STRIDE + i)[2 * rank:2 * rank + 2]
-                           for i in range(n)])
+    want = np.concatenate([
+        (np.arange(2 * n, dtype=np.complex64) * STRIDE + i)[2 * rank:2 * rank + 2] for i in range(n)])
     if not same(got, want):
         failures.append(f"rank {rank} all_to_all numpy output_split_sizes only")
     got = lab.all_to_all(mesh, x, input_split_sizes=[2] * n)
     if not same(got, want):
         failures.append(f"rank {rank} all_to_all numpy input_split_sizes only")
     with lab.all_to_all_init(mesh, torch.arange(2.0 * n) + 100 * rank, [2] * n, [2] * n) as plan:
-        if not torch.equal(plan(), torch.cat([torch.arange(2.0 * rank, 2.0 * rank + 2) + 100 * i for i in range(n)])):
+        if not torch.equal(plan(),
+                           torch.cat([torch.arange(2.0 * rank, 2.0 * rank + 2) + 100 * i for i in range(n)])):
             failures.append(f"rank {rank} all_to_all_init with split sizes")
     return failures
 
@@ -236,8 +241,10 @@ def check_any_source(mesh: lab.Mesh, per_sender: int = 3) -> list[str]:
         return []
 
     def payload(src: int, dst: int, i: int):
-        kinds = [torch.tensor([src, dst, i]), np.array([src + 1j * dst, i], np.complex128),
-                 torch.tensor([src % 2 == 1, i % 2 == 1])]
+        kinds = [
+            torch.tensor([src, dst, i]),
+            np.array([src + 1j * dst, i], np.complex128),
+            torch.tensor([src % 2 == 1, i % 2 == 1])]
         return kinds[i % len(kinds)]
 
     for receiver in range(n):  # each rank in turn takes everyone's (sends are bounded: no one waits on two)
@@ -351,12 +358,16 @@ def bad_arguments(mesh: lab.Mesh) -> list[str]:
         (lambda: lab.scatter(mesh, x, src=n), ValueError, "src must be a rank"),
         (lambda: lab.scatter(mesh, x, src=0.5), ValueError, "src must be a rank"),
         (lambda: lab.scatter(mesh, torch.tensor(1.0)), ValueError, "at least one dimension"),
-        (lambda: lab.all_to_all(mesh, x, input_split_sizes=[2] * (n + 1)), ValueError, "input_split_sizes must have"),
-        (lambda: lab.all_to_all(mesh, x, output_split_sizes=[-1] + [2] * (n - 1)), ValueError,
-         "output_split_sizes must hold non-negative"),
-        (lambda: lab.all_to_all(mesh, x, input_split_sizes=[3] * n), ValueError, "must sum to the tensor's dim 0"),
-        (lambda: lab.all_to_all(mesh, x, input_split_sizes=[2.0] * n), ValueError, "input_split_sizes must hold"),
-        (lambda: lab.all_to_all(mesh, x, output_split_sizes="22"), TypeError, "output_split_sizes must be a sequence"),
+        (lambda: lab.all_to_all(mesh, x, input_split_sizes=[2] *
+                                (n + 1)), ValueError, "input_split_sizes must have"),
+        (lambda: lab.all_to_all(mesh, x, output_split_sizes=[-1] + [2] *
+                                (n - 1)), ValueError, "output_split_sizes must hold non-negative"),
+        (lambda: lab.all_to_all(mesh, x, input_split_sizes=[3] * n), ValueError,
+         "must sum to the tensor's dim 0"),
+        (lambda: lab.all_to_all(mesh, x, input_split_sizes=[2.0] * n), ValueError,
+         "input_split_sizes must hold"),
+        (lambda: lab.all_to_all(mesh, x, output_split_sizes="22"), TypeError,
+         "output_split_sizes must be a sequence"),
         (lambda: lab.all_to_all(mesh, x, [2] * n, [2] * n, algorithm="bruck"), ValueError,
          "'bruck' needs equal blocks"),
         (lambda: lab.allreduce(mesh, torch.ones(3, dtype=torch.bool)), TypeError, "allreduce cannot reduce"),
@@ -364,8 +375,7 @@ def bad_arguments(mesh: lab.Mesh) -> list[str]:
         (lambda: lab.reduce_scatter(mesh, torch.ones(3, dtype=torch.uint8)), TypeError,
          "reduce_scatter cannot reduce"),
         (lambda: mesh.recv(None, timeout_ms=-1), ValueError, "timeout_ms must be"),
-        (lambda: mesh.recv(None, tag=-1), ValueError, "tag must be an int in [0, 2**31)"),
-    ]
+        (lambda: mesh.recv(None, tag=-1), ValueError, "tag must be an int in [0, 2**31)")]
     if n > 1:
         cases += [(lambda: mesh.send((mesh.rank + 1) % n, x, tag=2**31), ValueError, "tag must be an int"),
                   (lambda: mesh.send((mesh.rank + 1) % n, x, tag=1.0), ValueError, "tag must be an int")]
@@ -405,7 +415,8 @@ def against_gloo(mesh: lab.Mesh) -> list[str]:
                     failures.append(f"rank {rank} {op} [{count}] root {root}: {got} vs gloo {want}")
     for op in ("band", "bor", "bxor"):
         x = torch.arange(2 * n + 1, dtype=torch.int64) * STRIDE * 7 + rank
-        if not torch.equal(lab.allreduce(mesh, x.clone(), op=op), gloo_collective(mesh, "allreduce", x.clone(), op=op)):
+        if not torch.equal(lab.allreduce(mesh, x.clone(), op=op),
+                           gloo_collective(mesh, "allreduce", x.clone(), op=op)):
             failures.append(f"rank {rank} allreduce {op} differs from gloo's")
     table = splits(n, "mixed")
     x = torch.arange(sum(table[rank]) * 2, dtype=torch.int64).reshape(-1, 2) * STRIDE + rank
@@ -466,8 +477,9 @@ def plans(mesh: lab.Mesh) -> list[str]:
 
 # -- the pools -----------------------------------------------------------------------------------
 
-POOLS = slow_from_five([*(("shm", n) for n in range(1, 9)), ("queue", 3), ("queue", 5), ("tcp", 2), ("tcp", 6), ("auto", 4)],
-                       lambda p: p[1])
+POOLS = slow_from_five(
+    [*(("shm", n) for n in range(1, 9)), ("queue", 3), ("queue", 5), ("tcp", 2), ("tcp", 6),
+     ("auto", 4)], lambda p: p[1])
 
 
 @pytest.fixture(scope="module", params=POOLS, ids=lambda p: f"{p[0]}-N{p[1]}")
@@ -488,7 +500,8 @@ def test_gather_scatter_every_algorithm_count_root_dtype(cluster):
 
 def test_gather_scatter_byte_counts(cluster):
     if cluster.transport != "shm":
-        pytest.skip("the counters count what the algorithm sends, whatever the transport: shm's pools check them")
+        pytest.skip(
+            "the counters count what the algorithm sends, whatever the transport: shm's pools check them")
     assert_no_failures(cluster.run(check_byte_counts))
 
 

@@ -32,9 +32,9 @@ def ring_only(nodes_gbyte: float, alpha_us: float) -> NcclModel:
     nccl = shipped(topology)
     ring = PairTerms(base_us=0.0, intra_hop_us=alpha_us, net_hop_us=alpha_us, overhead_us=alpha_us,
                      channel_hop_us=0.0, efficiency=(1.0, 1.0, 1.0), cap_gbyte=(math.inf,) * 3)
-    return NcclModel(topology=topology, pairs={("ring", "simple"): ring}, channels=(1, 1, 1),
-                     channel_gbyte=(nodes_gbyte,) * 3, ring_plateau=1.0, tree_correction=False,
-                     chooser=None, name=f"ring of {nccl.name}")
+    return NcclModel(topology=topology, pairs={
+        ("ring", "simple"): ring}, channels=(1, 1, 1), channel_gbyte=(nodes_gbyte,) * 3, ring_plateau=1.0,
+                     tree_correction=False, chooser=None, name=f"ring of {nccl.name}")
 
 
 @pytest.mark.parametrize("collective", ["allreduce", "allgather"])
@@ -63,11 +63,13 @@ def test_predict_answers_nccls_pick_with_its_protocol():
     assert predict_nccl(nccl, "allgather", hosts=8, nbytes=1 << 20).time_us > 0
 
 
-@pytest.mark.parametrize("arguments, name", [
-    ({"hosts": 0, "nbytes": 1}, "hosts"), ({"hosts": -3, "nbytes": 1}, "hosts"),
-    ({"hosts": 1.5, "nbytes": 1}, "hosts"), ({"hosts": True, "nbytes": 1}, "hosts"),
-    ({"hosts": 2, "nbytes": 0}, "nbytes"),
-    ({"hosts": 2, "nbytes": math.nan}, "nbytes"), ({"hosts": 2, "nbytes": 1, "choose": "best"}, "choose")])
+@pytest.mark.parametrize("arguments, name", [({"hosts": 0, "nbytes": 1}, "hosts"),
+                                             ({"hosts": -3, "nbytes": 1}, "hosts"),
+                                             ({"hosts": 1.5, "nbytes": 1}, "hosts"),
+                                             ({"hosts": True, "nbytes": 1}, "hosts"),
+                                             ({"hosts": 2, "nbytes": 0}, "nbytes"),
+                                             ({"hosts": 2, "nbytes": math.nan}, "nbytes"),
+                                             ({"hosts": 2, "nbytes": 1, "choose": "best"}, "choose")])
 def test_predict_nccl_names_a_bad_argument(arguments, name):
     with pytest.raises(ValueError, match=name):
         lab.sim.predict(shipped(POLARIS), "allreduce", **arguments)

@@ -58,12 +58,14 @@ def truth(topology: ClusterTopology) -> NcclModel:
     sizes it runs (Simple and LL128 run on every channel wherever NCCL picks them); the Simple
     ring at efficiency 1, as it defines a channel's bandwidth."""
     nccl = shipped(topology)
-    pairs = {pair: replace(terms, base_us=terms.base_us * 1.5 + 60.0, net_hop_us=terms.net_hop_us * 2.3 + 1.1,
-                           overhead_us=9.0 if pair[0] == "ring" else 0.0,
-                           channel_hop_us=1.3 if pair[1] == "ll" else 0.0,
-                           efficiency=terms.efficiency if pair == ("ring", "simple") else tuple(
-                               e * 0.8 for e in terms.efficiency), cap_gbyte=(math.inf,) * 3)
-             for pair, terms in nccl.pairs.items()}
+    pairs = {
+        pair: replace(
+            terms, base_us=terms.base_us * 1.5 + 60.0, net_hop_us=terms.net_hop_us * 2.3 + 1.1,
+            overhead_us=9.0 if pair[0] == "ring" else 0.0, channel_hop_us=1.3 if pair[1] == "ll" else 0.0,
+            efficiency=terms.efficiency if pair == ("ring", "simple") else tuple(e * 0.8
+                                                                                 for e in terms.efficiency),
+            cap_gbyte=(math.inf,) * 3)
+        for pair, terms in nccl.pairs.items()}
     return replace(nccl, pairs=pairs, channel_gbyte=(nccl.channel_gbyte[0], 19.0, 21.0), ring_plateau=1.0,
                    pipelined_ring=True, chooser=nccl, name="truth")
 
@@ -127,8 +129,7 @@ def test_switch_points_are_the_polaris_knees():
 
 @pytest.mark.parametrize("nic_path, pairs", [
     ("pxb", {("tree", "ll"), ("tree", "ll128"), ("ring", "ll"), ("ring", "ll128"), ("ring", "simple")}),
-    ("phb", {("tree", "ll"), ("tree", "simple"), ("ring", "ll"), ("ring", "simple")}),
-])
+    ("phb", {("tree", "ll"), ("tree", "simple"), ("ring", "ll"), ("ring", "simple")}),])
 def test_every_term_found_again_from_the_models_own_logs(nic_path, pairs):
     """Each pair the tuner runs somewhere, each ring on both sides of its pipeline (its steps
     longer than its bytes on the wire, and shorter): every term the rows can see found exactly."""
@@ -194,11 +195,12 @@ def test_fabric_costs_only_jobs_that_span_groups():
     pair = ("ring", "ll")
     assert dragonfly.latency_us("allgather", pair, 64, 1) == plain.latency_us("allgather", pair, 64, 1)
     # 128 nodes: every one of the 511 ring steps waits for a crossing
-    assert dragonfly.latency_us("allgather", pair, 128, 1) == pytest.approx(
-        plain.latency_us("allgather", pair, 128, 1) + 511 * 2.0)
+    assert dragonfly.latency_us("allgather", pair, 128,
+                                1) == pytest.approx(plain.latency_us("allgather", pair, 128, 1) + 511 * 2.0)
     # the tree pays the levels above a group: log2(128) - log2(64) = 1, up and down
-    assert dragonfly.latency_us("allreduce", ("tree", "ll"), 128, 1) == pytest.approx(
-        plain.latency_us("allreduce", ("tree", "ll"), 128, 1) + 2 * 2.0)
+    assert dragonfly.latency_us(
+        "allreduce", ("tree", "ll"), 128,
+        1) == pytest.approx(plain.latency_us("allreduce", ("tree", "ll"), 128, 1) + 2 * 2.0)
     thin = replace(POLARIS, fabric=FatTree(nodes_per_leaf=1, oversubscription=4.0))  # 1 node's 50 GB/s / 4
     assert shipped(thin).bus_gbyte(("ring", "simple"), 2) == pytest.approx(12.5)
     one_node = shipped(POLARIS).bus_gbyte(("ring", "simple"), 1)
@@ -232,8 +234,7 @@ def test_topology_choices_checked(field, value):
     (lambda: FatTree(nodes_per_leaf=8, spine_hop_us=math.inf), "spine_hop_us"),
     (lambda: FatTree(nodes_per_leaf=8, leaves=1.5), "leaves"),
     (lambda: replace(POLARIS, fabric="dragonfly"), "fabric"),
-    (lambda: Graph(channels=0, intra_gbyte=1.0, inter_gbyte=1.0), "channels"),
-])
+    (lambda: Graph(channels=0, intra_gbyte=1.0, inter_gbyte=1.0), "channels")])
 def test_fabric_and_graph_checked(make, field):
     with pytest.raises((ValueError, TypeError), match=field):
         make()
@@ -264,12 +265,17 @@ def test_node_counts_checked_against_the_cluster():
 
 
 @pytest.mark.parametrize("arguments, field", [
-    (("allreduce", 0, 1024), "nodes"), (("allreduce", -3, 1024), "nodes"),
-    (("allreduce", True, 1024), "nodes"), (("allreduce", 2.0, 1024), "nodes"),
-    (("allreduce", 2, 0), "nbytes"), (("allreduce", 2, -8), "nbytes"), (("allreduce", 2, math.nan), "nbytes"),
-    (("allreduce", 2, True), "nbytes"), (("allreduce", 2, 1 << 51), "nbytes"),
-    (("alltoall", 2, 1024), "collective"), ((None, 2, 1024), "collective"),
-])
+    (("allreduce", 0, 1024), "nodes"),
+    (("allreduce", -3, 1024), "nodes"),
+    (("allreduce", True, 1024), "nodes"),
+    (("allreduce", 2.0, 1024), "nodes"),
+    (("allreduce", 2, 0), "nbytes"),
+    (("allreduce", 2, -8), "nbytes"),
+    (("allreduce", 2, math.nan), "nbytes"),
+    (("allreduce", 2, True), "nbytes"),
+    (("allreduce", 2, 1 << 51), "nbytes"),
+    (("alltoall", 2, 1024), "collective"),
+    ((None, 2, 1024), "collective"),])
 def test_predict_arguments_checked(arguments, field):
     with pytest.raises(ValueError, match=field):
         shipped(POLARIS).predict(*arguments)
@@ -320,9 +326,9 @@ def test_tuner_file_reads_nccl_examples(tmp_path):
                     "allgather, 0, 4294967295, ring, simple, 4, 2, -1\n"
                     "reduce,0,4294967295,tree,simple,-1,-1,-1\n")
     rules = tuner_file.read(path)
-    assert [(r.collective, r.max_bytes, r.channels, r.nodes, r.reg_buff) for r in rules] == [
-        ("allreduce", 65536, 2, 1, 1), ("allgather", 4294967295, 4, 2, -1),
-        ("reduce", 4294967295, -1, -1, -1)]
+    assert [(r.collective, r.max_bytes, r.channels, r.nodes, r.reg_buff)
+            for r in rules] == [("allreduce", 65536, 2, 1, 1), ("allgather", 4294967295, 4, 2, -1),
+                                ("reduce", 4294967295, -1, -1, -1)]
 
 
 @pytest.mark.parametrize("line, message", [
@@ -336,8 +342,7 @@ def test_tuner_file_reads_nccl_examples(tmp_path):
     ("allreduce,2048,1024,ring,simple,-1,-1,-1", "line 2: min_bytes 2048 is past max_bytes 1024"),
     ("allreduce,0,1024,ring,simple,-2,-1,-1", r"line 2: channels must be in \[-1, "),
     ("allreduce,0,1024,ring,simple,-1,-1,-1,-1,2", "line 2: regBuff must be -1, 0 or 1"),
-    ("allreduce,0,1024,ring,simple,-1,-1," + "1" * 300, "line 2: 335 characters"),
-])
+    ("allreduce,0,1024,ring,simple,-1,-1," + "1" * 300, "line 2: 335 characters")])
 def test_tuner_file_errors_name_the_line(tmp_path, line, message):
     path = tmp_path / "bad.conf"
     path.write_text(f"# a comment\n{line}\n")
@@ -346,10 +351,13 @@ def test_tuner_file_errors_name_the_line(tmp_path, line, message):
 
 
 @pytest.mark.parametrize("arguments, error", [
-    (dict(model="fitted", nodes=[2]), "model"), (dict(nodes=[]), "nodes"), (dict(nodes=[0]), "nodes"),
-    (dict(nodes=[2], collectives=[]), "collectives"), (dict(nodes=[2], collectives=["bcast"]), "collective"),
-    (dict(nodes=[2], max_bytes=1), "max_bytes"), (dict(nodes=[2], max_bytes=2.5), "max_bytes"),
-])
+    (dict(model="fitted", nodes=[2]), "model"),
+    (dict(nodes=[]), "nodes"),
+    (dict(nodes=[0]), "nodes"),
+    (dict(nodes=[2], collectives=[]), "collectives"),
+    (dict(nodes=[2], collectives=["bcast"]), "collective"),
+    (dict(nodes=[2], max_bytes=1), "max_bytes"),
+    (dict(nodes=[2], max_bytes=2.5), "max_bytes"),])
 def test_tuner_rules_arguments_checked(arguments, error):
     arguments = {"model": shipped(POLARIS), **arguments}
     with pytest.raises((ValueError, TypeError), match=error):
@@ -357,7 +365,6 @@ def test_tuner_rules_arguments_checked(arguments, error):
 
 
 # --- Polaris: fitted at 2 and 8 nodes, predicted at 256 and 540 ------------------------------------------
-
 
 #: What the fit reaches per (nodes, band): the share of sizes within the band's target, as measured
 #: on 2026-12-06 (docs/cluster.md, "NCCL's cost model"): a regression below these fails.

@@ -54,10 +54,11 @@ def exact_everywhere(mesh: lab.Mesh) -> list[str]:
                 exact = same_bits(got, want) if op != "avg" else torch.allclose(
                     got.double(), want, rtol=(n + 1) * torch.finfo(dtype.torch_dtype).eps, atol=0)
                 if not (exact and same_bits(got, sent) and same_bits(got, two)):
-                    wrong.append(f"rank {mesh.rank} {name}[{count}] {op}: formula {'ok' if exact else 'WRONG'}, "
-                                 f"messages {'same' if same_bits(got, sent) else 'DIFFER'}, two-shot "
-                                 f"{'same' if same_bits(got, two) else 'DIFFERS'}; got {got[-4:].tolist()} "
-                                 f"want {want[-4:].tolist()}")
+                    wrong.append(
+                        f"rank {mesh.rank} {name}[{count}] {op}: formula {'ok' if exact else 'WRONG'}, "
+                        f"messages {'same' if same_bits(got, sent) else 'DIFFER'}, two-shot "
+                        f"{'same' if same_bits(got, two) else 'DIFFERS'}; got {got[-4:].tolist()} "
+                        f"want {want[-4:].tolist()}")
     return wrong
 
 
@@ -83,7 +84,9 @@ def test_random_floats_give_the_same_bits_on_every_rank(cluster, registered):
 def large(mesh: lab.Mesh, count: int) -> bytes:
     x = torch.arange(count, dtype=torch.float64) * 3 + mesh.rank
     lab.allreduce(mesh, x, algorithm="one_shot")
-    if not torch.equal(x, torch.arange(count, dtype=torch.float64) * 3 * mesh.world_size + sum(range(mesh.world_size))):
+    if not torch.equal(
+            x,
+            torch.arange(count, dtype=torch.float64) * 3 * mesh.world_size + sum(range(mesh.world_size))):
         return f"rank {mesh.rank}: wrong"
     return x.numpy().tobytes()
 

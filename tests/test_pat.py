@@ -26,21 +26,19 @@ from lab.algorithms.pat_schedule import aggregation, allgather_messages, lowest_
 #: master of June 2026 (2.29.7 and the 2.30 development squash), by a line-by-line Python copy of
 #: both getNextOp kept out of the repository; it agreed with the schedule at every N from 2 to 129.
 NCCL_REDUCE_SCATTER = {
-    2: [(0, [1])],
-    3: [(1, [2]), (0, [1])],
-    5: [(0, [3]), (1, [2]), (0, [1]), (2, [4])],
-    6: [(0, [1, 3, 5]), (1, [2]), (2, [4])],
-    8: [(0, [1, 3, 5, 7]), (1, [2, 6]), (2, [4])],
-    9: [(0, [3, 7]), (1, [2, 6]), (0, [1, 5]), (2, [4]), (3, [8])],
-}
+    2: [(0, [1])], 3: [(1, [2]), (0, [1])], 5: [(0, [3]), (1, [2]), (0, [1]), (2, [4])],
+    6: [(0, [1, 3, 5]), (1, [2]), (2, [4])], 8: [(0, [1, 3, 5, 7]), (1, [2, 6]), (2, [4])], 9: [(0, [3, 7]),
+                                                                                                (1, [2, 6]),
+                                                                                                (0, [1, 5]),
+                                                                                                (2, [4]),
+                                                                                                (3, [8])]}
 NCCL_ALLGATHER = {
-    2: [(0, [1])],
-    3: [(1, [2]), (0, [1])],
-    5: [(2, [4]), (1, [2]), (0, [3]), (0, [1])],
-    6: [(2, [4]), (1, [2]), (0, [1, 3, 5])],
-    8: [(2, [4]), (1, [2, 6]), (0, [1, 3, 5, 7])],
-    9: [(3, [8]), (2, [4]), (1, [2, 6]), (0, [3, 7]), (0, [1, 5])],
-}
+    2: [(0, [1])], 3: [(1, [2]), (0, [1])], 5: [(2, [4]), (1, [2]), (0, [3]), (0, [1])],
+    6: [(2, [4]), (1, [2]), (0, [1, 3, 5])], 8: [(2, [4]), (1, [2, 6]), (0, [1, 3, 5, 7])], 9: [(3, [8]),
+                                                                                                (2, [4]),
+                                                                                                (1, [2, 6]),
+                                                                                                (0, [3, 7]),
+                                                                                                (0, [1, 5])]}
 NET = sim.Network(alpha_us=5.0, gbit=100.0)
 
 
@@ -102,7 +100,8 @@ def uneven_bytes(mesh: lab.Mesh) -> list[str]:
             sub.reset_stats()
             got = lab.reduce_scatter(sub, x, algorithm="pat")
             stats = sub.stats()
-            want = torch.tensor_split(sum(torch.arange(count, dtype=torch.float64) * 3 + r for r in range(n)), n)[rank]
+            want = torch.tensor_split(sum(torch.arange(count, dtype=torch.float64) * 3 + r for r in range(n)),
+                                      n)[rank]
             if (stats["bytes_sent"], stats["bytes_received"]) != (own, tree) or not torch.equal(got, want):
                 wrong.append(f"N={n} rank {rank} reduce_scatter [{count}]: {stats['bytes_sent']}/"
                              f"{stats['bytes_received']} bytes, docstring {own}/{tree}")
@@ -150,7 +149,8 @@ def test_the_simulator_weighs_pat_against_the_ring():
 def test_auto_weighs_pat_by_its_shape(monkeypatch):
     """With a fitted line per algorithm (as ``python -m lab results`` writes), ``auto`` predicts PAT
     from its shape, ⌈log2 N⌉ steps of (N-1)/N·T, and picks it where it is the fastest."""
-    assert "pat" in registry.auto_candidates("allgather") and "pat" in registry.auto_candidates("reduce_scatter")
+    assert "pat" in registry.auto_candidates("allgather") and "pat" in registry.auto_candidates(
+        "reduce_scatter")
     fit = {"alpha_step_us": 50.0, "beta_byte_us": 0.001}
     models = {"tcp": {c: {"ring": dict(fit), "pat": dict(fit)} for c in ("allgather", "reduce_scatter")}}
     monkeypatch.delenv("LAB_ALGO", raising=False)

@@ -44,8 +44,7 @@ def test_an_allreduce_table_reads_back_as_an_nccl_tests_log(capsys, tmp_path):
     ("reduce_scatter", ["-d", "half", "-o", "max"]),
     ("broadcast", ["-r", "2", "-d", "bfloat16"]),
     ("all_to_all", ["-d", "uint64"]),
-    ("reduce", ["-r", "1", "-o", "avg", "-d", "double"]),
-])
+    ("reduce", ["-r", "1", "-o", "avg", "-d", "double"]),])
 def test_every_collective_is_right_on_every_rank_at_three_ranks(capsys, tmp_path, collective, argv):
     """Three ranks: sizes that N does not divide are rounded down as nccl-tests does."""
     status, df = run_perf(capsys, tmp_path, collective, "-b", "1000", "-e", "4000", "-f", "4", "-n", "2",
@@ -114,9 +113,9 @@ def test_the_closed_form_reduction_is_the_ranks_inputs_reduced_and_exact(op, wor
             assert (perf.as_tensor(values, dtype).to(torch.float64).numpy() == values).all(), (dtype, op)
 
 
-@pytest.mark.parametrize("collective, factor", [
-    ("allreduce", 2 * 3 / 4), ("allgather", 3 / 4), ("reduce_scatter", 3 / 4), ("broadcast", 1.0),
-    ("reduce", 1.0), ("all_to_all", 3 / 4)])
+@pytest.mark.parametrize("collective, factor", [("allreduce", 2 * 3 / 4), ("allgather", 3 / 4),
+                                                ("reduce_scatter", 3 / 4), ("broadcast", 1.0),
+                                                ("reduce", 1.0), ("all_to_all", 3 / 4)])
 def test_busbw_is_algbw_times_nccl_tests_factor(collective, factor):
     per_rank = [{"oop": (100.0, 0), "ip": (50.0, 0)}] * 4
     spec = Spec(collective, op="sum" if collective in ("allreduce", "reduce_scatter", "reduce") else None)
@@ -155,10 +154,9 @@ def test_sizes_and_layout_are_nccl_tests():
     (["allreduce", "--ranks", "3", "--hosts", "2"], "--hosts"),
     (["allreduce", "--hosts", "2", "--transport", "shm"], "--transport"),
     (["allreduce", "--link-gbit", "1"], "--link-gbit"),
-    (["allreduce", "-n", "0"], "-n/--iters"),
-])
-def test_bad_arguments_are_argparse_errors_naming_the_option_before_anything_runs(capsys, monkeypatch, argv,
-                                                                                   names):
+    (["allreduce", "-n", "0"], "-n/--iters"),])
+def test_bad_arguments_are_argparse_errors_naming_the_option_before_anything_runs(
+        capsys, monkeypatch, argv, names):
     def launch(*args, **kwargs):
         raise AssertionError("a pool started")
 

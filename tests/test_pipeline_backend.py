@@ -25,8 +25,9 @@ import lab
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Child processes import the lab under test (this checkout), not another installed copy.
-CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
-             "OMP_NUM_THREADS": "1"}
+CHILD_ENV = {
+    **os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE),
+                                                 os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
 WORLD_SIZES = (2, 4)
 
 
@@ -38,12 +39,17 @@ def results(tmp_path_factory) -> Callable:
     def of(n: int) -> list[dict[str, str]]:
         if n not in launched:
             out = tmp_path_factory.mktemp(f"pipeline{n}")
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                       os.path.join(HERE, "pipeline_job.py"), str(out)]
-            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=CHILD_ENV)
-            launched[n] = [json.loads((out / f"rank{rank}.json").read_text()) if (out / f"rank{rank}.json").exists()
-                           else {"launch": f"rank {rank} wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"}
-                           for rank in range(n)]
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                os.path.join(HERE, "pipeline_job.py"),
+                str(out)]
+            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900,
+                                  env=CHILD_ENV)
+            launched[n] = [
+                json.loads((out / f"rank{rank}.json").read_text()) if
+                (out / f"rank{rank}.json").exists() else {
+                    "launch": f"rank {rank} wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"}
+                for rank in range(n)]
         return launched[n]
 
     return of
@@ -54,12 +60,15 @@ def results(tmp_path_factory) -> Callable:
 @pytest.mark.parametrize("name", list(pipeline_job.CHECKS))
 def test_every_pipelining_check_on_every_rank(results, n, name):
     """A schedule: losses, outputs and gradients bit-equal to gloo's; the p2p check: its values."""
-    outcomes = {rank: per_rank.get(name, per_rank.get("launch", "not run")) for rank, per_rank in enumerate(results(n))}
+    outcomes = {
+        rank: per_rank.get(name, per_rank.get("launch", "not run"))
+        for rank, per_rank in enumerate(results(n))}
     failures = {rank: outcome for rank, outcome in outcomes.items() if outcome != "ok"}
     assert not failures, "\n".join(f"rank {rank}: {outcome}" for rank, outcome in failures.items())
 
 
 # -- the receive that pipelining needs: into a tensor that requires grad -------------------------
+
 
 def write_into_leaves_that_require_grad(mesh: lab.Mesh) -> list[str]:
     """Every operation that writes its output into a leaf tensor requiring grad (pipelining's
@@ -104,11 +113,13 @@ def write_every_output(count: int, rank: int, n: int, left: int, right: int) -> 
         outputs["all_gather_into_tensor"] = (gathered, torch.cat([pattern(r) for r in range(n)]))
         scattered = leaf()
         dist.reduce_scatter_tensor(scattered, pattern(rank, n))
-        outputs["reduce_scatter_tensor"] = (scattered, sum(pattern(r, n) for r in range(n))[rank * count:][:count])
+        outputs["reduce_scatter_tensor"] = (scattered, sum(pattern(r, n)
+                                                           for r in range(n))[rank * count:][:count])
     except RuntimeError as exc:
         return [f"rank {rank}, {count} elements: {type(exc).__name__}: {exc}"]
-    return [f"rank {rank}, {name} of {count}: {got[:4].tolist()} instead of {want[:4].tolist()}"
-            for name, (got, want) in outputs.items() if not torch.equal(got.detach(), want)]
+    return [
+        f"rank {rank}, {name} of {count}: {got[:4].tolist()} instead of {want[:4].tolist()}"
+        for name, (got, want) in outputs.items() if not torch.equal(got.detach(), want)]
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -25,7 +25,8 @@ def cluster(request):
 
 def inputs(mesh: lab.Mesh, count: int, run: int, dtype=torch.float32) -> torch.Tensor:
     """index * stride + rank, different at every run (all-ones would hide misplaced chunks)."""
-    return (torch.arange(count, dtype=torch.float64) * (mesh.world_size + 1) + mesh.rank + 100 * run).to(dtype)
+    return (torch.arange(count, dtype=torch.float64) * (mesh.world_size + 1) + mesh.rank +
+            100 * run).to(dtype)
 
 
 def reuse_every_plan(mesh: lab.Mesh, count: int) -> list[str]:
@@ -37,12 +38,12 @@ def reuse_every_plan(mesh: lab.Mesh, count: int) -> list[str]:
     plans = {
         "allreduce": (lab.allreduce_init(mesh, x, op="sum"), lambda t: lab.allreduce(mesh, t, op="sum")),
         "broadcast": (lab.broadcast_init(mesh, x, src=root), lambda t: lab.broadcast(mesh, t, src=root)),
-        "reduce": (lab.reduce_init(mesh, x, dst=root, op="max"), lambda t: lab.reduce(mesh, t, dst=root, op="max")),
+        "reduce": (lab.reduce_init(mesh, x, dst=root,
+                                   op="max"), lambda t: lab.reduce(mesh, t, dst=root, op="max")),
         "allgather": (lab.allgather_init(mesh, x), lambda t: lab.allgather(mesh, t)),
         "reduce_scatter": (lab.reduce_scatter_init(mesh, rows, op="min"),
                            lambda t: lab.reduce_scatter(mesh, t, op="min")),
-        "all_to_all": (lab.all_to_all_init(mesh, rows), lambda t: lab.all_to_all(mesh, t)),
-    }
+        "all_to_all": (lab.all_to_all_init(mesh, rows), lambda t: lab.all_to_all(mesh, t))}
     barrier = lab.barrier_init(mesh)
     for run in range(1, 4):
         for name, (plan, plain) in plans.items():
@@ -54,7 +55,8 @@ def reuse_every_plan(mesh: lab.Mesh, count: int) -> list[str]:
             if name in ("allreduce", "broadcast", "reduce"):
                 got, expected = target, expected_input  # in place, as the plain call
             if not torch.equal(got, expected):
-                failures.append(f"rank {mesh.rank} {name} run {run}: {got.tolist()[:6]} != {expected.tolist()[:6]}")
+                failures.append(
+                    f"rank {mesh.rank} {name} run {run}: {got.tolist()[:6]} != {expected.tolist()[:6]}")
         barrier()
     for plan, _ in plans.values():
         plan.free()
@@ -217,7 +219,9 @@ def plan_behind_async_work(mesh: lab.Mesh, planned: bool) -> list[str]:
                 lab.allreduce(mesh, x)
             work.wait()
             if not torch.equal(x, total * mesh.world_size):
-                wrong.append(f"rank {mesh.rank} run {run}: {x[:4].tolist()} != {(total * mesh.world_size)[:4].tolist()}")
+                wrong.append(
+                    f"rank {mesh.rank} run {run}: {x[:4].tolist()} != {(total * mesh.world_size)[:4].tolist()}"
+                )
     return wrong
 
 
@@ -233,8 +237,8 @@ def calls_after_close(mesh: lab.Mesh) -> list[str]:
     mesh.close()
     seen = []
     peer = (mesh.rank + 1) % mesh.world_size
-    for call in (plan, lambda: lab.allreduce(mesh, x), lambda: lab.broadcast(mesh, x), lambda: lab.barrier(mesh),
-                 lambda: mesh.send(peer, x), lambda: mesh.recv(peer)):
+    for call in (plan, lambda: lab.allreduce(mesh, x), lambda: lab.broadcast(mesh, x),
+                 lambda: lab.barrier(mesh), lambda: mesh.send(peer, x), lambda: mesh.recv(peer)):
         try:
             call()
             seen.append("no error")
@@ -300,7 +304,8 @@ def test_a_compiled_plan_counts_and_records_as_the_plain_call(cluster):
             assert plain["collectives"] == 1 and plain_record.endswith(" ok")
             assert plain["collectives_compiled"] == (cluster.transport == "shm"), plain
         for run in (1, 2):
-            for (plain, plain_record), (planned, planned_record) in zip(per_rank[::3], per_rank[run::3], strict=True):
+            for (plain, plain_record), (planned, planned_record) in zip(per_rank[::3], per_rank[run::3],
+                                                                        strict=True):
                 assert planned == plain and planned_record == plain_record, (run, plain, planned)
 
 
@@ -389,7 +394,10 @@ def test_the_flight_recorder_table_keeps_its_columns_past_six_digit_numbers():
     from lab.errors import format_flight_records
     from lab.flight import FlightRecord
 
-    records = {rank: [FlightRecord(seq, "allreduce", "tree", "float32", 256, "sum", -1, state="done")
-                      for seq in (999_999, 1_000_000)] for rank in (0, 1)}
+    records = {
+        rank: [
+            FlightRecord(seq, "allreduce", "tree", "float32", 256, "sum", -1, state="done")
+            for seq in (999_999, 1_000_000)]
+        for rank in (0, 1)}
     header, *rows = format_flight_records(records).splitlines()
     assert header.index("rank 0") == rows[0].index("allreduce") == rows[1].index("allreduce") > len("1000000")

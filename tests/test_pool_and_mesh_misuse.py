@@ -120,7 +120,6 @@ def test_a_failure_with_async_work_in_flight_closes_the_pool_and_says_so(transpo
 
 # -- 5. deadlines measure silence, not the length of a transfer ------------------------------------
 
-
 SEGMENT_BYTES = 256 * 1024  # both transports combine incoming data one 256 KiB segment at a time
 STREAM_DEADLINE_MS = 1000
 
@@ -204,8 +203,8 @@ def test_a_rank_failing_at_start_ends_the_pool_within_the_grace():
     failure grace is over, not at the 60 s connection timeout (ranks start with spawn here; the
     time is counted from rank 1's death, so slow imports on a loaded machine do not count)."""
     # (a hang guard only: four processes import torch, which takes minutes on a loaded machine)
-    done = subprocess.run([sys.executable, str(SCRIPTS / "startup_failure.py")], capture_output=True, text=True,
-                          timeout=400, env=child_env(LAB_START_METHOD="spawn"))
+    done = subprocess.run([sys.executable, str(SCRIPTS / "startup_failure.py")], capture_output=True,
+                          text=True, timeout=400, env=child_env(LAB_START_METHOD="spawn"))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     elapsed = float(done.stdout.split("failed after ")[1].split(" s")[0])
     assert "rank 1's process exited with code 3" in done.stdout and elapsed < 45, done.stdout
@@ -216,14 +215,16 @@ def test_a_rank_failing_at_start_ends_the_pool_within_the_grace():
 
 @pytest.mark.slow
 def test_a_stopped_or_killed_forkserver_is_named():
-    done = subprocess.run([sys.executable, str(SCRIPTS / "forkserver_faults.py")], capture_output=True, text=True,
-                          timeout=400, env=child_env())  # a hang guard: three pools on a loaded machine
+    done = subprocess.run([sys.executable, str(SCRIPTS / "forkserver_faults.py")], capture_output=True,
+                          text=True, timeout=400,
+                          env=child_env())  # a hang guard: three pools on a loaded machine
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "stopped: is stopped" in done.stdout and "killed: the forkserver that started it" in done.stdout
     assert "after: [3.0, 3.0, 3.0]" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("method, message", [("fork", "inherits the others' channel ends"), ("bogus", "got 'bogus'")])
+@pytest.mark.parametrize("method, message", [("fork", "inherits the others' channel ends"),
+                                             ("bogus", "got 'bogus'")])
 def test_an_unsupported_start_method_is_refused(monkeypatch, method, message):
     monkeypatch.setenv("LAB_START_METHOD", method)
     with pytest.raises(ValueError, match="LAB_START_METHOD") as info:
@@ -245,14 +246,14 @@ def test_world_sizes_beyond_the_limits_are_refused_up_front(transport, world_siz
 @pytest.mark.parametrize("options, message", [
     ({"slots": "4"}, "slots must be an int"), ({"slots": 2.5}, "slots must be an int"),
     ({"slots": 0}, "slots must be an int"), ({"segment_bytes": 64.0}, "segment_bytes must be a positive int"),
-    ({"segment_bytes": 100}, "segment_bytes must be a positive int"), ({"slots": 10**9}, "slots x segment_bytes"),
-    ({"recv_timeout_ms": True}, "recv_timeout_ms"), ({"recv_timeout_ms": float("nan")}, "recv_timeout_ms"),
-    ({"recv_timeout_ms": -1}, "recv_timeout_ms"), ({"trace": 7}, "trace must be a file path"),
-    ({"trace": "/nonexistent-dir/run.jsonl"}, "does not exist"), ({"trace": "/tmp"}, "is a directory"),
-    ({"world_size": True}, "world_size"), ({"world_size": 2.0}, "world_size"),
-    ({"env": ["LAB_X=1"]}, "env must be a mapping"), ({"env": {"LAB X": "1"}}, "not an environment variable"),
-    ({"env": {"LAB_SEGMENT_BYTES": 256}}, r"env\['LAB_SEGMENT_BYTES'\] must be a str"),
-])
+    ({"segment_bytes": 100}, "segment_bytes must be a positive int"),
+    ({"slots": 10**9}, "slots x segment_bytes"), ({"recv_timeout_ms": True}, "recv_timeout_ms"),
+    ({"recv_timeout_ms": float("nan")}, "recv_timeout_ms"), ({"recv_timeout_ms": -1}, "recv_timeout_ms"),
+    ({"trace": 7}, "trace must be a file path"), ({"trace": "/nonexistent-dir/run.jsonl"}, "does not exist"),
+    ({"trace": "/tmp"}, "is a directory"), ({"world_size": True}, "world_size"),
+    ({"world_size": 2.0}, "world_size"), ({"env": ["LAB_X=1"]}, "env must be a mapping"),
+    ({"env": {"LAB X": "1"}}, "not an environment variable"),
+    ({"env": {"LAB_SEGMENT_BYTES": 256}}, r"env\['LAB_SEGMENT_BYTES'\] must be a str")])
 def test_bad_pool_options_name_the_parameter_and_leak_nothing(options, message):
     before = open_fds()
     options = {"world_size": 2, **options}
@@ -348,7 +349,8 @@ def test_an_infinite_or_huge_deadline_waits_instead_of_overflowing(transport, ti
 
 def argument_checks(mesh: lab.Mesh) -> list[str]:
     """Each case: what happened, so one failure shows them all."""
-    warnings.filterwarnings("ignore", message=".*(beta|prototype) state")  # torch's notes on sparse CSR, nested
+    warnings.filterwarnings("ignore",
+                            message=".*(beta|prototype) state")  # torch's notes on sparse CSR, nested
     t = torch.arange(4.0) + mesh.rank
     other = (mesh.rank + 1) % mesh.world_size
     outcomes = []
@@ -360,13 +362,14 @@ def argument_checks(mesh: lab.Mesh) -> list[str]:
     bad_calls = {
         "op garbage.sum": lambda: lab.allreduce(mesh, t.clone(), op="garbage.sum"),
         "sparse coo": lambda: lab.allreduce(mesh, t.to_sparse()),
-        "sparse csr": lambda: lab.allreduce(mesh, t.reshape(2, 2).to_sparse_csr()),
-        "nested": lambda: lab.allreduce(mesh, torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])),
-        "expand in place": lambda: lab.allreduce(mesh, torch.ones(1).expand(4)),
+        "sparse csr": lambda: lab.allreduce(mesh,
+                                            t.reshape(2, 2).to_sparse_csr()),
+        "nested": lambda: lab.allreduce(mesh, torch.nested.nested_tensor([torch.ones(
+            2), torch.ones(3)])), "expand in place": lambda: lab.allreduce(mesh,
+                                                                           torch.ones(1).expand(4)),
         "async_op no": lambda: lab.allreduce(mesh, t.clone(), async_op="no"),
         "send dst True": lambda: mesh.send(True, t),
-        "recv timeout True": lambda: mesh.recv(other, timeout_ms=True),
-    }
+        "recv timeout True": lambda: mesh.recv(other, timeout_ms=True)}
     for name, call in bad_calls.items():
         try:
             call()
@@ -415,8 +418,7 @@ def test_arguments_are_checked_with_messages_that_name_them(cluster):
     ({"WORLD_SIZE": "-3"}, "WORLD_SIZE must be >= 1; got -3"),
     ({"RANK": "5"}, r"RANK must be in \[0, 1\]; got 5"),
     ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
-    ({"LOCAL_WORLD_SIZE": "3"}, r"LOCAL_WORLD_SIZE must be in \[1, 2\]"),
-])
+    ({"LOCAL_WORLD_SIZE": "3"}, r"LOCAL_WORLD_SIZE must be in \[1, 2\]"),])
 def test_from_env_names_the_bad_variable(monkeypatch, variables, message):
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", **variables}
     for name, value in env.items():
@@ -430,12 +432,14 @@ def test_from_env_names_the_bad_variable(monkeypatch, variables, message):
 def test_from_env_across_hosts_without_a_secret_is_a_clear_error(monkeypatch):
     from lab.hosts.rendezvous import env_store
 
-    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(free_port())}.items():
+    for name, value in {
+            "RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("LAB_TCP_SECRET", raising=False)
     try:
-        with pytest.raises(lab.LabError, match="ranks on several hosts need a shared secret: set LAB_TCP_SECRET"):
+        with pytest.raises(lab.LabError,
+                           match="ranks on several hosts need a shared secret: set LAB_TCP_SECRET"):
             lab.Mesh.from_env()
     finally:
         env_store.cache_clear()
@@ -445,6 +449,7 @@ def test_from_env_across_hosts_without_a_secret_is_a_clear_error(monkeypatch):
 
 
 def test_lab_bucketing_and_lab_ddp_after_a_plain_import():
-    done = subprocess.run([sys.executable, "-c", "import lab; print(lab.bucketing.__name__, lab.ddp.allreduce_hook.__name__)"],
-                          capture_output=True, text=True, timeout=120, env=child_env())
+    done = subprocess.run(
+        [sys.executable, "-c", "import lab; print(lab.bucketing.__name__, lab.ddp.allreduce_hook.__name__)"],
+        capture_output=True, text=True, timeout=120, env=child_env())
     assert done.stdout.split() == ["lab.bucketing", "allreduce_hook"], done.stderr

@@ -172,7 +172,8 @@ def test_a_failure_the_program_had_is_not_raised_again(cluster, tmp_path):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])  # (3: CI, not the fast loop)
+@pytest.mark.parametrize("world_size",
+                         [2, pytest.param(3, marks=pytest.mark.slow)])  # (3: CI, not the fast loop)
 def test_a_collective_refused_for_an_earlier_failure_keeps_its_number(transport, world_size, tmp_path):
     outputs = lab.spawn(failed_receive_then_allreduces, world_size, args=(False, str(tmp_path)),
                         transport=transport, recv_timeout_ms=3_000)
@@ -227,7 +228,8 @@ def close_while_running(mesh: lab.Mesh, count: int) -> str:
 
 
 @pytest.mark.parametrize("transport", ["shm", "queue", "tcp"])
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])  # (3: CI, not the fast loop)
+@pytest.mark.parametrize("world_size",
+                         [2, pytest.param(3, marks=pytest.mark.slow)])  # (3: CI, not the fast loop)
 def test_a_collective_running_at_close_fails_at_once_with_a_lab_error(transport, world_size):
     for count in COUNTS:  # (on shm the small ones wait in the compiled path, the large on the pipes)
         got = lab.spawn(close_while_running, world_size, args=(count,), transport=transport,

@@ -51,9 +51,7 @@ def expanded_view(values: np.ndarray, directory: str, name: str) -> torch.Tensor
 #: Each kind of read-only input, made of a rank's values, and the words of dst's refusal.
 READ_ONLY: dict[str, tuple[Callable[[np.ndarray, str, str], object], str]] = {
     "memmap": (over_read_only_memory, "over read-only memory"),
-    "frozen numpy": (frozen_array, "read-only numpy array"),
-    "expand view": (expanded_view, "share memory"),
-}
+    "frozen numpy": (frozen_array, "read-only numpy array"), "expand view": (expanded_view, "share memory")}
 OPS = {"sum": np.sum, "max": np.max, "avg": np.mean}
 
 
@@ -109,8 +107,8 @@ def torch_reduce_takes_read_only_inputs(mesh: lab.Mesh) -> list[str]:
         with tempfile.TemporaryDirectory() as directory:
             for dst in range(n):
                 values = pattern(rank)
-                tensor = (over_read_only_memory(values, directory, f"torch-{dst}") if rank != dst
-                          else torch.from_numpy(values.copy()))
+                tensor = (over_read_only_memory(values, directory, f"torch-{dst}")
+                          if rank != dst else torch.from_numpy(values.copy()))
                 try:
                     dist.reduce(tensor, dst=dst)
                 except (ValueError, RuntimeError) as exc:

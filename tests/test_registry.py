@@ -51,7 +51,8 @@ def new_algorithm_everywhere(mesh: lab.Mesh) -> list[str]:
                 if count % (2 * world) == 0:  # the formula's condition
                     model, formula = registry.ALGORITHMS["allreduce"][name].bytes_sent(sub.rank, world, total)
                     if sub.stats()["bytes_sent"] != model:
-                        wrong.append(f"rank {mesh.rank} N={world}: sent {sub.stats()['bytes_sent']} != {formula}")
+                        wrong.append(
+                            f"rank {mesh.rank} N={world}: sent {sub.stats()['bytes_sent']} != {formula}")
     # gloo on random data
     data = torch.from_numpy(np.random.default_rng([7, mesh.rank]).normal(size=4099).astype(np.float32))
     ref = gloo_collective(mesh, "allreduce", data.clone())
@@ -74,7 +75,8 @@ def new_algorithm_everywhere(mesh: lab.Mesh) -> list[str]:
         del os.environ["LAB_ALGO"]
     if name not in registry.auto_candidates("allreduce") or tuning.algorithm_shape(name, 5) != (6, 6):
         wrong.append("auto's model does not know it")
-    simulated = lab.sim.simulate("allreduce", name, mesh.world_size, 4000, lab.sim.Network(alpha_us=10, gbit=10))
+    simulated = lab.sim.simulate("allreduce", name, mesh.world_size, 4000,
+                                 lab.sim.Network(alpha_us=10, gbit=10))
     mesh.reset_stats()
     lab.allreduce(mesh, torch.zeros(1000), algorithm=name)
     if simulated.bytes_sent[mesh.rank] != mesh.stats()["bytes_sent"]:
@@ -108,8 +110,7 @@ def test_every_list_of_names_comes_from_the_registry():
     (registry.Algorithm("allreduce", "auto", print, print, 99), "already has an algorithm named 'auto'"),
     (registry.Algorithm("allreduce", "new", print, print, 1), "wire code 1 is out of range or taken"),
     (registry.Algorithm("allreduce", "new", print, print, 256), "wire code 256"),
-    (registry.Algorithm("gossip", "new", print, print, 99), "collective must be one of"),
-])
+    (registry.Algorithm("gossip", "new", print, print, 99), "collective must be one of")])
 def test_a_bad_registration_is_refused(entry, message):
     with pytest.raises(ValueError, match=message):
         registry.register(entry)

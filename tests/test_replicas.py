@@ -82,7 +82,8 @@ def test_a_rank_whose_gradient_differs_is_named_with_its_parameter(world_size: i
 def test_agreeing_replicas_train_as_without_the_check(every: bool | int) -> None:
     checked = lab.spawn(_train, 2, args=(None, False, every))
     plain = lab.spawn(_train, 2, args=(None, False, False))
-    assert [out["error"] for out in checked] == ["", ""] and [out["checked"] for out in checked] == [True, True]
+    assert [out["error"] for out in checked] == ["", ""] and [out["checked"]
+                                                              for out in checked] == [True, True]
     assert plain[0]["checked"] is False
     for out, reference in zip(checked, plain, strict=True):
         assert torch.equal(out["params"], reference["params"])

@@ -21,8 +21,9 @@ def test_each_case_keeps_its_least_round_with_that_rounds_spread():
     case = ["collective", "algorithm", "bytes"]
     rounds = [(1024, 30.0, 25.0, 90.0), (1024, 20.0, 19.0, 40.0), (1024, 50.0, 45.0, 60.0),
               (1 << 20, 700.0, 650.0, 900.0), (1 << 20, 900.0, 800.0, 990.0), (1 << 20, 710.0, 600.0, 800.0)]
-    rows = pd.DataFrame([{"collective": "allreduce", "algorithm": "ring", "bytes": nbytes, "median_us": median,
-                          "p10_us": p10, "p90_us": p90, "algbw_GBps": nbytes / (median * 1e3), "calls": 100}
+    rows = pd.DataFrame([{
+        "collective": "allreduce", "algorithm": "ring", "bytes": nbytes, "median_us": median, "p10_us": p10,
+        "p90_us": p90, "algbw_GBps": nbytes / (median * 1e3), "calls": 100}
                          for nbytes, median, p10, p90 in rounds])
     table = least_of_rounds(rows, case).set_index("bytes")
     assert list(table.index) == [1024, 1 << 20]  # one row per case, in the order measured
@@ -51,7 +52,8 @@ def test_regenerating_the_report_keeps_the_spliced_sections(tmp_path):
     assert "old tables" not in fresh and fresh.startswith("# Results\nnew tables\n")
     assert fresh.index("hosts table") < fresh.index("line one\n\nline two")
     report.write_text(fresh)
-    splice(report, "## Simulator vs measurement\nnewer", "simulation")  # a later splice still replaces its own
+    splice(report, "## Simulator vs measurement\nnewer",
+           "simulation")  # a later splice still replaces its own
     text = report.read_text()
     assert "newer" in text and "line one" not in text and text.count("<!-- simulation:begin -->") == 1
     assert with_spliced(tmp_path / "absent.md", "# Results\n") == "# Results\n"
@@ -62,7 +64,8 @@ def test_the_report_is_rewritten_from_a_runs_csvs_and_auto_picks_the_measured_fa
     sections kept, and at each measured size "auto picks" the fastest measured auto candidate
     (auto follows the measured medians at the world size they were measured at)."""
     results = Path(__file__).parents[1] / "results"
-    for name in ("allreduce", "collectives", "latency_floor", "bucketing", "overlap", "kernels", "gloo_check"):
+    for name in ("allreduce", "collectives", "latency_floor", "bucketing", "overlap", "kernels",
+                 "gloo_check"):
         shutil.copy(results / f"{name}.csv", tmp_path)
     shutil.copy(results / "machine.json", tmp_path)
     (tmp_path / "REPORT.md").write_text("# Results\nold\n")
@@ -74,8 +77,8 @@ def test_the_report_is_rewritten_from_a_runs_csvs_and_auto_picks_the_measured_fa
     shm = text[text.index("**shm**"):text.index("**queue**")]
     header, _, *rows = [line.split(" | ") for line in shm.splitlines() if line.startswith("| ")]
     measured = pd.read_csv(tmp_path / "allreduce.csv")
-    measured = measured[(measured["transport"] == "shm") & measured["algorithm"].isin(
-        registry.auto_candidates("allreduce"))]
+    measured = measured[(measured["transport"] == "shm")
+                        & measured["algorithm"].isin(registry.auto_candidates("allreduce"))]
     fastest = measured.loc[measured.groupby("bytes")["median_us"].idxmin()].set_index("bytes")["algorithm"]
     picks = [row[header.index("auto picks")] for row in rows]
     assert picks == fastest.tolist() and len(picks) >= 3  # every measured size
@@ -98,8 +101,9 @@ def test_the_workloads_section_is_rendered_from_what_their_bench_wrote(tmp_path)
     rows = [line for line in text.splitlines() if line.startswith(("| DDP |", "| FSDP2 |"))]
     assert len(rows) == len(table) and f"{table['meets'].sum()} of {len(table)} cases meet" in text
     first = table.iloc[0]
-    assert rows[0].startswith(f"| DDP | {first['model']} (batch {first['batch']}) | {first['recorded_hosts']} hosts | "
-                              f"{first['measured_ms']:,.1f} ms |")
+    assert rows[0].startswith(
+        f"| DDP | {first['model']} (batch {first['batch']}) | {first['recorded_hosts']} hosts | "
+        f"{first['measured_ms']:,.1f} ms |")
     timing = pd.read_csv(source / "replay_1024.csv").iloc[0]
     assert f"on {timing['ranks']:,} ranks: {timing['seconds']:.1f} s" in text
     assert text.rstrip().endswith("<!-- workloads:end -->")

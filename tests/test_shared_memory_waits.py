@@ -36,6 +36,7 @@ def summed(count: int, world_size: int) -> torch.Tensor:
 
 # -- another mesh's messages while a rank waits in the shared memory -------------------------------
 
+
 def parent_and_sub_mesh_in_different_orders(mesh: lab.Mesh, big: int, algorithm: str) -> list[str]:
     """Rank 0 broadcasts ``big`` elements on a sub-mesh of every rank, then allreduces 1 KB on the
     parent; the others the other way round (the broadcast's sender needs the receivers' credits
@@ -72,6 +73,7 @@ def test_a_wait_in_shared_memory_drains_the_pipes_for_another_mesh(world_size, a
 
 # -- ranks on different paths for one collective ----------------------------------------------------
 
+
 def allreduce_with_thresholds_that_disagree(mesh: lab.Mesh, catch: bool) -> tuple[str, float]:
     """The last rank keeps every collective off the compiled path (as LAB_COMPILED_MAX_BYTES=0
     would): its 1 KB allreduce goes through the pipes while the others' wait in the mailboxes."""
@@ -103,11 +105,13 @@ def test_a_threshold_disagreement_is_the_error_of_the_job(world_size):
     with the mismatch as its error."""
     start = time.monotonic()
     with pytest.raises(lab.RankError, match="CollectiveMismatchError.*LAB_COMPILED_MAX_BYTES"):
-        lab.spawn(allreduce_with_thresholds_that_disagree, world_size, args=(False,), recv_timeout_ms=TIMEOUT_MS)
+        lab.spawn(allreduce_with_thresholds_that_disagree, world_size, args=(False,),
+                  recv_timeout_ms=TIMEOUT_MS)
     assert time.monotonic() - start < 10
 
 
 # -- deadlines ---------------------------------------------------------------------------------------
+
 
 def test_a_deadline_is_clamped_never_rounded_to_none():
     assert deadline_ns(math.inf) == 0
@@ -169,12 +173,14 @@ def allreduce_with_a_late_peer(mesh: lab.Mesh, algorithm: str, flags: str) -> tu
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("algorithm", ["auto", "two_shot", "one_shot"])
 def test_a_deadline_under_a_nanosecond_still_expires(world_size, algorithm, tmp_path):
-    outs = lab.spawn(allreduce_with_a_late_peer, world_size, args=(algorithm, str(tmp_path)), recv_timeout_ms=1e-7)
+    outs = lab.spawn(allreduce_with_a_late_peer, world_size, args=(algorithm, str(tmp_path)),
+                     recv_timeout_ms=1e-7)
     for rank, (error, took) in enumerate(outs[:-1]):  # (the late rank finds its peers gone or late)
         assert error == "DeadlineError", (rank, error, took)  # expired before the late rank came
 
 
 # -- signal handlers ----------------------------------------------------------------------------------
+
 
 class Preempted(Exception):
     pass
@@ -221,7 +227,8 @@ def allreduce_while_an_alarm_goes_off(mesh: lab.Mesh, algorithm: str, raising: b
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("algorithm", ["auto", "two_shot", "one_shot"])
-def test_a_signal_handler_runs_while_a_compiled_wait_lasts_and_the_wait_resumes(world_size, algorithm, tmp_path):
+def test_a_signal_handler_runs_while_a_compiled_wait_lasts_and_the_wait_resumes(
+        world_size, algorithm, tmp_path):
     outs = lab.spawn(allreduce_while_an_alarm_goes_off, world_size, args=(algorithm, False, str(tmp_path)),
                      recv_timeout_ms=TIMEOUT_MS)
     # right on every rank: the last rank came only after the handler ran, so it ran inside the wait

@@ -101,7 +101,8 @@ def later_calls_read_after_async(mesh: lab.Mesh, count: int) -> list[str]:
     lab.allreduce(mesh, fortran, async_op=True)
     gathered = lab.allgather(mesh, fortran)
     want = np.concatenate([np.stack([r.numpy() for r in reduced(2 * count, n).reshape(2, count)])] * n)
-    expect("F-order numpy allgather after async allreduce", torch.from_numpy(gathered), torch.from_numpy(want))
+    expect("F-order numpy allgather after async allreduce", torch.from_numpy(gathered),
+           torch.from_numpy(want))
 
     x = pattern(count, rank)
     send_after_async("non-contiguous send after async allreduce", torch.stack([x, x], dim=1)[:, 1])
@@ -129,8 +130,9 @@ def two_splits_used_in_different_orders(mesh: lab.Mesh, first: int, second: int)
     a = mesh.split(color=first)  # both colours hashed to one context id before the fix
     b = mesh.split(color=second)
     x, y = torch.tensor([float(mesh.rank + 1)]), torch.tensor([100.0 * (mesh.rank + 1)])
-    steps = [lambda: lab.broadcast(a, x, src=0, algorithm="binomial"),
-             lambda: lab.broadcast(b, y, src=0, algorithm="binomial")]
+    steps = [
+        lambda: lab.broadcast(a, x, src=0, algorithm="binomial"),
+        lambda: lab.broadcast(b, y, src=0, algorithm="binomial")]
     got = []
     if mesh.rank == 0:
         steps[0](), steps[1](), a.send(1, torch.tensor([3.0])), b.send(1, torch.tensor([300.0]))
@@ -192,16 +194,23 @@ def awkward_values(count: int, rank: int, dtype: str, seed: int) -> torch.Tensor
         nans = np.array([0x7FC00000, 0xFFC00000, 0x7FC00001, 0xFFF00001 & 0xFFFFFFFF, 0x7F800123], bits) \
             if width == 32 else np.array([0x7FF8000000000000, 0xFFF8000000000000, 0x7FF8000000000123,
                                           0xFFF0000000000001], bits)
-        special = np.concatenate([np.array([0.0, -0.0, np.inf, -np.inf, 1e-40 if width == 32 else 5e-324,
-                                            -1e-45 if width == 32 else -5e-324], dtype), nans.view(dtype)])
+        special = np.concatenate([
+            np.array([
+                0.0, -0.0, np.inf, -np.inf, 1e-40 if width == 32 else 5e-324,
+                -1e-45 if width == 32 else -5e-324], dtype),
+            nans.view(dtype)])
     else:
-        nans = np.array([0x7E00, 0xFE00, 0x7E01, 0xFC01] if dtype == "float16" else [0x7FC0, 0xFFC0, 0x7FC1, 0xFF81],
-                        np.uint16)
+        nans = np.array(
+            [0x7E00, 0xFE00, 0x7E01, 0xFC01] if dtype == "float16" else [0x7FC0, 0xFFC0, 0x7FC1, 0xFF81],
+            np.uint16)
         subnormal = [0x0001, 0x8003]  # the same bits are subnormal in float16 and bfloat16
-        special_bits = np.concatenate([np.array([0x0000, 0x8000], np.uint16), nans, np.array(subnormal, np.uint16),
-                                       np.array([0x7C00, 0xFC00] if dtype == "float16" else [0x7F80, 0xFF80], np.uint16)])
+        special_bits = np.concatenate([
+            np.array([0x0000, 0x8000], np.uint16), nans,
+            np.array(subnormal, np.uint16),
+            np.array([0x7C00, 0xFC00] if dtype == "float16" else [0x7F80, 0xFF80], np.uint16)])
         torch_dtype = getattr(torch, dtype)
-        ordinary = torch.from_numpy(rng.normal(size=count).astype(np.float32)).to(torch_dtype).view(torch.int16).numpy()
+        ordinary = torch.from_numpy(rng.normal(size=count).astype(np.float32)).to(torch_dtype).view(
+            torch.int16).numpy()
         mixed = np.where(rng.random(count) < 0.6, rng.choice(special_bits, count).view(np.int16), ordinary)
         return torch.from_numpy(mixed.astype(np.int16)).view(torch_dtype)
     ordinary = rng.normal(size=count).astype(dtype)
@@ -231,9 +240,11 @@ def bits_agree(mesh: lab.Mesh, world: int, seed: int) -> list[tuple]:
                 if op in ("min", "max"):
                     stack = lab.allgather(sub, mine.reshape(1, -1))
                     out.append(((dtype, count, op, "reference"), reference_digest(stack, op)))
-                    out.append(((dtype, count, op, "recursive_doubling vs reference"),
-                                digest(lab.allreduce(sub, mine.clone(), op=op, algorithm="recursive_doubling"))
-                                == reference_digest(stack, op)))
+                    out.append(
+                        ((dtype, count, op, "recursive_doubling vs reference"),
+                         digest(lab.allreduce(sub, mine.clone(), op=op,
+                                              algorithm="recursive_doubling")) == reference_digest(stack,
+                                                                                                   op)))
     return out
 
 
@@ -315,7 +326,9 @@ def half_average(mesh: lab.Mesh, world: int, seed: int) -> list[str]:
         everyone = lab.allgather(sub, mine.reshape(1, -1)).double()
         mean = everyone.mean(0)
         bound = n * HALF_UNIT_ROUNDOFF[dtype] * everyone.abs().mean(0) + n * HALF_SUBNORMAL_HALF_STEP[dtype]
-        results = {a: lab.allreduce(sub, mine.clone(), op="avg", algorithm=a) for a in ALGORITHMS["allreduce"]}
+        results = {
+            a: lab.allreduce(sub, mine.clone(), op="avg", algorithm=a)
+            for a in ALGORITHMS["allreduce"]}
         results["reduce_scatter"] = lab.reduce_scatter(sub, mine.clone(), op="avg")
         reduced_here = lab.reduce(sub, mine.clone(), dst=0, op="avg")
         if sub.rank == 0:

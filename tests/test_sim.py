@@ -45,16 +45,19 @@ def roots(collective: str, world_size: int) -> list[int]:
 # -- the closed forms -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("net", [NET, sim.Network(alpha_us=3.5, gbit=400.0), sim.Network(alpha_us=0.0, gbit=1.0)],
-                         ids=["20us-10G", "3.5us-400G", "0us-1G"])
+@pytest.mark.parametrize(
+    "net", [NET, sim.Network(alpha_us=3.5, gbit=400.0),
+            sim.Network(alpha_us=0.0, gbit=1.0)], ids=["20us-10G", "3.5us-400G", "0us-1G"])
 @pytest.mark.parametrize("world_size", [2, 4, 8, 16, 64])
 def test_ring_and_tree_allreduce_match_the_closed_forms(world_size, net):
     nbytes = world_size * 1000 * 4  # N divides the element count
     beta = 8 / (net.gbit * 1e3)
     ring = sim.simulate("allreduce", "ring", world_size, nbytes, net)
     tree = sim.simulate("allreduce", "tree", world_size, nbytes, net)
-    assert ring.time_us == pytest.approx(2 * (world_size - 1) * (net.alpha_us + nbytes / world_size * beta), rel=1e-12)
-    assert tree.time_us == pytest.approx(2 * math.log2(world_size) * (net.alpha_us + nbytes * beta), rel=1e-12)
+    assert ring.time_us == pytest.approx(2 * (world_size - 1) * (net.alpha_us + nbytes / world_size * beta),
+                                         rel=1e-12)
+    assert tree.time_us == pytest.approx(2 * math.log2(world_size) * (net.alpha_us + nbytes * beta),
+                                         rel=1e-12)
     # Ring: every rank sends and receives 2T(N-1)/N in 2(N-1) messages, and that is the critical path.
     assert (ring.bytes_sent == 2 * nbytes * (world_size - 1) // world_size).all()
     assert (ring.bytes_received == ring.bytes_sent).all()
@@ -94,7 +97,8 @@ def test_a_host_link_carries_one_message_at_a_time():
     nbytes = 4000
     net = sim.Network(alpha_us=20.0, gbit=10.0, ranks_per_host=2, intra_alpha_us=1.0, intra_gbit=100.0)
     r = sim.simulate("allreduce", "recursive_doubling", 4, nbytes, net)
-    assert r.time_us == pytest.approx(net.message_us(nbytes, intra=True) + 2 * net.message_us(nbytes), rel=1e-12)
+    assert r.time_us == pytest.approx(
+        net.message_us(nbytes, intra=True) + 2 * net.message_us(nbytes), rel=1e-12)
     flat = sim.simulate("allreduce", "recursive_doubling", 4, nbytes, NET)
     assert flat.time_us == pytest.approx(2 * NET.message_us(nbytes), rel=1e-12)
 
@@ -103,7 +107,8 @@ def test_gamma_adds_the_reduction_of_each_received_byte_on_the_path():
     gamma = sim.Network(alpha_us=20.0, gbit=10.0, gamma_us_per_byte=0.001)
     plain = sim.simulate("allreduce", "ring", 4, 4000, NET).time_us
     # 3 reduce-scatter steps each fold in a 1000-byte chunk; the allgather steps only copy.
-    assert sim.simulate("allreduce", "ring", 4, 4000, gamma).time_us == pytest.approx(plain + 3 * 1000 * 0.001)
+    assert sim.simulate("allreduce", "ring", 4, 4000,
+                        gamma).time_us == pytest.approx(plain + 3 * 1000 * 0.001)
 
 
 # -- bytes equal to the real run --------------------------------------------------------------------
@@ -121,7 +126,9 @@ def _real_stats(mesh: lab.Mesh, cases: list[tuple[str, str, int, int]]) -> list[
         mesh.reset_stats()
         fn(mesh, **kwargs) if collective == "barrier" else fn(mesh, x, **kwargs)
         stats = mesh.stats()
-        out.append({k: stats[k] for k in ("bytes_sent", "bytes_received", "messages_sent", "messages_received")})
+        out.append({
+            k: stats[k]
+            for k in ("bytes_sent", "bytes_received", "messages_sent", "messages_received")})
     return out
 
 
@@ -152,7 +159,8 @@ def test_a_simulation_is_deterministic(collective, algorithm):
     sim.core._cache.clear()  # record it again
     again = sim.simulate(collective, algorithm, 7, 4 * 1001, net, root=6 if collective in ROOTED else 0)
     assert again.time_us == first.time_us and again.critical_path == first.critical_path
-    assert np.array_equal(again.finish_us, first.finish_us) and np.array_equal(again.bytes_sent, first.bytes_sent)
+    assert np.array_equal(again.finish_us, first.finish_us) and np.array_equal(
+        again.bytes_sent, first.bytes_sent)
 
 
 def test_1024_ranks():
@@ -202,19 +210,21 @@ def test_best_algorithm_follows_the_alpha_beta_tradeoff():
     (lambda: sim.Network(gbit=float("nan")), "gbit must be a number from"),
     (lambda: sim.Network(gbit=1e300), "gbit must be a number from"),
     (lambda: sim.Network(ranks_per_host=0), "ranks_per_host"),
-    (lambda: sim.Network(ranks_per_host=10 ** 30), r"ranks_per_host must be an integer from 1 to 16,777,216"),
+    (lambda: sim.Network(ranks_per_host=10**30), r"ranks_per_host must be an integer from 1 to 16,777,216"),
     (lambda: sim.Network(intra_gbit=-5.0), "intra_gbit must be a number from"),
     (lambda: sim.Network(intra_alpha_us=float("inf")), "intra_alpha_us must be a number from"),
     (lambda: sim.Network(gamma_us_per_byte=1e300), r"gamma_us_per_byte must be a number from 0 to 1e\+06"),
-    (lambda: sim.simulate("allreduce", "ring", 2 ** 40, 1024), r"world_size must be an integer from 1 to 16,777,216"),
-    (lambda: sim.simulate("allreduce", "ring", 4, 2 ** 41), r"nbytes must be .* from 0 to 1,099,511,627,776"),
-    (lambda: sim.simulate("allgather", "ring", 2 ** 24, 2 ** 40), r"world_size × nbytes"),
-    (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_steps=0), "max_steps must be an integer >= 1 or None"),
+    (lambda: sim.simulate("allreduce", "ring", 2**40, 1024),
+     r"world_size must be an integer from 1 to 16,777,216"),
+    (lambda: sim.simulate("allreduce", "ring", 4, 2**41), r"nbytes must be .* from 0 to 1,099,511,627,776"),
+    (lambda: sim.simulate("allgather", "ring", 2**24, 2**40), r"world_size × nbytes"),
+    (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_steps=0),
+     "max_steps must be an integer >= 1 or None"),
     (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_steps=1.5), "max_steps must be"),
-    (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_seconds=-1), "max_seconds must be a number > 0 or None"),
+    (lambda: sim.simulate("allreduce", "ring", 4, 1024, max_seconds=-1),
+     "max_seconds must be a number > 0 or None"),
     (lambda: sim.compare("allreduce", 4, 1024, max_steps="many"), "max_steps must be"),
-    (lambda: sim.best_algorithm("allreduce", 4, 1024, max_seconds=float("nan")), "max_seconds must be"),
-])
+    (lambda: sim.best_algorithm("allreduce", 4, 1024, max_seconds=float("nan")), "max_seconds must be")])
 def test_bad_arguments_are_value_errors_that_name_the_parameter(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -224,12 +234,13 @@ RACKS = sim.Network(ranks_per_host=8)
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda: sim.predict(RACKS, "allreduce", hosts=10 ** 9, nbytes=1024), ValueError,
+    (lambda: sim.predict(RACKS, "allreduce", hosts=10**9, nbytes=1024), ValueError,
      r"hosts must be an integer >= 1, at most 2,097,152 \(16,777,216 ranks at 8 a host\); got 1000000000"),
-    (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=True), ValueError, "nbytes must be .*; got True"),
+    (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=True), ValueError,
+     "nbytes must be .*; got True"),
     (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=np.bool_(True)), ValueError, "nbytes must be"),
     (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=-5), ValueError, "nbytes must be .*; got -5"),
-    (lambda: sim.predict(RACKS, "allgather", hosts=2, nbytes=2 ** 45), ValueError,
+    (lambda: sim.predict(RACKS, "allgather", hosts=2, nbytes=2**45), ValueError,
      r"from 0 to 17,592,186,044,416 \(allgather's size is its output"),
     (lambda: sim.predict(RACKS, "allreduce", hosts=2, nbytes=1024, ranks_per_host=True), ValueError,
      "ranks_per_host must be"),
@@ -240,14 +251,15 @@ RACKS = sim.Network(ranks_per_host=8)
      r"cluster must be a lab.sim.Network .*got str \(every algorithm's time at N ranks: lab.sim.compare"),
     (lambda: sim.simulate("allreduce", "ring", 4, True), ValueError, "nbytes must be .*; got True"),
     (lambda: sim.estimate("allreduce", "ring", 4, True), ValueError, "nbytes must be .*; got True"),
-    (lambda: sim.estimate("allreduce", "ring", 4, 1024, ranks_per_host=0), ValueError, "ranks_per_host must be"),
+    (lambda: sim.estimate("allreduce", "ring", 4, 1024, ranks_per_host=0), ValueError,
+     "ranks_per_host must be"),
     (lambda: sim.estimate("allreduce", "ring", 4, 1024, ranks_per_host=True), ValueError,
      "ranks_per_host must be"),
     (lambda: sim.best_algorithm("allreduce", 4, True), ValueError, "nbytes must be .*; got True"),
-    (lambda: predict_table(RACKS, "allreduce", 2, [True]), ValueError, "sizes must hold integers .*; got True"),
+    (lambda: predict_table(RACKS, "allreduce", 2, [True]), ValueError,
+     "sizes must hold integers .*; got True"),
     (lambda: predict_table(RACKS, "allreduce", 2, [1.5]), ValueError, "sizes must hold integers"),
-    (lambda: predict_table(RACKS, "allreduce", 2, 1024), TypeError, "sizes must be a list"),
-])
+    (lambda: predict_table(RACKS, "allreduce", 2, 1024), TypeError, "sizes must be a list")])
 def test_hosts_sizes_and_bools_for_numbers_are_refused_naming_the_parameter(call, error, match):
     with pytest.raises(error, match=match):
         call()
@@ -266,8 +278,8 @@ def test_a_network_of_the_wrong_type_is_a_type_error():
 def test_unmatched_sends_are_a_schedule_error():
     one = np.array
     # Rank 0 sends to rank 1 twice; rank 1 receives once.
-    s = Schedule("allreduce", "broken", 2, 8, one([0, 2, 3]), one([1, 1, -1]), one([8, 8, 0]), one([-1, -1, 0]),
-                 one([0, 0, 8]), one([False, False, False]), 0.0)
+    s = Schedule("allreduce", "broken", 2, 8, one([0, 2, 3]), one([1, 1, -1]), one([8, 8, 0]),
+                 one([-1, -1, 0]), one([0, 0, 8]), one([False, False, False]), 0.0)
     with pytest.raises(sim.ScheduleError, match="rank 0 sends rank 1 \\+1 more messages"):
         replay(s, NET)
 
@@ -277,9 +289,10 @@ def test_unmatched_sends_are_a_schedule_error():
 
 def _measured_from_model(directory, network: sim.Network) -> None:
     """A results directory whose 'measurements' are the simulator's own times on ``network``."""
-    rows = [{"collective": "allreduce", "impl": "lab", "algorithm": a, "transport": "shm", "world": n, "bytes": b,
-             "median_us": sim.simulate("allreduce", a, n, b, network).time_us}
-            for a in ("ring", "tree", "naive") for n in (2, 4) for b in (1 << 10, 64 << 10, 1 << 20, 4 << 20)]
+    rows = [{
+        "collective": "allreduce", "impl": "lab", "algorithm": a, "transport": "shm", "world": n, "bytes": b,
+        "median_us": sim.simulate("allreduce", a, n, b, network).time_us} for a in ("ring", "tree", "naive")
+            for n in (2, 4) for b in (1 << 10, 64 << 10, 1 << 20, 4 << 20)]
     rows.append({**rows[0], "impl": "gloo", "algorithm": "gloo"})  # not ours: left out
     directory.mkdir(exist_ok=True)
     import pandas as pd
@@ -294,8 +307,11 @@ def test_simulate_command_writes_results_and_the_report_section(tmp_path):
     _measured_from_model(tmp_path, sim.Network(alpha_us=30.0, gbit=5.0))
     (tmp_path / "REPORT.md").write_text("# Report\n")
     out = tmp_path / "sim"
-    assert main(["simulate", "--world-sizes", "2", "8", "16", "--sizes", "1KB..1MB", "--gbit", "100",
-                 "--alpha-us", "5", "--out", str(out), "--measured", str(tmp_path)]) == 0
+    assert main([
+        "simulate", "--world-sizes", "2", "8", "16", "--sizes", "1KB..1MB", "--gbit", "100", "--alpha-us",
+        "5", "--out",
+        str(out), "--measured",
+        str(tmp_path)]) == 0
     import pandas as pd
 
     frame = pd.read_csv(out / "sim.csv")
@@ -307,7 +323,8 @@ def test_simulate_command_writes_results_and_the_report_section(tmp_path):
     for name in ("best.csv", "best_allreduce.png", "crossover.png", "calibration.csv", "validation.csv"):
         assert (out / name).exists(), name
     report = (tmp_path / "REPORT.md").read_text()
-    assert "## At scale" in report and "## Simulator vs measurement" in report and report.startswith("# Report")
+    assert "## At scale" in report and "## Simulator vs measurement" in report and report.startswith(
+        "# Report")
     main(["simulate", "--world-sizes", "2", "--sizes", "4KB", "--out", str(out), "--measured", ""])
     assert (tmp_path / "REPORT.md").read_text().count("<!-- simulation:begin -->") == 1  # replaced, not added
 
@@ -320,8 +337,10 @@ def test_the_command_and_the_api_describe_one_cluster_alike(tmp_path, gap):
 
     from lab.__main__ import main
 
-    main(["simulate", "--world-sizes", "16", "--sizes", "1KB", "--gbit", "100", "--alpha-us", "5", *gap,
-          "--out", str(tmp_path), "--measured", ""])
+    main([
+        "simulate", "--world-sizes", "16", "--sizes", "1KB", "--gbit", "100", "--alpha-us", "5", *gap,
+        "--out",
+        str(tmp_path), "--measured", ""])
     frame = pd.read_csv(tmp_path / "sim.csv").set_index("algorithm")
     net = sim.Network(alpha_us=5.0, gbit=100.0, gap_us=float(gap[1]) if gap else None)
     for algorithm in ("double_tree", "tree"):
@@ -364,7 +383,7 @@ def test_a_20000_rank_ring_is_refused_up_front_in_little_memory():
 
 def test_a_world_larger_than_max_steps_is_refused_before_anything_is_allocated():
     """Every rank sends or receives at least once: N - 1 > max_steps needs no recording at all."""
-    error, peak = traced_peak(lambda: sim.simulate("barrier", "dissemination", 2 ** 24, 0, NET))
+    error, peak = traced_peak(lambda: sim.simulate("barrier", "dissemination", 2**24, 0, NET))
     assert isinstance(error, sim.SimulationTooLarge) and "max_steps=10,000,000" in str(error), error
     assert peak < 1 << 20
 
@@ -402,8 +421,9 @@ def test_a_double_tree_past_max_steps_is_refused_before_its_timetable_is_built()
     schedule's shape in microseconds, where the sample once built the timetable of every rank
     first (a minute)."""
     built = double_tree_schedule.timetable.cache_info().misses
-    with pytest.raises(sim.SimulationTooLarge, match=r"allreduce \(double_tree\) on 1,000,000 ranks of "
-                                                     r"1,048,576 bytes needs at least 51,999,948 steps"):
+    with pytest.raises(
+            sim.SimulationTooLarge, match=r"allreduce \(double_tree\) on 1,000,000 ranks of "
+            r"1,048,576 bytes needs at least 51,999,948 steps"):
         sim.simulate("allreduce", "double_tree", 10**6, 1 << 20, NET)
     assert double_tree_schedule.timetable.cache_info().misses == built
 
@@ -452,11 +472,13 @@ def test_what_the_first_sampled_rank_builds_once_is_counted_once(monkeypatch):
 def test_predict_and_best_algorithm_take_the_limit_and_leave_nothing_out_silently():
     """An algorithm past the limit is an error naming it, not a silently missing entry (which
     would make best_algorithm answer among the others)."""
-    with pytest.raises(sim.SimulationTooLarge, match=r"allreduce \(ring\).*past max_steps=2,000.*candidates="):
+    with pytest.raises(sim.SimulationTooLarge,
+                       match=r"allreduce \(ring\).*past max_steps=2,000.*candidates="):
         sim.compare("allreduce", 64, 4096, NET, max_steps=2_000)
     with pytest.raises(sim.SimulationTooLarge, match="max_steps=2,000"):
         sim.best_algorithm("allreduce", 64, 4096, NET, max_steps=2_000)
-    assert sim.best_algorithm("allreduce", 64, 4096, NET, max_steps=2_000, candidates=["tree", "naive"]) == "tree"
+    assert sim.best_algorithm("allreduce", 64, 4096, NET, max_steps=2_000, candidates=["tree",
+                                                                                       "naive"]) == "tree"
     times = sim.compare("allreduce", 64, 4096, NET, max_steps=10_000, max_seconds=600)
     assert set(times) == set(ALGORITHMS["allreduce"])
 
@@ -521,7 +543,6 @@ def test_the_recording_cache_is_bounded_by_steps(monkeypatch):
         sim.simulate("allreduce", "ring", n, 4096, NET)  # 2n(n-1) steps each, 200,000 in all
     kept = [s.world_size for s in sim.core._cache.values()]
     assert sum(s.steps for s in sim.core._cache.values()) <= 20_000 and 59 in kept
-
 
 
 # -- recording changes nothing global: threads, and real collectives beside it ---------------------

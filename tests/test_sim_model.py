@@ -16,8 +16,9 @@ from lab.sim.network import MAX_RANKS_PER_HOST
 pytestmark = pytest.mark.no_ranks
 
 #: The hand calculation's network: 4,000-byte chunks cost 20 + 3.2 µs on the wire.
-CPU = {"alpha_us": 20.0, "gbit": 10.0, "send_overhead_us": 5.0, "recv_overhead_us": 7.0, "copy_us_per_byte": 0.001,
-           "gamma_us_per_byte": 0.002}
+CPU = {
+    "alpha_us": 20.0, "gbit": 10.0, "send_overhead_us": 5.0, "recv_overhead_us": 7.0,
+    "copy_us_per_byte": 0.001, "gamma_us_per_byte": 0.002}
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -28,7 +29,8 @@ def test_closed_forms_still_exact_with_the_cpu_terms_at_zero(world_size):
     beta = net.beta_us_per_byte
     ring = sim.simulate("allreduce", "ring", world_size, nbytes, net)
     tree = sim.simulate("allreduce", "tree", world_size, nbytes, net)
-    assert ring.time_us == pytest.approx(2 * (world_size - 1) * (20.0 + nbytes / world_size * beta), rel=1e-12)
+    assert ring.time_us == pytest.approx(2 * (world_size - 1) * (20.0 + nbytes / world_size * beta),
+                                         rel=1e-12)
     assert tree.time_us == pytest.approx(2 * math.log2(world_size) * (20.0 + nbytes * beta), rel=1e-12)
 
 
@@ -62,7 +64,8 @@ def test_each_cpu_term_moves_the_prediction_by_its_share():
                          ("copy_us_per_byte", 2 * 2 * 4000 * 0.001), ("gamma_us_per_byte", 4000 * 0.001)]:
         value = 5.0 if field.endswith("_us") else 0.001
         net = sim.Network(alpha_us=20.0, gbit=10.0, **{field: value})
-        assert sim.simulate("allreduce", "ring", 2, 8000, net).time_us == pytest.approx(plain + extra, rel=1e-12)
+        assert sim.simulate("allreduce", "ring", 2, 8000,
+                            net).time_us == pytest.approx(plain + extra, rel=1e-12)
 
 
 def test_copies_beyond_the_cache_pay_memory_s_extra_as_a_hand_calculation_says():
@@ -97,7 +100,8 @@ def test_local_passes_are_recorded_and_cost_a_copy_each_on_the_rank_s_core():
     ring = record("allreduce", "ring", 4, T)
     assert ring.per_rank(ring.pass_bytes).tolist() == [0] * 4
     net = sim.Network(alpha_us=20.0, gbit=10.0, copy_us_per_byte=0.001)
-    assert sim.simulate("reduce_scatter", "ring", 2, 8000, net).finish_us.tolist() == pytest.approx([43.2, 43.2])
+    assert sim.simulate("reduce_scatter", "ring", 2, 8000,
+                        net).finish_us.tolist() == pytest.approx([43.2, 43.2])
     assert sim.simulate("reduce_scatter", "ring", 2, 8000, sim.Network(alpha_us=20.0, gbit=10.0)).time_us \
         == pytest.approx(23.2)  # no CPU terms: the wire alone, passes or not
 
@@ -174,24 +178,23 @@ def test_a_receiver_that_finds_its_message_there_pays_no_wake_up():
     ({"recv_overhead_us": math.inf}, r"recv_overhead_us must be a number"),
     ({"copy_us_per_byte": 1e300}, r"copy_us_per_byte must be a number from 0 to 1e\+06"),
     ({"memory_us_per_byte": -1e-4}, r"memory_us_per_byte must be a number from 0 to 1e\+06"),
-    ({"cache_bytes": 0}, r"cache_bytes must be an integer from 1 to"),
-])
+    ({"cache_bytes": 0}, r"cache_bytes must be an integer from 1 to")])
 def test_bad_cpu_terms_are_value_errors_that_name_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sim.Network(**kwargs)
 
 
 def test_times_stay_finite_with_every_cpu_term_at_its_largest():
-    net = sim.Network(alpha_us=1e9, gbit=1e-6, send_overhead_us=1e9, recv_overhead_us=1e9, copy_us_per_byte=1e6,
-                      gamma_us_per_byte=1e6, cores=1, ranks_per_cpu=8)
+    net = sim.Network(alpha_us=1e9, gbit=1e-6, send_overhead_us=1e9, recv_overhead_us=1e9,
+                      copy_us_per_byte=1e6, gamma_us_per_byte=1e6, cores=1, ranks_per_cpu=8)
     assert math.isfinite(sim.simulate("allreduce", "naive", 8, sim.limits.MAX_NBYTES, net).time_us)
 
 
 # -- calibration --------------------------------------------------------------------------------------
 
-TRUTH = sim.Network(alpha_us=30.0, gbit=5.0, send_overhead_us=12.0, recv_overhead_us=25.0, copy_us_per_byte=2e-4,
-                    gamma_us_per_byte=5e-4, wake_us=15.0, memory_us_per_byte=3e-4, cache_bytes=8 << 20, cores=2,
-                    ranks_per_cpu=MAX_RANKS_PER_HOST)
+TRUTH = sim.Network(alpha_us=30.0, gbit=5.0, send_overhead_us=12.0, recv_overhead_us=25.0,
+                    copy_us_per_byte=2e-4, gamma_us_per_byte=5e-4, wake_us=15.0, memory_us_per_byte=3e-4,
+                    cache_bytes=8 << 20, cores=2, ranks_per_cpu=MAX_RANKS_PER_HOST)
 
 
 def _measured_from_model(directory, network: sim.Network) -> None:
@@ -200,14 +203,15 @@ def _measured_from_model(directory, network: sim.Network) -> None:
     validation cases at N = 3 and 64 KB)."""
     from lab.sim.calibrate import benchmark_schedule, benchmark_us
 
-    rows = [{"collective": "allreduce", "impl": "lab", "algorithm": a, "transport": "shm", "world": n, "bytes": b,
-             "median_us": benchmark_us(*benchmark_schedule("allreduce", a, n, b), network)}
+    rows = [{
+        "collective": "allreduce", "impl": "lab", "algorithm": a, "transport": "shm", "world": n, "bytes": b,
+        "median_us": benchmark_us(*benchmark_schedule("allreduce", a, n, b), network)}
             for a in ("ring", "tree", "naive") for n in (2, 3, 4, 8)
             for b in (1 << 10, 16 << 10, 64 << 10, 256 << 10, 4 << 20)]
     directory.mkdir(exist_ok=True)
     pd.DataFrame(rows).to_csv(directory / "allreduce.csv", index=False)
-    (directory / "machine.json").write_text(json.dumps({"cores": str(network.cores),
-                                                        "last_level_cache_bytes": str(network.cache_bytes)}))
+    (directory / "machine.json").write_text(
+        json.dumps({"cores": str(network.cores), "last_level_cache_bytes": str(network.cache_bytes)}))
 
 
 @pytest.mark.slow
@@ -236,14 +240,21 @@ def test_interpolated_reads_a_validation_case_off_its_calibrated_neighbours():
     from lab.sim.validation import interpolated
 
     def row(algorithm, world, nbytes, median, role):
-        return {"setting": "shm", "collective": "allreduce", "algorithm": algorithm, "world": world,
-                "bytes": nbytes, "median_us": median, "role": role, "ratio": 1.0}
+        return {
+            "setting": "shm", "collective": "allreduce", "algorithm": algorithm, "world": world,
+            "bytes": nbytes, "median_us": median, "role": role, "ratio": 1.0}
 
-    calibration = [row("ring", 4, 256 << 10, 300.0, "calibration"), row("ring", 4, 4 << 20, 1800.0, "calibration"),
-                   row("ring", 2, 1 << 20, 100.0, "calibration"), row("ring", 8, 1 << 20, 700.0, "calibration")]
-    validation = [row("ring", 4, 1 << 20, 650.0, "validation"), row("ring", 6, 1 << 20, 480.0, "validation"),
-                  row("ring", 4, 16 << 20, 9000.0, "validation"), row("ring", 16, 1 << 20, 2000.0, "validation"),
-                  row("tree", 4, 1 << 20, 500.0, "validation")]
+    calibration = [
+        row("ring", 4, 256 << 10, 300.0, "calibration"),
+        row("ring", 4, 4 << 20, 1800.0, "calibration"),
+        row("ring", 2, 1 << 20, 100.0, "calibration"),
+        row("ring", 8, 1 << 20, 700.0, "calibration")]
+    validation = [
+        row("ring", 4, 1 << 20, 650.0, "validation"),
+        row("ring", 6, 1 << 20, 480.0, "validation"),
+        row("ring", 4, 16 << 20, 9000.0, "validation"),
+        row("ring", 16, 1 << 20, 2000.0, "validation"),
+        row("tree", 4, 1 << 20, 500.0, "validation")]
     table = pd.DataFrame(calibration + validation)
     read = interpolated(table)
     assert read[["world", "bytes", "read_us"]].values.tolist() == [[4, 1 << 20, 600.0], [6, 1 << 20, 650.0]]
@@ -258,12 +269,13 @@ def test_repeatability_compares_the_cases_measured_again_with_their_first_measur
     _measured_from_model(tmp_path, TRUTH)
     first = pd.read_csv(tmp_path / "allreduce.csv")
     again = first.copy()
-    again["median_us"] *= np.where(first["bytes"] == 1 << 10, 3.0, np.where(first["algorithm"] == "ring", 1.2, 1.3))
+    again["median_us"] *= np.where(first["bytes"] == 1 << 10, 3.0,
+                                   np.where(first["algorithm"] == "ring", 1.2, 1.3))
     (tmp_path / "repeat" / "4").mkdir(parents=True)
     again.to_csv(tmp_path / "repeat" / "4" / "allreduce.csv", index=False)
     table = repeatability(tmp_path)
-    assert table.to_dict("records") == [{"setting": "shm", "cases": 60, "near": pytest.approx(1 / 3),
-                                         "within_2x": pytest.approx(0.8)}]
+    assert table.to_dict("records") == [{
+        "setting": "shm", "cases": 60, "near": pytest.approx(1 / 3), "within_2x": pytest.approx(0.8)}]
     assert "| shm | 60 | 33% | 80% |" in validation_section(tmp_path, tmp_path)
 
 
@@ -279,8 +291,9 @@ def test_a_large_message_waits_for_its_receive_and_a_small_one_does_not():
 
     large, small = 1 << 20, 1000
     one = np.array
-    s = Schedule("allreduce", "by hand", 3, large, one([0, 1, 3, 4]), one([1, -1, -1, 1]), one([large, 0, 0, small]),
-                 one([-1, 2, 0, -1]), one([0, small, large, 0]), one([False] * 4), 0.0)
+    s = Schedule("allreduce", "by hand", 3, large, one([0, 1, 3, 4]), one([1, -1, -1, 1]),
+                 one([large, 0, 0, small]), one([-1, 2, 0, -1]), one([0, small, large, 0]), one([False] * 4),
+                 0.0)
     net = sim.Network(alpha_us=20.0, gbit=10.0)
     t_large, t_small = net.message_us(large), net.message_us(small)
     eager = replay(s, sim.Network(alpha_us=20.0, gbit=10.0, eager_bytes=None))
@@ -298,7 +311,9 @@ def test_rendezvous_lets_the_pipelined_double_tree_run_as_its_timetable_says():
     times = {}
     for eager in (None, 64 * 1024):
         net = sim.Network(alpha_us=5.0, gbit=100.0, eager_bytes=eager)
-        times[eager] = {a: sim.simulate("allreduce", a, 256, 64 << 20, net).time_us for a in ("ring", "double_tree")}
+        times[eager] = {
+            a: sim.simulate("allreduce", a, 256, 64 << 20, net).time_us
+            for a in ("ring", "double_tree")}
     # (256 ranks, 64 MB: 0.64x its eager time, 1.07x the ring's; at 1,024 ranks 0.71x the ring's)
     assert times[64 * 1024]["double_tree"] < 0.7 * times[None]["double_tree"], times
     assert times[64 * 1024]["double_tree"] < 1.1 * times[64 * 1024]["ring"], times
@@ -334,7 +349,8 @@ def test_a_gap_leaves_the_closed_forms_of_chains_exact(world_size):
     """Ring and tree send one message per rank per step and wait for it: the gap changes nothing."""
     nbytes = world_size * 1000 * 4
     for algorithm in ("ring", "tree"):
-        whole = sim.simulate("allreduce", algorithm, world_size, nbytes, sim.Network(alpha_us=20.0, gbit=10.0))
+        whole = sim.simulate("allreduce", algorithm, world_size, nbytes,
+                             sim.Network(alpha_us=20.0, gbit=10.0))
         gapped = sim.simulate("allreduce", algorithm, world_size, nbytes,
                               sim.Network(alpha_us=20.0, gbit=10.0, gap_us=0.5))
         assert gapped.time_us == pytest.approx(whole.time_us, rel=1e-12)
@@ -344,15 +360,19 @@ def test_the_double_tree_at_scale_costs_the_tree_s_latency_with_a_small_gap():
     """256 ranks, 1 KB: each rank works in two trees at once; with the port held for all of α its
     two trees' messages queue behind each other, with a NIC's gap they overlap (NCCL's model
     gives the double tree one tree's latency)."""
-    times = {gap: {a: sim.simulate("allreduce", a, 256, 1024, sim.Network(alpha_us=5.0, gbit=100.0, gap_us=gap)).time_us
-                   for a in ("tree", "double_tree")} for gap in (None, 0.5)}
+    times = {
+        gap: {
+            a: sim.simulate("allreduce", a, 256, 1024, sim.Network(alpha_us=5.0, gbit=100.0,
+                                                                   gap_us=gap)).time_us
+            for a in ("tree", "double_tree")}
+        for gap in (None, 0.5)}
     assert times[None]["double_tree"] > 1.9 * times[None]["tree"]
     assert times[0.5]["double_tree"] < 1.5 * times[0.5]["tree"]
     assert times[0.5]["tree"] == pytest.approx(times[None]["tree"], rel=1e-12)
 
 
-@pytest.mark.parametrize("gap_us, match", [(-1.0, "gap_us must be a number from 0 to 20"), (20.5, "at most alpha_us"),
-                                           ("1", "gap_us must be a number")])
+@pytest.mark.parametrize("gap_us, match", [(-1.0, "gap_us must be a number from 0 to 20"),
+                                           (20.5, "at most alpha_us"), ("1", "gap_us must be a number")])
 def test_a_bad_gap_is_a_value_error_that_names_it(gap_us, match):
     with pytest.raises(ValueError, match=match):
         sim.Network(alpha_us=20.0, gap_us=gap_us)

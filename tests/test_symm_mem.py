@@ -62,7 +62,8 @@ def views_and_signals(mesh: lab.Mesh) -> list[str]:
         if ring[round_, before] != 1000 * round_ + before:
             wrong.append(f"rank {rank} round {round_}: rank {before} wrote {ring[round_, before]}")
     pad = ring_handle.get_signal_pad(rank)
-    if pad[0, 1].tolist() != [3 if p == before else 0 for p in range(n)] or pad[1, 1].tolist() != pad[0, 1].tolist():
+    if pad[0, 1].tolist() != [3 if p == before else 0
+                              for p in range(n)] or pad[1, 1].tolist() != pad[0, 1].tolist():
         wrong.append(f"rank {rank}: channel 1's pad {pad[:, 1].tolist()}")
     counts = handle.get_signal_pad(rank)[0].sum(0).tolist()  # two barriers: one signal from each peer on each
     if counts != [0 if p == rank else 2 for p in range(n)]:
@@ -82,8 +83,9 @@ def out_of_place(mesh: lab.Mesh) -> list[str]:
     for name, dtype in REDUCE_DTYPES.items():
         for count in sorted({0, 1, max(n - 1, 1), 2 * n + 1, 3 * SLOT_BYTES // 2 + 7}):
             for where in ("symm_mem", "lab.empty", "torch"):
-                make = {"symm_mem": lab.symm_mem.empty, "lab.empty": lab.empty,
-                        "torch": lambda _, shape, dtype: torch.empty(shape, dtype=dtype)}[where]
+                make = {
+                    "symm_mem": lab.symm_mem.empty, "lab.empty": lab.empty,
+                    "torch": lambda _, shape, dtype: torch.empty(shape, dtype=dtype)}[where]
                 x = make(mesh, (count,), dtype.torch_dtype)
                 for op in OPS:
                     if not takes(op, dtype):
@@ -97,9 +99,10 @@ def out_of_place(mesh: lab.Mesh) -> list[str]:
                     exact = same_bits(got, want) if op != "avg" else torch.allclose(
                         got.double(), want, rtol=(n + 1) * torch.finfo(dtype.torch_dtype).eps, atol=0)
                     if not (exact and same_bits(got, in_place) and untouched):
-                        wrong.append(f"rank {mesh.rank} {name}[{count}] {op} {where}: formula "
-                                     f"{'ok' if exact else 'WRONG'}, in place {same_bits(got, in_place)}, "
-                                     f"input untouched {untouched}; got {got[-3:].tolist()} want {want[-3:].tolist()}")
+                        wrong.append(
+                            f"rank {mesh.rank} {name}[{count}] {op} {where}: formula "
+                            f"{'ok' if exact else 'WRONG'}, in place {same_bits(got, in_place)}, "
+                            f"input untouched {untouched}; got {got[-3:].tolist()} want {want[-3:].tolist()}")
     return wrong
 
 
@@ -113,8 +116,10 @@ def out_variants(mesh: lab.Mesh) -> list[bool]:
     out = torch.full((6,), -1, dtype=torch.int64)
     returned = lab.symm_mem.one_shot_all_reduce_out(x, "max", mesh, out)
     same = lab.symm_mem.one_shot_all_reduce_out(x, "sum", mesh, x)  # in place
-    return [returned is out, torch.equal(out, pattern(6, mesh.world_size - 1, torch.int64)), same is x,
-            torch.equal(x, expected("sum", 6, mesh.world_size, torch.int64))]
+    return [
+        returned is out,
+        torch.equal(out, pattern(6, mesh.world_size - 1, torch.int64)), same is x,
+        torch.equal(x, expected("sum", 6, mesh.world_size, torch.int64))]
 
 
 def test_one_shot_all_reduce_out_writes_out_or_in_place(cluster):
@@ -169,7 +174,8 @@ def silent_or_dead(mesh: lab.Mesh, how: str, out: str) -> str:
             handle.wait_signal(1, timeout_ms=1000 if how == "stopped" else 0)  # no signal ever comes
         else:
             handle.put_signal(1)  # the first goes through (nothing outstanding) ...
-            handle.put_signal(1, timeout_ms=1000 if how == "stopped" else 0)  # ... the second waits for rank 1
+            handle.put_signal(1,
+                              timeout_ms=1000 if how == "stopped" else 0)  # ... the second waits for rank 1
         message = "no error"
     except (lab.DeadlineError, lab.PeerLostError) as exc:
         message = f"{type(exc).__name__} after {time.monotonic() - start:.1f} s: {exc}"
@@ -199,8 +205,7 @@ def bad_arguments(mesh: lab.Mesh) -> list[str]:
     calls = {
         "shape": lambda: lab.symm_mem.empty(mesh, (-1,)),
         "dtype": lambda: lab.symm_mem.empty(mesh, (4,), "float32"),
-        "dst_rank": lambda: handle.put_signal(mesh.world_size),
-        "src_rank": lambda: handle.wait_signal(-1),
+        "dst_rank": lambda: handle.put_signal(mesh.world_size), "src_rank": lambda: handle.wait_signal(-1),
         "channel": lambda: handle.put_signal(0, channel=lab.symm_mem.CHANNELS),
         "timeout_ms": lambda: handle.wait_signal(0, timeout_ms=-5),
         "sizes": lambda: handle.get_buffer(0, (5,), torch.float32),
@@ -209,8 +214,7 @@ def bad_arguments(mesh: lab.Mesh) -> list[str]:
         "lab.symm_mem.empty": lambda: lab.symm_mem.rendezvous(torch.zeros(4), mesh),
         "out": lambda: lab.symm_mem.one_shot_all_reduce_out(torch.zeros(4), "sum", mesh, torch.zeros(5)),
         "op": lambda: lab.symm_mem.one_shot_all_reduce(torch.zeros(4), "median", mesh),
-        "tensor": lambda: lab.symm_mem.one_shot_all_reduce([1.0, 2.0], "sum", mesh),
-    }
+        "tensor": lambda: lab.symm_mem.one_shot_all_reduce([1.0, 2.0], "sum", mesh)}
     missing = []
     for name, call in calls.items():
         try:
@@ -220,7 +224,8 @@ def bad_arguments(mesh: lab.Mesh) -> list[str]:
             if name not in str(exc):
                 missing.append(f"{name}: {exc}")
     # Nothing above communicated: the mesh still works, in step.
-    if not torch.equal(lab.allreduce(mesh, torch.ones(3), algorithm="one_shot"), torch.full((3,), float(mesh.world_size))):
+    if not torch.equal(lab.allreduce(mesh, torch.ones(3), algorithm="one_shot"),
+                       torch.full((3,), float(mesh.world_size))):
         missing.append("the mesh is out of step")
     mesh.close()
     try:

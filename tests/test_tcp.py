@@ -21,14 +21,13 @@ SCRIPT = Path(__file__).parent / "scripts" / "torchrun_job.py"
 def test_torchrun_three_local_processes():
     """Mesh.from_env() under torchrun: every collective matches gloo on every rank."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-    done = subprocess.run(
-        [torchrun, "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         str(SCRIPT)],
-        capture_output=True, text=True, timeout=180, env=child_env(),
-    )
+    done = subprocess.run([
+        torchrun, "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port",
+        str(free_port()),
+        str(SCRIPT)], capture_output=True, text=True, timeout=180, env=child_env())
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert sorted(line.split(" of ")[0] for line in done.stdout.splitlines() if line.startswith("OK")) == [
-        "OK rank 0", "OK rank 1", "OK rank 2"]
+    assert sorted(line.split(" of ")[0] for line in done.stdout.splitlines()
+                  if line.startswith("OK")) == ["OK rank 0", "OK rank 1", "OK rank 2"]
 
 
 # -- a listening rank against strangers and bad frames (in this process: rank 0 in a thread) -------
@@ -73,7 +72,6 @@ RELAY = Path(__file__).parent / "scripts" / "tcp_relay.py"
 
 class RankZero:
     """Rank 0 of a 2-rank TCP mesh, built in a thread while the test plays rank 1 by hand."""
-
     def __init__(self, world_size: int = 2) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.transport: TcpTransport | None = None
@@ -98,7 +96,6 @@ class RankZero:
 
 class Played:
     """Rank 1 played by hand: the connecting side of the handshake, then frames with their MACs."""
-
     def __init__(self, sock: socket.socket, secret: bytes = SECRET, rank: int = 1) -> None:
         sock.settimeout(5)
         self.sock, mine = sock, b"c" * 32
@@ -108,7 +105,8 @@ class Played:
         sock.sendall(derive(secret, _CONNECTOR_PROOF, bound))
         if _read(sock, 32) != derive(secret, _ACCEPTOR_PROOF, bound):
             raise AssertionError("rank 0 answered with a wrong proof")
-        self.send_key, self.recv_key, self.sent = derive(secret, _CONNECTOR_KEY, bound), derive(secret, _ACCEPTOR_KEY, bound), 0
+        self.send_key, self.recv_key, self.sent = derive(secret, _CONNECTOR_KEY,
+                                                         bound), derive(secret, _ACCEPTOR_KEY, bound), 0
 
     def frame(self, header: bytes, payload: bytes) -> bytes:
         """A frame as a real rank sends it: header, header MAC, payload, frame MAC."""
@@ -159,19 +157,19 @@ def connected_pair() -> tuple[TcpTransport, Played]:
 def test_strangers_are_rejected_and_the_real_peer_still_joins():
     rank_zero = RankZero()
     address = rank_zero.address()
-    socket.create_connection(address).close()                         # connects and leaves
-    with socket.create_connection(address) as garbage:                # not a lab hello
+    socket.create_connection(address).close()  # connects and leaves
+    with socket.create_connection(address) as garbage:  # not a lab hello
         garbage.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100)
-    with socket.create_connection(address) as impostor:               # a lab hello, wrong secret
-        assert refusal(impostor, 1, b"guessed") == _REFUSED_PROOF     # told so, then closed
-    with socket.create_connection(address) as stranger:               # a rank not in this job
+    with socket.create_connection(address) as impostor:  # a lab hello, wrong secret
+        assert refusal(impostor, 1, b"guessed") == _REFUSED_PROOF  # told so, then closed
+    with socket.create_connection(address) as stranger:  # a rank not in this job
         assert refusal(stranger, 7, SECRET) == _REFUSED_RANK
     with socket.create_connection(address) as real:
         Played(real)
         rank_zero.thread.join(10)
     assert rank_zero.error is None and rank_zero.transport is not None
     rank_zero.transport.close()
-    with pytest.raises(ConnectionRefusedError):                       # the listener is gone
+    with pytest.raises(ConnectionRefusedError):  # the listener is gone
         socket.create_connection(address, timeout=2)
 
 
@@ -211,7 +209,8 @@ def test_a_listener_names_the_ranks_that_never_came(monkeypatch):
     monkeypatch.setattr("lab.transport.handshake.CONNECT_TIMEOUT_S", 1.0)
     rank_zero = RankZero(world_size=3)
     rank_zero.thread.join(10)
-    assert isinstance(rank_zero.error, lab.DeadlineError) and "ranks [1, 2] did not connect" in str(rank_zero.error)
+    assert isinstance(rank_zero.error, lab.DeadlineError) and "ranks [1, 2] did not connect" in str(
+        rank_zero.error)
     assert rank_zero.error.peers == (1, 2)
 
 
@@ -221,7 +220,8 @@ def test_a_full_pending_set_evicts_the_oldest_stranger(monkeypatch):
     monkeypatch.setattr("lab.transport.handshake.MAX_PENDING_HANDSHAKES", 2)
     rank_zero = RankZero()
     address = rank_zero.address()
-    oldest, newer = socket.create_connection(address, timeout=10), socket.create_connection(address, timeout=10)
+    oldest, newer = socket.create_connection(address,
+                                             timeout=10), socket.create_connection(address, timeout=10)
     for sock in (oldest, newer):
         _read(sock, _HELLO.size)  # rank 0 has accepted it
     with socket.create_connection(address) as real:
@@ -250,8 +250,9 @@ def connector_thread(port: int, secret: bytes = SECRET) -> tuple[threading.Threa
     lied = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     lied.set("fuzz/addr/0", f"127.0.0.1:{port}")
     outcome: list = []
-    thread = threading.Thread(target=lambda: outcome.append(_try(lambda: TcpTransport(1, 2, lied, secret, prefix="fuzz"))),
-                              daemon=True)
+    thread = threading.Thread(
+        target=lambda: outcome.append(_try(lambda: TcpTransport(1, 2, lied, secret, prefix="fuzz"))),
+        daemon=True)
     thread.start()
     return thread, outcome
 
@@ -283,7 +284,8 @@ def test_a_handshake_dropped_until_the_deadline_says_so(monkeypatch):
             with contextlib.suppress(TimeoutError):
                 fake.accept()[0].close()
     assert isinstance(outcome[0], PeerLostError), outcome
-    assert "dropped the handshake unanswered" in str(outcome[0]) and "flooding its listener" in str(outcome[0])
+    assert "dropped the handshake unanswered" in str(outcome[0]) and "flooding its listener" in str(
+        outcome[0])
 
 
 def test_a_wrong_secret_is_refused_at_once_not_tried_again():
@@ -293,7 +295,8 @@ def test_a_wrong_secret_is_refused_at_once_not_tried_again():
     host, port = rank_zero.address()
     thread, outcome = connector_thread(port, secret=b"another job's secret")
     thread.join(30)  # the connection timeout is 60 s: a retried attempt could not end by now
-    assert outcome and isinstance(outcome[0], LabError) and "refused this rank's proof" in str(outcome[0]), outcome
+    assert outcome and isinstance(outcome[0], LabError) and "refused this rank's proof" in str(
+        outcome[0]), outcome
     with socket.create_connection((host, port)) as real:  # rank 0 still waits, and the real rank 1 joins
         Played(real)
         rank_zero.thread.join(10)
@@ -319,7 +322,8 @@ def test_a_good_frame_is_received():
     played.sock.close()
 
 
-@pytest.mark.parametrize("forgery", ["payload", "header", "header mac", "mac", "replayed", "reordered", "no key"])
+@pytest.mark.parametrize("forgery",
+                         ["payload", "header", "header mac", "mac", "replayed", "reordered", "no key"])
 def test_a_frame_without_the_right_mac_is_refused(forgery):
     """Frames are authenticated per connection and per sequence number: an altered byte, a
     replayed or reordered frame or a frame MAC'd without the connection's key raises an
@@ -396,7 +400,8 @@ def test_a_frame_of_another_mesh_waits_aside_until_its_receive():
     received behind it, and the parked one serves the other mesh's receive later."""
     transport, played = connected_pair()
     theirs, ours = np.arange(1 << 20, dtype=np.float32), np.arange(4, dtype=np.float32)
-    sender = played.send_in_background(played.data(OTHER, theirs.tobytes()) + played.data(TAG, ours.tobytes()))
+    sender = played.send_in_background(
+        played.data(OTHER, theirs.tobytes()) + played.data(TAG, ours.tobytes()))
     out = np.zeros(4, np.float32)
     transport.exchange([], [Recv(1, out)], TAG, 10.0, "parking")
     assert (out == ours).all() and transport.parking.held_bytes(1) == theirs.nbytes
@@ -415,10 +420,12 @@ def test_parking_beyond_the_per_peer_bound_is_a_clear_error(monkeypatch):
     allocated (here it announces 8 GiB), and the connection is closed."""
     monkeypatch.setattr("lab.transport.parking.MAX_PARKED_BYTES_PER_PEER", 1 << 20)
     transport, played = connected_pair()
-    sender = played.send_in_background(played.data(OTHER, b"\1" * (512 << 10)) + played.header_only(OTHER, 8 << 30))
+    sender = played.send_in_background(
+        played.data(OTHER, b"\1" * (512 << 10)) + played.header_only(OTHER, 8 << 30))
     with peak_allocation() as peak:
         error = receive(transport, 16, timeout_s=10.0)
-    assert isinstance(error, LabError) and "MAX_PARKED_BYTES_PER_PEER (1 MiB; 512 KiB held" in str(error), error
+    assert isinstance(error,
+                      LabError) and "MAX_PARKED_BYTES_PER_PEER (1 MiB; 512 KiB held" in str(error), error
     assert peak[0] < 8 << 20, peak  # the 512 KiB parked, not the 8 GiB announced
     sender.join(5)
     played.sock.settimeout(5)
@@ -430,13 +437,15 @@ def test_parking_beyond_the_per_peer_bound_is_a_clear_error(monkeypatch):
 def test_parking_beyond_the_total_bound_is_a_clear_error(monkeypatch):
     """Two peers each within their bound, together beyond the total: a LabError naming it."""
     monkeypatch.setattr("lab.transport.parking.MAX_PARKED_BYTES_PER_PEER", 1 << 20)
-    monkeypatch.setattr("lab.transport.parking.MAX_PARKED_BYTES", 5 << 18)  # 1.25 MiB: one 768 KiB frame, not two
+    monkeypatch.setattr("lab.transport.parking.MAX_PARKED_BYTES",
+                        5 << 18)  # 1.25 MiB: one 768 KiB frame, not two
     rank_zero = RankZero(world_size=3)
     address = rank_zero.address()
     peers = [Played(socket.create_connection(address, timeout=5), rank=rank) for rank in (1, 2)]
     rank_zero.thread.join(10)
     assert rank_zero.transport is not None, rank_zero.error
-    senders = [p.send_in_background(p.data(OTHER, b"\1" * (768 << 10)) + p.data(TAG, b"\0" * 16)) for p in peers]
+    senders = [
+        p.send_in_background(p.data(OTHER, b"\1" * (768 << 10)) + p.data(TAG, b"\0" * 16)) for p in peers]
     outs = [np.zeros(4, np.float32) for _ in peers]
     with pytest.raises(LabError, match=r"MAX_PARKED_BYTES \(1.25 MiB from all peers; 768 KiB held"):
         rank_zero.transport.exchange([], [Recv(1, outs[0]), Recv(2, outs[1])], TAG, 10.0, "parking")
@@ -454,8 +463,9 @@ def _pair_through(relay_mode: str, *relay_args: int):
     (as if the attacker had rewritten it); the attacker, a separate process, relays to rank 0."""
     rank_zero = RankZero()
     real = rank_zero.address()
-    attacker = subprocess.Popen([sys.executable, str(RELAY), relay_mode, real[0], str(real[1]), *map(str, relay_args)],
-                                stdout=subprocess.PIPE, text=True, env=child_env())
+    attacker = subprocess.Popen(
+        [sys.executable, str(RELAY), relay_mode, real[0],
+         str(real[1]), *map(str, relay_args)], stdout=subprocess.PIPE, text=True, env=child_env())
     relay_port = int(attacker.stdout.readline())
     lied = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     lied.set("fuzz/addr/0", f"127.0.0.1:{relay_port}")
@@ -506,7 +516,8 @@ def reduce_from_one(transport: TcpTransport, tag: bytes = TAG) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("mode", ["flip", "inject", pytest.param("forge-tag", marks=pytest.mark.slow)])  # (waits 5 s)
+@pytest.mark.parametrize(
+    "mode", ["flip", "inject", pytest.param("forge-tag", marks=pytest.mark.slow)])  # (waits 5 s)
 def test_an_attacker_in_the_middle_is_detected(mode):
     """The attacker relays a real handshake (it cannot forge one), then alters a payload byte,
     injects a frame of its own, or one claiming another collective of the same mesh: the receiver
@@ -566,15 +577,16 @@ def test_a_proof_is_bound_to_the_pair_and_the_direction():
     with socket.create_server(("127.0.0.1", 0)) as fake:
         lied.set("fuzz/addr/0", f"127.0.0.1:{fake.getsockname()[1]}")
         outcome: list = []
-        thread = threading.Thread(target=lambda: outcome.append(_try(lambda: TcpTransport(1, 2, lied, SECRET, prefix="fuzz"))),
-                                  daemon=True)
+        thread = threading.Thread(
+            target=lambda: outcome.append(_try(lambda: TcpTransport(1, 2, lied, SECRET, prefix="fuzz"))),
+            daemon=True)
         thread.start()
         conn, _ = fake.accept()
         conn.settimeout(5)
         _, _, _, their_nonce = _HELLO.unpack(_read(conn, _HELLO.size))
         conn.sendall(_HELLO.pack(MAGIC, VERSION, 0, b"n" * 32))
         stolen = _read(conn, 32)  # rank 1's proof for (acceptor 0, connector 1, these nonces)
-        conn.sendall(stolen)      # reflected as the acceptor's proof
+        conn.sendall(stolen)  # reflected as the acceptor's proof
         thread.join(10)
         conn.close()
     assert isinstance(outcome[0], LabError) and "failed authentication" in str(outcome[0])
@@ -613,11 +625,12 @@ def test_the_pool_store_listens_on_loopback_only_and_holds_no_secret():
             assert [a.ip for a in new] == ["127.0.0.1"], new
             port = new.pop().port
             assert port == cluster._store.port
-            probe = subprocess.run(
-                [sys.executable, "-c", "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', int(sys.argv[1]),"
-                 " is_master=False); print(s.check(['lab/tcp/secret']), s.check(['lab/tcp/secret-file']),"
-                 " s.check(['lab/tcp/addr/0']))", str(port)],
-                capture_output=True, text=True, timeout=60, env=child_env())
+            probe = subprocess.run([
+                sys.executable, "-c",
+                "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', int(sys.argv[1]),"
+                " is_master=False); print(s.check(['lab/tcp/secret']), s.check(['lab/tcp/secret-file']),"
+                " s.check(['lab/tcp/addr/0']))",
+                str(port)], capture_output=True, text=True, timeout=60, env=child_env())
             assert probe.stdout.split() == ["False", "False", str(transport == "tcp")], probe.stderr[-2000:]
 
 
@@ -649,8 +662,7 @@ def two_hosts():
             ("ip", "-n", names[0], "link", "set", f"va{tag}", "up"),
             ("ip", "-n", names[1], "link", "set", f"vb{tag}", "up"),
             ("ip", "-n", names[0], "link", "set", "lo", "up"),
-            ("ip", "-n", names[1], "link", "set", "lo", "up"),
-        ]
+            ("ip", "-n", names[1], "link", "set", "lo", "up"),]
         for step in steps:
             done = run(*step)
             assert done.returncode == 0, f"{' '.join(step)}: {done.stderr}"
@@ -661,7 +673,8 @@ def two_hosts():
 
 
 def tx_bytes(namespace: str, device: str) -> int:
-    return int(run("ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{device}/statistics/tx_bytes").stdout)
+    return int(
+        run("ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{device}/statistics/tx_bytes").stdout)
 
 
 @pytest.mark.slow
@@ -671,11 +684,13 @@ def test_two_ranks_in_two_network_namespaces(two_hosts):
     before = [tx_bytes(ns, dev) for ns, dev, _ in two_hosts]
     ranks = []
     for rank, (namespace, device, address) in enumerate(two_hosts):
-        env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank),
-                        MASTER_ADDR=master, MASTER_PORT="29611",
-                        LAB_TCP_HOST=address, GLOO_SOCKET_IFNAME=device, LAB_TCP_SECRET="netns-test")
-        ranks.append(subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, str(SCRIPT)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                        GROUP_RANK=str(rank), MASTER_ADDR=master, MASTER_PORT="29611", LAB_TCP_HOST=address,
+                        GLOO_SOCKET_IFNAME=device, LAB_TCP_SECRET="netns-test")
+        ranks.append(
+            subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable,
+                              str(SCRIPT)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env))
     outputs = [rank.communicate(timeout=120) for rank in ranks]
     for rank, (out, err) in zip(ranks, outputs):
         assert rank.returncode == 0, err[-3000:]
@@ -700,12 +715,17 @@ def test_a_connection_storm_does_not_stop_the_job():
     socket (formerly 70 idle connections filled the pending set and ranks 1 and 2 were turned
     away: "PeerLostError: ... closed the handshake; a different job secret?")."""
     port = free_port()
-    env = {"WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LAB_TCP_SECRET": "storm-test",
-           "TCP_JOB_HOLD": "storm/on"}
-    ranks = [subprocess.Popen([sys.executable, str(JOB)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=child_env(RANK=str(rank), **env)) for rank in range(3)]
-    storm = subprocess.Popen([sys.executable, str(STORM), "127.0.0.1", str(port), "lab/tcp/addr/0", "200", "8",
-                              "storm/on"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+    env = {
+        "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "LAB_TCP_SECRET": "storm-test", "TCP_JOB_HOLD": "storm/on"}
+    ranks = [
+        subprocess.Popen([sys.executable, str(JOB)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=child_env(RANK=str(rank), **env)) for rank in range(3)]
+    storm = subprocess.Popen(
+        [sys.executable,
+         str(STORM), "127.0.0.1",
+         str(port), "lab/tcp/addr/0", "200", "8", "storm/on"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True, env=child_env())
     try:
         outputs = [rank.communicate(timeout=240) for rank in ranks]
         said = storm.communicate(timeout=60)[0].splitlines()  # closing its stdin: report

@@ -17,21 +17,24 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Child processes import the lab under test (this checkout), not another installed copy.
-CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]),
-             "OMP_NUM_THREADS": "1"}
+CHILD_ENV = {
+    **os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE),
+                                                 os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_tensor_parallel_and_fsdp2_on_a_2d_mesh_are_bit_equal_to_gloo(n, tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-               os.path.join(HERE, "tensor_parallel_job.py"), str(tmp_path)]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+        os.path.join(HERE, "tensor_parallel_job.py"),
+        str(tmp_path)]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=CHILD_ENV)
     failures = {}
     for rank in range(n):
         path = tmp_path / f"rank{rank}.json"
-        outcome = (json.loads(path.read_text()).get("tensor_and_fsdp2_on_a_2d_mesh", "not run") if path.exists()
-                   else f"wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        outcome = (json.loads(path.read_text()).get("tensor_and_fsdp2_on_a_2d_mesh", "not run")
+                   if path.exists() else f"wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}")
         if outcome != "ok":
             failures[rank] = outcome
     assert not failures, "\n".join(f"rank {rank}: {outcome}" for rank, outcome in failures.items())

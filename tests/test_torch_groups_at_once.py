@@ -55,9 +55,10 @@ def opposite_orders(rank: int, n: int) -> str:
                 continue
             reduced, broadcast = pattern(count, rank, offset), pattern(count, rank, offset + 7)
             gathered = [torch.empty(count, dtype=torch.float64) for _ in members]
-            works += [dist.all_reduce(reduced, group=group, async_op=True),
-                      dist.all_gather(gathered, pattern(count, rank, offset), group=group, async_op=True),
-                      dist.broadcast(broadcast, src=members[-1], group=group, async_op=True)]
+            works += [
+                dist.all_reduce(reduced, group=group, async_op=True),
+                dist.all_gather(gathered, pattern(count, rank, offset), group=group, async_op=True),
+                dist.broadcast(broadcast, src=members[-1], group=group, async_op=True)]
             inputs = [pattern(count, r, offset) for r in members]
             checks += [(f"{name} all_reduce[{count}]", reduced, sum(inputs)),
                        (f"{name} all_gather[{count}]", gathered, inputs),
@@ -154,8 +155,9 @@ def run_world(n: int, how: str, transport: str, nodes: int = 1) -> list[str]:
     init = f"tcp://127.0.0.1:{free_port()}"
     env = child_env(OMP_NUM_THREADS="1", LAB_TCP_SECRET="b" * 64)
     argv = [[sys.executable, "-c", RANK, *map(str, (r, n, init, how, transport, nodes))] for r in range(n)]
-    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for command in argv]
+    processes = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for command in argv]
     outputs = []
     for rank, process in enumerate(processes):
         if how == "silent" and rank == 2:
@@ -212,6 +214,7 @@ def test_a_dead_peer_in_one_group_ends_its_call_and_hangs_no_other(transport):
 
 # -- a pool's mesh lent to torch, and the lab's own sub-meshes with an order of their own --------
 
+
 @pytest.fixture(scope="module", params=[(t, n) for t in ("shm", "tcp", "queue") for n in (2, 3)],
                 ids=lambda param: f"{param[0]}-{param[1]}")
 def cluster(request):
@@ -257,6 +260,7 @@ def test_sub_meshes_with_orders_of_their_own_issued_in_opposite_orders(cluster, 
 
 
 # -- the issue orders themselves --------------------------------------------------------------
+
 
 def test_an_order_of_its_own_records_where_its_root_does_and_closes_with_it():
     root = IssueQueue(0)

@@ -11,8 +11,9 @@ import torch
 import lab
 from lab.timeline import plot_timeline, read_trace, to_chrome_trace
 
-REQUIRED = {"rank", "world_size", "op", "algorithm", "transport", "nbytes", "bytes_sent", "bytes_received",
-            "start_ns", "duration_ns"}
+REQUIRED = {
+    "rank", "world_size", "op", "algorithm", "transport", "nbytes", "bytes_sent", "bytes_received",
+    "start_ns", "duration_ns"}
 
 
 def traced_work(mesh: lab.Mesh) -> dict[str, int]:
@@ -41,7 +42,8 @@ def test_every_rank_writes_one_row_per_collective(tmp_path):
         assert row["world_size"] == 3 and row["transport"] == "shm" and row["duration_ns"] > 0
     for rank in range(3):
         mine = sorted((r for r in rows if r["rank"] == rank), key=lambda r: r["seq"])
-        assert [r["op"] for r in mine] == ["allreduce", "allreduce", "broadcast", "allgather", "reduce_scatter"]
+        assert [r["op"]
+                for r in mine] == ["allreduce", "allreduce", "broadcast", "allgather", "reduce_scatter"]
         assert [r["algorithm"] for r in mine[:2]] == ["ring", "tree"]
         assert mine[0]["nbytes"] == 48 and mine[0]["bytes_sent"] == 2 * 48 * 2 // 3  # 2T(N-1)/N
         assert sum(r["bytes_sent"] for r in mine) == stats[rank]["bytes_sent"]

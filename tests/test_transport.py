@@ -63,8 +63,7 @@ def kinds_and_shapes(mesh: lab.Mesh) -> list[str]:
         torch.tensor(3.5, dtype=torch.bfloat16),
         (torch.arange(6.0, dtype=torch.float16) - 2).reshape(1, 2, 3),
         np.arange(10, dtype=np.int64)[::2],  # non-contiguous
-        np.zeros((2, 0, 3), np.float32),
-    ]
+        np.zeros((2, 0, 3), np.float32)]
     failures = []
     if mesh.rank == 0:
         for case in cases:
@@ -72,10 +71,12 @@ def kinds_and_shapes(mesh: lab.Mesh) -> list[str]:
     elif mesh.rank == 1:
         for case in cases:
             got = mesh.recv(0, timeout_ms=30_000)
-            if type(got) is not type(case) or got.dtype != case.dtype or tuple(got.shape) != tuple(case.shape):
+            if type(got) is not type(case) or got.dtype != case.dtype or tuple(got.shape) != tuple(
+                    case.shape):
                 failures.append(f"{type(case).__name__} {case.dtype}{tuple(case.shape)} became "
                                 f"{type(got).__name__} {got.dtype}{tuple(got.shape)}")
-            elif not (torch.equal(got, case) if isinstance(case, torch.Tensor) else np.array_equal(got, case)):
+            elif not (torch.equal(got, case)
+                      if isinstance(case, torch.Tensor) else np.array_equal(got, case)):
                 failures.append(f"{case.dtype}{tuple(case.shape)}: wrong values")
     return failures
 
@@ -247,8 +248,10 @@ def flood(mesh: lab.Mesh) -> dict:
     time.sleep(0.5)
     queued = mesh._transport.queued_bytes(0)
     woke = time.monotonic()
-    wrong = [i for i in range(FLOOD_SENDS) if not torch.equal(
-        mesh.recv(0), torch.full((FLOOD_BYTES,), i % 256, dtype=torch.uint8).view(torch.int16).float())]
+    wrong = [
+        i for i in range(FLOOD_SENDS)
+        if not torch.equal(mesh.recv(0),
+                           torch.full((FLOOD_BYTES,), i % 256, dtype=torch.uint8).view(torch.int16).float())]
     return {"queued": queued, "woke": woke, "wrong": wrong}
 
 

@@ -29,8 +29,9 @@ def fake_sweep() -> pd.DataFrame:
     rows = []
     for nbytes in [1 << k for k in range(10, 25, 2)]:
         for algorithm, steps, alpha, volume in [("ring", 6, 100.0, 1.5), ("tree", 4, 50.0, 4.0)]:
-            rows.append({"transport": "shm", "collective": "allreduce", "algorithm": algorithm, "world": 4,
-                         "bytes": nbytes, "median_us": steps * alpha + volume * nbytes * 0.001})
+            rows.append({
+                "transport": "shm", "collective": "allreduce", "algorithm": algorithm, "world": 4,
+                "bytes": nbytes, "median_us": steps * alpha + volume * nbytes * 0.001})
     return pd.DataFrame(rows)
 
 
@@ -99,11 +100,12 @@ def full_sweep() -> pd.DataFrame:
     rows = []
     for nbytes in [1 << k for k in range(10, 25, 2)]:
         for collective, algorithm in [("allreduce", a) for a in registry.auto_candidates("allreduce")] + [
-                ("broadcast", "binomial"), ("broadcast", "scatter_allgather")]:
+            ("broadcast", "binomial"), ("broadcast", "scatter_allgather")]:
             steps, volume = tuning.algorithm_shape(algorithm, 4, collective)
             alpha = 20.0 if algorithm == "recursive_doubling" else 100.0
-            rows.append({"transport": "tcp", "collective": collective, "algorithm": algorithm, "world": 4,
-                         "bytes": nbytes, "median_us": steps * alpha + volume * nbytes * 0.001})
+            rows.append({
+                "transport": "tcp", "collective": collective, "algorithm": algorithm, "world": 4,
+                "bytes": nbytes, "median_us": steps * alpha + volume * nbytes * 0.001})
     return pd.DataFrame(rows)
 
 
@@ -127,7 +129,8 @@ def test_auto_chooses_among_every_fitted_algorithm_of_every_collective(monkeypat
 
 def test_lab_algo_applies_per_collective_where_the_name_is_valid(monkeypatch):
     monkeypatch.setenv("LAB_ALGO", "ring")
-    assert forced_algorithm("allreduce") == forced_algorithm("allgather") == forced_algorithm("reduce_scatter") == "ring"
+    assert forced_algorithm("allreduce") == forced_algorithm("allgather") == forced_algorithm(
+        "reduce_scatter") == "ring"
     assert forced_algorithm("broadcast") is None and forced_algorithm("all_to_all") is None  # auto as usual
     monkeypatch.setenv("LAB_ALGO", "bruck")
     assert forced_algorithm("all_to_all") == "bruck" and forced_algorithm("allreduce") is None
@@ -148,9 +151,9 @@ def bent_sweep(world: int = 8) -> pd.DataFrame:
     transport measured them at 8 ranks: the ring is fast at 1 MB and slow at 16 MB, a bend that no
     single α-β line through the three sizes follows."""
     medians = {"ring": [3517.0, 6784.0, 310473.0], "halving_doubling": [2112.0, 10285.0, 143775.0]}
-    return pd.DataFrame([{"transport": "queue", "collective": "allreduce", "algorithm": algorithm, "world": world,
-                          "impl": "lab", "bytes": nbytes, "median_us": us}
-                         for algorithm, times in medians.items()
+    return pd.DataFrame([{
+        "transport": "queue", "collective": "allreduce", "algorithm": algorithm, "world": world,
+        "impl": "lab", "bytes": nbytes, "median_us": us} for algorithm, times in medians.items()
                          for nbytes, us in zip([1 << 10, 1 << 20, 16 << 20], times)])
 
 
@@ -167,19 +170,21 @@ def test_at_a_measured_world_size_auto_follows_the_measured_medians():
     for nbytes, us in ring["points"]:
         assert tuning.predict_us("ring", nbytes, 8, "queue", models=fitted) == pytest.approx(us)
     middle = (1 << 20) + ((16 << 20) - (1 << 20)) // 2
-    assert tuning.predict_us("ring", middle, 8, "queue", models=fitted) == pytest.approx((6784.0 + 310473.0) / 2,
-                                                                                         rel=1e-6)
+    assert tuning.predict_us("ring", middle, 8, "queue", models=fitted) == pytest.approx(
+        (6784.0 + 310473.0) / 2, rel=1e-6)
     # below the smallest size: its time; above the largest: its time plus the fitted per-byte term
     assert tuning.predict_us("ring", 100, 8, "queue", models=fitted) == pytest.approx(3517.0)
     above = tuning.predict_us("ring", 32 << 20, 8, "queue", models=fitted)
     assert above == pytest.approx(310473.0 + volume * (16 << 20) * ring["beta_byte_us"])
-    decide = functools.partial(tuning.decide, world_size=8, transport="queue", models=fitted, networks={}, worlds=(8,))
+    decide = functools.partial(tuning.decide, world_size=8, transport="queue", models=fitted, networks={},
+                               worlds=(8,))
     assert decide(16 << 20).algorithm == "halving_doubling"  # measured: 143,775 µs against the ring's 310,473
     assert decide(1 << 20).algorithm == "ring"  # measured: 6,784 against 10,285
     # at a world size the points were not measured at, the α-β fit scaled by the shape, as before
     steps4, volume4 = tuning.algorithm_shape("ring", 4)
-    assert tuning.predict_us("ring", 16 << 20, 4, "queue", models=fitted) == pytest.approx(
-        steps4 * ring["alpha_step_us"] + volume4 * (16 << 20) * ring["beta_byte_us"])
+    assert tuning.predict_us("ring", 16 << 20, 4, "queue",
+                             models=fitted) == pytest.approx(steps4 * ring["alpha_step_us"] + volume4 *
+                                                             (16 << 20) * ring["beta_byte_us"])
 
 
 def test_calibrate_only_stores_the_models_of_every_measured_world_size(tmp_path, monkeypatch):
@@ -195,7 +200,8 @@ def test_calibrate_only_stores_the_models_of_every_measured_world_size(tmp_path,
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps({"world": 4, "worlds": [4], "models": main}))
     monkeypatch.setattr(tuning, "TUNING_PATH", path)
-    monkeypatch.setattr(results, "networks_from", lambda results_dir: {})  # the calibration has tests of its own
+    monkeypatch.setattr(results, "networks_from",
+                        lambda results_dir: {})  # the calibration has tests of its own
     tuning.tuning_table.cache_clear()
     tuning.fitted_models.cache_clear()
     try:
@@ -222,8 +228,9 @@ def test_auto_asks_the_registered_advisor_where_no_fit_decides(monkeypatch):
 
     def tree_wins(collective, nbytes, world_size, network):
         asked.append((collective, nbytes, world_size, network["alpha_us"]))
-        return {a: tuning.AlgorithmTime(a, 1.0 if a == "tree" else 2.0, "mine", 1, 0.0, 1.0, 0.0)
-                for a in ("ring", "tree")}, {"naive": "not asked"}
+        return {
+            a: tuning.AlgorithmTime(a, 1.0 if a == "tree" else 2.0, "mine", 1, 0.0, 1.0, 0.0)
+            for a in ("ring", "tree")}, {"naive": "not asked"}
 
     monkeypatch.setattr(tuning, "ADVISORS", {})
     tuning.register_advisor("cannot", cannot)
@@ -232,4 +239,5 @@ def test_auto_asks_the_registered_advisor_where_no_fit_decides(monkeypatch):
     assert (choice.algorithm, choice.source, choice.nbytes) == ("tree", "mine", 1 << 20)
     assert choice.left_out == {"naive": "not asked"} and asked == ["cannot", ("allreduce", 1 << 20, 8, 7.0)]
     monkeypatch.setattr(tuning, "ADVISORS", {})
-    assert tuning.decide(3 << 19, 8, "shm", models={}, networks={"shm": {"alpha_us": 7.0}}).source == "size threshold"
+    assert tuning.decide(3 << 19, 8, "shm", models={},
+                         networks={"shm": {"alpha_us": 7.0}}).source == "size threshold"

@@ -26,8 +26,9 @@ from lab.ops import REDUCE_DTYPES
 STRIDE = 3
 SLOT_BYTES = 4096  # the pools' two-shot slot: a few thousand elements take several rounds
 OPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
-TORCH_OPS = {"sum": torch.add, "prod": torch.mul, "min": torch.minimum, "max": torch.maximum,
-             "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+TORCH_OPS = {
+    "sum": torch.add, "prod": torch.mul, "min": torch.minimum, "max": torch.maximum,
+    "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
 
 
 @pytest.fixture(scope="module", params=slow_from_five(range(1, 9)), ids=lambda n: f"N{n}")
@@ -81,9 +82,10 @@ def exact_everywhere(mesh: lab.Mesh) -> list[str]:
                 exact = same_bits(got, want) if op != "avg" else torch.allclose(
                     got.double(), want, rtol=(n + 1) * torch.finfo(dtype.torch_dtype).eps, atol=0)
                 if not (exact and same_bits(got, sent)):
-                    wrong.append(f"rank {mesh.rank} {name}[{count}] {op}: formula {'ok' if exact else 'WRONG'}, "
-                                 f"messages {'same' if same_bits(got, sent) else 'DIFFER'}; got {got[-4:].tolist()} "
-                                 f"want {want[-4:].tolist()} messages {sent[-4:].tolist()}")
+                    wrong.append(
+                        f"rank {mesh.rank} {name}[{count}] {op}: formula {'ok' if exact else 'WRONG'}, "
+                        f"messages {'same' if same_bits(got, sent) else 'DIFFER'}; got {got[-4:].tolist()} "
+                        f"want {want[-4:].tolist()} messages {sent[-4:].tolist()}")
     return wrong
 
 
@@ -116,7 +118,8 @@ def registered_in_and_out(mesh: lab.Mesh) -> list[str]:
             for dtype in (torch.float32, torch.bfloat16, torch.int64):
                 mine = everywhere or mesh.rank % 2 == 0
                 x = lab.empty(mesh, (count,), dtype) if mine else torch.empty(count, dtype=dtype)
-                if mine and n > 1 and count and mesh.exchange.scratch.registered_offset(x.view(-1).view(torch.uint8).numpy()) < 0:
+                if mine and n > 1 and count and mesh.exchange.scratch.registered_offset(
+                        x.view(-1).view(torch.uint8).numpy()) < 0:
                     wrong.append(f"rank {mesh.rank}: lab.empty's tensor is not in the scratch")
                 for repeat in range(2):
                     x.copy_(pattern(count, mesh.rank + repeat, dtype))

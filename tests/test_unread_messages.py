@@ -160,11 +160,13 @@ def test_destroy_process_group_raises_for_a_message_never_received(tmp_path):
     path = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
     init = f"file://{tmp_path / 'store'}"
-    processes = [subprocess.Popen([sys.executable, "-c", DESTROY, str(rank), init], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
+    processes = [
+        subprocess.Popen([sys.executable, "-c", DESTROY, str(rank), init], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
     outputs = [process.communicate(timeout=300) for process in processes]
-    results = [next((line[7:] for line in out.splitlines() if line.startswith("RESULT ")), err[-2000:])
-               for out, err in outputs]
+    results = [
+        next((line[7:] for line in out.splitlines() if line.startswith("RESULT ")), err[-2000:])
+        for out, err in outputs]
     for rank, result in enumerate(results):
         assert result.startswith(f"CollectiveMismatchError: rank {rank} closed the mesh with a message it "
                                  f"never received: rank {1 - rank} sent broadcast #1 float32[8] "

@@ -19,34 +19,13 @@ def header(world_size: int, dims: dict | None = None) -> dict:
     return {"format": "lab-workload", "version": 1, "world_size": world_size, "dims": dims, "recorded": {}}
 
 
-def op(
-    rank: int,
-    index: int,
-    name: str,
-    group: list[int],
-    count: int,
-    compute: float,
-    is_async: bool = False,
-    step: int = 0,
-    **extra,
-) -> dict:
+def op(rank: int, index: int, name: str, group: list[int], count: int, compute: float, is_async: bool = False,
+       step: int = 0, **extra) -> dict:
     return {
-        "rank": rank,
-        "step": step,
-        "kind": "op",
-        "index": index,
-        "op": name,
-        "group": group,
-        "dim": None,
-        "dtype": "float32",
-        "count": count,
-        "out_count": extra.pop("out_count", count),
-        "reduce_op": "sum" if name in ("allreduce", "reduce_scatter", "reduce") else None,
-        "root": None,
-        "async": is_async,
-        "compute_us": compute,
-        **extra,
-    }
+        "rank": rank, "step": step, "kind": "op", "index": index, "op": name, "group": group, "dim": None,
+        "dtype": "float32", "count": count, "out_count": extra.pop("out_count", count),
+        "reduce_op": "sum" if name in ("allreduce", "reduce_scatter", "reduce") else None, "root": None,
+        "async": is_async, "compute_us": compute, **extra}
 
 
 def wait(rank: int, index: int, compute: float, step: int = 0) -> dict:
@@ -77,8 +56,7 @@ def ddp_like(world_size: int, compute: tuple[float, float, float] = (100.0, 50.0
         rows += [
             op(rank, 0, "allreduce", group, 4000, compute[0], is_async=True),
             wait(rank, 0, compute[1]),
-            step_end(rank, compute[2]),
-        ]
+            step_end(rank, compute[2])]
     return rows
 
 
@@ -112,9 +90,8 @@ def test_a_straggler_delays_exactly_the_collectives_it_joins(tmp_path):
         rows += [op(rank, 0, "allreduce", pair, 2000, 100.0), step_end(rank, 0.0)]
     w = written(tmp_path, rows)
     even = workload.replay(w, network=NET, algorithms={"allreduce": "ring"}, dims=None)
-    slow = workload.replay(
-        w, network=NET, algorithms={"allreduce": "ring"}, stragglers={3: 2.0}, timeline=True
-    )
+    slow = workload.replay(w, network=NET, algorithms={"allreduce": "ring"}, stragglers={3: 2.0},
+                           timeline=True)
     comm = ring_us(2, 8000)
     assert even.step_us.tolist() == pytest.approx([100 + comm])
     assert slow.step_us.tolist() == pytest.approx([200 + comm])  # ranks 2 and 3 finish late
@@ -131,8 +108,7 @@ def test_operations_of_one_rank_run_one_after_another(tmp_path):
             op(rank, 1, "allreduce", [0, 1], 2000, 0.0, True),
             wait(rank, 0, 0.0),
             wait(rank, 1, 0.0),
-            step_end(rank, 0.0),
-        ]
+            step_end(rank, 0.0)]
     r = workload.replay(written(tmp_path, rows), network=NET, algorithms={"allreduce": "ring"})
     assert r.step_us.tolist() == pytest.approx([2 * ring_us(2, 8000)])
 
@@ -182,30 +158,24 @@ def test_a_2d_mesh_replays_each_dimension_at_its_new_size(tmp_path):
         rows += [
             op(rank, 0, "allreduce", [2 * dp, 2 * dp + 1], 2000, 0.0),  # tp group
             op(rank, 1, "allreduce", [tp, 2 + tp], 4000, 0.0),  # dp group
-            step_end(rank, 0.0),
-        ]
-    r = workload.replay(
-        written(tmp_path, rows), dims={"dp": 8, "tp": 4}, network=NET, algorithms={"allreduce": "ring"}
-    )
+            step_end(rank, 0.0)]
+    r = workload.replay(written(tmp_path, rows), dims={"dp": 8, "tp": 4}, network=NET,
+                        algorithms={"allreduce": "ring"})
     sizes = r.breakdown.set_index("index")["group_size"].to_dict()
     assert sizes == {0: 4, 1: 8}
     assert r.step_us.tolist() == pytest.approx([ring_us(4, 8000) + ring_us(8, 16000)])
 
 
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (lambda rows: rows[0].update(version=3), "field 'version' is 3; this lab reads versions 1, 2"),
-        (lambda rows: rows[1].update(count="many"), "field 'count' must be an integer; got 'many'"),
-        (lambda rows: rows[1].update(group=[0, 0, 1, 2]), "field 'group' must list distinct ranks"),
-        (lambda rows: rows[1].update(op="allsum"), "field 'op' must be one of"),
-        (lambda rows: rows[1].update(compute_us=-1), "field 'compute_us' must be a finite number >= 0"),
-        (lambda rows: rows[2].update(index=3), "waits on operation 3, which it has not issued"),
-        (lambda rows: rows[1].update(index=1), "field 'index' must be 0"),
-        (lambda rows: rows[0].update(dims={"dp": 3}), "field 'dims'"),
-        (lambda rows: rows[1].pop("async"), "field 'async' must be true or false"),
-    ],
-)
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda rows: rows[0].update(version=3), "field 'version' is 3; this lab reads versions 1, 2"),
+    (lambda rows: rows[1].update(count="many"), "field 'count' must be an integer; got 'many'"),
+    (lambda rows: rows[1].update(group=[0, 0, 1, 2]), "field 'group' must list distinct ranks"),
+    (lambda rows: rows[1].update(op="allsum"), "field 'op' must be one of"),
+    (lambda rows: rows[1].update(compute_us=-1), "field 'compute_us' must be a finite number >= 0"),
+    (lambda rows: rows[2].update(index=3), "waits on operation 3, which it has not issued"),
+    (lambda rows: rows[1].update(index=1), "field 'index' must be 0"),
+    (lambda rows: rows[0].update(dims={"dp": 3}), "field 'dims'"),
+    (lambda rows: rows[1].pop("async"), "field 'async' must be true or false"),])
 def test_a_bad_file_is_an_error_naming_the_line_and_the_field(tmp_path, change, message):
     rows = ddp_like(4)
     change(rows)
@@ -238,8 +208,7 @@ def test_ranks_that_disagree_or_never_join_are_named(tmp_path):
         op(0, 0, "allreduce", [0, 1], 10, 0.0),
         step_end(0, 0.0),
         op(1, 0, "allreduce", [0, 1], 20, 0.0),
-        step_end(1, 0.0),
-    ]
+        step_end(1, 0.0)]
     with pytest.raises(ValueError, match="disagree"):
         workload.replay(written(tmp_path, rows, "b.jsonl"), network=NET)
 
@@ -258,8 +227,11 @@ def test_what_dominates_leaves_the_first_step_out_when_steps_repeat(tmp_path):
 
     rows = [header(2)]
     for rank in range(2):
-        rows += [op(rank, 0, "broadcast", [0, 1], 1_000_000, 10.0), step_end(rank, 1.0),
-                 op(rank, 1, "allreduce", [0, 1], 1000, 10.0, step=1), step_end(rank, 1.0, step=1)]
+        rows += [
+            op(rank, 0, "broadcast", [0, 1], 1_000_000, 10.0),
+            step_end(rank, 1.0),
+            op(rank, 1, "allreduce", [0, 1], 1000, 10.0, step=1),
+            step_end(rank, 1.0, step=1)]
     r = workload.replay(written(tmp_path, rows), network=NET, algorithms={"allreduce": "ring"})
     assert r.breakdown.sort_values("exposed_us").iloc[-1]["op"] == "broadcast"  # step 0's, the largest
     out = summary(r)
@@ -272,48 +244,19 @@ def test_the_command_prints_the_step_and_what_dominates(tmp_path, capsys):
 
     path = tmp_path / "w.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in ddp_like(4)))
-    assert (
-        main(
-            [
-                "workload",
-                "replay",
-                str(path),
-                "--ranks",
-                "16",
-                "--alpha-us",
-                "10",
-                "--gbit",
-                "8",
-                "--algorithm",
-                "allreduce=ring",
-                "--timeline",
-                str(tmp_path / "sim.json"),
-            ]
-        )
-        == 0
-    )
+    assert (main([
+        "workload", "replay",
+        str(path), "--ranks", "16", "--alpha-us", "10", "--gbit", "8", "--algorithm", "allreduce=ring",
+        "--timeline",
+        str(tmp_path / "sim.json")]) == 0)
     out = capsys.readouterr().out
     comm = ring_us(16, 16000)
     assert f"step 0: {100 + comm + 20:,.1f} µs = compute 170.0 µs" in out
     assert "dominates: allreduce #0 of step 0 on 16 ranks (16,000 bytes, ring)" in out
     assert (tmp_path / "sim.json").exists()
-    assert (
-        main(
-            [
-                "workload",
-                "replay",
-                str(path),
-                "--alpha-us",
-                "10",
-                "--gbit",
-                "8",
-                "--json",
-                "--algorithm",
-                "allreduce=ring",
-            ]
-        )
-        == 0
-    )
+    assert (main([
+        "workload", "replay",
+        str(path), "--alpha-us", "10", "--gbit", "8", "--json", "--algorithm", "allreduce=ring"]) == 0)
     result = json.loads(capsys.readouterr().out)
     assert result["step_us"] == pytest.approx([100 + ring_us(4, 16000) + 20])
     assert result["breakdown"][0]["algorithm"] == "ring"
@@ -329,46 +272,20 @@ def test_goal_export_writes_the_lab_s_messages_with_their_dependencies(tmp_path,
 
     path = tmp_path / "w.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in ddp_like(2)))
-    assert (
-        main(
-            [
-                "workload",
-                "export",
-                str(path),
-                "--goal",
-                str(tmp_path / "s.goal"),
-                "--algorithm",
-                "allreduce=ring",
-            ]
-        )
-        == 0
-    )
-    assert (
-        capsys.readouterr().out
-        == f"Wrote {tmp_path / 's.goal'} (2 operations across its ranks; LogGOPSim's txt2bin reads it)\n"
-    )
+    assert (main([
+        "workload", "export",
+        str(path), "--goal",
+        str(tmp_path / "s.goal"), "--algorithm", "allreduce=ring"]) == 0)
+    assert (capsys.readouterr().out ==
+            f"Wrote {tmp_path / 's.goal'} (2 operations across its ranks; LogGOPSim's txt2bin reads it)\n")
     text = (tmp_path / "s.goal").read_text()
     assert text.startswith("num_ranks 2\n")
     rank0 = text.split("rank 0 {\n")[1].split("\n}")[0].splitlines()
     assert rank0 == [
-        "l1: calc 100000",
-        "l2: send 8000b to 1 tag 1",
-        "l2 requires l1",
-        "l3: recv 8000b from 1 tag 1",
-        "l3 requires l1",
-        "l4: send 8000b to 1 tag 1",
-        "l4 requires l2",
-        "l4 requires l3",
-        "l5: recv 8000b from 1 tag 1",
-        "l5 requires l2",
-        "l5 requires l3",
-        "l6: calc 50000",
-        "l6 requires l1",
-        "l7: calc 20000",
-        "l7 requires l6",
-        "l7 requires l4",
-        "l7 requires l5",
-    ]
+        "l1: calc 100000", "l2: send 8000b to 1 tag 1", "l2 requires l1", "l3: recv 8000b from 1 tag 1",
+        "l3 requires l1", "l4: send 8000b to 1 tag 1", "l4 requires l2", "l4 requires l3",
+        "l5: recv 8000b from 1 tag 1", "l5 requires l2", "l5 requires l3", "l6: calc 50000", "l6 requires l1",
+        "l7: calc 20000", "l7 requires l6", "l7 requires l4", "l7 requires l5"]
     assert "rank 1 {\nl1: calc 100000\nl2: send 8000b to 0 tag 1" in text
 
 
@@ -403,9 +320,8 @@ def test_a_recording_counts_the_compute_between_calls_and_replays(tmp_path):
         recorder.returned()
         now[0] += 20_000
         recorder.mark_step()
-        recorder.operation(
-            "barrier", [0, 1], "float32", 0, 0, is_async=False
-        )  # after the last step: left out
+        recorder.operation("barrier", [0, 1], "float32", 0, 0,
+                           is_async=False)  # after the last step: left out
         recorder.close()
     w = workload.load(path)
     assert w.steps == 1 and [e.compute_us for e in w.events[0]] == [100.0, 50.0, 20.0, 0.0]
@@ -426,14 +342,13 @@ def test_a_2d_mesh_s_dims_are_derived_from_its_operations(tmp_path):
             op(rank, 0, "allreduce", [2 * dp, 2 * dp + 1], 2000, 0.0, dim="tp"),
             op(rank, 1, "allreduce", [tp, 2 + tp, 4 + tp, 6 + tp], 4000, 0.0, dim="dp"),
             op(rank, 2, "allreduce", list(range(8)), 100, 0.0),  # the default group: no dimension
-            step_end(rank, 0.0),
-        ]
+            step_end(rank, 0.0)]
     w = written(tmp_path, rows)
     assert w.dims == {"dp": 4, "tp": 2}
     r = workload.replay(w, dims={"dp": 128, "tp": 8}, network=NET, algorithms={"allreduce": "ring"})
     assert r.breakdown.set_index("index")["group_size"].to_dict() == {0: 8, 1: 128, 2: 1024}
-    halves = [header(4)] + [op(r, 0, "allreduce", [r - r % 2, r - r % 2 + 1], 10, 0.0, dim="tp")
-                            for r in range(4)]
+    halves = [header(4)] + [
+        op(r, 0, "allreduce", [r - r % 2, r - r % 2 + 1], 10, 0.0, dim="tp") for r in range(4)]
     assert written(tmp_path, halves, "halves.jsonl").dims is None  # one dimension of 2 is no mesh of 4
     apart = [header(4)] + [op(r, 0, "allreduce", sorted({r, 3 - r}), 10, 0.0, dim="tp") for r in range(4)]
     assert written(tmp_path, apart, "apart.jsonl").dims is None  # groups [0, 3] and [1, 2]: no one step

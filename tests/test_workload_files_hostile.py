@@ -27,14 +27,15 @@ NET = sim.Network(alpha_us=10.0, gbit=8.0)
 
 
 def header(world_size: int, dims: dict | None = None, version: int = 2) -> dict:
-    return {"format": "lab-workload", "version": version, "world_size": world_size, "dims": dims,
-            "recorded": {}}
+    return {
+        "format": "lab-workload", "version": version, "world_size": world_size, "dims": dims, "recorded": {}}
 
 
 def op(rank: int, index: int, name: str, group: list[int], count: int, step: int = 0, **extra) -> dict:
-    return {"rank": rank, "step": step, "kind": "op", "index": index, "op": name, "group": group, "dim": None,
-            "dtype": "float32", "count": count, "out_count": count, "reduce_op": None, "root": None,
-            "async": False, "compute_us": 10.0, **extra}
+    return {
+        "rank": rank, "step": step, "kind": "op", "index": index, "op": name, "group": group, "dim": None,
+        "dtype": "float32", "count": count, "out_count": count, "reduce_op": None, "root": None,
+        "async": False, "compute_us": 10.0, **extra}
 
 
 def step_end(rank: int, step: int = 0) -> dict:
@@ -59,9 +60,10 @@ def written(tmp_path: Path, rows: list, name: str = "w.jsonl") -> Path:
 
 
 @pytest.mark.parametrize(("name", "line", "message"), [
-    ("step_before_its_mark.jsonl", 2, "field 'step' must be 0 (rank 0 marked 0 step ends before this line); got 1"),
-    ("step_past_the_marks.jsonl", 4, "field 'step' must be 1 (rank 0 marked 1 step end before this line); got 3"),
-])
+    ("step_before_its_mark.jsonl", 2,
+     "field 'step' must be 0 (rank 0 marked 0 step ends before this line); got 1"),
+    ("step_past_the_marks.jsonl", 4,
+     "field 'step' must be 1 (rank 0 marked 1 step end before this line); got 3"),])
 def test_an_event_whose_step_is_not_its_rank_s_marks_is_refused_at_its_line(name, line, message):
     """Replayed, the first gave a negative step time (step_us [110, -5]), the second an IndexError."""
     with pytest.raises(ValueError) as info:
@@ -84,19 +86,25 @@ def test_sends_pair_with_receives_in_order_per_pair_and_tag(tmp_path):
     tags between them, in either order in the file, load; the second pair's sizes differing is
     named at its own line."""
     def rows(second_recv: int) -> list[dict]:
-        return [header(2),
-                op(0, 0, "send", [0, 1], 10, peer=1, tag=5), op(0, 1, "send", [0, 1], 99, peer=1, tag=6),
-                op(0, 2, "send", [0, 1], 20, peer=1, tag=5), step_end(0),
-                op(1, 0, "recv", [0, 1], 10, peer=0, tag=5), op(1, 1, "recv", [0, 1], 99, peer=0, tag=6),
-                op(1, 2, "recv", [0, 1], second_recv, peer=0, tag=5), step_end(1)]
+        return [
+            header(2),
+            op(0, 0, "send", [0, 1], 10, peer=1, tag=5),
+            op(0, 1, "send", [0, 1], 99, peer=1, tag=6),
+            op(0, 2, "send", [0, 1], 20, peer=1, tag=5),
+            step_end(0),
+            op(1, 0, "recv", [0, 1], 10, peer=0, tag=5),
+            op(1, 1, "recv", [0, 1], 99, peer=0, tag=6),
+            op(1, 2, "recv", [0, 1], second_recv, peer=0, tag=5),
+            step_end(1)]
 
     good = workload.load(written(tmp_path, rows(20)))
     assert workload.replay(good, network=NET).step_us.size == 1
     reordered = rows(20)
     reordered[1:5], reordered[5:9] = reordered[5:9], reordered[1:5]
     workload.load(written(tmp_path, reordered, "reordered.jsonl"))
-    with pytest.raises(ValueError, match=r"w\.jsonl:8: this recv of 84 bytes .*tag 5\) pairs with the send of 80 "
-                                         r"bytes at .*w\.jsonl:4"):
+    with pytest.raises(
+            ValueError, match=r"w\.jsonl:8: this recv of 84 bytes .*tag 5\) pairs with the send of 80 "
+            r"bytes at .*w\.jsonl:4"):
         workload.load(written(tmp_path, rows(21)))
 
 
@@ -105,8 +113,9 @@ def test_sends_pair_with_receives_in_order_per_pair_and_tag(tmp_path):
 
 def test_two_computes_of_1e308_are_refused_not_summed_to_inf():
     path = DATA / "compute_overflows.jsonl"
-    with pytest.raises(ValueError, match=rf"^{path}:2: field 'compute_us' must be a finite number >= 0 of µs, "
-                                         r"at most 3\.1536e\+13 \(MAX_US: a year\); got 1e\+308$"):
+    with pytest.raises(
+            ValueError, match=rf"^{path}:2: field 'compute_us' must be a finite number >= 0 of µs, "
+            r"at most 3\.1536e\+13 \(MAX_US: a year\); got 1e\+308$"):
         workload.load(path)
 
 
@@ -134,8 +143,7 @@ EVENT_FIELDS = [  # (line to change: 1 the allreduce, 2 the step's end; the chan
     (1, {"split_sizes": [1, 1]}, "split_sizes"),
     (1, {"inferred": "yes"}, "inferred"),
     (2, {"compute_us": -0.5}, "compute_us"),
-    (2, {"waited_us": 1e308}, "waited_us"),
-]
+    (2, {"waited_us": 1e308}, "waited_us")]
 
 
 @pytest.mark.parametrize(("line", "change", "field"), EVENT_FIELDS)
@@ -159,8 +167,7 @@ def test_a_tag_that_is_no_p2p_tag_is_named(tmp_path, tag):
     ({"world_size": 2, "dims": {"dp": True, "tp": 2}}, "dims"),
     ({"world_size": 2, "dims": [2]}, "dims"),
     ({"recorded": [1]}, "recorded"),
-    ({"version": True}, "version"),
-])
+    ({"version": True}, "version"),])
 def test_a_header_field_of_the_wrong_type_is_named(tmp_path, change, field):
     with pytest.raises(ValueError, match=rf"w\.jsonl:1: field '{field}' "):
         workload.load(written(tmp_path, [{**header(2), **change}]))
@@ -171,11 +178,11 @@ def test_a_header_field_of_the_wrong_type_is_named(tmp_path, change, field):
     ({"counts": [2**40]}, "counts"),
     ({"bucket_cap_bytes": 2**41}, "bucket_cap_bytes"),
     ({"first_bucket_cap_bytes": True}, "first_bucket_cap_bytes"),
-    ({"step": 1}, "step"),
-])
+    ({"step": 1}, "step"),])
 def test_a_gradients_field_of_the_wrong_type_or_bounds_is_named(tmp_path, change, field):
-    gradients = {"rank": 0, "step": 0, "kind": "gradients", "group": [0], "dtype": "float32", "counts": [10],
-                 "bucket_cap_bytes": 100, "first_bucket_cap_bytes": 100, **change}
+    gradients = {
+        "rank": 0, "step": 0, "kind": "gradients", "group": [0], "dtype": "float32", "counts": [10],
+        "bucket_cap_bytes": 100, "first_bucket_cap_bytes": 100, **change}
     with pytest.raises(ValueError, match=rf"w\.jsonl:2: field '{field}' must "):
         workload.load(written(tmp_path, [header(1), gradients]))
 
@@ -189,8 +196,10 @@ def test_json_s_non_numbers_are_refused(tmp_path, text):
 
 def test_the_bounds_a_real_job_has_still_load(tmp_path):
     """A version-1 file at the bounds: 2**24 ranks claimed, 1 TiB an operation, a year of compute."""
-    rows = [header(MAX_WORLD_SIZE, version=1),
-            op(0, 0, "allreduce", [0], 2**40 // 4, compute_us=fmt.MAX_US, issued_us=fmt.MAX_US), step_end(0)]
+    rows = [
+        header(MAX_WORLD_SIZE, version=1),
+        op(0, 0, "allreduce", [0], 2**40 // 4, compute_us=fmt.MAX_US, issued_us=fmt.MAX_US),
+        step_end(0)]
     w = workload.load(written(tmp_path, rows))
     assert w.world_size == MAX_WORLD_SIZE and w.events[0][0].nbytes == 2**40 and w.steps == 0
 
@@ -221,7 +230,8 @@ def test_a_header_claiming_ten_million_ranks_loads_in_little_memory():
 
 def test_a_header_claiming_a_billion_ranks_is_refused():
     path = DATA / "a_billion_ranks.jsonl"
-    with pytest.raises(ValueError, match=rf"^{path}:1: field 'world_size' must be an integer in \[1, 16,777,216\]"):
+    with pytest.raises(ValueError,
+                       match=rf"^{path}:1: field 'world_size' must be an integer in \[1, 16,777,216\]"):
         workload.load(path)
 
 
@@ -235,16 +245,18 @@ def test_only_ranks_with_events_take_memory_and_a_rank_without_any_has_no_step(t
 
 
 def test_dev_zero_is_refused_at_the_line_limit():
-    with pytest.raises(ValueError, match=r"^/dev/zero:1: a line longer than 16,777,216 bytes "
-                                         r"\(lab\.workload\.format\.MAX_LINE_BYTES\)"):
+    with pytest.raises(
+            ValueError, match=r"^/dev/zero:1: a line longer than 16,777,216 bytes "
+            r"\(lab\.workload\.format\.MAX_LINE_BYTES\)"):
         workload.load("/dev/zero")
 
 
 def test_a_stream_past_the_file_limit_is_refused_as_it_is_read(monkeypatch):
     monkeypatch.setattr(fmt, "MAX_FILE_BYTES", 10_000)
     monkeypatch.setattr(fmt, "MAX_LINE_BYTES", 100_000)
-    with pytest.raises(ValueError, match=r"^/dev/zero: larger than 10,000 bytes, the most a workload may be "
-                                         r"\(lab\.workload\.format\.MAX_FILE_BYTES\)"):
+    with pytest.raises(
+            ValueError, match=r"^/dev/zero: larger than 10,000 bytes, the most a workload may be "
+            r"\(lab\.workload\.format\.MAX_FILE_BYTES\)"):
         workload.load("/dev/zero")
 
 
@@ -253,8 +265,9 @@ def test_a_file_past_the_size_limit_is_refused_before_it_is_read(tmp_path):
     path = tmp_path / "huge.jsonl"
     with open(path, "wb") as file:
         file.truncate(2 << 30)
-    with pytest.raises(ValueError, match=rf"^{path}: 2,147,483,648 bytes, more than a workload may be "
-                                         r"\(1,073,741,824: lab\.workload\.format\.MAX_FILE_BYTES\)"):
+    with pytest.raises(
+            ValueError, match=rf"^{path}: 2,147,483,648 bytes, more than a workload may be "
+            r"\(1,073,741,824: lab\.workload\.format\.MAX_FILE_BYTES\)"):
         workload.load(path)
 
 
@@ -304,7 +317,8 @@ def test_the_events_counted_are_those_the_replay_runs(tmp_path):
     for rank in range(4):  # rank r: a tp allreduce, r dp allreduces, the step's end
         dp, tp = divmod(rank, 2)
         rows.append(op(rank, 0, "allreduce", [2 * dp, 2 * dp + 1], 10, dim="tp", reduce_op="sum"))
-        rows += [op(rank, 1 + i, "allreduce", [tp, 2 + tp], 10, dim="dp", reduce_op="sum") for i in range(rank)]
+        rows += [
+            op(rank, 1 + i, "allreduce", [tp, 2 + tp], 10, dim="dp", reduce_op="sum") for i in range(rank)]
         rows.append(step_end(rank))
     w = workload.load(written(tmp_path, rows))
     layout = Layout.of(w, dims={"dp": 3, "tp": 5})
@@ -327,10 +341,17 @@ def test_a_recording_whose_rank_died_and_a_cycle_of_receives_load_and_are_named_
     died_at_once = allreduces(3)[:-2]  # rank 2 died before it wrote a line
     with pytest.raises(ValueError, match="no whole step"):
         workload.replay(workload.load(written(tmp_path, died_at_once, "died.jsonl")), network=NET)
-    cycle = [header(2), op(0, 0, "recv", [0, 1], 1, peer=1), op(0, 1, "send", [0, 1], 1, peer=1), step_end(0),
-             op(1, 0, "recv", [0, 1], 1, peer=0), op(1, 1, "send", [0, 1], 1, peer=0), step_end(1)]
-    with pytest.raises(ValueError, match=r"the replay cannot go on: rank 0 waits on its op of step 0 "
-                                         r"\(operation 0\).*\(2 ranks stuck\)"):
+    cycle = [
+        header(2),
+        op(0, 0, "recv", [0, 1], 1, peer=1),
+        op(0, 1, "send", [0, 1], 1, peer=1),
+        step_end(0),
+        op(1, 0, "recv", [0, 1], 1, peer=0),
+        op(1, 1, "send", [0, 1], 1, peer=0),
+        step_end(1)]
+    with pytest.raises(
+            ValueError, match=r"the replay cannot go on: rank 0 waits on its op of step 0 "
+            r"\(operation 0\).*\(2 ranks stuck\)"):
         workload.replay(workload.load(written(tmp_path, cycle, "cycle.jsonl")), network=NET)
 
 
@@ -352,22 +373,26 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
     good = str(written(tmp_path, allreduces(4), "good.jsonl"))
     missing = str(tmp_path / "missing" / "out")
     return [
-        (["replay", str(tmp_path / "nothing.jsonl")], f"{tmp_path / 'nothing.jsonl'}: No such file or directory"),
+        (["replay",
+          str(tmp_path / "nothing.jsonl")], f"{tmp_path / 'nothing.jsonl'}: No such file or directory"),
         (["replay", str(tmp_path)], f"{tmp_path}: Is a directory"),
-        (["replay", good, "--timeline", f"{missing}.json"], f"argument --timeline: the folder of {missing}.json"),
+        (["replay", good, "--timeline",
+          f"{missing}.json"], f"argument --timeline: the folder of {missing}.json"),
         (["export", good, "--goal", f"{missing}.goal"], f"argument --goal: the folder of {missing}.goal"),
         (["export", good, "--goal", str(tmp_path)], f"argument --goal: {tmp_path} is a directory"),
         (["replay", good, "--ranks", "100000", "--algorithm", "allreduce=ring"], "too large to simulate"),
-        (["replay", good, "--ranks", "100000000"], "argument --ranks: must be a whole number from 1 to 16,777,216"),
+        (["replay", good, "--ranks",
+          "100000000"], "argument --ranks: must be a whole number from 1 to 16,777,216"),
         (["replay", good, "--ranks", "0"], "argument --ranks: must be a whole number from 1 to 16,777,216"),
-        (["replay", good, "--ranks", "2000000", "--max-events", "3000000"], "too large to replay: 1 step(s) of"),
+        (["replay", good, "--ranks", "2000000", "--max-events",
+          "3000000"], "too large to replay: 1 step(s) of"),
         (["replay", good, "--max-events", "-1"], "argument --max-events: must be a whole number from 1 up"),
-        (["replay", str(DATA / "dim_is_a_list.jsonl")], "dim_is_a_list.jsonl:2: field 'dim' must be a string"),
+        (["replay",
+          str(DATA / "dim_is_a_list.jsonl")], "dim_is_a_list.jsonl:2: field 'dim' must be a string"),
         (["replay", str(DATA / "compute_overflows.jsonl"), "--json"], "field 'compute_us' must be a finite"),
         (["replay", "/dev/zero"], "/dev/zero:1: a line longer than 16,777,216 bytes"),
         (["replay", good, "--compute-scale", "nan"], "compute_scale must be a finite number >= 0"),
-        (["replay", good, "--alpha-us", "inf"], "alpha_us must be a number from 0"),
-    ]
+        (["replay", good, "--alpha-us", "inf"], "alpha_us must be a number from 0")]
 
 
 def test_every_bad_input_to_the_command_is_one_line_and_exit_status_2(tmp_path, capsys):

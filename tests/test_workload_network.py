@@ -67,8 +67,7 @@ def test_several_ranks_a_host_talk_over_shm_inside_it(hosts_csv):
     ({"transport": "shm", "hosts": 4, "link_gbit": 1.0}, "fitted over tcp"),
     ({"transport": "tcp", "hosts": 4}, "link_gbit must be"),
     ({"transport": "tcp", "hosts": 0, "link_gbit": 1.0}, "hosts must be an integer >= 1"),
-    ({"transport": "tcp", "ranks_per_host": 2}, "needs hosts= and link_gbit="),
-])
+    ({"transport": "tcp", "ranks_per_host": 2}, "needs hosts= and link_gbit=")])
 def test_a_setting_never_fitted_is_a_clear_error(hosts_csv, kwargs, says):
     with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")) as raised:
         lab.sim.calibrated(**kwargs)

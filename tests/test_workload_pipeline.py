@@ -23,10 +23,11 @@ FREE = Network(alpha_us=0.0, gbit=1e9)
 
 def _transfer(rank: int, step: int, index: int, op: str, peer: int, stage: int, peer_stage: int,
               microbatch: int, compute_us: float, is_async: bool) -> dict:
-    return {"rank": rank, "step": step, "kind": "op", "index": index, "op": op, "group": [rank, peer],
-            "dim": None, "dtype": "float32", "count": 16, "out_count": 16, "reduce_op": None, "root": None,
-            "peer": peer, "tag": 0, "stage": stage, "peer_stage": peer_stage, "microbatch": microbatch,
-            "async": is_async, "compute_us": compute_us}
+    return {
+        "rank": rank, "step": step, "kind": "op", "index": index, "op": op, "group": [rank, peer],
+        "dim": None, "dtype": "float32", "count": 16, "out_count": 16, "reduce_op": None, "root": None,
+        "peer": peer, "tag": 0, "stage": stage, "peer_stage": peer_stage, "microbatch": microbatch,
+        "async": is_async, "compute_us": compute_us}
 
 
 def gpipe(stages: int, microbatches: int, steps: int) -> list[dict]:
@@ -38,8 +39,8 @@ def gpipe(stages: int, microbatches: int, steps: int) -> list[dict]:
         index = 0
         for step in range(steps):
             carried, sends = 0.0, []
-            for direction, compute, source, target in ((1, FORWARD_US, s - 1, s + 1),
-                                                       (-1, BACKWARD_US, s + 1, s - 1)):
+            for direction, compute, source, target in ((1, FORWARD_US, s - 1, s + 1), (-1, BACKWARD_US, s + 1,
+                                                                                       s - 1)):
                 for m in range(microbatches):
                     if 0 <= source < stages:
                         rows.append(_transfer(s, step, index, "recv", source, s, source, m, carried, False))
@@ -57,7 +58,8 @@ def gpipe(stages: int, microbatches: int, steps: int) -> list[dict]:
 
 
 def write(path: Path, world_size: int, rows: list[dict], version: int = 2) -> Path:
-    header = {"format": "lab-workload", "version": version, "world_size": world_size, "dims": None, "recorded": {}}
+    header = {
+        "format": "lab-workload", "version": version, "world_size": world_size, "dims": None, "recorded": {}}
     path.write_text("".join(json.dumps(row) + "\n" for row in [header, *rows]))
     return path
 
@@ -90,10 +92,11 @@ def test_slow_links_grow_the_bubble(tmp_path: Path) -> None:
 
 
 def test_no_pipeline_no_stage_rows(tmp_path: Path) -> None:
-    rows = [{"rank": r, "step": 0, "kind": "op", "index": 0, "op": "allreduce", "group": [0, 1], "dim": None,
-             "dtype": "float32", "count": 4, "out_count": 4, "reduce_op": "sum", "root": None, "async": False,
-             "compute_us": 10.0} for r in (0, 1)] + [{"rank": r, "step": 0, "kind": "step", "compute_us": 0.0}
-                                                    for r in (0, 1)]
+    rows = [{
+        "rank": r, "step": 0, "kind": "op", "index": 0, "op": "allreduce", "group": [
+            0, 1], "dim": None, "dtype": "float32", "count": 4, "out_count": 4, "reduce_op": "sum",
+        "root": None, "async": False, "compute_us": 10.0}
+            for r in (0, 1)] + [{"rank": r, "step": 0, "kind": "step", "compute_us": 0.0} for r in (0, 1)]
     w = load(write(tmp_path / "ddp.jsonl", 2, rows))  # (a version 2 file without labels)
     assert all(e.stage is None and e.microbatch is None for events in w.events.values() for e in events)
     result = lab.workload.replay(w, network=FREE)
@@ -138,18 +141,19 @@ def _pair(send: dict | None = None, receive: dict | None = None) -> list[dict]:
     ({"stage": "absent", "peer_stage": "absent"}, None, "stage"),
     ({"peer_stage": 0}, None, "peer_stage"),
     (None, {"microbatch": 3}, "microbatch"),
-    (None, {"peer_stage": 2}, "peer_stage"),
-])
-def test_bad_labels_are_refused_naming_the_field(tmp_path: Path, send: dict, receive: dict, field: str) -> None:
+    (None, {"peer_stage": 2}, "peer_stage"),])
+def test_bad_labels_are_refused_naming_the_field(tmp_path: Path, send: dict, receive: dict,
+                                                 field: str) -> None:
     path = write(tmp_path / "bad.jsonl", 2, _pair(send, receive))
     with pytest.raises(ValueError, match=f"'{field}'"):
         load(path)
 
 
 def test_labels_on_a_collective_are_refused(tmp_path: Path) -> None:
-    row = {"rank": 0, "step": 0, "kind": "op", "index": 0, "op": "allreduce", "group": [0], "dim": None,
-           "dtype": "float32", "count": 4, "out_count": 4, "reduce_op": "sum", "root": None, "async": False,
-           "compute_us": 1.0, "microbatch": 0}
+    row = {
+        "rank": 0, "step": 0, "kind": "op", "index": 0, "op": "allreduce", "group": [0], "dim": None,
+        "dtype": "float32", "count": 4, "out_count": 4, "reduce_op": "sum", "root": None, "async": False,
+        "compute_us": 1.0, "microbatch": 0}
     with pytest.raises(ValueError, match="'microbatch' labels a pipeline's send or receive"):
         load(write(tmp_path / "bad.jsonl", 1, [row]))
 
@@ -184,7 +188,8 @@ def _pipeline(mesh: lab.Mesh) -> str:
     module = torch.nn.Linear(WIDTH, WIDTH)
     for schedule_class in (ScheduleGPipe, Schedule1F1B):
         stage = PipelineStage(module, mesh.rank, mesh.world_size, torch.device("cpu"))
-        schedule = schedule_class(stage, MICROBATCHES, loss_fn=lambda out, target: (out - target).square().mean())
+        schedule = schedule_class(stage, MICROBATCHES, loss_fn=lambda out, target:
+                                  (out - target).square().mean())
         data = torch.ones(2 * MICROBATCHES, WIDTH)
         if mesh.rank == 0:
             schedule.step(data)
@@ -208,7 +213,8 @@ def test_a_recorded_pipeline_keeps_its_stages(tmp_path: Path, world_size: int) -
         for step in range(2):
             transfers = [e for e in events if e.kind == "op" and e.step == step and e.stage is not None]
             assert all(e.stage == rank and e.peer == e.peer_stage for e in transfers), (rank, step)
-            for op, peer_stage in (("send", rank + 1), ("recv", rank - 1), ("send", rank - 1), ("recv", rank + 1)):
+            for op, peer_stage in (("send", rank + 1), ("recv", rank - 1), ("send", rank - 1), ("recv",
+                                                                                                rank + 1)):
                 mine = [e.microbatch for e in transfers if e.op == op and e.peer_stage == peer_stage]
                 expected = list(range(MICROBATCHES)) if 0 <= peer_stage < world_size else []
                 assert mine == expected, (rank, step, op, peer_stage, mine)
@@ -220,8 +226,9 @@ def test_a_recorded_pipeline_keeps_its_stages(tmp_path: Path, world_size: int) -
                 if event.kind == "op" and not event.is_async:
                     waited.setdefault(event.index, position)
             for send in (e for e in transfers if e.op == "send" and e.peer_stage == rank + 1 and rank > 0):
-                feeding = next(e for e in transfers if e.op == "recv" and e.peer_stage == rank - 1
-                               and e.microbatch == send.microbatch)
+                feeding = next(
+                    e for e in transfers
+                    if e.op == "recv" and e.peer_stage == rank - 1 and e.microbatch == send.microbatch)
                 send_at = next(p for p, e in enumerate(e for e in events if e.step == step)
                                if e.kind == "op" and e.index == send.index)
                 assert waited[feeding.index] < send_at, (rank, step, send.microbatch)
@@ -239,9 +246,11 @@ def _interleaved(mesh: lab.Mesh) -> str:
     torch.set_num_threads(1)
     lab.backend.init_process_group(mesh)
     n = mesh.world_size
-    stages = [PipelineStage(torch.nn.Linear(WIDTH, WIDTH), index, 2 * n, torch.device("cpu"))
-              for index in (mesh.rank, mesh.rank + n)]
-    schedule = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=lambda out, target: (out - target).square().mean())
+    stages = [
+        PipelineStage(torch.nn.Linear(WIDTH, WIDTH), index, 2 * n, torch.device("cpu"))
+        for index in (mesh.rank, mesh.rank + n)]
+    schedule = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=lambda out, target:
+                                       (out - target).square().mean())
     data = torch.ones(2 * MICROBATCHES, WIDTH)
     if mesh.rank == 0:
         schedule.step(data)
@@ -263,9 +272,13 @@ def test_an_interleaved_pipeline_names_each_of_a_ranks_stages(tmp_path: Path) ->
         transfers = [e for e in w.events[rank] if e.kind == "op" and e.stage is not None]
         assert {e.stage for e in transfers} == {rank, rank + n}
         for stage in (rank, rank + n):
-            for op, peer_stage in (("send", stage + 1), ("recv", stage - 1), ("send", stage - 1), ("recv", stage + 1)):
-                mine = [e.microbatch for e in transfers if (e.stage, e.op, e.peer_stage) == (stage, op, peer_stage)]
-                assert mine == (list(range(MICROBATCHES)) if 0 <= peer_stage <= last else []), (rank, stage, op)
+            for op, peer_stage in (("send", stage + 1), ("recv", stage - 1), ("send", stage - 1),
+                                   ("recv", stage + 1)):
+                mine = [
+                    e.microbatch for e in transfers
+                    if (e.stage, e.op, e.peer_stage) == (stage, op, peer_stage)]
+                assert mine == (list(range(MICROBATCHES)) if 0 <= peer_stage <= last else []), (rank, stage,
+                                                                                                op)
                 assert all(e.peer == peer_stage % n for e in transfers if e.peer_stage == peer_stage)
 
 

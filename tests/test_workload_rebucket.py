@@ -22,9 +22,10 @@ COUNTS, RECORDED_CAP = [100, 200, 300, 400], 2000
 
 
 def allreduce(rank: int, index: int, count: int, compute: float, step: int, **extra) -> dict:
-    return {"rank": rank, "step": step, "kind": "op", "index": index, "op": "allreduce", "group": [0, 1],
-            "dim": None, "dtype": "float32", "count": count, "out_count": count, "reduce_op": "sum",
-            "root": None, "async": True, "compute_us": compute, **extra}
+    return {
+        "rank": rank, "step": step, "kind": "op", "index": index, "op": "allreduce", "group": [0, 1],
+        "dim": None, "dtype": "float32", "count": count, "out_count": count, "reduce_op": "sum", "root": None,
+        "async": True, "compute_us": compute, **extra}
 
 
 def wait(rank: int, index: int, compute: float, step: int) -> dict:
@@ -35,16 +36,20 @@ def ddp_recording(tmp_path, gradients: bool = True) -> workload.Workload:
     """Two ranks of a DDP step recorded twice: step 0 before DDP rebuilt its buckets (one
     allreduce of every gradient), step 1 after (a bucket of 2,400 bytes at 100 µs of compute,
     one of 1,600 at 160 µs, their waits at 170 µs, the step's end at 175 µs)."""
-    rows: list[dict] = [{"format": "lab-workload", "version": 2, "world_size": 2, "dims": None, "recorded": {}}]
+    rows: list[dict] = [{
+        "format": "lab-workload", "version": 2, "world_size": 2, "dims": None, "recorded": {}}]
     for rank in range(2):
         if gradients:
-            rows.append({"rank": rank, "step": 0, "kind": "gradients", "group": [0, 1], "dtype": "float32",
-                         "counts": COUNTS, "bucket_cap_bytes": RECORDED_CAP, "first_bucket_cap_bytes": RECORDED_CAP})
-        rows += [allreduce(rank, 0, 1000, 80.0, 0, algorithm="ring"), wait(rank, 0, 0.0, 0),
-                 {"rank": rank, "step": 0, "kind": "step", "compute_us": 5.0},
-                 allreduce(rank, 1, 600, 100.0, 1, algorithm="ring"), allreduce(rank, 2, 400, 60.0, 1),
-                 wait(rank, 1, 10.0, 1), wait(rank, 2, 0.0, 1), {"rank": rank, "step": 1, "kind": "step",
-                                                                "compute_us": 5.0}]
+            rows.append({
+                "rank": rank, "step": 0, "kind": "gradients", "group": [0, 1], "dtype": "float32",
+                "counts": COUNTS, "bucket_cap_bytes": RECORDED_CAP, "first_bucket_cap_bytes": RECORDED_CAP})
+        rows += [
+            allreduce(rank, 0, 1000, 80.0, 0, algorithm="ring"),
+            wait(rank, 0, 0.0, 0), {"rank": rank, "step": 0, "kind": "step", "compute_us": 5.0},
+            allreduce(rank, 1, 600, 100.0, 1, algorithm="ring"),
+            allreduce(rank, 2, 400, 60.0, 1),
+            wait(rank, 1, 10.0, 1),
+            wait(rank, 2, 0.0, 1), {"rank": rank, "step": 1, "kind": "step", "compute_us": 5.0}]
     path = tmp_path / "ddp.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return workload.load(path)
@@ -55,7 +60,8 @@ def test_buckets_end_where_ddp_ends_them(caps):
     """torch's own assignment (given the order, as DDP's rebuild gives it) ends its buckets alike."""
     counts = [16, 65536, 4096, 262144, 10, 3000, 1, 500]
     tensors = [torch.empty(count) for count in counts]
-    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, caps, [False] * len(counts), list(range(len(counts))))
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, caps, [False] * len(counts),
+                                                        list(range(len(counts))))
     assert ddp_buckets([4 * count for count in counts], caps) == [bucket[-1] + 1 for bucket in theirs]
 
 
@@ -71,9 +77,13 @@ def test_a_step_is_rebucketed_by_hand(tmp_path):
         kept, step = events[:3], events[3:]
         assert [(e.kind, e.count, e.compute_us) for e in kept] == [("op", 1000, 80.0), ("wait", 0, 0.0),
                                                                    ("step", 0, 5.0)]  # before DDP's rebuild
-        assert [(e.kind, e.index, e.count, e.compute_us) for e in step] == [
-            ("op", 1, 300, 55.0), ("op", 2, 300, 45.0), ("op", 3, 400, 60.0),
-            ("wait", 1, 0, 10.0), ("wait", 2, 0, 0.0), ("wait", 3, 0, 0.0), ("step", -1, 0, 5.0)]
+        assert [(e.kind, e.index, e.count, e.compute_us) for e in step] == [("op", 1, 300, 55.0),
+                                                                            ("op", 2, 300, 45.0),
+                                                                            ("op", 3, 400, 60.0),
+                                                                            ("wait", 1, 0, 10.0),
+                                                                            ("wait", 2, 0, 0.0),
+                                                                            ("wait", 3, 0, 0.0),
+                                                                            ("step", -1, 0, 5.0)]
         assert sum(e.nbytes for e in step if e.kind == "op") == sum(4 * c for c in COUNTS)
         assert all(e.algorithm is None for e in step)  # (sizes the lab never ran: the replay picks)
     assert [e.count for e in w.events[0] if e.kind == "op"] == [1000, 600, 400]  # (the loaded one unchanged)
@@ -92,10 +102,12 @@ def test_one_recorded_bucket_issues_every_new_one_when_it_was(tmp_path):
     """A cap that made one bucket knows no pace of the backward: at 2 KB every new bucket is
     issued at that bucket's 80 µs."""
     w = ddp_recording(tmp_path)
-    w.gradients = {rank: workload.Gradients((0, 1), "float32", tuple(COUNTS), 1 << 20, 1 << 20) for rank in (0, 1)}
+    w.gradients = {
+        rank: workload.Gradients((0, 1), "float32", tuple(COUNTS), 1 << 20, 1 << 20)
+        for rank in (0, 1)}
     events = rebucket(w, 2000 / MIB).events[0]
-    assert [(e.kind, e.count, e.compute_us) for e in events[:4]] == [
-        ("op", 600, 80.0), ("op", 400, 0.0), ("wait", 0, 0.0), ("wait", 0, 0.0)]
+    assert [(e.kind, e.count, e.compute_us) for e in events[:4]] == [("op", 600, 80.0), ("op", 400, 0.0),
+                                                                     ("wait", 0, 0.0), ("wait", 0, 0.0)]
 
 
 def test_the_algorithm_that_ran_is_replayed_at_the_recorded_size(tmp_path):
@@ -110,14 +122,17 @@ def test_the_algorithm_that_ran_is_replayed_at_the_recorded_size(tmp_path):
     assert chosen["algorithm"].iloc[0] == collective_us("allreduce", None, 2, 4000, 0, NET)[1]
     wider = workload.replay(w, world_size=8, network=NET).breakdown
     assert wider["algorithm"].iloc[0] == collective_us("allreduce", None, 8, 4000, 0, NET)[1]
-    assert workload.replay(w, network=NET, algorithms={"allreduce": "ring"}).breakdown["algorithm"].iloc[0] == "ring"
+    assert workload.replay(w, network=NET,
+                           algorithms={"allreduce": "ring"}).breakdown["algorithm"].iloc[0] == "ring"
     w.events[0][0].algorithm = w.events[1][0].algorithm = "telepathy"
-    with pytest.raises(ValueError, match="algorithm 'telepathy', which this lab does not have: name one in algo"):
+    with pytest.raises(ValueError,
+                       match="algorithm 'telepathy', which this lab does not have: name one in algo"):
         workload.replay(w, network=NET)
 
 
 def test_bucket_mb_errors_name_it(tmp_path):
-    with pytest.raises(ValueError, match=r"bucket_mb: .* knows no gradients: call lab.workload.record_gradients"):
+    with pytest.raises(ValueError,
+                       match=r"bucket_mb: .* knows no gradients: call lab.workload.record_gradients"):
         workload.replay(ddp_recording(tmp_path, gradients=False), network=NET, bucket_mb=1)
     w = ddp_recording(tmp_path)
     for bad in (0, -1.0, float("nan"), "1"):
@@ -125,7 +140,8 @@ def test_bucket_mb_errors_name_it(tmp_path):
             workload.replay(w, network=NET, bucket_mb=bad)
     for events in w.events.values():  # 2,000 bytes and 2,000: no gradient ends at 2,000
         events[3].count = events[4].count = 500
-    with pytest.raises(ValueError, match="bucket_mb: step 1 of rank 0 has allreduces .* do not split its 4 grad"):
+    with pytest.raises(ValueError,
+                       match="bucket_mb: step 1 of rank 0 has allreduces .* do not split its 4 grad"):
         workload.replay(w, network=NET, bucket_mb=1)
 
 
@@ -133,8 +149,7 @@ def test_bucket_mb_errors_name_it(tmp_path):
     (lambda row: row.update(counts=[]), "field 'counts' must list each gradient's elements"),
     (lambda row: row.update(bucket_cap_bytes=0), r"field 'bucket_cap_bytes' must be an integer in \[1, "),
     (lambda row: row.update(group=[1]), "field 'group' must list distinct ranks"),
-    (lambda row: row.pop("dtype"), "field 'dtype' must be a string"),
-])
+    (lambda row: row.pop("dtype"), "field 'dtype' must be a string"),])
 def test_a_bad_gradients_line_names_its_field(tmp_path, change, message):
     path = tmp_path / "ddp.jsonl"
     ddp_recording(tmp_path)
@@ -156,7 +171,8 @@ def test_the_command_re_buckets(tmp_path, capsys):
     assert [row["nbytes"] for row in rows if row["step"] == 1] == [1200, 1200, 1600]
     assert main(["workload", "export", path, "--goal", str(tmp_path / "w.goal"), "--bucket-mb", "1"]) == 0
     (tmp_path / "plain.jsonl").write_text("".join(
-        line + "\n" for line in (tmp_path / "ddp.jsonl").read_text().splitlines() if '"gradients"' not in line))
+        line + "\n" for line in (tmp_path / "ddp.jsonl").read_text().splitlines()
+        if '"gradients"' not in line))
     with pytest.raises(SystemExit):
         main([*common[:2], str(tmp_path / "plain.jsonl"), "--bucket-mb", "4"])
     assert "bucket_mb: " in capsys.readouterr().err

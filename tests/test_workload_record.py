@@ -78,8 +78,9 @@ def test_a_ddp_step_records_one_allreduce_per_bucket_with_its_bytes(tmp_path):
         for step in (1, 2):
             allreduces = of(rows, rank, step=step, kind="op", op="allreduce")
             assert [r["count"] * 4 for r in allreduces] == buckets
-            assert all(r["group"] == [0, 1] and r["dtype"] == "float32" and r["reduce_op"] == "sum"
-                       and r["async"] for r in allreduces)
+            assert all(
+                r["group"] == [0, 1] and r["dtype"] == "float32" and r["reduce_op"] == "sum" and r["async"]
+                for r in allreduces)
             waited = {r["index"] for r in of(rows, rank, step=step, kind="wait")}
             assert {r["index"] for r in allreduces} <= waited  # (a wait line, seen or inferred, each)
             # the backend reading an outcome as it completes is no wait of the program's: none
@@ -128,11 +129,12 @@ def test_fsdp2_on_emulated_hosts_records_its_allgathers_and_reduce_scatters(tmp_
     path = tmp_path / "fsdp.jsonl"
     lab.spawn(fsdp_steps, 2, args=(2,), hosts=2, link_gbit=1.0, transport="tcp", workload=str(path))
     header, rows = lines(path)
-    assert header["recorded"] == {"launcher": "lab.launch", "transport": "tcp", "hosts": 2, "ranks_per_host": 1,
-                                  "link_gbit": 1.0}
+    assert header["recorded"] == {
+        "launcher": "lab.launch", "transport": "tcp", "hosts": 2, "ranks_per_host": 1, "link_gbit": 1.0}
     for rank in range(2):
         ops = of(rows, rank, step=1, kind="op")
-        gathers, scatters = [r for r in ops if r["op"] == "allgather"], [r for r in ops if r["op"] == "reduce_scatter"]
+        gathers, scatters = [r for r in ops
+                             if r["op"] == "allgather"], [r for r in ops if r["op"] == "reduce_scatter"]
         assert len(gathers) == 4 and len(scatters) == 2 and len(ops) == 6  # (2 layers: forward and backward)
         assert all(r["async"] and r["out_count"] == 2 * r["count"] for r in gathers)
         assert sorted(r["count"] for r in scatters) == sorted(2 * r["count"] for r in gathers[:2])
@@ -199,15 +201,17 @@ def test_lab_workload_records_a_mesh_s_calls_their_waits_and_peers(tmp_path, mon
     assert header["format"] == "lab-workload" and header["world_size"] == 2
     for rank in range(2):
         mine = of(rows, rank)
-        assert [(r["kind"], r.get("op")) for r in mine] == [
-            ("op", "allreduce"), ("op", "allreduce"), ("op", "allgather"), ("wait", None),
-            ("op", "send" if rank == 0 else "recv"), ("op", "allreduce"), ("step", None)]
+        assert [(r["kind"], r.get("op")) for r in mine] == [("op", "allreduce"), ("op", "allreduce"),
+                                                            ("op", "allgather"), ("wait", None),
+                                                            ("op", "send" if rank == 0 else "recv"),
+                                                            ("op", "allreduce"), ("step", None)]
         assert mine[0]["count"] == mine[1]["count"] == 256 and mine[1]["reduce_op"] == "sum"
         gather, wait, p2p, plan = mine[2], mine[3], mine[4], mine[5]
         assert gather["async"] and (gather["count"], gather["out_count"]) == (4, 8) and wait["index"] == 2
         assert (p2p["peer"], p2p["tag"], p2p["dtype"], p2p["count"]) == (1 - rank, 3, "float32", 8)
         assert plan["reduce_op"] == "max" and not plan["async"]
-        assert all(r["compute_us"] >= 0 for r in mine) and all("completed_us" in r for r in mine if r["kind"] == "op")
+        assert all(r["compute_us"] >= 0 for r in mine) and all("completed_us" in r
+                                                               for r in mine if r["kind"] == "op")
         # what each collective ran: the full path's, the lane's, the plan's; a send says none
         assert [r.get("algorithm") for r in mine if r["kind"] == "op"] == [*ran[:3], None, ran[3]]
     assert workload.load(path).steps == 1
@@ -229,8 +233,10 @@ def test_lab_workload_under_torchrun(tmp_path):
     script, path = tmp_path / "rank.py", tmp_path / "torchrun.jsonl"
     script.write_text(TORCHRUN_RANK)
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-    done = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-                           str(free_port()), str(script)], check=False, capture_output=True, text=True, timeout=180,
+    done = subprocess.run([
+        torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+        str(free_port()),
+        str(script)], check=False, capture_output=True, text=True, timeout=180,
                           env=child_env(LAB_WORKLOAD=str(path)))
     assert done.returncode == 0, done.stderr[-3000:]
     header, rows = lines(path)
@@ -270,8 +276,8 @@ def test_options_workload_records_torch_s_calls_once(tmp_path):
         ops = of(rows, rank, kind="op")
         # the coalesced call is one allreduce of both tensors; torch's send, which runs the
         # mesh's send inside it, is one send
-        assert [(r["op"], r["count"]) for r in ops] == [("allreduce", 8), ("send" if rank == 0 else "recv", 4),
-                                                       ("allreduce", 2)]
+        assert [(r["op"], r["count"]) for r in ops] == [
+            ("allreduce", 8), ("send" if rank == 0 else "recv", 4), ("allreduce", 2)]
         assert ops[1]["peer"] == 1 - rank and ops[1]["tag"] == 7
         assert of(rows, rank, kind="wait", index=2)  # the async allreduce's wait
     assert workload.load(path).steps == 1

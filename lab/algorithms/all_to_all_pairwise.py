@@ -32,8 +32,8 @@ def all_to_all_pairwise(peers: Peers, send: np.ndarray, recv: np.ndarray, send_b
     for step in range(1, n):
         dst, src = (rank + step) % n, (rank - step) % n
         # Send our block for dst; take src's block for us.
-        peers.sendrecv_buffer(dst, send[send_bounds[dst][0]:send_bounds[dst][1]],
-                             src, recv[recv_bounds[src][0]:recv_bounds[src][1]])
+        peers.sendrecv_buffer(dst, send[send_bounds[dst][0]:send_bounds[dst][1]], src,
+                              recv[recv_bounds[src][0]:recv_bounds[src][1]])
 
 
 def shape(world_size: int) -> tuple[float, float]:

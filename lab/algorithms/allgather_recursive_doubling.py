@@ -22,7 +22,7 @@ def double(peers: Peers, buf: np.ndarray, fold: Fold, vbounds: list[tuple[int, i
         mine, theirs = v - v % mask, partner - partner % mask
         # Swap aligned groups of `mask` virtual ranks' blocks: ours for the partner's.
         peers.sendrecv_buffer(real_rank(fold, partner), buf[vbounds[mine][0]:vbounds[mine + mask - 1][1]],
-                             real_rank(fold, partner), buf[vbounds[theirs][0]:vbounds[theirs + mask - 1][1]])
+                              real_rank(fold, partner), buf[vbounds[theirs][0]:vbounds[theirs + mask - 1][1]])
         mask *= 2
 
 

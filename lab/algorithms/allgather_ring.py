@@ -24,7 +24,8 @@ def allgather_ring(peers: Peers, buf: np.ndarray, bounds: list[tuple[int, int]])
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         # Forward the chunk completed most recently; take the next one from the left.
-        peers.sendrecv_buffer(right, ring_chunk(buf, bounds, rank - step), left, ring_chunk(buf, bounds, rank - step - 1))
+        peers.sendrecv_buffer(right, ring_chunk(buf, bounds, rank - step), left,
+                              ring_chunk(buf, bounds, rank - step - 1))
 
 
 def shape(world_size: int) -> tuple[float, float]:

@@ -29,7 +29,8 @@ from lab.ops import Reduction
 Hosts = tuple[tuple[int, ...], ...]
 
 
-def allreduce_chain_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, segment_bytes: int | None = None,
+def allreduce_chain_tree(peers: Peers, buf: np.ndarray, reduction: Reduction,
+                         segment_bytes: int | None = None,
                          latency_bytes: int = NETWORK_LATENCY_BYTES) -> None:
     """Reduce ``buf`` in place across all ranks: half through each of two chain-and-tree trees, pipelined.
 
@@ -99,7 +100,8 @@ def chain_trees(hosts: Hosts) -> Trees:
             parent_host, child_hosts = double_trees(len(hosts), host)[tree]
             for place, rank in enumerate(chain):
                 parent = chain[place - 1] if place else chains[parent_host][0] if parent_host >= 0 else -1
-                children = chain[place + 1:place + 2] + (tuple(chains[c][0] for c in child_hosts) if not place else ())
+                children = chain[place + 1:place + 2] + (tuple(chains[c][0]
+                                                               for c in child_hosts) if not place else ())
                 trees[rank].append((parent, children))
     return tuple(tuple(mine) for mine in trees)
 

@@ -20,7 +20,8 @@ from lab.chunking import split_bounds
 from lab.ops import Reduction
 
 
-def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, segment_bytes: int | None = None,
+def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction,
+                          segment_bytes: int | None = None,
                           latency_bytes: int = NETWORK_LATENCY_BYTES) -> None:
     """Reduce ``buf`` in place across all ranks: half through each of two binary trees, pipelined.
 
@@ -71,8 +72,8 @@ def allreduce_double_tree(peers: Peers, buf: np.ndarray, reduction: Reduction, s
     run_steps(peers, schedule(n, peers.rank, segments), pieces, reduction)
 
 
-def run_steps(peers: Peers, steps: tuple[tuple[Move | None, Move | None], ...], pieces: list[list[np.ndarray]],
-              reduction: Reduction) -> None:
+def run_steps(peers: Peers, steps: tuple[tuple[Move | None, Move | None], ...],
+              pieces: list[list[np.ndarray]], reduction: Reduction) -> None:
     """Run a rank's ``steps`` (:func:`lab.algorithms.double_tree_schedule.schedule_of`) on the
     ``pieces`` of its buffer (``pieces[tree][segment]``): each step one message out, one in, or
     both at once; a child's piece is folded in, a parent's copied, and the root finishes each

@@ -89,5 +89,5 @@ def across_hosts_us(nbytes: int, world_size: int, hosts: int, inside: tuple[floa
     (alpha, beta), (alpha_x, beta_x) = inside, across
     per_host = world_size // hosts
     shards_per_nic = -(-per_host // nics_per_host)
-    return (2 * (per_host - 1) * (alpha + nbytes / per_host * beta)
-            + 2 * (hosts - 1) * (alpha_x + shards_per_nic * nbytes / (hosts * per_host) * beta_x))
+    return (2 * (per_host - 1) * (alpha + nbytes / per_host * beta) + 2 * (hosts - 1) *
+            (alpha_x + shards_per_nic * nbytes / (hosts * per_host) * beta_x))

@@ -8,7 +8,8 @@ from lab.algorithms.peers import Peers
 from lab.ops import Reduction
 
 
-def allreduce_one_shot(peers: Peers, buf: np.ndarray, reduction: Reduction, source: np.ndarray | None = None) -> None:
+def allreduce_one_shot(peers: Peers, buf: np.ndarray, reduction: Reduction,
+                       source: np.ndarray | None = None) -> None:
     """Reduce every rank's ``source`` (default ``buf``, in place) into ``buf``: each rank folds the
     N whole inputs in rank order 0..N-1 itself, so every rank ends bit-identical, with the same
     bits at any N on any transport (and the bits of two-shot, which folds in the same order).

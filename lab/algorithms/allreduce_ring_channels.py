@@ -29,8 +29,8 @@ from lab.ops import Reduction
 MAX_CHANNELS = 8
 
 
-def allreduce_ring_channels(peers: Peers, buf: np.ndarray, reduction: Reduction, channels: int | None = None
-                            ) -> None:
+def allreduce_ring_channels(peers: Peers, buf: np.ndarray, reduction: Reduction,
+                            channels: int | None = None) -> None:
     """Reduce ``buf`` in place across all ranks over C rings, each a ring allreduce of 1/C of it.
 
     Channel c (:func:`channel_rings`) visits the hosts in order and, on each host, its ranks
@@ -78,16 +78,16 @@ def allreduce_ring_channels(peers: Peers, buf: np.ndarray, reduction: Reduction,
     # the previous rank's, channel by channel; then chunk `place` of each part holds everything.
     for step in range(n - 1):
         for (part, bounds, place, right, _), (into, into_bounds, into_place, _, left) in slots:
-            peers.sendrecv_buffer(right, ring_chunk(part, bounds, place - step - 1),
-                                  left, ring_chunk(into, into_bounds, into_place - step - 2), reduction)
+            peers.sendrecv_buffer(right, ring_chunk(part, bounds, place - step - 1), left,
+                                  ring_chunk(into, into_bounds, into_place - step - 2), reduction)
     # Finish our chunk of every channel here, once (avg divides).
     for part, bounds, place, _, _ in lanes:
         reduction.finalize(ring_chunk(part, bounds, place), n)
     # Phase 2, allgather: every finished chunk travels round its ring, in the same slots.
     for step in range(n - 1):
         for (part, bounds, place, right, _), (into, into_bounds, into_place, _, left) in slots:
-            peers.sendrecv_buffer(right, ring_chunk(part, bounds, place - step),
-                                  left, ring_chunk(into, into_bounds, into_place - step - 1))
+            peers.sendrecv_buffer(right, ring_chunk(part, bounds, place - step), left,
+                                  ring_chunk(into, into_bounds, into_place - step - 1))
 
 
 def channel_rings(hosts: list[list[int]], channels: int | None = None) -> list[list[int]]:
@@ -104,7 +104,8 @@ def channel_rings(hosts: list[list[int]], channels: int | None = None) -> list[l
             or any(size % channels for size in sizes):
         raise ValueError(f"channels must be a positive int that divides every host's number of ranks "
                          f"({', '.join(map(str, sorted(sizes)))}); got {channels!r}")
-    return [[group[(c + i) % len(group)] for group in hosts for i in range(len(group))] for c in range(channels)]
+    return [[group[(c + i) % len(group)] for group in hosts for i in range(len(group))]
+            for c in range(channels)]
 
 
 def channel_count(sizes: set[int]) -> int:

@@ -40,7 +40,9 @@ def allreduce_two_shot(peers: Peers, buf: np.ndarray, reduction: Reduction) -> N
     bounds = split_bounds(buf.size, n)
     start, stop = bounds[rank]
     mine = buf[start:stop]
-    copies = np.empty_like(buf, shape=(n, stop - start))  # row p: rank p's copy of our slice (virtual when recorded)
+    copies = np.empty_like(buf,
+                           shape=(n,
+                                  stop - start))  # row p: rank p's copy of our slice (virtual when recorded)
     copies[rank] = mine
     # Step 1: hand slice r+s to its owner, take rank r-s's copy of our slice.
     for step in range(1, n):

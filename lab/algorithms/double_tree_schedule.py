@@ -48,8 +48,9 @@ def forced_segment_bytes() -> int | None:
 def call_options(mesh: Any) -> dict[str, Any]:
     """The keyword arguments a call on ``mesh`` passes (the registry's ``options``): the segment
     cap, and α/β for its transport."""
-    return {"segment_bytes": forced_segment_bytes(),
-            "latency_bytes": latency_bytes(mesh.transport, getattr(mesh, "host_count", 1))}
+    return {
+        "segment_bytes": forced_segment_bytes(),
+        "latency_bytes": latency_bytes(mesh.transport, getattr(mesh, "host_count", 1))}
 
 
 def binary_tree(world_size: int, rank: int) -> tuple[int, list[int]]:
@@ -236,8 +237,8 @@ def timetable(world_size: int) -> dict[tuple[int, int, int], int]:
     return timetable_of(trees, PERIOD, functools.partial(_preferred_phase, world_size))
 
 
-def timetable_of(trees: Trees, period: int, preferred: Callable[[int, int], int]
-                 ) -> dict[tuple[int, int, int], int]:
+def timetable_of(trees: Trees, period: int, preferred: Callable[[int, int],
+                                                                int]) -> dict[tuple[int, int, int], int]:
     """The slot of segment 0 of every message class of ``trees``, by ``(tree, child, direction)``
     (the link from ``child`` to its parent; 0 up, 1 down); segment s goes ``period·s`` slots later.
 
@@ -254,7 +255,8 @@ def timetable_of(trees: Trees, period: int, preferred: Callable[[int, int], int]
         arcs += [(child, parent, preferred(tree, child)), (parent, child, preferred(tree, child))]
     phases = _color(arcs, world_size, period)
     phase = {(tree, child, direction): phases[2 * i + direction]
-             for i, (tree, child, _) in enumerate(links) for direction in range(2)}
+             for i, (tree, child, _) in enumerate(links)
+             for direction in range(2)}
 
     def at_or_after(slot: int, phase: int) -> int:
         return slot + (phase - slot) % period
@@ -285,8 +287,8 @@ def schedule(world_size: int, rank: int, segments: int) -> tuple[tuple[Move | No
     return schedule_of(double_trees(world_size, rank), timetable(world_size), PERIOD, rank, segments)
 
 
-def schedule_of(mine: Sequence[tuple[int, Sequence[int]]], slots: dict[tuple[int, int, int], int], period: int,
-                rank: int, segments: int) -> tuple[tuple[Move | None, Move | None], ...]:
+def schedule_of(mine: Sequence[tuple[int, Sequence[int]]], slots: dict[tuple[int, int, int], int],
+                period: int, rank: int, segments: int) -> tuple[tuple[Move | None, Move | None], ...]:
     """``rank``'s steps, in order: (send, receive) pairs, either of them None, one per slot, given
     its (parent, children) in each tree (``mine``) and the :func:`timetable_of` of the trees."""
     moves = []
@@ -297,8 +299,9 @@ def schedule_of(mine: Sequence[tuple[int, Sequence[int]]], slots: dict[tuple[int
             # Up: each child's part of the segment comes in and is folded into ours; then ours goes up.
             # Down: the finished segment comes from the parent (the root made it), then goes to each child.
             for child in children:
-                moves.append(Move(slots[tree, child, 0] + later, child, False, tree, segment, True,
-                                  parent < 0 and child == last))
+                moves.append(
+                    Move(slots[tree, child, 0] + later, child, False, tree, segment, True, parent < 0 and
+                         child == last))
                 moves.append(Move(slots[tree, child, 1] + later, child, True, tree, segment, False, False))
             if parent >= 0:
                 moves.append(Move(slots[tree, rank, 0] + later, parent, True, tree, segment, False, False))

@@ -46,7 +46,8 @@ def gather_binomial(peers: Peers, send: np.ndarray, recv: np.ndarray, bounds: li
             return
         if relative + mask < n:
             # Take the child's subtree at this distance: relative ranks v + mask .. v + 2·mask - 1.
-            peers.recv_buffer((rank + mask) % n, work[mask * block:(min(relative + 2 * mask, n) - relative) * block])
+            peers.recv_buffer((rank + mask) % n,
+                              work[mask * block:(min(relative + 2 * mask, n) - relative) * block])
         mask <<= 1
     # Only the root gets here: relative slot i holds rank i + dst; rotate into rank order.
     if dst != 0:

@@ -25,12 +25,13 @@ from lab.ops import Reduction  # reduction.combine(out, incoming): fold a receiv
 
 class Peers(Protocol):
     """This rank among ``world_size`` ranks, and the pairwise transfers between them."""
+    @property
+    def rank(self) -> int:
+        ...
 
     @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
+    def world_size(self) -> int:
+        ...
 
     def send_buffer(self, dst: int, data: np.ndarray) -> None:
         """Send ``data`` to rank ``dst`` (returns once it is in the channel)."""
@@ -50,7 +51,6 @@ class GroupView:
     """Some of ``peers``' ranks renumbered ``0..k-1``, for one phase of an algorithm (hierarchical
     allreduce runs ring phases inside a host and across hosts on them). Its transfers are the
     underlying peers' own: same fingerprint, counters and deadlines."""
-
     def __init__(self, peers: Peers, ranks: list[int]) -> None:
         self._peers, self._ranks = peers, ranks
         self.rank, self.world_size = ranks.index(peers.rank), len(ranks)

@@ -10,7 +10,8 @@ from lab.chunking import ring_chunk
 from lab.ops import Reduction
 
 
-def reduce_scatter_pat(peers: Peers, buf: np.ndarray, reduction: Reduction, bounds: list[tuple[int, int]]) -> None:
+def reduce_scatter_pat(peers: Peers, buf: np.ndarray, reduction: Reduction, bounds: list[tuple[int,
+                                                                                               int]]) -> None:
     """Leave the reduction over all ranks of chunk ``peers.rank`` (``buf[bounds[rank]]``) in place.
 
     Block r's contributions climb a binomial tree rooted at rank r: rank r - s holds it at offset

@@ -11,7 +11,8 @@ from lab.ops import Reduction
 
 
 @compilable
-def halve(peers: Peers, buf: np.ndarray, reduction: Reduction, fold: Fold, vbounds: list[tuple[int, int]]) -> None:
+def halve(peers: Peers, buf: np.ndarray, reduction: Reduction, fold: Fold, vbounds: list[tuple[int,
+                                                                                               int]]) -> None:
     """The power-of-two core, on virtual ranks: leave the reduction of ``buf[vbounds[v]]`` on v.
 
     Round k (k = 1..log2 p) pairs v with v XOR p/2^k. Each still holds partial sums for a run of
@@ -25,8 +26,8 @@ def halve(peers: Peers, buf: np.ndarray, reduction: Reduction, fold: Fold, vboun
         keep, give = ((lo, mid), (mid, hi)) if v < mid else ((mid, hi), (lo, mid))
         # Send the half the partner keeps; fold the partner's partial sums of our half into ours.
         peers.sendrecv_buffer(real_rank(fold, partner), buf[vbounds[give[0]][0]:vbounds[give[1] - 1][1]],
-                             real_rank(fold, partner), buf[vbounds[keep[0]][0]:vbounds[keep[1] - 1][1]],
-                             reduction)
+                              real_rank(fold, partner), buf[vbounds[keep[0]][0]:vbounds[keep[1] - 1][1]],
+                              reduction)
         lo, hi = keep
         mask //= 2
 

@@ -9,7 +9,8 @@ from lab.chunking import ring_chunk
 from lab.ops import Reduction
 
 
-def reduce_scatter_ring(peers: Peers, buf: np.ndarray, reduction: Reduction, bounds: list[tuple[int, int]]) -> None:
+def reduce_scatter_ring(peers: Peers, buf: np.ndarray, reduction: Reduction,
+                        bounds: list[tuple[int, int]]) -> None:
     """Leave the reduction over all ranks of chunk ``peers.rank`` (``buf[bounds[rank]]``) in place.
 
     N-1 steps round the ring. At step s rank r sends chunk (r-s-1) mod N to rank r+1 and folds
@@ -28,8 +29,8 @@ def reduce_scatter_ring(peers: Peers, buf: np.ndarray, reduction: Reduction, bou
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         # Pass on the partial sum built last step; fold the left neighbour's partial into ours.
-        peers.sendrecv_buffer(right, ring_chunk(buf, bounds, rank - step - 1),
-                             left, ring_chunk(buf, bounds, rank - step - 2), reduction)
+        peers.sendrecv_buffer(right, ring_chunk(buf, bounds, rank - step - 1), left,
+                              ring_chunk(buf, bounds, rank - step - 2), reduction)
     # Chunk `rank` now holds every contribution: finish it here, once (avg divides).
     reduction.finalize(ring_chunk(buf, bounds, rank), n)
 

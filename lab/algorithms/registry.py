@@ -79,8 +79,9 @@ class Algorithm:
 
 def _entry(collective: str, module, name: str, code: int, **options) -> Algorithm:
     run = getattr(module, f"{collective}_{name}")
-    return Algorithm(collective, name, run, module.shape, code, bytes_sent=getattr(module, "bytes_sent", None),
-                     fewest_steps=getattr(module, "fewest_steps", None),
+    return Algorithm(collective, name, run, module.shape, code,
+                     bytes_sent=getattr(module, "bytes_sent",
+                                        None), fewest_steps=getattr(module, "fewest_steps", None),
                      across_hosts=getattr(module, "across_hosts_us", None), **options)
 
 
@@ -91,13 +92,24 @@ TABLE: tuple[Algorithm, ...] = (
     _entry("allreduce", allreduce_recursive_doubling, "recursive_doubling", 5),
     _entry("allreduce", allreduce_halving_doubling, "halving_doubling", 6),
     _entry("allreduce", allreduce_double_tree, "double_tree", 7, options=double_tree_schedule.call_options),
-    _entry("allreduce", allreduce_hierarchical, "hierarchical", 13, auto=False,  # weighed across hosts only
-           fallback="across_hosts"),
+    _entry(
+        "allreduce",
+        allreduce_hierarchical,
+        "hierarchical",
+        13,
+        auto=False,  # weighed across hosts only
+        fallback="across_hosts"),
     _entry("allreduce", allreduce_two_shot, "two_shot", 15),
     _entry("allreduce", allreduce_one_shot, "one_shot", 19, auto=False),  # named only, until results fits it
-    _entry("allreduce", allreduce_ring_channels, "ring_channels", 16, auto=False),  # weighed across hosts only
-    _entry("allreduce", allreduce_chain_tree, "chain_tree", 17, auto=False,  # weighed across hosts only
-           options=double_tree_schedule.call_options),
+    _entry("allreduce", allreduce_ring_channels, "ring_channels", 16,
+           auto=False),  # weighed across hosts only
+    _entry(
+        "allreduce",
+        allreduce_chain_tree,
+        "chain_tree",
+        17,
+        auto=False,  # weighed across hosts only
+        options=double_tree_schedule.call_options),
     _entry("broadcast", broadcast_binomial, "binomial", 4, fallback="small"),
     _entry("broadcast", broadcast_scatter_allgather, "scatter_allgather", 9, fallback="large"),
     _entry("allgather", allgather_ring, "ring", 1, fallback="large"),
@@ -113,8 +125,7 @@ TABLE: tuple[Algorithm, ...] = (
     _entry("gather", gather_binomial, "binomial", 4, fallback="small"),
     _entry("gather", gather_linear, "linear", 14),
     _entry("scatter", scatter_binomial, "binomial", 4, fallback="small"),
-    _entry("scatter", scatter_linear, "linear", 14),
-)
+    _entry("scatter", scatter_linear, "linear", 14))
 
 #: ``ALGORITHMS[collective][name]``: every entry, in registration order (the table's, then
 #: :func:`register`'s). Everything else reads this dictionary when it runs, so an algorithm
@@ -169,7 +180,8 @@ def across_hosts(collective: str) -> dict[str, Callable[..., float]]:
 def across_hosts_fallback(collective: str) -> str | None:
     """The algorithm that knows hosts ``auto`` runs for large tensors across hosts without fitted
     models (``fallback="across_hosts"``), if ``collective`` has one."""
-    return next((name for name, entry in ALGORITHMS[collective].items() if entry.fallback == "across_hosts"), None)
+    return next((name for name, entry in ALGORITHMS[collective].items() if entry.fallback == "across_hosts"),
+                None)
 
 
 def compiled(collective: str) -> tuple[str, ...]:

@@ -64,8 +64,9 @@ def scatter_binomial(peers: Peers, send: np.ndarray, recv: np.ndarray, bounds: l
     while mask:
         child = relative + mask
         if child < n:
-            peers.send_buffer((rank + mask) % n, work[relative_offset(bounds, src, child) - start:
-                                                       relative_offset(bounds, src, min(child + mask, n)) - start])
+            peers.send_buffer((rank + mask) % n,
+                              work[relative_offset(bounds, src, child) -
+                                   start:relative_offset(bounds, src, min(child + mask, n)) - start])
         mask >>= 1
     # Keep our own block, the run's first.
     if end != relative + 1 or relative == 0:

@@ -59,7 +59,6 @@ from lab.hosts.rendezvous import env_store, pool_store
 #: Sub-groups' context ids count down from here (``Mesh.split``'s count up from 1).
 _GROUP_CONTEXT_TOP = MAX_CONTEXT
 
-
 # -- creation ---------------------------------------------------------------------------------
 
 #: The world's mesh in this process, which every group of the world shares ("mesh"), the prefix of

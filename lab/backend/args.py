@@ -21,7 +21,7 @@ from lab.backend.replicas import replicas_every
 from lab.collectives import choice
 from lab.comm.operations import Operation
 from lab.comm.protocols import BackendMesh
-from lab.errors import DeadlineError
+from lab.errors import DeadlineError, LabError
 from lab.ops import DTYPES, dtype_of
 from lab.transport.base import Silence
 
@@ -33,8 +33,8 @@ _REDUCE_OPS = {
     dist.ReduceOp.RedOpType.SUM: "sum", dist.ReduceOp.RedOpType.PRODUCT: "prod",
     dist.ReduceOp.RedOpType.MIN: "min", dist.ReduceOp.RedOpType.MAX: "max",
     dist.ReduceOp.RedOpType.AVG: "avg", dist.ReduceOp.RedOpType.PREMUL_SUM: "sum",
-    dist.ReduceOp.RedOpType.BAND: "band", dist.ReduceOp.RedOpType.BOR: "bor", dist.ReduceOp.RedOpType.BXOR: "bxor",
-}
+    dist.ReduceOp.RedOpType.BAND: "band", dist.ReduceOp.RedOpType.BOR: "bor",
+    dist.ReduceOp.RedOpType.BXOR: "bxor"}
 
 
 def lab_op(reduce_op: Any) -> tuple[str, float | None]:
@@ -149,18 +149,25 @@ def check_list(tensors: list[torch.Tensor], world_size: int, numel: int | None, 
         check_like(tensor, numel, dtype, f"{name}[{i}]")
 
 
-def await_message(mesh: BackendMesh, src: int | None, tag: int, meanwhile: Callable[[], None]) -> int:
-    """``src`` (None: any rank) once its next tensor of ``tag`` has arrived, calling
-    ``meanwhile()`` between waits of ``POLL_MS``; DeadlineError after the mesh's
-    ``recv_timeout_ms`` without one."""
+def receive_into(mesh: BackendMesh, tensor: torch.Tensor, src: int | None, tag: int,
+                 meanwhile: Callable[[], None]) -> int:
+    """Receive ``src``'s (None: any rank's) next tensor of ``tag`` into ``tensor`` and return its
+    sender, calling ``meanwhile()`` between waits of ``POLL_MS`` until it has arrived;
+    DeadlineError after the mesh's ``recv_timeout_ms`` without one, LabError on another shape."""
     silence = Silence(mesh.recv_timeout_ms / 1000)
-    while (found := mesh.probe(src, tag, POLL_MS)) is None:
+    while (source := mesh.probe(src, tag, POLL_MS)) is None:
         meanwhile()
         if silence.expired():
             peers = [src] if src is not None else [r for r in range(mesh.world_size) if r != mesh.rank]
-            raise DeadlineError(f"rank {mesh.rank} timed out waiting for a tensor of tag {tag} from rank(s) "
-                                f"{peers} (recv_timeout_ms={mesh.recv_timeout_ms:g})", peers)
-    return found
+            raise DeadlineError(
+                f"rank {mesh.rank} timed out waiting for a tensor of tag {tag} from rank(s) "
+                f"{peers} (recv_timeout_ms={mesh.recv_timeout_ms:g})", peers)
+    received = mesh.recv(source, tag=tag)
+    if received.dtype != tensor.dtype or received.numel() != tensor.numel():
+        raise LabError(f"rank {mesh.rank}: rank {source} sent {received.dtype}[{received.numel()}], "
+                       f"but this rank receives into {tensor.dtype}[{tensor.numel()}]")
+    tensor.copy_(received.view_as(tensor))
+    return source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +209,6 @@ class Options:
 class NamedGroup(dist.ProcessGroup):
     """What c10d asks of every process group besides its operations: its backend's name, its own
     name and description, which torch sets; ``dim``, the DeviceMesh dimension that made it."""
-
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__(rank, world_size)
         self._group_name, self._group_desc = "", ""

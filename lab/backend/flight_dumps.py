@@ -40,18 +40,18 @@ DUMP_ENV = "TORCH_FR_DUMP_TEMP_FILE"
 TORCH_DEFAULT_PREFIX = "/tmp/nccl_trace_rank_"
 
 #: The lab's collectives under the names torch's entries give them.
-TORCH_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
-               "broadcast": "broadcast", "reduce": "reduce", "all_to_all": "all_to_all", "gather": "gather",
-               "scatter": "scatter", "barrier": "barrier", "(refused)": "refused"}
+TORCH_NAMES = {
+    "allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter",
+    "broadcast": "broadcast", "reduce": "reduce", "all_to_all": "all_to_all", "gather": "gather",
+    "scatter": "scatter", "barrier": "barrier", "(refused)": "refused"}
 #: The lab's dtype names as torch's dumps spell them (c10's ScalarType names).
 SCALAR_TYPES = {
     "float32": "Float", "float64": "Double", "int32": "Int", "int64": "Long", "float16": "Half",
     "bfloat16": "BFloat16", "uint8": "Byte", "int8": "Char", "int16": "Short", "bool": "Bool",
-    "complex64": "ComplexFloat", "complex128": "ComplexDouble", "complex32": "ComplexHalf", "uint16": "UInt16",
-    "uint32": "UInt32", "uint64": "UInt64", "float8_e4m3fn": "Float8_e4m3fn", "float8_e5m2": "Float8_e5m2",
-    "float8_e4m3fnuz": "Float8_e4m3fnuz", "float8_e5m2fnuz": "Float8_e5m2fnuz", "float8_e8m0fnu": "Float8_e8m0fnu",
-    "float4_e2m1fn_x2": "Float4_e2m1fn_x2",
-}
+    "complex64": "ComplexFloat", "complex128": "ComplexDouble", "complex32": "ComplexHalf",
+    "uint16": "UInt16", "uint32": "UInt32", "uint64": "UInt64", "float8_e4m3fn": "Float8_e4m3fn",
+    "float8_e5m2": "Float8_e5m2", "float8_e4m3fnuz": "Float8_e4m3fnuz", "float8_e5m2fnuz": "Float8_e5m2fnuz",
+    "float8_e8m0fnu": "Float8_e8m0fnu", "float4_e2m1fn_x2": "Float4_e2m1fn_x2"}
 
 _writing = threading.Lock()  # (failures on two groups' threads at once write one file)
 
@@ -73,9 +73,11 @@ def check_prefix(value: Any, name: str = "flight_dump") -> str | None:
 
 def lab_groups() -> list[Any]:
     """This process's live ``"lab"`` process groups, in the order torch made them."""
-    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", {}) if dist.is_initialized() else {}
-    return [group for group in names if getattr(group, "getBackendName", lambda: "")() == "lab"
-            and hasattr(group, "mesh")]
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names",
+                    {}) if dist.is_initialized() else {}
+    return [
+        group for group in names
+        if getattr(group, "getBackendName", lambda: "")() == "lab" and hasattr(group, "mesh")]
 
 
 def _output_sizes(record: FlightRecord, rank: int, world_size: int) -> list[list[int]]:
@@ -96,21 +98,19 @@ def _entry(record: FlightRecord, group: Any, pg_id: int, name: str, desc: str) -
     dtypes = [SCALAR_TYPES.get(record.dtype, record.dtype)] if record.dtype else []
     failed = record.state.startswith("failed")
     return {
-        "record_id": 0, "pg_id": pg_id, "process_group": (name, desc),
-        "collective_seq_id": record.seq, "p2p_seq_id": 0, "op_id": record.seq, "is_p2p": False,
+        "record_id": 0, "pg_id": pg_id, "process_group": (name, desc), "collective_seq_id": record.seq,
+        "p2p_seq_id": 0, "op_id": record.seq, "is_p2p": False,
         "profiling_name": f"lab:{TORCH_NAMES.get(record.collective, record.collective)}",
-        "time_created_ns": record.start_ns or None,
-        "time_discovered_started_ns": record.start_ns or None,
+        "time_created_ns": record.start_ns or None, "time_discovered_started_ns": record.start_ns or None,
         "time_discovered_completed_ns": (record.end_ns or None) if record.state == "done" else None,
-        "input_sizes": [[record.count]], "output_sizes": _output_sizes(record, mesh.rank, mesh.world_size),
-        "input_dtypes": dtypes, "output_dtypes": dtypes,
-        "state": "completed" if record.state == "done" else "started",
-        "retired": record.state != "running", "timeout_ms": int(mesh.recv_timeout_ms),
-        "frames": [], "thread_id": "", "thread_name": "",
-        "lab_algorithm": record.algorithm, "lab_reduce_op": record.op or None,
-        "lab_root": record.root if record.root >= 0 else None, "lab_step": record.step,
-        "lab_error": record.state[len("failed ("):-1] if failed else None,
-    }
+        "input_sizes": [[record.count]
+                        ], "output_sizes": _output_sizes(record, mesh.rank,
+                                                         mesh.world_size), "input_dtypes": dtypes,
+        "output_dtypes": dtypes, "state": "completed" if record.state == "done" else "started",
+        "retired": record.state != "running", "timeout_ms": int(mesh.recv_timeout_ms), "frames": [],
+        "thread_id": "", "thread_name": "", "lab_algorithm": record.algorithm, "lab_reduce_op": record.op or
+        None, "lab_root": record.root if record.root >= 0 else None, "lab_step": record.step,
+        "lab_error": record.state[len("failed ("):-1] if failed else None}
 
 
 def fr_trace(groups: list[Any] | None = None) -> dict[str, Any]:
@@ -125,14 +125,14 @@ def fr_trace(groups: list[Any] | None = None) -> dict[str, Any]:
         status[name] = {
             "last_enqueued_collective": max((r.seq for r in records), default=-1),
             "last_started_collective": max((r.seq for r in records if r.state == "running"), default=-1),
-            "last_completed_collective": max((r.seq for r in records if r.state == "done"), default=-1),
-        }
+            "last_completed_collective": max((r.seq for r in records if r.state == "done"), default=-1)}
         entries += [_entry(record, group, pg_id, name, desc) for record in records]
     entries.sort(key=lambda e: (e["time_created_ns"] or 0, e["pg_id"], e["collective_seq_id"]))
     for record_id, entry in enumerate(entries):
         entry["record_id"] = record_id
-    return {"version": VERSION, "comm_lib_version": "lab", "pg_config": config, "pg_status": status,
-            "entries": entries}
+    return {
+        "version": VERSION, "comm_lib_version": "lab", "pg_config": config, "pg_status": status,
+        "entries": entries}
 
 
 def dump_fr_trace(groups: list[Any] | None = None) -> bytes:
@@ -177,5 +177,6 @@ def dump_on_failure(group: Any, exc: BaseException) -> str | None:
     try:
         return write_fr_trace(prefix, groups if group in groups else [group, *groups])
     except (OSError, ValueError, TypeError) as problem:
-        warnings.warn(f"the lab could not write its flight-recorder dump to {prefix}<rank>: {problem}", stacklevel=2)
+        warnings.warn(f"the lab could not write its flight-recorder dump to {prefix}<rank>: {problem}",
+                      stacklevel=2)
         return None

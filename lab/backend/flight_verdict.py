@@ -47,9 +47,9 @@ LAB_OUTPUTS_MAY_DIFFER = {"reduce_scatter", "scatter"}
 
 class _PlainUnpickler(pickle.Unpickler):
     """Reads plain containers only (what torch's dumps hold): a dump may come from anywhere."""
-
     def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"a flight-recorder dump holds plain data; this one names {module}.{name}")
+        raise pickle.UnpicklingError(
+            f"a flight-recorder dump holds plain data; this one names {module}.{name}")
 
 
 def read_dump(path: str) -> dict:
@@ -81,10 +81,12 @@ def read_dumps(directory: str, prefix: str | None = None) -> dict[int, dict]:
             raise ValueError(f"{directory} holds files of several prefixes ({', '.join(sorted(prefixes))}): "
                              "name one with --prefix")
         prefix = prefixes.pop() if prefixes else ""
-    dumps = {int(rank): read_dump(os.path.join(directory, name))
-             for name, (p, rank) in found.items() if p == prefix}
+    dumps = {
+        int(rank): read_dump(os.path.join(directory, name))
+        for name, (p, rank) in found.items() if p == prefix}
     if not dumps:
-        raise ValueError(f"{directory} holds no dump named <prefix><rank>" + (f" with prefix {prefix!r}" if prefix else ""))
+        raise ValueError(f"{directory} holds no dump named <prefix><rank>" +
+                         (f" with prefix {prefix!r}" if prefix else ""))
     return dumps
 
 
@@ -143,12 +145,10 @@ def _state(entry: dict) -> str:
 
 
 #: What ranks must agree on at one collective number, in the order they are checked (fr_trace's).
-_ASPECTS = (
-    ("type", lambda es: tuple(_kind(e)[1] for e in es)),
-    ("size", lambda es: tuple(_sizes(e) for e in es)),
-    ("dtype", lambda es: tuple(_dtypes(e) for e in es)),
-    ("args", lambda es: tuple((e.get("lab_reduce_op"), e.get("lab_root")) for e in es)),
-)
+_ASPECTS = (("type", lambda es: tuple(_kind(e)[1]
+                                      for e in es)), ("size", lambda es: tuple(_sizes(e) for e in es)),
+            ("dtype", lambda es: tuple(_dtypes(e) for e in es)), ("args", lambda es: tuple(
+                (e.get("lab_reduce_op"), e.get("lab_root")) for e in es)))
 
 
 def _user_frame(entry: dict) -> str:
@@ -195,13 +195,15 @@ class Divergence:
     first_ns: int | None = None  # when the first rank entered it (orders groups' divergences)
 
     def __str__(self) -> str:
-        how = {"missing": "never entered it", "type": "entered another collective", "size": "passed other sizes",
-               "dtype": "passed other dtypes", "args": "passed another reduce op or root",
-               "state": "are still in it while the others completed it", "failed": "failed in it"}[self.kind]
+        how = {
+            "missing": "never entered it", "type": "entered another collective", "size": "passed other sizes",
+            "dtype": "passed other dtypes", "args": "passed another reduce op or root",
+            "state": "are still in it while the others completed it", "failed": "failed in it"}[self.kind]
         who = ", ".join(map(str, self.culprits)) or "every rank"
         ranks = f"rank{'s' if len(self.culprits) != 1 else ''} {who}"
-        lines = [f"group {self.group} ({self.desc}), collective #{self.seq}: {self.kind} - {ranks} {how}",
-                 f"  expected: {self.expected}"]
+        lines = [
+            f"group {self.group} ({self.desc}), collective #{self.seq}: {self.kind} - {ranks} {how}",
+            f"  expected: {self.expected}"]
         lines += [f"  rank {rank}: {text}" for rank, text in sorted(self.doing.items())]
         return "\n".join(lines)
 
@@ -238,7 +240,9 @@ def _group_divergence(dumps: dict[int, dict], name: str, desc: str) -> Divergenc
     # A rank whose last collective here failed was stopped: a failure told to it by a peer (the
     # lab's abort notice) may end it in an earlier collective than the one that failed, while its
     # peers had completed that one and moved on; it is not behind what follows.
-    stopped = {rank for rank, numbered in by_rank.items() if numbered and _state(numbered[last[rank]][-1]) == "failed"}
+    stopped = {
+        rank
+        for rank, numbered in by_rank.items() if numbered and _state(numbered[last[rank]][-1]) == "failed"}
     for seq in range(low, high + 1):
         present = {rank: numbered[seq] for rank, numbered in by_rank.items() if seq in numbered}
         kind, culprits = "", []
@@ -255,8 +259,9 @@ def _group_divergence(dumps: dict[int, dict], name: str, desc: str) -> Divergenc
         if not kind:
             states = {rank: _state(entries[-1]) for rank, entries in present.items()}
             moved_on = any(last[rank] > seq for rank in present)
-            behind = sorted(r for r, state in states.items() if state != "completed"
-                            and not (state == "failed" and moved_on))  # (failed early: stopped)
+            behind = sorted(
+                r for r, state in states.items()
+                if state != "completed" and not (state == "failed" and moved_on))  # (failed early: stopped)
             if "completed" in states.values() and behind:
                 kind, culprits = "state", behind
             elif set(states.values()) == {"failed"}:
@@ -269,7 +274,8 @@ def _group_divergence(dumps: dict[int, dict], name: str, desc: str) -> Divergenc
 def _divergence(dumps: dict[int, dict], members: list[int], name: str, desc: str, seq: int, kind: str,
                 culprits: list[int], present: dict[int, list[dict]]) -> Divergence:
     """What each member was doing at collective ``seq``, and the majority's entry there."""
-    created = [e["time_created_ns"] for entries in present.values() for e in entries if e.get("time_created_ns")]
+    created = [
+        e["time_created_ns"] for entries in present.values() for e in entries if e.get("time_created_ns")]
     since = min(created, default=None)
     expected_side = {rank: entries for rank, entries in present.items() if rank not in culprits} or present
     expected = describe_entry(expected_side[min(expected_side)][0])
@@ -282,8 +288,8 @@ def _divergence(dumps: dict[int, dict], members: list[int], name: str, desc: str
         else:
             mine = [e for e in dumps[rank]["entries"] if _group_of(e)[0] == name and not _is_p2p(e)]
             last_here = max(mine, key=lambda e: e.get("record_id", 0), default=None)
-            text = f"never entered #{seq}; its last in this group: " + (
-                describe_entry(last_here, since) if last_here else "none")
+            text = f"never entered #{seq}; its last in this group: " + (describe_entry(last_here, since)
+                                                                        if last_here else "none")
             last = _last_entry(dumps[rank])
             if last is not None and last is not last_here:
                 text += f"; its last record: {describe_entry(last, since)} on group {_group_of(last)[0]}"
@@ -303,9 +309,10 @@ def report(dumps: dict[int, dict], source: str = "") -> str:
     backends = sorted({_kind(e)[0] for dump in dumps.values() for e in dump["entries"]})
     versions = sorted({str(dump.get("version")) for dump in dumps.values()})
     counts = ", ".join(f"rank {rank}: {len(dump['entries'])}" for rank, dump in sorted(dumps.items()))
-    lines = [f"flight records of {len(dumps)} rank{'s' if len(dumps) != 1 else ''}"
-             + (f" in {source}" if source else "") + f" ({', '.join(backends) or 'no entries'}; "
-             f"format {', '.join(versions)}); entries: {counts}"]
+    lines = [
+        f"flight records of {len(dumps)} rank{'s' if len(dumps) != 1 else ''}" +
+        (f" in {source}" if source else "") + f" ({', '.join(backends) or 'no entries'}; "
+        f"format {', '.join(versions)}); entries: {counts}"]
     found = divergences(dumps)
     if not found:
         lines.append("the ranks agree on every collective they all recorded")
@@ -331,10 +338,11 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """``python -m lab flight DIR [--prefix P] [--json]``."""
-    parser = commands.add_parser("flight", help="read torch-format flight-recorder dumps: where the ranks part",
-                                 description="Reads one flight-recorder dump per rank (nccl, gloo or lab; "
-                                             "files <prefix><rank>) and names each group's first collective "
-                                             "where the ranks part, the ranks behind it and what each was doing.")
+    parser = commands.add_parser(
+        "flight", help="read torch-format flight-recorder dumps: where the ranks part",
+        description="Reads one flight-recorder dump per rank (nccl, gloo or lab; "
+        "files <prefix><rank>) and names each group's first collective "
+        "where the ranks part, the ranks behind it and what each was doing.")
     parser.add_argument("dir", help="the folder of dumps ($TORCH_FR_DUMP_TEMP_FILE's folder)")
     parser.add_argument("--prefix", help="the files' common prefix (default: inferred)")
     parser.add_argument("--json", action="store_true", help="the verdicts as JSON")

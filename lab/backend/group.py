@@ -23,7 +23,6 @@ from lab.backend import replicas
 from lab.backend.args import (
     NamedGroup,
     Options,
-    await_message,
     check_count,
     check_like,
     check_list,
@@ -32,6 +31,7 @@ from lab.backend.args import (
     lab_op,
     one,
     output_bytes,
+    receive_into,
     unflatten_into,
 )
 from lab.backend.work import LabWork
@@ -48,13 +48,15 @@ from lab.errors import LabError
 #: an asynchronous one would hold its caller until its peers join, and a peer that issues another
 #: group's collective first may wait for one this caller would issue next.
 RUN_NOW_MAX_BYTES = 64 * 1024
+
+
 class LabProcessGroup(NamedGroup):
     """A ``torch.distributed`` process group whose every operation is a lab collective on
     ``mesh`` (the world's mesh, or a sub-mesh of it for ``new_group``, with ``own_order``: an issue
     order of its own, stopped at ``shutdown``; not ``owns_mesh``: the program's,
     :func:`lab.backend.init_process_group`)."""
-
-    def __init__(self, mesh: BackendMesh, options: Options, owns_mesh: bool = True, own_order: bool = False) -> None:
+    def __init__(self, mesh: BackendMesh, options: Options, owns_mesh: bool = True,
+                 own_order: bool = False) -> None:
         super().__init__(mesh.rank, mesh.world_size)
         self.mesh, self.options, self.owns_mesh, self.own_order = mesh, options, owns_mesh, own_order
 
@@ -77,8 +79,9 @@ class LabProcessGroup(NamedGroup):
         if not isinstance(exc, LabError):
             return exc
         records = "\n".join(f"  {record}" for record in self.mesh.flight_records()[-8:])
-        error = dist.DistBackendError(f"{type(exc).__name__}: {exc}\nflight recorder of rank {self.mesh.rank} "
-                                      f"({self}), oldest first:\n{records}")
+        error = dist.DistBackendError(
+            f"{type(exc).__name__}: {exc}\nflight recorder of rank {self.mesh.rank} "
+            f"({self}), oldest first:\n{records}")
         error.__cause__ = exc
         return error
 
@@ -98,7 +101,8 @@ class LabProcessGroup(NamedGroup):
         now = not p2p and output_bytes(outputs) <= RUN_NOW_MAX_BYTES and (
             self.mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False)
         what = describe(self.mesh, self.dim, op, inputs, outputs, ran=ran, **rest)
-        return LabWork(self, replicas.checked(self, op, torch.no_grad()(run), outputs), outputs, now, p2p, what)
+        checked = replicas.checked(self, op, torch.no_grad()(run), outputs)
+        return LabWork(self, checked, outputs, now, p2p, what)
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
 
@@ -116,7 +120,8 @@ class LabProcessGroup(NamedGroup):
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         op, factor = lab_op(opts.reduceOp)
-        flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype if tensors else torch.float32)
+        flat = torch.empty(sum(t.numel() for t in tensors),
+                           dtype=tensors[0].dtype if tensors else torch.float32)
         prepared = collectives.prepare_allreduce(self.mesh, flat, op, self._algorithm("allreduce"))
 
         def run() -> None:
@@ -128,7 +133,8 @@ class LabProcessGroup(NamedGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(tensors, "broadcast")
-        prepared = collectives.prepare_broadcast(self.mesh, tensor, opts.rootRank, self._algorithm("broadcast"))
+        prepared = collectives.prepare_broadcast(self.mesh, tensor, opts.rootRank,
+                                                 self._algorithm("broadcast"))
         return self._work(prepared.run, tensors, "broadcast", tensors, ran=prepared, opts=opts,
                           root=opts.rootRank)
 
@@ -182,8 +188,8 @@ class LabProcessGroup(NamedGroup):
             for i, gather in enumerate(prepared):
                 unflatten_into(gather.run().reshape(-1), [outputs[i] for outputs in output_lists])
 
-        return self._work(run, [t for outputs in output_lists for t in outputs], "allgather", inputs, ran=prepared,
-                          opts=opts)
+        return self._work(run, [t for outputs in output_lists for t in outputs], "allgather", inputs,
+                          ran=prepared, opts=opts)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> LabWork:
@@ -230,7 +236,8 @@ class LabProcessGroup(NamedGroup):
             # PREMUL_SUM reduces a scaled copy: torch leaves the input as it was.
             staged = factor is not None or not tensor.is_contiguous()
             source = torch.empty(tensor.numel(), dtype=tensor.dtype) if staged else tensor.view(-1)
-            prepared = collectives.prepare_reduce_scatter(self.mesh, source, op, self._algorithm("reduce_scatter"))
+            prepared = collectives.prepare_reduce_scatter(self.mesh, source, op,
+                                                          self._algorithm("reduce_scatter"))
             steps.append((output, tensor, staged, source))
             ran.append(prepared)
 
@@ -247,7 +254,8 @@ class LabProcessGroup(NamedGroup):
         row = input[0].numel() if input.dim() else 1
         received = sum(output_split_sizes) * row if output_split_sizes else input.numel()
         check_like(output, received, input.dtype, "output")
-        prepared = collectives.prepare_all_to_all(self.mesh, input, output_split_sizes=list(output_split_sizes) or None,
+        prepared = collectives.prepare_all_to_all(self.mesh, input,
+                                                  output_split_sizes=list(output_split_sizes) or None,
                                                   input_split_sizes=list(input_split_sizes) or None,
                                                   algorithm=self._algorithm("all_to_all"))
         return self._work(lambda: output.copy_(prepared.run().view_as(output)), [output], "all_to_all",
@@ -259,7 +267,8 @@ class LabProcessGroup(NamedGroup):
         check_count(inputs, self.mesh.world_size, "input_tensor_list")
         # MPI's alltoallv: blocks of any size, one flat tensor each way
         flat = torch.empty(sum(t.numel() for t in inputs), dtype=inputs[0].dtype)
-        prepared = collectives.prepare_all_to_all(self.mesh, flat, output_split_sizes=[t.numel() for t in outputs],
+        prepared = collectives.prepare_all_to_all(self.mesh, flat,
+                                                  output_split_sizes=[t.numel() for t in outputs],
                                                   input_split_sizes=[t.numel() for t in inputs],
                                                   algorithm=self._algorithm("all_to_all"))
 
@@ -270,7 +279,8 @@ class LabProcessGroup(NamedGroup):
         splits = ([t.numel() for t in inputs], [t.numel() for t in outputs])
         return self._work(run, outputs, "all_to_all", inputs, ran=prepared, opts=opts, split_sizes=splits)
 
-    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> LabWork:
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+               opts: Any = None) -> LabWork:
         tensor = one(inputs, "gather")
         dst = opts.rootRank
         outputs = output_lists[0] if self.mesh.rank == dst else []
@@ -285,7 +295,8 @@ class LabProcessGroup(NamedGroup):
 
         return self._work(run, outputs, "gather", inputs, ran=prepared, opts=opts, root=dst)
 
-    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> LabWork:
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                opts: Any = None) -> LabWork:
         output = one(outputs, "scatter")
         src = opts.rootRank
         inputs = input_lists[0] if self.mesh.rank == src else []
@@ -326,16 +337,7 @@ class LabProcessGroup(NamedGroup):
         :meth:`lab.comm.issue.IssueQueue.run_sends_behind`)."""
         queue = self.mesh.issue_queue
         issued = queue.issued
-
-        def run() -> int:
-            source = await_message(self.mesh, src, tag, lambda: queue.run_sends_behind(issued))
-            received = self.mesh.recv(source, tag=tag)
-            if received.dtype != tensor.dtype or received.numel() != tensor.numel():
-                raise LabError(f"rank {self.mesh.rank}: rank {source} sent {received.dtype}[{received.numel()}], "
-                               f"but this rank receives into {tensor.dtype}[{tensor.numel()}]")
-            tensor.copy_(received.view_as(tensor))
-            return source
-
+        run = lambda: receive_into(self.mesh, tensor, src, tag, lambda: queue.run_sends_behind(issued))
         return self._work(run, [tensor], "recv", [tensor], peer=src, tag=tag)
 
     # -- lifetime

@@ -83,7 +83,6 @@ def checked(group: Any, op: str, run: Callable[[], Any], outputs: list) -> Calla
 class ReplicaCheck:
     """The check of one group (``group``: its :class:`lab.backend.group.LabProcessGroup`), every
     ``every``-th allreduce of each size and dtype."""
-
     def __init__(self, group: Any, every: int) -> None:
         self._group, self._every = group, every
         self._counts: OrderedDict[tuple, int] = OrderedDict()
@@ -127,8 +126,9 @@ class ReplicaCheck:
         reference = rows[hashes.index(common)]
         odd = [rank for rank, h in enumerate(hashes) if h != common]
         agreeing = [r for r, h in enumerate(hashes) if h == common]
-        headline = (f"{what} left rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} with other bits "
-                    f"than rank{'s' if len(agreeing) > 1 else ''} {', '.join(map(str, agreeing))}:")
+        headline = (
+            f"{what} left rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} with other bits "
+            f"than rank{'s' if len(agreeing) > 1 else ''} {', '.join(map(str, agreeing))}:")
         lines = [headline]
         for rank in odd:
             differ = _differing(rows[rank], reference)
@@ -157,7 +157,9 @@ def _ddp_modules(group: Any) -> list[Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     # (type(), not isinstance: some live objects warn when their __class__ is read)
-    return [o for o in gc.get_objects() if issubclass(type(o), DistributedDataParallel) and o.process_group is group]
+    return [
+        o for o in gc.get_objects()
+        if issubclass(type(o), DistributedDataParallel) and o.process_group is group]
 
 
 #: A DDP module's bucket layout, read after its forwards: [(bucket's numel, [(name, numel), ...]), ...].
@@ -174,8 +176,8 @@ def _watch_layout(module: Any) -> None:
 
     def after_forward(ddp: Any, _inputs: Any, _output: Any) -> None:
         buckets = ddp.reducer._get_zeros_like_grad_buckets()
-        _LAYOUTS[id(ddp)] = [(b.buffer().numel(), [(names.get(id(p), "?"), p.numel()) for p in b.parameters()])
-                             for b in buckets]
+        _LAYOUTS[id(ddp)] = [(b.buffer().numel(), [(names.get(id(p), "?"), p.numel())
+                                                   for p in b.parameters()]) for b in buckets]
         reads[0] += 1
         if reads[0] >= LAYOUT_READS:
             handle.remove()

@@ -25,10 +25,11 @@ from lab.comm.operations import Operation
 
 class Issuer(Protocol):
     """What a :class:`LabWork` needs of its group (:class:`lab.backend.group.LabProcessGroup`)."""
+    def issue(self, run: Callable[[], Any], now: bool, p2p: str, what: Operation | None) -> Work:
+        ...
 
-    def issue(self, run: Callable[[], Any], now: bool, p2p: str, what: Operation | None) -> Work: ...
-
-    def torch_error(self, exc: BaseException) -> BaseException: ...
+    def torch_error(self, exc: BaseException) -> BaseException:
+        ...
 
 
 class Failed:
@@ -38,7 +39,6 @@ class Failed:
     ``__reduce__`` raising turns into an exception where they are (DDP's backward: a
     ``RuntimeError`` whose message carries this error's), where a future completed with
     ``set_exception`` would crash them (its value is the exception, which holds no tensors)."""
-
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
@@ -57,9 +57,8 @@ class Failed:
 
 class LabWork(dist._Work):
     """A lab collective issued for torch: ``wait()``, ``is_completed()``, ``get_future()``."""
-
-    def __init__(self, group: Issuer, run: Callable[[], Any], outputs: list[torch.Tensor],
-                 now: bool = False, p2p: str = "", what: Operation | None = None) -> None:
+    def __init__(self, group: Issuer, run: Callable[[], Any], outputs: list[torch.Tensor], now: bool = False,
+                 p2p: str = "", what: Operation | None = None) -> None:
         super().__init__()
         self._group, self._outputs = group, outputs
         self._future: torch.futures.Future = torch.futures.Future()

@@ -45,7 +45,8 @@ _REDUCE, = ALGORITHMS["reduce"]
 _BARRIER, = ALGORITHMS["barrier"]
 
 
-def allreduce(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
+def allreduce(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
+              async_op: bool = False) -> Any:
     """Reduce ``tensor`` elementwise across all ranks, in place; return ``tensor``.
 
     ``op``: ``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``. ``algorithm``: ``"ring"``,
@@ -74,10 +75,12 @@ def prepare_allreduce(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: s
     reduce_op = parse_op(op)
     buffer = as_buffer(tensor)
     key = ("allreduce", reduce_op, algorithm, buffer.dtype, buffer.numel, lab_algo())
-    signature, kernels, call = remembered(mesh, key, lambda: _allreduce_template(mesh, reduce_op, algorithm, buffer))
+    signature, kernels, call = remembered(mesh, key,
+                                          lambda: _allreduce_template(mesh, reduce_op, algorithm, buffer))
     algorithm_run = ALLREDUCE_ALGORITHMS[signature.algorithm]
     if call is not None and buffer.shared and type(tensor) is torch.Tensor:
-        make_lane(mesh, lane_key("allreduce", tensor, op, algorithm), signature, algorithm_run, (None, kernels))
+        make_lane(mesh, lane_key("allreduce", tensor, op, algorithm), signature, algorithm_run,
+                  (None, kernels))
     options = algorithm_run.options(mesh) if algorithm_run.options else {}  # (double tree's segments)
 
     def run() -> Any:
@@ -107,11 +110,13 @@ def _allreduce_template(mesh: CallMesh, reduce_op: ReduceOp, algorithm: str, buf
     kernels = mesh.kernels(reduce_op, buffer.dtype)
     chosen = pick(mesh, "allreduce", algorithm, buffer.nbytes)
     signature = Signature("allreduce", chosen, buffer.dtype, buffer.numel, reduce_op.value)
-    call = None if kernels.prescales else mesh.compiled_call(signature, ALLREDUCE_ALGORITHMS[chosen], (None, kernels))
+    call = None if kernels.prescales else mesh.compiled_call(signature, ALLREDUCE_ALGORITHMS[chosen],
+                                                             (None, kernels))
     return signature, kernels, call
 
 
-def broadcast(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
+def broadcast(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto",
+              async_op: bool = False) -> Any:
     """Overwrite ``tensor`` on every rank with rank ``src``'s, in place; return ``tensor``.
 
     ``algorithm``: ``"binomial"`` (⌈log2 N⌉ whole-tensor steps), ``"scatter_allgather"`` (van de
@@ -194,7 +199,8 @@ def prepare_allgather(mesh: CallMesh, tensor: Any, algorithm: str = "auto") -> P
     return Prepared(run, signature, what=describe(mesh, "allgather", dtype, numel, mesh.world_size * numel))
 
 
-def reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto", async_op: bool = False) -> Any:
+def reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str = "auto",
+                   async_op: bool = False) -> Any:
     """Reduce ``tensor`` across ranks and return block ``rank`` of the result as a new tensor.
 
     Blocks are split along dim 0 as ``numpy.array_split`` does (equal when N divides dim 0, like
@@ -228,7 +234,8 @@ def prepare_reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorit
     signature = Signature("reduce_scatter", chosen, dtype, math.prod(shape), reduce_op.value)
 
     def run() -> Any:
-        work = buffer.load().copy()  # read now (after earlier collectives); the caller's tensor stays as it was
+        work = buffer.load().copy(
+        )  # read now (after earlier collectives); the caller's tensor stays as it was
         with mesh.collective(*signature):
             kernels.prepare(work, mesh.world_size)
             mesh.run(ALGORITHMS["reduce_scatter"][chosen], work, kernels, bounds)
@@ -273,7 +280,7 @@ def prepare_reduce(mesh: CallMesh, tensor: Any, dst: int = 0, op: Any = "sum") -
         return tensor
 
     what = describe(mesh, "reduce", buffer.dtype, buffer.numel, buffer.numel, root=dst,
-                         reduce_op=reduce_op.value)
+                    reduce_op=reduce_op.value)
     return Prepared(run, signature, what=what)
 
 
@@ -328,8 +335,8 @@ def _bounds_of(sizes: list[int], row: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(ends))
 
 
-def prepare_all_to_all(mesh: CallMesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
-                       algorithm: str = "auto") -> Prepared:
+def prepare_all_to_all(mesh: CallMesh, tensor: Any, output_split_sizes: Any = None,
+                       input_split_sizes: Any = None, algorithm: str = "auto") -> Prepared:
     """:func:`all_to_all`'s checks and choices, done now; its communication, ready to run (each
     run returns a new tensor)."""
     dtype = check_tensor(tensor)
@@ -339,14 +346,16 @@ def prepare_all_to_all(mesh: CallMesh, tensor: Any, output_split_sizes: Any = No
     n = mesh.world_size
     check_algorithm(algorithm, "all_to_all")
     even = [b - a for a, b in split_bounds(shape[0], n)]
-    sends = even if input_split_sizes is None else _split_sizes(input_split_sizes, "input_split_sizes", n, shape[0])
-    receives = ([even[mesh.rank]] * n if output_split_sizes is None
-                else _split_sizes(output_split_sizes, "output_split_sizes", n))
+    sends = even if input_split_sizes is None else _split_sizes(input_split_sizes, "input_split_sizes", n,
+                                                                shape[0])
+    receives = ([even[mesh.rank]] * n if output_split_sizes is None else _split_sizes(
+        output_split_sizes, "output_split_sizes", n))
     uneven = input_split_sizes is not None or output_split_sizes is not None
     if uneven and algorithm != "auto" and not ALGORITHMS["all_to_all"][algorithm].uneven:
-        raise ValueError(f"algorithm {algorithm!r} needs equal blocks; with input_split_sizes or "
-                         f"output_split_sizes use one of "
-                         f"{', '.join(repr(a) for a, e in ALGORITHMS['all_to_all'].items() if e.uneven)} or 'auto'")
+        raise ValueError(
+            f"algorithm {algorithm!r} needs equal blocks; with input_split_sizes or "
+            f"output_split_sizes use one of "
+            f"{', '.join(repr(a) for a, e in ALGORITHMS['all_to_all'].items() if e.uneven)} or 'auto'")
     row = math.prod(shape[1:])
     if uneven and algorithm == "auto":  # ranks' sizes differ: a choice every rank makes alike
         forced = forced_algorithm("all_to_all")
@@ -366,8 +375,8 @@ def prepare_all_to_all(mesh: CallMesh, tensor: Any, output_split_sizes: Any = No
             mesh.run(ALGORITHMS["all_to_all"][chosen], buffer.load(), out, send_bounds, recv_bounds)
         return to_caller_type(out, dtype, (sum(receives), *shape[1:]), like=tensor)
 
-    what = describe(mesh, "all_to_all", dtype, math.prod(shape), sum(receives) * row,
-                         split_sizes={"in": sends, "out": receives} if uneven else None)
+    what = describe(mesh, "all_to_all", dtype, math.prod(shape),
+                    sum(receives) * row, split_sizes={"in": sends, "out": receives} if uneven else None)
     return Prepared(run, signature, what=what)
 
 
@@ -394,35 +403,13 @@ def prepare_barrier(mesh: CallMesh) -> Prepared:
         with mesh.collective(*signature):
             mesh.run(ALGORITHMS["barrier"][_BARRIER])
 
-    return Prepared(run, signature, lambda: compiled_run(mesh, signature, ALGORITHMS["barrier"][_BARRIER], (),
-                                                         lambda: None),
+    return Prepared(run, signature, lambda: compiled_run(mesh, signature, ALGORITHMS["barrier"][_BARRIER],
+                                                         (), lambda: None),
                     describe(mesh, "barrier", DTYPES["float32"], 0, 0))
 
 
 __all__ = [
-    "ALGORITHMS",
-    "Prepared",
-    "ReduceOp",
-    "Signature",
-    "all_to_all",
-    "allgather",
-    "allreduce",
-    "barrier",
-    "broadcast",
-    "check_algorithm",
-    "choose",
-    "forced_algorithm",
-    "gather",
-    "prepare_all_to_all",
-    "prepare_allgather",
-    "prepare_allreduce",
-    "prepare_barrier",
-    "prepare_broadcast",
-    "prepare_gather",
-    "prepare_reduce",
-    "prepare_reduce_scatter",
-    "prepare_scatter",
-    "reduce",
-    "reduce_scatter",
-    "scatter",
-]
+    "ALGORITHMS", "Prepared", "ReduceOp", "Signature", "all_to_all", "allgather", "allreduce", "barrier",
+    "broadcast", "check_algorithm", "choose", "forced_algorithm", "gather", "prepare_all_to_all",
+    "prepare_allgather", "prepare_allreduce", "prepare_barrier", "prepare_broadcast", "prepare_gather",
+    "prepare_reduce", "prepare_reduce_scatter", "prepare_scatter", "reduce", "reduce_scatter", "scatter"]

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 #: registry's entries (:mod:`lab.algorithms.registry`), each callable. reduce and barrier have one each.
 ALGORITHMS: dict[str, dict[str, registry.Algorithm]] = registry.ALGORITHMS
 
-
 #: CPython's os.environ keeps the environment in this dict of bytes (set and deleted through
 #: os.environ, as LAB_ALGO is): a plain call reads it at every call, and ``os.environ.get`` costs
 #: 0.5 µs where the dict's ``get`` costs 20 ns.
@@ -54,8 +53,8 @@ def forced_algorithm(collective: str) -> str | None:
     for entry in filter(None, (e.strip() for e in os.environ.get("LAB_ALGO", "").split(","))):
         target, _, name = (part.strip() for part in entry.rpartition("="))
         if target and name not in ALGORITHMS.get(target, {}):
-            expected = (", ".join(f"{target}={a}" for a in ALGORITHMS[target]) if target in ALGORITHMS
-                        else f"a collective among {', '.join(ALGORITHMS)}")
+            expected = (", ".join(f"{target}={a}" for a in ALGORITHMS[target])
+                        if target in ALGORITHMS else f"a collective among {', '.join(ALGORITHMS)}")
             raise ValueError(f"LAB_ALGO entry {entry!r} is not valid; expected {expected}")
         if not target and not any(name in algorithms for algorithms in ALGORITHMS.values()):
             known = sorted({a for algorithms in ALGORITHMS.values() for a in algorithms})
@@ -110,9 +109,8 @@ def pick(mesh: CallMesh, collective: str, algorithm: str, nbytes: int) -> str:
     if algorithm != "auto" or collective not in ALGORITHMS:
         return check_algorithm(algorithm, collective)
     compiled_max_bytes = mesh.compiled_max_bytes  # 0: no compiled path
-    key = (collective, nbytes, mesh.world_size, mesh.transport, mesh.host_count,
-           0 < compiled_max_bytes and nbytes <= compiled_max_bytes, lab_algo(),
-           tuning.fitted_models)
+    key = (collective, nbytes, mesh.world_size, mesh.transport, mesh.host_count, 0 < compiled_max_bytes and
+           nbytes <= compiled_max_bytes, lab_algo(), tuning.fitted_models)
     chosen = _PICKS.get(key)
     if chosen is None:
         chosen = _auto(*key[:6])
@@ -134,7 +132,8 @@ def _auto(collective: str, nbytes: int, world_size: int, transport: str, hosts: 
         if compilable:
             chosen = choose(collective, nbytes, world_size, "shm")
             return chosen if chosen in compilable else compilable[0]
-    if hosts > 1 and collective == "allreduce" and transport in ("tcp", "auto") and not forced_algorithm(collective):
+    if hosts > 1 and collective == "allreduce" and transport in ("tcp",
+                                                                 "auto") and not forced_algorithm(collective):
         return tuning.choose_across_hosts(nbytes, world_size, hosts, "shm" if transport == "auto" else "tcp")
     if transport == "auto":
         transport = "tcp" if hosts > 1 else "shm"

@@ -59,7 +59,8 @@ def prepare_gather(mesh: CallMesh, tensor: Any, dst: int = 0, algorithm: str = "
     return Prepared(run, signature, what=what)
 
 
-def scatter(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto", async_op: bool = False) -> Any:
+def scatter(mesh: CallMesh, tensor: Any, src: int = 0, algorithm: str = "auto",
+            async_op: bool = False) -> Any:
     """Return block ``rank`` of rank ``src``'s ``tensor`` as a new tensor on every rank.
 
     Blocks are split along dim 0 as ``numpy.array_split`` does (equal when N divides dim 0).

@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 class Plan:
     """One persistent collective of one mesh (made by ``lab.allreduce_init`` and its siblings)."""
-
     def __init__(self, mesh: CallMesh, prepared: Prepared) -> None:
         self._mesh, self._prepared = mesh, prepared
         self._queue = mesh.issue_queue
@@ -97,7 +96,8 @@ class Plan:
 
     def _run(self):
         if self._freed:
-            raise LabError(f"this {self.collective} plan was freed; make a new one with lab.{self.collective}_init")
+            raise LabError(
+                f"this {self.collective} plan was freed; make a new one with lab.{self.collective}_init")
         if this_process() != self._pid:
             raise LabError(f"this {self.collective} plan was made in process {self._pid}; a plan belongs to "
                            f"the process (and mesh) that made it")
@@ -147,8 +147,8 @@ def reduce_scatter_init(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm:
     return Plan(mesh, prepare_reduce_scatter(mesh, tensor, op, algorithm))
 
 
-def all_to_all_init(mesh: CallMesh, tensor: Any, output_split_sizes: Any = None, input_split_sizes: Any = None,
-                    algorithm: str = "auto") -> Plan:
+def all_to_all_init(mesh: CallMesh, tensor: Any, output_split_sizes: Any = None,
+                    input_split_sizes: Any = None, algorithm: str = "auto") -> Plan:
     """A persistent :func:`lab.all_to_all` of ``tensor`` (split sizes frozen too); each ``plan()``
     returns a new tensor."""
     return Plan(mesh, prepare_all_to_all(mesh, tensor, output_split_sizes, input_split_sizes, algorithm))

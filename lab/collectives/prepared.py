@@ -38,7 +38,6 @@ def check_root(mesh: CallMesh, root: Any, name: str) -> int:
     return int(root)
 
 
-
 class Prepared(NamedTuple):
     """A collective whose arguments are checked and whose algorithm is chosen: ``run()`` does its
     communication on the tensor's current contents and returns what the public call returns.
@@ -58,7 +57,8 @@ def recording(mesh: CallMesh) -> bool:
     return mesh.recording
 
 
-def describe(mesh: CallMesh, op: str, dtype: Any, count: int, out_count: int, **rest: Any) -> Operation | None:
+def describe(mesh: CallMesh, op: str, dtype: Any, count: int, out_count: int,
+             **rest: Any) -> Operation | None:
     """A call of ``op`` as a recording notes it (:meth:`lab.Mesh.describe`), or None where nothing
     records: an unrecorded call builds nothing."""
     return mesh.describe(op, dtype, count, out_count, **rest) if recording(mesh) else None
@@ -69,7 +69,8 @@ def issue(mesh: CallMesh, prepared: Prepared, async_op: bool) -> Any:
     thread; noted as ``prepared.what``, with the algorithm it runs, where the rank records."""
     if prepared.what is None:
         return mesh.issue(prepared.run, async_op)
-    return mesh.issue(prepared.run, async_op, what=prepared.what._replace(algorithm=prepared.signature.algorithm))
+    return mesh.issue(prepared.run, async_op,
+                      what=prepared.what._replace(algorithm=prepared.signature.algorithm))
 
 
 def compiled_run(mesh: CallMesh, signature: Signature, algorithm: Any, args: tuple, after: Callable[[], Any],

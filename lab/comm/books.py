@@ -26,7 +26,6 @@ class Books:
     compiled plane's, where the mesh has one: compiled calls keep their own books there too);
     ``position`` is where the rank is; ``parents``: the books of the mesh's ancestors, whose
     counters count this mesh's transfers too."""
-
     def __init__(self, channels: Channels, membership: Membership, ledger: np.ndarray, position: Position,
                  parents: list[Books]) -> None:
         self._channels, self._membership, self._ledger = channels, membership, ledger
@@ -52,7 +51,8 @@ class Books:
 
     # -- flight records ------------------------------------------------------------------------
 
-    def enter(self, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int) -> FlightRecord:
+    def enter(self, name: str, algorithm: str, dtype_name: str, count: int, op: str,
+              root: int) -> FlightRecord:
         """Number the next collective, say where this rank is, and note it in the flight recorder."""
         self._ledger[SEQ] += 1
         return self.note(int(self._ledger[SEQ]), name, algorithm, dtype_name, count, op, root)
@@ -66,8 +66,8 @@ class Books:
         """Say where this rank is (collective ``seq`` at ``step``) and note it in the flight recorder."""
         position = self.position
         position.collective, position.seq, position.algorithm, position.step = name, seq, algorithm, step
-        return self.recorder.note(FlightRecord(seq, name, algorithm, dtype_name, count, op, root,
-                                               start_ns=time.time_ns()))
+        return self.recorder.note(
+            FlightRecord(seq, name, algorithm, dtype_name, count, op, root, start_ns=time.time_ns()))
 
     def failed(self, record: FlightRecord, exc: BaseException) -> None:
         """Record the failure; where the channels are left unclean, tell the peers what this rank
@@ -90,14 +90,12 @@ class Books:
         counters = self.counters
         counters.add(collectives=1)
         if self._trace is not None:
-            self.write_trace(
-                kind="collective", op=record.collective, algorithm=record.algorithm, dtype=record.dtype,
-                count=record.count, nbytes=before[2], reduce_op=record.op or None,
-                root=None if record.root < 0 else record.root,
-                bytes_sent=counters["bytes_sent"] - before[0],
-                bytes_received=counters["bytes_received"] - before[1],
-                start_ns=start_ns, duration_ns=time.time_ns() - start_ns, seq=record.seq,
-            )
+            self.write_trace(kind="collective", op=record.collective, algorithm=record.algorithm,
+                             dtype=record.dtype, count=record.count, nbytes=before[2], reduce_op=record.op or
+                             None, root=None if record.root < 0 else record.root,
+                             bytes_sent=counters["bytes_sent"] - before[0],
+                             bytes_received=counters["bytes_received"] - before[1], start_ns=start_ns,
+                             duration_ns=time.time_ns() - start_ns, seq=record.seq)
 
     def flight_records(self) -> list[FlightRecord]:
         """This rank's last collectives, oldest first; a running one shows the step it reached."""

@@ -58,7 +58,8 @@ def check_transport(transport: str) -> None:
                          f"launcher; got {transport!r}")
 
 
-def connect(store: dist.Store, env: LaunchEnv, transport: str) -> tuple[Transport, tuple[int, int, int], list[int]]:
+def connect(store: dist.Store, env: LaunchEnv,
+            transport: str) -> tuple[Transport, tuple[int, int, int], list[int]]:
     """Agree on every rank's host, prove the job's secret and open ``transport`` through ``store``."""
     if env.group_rank is None:  # mpiexec on several hosts: learn the host index from the host names
         env = learn_host_index(store, env, STORE_PREFIX)
@@ -86,7 +87,8 @@ def _mixed(env, store, secret: bytes, address: str, hosts: list[int]) -> Transpo
     from lab.transport.mixed import MixedTransport
 
     first_local = host_block(hosts, env)
-    local = share_host_endpoints(store, STORE_PREFIX, env.group_rank, env.local_rank, env.local_world_size, secret)
+    local = share_host_endpoints(store, STORE_PREFIX, env.group_rank, env.local_rank, env.local_world_size,
+                                 secret)
     if env.world_size == env.local_world_size:
         return local
     try:

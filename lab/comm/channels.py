@@ -25,7 +25,6 @@ class Channels:
     """What a root mesh and all its sub-meshes share: the transport, one issue order, the
     compiled plane, the trace file, the deadline, whether the channels are still usable, and
     where this rank is: ``placement``, its (host, local rank, local world size) on the root mesh."""
-
     def __init__(self, transport: Transport, transport_name: str, recv_timeout_ms: float,
                  trace: TraceFile | None, placement: tuple[int, int, int]) -> None:
         self.transport, self.transport_name, self.recv_timeout_ms, self.trace = \
@@ -67,4 +66,5 @@ def _parking(park_pending: weakref.WeakMethod, closed: Callable[[], bool]) -> Ca
         park = park_pending()
         if park is not None:
             park(tag, "a wait in the shared memory")
+
     return hook

@@ -18,7 +18,6 @@ BOOKED_KEYS = KEYS[:5]
 class Counters:
     """One mesh's counters: ``add`` from the Python path, ``booked`` (a view of the ledger's
     words) from compiled calls; :meth:`reset` clears both."""
-
     def __init__(self, booked: np.ndarray) -> None:
         self._booked = booked
         self.reset()

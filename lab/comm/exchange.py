@@ -36,7 +36,6 @@ from lab.transport.base import Recv, Send, TagMismatch
 if TYPE_CHECKING:
     from lab.fingerprint import Signature
 
-
 #: What a collective with no trace row passes as its counters before (see Exchange._begin).
 _UNTRACED = (0, 0, 0)
 #: A fingerprint as the int64 words ranks exchange to agree (Exchange.agree).
@@ -47,10 +46,8 @@ _INT64 = DTYPES["int64"]
 class Exchange:
     """One rank's transfers on the mesh of ``membership`` over ``channels``; its byte counters
     are also counted in each mesh of ``parents`` (a sub-mesh's parent, its parent's, ...)."""
-
     def __init__(self, channels: Channels, membership: Membership, parents: list[Exchange]) -> None:
-        self._channels, self._membership = channels, membership
-        self._transport = channels.transport
+        self._channels, self._membership, self._transport = channels, membership, channels.transport
         self._rank, self._world_size = membership.rank, membership.world_size
         #: This mesh's exchange and its ancestors': a sub-mesh's parents (lab.Mesh.sub_mesh).
         self.lineage = [self, *parents]
@@ -75,7 +72,8 @@ class Exchange:
         self.context = membership.context  # in every fingerprint
         self.position = Position(membership.describe())  # where this rank is: what errors name
         #: Flight records, counters (a transfer counts in each ancestor's too) and trace rows.
-        self.books = Books(channels, membership, self._ledger, self.position, [parent.books for parent in parents])
+        self.books = Books(channels, membership, self._ledger, self.position,
+                           [parent.books for parent in parents])
         self.recorder = self.books.recorder
 
     @property
@@ -144,7 +142,8 @@ class Exchange:
         call = plane.call(algorithm, args)
         self.run_compiled(call, call.operands(args))
 
-    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple, at: bool = False) -> PlannedRun | None:
+    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple,
+                      at: bool = False) -> PlannedRun | None:
         """The compiled call that the collective of ``signature`` running ``algorithm`` on
         arguments like ``args`` takes, made once now (for a plan, or a plain call's template), or
         None where it runs in Python. ``at``: it takes its first buffer as an address and a byte
@@ -174,14 +173,13 @@ class Exchange:
         """Receive from ``src`` into ``out``: copy, or ``reduction.combine(out, incoming)``."""
         self.transfer([], [Recv(src, out, None if reduction is None else reduction.combine)])
 
-    def sendrecv_buffer(
-        self, dst: int, data: np.ndarray, src: int, out: np.ndarray, reduction: Reduction | None = None
-    ) -> None:
+    def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray,
+                        reduction: Reduction | None = None) -> None:
         """Send to ``dst`` and receive from ``src`` at once (one ring step)."""
         self.transfer([Send(dst, data)], [Recv(src, out, None if reduction is None else reduction.combine)])
 
-    def transfer(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None, counted: bool = True,
-                 tag: bytes | None = None) -> None:
+    def transfer(self, sends: list[Send], recvs: list[Recv], timeout_ms: float | None = None,
+                 counted: bool = True, tag: bytes | None = None) -> None:
         """One step: ``sends`` and ``recvs`` at once under the current fingerprint (``tag``: this from now on)."""
         if tag is not None:
             self._tag = tag
@@ -197,18 +195,17 @@ class Exchange:
             self._transport.exchange(sends, recvs, self._tag, timeout_ms / 1000, self.position)
         if trace_steps:
             position = self.position
-            self.books.write_trace(
-                kind="step", op=position.collective, algorithm=position.algorithm, seq=position.seq,
-                step=position.step, sends=[[s.dst, s.data.nbytes] for s in sends],
-                recvs=[[r.src, r.out.nbytes] for r in recvs], start_ns=start_ns,
-                duration_ns=time.time_ns() - start_ns,
-            )
+            sent, received = [[s.dst, s.data.nbytes] for s in sends], [[r.src, r.out.nbytes] for r in recvs]
+            self.books.write_trace(kind="step", op=position.collective, algorithm=position.algorithm,
+                                   seq=position.seq, step=position.step, sends=sent, recvs=received,
+                                   start_ns=start_ns, duration_ns=time.time_ns() - start_ns)
         if counted:
             hosts, host = self._membership.hosts, self.host
-            self.books.count(bytes_sent=sum(s.data.nbytes for s in sends), messages_sent=len(sends),
-                             bytes_sent_inter_host=sum(s.data.nbytes for s in sends if hosts[s.dst] != host),
-                             bytes_received=sum(r.out.nbytes for r in recvs), messages_received=len(recvs),
-                             bytes_received_inter_host=sum(r.out.nbytes for r in recvs if hosts[r.src] != host))
+            self.books.count(
+                bytes_sent=sum(s.data.nbytes for s in sends), messages_sent=len(sends),
+                bytes_sent_inter_host=sum(s.data.nbytes for s in sends if hosts[s.dst] != host),
+                bytes_received=sum(r.out.nbytes for r in recvs), messages_received=len(recvs),
+                bytes_received_inter_host=sum(r.out.nbytes for r in recvs if hosts[r.src] != host))
 
     @property
     def scratch(self) -> Any:
@@ -226,7 +223,8 @@ class Exchange:
             return False
         self.position.step += 1
         with _failures(self, self.recv_timeout_ms):
-            moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1e3, self.position, one_shot, source)
+            moved = self.scratch.allreduce(buf, reduction, self._tag, self.recv_timeout_ms / 1e3,
+                                           self.position, one_shot, source)
         self.books.count(bytes_sent=moved.bytes_sent, bytes_received=moved.bytes_received,
                          messages_sent=moved.messages, messages_received=moved.messages)
         return True
@@ -234,8 +232,8 @@ class Exchange:
     def ready_source(self, expected: dict[int, bytes], timeout_ms: float) -> int | None:
         """:meth:`lab.transport.base.Transport.ready_source` in this mesh's ranks (a probe's wait)."""
         try:
-            found = self._transport.ready_source({self._membership.to_global(r): tag for r, tag in expected.items()},
-                                                 timeout_ms / 1000, self.position)
+            by_global = {self._membership.to_global(r): tag for r, tag in expected.items()}
+            found = self._transport.ready_source(by_global, timeout_ms / 1000, self.position)
         except BaseException:
             self.clean = False  # (a lost peer, a forged frame: the channels cannot be trusted)
             raise
@@ -244,8 +242,9 @@ class Exchange:
     def mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError:
         """Global rank ``src`` sent ``got`` where this rank expected ``expected`` (its own tag)."""
         who = self._membership.who
-        return CollectiveMismatchError(f"{who()} is in {fingerprint.describe(self._tag if expected is None else expected)}; "
-                                       f"{who(src)} sent {fingerprint.describe(got)}")
+        return CollectiveMismatchError(
+            f"{who()} is in {fingerprint.describe(self._tag if expected is None else expected)}; "
+            f"{who(src)} sent {fingerprint.describe(got)}")
 
     def raise_if_unread(self, when: str) -> None:
         """:func:`lab.comm.unread.raise_if_unread` on this rank's channels (at close, at a run's end)."""
@@ -262,10 +261,8 @@ class Exchange:
     # -- collectives: numbered, fingerprinted, recorded, traced ---------------------------------
 
     @contextlib.contextmanager
-    def collective(
-        self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1,
-        compiled: bool = True,
-    ) -> Iterator[None]:
+    def collective(self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1,
+                   compiled: bool = True) -> Iterator[None]:
         """Run one collective: number it, fingerprint its messages, trace it.
 
         Every rank enters the same collectives in the same order, so ``seq`` agrees across ranks
@@ -304,11 +301,11 @@ class Exchange:
         everyone = np.zeros((self.world_size, FINGERPRINT_WORDS), np.int64)
         everyone[self.rank] = np.frombuffer(mine, np.int64)
         others = [r for r in range(self.world_size) if r != self.rank]
-        self._tag = fingerprint.pack(self._membership.context, int(self._ledger[SEQ]), "agree", "", _INT64.code,
-                                     "", -1, FINGERPRINT_WORDS)
+        self._tag = fingerprint.pack(self._membership.context, int(self._ledger[SEQ]), "agree", "",
+                                     _INT64.code, "", -1, FINGERPRINT_WORDS)
         if others:
             self.transfer([Send(r, everyone[self.rank]) for r in others],
-                           [Recv(r, everyone[r]) for r in others], counted=False)
+                          [Recv(r, everyone[r]) for r in others], counted=False)
         return [row.tobytes() for row in everyone]
 
     def _begin(self, name: str, algorithm: str, dtype: DType, count: int, op: str, root: int,
@@ -316,8 +313,8 @@ class Exchange:
         """A collective's number, fingerprint, position and flight record; for its trace row,
         when it started, and the byte counters then and its tensor's bytes."""
         record = self.books.enter(name, algorithm, dtype.name, count, op, root)
-        self._tag = fingerprint.pack(self._membership.context, record.seq, name, algorithm, dtype.code, op, root,
-                                     count)
+        self._tag = fingerprint.pack(self._membership.context, record.seq, name, algorithm, dtype.code, op,
+                                     root, count)
         self._nbytes = count * dtype.storage.itemsize
         self._compiled = compiled
         if self._trace is None:

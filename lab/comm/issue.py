@@ -44,7 +44,6 @@ class Work:
         ...                                                # compute meanwhile
         work.wait()                                        # grads now hold the sum
     """
-
     def __init__(self, future: Future) -> None:
         self._future = future
         self.raised = False  # its failure reached the program (wait, result): no later call raises it again
@@ -174,8 +173,8 @@ class IssueQueue:
             finally:
                 local.driving = False
 
-    def run_alone(self, run: Callable[..., Any], *args: Any,
-                  refused: Callable[[], None] | None = None, what: Operation | None = None) -> Any:
+    def run_alone(self, run: Callable[..., Any], *args: Any, refused: Callable[[], None] | None = None,
+                  what: Operation | None = None) -> Any:
         """:meth:`run_collective` of ``run(*args)``, a run that issues no call of its own (one
         compiled collective): where nothing is pending and no thread drives, it runs at once,
         uncounted in :attr:`issued` (no asynchronous send is held back, so none can be run ahead
@@ -254,10 +253,13 @@ class IssueQueue:
     def check_owner(self) -> None:
         """Refuse a process forked inside ``fn``: its messages would interleave with the rank's."""
         if self.closed:
-            raise LabError(f"rank {self._rank}: this mesh is closed (a collective, plan or send/recv after mesh.close())")
+            raise LabError(
+                f"rank {self._rank}: this mesh is closed (a collective, plan or send/recv after mesh.close())"
+            )
         if _pid[0] != self._owner_pid:
-            raise LabError(f"this mesh belongs to rank {self._rank}'s process (pid {self._owner_pid}); a process "
-                           f"forked from it (pid {os.getpid()}) cannot use it")
+            raise LabError(
+                f"this mesh belongs to rank {self._rank}'s process (pid {self._owner_pid}); a process "
+                f"forked from it (pid {os.getpid()}) cannot use it")
 
     def own_order(self) -> IssueQueue:
         """An issue order of its own over the same channels, for a torch group: its own
@@ -334,7 +336,6 @@ class IssueQueue:
 
 class _OwnOrder(IssueQueue):
     """An issue order of its own over the channels of ``root``'s (:meth:`IssueQueue.own_order`)."""
-
     def __init__(self, root: IssueQueue) -> None:
         super().__init__(root._rank)
         self._root = root
@@ -371,7 +372,6 @@ class _ThreadState(threading.local):
 class _Send:
     """An asynchronous send that a waiting receive may run ahead of its turn: it runs once, and
     its turn returns (or raises) what it did."""
-
     def __init__(self, run: Callable[[], Any]) -> None:
         self._run, self.started = run, False
         self._result: Any = None

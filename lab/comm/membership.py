@@ -23,7 +23,6 @@ class Membership:
     """This rank's place in a mesh: ``rank`` of ``world_size``, the global rank of each of the
     mesh's ranks (``members``; None: the root mesh, where they are the same) and every global
     rank's host (``hosts``)."""
-
     def __init__(self, global_rank: int, hosts: list[int], members: list[int] | None = None,
                  context: int = 0) -> None:
         self.global_rank, self.hosts, self.members, self.context = global_rank, hosts, members, context
@@ -67,7 +66,8 @@ class Membership:
 
     def trace_fields(self) -> dict[str, Any]:
         """What a sub-mesh's trace rows add: which sub-mesh, and the global rank."""
-        return {} if self.members is None else {"sub_mesh": f"{self.context:08x}", "global_rank": self.global_rank}
+        return {} if self.members is None else {
+            "sub_mesh": f"{self.context:08x}", "global_rank": self.global_rank}
 
     def local_placement(self, host: int) -> tuple[int, int]:
         """(this rank's index among the mesh's ranks on ``host``, its host; how many those are)."""
@@ -80,7 +80,8 @@ class Membership:
         if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
             raise TypeError(f"members must be a list of this mesh's ranks; got {ranks!r}")
         ranks = list(ranks)
-        if not all(checks.is_int(r) and 0 <= r < self.world_size for r in ranks) or len(set(ranks)) != len(ranks):
+        if not all(checks.is_int(r) and 0 <= r < self.world_size
+                   for r in ranks) or len(set(ranks)) != len(ranks):
             raise ValueError(f"members must be distinct ranks in [0, {self.world_size}); got {ranks}")
         if self.rank not in ranks:
             raise ValueError(f"members must include this rank ({self.rank}); got {ranks}")

@@ -69,8 +69,8 @@ class Mesh:
         recv_timeout_ms = checks.timeout_ms(recv_timeout_ms, "recv_timeout_ms")
         trace_path = checks.trace_path(trace) or checks.trace_path(os.environ.get("LAB_TRACE"), "LAB_TRACE")
         trace_file = TraceFile(trace_path, checks.env_flag("LAB_TRACE_STEPS")) if trace_path else None
-        channels = Channels(transport, transport_name, DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None
-                            else recv_timeout_ms, trace_file, placement)
+        timeout_ms = DEFAULT_RECV_TIMEOUT_MS if recv_timeout_ms is None else recv_timeout_ms
+        channels = Channels(transport, transport_name, timeout_ms, trace_file, placement)
         self._compose(channels, Membership(transport.rank, hosts), [])
 
     def _compose(self, channels: Channels | _OwnOrderChannels, membership: Membership,
@@ -243,7 +243,6 @@ class Mesh:
         membership = self._membership.sub(members, context)
         return self._sub(membership, _OwnOrderChannels(self._channels) if own_order else None)
 
-
     # -- who this rank is, and its counters: the exchange's ------------------------------------
 
     rank = _of("exchange.rank")
@@ -283,14 +282,14 @@ class Mesh:
     def host_of(self, rank: int) -> int:
         return self.exchange.host_of(rank)
 
-    shared_allreduce = _of("exchange.shared_allreduce", "Two-shot's and one-shot's shared-memory path, for them run here.")
+    shared_allreduce = _of("exchange.shared_allreduce", "Two-shot's and one-shot's shared memory.")
 
     # -- what the public collectives use (lab.comm.protocols.CallMesh) --------------------------
 
     kernels = staticmethod(Exchange.kernels)
     new_flat = staticmethod(Exchange.new_flat)
 
-    compiled_max_bytes = _of("exchange.compiled_max_bytes", "The largest tensor run in one compiled call (0: none).")
+    compiled_max_bytes = _of("exchange.compiled_max_bytes", "The most bytes one compiled call runs.")
 
     def collective(self, name: str, algorithm: str, dtype: DType, count: int, op: str = "", root: int = -1,
                    compiled: bool = True) -> AbstractContextManager[None]:
@@ -299,7 +298,8 @@ class Mesh:
     def run(self, algorithm: Callable[..., None], *args: Any, **options: Any) -> None:
         self.exchange.run(algorithm, *args, **options)
 
-    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple, at: bool = False) -> PlannedRun | None:
+    def compiled_call(self, signature: Signature, algorithm: Any, args: tuple,
+                      at: bool = False) -> PlannedRun | None:
         return self.exchange.compiled_call(signature, algorithm, args, at)
 
     def agree(self, signature: Signature) -> list[bytes]:
@@ -310,7 +310,7 @@ class Mesh:
 
     # -- the issue order and point-to-point: the point_to_point part's --------------------------
 
-    issue_queue = _of("point_to_point.issue_queue", "The issue order this mesh shares with its root and theirs.")
+    issue_queue = _of("point_to_point.issue_queue", "The issue order shared with its root and theirs.")
 
     def issue(self, run: Callable[[], Any], async_op: bool, p2p: str = "", numbered: bool = True,
               what: Operation | None = None) -> Any:
@@ -319,7 +319,7 @@ class Mesh:
     def issue_now(self, run: Callable[[], Any], what: Operation | None = None) -> Any:
         return self.point_to_point.issue_now(run, what)
 
-    in_flight = _of("point_to_point.in_flight", "True while an asynchronous call in this mesh's issue order runs.")
+    in_flight = _of("point_to_point.in_flight", "True while an asynchronous call of this order runs.")
 
     def wait_all(self) -> None:
         """Wait for every asynchronous collective issued so far; raise the first failure."""
@@ -353,7 +353,8 @@ def _split_round(exchange: Exchange, color_key: tuple[int, int], next_context: i
     others = [r for r in range(world_size) if r != rank]
     with exchange.collective("split", "", DTYPES["int64"], 3):
         if others:
-            exchange.transfer([Send(r, everyone[rank]) for r in others], [Recv(r, everyone[r]) for r in others])
+            exchange.transfer([Send(r, everyone[rank]) for r in others],
+                              [Recv(r, everyone[r]) for r in others])
     return everyone.tolist()
 
 
@@ -361,7 +362,6 @@ class _OwnOrderChannels:
     """``channels`` as a sub-mesh with an issue order of its own sees them (:meth:`Mesh.sub_mesh`):
     every attribute the shared one's (read and written there: its closing, cleanness and context
     count are every mesh's), but ``issue``."""
-
     def __init__(self, channels: Channels) -> None:
         object.__setattr__(self, "_shared", channels)
         object.__setattr__(self, "issue", channels.issue.own_order())

@@ -52,7 +52,6 @@ class Operation(NamedTuple):
 
 class Recording(Protocol):
     """What the issue order asks of a rank's recorder (:class:`lab.workload.record.Recorder`)."""
-
     def issue(self, what: Operation, is_async: bool) -> int:
         """Note ``what`` issued now; its index."""
 

@@ -31,7 +31,7 @@ def encode_header(tensor: Any, dtype: DType) -> np.ndarray:
         raise ValueError(f"tensor has {len(shape)} dimensions; send supports up to {MAX_DIMS}")
     header = np.zeros(HEADER_WORDS, np.int64)
     header[:3] = isinstance(tensor, torch.Tensor), dtype.code, len(shape)
-    header[3 : 3 + len(shape)] = shape
+    header[3:3 + len(shape)] = shape
     return header
 
 
@@ -52,6 +52,6 @@ class Incoming(NamedTuple):
 def decode_header(header: np.ndarray) -> Incoming:
     """The tensor ``header`` announces, with an empty buffer for its payload."""
     is_torch, code, ndim = (int(v) for v in header[:3])
-    shape = tuple(int(v) for v in header[3 : 3 + ndim])
+    shape = tuple(int(v) for v in header[3:3 + ndim])
     dtype = DTYPES_BY_CODE[code]
     return Incoming(np.empty(int(np.prod(shape)), dtype.storage), dtype, shape, bool(is_torch))

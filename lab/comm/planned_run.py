@@ -36,13 +36,24 @@ class Exchanging(Protocol):
     position: Position
 
     def collective(self, name: str, algorithm: str, dtype: Any, count: int, op: str, root: int,
-                   compiled: bool = ...) -> Any: ...
-    def run_compiled(self, call: CompiledCall, operands: tuple) -> None: ...
+                   compiled: bool = ...) -> Any:
+        ...
+
+    def run_compiled(self, call: CompiledCall, operands: tuple) -> None:
+        ...
+
     def note(self, seq: int, name: str, algorithm: str, dtype_name: str, count: int, op: str, root: int,
-             step: int = 0) -> FlightRecord: ...
-    def failed(self, record: FlightRecord, exc: BaseException) -> None: ...
-    def mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError: ...
-    def raise_if_mismatched(self, tag: bytes | None = None) -> None: ...
+             step: int = 0) -> FlightRecord:
+        ...
+
+    def failed(self, record: FlightRecord, exc: BaseException) -> None:
+        ...
+
+    def mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError:
+        ...
+
+    def raise_if_mismatched(self, tag: bytes | None = None) -> None:
+        ...
 
 
 class PlannedRun:
@@ -53,14 +64,14 @@ class PlannedRun:
     from the mesh's ledger and, where it succeeds, adds its counts and flight record there, so a
     run that succeeds runs no Python of ours after the call. One that fails is recorded and raised
     here; with a trace on, a run takes the full path (its row needs the clock and the counters)."""
-
     def __init__(self, exchange: Exchanging, signature: Signature, call: CompiledCall) -> None:
         self._exchange, self._signature = exchange, signature
         self._traced = call  # (the full path's: it numbers nothing itself)
         self._call = call.copy()
         name, algorithm, dtype, count, op, root, _ = signature
-        self._call.prepare(fingerprint.pack(exchange.context, 0, name, algorithm, dtype.code, op, root,
-                                            count), exchange.recv_timeout_ms)
+        self._call.prepare(
+            fingerprint.pack(exchange.context, 0, name, algorithm, dtype.code, op, root, count),
+            exchange.recv_timeout_ms)
         self._record = (name, algorithm, dtype.name, count, op, root)
         number = exchange.recorder.book(self._record)
         self._entry = self._call.keeping_books(number)
@@ -116,8 +127,9 @@ def _compiled_failure(exchange: Exchanging, report: Report, tag: bytes | None) -
     if report.status == wait_status.STRAY:
         return unread.stray_error(exchange, peer, report.peer_tag, tag)
     if report.status == wait_status.SILENCE:
-        return DeadlineError(f"{silence_error(exchange.rank, [peer], exchange.position)} "
-                             f"(recv_timeout_ms={exchange.recv_timeout_ms:g})", [peer])
+        return DeadlineError(
+            f"{silence_error(exchange.rank, [peer], exchange.position)} "
+            f"(recv_timeout_ms={exchange.recv_timeout_ms:g})", [peer])
     if report.status == wait_status.PEER_LOST:
         return PeerLostError(f"rank {exchange.rank}: rank {peer} is gone (waiting in {exchange.position})")
     return LabError(f"rank {exchange.rank}: the compiled path refused a transfer with rank {peer} "

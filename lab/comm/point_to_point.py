@@ -30,11 +30,11 @@ from lab.transport.base import Recv, Send, silence_error
 class PointToPoint:
     """A mesh's issue order and point-to-point calls (see :class:`lab.Mesh`), over ``exchange``
     (the mesh's transfers, on ``membership``'s ranks) in the order ``issue_queue`` keeps."""
-
     def __init__(self, exchange: Exchange, membership: Membership, issue_queue: IssueQueue) -> None:
         self._exchange, self._membership, self._queue = exchange, membership, issue_queue
         self.rank, self.world_size = membership.rank, membership.world_size
-        self._p2p_sent: Counter[tuple[int, int]] = Counter()  # point-to-point sequence numbers, per (peer, tag)
+        self._p2p_sent: Counter[tuple[int,
+                                      int]] = Counter()  # point-to-point sequence numbers, per (peer, tag)
         self._p2p_received: Counter[tuple[int, int]] = Counter()
         self._next_any = 0  # recv(None) tries the ranks from this one on
 
@@ -89,8 +89,9 @@ class PointToPoint:
             mesh.record_workload("step.jsonl", store)   # every rank, once
         """
         exchange, membership = self._exchange, self._membership  # (a sub-mesh records as its root: global ranks)
-        about = {"transport": exchange.transport, "hosts": exchange.host_count,
-                 "ranks_per_host": exchange.local_world_size, **(recorded or {})}
+        about = {
+            "transport": exchange.transport, "hosts": exchange.host_count,
+            "ranks_per_host": exchange.local_world_size, **(recorded or {})}
         operations.attach(self._queue, path, membership.global_rank, len(membership.hosts), store, about)
 
     @functools.cached_property
@@ -117,8 +118,7 @@ class PointToPoint:
     def _check_peer(self, peer: int, name: str) -> None:
         if not checks.is_int(peer) or not 0 <= peer < self.world_size or peer == self.rank:
             raise ValueError(
-                f"{name} must be another rank in [0, {self.world_size}); got {peer!r} on rank {self.rank}"
-            )
+                f"{name} must be another rank in [0, {self.world_size}); got {peer!r} on rank {self.rank}")
 
     def _p2p_tag(self, tag: int, seq: int, dtype_code: int, count: int) -> bytes:
         return fingerprint.pack_p2p(self._membership.context, tag, seq, dtype_code, count)
@@ -150,7 +150,8 @@ class PointToPoint:
             transfer = self._exchange.transfer
             transfer([Send(dst, header)], [], counted=False, tag=self._p2p_tag(tag, seq, 0, p2p.HEADER_WORDS))
             # (the payload read now, after the async work before it)
-            transfer([Send(dst, buffer.load())], [], tag=self._p2p_tag(tag, seq, buffer.dtype.code, buffer.numel))
+            transfer([Send(dst, buffer.load())], [], tag=self._p2p_tag(tag, seq, buffer.dtype.code,
+                                                                       buffer.numel))
 
         what = self.describe("send", buffer.dtype, buffer.numel, buffer.numel, peer=dst, tag=tag) \
             if self.recording else None
@@ -187,8 +188,9 @@ class PointToPoint:
             if chosen is None:
                 others = [r for r in range(self.world_size) if r != self.rank]
                 waited = self._exchange.recv_timeout_ms if timeout_ms is None else timeout_ms
-                raise DeadlineError(f"{silence_error(self.rank, others, self._exchange.position)} "
-                                    f"(timeout_ms={waited:g})", others)
+                raise DeadlineError(
+                    f"{silence_error(self.rank, others, self._exchange.position)} "
+                    f"(timeout_ms={waited:g})", others)
             return chosen, self._receive(chosen, tag, timeout_ms)
 
         # (the tensor's dtype and size, and from any source its sender, come with it: learned)
@@ -200,8 +202,8 @@ class PointToPoint:
         """What a received tensor (from any source: ``(src, tensor)``) tells the receive's recorded line."""
         source, tensor = received if isinstance(received, tuple) else (None, received)
         dtype, numel = dtype_of(tensor), int(np.prod(tensor.shape))
-        learned = {"dtype": dtype.name, "itemsize": dtype.storage.itemsize, "count": numel,
-                   "out_count": numel}
+        learned = {
+            "dtype": dtype.name, "itemsize": dtype.storage.itemsize, "count": numel, "out_count": numel}
         if source is not None:
             learned["peer"] = self.global_ranks[source]
         return learned
@@ -234,7 +236,9 @@ class PointToPoint:
         self._start_p2p("probe" if src is not None else "recv from any source", 0)
         # Each one's next header: what recv(src) would wait for (a peer's collectives later in its
         # issue order are not a tensor for us, and wait for their receive).
-        expected = {r: self._p2p_tag(tag, self._p2p_received[r, tag] + 1, 0, p2p.HEADER_WORDS) for r in candidates}
+        expected = {
+            r: self._p2p_tag(tag, self._p2p_received[r, tag] + 1, 0, p2p.HEADER_WORDS)
+            for r in candidates}
         timeout_ms = self._exchange.recv_timeout_ms if timeout_ms is None else timeout_ms
         found = self._exchange.ready_source(expected, timeout_ms)
         if found is None:
@@ -250,7 +254,8 @@ class PointToPoint:
         self._start_p2p("recv", seq)
         header = np.empty(p2p.HEADER_WORDS, np.int64)
         transfer = self._exchange.transfer
-        transfer([], [Recv(src, header)], timeout_ms, counted=False, tag=self._p2p_tag(tag, seq, 0, p2p.HEADER_WORDS))
+        transfer([], [Recv(src, header)], timeout_ms, counted=False,
+                 tag=self._p2p_tag(tag, seq, 0, p2p.HEADER_WORDS))
         incoming = p2p.decode_header(header)
         transfer([], [Recv(src, incoming.flat)], timeout_ms,
                  tag=self._p2p_tag(tag, seq, incoming.dtype.code, incoming.flat.size))

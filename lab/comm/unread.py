@@ -32,7 +32,8 @@ class Mismatching(Protocol):
 
     clean: bool
 
-    def mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError: ...
+    def mismatch(self, src: int, got: bytes, expected: bytes | None = None) -> CollectiveMismatchError:
+        ...
 
 
 def stray_error(exchange: Mismatching, src: int, got: bytes,

@@ -38,7 +38,6 @@ from numba.extending import typeof_impl
 
 class Compilable:
     """A function with a Python run (calling it) and a compiled run (``.compiled``)."""
-
     def __init__(self, function: Callable[..., Any]) -> None:
         self.py_func = function
         functools.update_wrapper(self, function)

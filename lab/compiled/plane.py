@@ -66,7 +66,8 @@ MAX_WAIT_COUNT, MAX_COMPILED_BYTES = 2**62, 2**62
 
 # Words of the config array: what the compiled call reads (in) and reports (out).
 RANK, WORLD_SIZE, SLOT_BYTES, DEPTH, DEADLINE_NS, OP, FAMILY, KIND, DIVIDES = range(9)  # in
-STATUS, FAILED_PEER, PEER_BYTES, BYTES_SENT, BYTES_RECEIVED, MESSAGES_SENT, MESSAGES_RECEIVED = range(9, 16)  # out
+STATUS, FAILED_PEER, PEER_BYTES, BYTES_SENT, BYTES_RECEIVED, MESSAGES_SENT, MESSAGES_RECEIVED = range(
+    9, 16)  # out
 FINGERPRINT, PEER_FINGERPRINT = 16, 20  # 4 words each: ours (in), the failed peer's (out)
 SPIN_LIMIT, YIELD_LIMIT = 24, 25  # the waiting policy (in; kernels.mailbox)
 BOOKS, RECORD = 26, 27  # in: whether the call keeps its own books in the ledger, and under which record
@@ -99,12 +100,12 @@ class Report:
 
 class CompiledPlane:
     """One rank's compiled data plane over its transport's mailboxes (see the module docstring)."""
-
     def __init__(self, mailbox: Any, hook: int = 0) -> None:
         self.region = mailbox.region
         n = mailbox.world_size
         self.config = np.zeros(LIVENESS + n, np.int64)
-        self.config[[RANK, WORLD_SIZE, SLOT_BYTES, DEPTH]] = mailbox.rank, n, mailbox.slot_bytes, mailbox.depth
+        self.config[[RANK, WORLD_SIZE, SLOT_BYTES,
+                     DEPTH]] = mailbox.rank, n, mailbox.slot_bytes, mailbox.depth
         self.config[[SPIN_LIMIT, YIELD_LIMIT]] = waiting_policy_from_env(n)
         self.config[HOOK] = hook
         self.config[LIVENESS:] = mailbox.liveness_fds
@@ -112,7 +113,8 @@ class CompiledPlane:
         #: The books of the mesh this plane serves (see SEQ, BOOKED, RING).
         self.ledger = np.zeros(LEDGER_WORDS, np.int64)
         self._calls: dict[tuple, CompiledCall] = {}
-        self._entries: dict[tuple[Compilable, bool, bool], Callable[..., None]] = {}  # one compilation per algorithm
+        self._entries: dict[tuple[Compilable, bool, bool],
+                            Callable[..., None]] = {}  # one compilation per algorithm
         self._compiling_only = False  # see compiling_only
 
     @contextlib.contextmanager
@@ -137,7 +139,8 @@ class CompiledPlane:
         """``algorithm``'s compiled call for arguments like ``args`` (its arguments after the
         peers), made once per algorithm and reduction and kept. ``at``: the call takes its first
         buffer as an address and a byte count (see :func:`_entry`)."""
-        reduction = args[1] if len(args) > 1 and isinstance(args[1], Reduction) else None  # (buf, reduction, ...)
+        reduction = args[1] if len(args) > 1 and isinstance(args[1],
+                                                            Reduction) else None  # (buf, reduction, ...)
         key = (algorithm.run, None if reduction is None else reduction.codes, at)
         call = self._calls.get(key)
         if call is None:
@@ -145,7 +148,8 @@ class CompiledPlane:
             if entry_key not in self._entries:
                 self._entries[entry_key] = _entry(*entry_key)
             if self._compiling_only:  # (not kept: the second pass makes the real call)
-                mine = list(self._entries).index(entry_key) % int(self.config[WORLD_SIZE]) == self.config[RANK]
+                mine = list(self._entries).index(entry_key) % int(
+                    self.config[WORLD_SIZE]) == self.config[RANK]
                 return _CompileOnly(self, self._entries[entry_key], reduction, mine)
             call = self._calls[key] = CompiledCall(self, self._entries[entry_key], reduction)
         return call
@@ -155,9 +159,9 @@ class CompiledCall:
     """One algorithm's compiled call, with a config of its own (the reduction's codes written
     once): ``call(tag, timeout_ms, operands)`` runs one collective and returns its status; the
     operands are :meth:`operands` of the algorithm's arguments, which a plan makes once."""
-
     def __init__(self, plane: CompiledPlane, entry: Callable[..., None], reduction: Reduction | None) -> None:
-        self.region, self.config, self.ledger, self._entry = plane.region, plane.config.copy(), plane.ledger, entry
+        self.region, self.config, self.ledger, self._entry = plane.region, plane.config.copy(
+        ), plane.ledger, entry
         self._reduces = reduction is not None
         if reduction is not None:
             self.config[[OP, FAMILY, KIND, DIVIDES]] = reduction.codes
@@ -221,7 +225,6 @@ class CompiledCall:
 class _CompileOnly(CompiledCall):
     """:func:`lab.warmup.compile_all`'s first pass: compile the entry for these operands if it is
     this rank's share (``mine``), run nothing, report success."""
-
     def __init__(self, plane: CompiledPlane, entry: Callable[..., None], reduction: Reduction | None,
                  mine: bool) -> None:
         super().__init__(plane, entry, reduction)
@@ -291,9 +294,11 @@ def _open(region, config):
 @njit(inline="always")
 def _close(peers, config):
     """What the call reports (see :class:`Report`)."""
-    config[STATUS], config[FAILED_PEER], config[PEER_BYTES] = peers.status, peers.failed_peer, peers.peer_bytes
+    config[STATUS], config[FAILED_PEER], config[
+        PEER_BYTES] = peers.status, peers.failed_peer, peers.peer_bytes
     config[BYTES_SENT], config[BYTES_RECEIVED] = peers.bytes_sent.sum(), peers.bytes_received.sum()
-    config[MESSAGES_SENT], config[MESSAGES_RECEIVED] = peers.messages_sent.sum(), peers.messages_received.sum()
+    config[MESSAGES_SENT], config[MESSAGES_RECEIVED] = peers.messages_sent.sum(), peers.messages_received.sum(
+    )
     config[PEER_FINGERPRINT:PEER_FINGERPRINT + 4] = peers.peer_fingerprint.view(np.int64)
 
 
@@ -344,23 +349,28 @@ def _entry(run: Compilable, reduces: bool, at: bool) -> Callable[..., int]:
     lane, :class:`lab.collectives.prepared.Lane`). Cached on disk: Numba keys a closure's cache
     on its variables' pickled bytes, and a ``Compilable`` pickles by name."""
     if reduces and at:
+
         def entry(region, config, ledger, address, nbytes, *rest):
             peers = _begin(region, config, ledger)
             run(peers, libc.bytes_at(address, nbytes), _reduction(config), *rest)
             return _end(peers, config, ledger)
     elif reduces:
+
         def entry(region, config, ledger, buf, *rest):
             peers = _begin(region, config, ledger)
             run(peers, buf, _reduction(config), *rest)
             return _end(peers, config, ledger)
     elif at:
+
         def entry(region, config, ledger, address, nbytes, *rest):
             peers = _begin(region, config, ledger)
             run(peers, libc.bytes_at(address, nbytes), *rest)
             return _end(peers, config, ledger)
     else:
+
         def entry(region, config, ledger, *args):
             peers = _begin(region, config, ledger)
             run(peers, *args)
             return _end(peers, config, ledger)
+
     return njit(nogil=True, cache=True)(entry)

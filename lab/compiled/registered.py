@@ -47,7 +47,8 @@ def empty(mesh: Any, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Te
     if scratch is None:
         return torch.empty(shape, dtype=dtype)
     lab_dtype = dtype_of(torch.empty(0, dtype=dtype), "dtype")
-    tensor = torch.from_numpy(scratch.allocate(math.prod(shape), lab_dtype.storage))  # holds the array: see allocate
+    tensor = torch.from_numpy(scratch.allocate(math.prod(shape),
+                                               lab_dtype.storage))  # holds the array: see allocate
     if lab_dtype.bits is not None:  # half and float8 types: numpy holds their bit patterns
         tensor = tensor.view(dtype)
     return tensor.view(shape)

@@ -19,11 +19,11 @@ _ALGORITHMS = ("all_to_all_pairwise", "allgather_recursive_doubling", "allreduce
                "gather_linear", "reduce_binomial", "reduce_scatter_recursive_halving", "scatter_binomial",
                "scatter_linear")
 #: Relative to the repository's root, sorted.
-SOURCES = tuple(sorted([
-    *(f"kernels/{path.name}" for path in (ROOT / "kernels").glob("*.py")),
-    *(f"lab/algorithms/{name}.py" for name in _ALGORITHMS),
-    "lab/checks.py", "lab/compiled/__init__.py", "lab/fingerprint.py", "lab/flight.py", "lab/ops.py", "lab/algorithms/peers.py",
-    "lab/compiled/plane.py", "lab/sim/network.py", "lab/sim/schedule.py", "lab/sim/event_loop.py",
-]))
+SOURCES = tuple(
+    sorted([
+        *(f"kernels/{path.name}" for path in (ROOT / "kernels").glob("*.py")),
+        *(f"lab/algorithms/{name}.py" for name in _ALGORITHMS), "lab/checks.py", "lab/compiled/__init__.py",
+        "lab/fingerprint.py", "lab/flight.py", "lab/ops.py", "lab/algorithms/peers.py",
+        "lab/compiled/plane.py", "lab/sim/network.py", "lab/sim/schedule.py", "lab/sim/event_loop.py"]))
 
 cache.guard("lab", [ROOT / source for source in SOURCES])

@@ -83,8 +83,9 @@ def check_link_gbit(link_gbit: object) -> float | None:
         return None
     # (not lab.checks: this file runs alone too, as another user's script)
     if isinstance(link_gbit, bool) or not isinstance(link_gbit, (int, float)) or not low <= link_gbit <= high:
-        raise ValueError(f"link_gbit must be a number from {low:g} to {high:g} Gbit/s (10 kbit/s to 1 Tbit/s: "
-                         f"what tc's token bucket caps faithfully) or None (uncapped); got {link_gbit!r}")
+        raise ValueError(
+            f"link_gbit must be a number from {low:g} to {high:g} Gbit/s (10 kbit/s to 1 Tbit/s: "
+            f"what tc's token bucket caps faithfully) or None (uncapped); got {link_gbit!r}")
     return float(link_gbit)
 
 
@@ -124,8 +125,8 @@ class Hosts:
     no; otherwise: yes), ``True``/``False`` forces. Raises :class:`lab.EmulationUnavailable`
     where namespaces cannot be made. :meth:`close` (or leaving the ``with``) removes everything.
     """
-
-    def __init__(self, count: int, link_gbit: float | None = None, *, user_namespace: bool | None = None) -> None:
+    def __init__(self, count: int, link_gbit: float | None = None, *,
+                 user_namespace: bool | None = None) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 250:
             raise ValueError(f"hosts must be an int in [1, 250]; got {count!r}")
         link_gbit = check_link_gbit(link_gbit)  # before the keeper: nothing is made for a cap tc cannot keep
@@ -138,11 +139,12 @@ class Hosts:
         self.user_namespace = user_namespace
         # The keeper: lab/hosts/keeper.py as a script (no torch to import), told what to build on
         # its command line, ended by closing its stdin.
-        self._keeper = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(hosts_keeper.__file__), str(count), str(link_gbit or 0),
-             "1" if user_namespace else "0"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
+        self._keeper = subprocess.Popen([
+            sys.executable, "-I",
+            os.path.abspath(hosts_keeper.__file__),
+            str(count),
+            str(link_gbit or 0), "1" if user_namespace else "0"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             line = _read_line(self._keeper, START_TIMEOUT_S)
             made = json.loads(line) if line else {"error": "the keeper exited: " + self._keeper.stderr.read()}
@@ -153,8 +155,9 @@ class Hosts:
             raise
         userns = f"/proc/{self._keeper.pid}/ns/user" if user_namespace else None
         self.switch_netns = f"/proc/{made['switch']}/ns/net"
-        self.hosts = [Host(i, f"{SUBNET}.{i + 1}", INTERFACE, f"/proc/{pid}/ns/net", userns)
-                      for i, pid in enumerate(made["hosts"])]
+        self.hosts = [
+            Host(i, f"{SUBNET}.{i + 1}", INTERFACE, f"/proc/{pid}/ns/net", userns)
+            for i, pid in enumerate(made["hosts"])]
 
     def __getitem__(self, index: int) -> Host:
         return self.hosts[index]
@@ -193,7 +196,8 @@ class Hosts:
         """The keeper and the processes holding the namespaces (switch first, then hosts)."""
         if self._keeper is None:
             return []
-        return [self._keeper.pid] + [int(p.split("/")[2]) for p in [self.switch_netns] + [h.netns for h in self.hosts]]
+        return [self._keeper.pid] + [
+            int(p.split("/")[2]) for p in [self.switch_netns] + [h.netns for h in self.hosts]]
 
     def close(self) -> None:
         """Remove the hosts: the keeper ends its namespace holders and exits. Idempotent."""
@@ -228,7 +232,8 @@ def _check_platform() -> None:
         raise _unavailable(f"emulated hosts need Linux network namespaces; this is {sys.platform}", False)
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise _unavailable(f"{' and '.join(missing)} not found: install iproute2 (apt-get install iproute2)", False)
+        raise _unavailable(f"{' and '.join(missing)} not found: install iproute2 (apt-get install iproute2)",
+                           False)
 
 
 def _unavailable(reason: str, user_namespace: bool) -> Exception:
@@ -236,9 +241,11 @@ def _unavailable(reason: str, user_namespace: bool) -> Exception:
 
     hint = ""
     if "user namespace" in reason:
-        hint = (" Run as root (or with CAP_SYS_ADMIN and CAP_NET_ADMIN), or allow unprivileged user namespaces: "
-                "sysctl -w user.max_user_namespaces=15000; on Debian/Ubuntu also "
-                "kernel.unprivileged_userns_clone=1, and on Ubuntu 24.04 kernel.apparmor_restrict_unprivileged_userns=0.")
+        hint = (
+            " Run as root (or with CAP_SYS_ADMIN and CAP_NET_ADMIN), or allow unprivileged user namespaces: "
+            "sysctl -w user.max_user_namespaces=15000; on Debian/Ubuntu also "
+            "kernel.unprivileged_userns_clone=1, and on Ubuntu 24.04 kernel.apparmor_restrict_unprivileged_userns=0."
+        )
     elif "network namespace" in reason and not user_namespace:
         hint = " Run as root (CAP_SYS_ADMIN), or without root where unprivileged user namespaces are allowed."
     elif "type veth" in reason or "type bridge" in reason:

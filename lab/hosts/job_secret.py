@@ -54,8 +54,9 @@ def _private_directory() -> tuple[int, Path]:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
         if os.path.islink(path):
-            raise LabError(f"{path} is a symbolic link (to {os.readlink(path)!r}), not this user's private "
-                           "directory; lab does not follow it: remove it, or set LAB_TCP_SECRET instead") from None
+            raise LabError(
+                f"{path} is a symbolic link (to {os.readlink(path)!r}), not this user's private "
+                "directory; lab does not follow it: remove it, or set LAB_TCP_SECRET instead") from None
         raise LabError(f"{path} cannot be this user's private directory ({exc.strerror}); remove it, or set "
                        "LAB_TCP_SECRET instead") from None
     info = os.fstat(fd)
@@ -107,7 +108,6 @@ class SecretFile:
     other workers with SIGTERM when one fails), and ``atexit``. SIGKILL runs nothing: the file
     stays, but its lock dies with the process and the next job's sweep removes it.
     """
-
     def __init__(self, secret: bytes) -> None:
         self.name = secrets.token_hex(16)
         self._fd = self._directory_fd = -1
@@ -186,10 +186,12 @@ def check_secret_source(env: LaunchEnv) -> None:
     """Ranks on several hosts need ``LAB_TCP_SECRET``: no secret may travel through an
     unauthenticated store (``LabError`` saying so, before anything waits for a peer)."""
     host = os.environ.get("LAB_TCP_HOST", "127.0.0.1")
-    if not os.environ.get("LAB_TCP_SECRET") and (env.local_world_size != env.world_size or not is_loopback(host)):
-        raise LabError("ranks on several hosts need a shared secret: set LAB_TCP_SECRET to the same random "
-                       "string on every host (e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`; "
-                       f"launcher: {env.launcher})")
+    if not os.environ.get("LAB_TCP_SECRET") and (env.local_world_size != env.world_size or
+                                                 not is_loopback(host)):
+        raise LabError(
+            "ranks on several hosts need a shared secret: set LAB_TCP_SECRET to the same random "
+            "string on every host (e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`; "
+            f"launcher: {env.launcher})")
 
 
 def job_secret(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> tuple[bytes, SecretFile | None]:
@@ -218,8 +220,9 @@ def job_secret(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> tuple[bytes
         return secret, file
     name = store.get(key).decode()
     if name == _FROM_ENVIRONMENT:
-        raise LabError(f"rank {env.rank}: rank 0 takes the job's secret from LAB_TCP_SECRET, but this rank has "
-                       "none: set LAB_TCP_SECRET to the same value on every rank (or, on one host, on none)")
+        raise LabError(
+            f"rank {env.rank}: rank 0 takes the job's secret from LAB_TCP_SECRET, but this rank has "
+            "none: set LAB_TCP_SECRET to the same value on every rank (or, on one host, on none)")
     if not _SECRET_NAME.fullmatch(name):
         raise LabError(f"the store holds no valid secret-file name under {key}")
     return _read_secret_file(name), None
@@ -231,8 +234,9 @@ def _read_secret_file(name: str) -> bytes:
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=directory_fd)
         except FileNotFoundError:
-            raise LabError(f"rank 0's secret file {directory / name} is not on this host: ranks on several hosts "
-                           "need LAB_TCP_SECRET") from None
+            raise LabError(
+                f"rank 0's secret file {directory / name} is not on this host: ranks on several hosts "
+                "need LAB_TCP_SECRET") from None
         with os.fdopen(fd, "rb") as file:
             if os.fstat(file.fileno()).st_uid != os.getuid():
                 raise LabError(f"{directory / name} is not owned by this user")

@@ -94,12 +94,12 @@ def _hold_network_namespace() -> int:
 
 def _run_in(pid: int, tool: str, commands: list[str]) -> None:
     """Run ``commands`` through ``ip -batch -`` or ``tc -batch -`` inside process ``pid``'s network namespace."""
-    done = subprocess.run(
-        [tool, "-batch", "-"], input="\n".join(commands) + "\n", capture_output=True, text=True, check=False,
-        preexec_fn=lambda: setns(f"/proc/{pid}/ns/net", CLONE_NEWNET),
-    )
+    done = subprocess.run([tool, "-batch", "-"], input="\n".join(commands) + "\n", capture_output=True,
+                          text=True, check=False,
+                          preexec_fn=lambda: setns(f"/proc/{pid}/ns/net", CLONE_NEWNET))
     if done.returncode:
-        raise OSError(f"{tool} failed: {(done.stderr or done.stdout).strip()} (commands: {'; '.join(commands)})")
+        raise OSError(
+            f"{tool} failed: {(done.stderr or done.stdout).strip()} (commands: {'; '.join(commands)})")
 
 
 def _cap(device: str, gbit: float) -> str:
@@ -170,15 +170,13 @@ def _keeper_main(count: int, gbit: float, user_namespace: bool) -> None:
             host = _hold_network_namespace()
             holders[host] = f"host {i}'s network namespace"
             _run_in(host, "ip", [
-                "link set lo up",
-                f"link add {INTERFACE} type veth peer name h{i} netns {switch}",
-                f"addr add {SUBNET}.{i + 1}/24 dev {INTERFACE}",
-                f"link set {INTERFACE} up",
-            ])
+                "link set lo up", f"link add {INTERFACE} type veth peer name h{i} netns {switch}",
+                f"addr add {SUBNET}.{i + 1}/24 dev {INTERFACE}", f"link set {INTERFACE} up"])
             if gbit:  # the host's upload
                 _run_in(host, "tc", [_cap(INTERFACE, gbit)])
         # 4. Plug every hN into the bridge; cap it (the host's download).
-        _run_in(switch, "ip", [cmd for i in range(count) for cmd in (f"link set h{i} master br0", f"link set h{i} up")])
+        _run_in(switch, "ip",
+                [cmd for i in range(count) for cmd in (f"link set h{i} master br0", f"link set h{i} up")])
         if gbit:
             _run_in(switch, "tc", [_cap(f"h{i}", gbit) for i in range(count)])
         print(json.dumps({"switch": switch, "hosts": list(holders)[1:]}), flush=True)

@@ -47,14 +47,12 @@ _MAX_NODES = 1 << 24
 _TORCH = "torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
 #: What each launcher sets, for the messages.
 LAUNCHER_SETS = {
-    "torchrun": _TORCH,
-    "env": _TORCH,
+    "torchrun": _TORCH, "env": _TORCH,
     "openmpi": "Open MPI's mpirun sets OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK "
-               "and OMPI_COMM_WORLD_LOCAL_SIZE",
+    "and OMPI_COMM_WORLD_LOCAL_SIZE",
     "mpich": "MPICH's mpiexec sets PMI_RANK, PMI_SIZE, MPI_LOCALRANKID and MPI_LOCALNRANKS",
     "slurm": "srun sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_TASKS_PER_NODE and "
-             "SLURM_STEP_NODELIST",
-}
+    "SLURM_STEP_NODELIST"}
 
 
 @dataclass(frozen=True)
@@ -154,9 +152,10 @@ def launch_env() -> LaunchEnv:
     """
     launcher = detect_launcher()
     if launcher is None:
-        raise ValueError("environment variable WORLD_SIZE is not set, nor any other launcher's variables: run under "
-                         "torchrun, mpiexec (MPICH or Open MPI) or srun, or set RANK, WORLD_SIZE, MASTER_ADDR and "
-                         "MASTER_PORT")
+        raise ValueError(
+            "environment variable WORLD_SIZE is not set, nor any other launcher's variables: run under "
+            "torchrun, mpiexec (MPICH or Open MPI) or srun, or set RANK, WORLD_SIZE, MASTER_ADDR and "
+            "MASTER_PORT")
     return _READERS[launcher](_Reader(launcher))
 
 
@@ -172,9 +171,10 @@ def launcher_env() -> dict[str, str]:
     Note that torch's own store (rank 0's, on ``MASTER_PORT``) listens on every interface.
     """
     env = launch_env()
-    variables = {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank,
-                 "LOCAL_WORLD_SIZE": env.local_world_size, "MASTER_ADDR": env.master_addr,
-                 "MASTER_PORT": env.master_port}
+    variables = {
+        "RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank,
+        "LOCAL_WORLD_SIZE": env.local_world_size, "MASTER_ADDR": env.master_addr,
+        "MASTER_PORT": env.master_port}
     if env.group_rank is not None:
         variables["GROUP_RANK"] = env.group_rank
     return {name: str(value) for name, value in variables.items()}
@@ -203,8 +203,9 @@ def _mpi(read: _Reader, names: tuple[str, str, str, str], port_seed: Callable[[b
     def default_addr() -> str:
         if one_host:
             return "127.0.0.1"
-        raise read.error(f"environment variable MASTER_ADDR is not set: ranks on several hosts ({local_size_name}="
-                         f"{local_world_size} < {size_name}={world_size}) need rank 0's host address in MASTER_ADDR")
+        raise read.error(
+            f"environment variable MASTER_ADDR is not set: ranks on several hosts ({local_size_name}="
+            f"{local_world_size} < {size_name}={world_size}) need rank 0's host address in MASTER_ADDR")
 
     addr, port = read.master(default_addr, lambda: port_seed(one_host))
     return LaunchEnv(rank, world_size, addr, port, local_rank, local_world_size, 0 if one_host else None,
@@ -215,8 +216,9 @@ def _openmpi(read: _Reader) -> LaunchEnv:
     def seed(one_host: bool) -> str:
         namespace = os.environ.get("PMIX_NAMESPACE")
         if not namespace:
-            raise read.error("environment variable MASTER_PORT is not set, and there is no PMIX_NAMESPACE to derive "
-                             "one from: set MASTER_PORT to the same free port on every rank")
+            raise read.error(
+                "environment variable MASTER_PORT is not set, and there is no PMIX_NAMESPACE to derive "
+                "one from: set MASTER_PORT to the same free port on every rank")
         return f"openmpi:{namespace}"
 
     return _mpi(read, ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
@@ -228,8 +230,9 @@ def _mpich(read: _Reader) -> LaunchEnv:
         proxy = hydra_proxy() if one_host else None
         if proxy is None:
             where = "no hydra_pmi_proxy is an ancestor of this process" if one_host else "ranks span several hosts"
-            raise read.error(f"environment variable MASTER_PORT is not set, and {where} to derive one from: set "
-                             "MASTER_PORT to the same free port on every rank (mpiexec -env MASTER_PORT 29500 ...)")
+            raise read.error(
+                f"environment variable MASTER_PORT is not set, and {where} to derive one from: set "
+                "MASTER_PORT to the same free port on every rank (mpiexec -env MASTER_PORT 29500 ...)")
         return f"mpich:{proxy}"
 
     return _mpi(read, ("PMI_SIZE", "PMI_RANK", "MPI_LOCALNRANKS", "MPI_LOCALRANKID"), seed)
@@ -288,8 +291,7 @@ def _slurm(read: _Reader) -> LaunchEnv:
 
 
 _READERS: dict[str, Callable[[_Reader], LaunchEnv]] = {
-    "torchrun": _torch, "env": _torch, "openmpi": _openmpi, "mpich": _mpich, "slurm": _slurm,
-}
+    "torchrun": _torch, "env": _torch, "openmpi": _openmpi, "mpich": _mpich, "slurm": _slurm}
 
 _TASKS = re.compile(r"(\d+)(?:\(x(\d+)\))?")
 _RANGES = re.compile(r"\d+(?:-\d+)?(?:,\d+(?:-\d+)?)*")

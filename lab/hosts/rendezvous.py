@@ -59,10 +59,12 @@ def env_store() -> dist.TCPStore:
         try:
             return serve_store(env.master_addr, env.master_port, env.world_size)
         except OSError as exc:
-            raise LabError(f"rank 0 cannot host the store on {env.master_addr}:{env.master_port} "
-                           f"({exc.strerror or exc}): set MASTER_PORT to a free port of rank 0's host, the same on "
-                           f"every rank (launcher: {env.launcher})") from exc
-    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=STORE_TIMEOUT)
+            raise LabError(
+                f"rank 0 cannot host the store on {env.master_addr}:{env.master_port} "
+                f"({exc.strerror or exc}): set MASTER_PORT to a free port of rank 0's host, the same on "
+                f"every rank (launcher: {env.launcher})") from exc
+    return dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                         timeout=STORE_TIMEOUT)
 
 
 def is_loopback(host: str) -> bool:
@@ -81,7 +83,8 @@ def agree_hosts(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> list[int]:
     ``LOCAL_WORLD_SIZE``. Reports that contradict each other are a ``LabError`` naming the ranks,
     here at start-up, instead of a collective that waits for a peer that is not there.
     """
-    values = _exchange(store, env, f"{prefix}/place", f"{env.group_rank},{env.local_rank},{env.local_world_size}")
+    values = _exchange(store, env, f"{prefix}/place",
+                       f"{env.group_rank},{env.local_rank},{env.local_world_size}")
     places = []
     for rank, value in enumerate(values):
         try:
@@ -104,7 +107,8 @@ def place_by_host_name(store: dist.Store, rank: int, world_size: int, prefix: st
         env = place_by_host_name(store, 2, 4, "lab/tcp")   # 4 ranks on one host: local rank 2 of 4
     """
     unplaced = LaunchEnv(rank, world_size, "", 0, 0, world_size, None, launcher="store")
-    names = [value.decode() for value in _exchange(store, unplaced, f"{prefix}/hostname", socket.gethostname())]
+    names = [
+        value.decode() for value in _exchange(store, unplaced, f"{prefix}/hostname", socket.gethostname())]
     same = [r for r, name in enumerate(names) if name == names[rank]]
     return dataclasses.replace(unplaced, local_rank=same.index(rank), local_world_size=len(same),
                                group_rank=list(dict.fromkeys(names)).index(names[rank]))
@@ -133,8 +137,9 @@ def _exchange(store: dist.TCPStore, env: LaunchEnv, key: str, value: str) -> lis
         return store.multi_get(keys)
     except RuntimeError:  # the store's timeout (DistStoreError): name who never reported
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise DeadlineError(f"rank {env.rank}: ranks {missing} did not report where they run within "
-                            f"{store.timeout.total_seconds():g} s", peers=missing) from None
+        raise DeadlineError(
+            f"rank {env.rank}: ranks {missing} did not report where they run within "
+            f"{store.timeout.total_seconds():g} s", peers=missing) from None
 
 
 def placement_problems(places: list[tuple[int, int, int]]) -> list[str]:
@@ -151,8 +156,9 @@ def placement_problems(places: list[tuple[int, int, int]]) -> list[str]:
         for size, claimants in sorted(sizes.items()):
             if size != len(ranks):
                 says = "says" if len(claimants) == 1 else "say"
-                problems.append(f"{_ranks(claimants)} on host {group} (GROUP_RANK={group}) {says} LOCAL_WORLD_SIZE="
-                                f"{size}, but host {group} has {len(ranks)} ({_ranks(ranks)})")
+                problems.append(
+                    f"{_ranks(claimants)} on host {group} (GROUP_RANK={group}) {says} LOCAL_WORLD_SIZE="
+                    f"{size}, but host {group} has {len(ranks)} ({_ranks(ranks)})")
         locals_ = collections.defaultdict(list)
         for rank in ranks:
             locals_[places[rank][1]].append(rank)
@@ -173,9 +179,9 @@ def host_block(hosts: list[int], env: LaunchEnv) -> int:
     first = hosts.index(env.group_rank)
     size = hosts.count(env.group_rank)
     if hosts[first:first + size] != [env.group_rank] * size or env.rank != first + env.local_rank:
-        raise ValueError(f"transport='auto' needs ranks numbered node by node (each node's ranks consecutive, "
-                         f"RANK = first rank of the node + LOCAL_RANK, as torchrun does); got RANK={env.rank}, "
-                         f"GROUP_RANK={env.group_rank}, LOCAL_RANK={env.local_rank}, and node {env.group_rank} "
-                         f"holds ranks {[r for r, h in enumerate(hosts) if h == env.group_rank]}")
+        raise ValueError(
+            f"transport='auto' needs ranks numbered node by node (each node's ranks consecutive, "
+            f"RANK = first rank of the node + LOCAL_RANK, as torchrun does); got RANK={env.rank}, "
+            f"GROUP_RANK={env.group_rank}, LOCAL_RANK={env.local_rank}, and node {env.group_rank} "
+            f"holds ranks {[r for r, h in enumerate(hosts) if h == env.group_rank]}")
     return first
-

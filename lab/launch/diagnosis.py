@@ -72,8 +72,8 @@ def diagnose(failures: dict[int, RankFailure], waiting: set[int],
     if it can go on). ``failures``: what the ranks reported; ``waiting``: the ranks that never
     answered; ``pids``: every rank's process, still running (their state is part of the story)."""
     if not failures:  # start-up timed out
-        return (RankError(min(waiting), "TimeoutError", f"ranks {sorted(waiting)} did not start in time"),
-                "its ranks did not start")
+        return (RankError(min(waiting), "TimeoutError",
+                          f"ranks {sorted(waiting)} did not start in time"), "its ranks did not start")
     first = _most_specific(failures)
     cause = failures[first]
     if cause.exc_type in _CONSEQUENCES and waiting:
@@ -82,8 +82,9 @@ def diagnose(failures: dict[int, RankFailure], waiting: set[int],
         first = _awaited(failures, waiting)
         cause = unresponsive(first, failures, pids[first])
     lines = [f"rank {r}: {f.exc_type}: {f.message}" for r, f in sorted(failures.items()) if r != first]
-    lines += [f"rank {r}: still running {FAILURE_GRACE_S} s after the first failure; ended"
-              for r in sorted(waiting) if r != first]
+    lines += [
+        f"rank {r}: still running {FAILURE_GRACE_S} s after the first failure; ended" for r in sorted(waiting)
+        if r != first]
     records = {r: failures[r].records if r in failures else "still running, ended" for r in range(len(pids))}
     records.update({r: "process died" for r, f in failures.items() if f.records is None})
     error = RankError(first, cause.exc_type, cause.message, cause.traceback, cause.exitcode, "\n".join(lines),
@@ -129,6 +130,6 @@ def _closed_why(first: int, cause: RankFailure, failures: dict[int, RankFailure]
     if not waiting and all(f.clean for f in failures.values()):
         return None
     unfinished = [r for r, f in failures.items() if f.in_flight]
-    return (f"rank {first} failed with {cause.exc_type}"
-            + (f"; ranks {unfinished} had asynchronous collectives in flight" if unfinished else "")
-            + "; start a new pool")
+    return (f"rank {first} failed with {cause.exc_type}" +
+            (f"; ranks {unfinished} had asynchronous collectives in flight" if unfinished else "") +
+            "; start a new pool")

@@ -27,8 +27,8 @@ def start_context() -> mp.context.BaseContext:
     if method not in START_METHODS:
         why = " (with 'fork' every rank inherits the others' channel ends, so a dead rank goes unnoticed)"
         methods = ", ".join(map(repr, START_METHODS))
-        raise ValueError(f"environment variable LAB_START_METHOD must be one of {methods}; got {method!r}"
-                         + (why if method == "fork" else ""))
+        raise ValueError(f"environment variable LAB_START_METHOD must be one of {methods}; got {method!r}" +
+                         (why if method == "fork" else ""))
     context = mp.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(["lab"])

@@ -69,8 +69,8 @@ class PoolOptions:
         self._check_hosts(world_size)
         hosts = None if self.hosts is None else int(self.hosts)
         return replace(self, segment_bytes=int(self.segment_bytes), slots=int(self.slots),
-                       eager_bytes=int(self.eager_bytes), hosts=hosts,
-                       workload=workload and os.path.abspath(workload))
+                       eager_bytes=int(self.eager_bytes), hosts=hosts, workload=workload and
+                       os.path.abspath(workload))
 
     def _check_buffers(self, world_size: int) -> None:
         """The shm buffers: ``slots`` of ``segment_bytes`` per directed edge, messages of at most
@@ -109,8 +109,8 @@ class PoolOptions:
             raise ValueError(f"hosts must be an int that divides world_size ({world_size}); got {hosts!r}")
         check_link_gbit(self.link_gbit)  # the range tbf can cap at (lab.hosts.emulated.LINK_GBIT)
         if hosts > 1 and not wire.crosses_hosts:
-            crossing = " or ".join(repr(name) for name, entry in POOL_TRANSPORTS.items()
-                                   if entry.crosses_hosts)
+            crossing = " or ".join(
+                repr(name) for name, entry in POOL_TRANSPORTS.items() if entry.crosses_hosts)
             raise ValueError(f"transport must be {crossing} with hosts > 1 "
                              f"({transport!r} would bypass the links)")
         if wire.max_ranks_per_host is not None and world_size // hosts > wire.max_ranks_per_host:
@@ -138,8 +138,9 @@ def takes_pool_options(function: Function) -> Function:
     ``**options`` (``help()``, ``inspect.signature``), so the options are declared once, above."""
     signature = inspect.signature(function)
     own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
-               for f in fields(PoolOptions)]
+    options = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in fields(PoolOptions)]
     function.__signature__ = signature.replace(parameters=own + options)  # type: ignore[attr-defined]
     return function
 

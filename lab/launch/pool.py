@@ -43,7 +43,6 @@ class Cluster:
 
     Use :func:`lab.launch` to create one.
     """
-
     @takes_pool_options
     def __init__(self, world_size: int, **options: Any) -> None:
         pool = PoolOptions(**options).checked(world_size)
@@ -80,11 +79,10 @@ class Cluster:
 
     def _start(self, context: mp.context.BaseContext, endpoints: list[Any], pool: PoolOptions) -> None:
         """Start one process per rank with its endpoints and control pipe; wait until all joined the mesh."""
-        options = RankOptions(
-            environment=dict(os.environ), transport=pool.transport, recv_timeout_ms=pool.recv_timeout_ms,
-            trace=pool.trace, store=f"127.0.0.1:{self._store.port}",
-            hosts=self.hosts.hosts if self.hosts else None, workload=pool.workload,
-        )
+        options = RankOptions(environment=dict(os.environ), transport=pool.transport,
+                              recv_timeout_ms=pool.recv_timeout_ms, trace=pool.trace,
+                              store=f"127.0.0.1:{self._store.port}",
+                              hosts=self.hosts.hosts if self.hosts else None, workload=pool.workload)
         for rank, ends in enumerate(endpoints):
             control, child_control = context.Pipe()
             process = context.Process(target=rank_main, args=(ends, child_control, options),
@@ -245,5 +243,6 @@ class Cluster:
 def _recorded(pool: PoolOptions, world_size: int) -> dict:
     """What a workload's header says of the pool that recorded it (the network a replay calibrates)."""
     hosts = pool.hosts or 1
-    return {"launcher": "lab.launch", "transport": pool.transport, "hosts": hosts,
-            "ranks_per_host": world_size // hosts, "link_gbit": pool.link_gbit}
+    return {
+        "launcher": "lab.launch", "transport": pool.transport, "hosts": hosts,
+        "ranks_per_host": world_size // hosts, "link_gbit": pool.link_gbit}

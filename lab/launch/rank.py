@@ -135,18 +135,17 @@ def _run(mesh: Mesh, task: bytes, rank_pid: int, rank: int) -> tuple[str, Any]:
 def _failure(exc: BaseException, mesh: Mesh | None, in_flight: bool = False) -> RankFailure:
     """What the parent is told of ``exc`` (call it while handling ``exc``: it takes the traceback)."""
     return RankFailure(
-        type(exc).__name__, str(exc), traceback.format_exc(), time.monotonic_ns(),
-        clean=mesh is not None and mesh.exchange.clean and not in_flight,
-        records=mesh.flight_records() if mesh else None,
+        type(exc).__name__, str(exc), traceback.format_exc(), time.monotonic_ns(), clean=mesh is not None and
+        mesh.exchange.clean and not in_flight, records=mesh.flight_records() if mesh else None,
         waiting_for=exc.peers if isinstance(exc, DeadlineError) else (), in_flight=in_flight,
-        told=getattr(exc, "notice", None) is not None,
-    )
+        told=getattr(exc, "notice", None) is not None)
 
 
 def _leave_if_forked(rank_pid: int, rank: int) -> None:
     """A process forked inside ``fn`` that returns here must not answer the parent in the rank's
     place (its reply would be taken for the next run's): it says so and exits."""
     if os.getpid() != rank_pid:
-        os.write(2, f"lab: a process forked inside rank {rank}'s fn (pid {os.getpid()}) returned into the "
-                    "rank's task loop; it exits now. End forked children with os._exit().\n".encode())
+        os.write(
+            2, f"lab: a process forked inside rank {rank}'s fn (pid {os.getpid()}) returned into the "
+            "rank's task loop; it exits now. End forked children with os._exit().\n".encode())
         os._exit(70)

@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from multiprocessing.context import BaseContext
 
 
-
 class BufferSizes(Protocol):
     """The pool options endpoints are built from (:class:`lab.launch.options.BufferSizes` has them)."""
 
@@ -75,8 +74,9 @@ def _mixed_endpoints(context: BaseContext, world_size: int, options: BufferSizes
         for host in range(options.hosts or 1):
             local = shm_endpoints.create_endpoints(per_host, options.segment_bytes, options.slots,
                                                    options.eager_bytes)
-            endpoints += [mixed_transport.MixedEndpoints(host * per_host + ep.rank, world_size, secret, ep)
-                          for ep in local]
+            endpoints += [
+                mixed_transport.MixedEndpoints(host * per_host + ep.rank, world_size, secret, ep)
+                for ep in local]
     except BaseException:
         for ep in endpoints:
             ep.close_in_parent()
@@ -108,19 +108,17 @@ def _no_descriptors(world_size: int) -> int:
 _SHM_MAX_RANKS = 82
 
 POOL_TRANSPORTS: dict[str, PoolTransport] = {
-    "shm": PoolTransport(
-        max_world_size=_SHM_MAX_RANKS, descriptors=lambda n: 2 * n * (n - 1), endpoints=_shm_endpoints,
-        connect=lambda endpoints, address: shm_transport.ShmTransport(endpoints)),
-    "queue": PoolTransport(
-        max_world_size=50, descriptors=lambda n: 4 * n * (n - 1), endpoints=_queue_endpoints,
-        connect=lambda endpoints, address: queue_transport.QueueTransport(endpoints)),
-    "tcp": PoolTransport(
-        max_world_size=1024, descriptors=_no_descriptors, endpoints=_tcp_endpoints, connect=_tcp_connect,
-        crosses_hosts=True),
+    "shm": PoolTransport(max_world_size=_SHM_MAX_RANKS, descriptors=lambda n: 2 * n * (n - 1),
+                         endpoints=_shm_endpoints,
+                         connect=lambda endpoints, address: shm_transport.ShmTransport(endpoints)),
+    "queue": PoolTransport(max_world_size=50, descriptors=lambda n: 4 * n * (n - 1),
+                           endpoints=_queue_endpoints,
+                           connect=lambda endpoints, address: queue_transport.QueueTransport(endpoints)),
+    "tcp": PoolTransport(max_world_size=1024, descriptors=_no_descriptors, endpoints=_tcp_endpoints,
+                         connect=_tcp_connect, crosses_hosts=True),
     # shared memory inside a host, TCP between hosts
-    "auto": PoolTransport(
-        max_world_size=1024, descriptors=_no_descriptors, endpoints=_mixed_endpoints, connect=_mixed_connect,
-        crosses_hosts=True, max_ranks_per_host=_SHM_MAX_RANKS, per_host_reason="a shm mesh per host"),
-}
+    "auto": PoolTransport(max_world_size=1024, descriptors=_no_descriptors, endpoints=_mixed_endpoints,
+                          connect=_mixed_connect, crosses_hosts=True, max_ranks_per_host=_SHM_MAX_RANKS,
+                          per_host_reason="a shm mesh per host")}
 #: The transports a pool can run, by name.
 TRANSPORTS = tuple(POOL_TRANSPORTS)

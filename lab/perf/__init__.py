@@ -52,10 +52,11 @@ from lab.perf.table import footer, format_time, header, row, titles
 from lab.perf.timing import bench_size, describe_rank, placements
 
 #: ``lab.perf``'s names, as before it was a package (``collectives``: where a test swaps a collective).
-__all__ = ["AVERAGES", "OPS", "PROGRAMS", "REDUCED_TYPES", "TYPES", "Spec", "add_parser", "as_tensor",
-           "bench_size", "check", "collectives", "count_wrong", "describe_rank", "exact_limit", "expected",
-           "footer", "format_time", "header", "layout", "parse_size", "pattern", "placements", "reduced",
-           "row", "run", "sizes", "titles"]
+__all__ = [
+    "AVERAGES", "OPS", "PROGRAMS", "REDUCED_TYPES", "TYPES", "Spec", "add_parser", "as_tensor", "bench_size",
+    "check", "collectives", "count_wrong", "describe_rank", "exact_limit", "expected", "footer",
+    "format_time", "header", "layout", "parse_size", "pattern", "placements", "reduced", "row", "run",
+    "sizes", "titles"]
 
 _TYPE_ALIASES = {"float32": "float", "float64": "double", "float16": "half", "bf16": "bfloat16"}
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -146,8 +147,8 @@ def check(args: argparse.Namespace) -> Spec:
     except ValueError as problem:
         error(f"argument --link-gbit: {problem}")
     algorithm = args.algorithm if registry.choosable(name) else "auto"
-    return Spec(name, args.datatype, args.op if name in REDUCING else None, args.root, algorithm,
-                args.iters, args.warmup_iters, args.check)
+    return Spec(name, args.datatype, args.op if name in REDUCING else None, args.root, algorithm, args.iters,
+                args.warmup_iters, args.check)
 
 
 def _transport(args: argparse.Namespace) -> str:
@@ -161,7 +162,7 @@ def _check_sizes(args: argparse.Namespace) -> None:
     low, high, factor, step = args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes
     error = args.parser.error
     count = len(sizes(low, high, factor)) if factor > 1 else (high - low) // step + 1  # (-f's are few)
-    largest = low * factor ** (count - 1) if factor > 1 else low + (count - 1) * step
+    largest = low * factor**(count - 1) if factor > 1 else low + (count - 1) * step
     per_rank = rank_bytes(largest, TYPES[args.datatype].itemsize)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if args.ranks * per_rank > memory:

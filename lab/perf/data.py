@@ -50,7 +50,7 @@ def exact_limit(dtype: str) -> int:
 def _period(world_size: int, op: str | None, limit: int) -> int:
     """How many indices the pattern runs before it repeats: every partial result stays exact."""
     power = {"sum": 2, "avg": 3}.get(op or "", 1)  # a sum of N values; avg's values carry a factor N more
-    return max(1, min(1 << 20, limit // world_size ** power))
+    return max(1, min(1 << 20, limit // world_size**power))
 
 
 def pattern(index: np.ndarray, rank: int, world_size: int, op: str | None, limit: int) -> np.ndarray:

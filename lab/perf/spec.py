@@ -10,12 +10,14 @@ from lab.catalog import COLLECTIVES as CATALOG
 
 #: The collectives perf runs (not yet gather and scatter), by the lab's name, and the nccl-tests
 #: program each is (:mod:`lab.catalog`).
-PROGRAMS = {name: CATALOG[name].program for name in ("allreduce", "allgather", "reduce_scatter", "broadcast",
-                                                     "all_to_all", "reduce")}
+PROGRAMS = {
+    name: CATALOG[name].program
+    for name in ("allreduce", "allgather", "reduce_scatter", "broadcast", "all_to_all", "reduce")}
 #: nccl-tests' type names (``-d``), as its type column prints them.
-TYPES = {"int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "uint32": torch.uint32,
-         "int64": torch.int64, "uint64": torch.uint64, "half": torch.float16, "float": torch.float32,
-         "double": torch.float64, "bfloat16": torch.bfloat16}
+TYPES = {
+    "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "uint32": torch.uint32,
+    "int64": torch.int64, "uint64": torch.uint64, "half": torch.float16, "float": torch.float32,
+    "double": torch.float64, "bfloat16": torch.bfloat16}
 #: The types the lab's reductions take (the others it only moves).
 REDUCED_TYPES = ("float", "double", "half", "bfloat16", "int32", "int64")
 OPS = ("sum", "prod", "max", "min", "avg")

@@ -50,7 +50,8 @@ def text_row(size: int, count: int, dtype: str, redop: str, root: int,
     return f"{text}  {extra}" if extra else text
 
 
-def predicted(collective: str, world_size: int, rows: Iterable, extra: tuple[str, ...] = ("algorithm",)) -> str:
+def predicted(collective: str, world_size: int, rows: Iterable, extra: tuple[str,
+                                                                             ...] = ("algorithm",)) -> str:
     """A predicted table (rows with ``bytes``, ``time_us``, ``algbw``, ``busbw`` and the fields
     ``extra``) as nccl-tests prints a run of ``collective`` at ``world_size`` ranks, float: its
     program's line, out of place the prediction, in place and ``#wrong`` ``N/A`` (nothing ran),
@@ -61,8 +62,9 @@ def predicted(collective: str, world_size: int, rows: Iterable, extra: tuple[str
     for row in rows:
         size, count = layout(collective, int(row.bytes), world_size, 4)
         runs = [(row.time_us, row.algbw, row.busbw, -1), (math.nan, math.nan, math.nan, -1)]
-        lines.append(text_row(size, count, "float", redop, root, runs, " ".join(str(getattr(row, name))
-                                                                               for name in extra)))
+        lines.append(
+            text_row(size, count, "float", redop, root, runs,
+                     " ".join(str(getattr(row, name)) for name in extra)))
     return "\n".join(lines)
 
 
@@ -70,15 +72,17 @@ def header(spec: Spec, args: argparse.Namespace, ranks: list[tuple], transport: 
     """nccl-tests' lines above the table: the program, the parameters, the devices, the column titles."""
     step = f"{args.stepfactor}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
     hosts = len({host for _, _, host, _ in ranks})
-    lines = [f"# Collective test starting: {PROGRAMS[spec.collective]}",
-             (f"# nThread 1 nGpus 1 minBytes {args.minbytes} maxBytes {args.maxbytes} step: {step} "
-              f"warmup iters: {spec.warmup} iters: {spec.iters} agg iters: 1 "
-              f"validation: {spec.check} graph: 0"),
-             (f"# lab: python -m lab perf, transport {transport}, algorithm {spec.algorithm}, "
-              f"{len(ranks)} ranks on {hosts} host(s), link {_link(args)}, {os.cpu_count()} cores"),
-             "#", "# Using devices"]
-    lines += [f"#  Rank {rank:2d} Group  0 Pid {pid:6d} on {host:>10s} device {device:2d} [cpu] "
-              f"lab-{transport}" for rank, pid, host, device in ranks]
+    lines = [
+        f"# Collective test starting: {PROGRAMS[spec.collective]}",
+        (f"# nThread 1 nGpus 1 minBytes {args.minbytes} maxBytes {args.maxbytes} step: {step} "
+         f"warmup iters: {spec.warmup} iters: {spec.iters} agg iters: 1 "
+         f"validation: {spec.check} graph: 0"),
+        (f"# lab: python -m lab perf, transport {transport}, algorithm {spec.algorithm}, "
+         f"{len(ranks)} ranks on {hosts} host(s), link {_link(args)}, {os.cpu_count()} cores"), "#",
+        "# Using devices"]
+    lines += [
+        f"#  Rank {rank:2d} Group  0 Pid {pid:6d} on {host:>10s} device {device:2d} [cpu] "
+        f"lab-{transport}" for rank, pid, host, device in ranks]
     return "\n".join([*lines, "#", *titles()])
 
 

@@ -39,16 +39,19 @@ def main(out_dir: str = "results", world_size: int = 4, transports: list[str] | 
     out.mkdir(parents=True, exist_ok=True)
     run = measure_all(world_size, transports, sizes, rounds)
     model = models(run.cases)
-    save_tables(out, {"allreduce": run.allreduce, "collectives": run.others, "kernels": run.kernels,
-                      "model": model, "gloo_check": run.check, "latency_floor": run.floor,
-                      "bucketing": run.bucketing, "overlap": run.overlap})
+    save_tables(
+        out, {
+            "allreduce": run.allreduce, "collectives": run.others, "kernels": run.kernels, "model": model,
+            "gloo_check": run.check, "latency_floor": run.floor, "bucketing": run.bucketing,
+            "overlap": run.overlap})
     save_machine(out, run.info)
     plots.draw(out, run, model)
     (out / "REPORT.md").write_text(with_spliced(out / "REPORT.md", report.render(run, model)))
     if update_tuning:
-        write_tuning({"generated": run.info, "world": world_size, "worlds": [world_size],
-                      "models": tuning_from(model, run.lab_cases),
-                      "networks": networks_from(out)})  # the simulator's, for auto at other world sizes
+        write_tuning({
+            "generated": run.info, "world": world_size, "worlds": [world_size],
+            "models": tuning_from(model, run.lab_cases),
+            "networks": networks_from(out)})  # the simulator's, for auto at other world sizes
     print(f"Wrote {out}/ (REPORT.md, CSVs, PNGs)" + (f" and {tuning.TUNING_PATH}" if update_tuning else ""))
     return 0 if (run.check["result"] == "PASS").all() else 1
 
@@ -81,8 +84,9 @@ def networks_from(results_dir: str | Path) -> dict[str, dict]:
     ``tuning.json``'s ``networks``. Every field of ``Network`` is kept, so parameters the
     calibration learns to fit travel with it."""
     fits, _ = calibrate(Path(results_dir))
-    return {setting: dataclasses.asdict(fit.network) for setting, fit in fits.items()
-            if setting in tuning.TRANSPORTS}
+    return {
+        setting: dataclasses.asdict(fit.network)
+        for setting, fit in fits.items() if setting in tuning.TRANSPORTS}
 
 
 def store_fits(results_dir: str | Path) -> dict:
@@ -91,7 +95,9 @@ def store_fits(results_dir: str | Path) -> dict:
     size measured there (:func:`models_by_world`), keeping the main sweep's models (``python -m
     lab results --calibrate-only``); returns what it wrote."""
     table = tuning.tuning_table()
-    by_world = {str(n): fits for n, fits in models_by_world(Path(results_dir)).items() if n != table.get("world")}
+    by_world = {
+        str(n): fits
+        for n, fits in models_by_world(Path(results_dir)).items() if n != table.get("world")}
     worlds = sorted({*map(int, by_world), *([table["world"]] if "world" in table else [])})
     table = {**table, "worlds": worlds, "models_by_world": by_world, "networks": networks_from(results_dir)}
     write_tuning(table)

@@ -72,15 +72,19 @@ def measure(out: str, steps: int, rounds: int) -> None:
     for nbytes in SIZES:
         x = torch.ones(nbytes // 4)
         calls = 200 if nbytes < 65536 else 5
-        impls = {"dist.all_reduce (lab)": lambda x=x: dist.all_reduce(x),
-                 "lab.allreduce": lambda x=x: lab.allreduce(mesh, x),
-                 "dist.all_reduce (gloo)": lambda x=x: dist.all_reduce(x, group=gloo)}
+        impls = {
+            "dist.all_reduce (lab)": lambda x=x: dist.all_reduce(x),
+            "lab.allreduce": lambda x=x: lab.allreduce(mesh, x),
+            "dist.all_reduce (gloo)": lambda x=x: dist.all_reduce(x, group=gloo)}
         for impl, run in impls.items():
             seconds = _per_call(run, calls, rounds, gloo)
-            rows.append({"part": "per call", "what": impl, "ranks": n, "bytes": nbytes, "median_us": seconds * 1e6,
-                         "algbw_GBps": nbytes / seconds / 1e9, "busbw_GBps": nbytes / seconds / 1e9 * CATALOG["allreduce"].bus_factor(n)})
-    models = {"lab": torch.nn.parallel.DistributedDataParallel(_mlp()),
-              "gloo": torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=gloo)}
+            rows.append({
+                "part": "per call", "what": impl, "ranks": n, "bytes": nbytes, "median_us": seconds * 1e6,
+                "algbw_GBps": nbytes / seconds / 1e9,
+                "busbw_GBps": nbytes / seconds / 1e9 * CATALOG["allreduce"].bus_factor(n)})
+    models = {
+        "lab": torch.nn.parallel.DistributedDataParallel(_mlp()),
+        "gloo": torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=gloo)}
     optimizers = {name: torch.optim.SGD(model.parameters(), lr=1e-3) for name, model in models.items()}
     data = torch.Generator().manual_seed(rank)
     step_times: dict[str, list[float]] = {name: [] for name in models}
@@ -96,9 +100,10 @@ def measure(out: str, steps: int, rounds: int) -> None:
                 step_times[name].append(_slowest(time.perf_counter() - start, gloo))
     parameters = sum(p.numel() for p in models["lab"].parameters())
     for name, times in step_times.items():
-        rows.append({"part": "DDP step", "what": f"DDP on {name}", "ranks": n, "bytes": parameters * 4,
-                     "median_us": statistics.median(times) * 1e6, "algbw_GBps": float("nan"),
-                     "busbw_GBps": float("nan")})
+        rows.append({
+            "part": "DDP step", "what": f"DDP on {name}", "ranks": n, "bytes": parameters * 4,
+            "median_us": statistics.median(times) * 1e6, "algbw_GBps": float("nan"),
+            "busbw_GBps": float("nan")})
     if rank == 0:
         Path(out, "backend.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -108,12 +113,13 @@ def section(table: pd.DataFrame) -> str:
     """REPORT.md's "torch.distributed on the lab"."""
     from lab.results.report import markdown
 
-    lines = ["## torch.distributed on the lab", "",
-             "`dist.init_process_group(\"lab\")` (`python -m lab results --backend`, `backend.csv`): the per-call "
-             "cost of `dist.all_reduce` through the backend against `lab.allreduce` on the same mesh and against "
-             "gloo, and a DDP step of a ~10 M-parameter MLP on each, in the same ranks (median of the slowest "
-             f"rank's time), measured at load average {table['load_average'].iloc[0]} on "
-             f"{table['cores'].iloc[0]} cores.", ""]
+    lines = [
+        "## torch.distributed on the lab", "",
+        "`dist.init_process_group(\"lab\")` (`python -m lab results --backend`, `backend.csv`): the per-call "
+        "cost of `dist.all_reduce` through the backend against `lab.allreduce` on the same mesh and against "
+        "gloo, and a DDP step of a ~10 M-parameter MLP on each, in the same ranks (median of the slowest "
+        f"rank's time), measured at load average {table['load_average'].iloc[0]} on "
+        f"{table['cores'].iloc[0]} cores.", ""]
     calls = table[table["part"] == "per call"].copy()
     calls["size"] = calls["bytes"].map(lambda b: f"{b // 1024} KB" if b < 2**20 else f"{b // 2**20} MB")
     gloo = calls[calls["what"] == "dist.all_reduce (gloo)"].set_index("bytes")["median_us"]
@@ -121,9 +127,10 @@ def section(table: pd.DataFrame) -> str:
     lines += [markdown(calls[["ranks", "size", "what", "median_us", "vs gloo", "busbw_GBps"]].round(3)), ""]
     steps = table[table["part"] == "DDP step"].set_index("what")["median_us"]
     ratio = steps["DDP on lab"] / steps["DDP on gloo"]
-    lines += [f"- DDP step ({int(table[table['part'] == 'DDP step']['bytes'].iloc[0]) // 4:,} parameters, "
-              f"{int(table['ranks'].iloc[0])} ranks): lab {steps['DDP on lab'] / 1e3:.1f} ms, gloo "
-              f"{steps['DDP on gloo'] / 1e3:.1f} ms ({ratio:.2f}x gloo's).", ""]
+    lines += [
+        f"- DDP step ({int(table[table['part'] == 'DDP step']['bytes'].iloc[0]) // 4:,} parameters, "
+        f"{int(table['ranks'].iloc[0])} ranks): lab {steps['DDP on lab'] / 1e3:.1f} ms, gloo "
+        f"{steps['DDP on gloo'] / 1e3:.1f} ms ({ratio:.2f}x gloo's).", ""]
     return "\n".join(lines)
 
 
@@ -131,8 +138,12 @@ def main(out_dir: str = "results", ranks: int = 4, steps: int = 10, rounds: int 
     """Launch the ranks under torchrun, write ``backend.csv``, splice the report's section."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               "-m", "lab.results.backend", str(out), str(steps), str(rounds)]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
+        "lab.results.backend",
+        str(out),
+        str(steps),
+        str(rounds)]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     if done.returncode:
         return done.returncode

@@ -49,8 +49,8 @@ def measure(world_sizes: list[int], sizes: list[int]) -> pd.DataFrame:
                 for nbytes in sizes:
                     for impl in IMPLS:
                         pool = python_pool if impl == "python" else lab_pool
-                        row = benchmark.measure(pool, "allreduce", {"plain": "lab", "python": "lab"}.get(impl, impl),
-                                                nbytes)
+                        row = benchmark.measure(pool, "allreduce", {"plain": "lab",
+                                                                    "python": "lab"}.get(impl, impl), nbytes)
                         rows.append({**row, "impl": impl})
                     if mpich.unavailable() is None:
                         rows.append(mpich.measure(world, nbytes))
@@ -64,9 +64,10 @@ def _median_of_rounds(rounds: pd.DataFrame) -> pd.DataFrame:
     """One row per case from its rounds' rows: the median of their medians (and of their p10 and
     p90), every call counted, the bandwidths of that median."""
     case = ["impl", "world", "bytes"]
-    table = rounds.groupby(case, sort=False).agg(
-        {**{c: "first" for c in rounds.columns if c not in case}, "median_us": "median", "p10_us": "median",
-         "p90_us": "median", "calls": "sum"}).reset_index()[rounds.columns]
+    table = rounds.groupby(case, sort=False).agg({
+        **{c: "first"
+           for c in rounds.columns if c not in case}, "median_us": "median", "p10_us": "median",
+        "p90_us": "median", "calls": "sum"}).reset_index()[rounds.columns]
     table["algbw_GBps"] = table["bytes"] / (table["median_us"] * 1e3)
     table["busbw_GBps"] = table["algbw_GBps"] * [benchmark.bus_factor("allreduce", n) for n in table["world"]]
     return table
@@ -83,7 +84,9 @@ def bars(times: pd.DataFrame) -> list[str]:
 
     def check(what: str, value: float, bound: float, below: bool = True) -> None:
         met = value <= bound if below else value >= bound
-        lines.append(f"- {what}: {value:.2f}x (bar {'≤' if below else '≥'} {bound}x): **{'met' if met else 'not met'}**")
+        lines.append(
+            f"- {what}: {value:.2f}x (bar {'≤' if below else '≥'} {bound}x): **{'met' if met else 'not met'}**"
+        )
 
     for world, plain_bar, plan_bar in ((2, 1.5, 0.5), (4, 0.5, 0.3)):
         if (world, 1024) in times.index and "mpich" in times:
@@ -91,8 +94,8 @@ def bars(times: pd.DataFrame) -> list[str]:
             check(f"1 KB, {world} ranks, plain call ÷ MPICH", row["plain"] / row["mpich"], plain_bar)
             check(f"1 KB, {world} ranks, plan ÷ MPICH", row["plan"] / row["mpich"], plan_bar)
     if (4, 1024) in times.index:
-        check("1 KB, 4 ranks, speed against gloo", times.loc[(4, 1024), "gloo"] / times.loc[(4, 1024), "plain"], 20,
-              below=False)
+        check("1 KB, 4 ranks, speed against gloo",
+              times.loc[(4, 1024), "gloo"] / times.loc[(4, 1024), "plain"], 20, below=False)
     if (4, 16 << 20) in times.index:
         row = times.loc[(4, 16 << 20)]
         check("16 MB, 4 ranks, speed against gloo", row["gloo"] / row["plain"], 2.5, below=False)
@@ -100,8 +103,9 @@ def bars(times: pd.DataFrame) -> list[str]:
             check("16 MB, 4 ranks, plain call ÷ MPICH", row["plain"] / row["mpich"], 0.6)
     if 8 in times.index.get_level_values(0):  # above the threshold both run the Python path: not compared
         compiled = times.loc[8][times.loc[8].index <= max_bytes_from_env()]
-        check(f"8 ranks, the slowest size up to {max_bytes_from_env() >> 10} KiB against the compiled path off "
-              "(python)", (compiled["plain"] / compiled["python"]).max(), 1.0)
+        check(
+            f"8 ranks, the slowest size up to {max_bytes_from_env() >> 10} KiB against the compiled path off "
+            "(python)", (compiled["plain"] / compiled["python"]).max(), 1.0)
     return lines
 
 
@@ -111,14 +115,15 @@ def section(table: pd.DataFrame) -> str:
 
     times = table.pivot_table(index=["world", "bytes"], columns="impl", values="median_us")
     floors = table.groupby(["world", "bytes"])["floor_us"].first()
-    lines = ["## The data plane against MPICH and gloo", "",
-             ("`python -m lab results --data-plane` (`data_plane.csv`): allreduce on shm through the plain call "
-              "(`auto`), a plan (`lab.allreduce_init`), the plain call with the compiled path off (`python`), gloo "
-              f"and MPICH, in one run, sizes interleaved, {ROUNDS} rounds; the median over rounds of the median µs of the "
-              "slowest rank per call. **floor** is 4T "
-              "over one rank's copy bandwidth measured in the same run. Load average "
-              f"{table['load_average'].iloc[0]} when it started, on {table['cores'].iloc[0]} cores: with more "
-              "ranks than cores these times measure how each library waits as much as what it moves."), ""]
+    lines = [
+        "## The data plane against MPICH and gloo", "",
+        ("`python -m lab results --data-plane` (`data_plane.csv`): allreduce on shm through the plain call "
+         "(`auto`), a plan (`lab.allreduce_init`), the plain call with the compiled path off (`python`), gloo "
+         f"and MPICH, in one run, sizes interleaved, {ROUNDS} rounds; the median over rounds of the median µs of the "
+         "slowest rank per call. **floor** is 4T "
+         "over one rank's copy bandwidth measured in the same run. Load average "
+         f"{table['load_average'].iloc[0]} when it started, on {table['cores'].iloc[0]} cores: with more "
+         "ranks than cores these times measure how each library waits as much as what it moves."), ""]
     for world in sorted(table["world"].unique()):
         view = times.loc[world].copy()
         shown = pd.DataFrame({"size": [_size(b) for b in view.index]})
@@ -136,7 +141,8 @@ def section(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def main(out_dir: str = "results", world_sizes: list[int] | None = None, sizes: list[int] | None = None) -> int:
+def main(out_dir: str = "results", world_sizes: list[int] | None = None,
+         sizes: list[int] | None = None) -> int:
     """Measure, write ``data_plane.csv``, splice the report's section."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

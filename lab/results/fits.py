@@ -19,8 +19,8 @@ def fit_alpha_beta(sizes: np.ndarray, times_us: np.ndarray) -> tuple[float, floa
     design = np.column_stack([1 / times_us, sizes / times_us])
     (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(times_us), rcond=None)
     predicted = alpha + beta * sizes
-    ss_res = float(np.sum((times_us - predicted) ** 2))
-    ss_tot = float(np.sum((times_us - times_us.mean()) ** 2))
+    ss_res = float(np.sum((times_us - predicted)**2))
+    ss_tot = float(np.sum((times_us - times_us.mean())**2))
     return float(alpha), float(beta), 1 - ss_res / ss_tot if ss_tot else 1.0
 
 
@@ -50,8 +50,9 @@ def crossover(fits: pd.DataFrame, rows: pd.DataFrame) -> tuple[float, float]:
     ring, tree = fits.loc["ring"], fits.loc["tree"]
     predicted = np.nan
     if tree["beta_us_per_byte"] > ring["beta_us_per_byte"]:
-        predicted = max((ring["alpha_us"] - tree["alpha_us"])
-                        / (tree["beta_us_per_byte"] - ring["beta_us_per_byte"]), 0.0)
+        predicted = max(
+            (ring["alpha_us"] - tree["alpha_us"]) / (tree["beta_us_per_byte"] - ring["beta_us_per_byte"]),
+            0.0)
     medians = by_size(rows)
     wins = medians.index[medians["ring"] < medians["tree"]]
     return predicted, float(wins.min()) if len(wins) else np.nan
@@ -61,13 +62,15 @@ def models(measured: pd.DataFrame) -> pd.DataFrame:
     """t(n) = α + β·n per transport, collective and algorithm measured at two sizes or more (so
     not the barrier), with allreduce's ring/tree crossover, predicted and measured."""
     rows = []
-    for (transport, collective, algorithm), group in measured.groupby(["transport", "collective", "algorithm"]):
+    for (transport, collective,
+         algorithm), group in measured.groupby(["transport", "collective", "algorithm"]):
         if group["bytes"].nunique() < 2:
             continue
         alpha, beta, r2 = fit_medians(group)
-        rows.append({"transport": transport, "collective": collective, "algorithm": algorithm,
-                     "world": int(group["world"].iloc[0]), "alpha_us": alpha,
-                     "bandwidth_GBps": bandwidth_gbps(beta), "beta_us_per_byte": beta, "r2": r2})
+        rows.append({
+            "transport": transport, "collective": collective, "algorithm": algorithm,
+            "world": int(group["world"].iloc[0]), "alpha_us": alpha, "bandwidth_GBps": bandwidth_gbps(beta),
+            "beta_us_per_byte": beta, "r2": r2})
     return with_crossovers(pd.DataFrame(rows), measured[measured["collective"] == "allreduce"])
 
 
@@ -101,11 +104,11 @@ def tuning_from(model: pd.DataFrame, measured: pd.DataFrame | None = None) -> di
         steps, volume = algorithm_shape(row.algorithm, row.world, row.collective)
         fit = {"alpha_step_us": row.alpha_us / steps, "beta_byte_us": row.beta_us_per_byte / volume}
         if measured is not None:
-            rows = measured[(measured["transport"] == row.transport) & (measured["collective"] == row.collective)
+            rows = measured[(measured["transport"] == row.transport)
+                            & (measured["collective"] == row.collective)
                             & (measured["algorithm"] == row.algorithm) & (measured["world"] == row.world)]
             fit["world"] = int(row.world)
             medians = rows.sort_values("bytes")[["bytes", "median_us"]].to_numpy()
             fit["points"] = [[int(nbytes), float(us)] for nbytes, us in medians]
         fitted.setdefault(row.transport, {}).setdefault(row.collective, {})[row.algorithm] = fit
     return fitted
-

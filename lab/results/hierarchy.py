@@ -29,8 +29,8 @@ SIM_NETWORK = {"alpha_us": 20.0, "intra_alpha_us": 5.0, "intra_gbit": 100.0}
 SIM_HOSTS, SIM_RANKS_PER_HOST = 128, 8
 
 
-def sweep(host_counts: list[int], per_host: int, gbit: float, sizes: list[int]
-          ) -> tuple[pd.DataFrame, pd.DataFrame]:
+def sweep(host_counts: list[int], per_host: int, gbit: float,
+          sizes: list[int]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """hierarchical, ring (both over transport="auto") and gloo on H hosts x ``per_host`` ranks.
 
     Returns (one row per case, each rank's bytes sent and sent to other hosts per algorithm and size)."""
@@ -42,9 +42,9 @@ def sweep(host_counts: list[int], per_host: int, gbit: float, sizes: list[int]
         for hosts in host_counts:
             with lab.launch(hosts * per_host, hosts=hosts, link_gbit=gbit, transport="auto") as cluster:
                 for nbytes in sizes:
-                    counted += [{"hosts": hosts, "ranks_per_host": per_host, "host": rank // per_host,
-                                 "rank": rank, "algorithm": a, "bytes": nbytes, "bytes_sent": s,
-                                 "bytes_sent_inter_host": inter}
+                    counted += [{
+                        "hosts": hosts, "ranks_per_host": per_host, "host": rank // per_host, "rank": rank,
+                        "algorithm": a, "bytes": nbytes, "bytes_sent": s, "bytes_sent_inter_host": inter}
                                 for rank, sent in enumerate(cluster.run(bytes_sent, nbytes, ALGORITHMS))
                                 for a, (s, inter) in sent.items()]
                 for impl, algorithm, nbytes in cases:
@@ -63,9 +63,10 @@ def at_scale(sizes: list[int], gbit: float) -> pd.DataFrame:
     rows = []
     for nbytes in sizes:
         times = {a: sim.simulate("allreduce", a, world, nbytes, net).time_us for a in ALGORITHMS}
-        rows.append({"hosts": SIM_HOSTS, "ranks_per_host": SIM_RANKS_PER_HOST, "link_gbit": gbit,
-                     "bytes": nbytes, "hierarchical_us": times["hierarchical"], "ring_us": times["ring"],
-                     "ring_over_hierarchical": times["ring"] / times["hierarchical"]})
+        rows.append({
+            "hosts": SIM_HOSTS, "ranks_per_host": SIM_RANKS_PER_HOST, "link_gbit": gbit, "bytes": nbytes,
+            "hierarchical_us": times["hierarchical"], "ring_us": times["ring"],
+            "ring_over_hierarchical": times["ring"] / times["hierarchical"]})
     return pd.DataFrame(rows)
 
 
@@ -82,9 +83,10 @@ def times_table(frame: pd.DataFrame) -> pd.DataFrame:
 def per_host_bytes(counted: pd.DataFrame) -> pd.DataFrame:
     """The bytes that crossed the busiest host's link per setting, algorithm and size (its ranks'
     counters summed), next to each algorithm's model."""
-    per_host = (counted.groupby(["hosts", "ranks_per_host", "algorithm", "bytes", "host"])["bytes_sent_inter_host"]
-                .sum().groupby(["hosts", "ranks_per_host", "algorithm", "bytes"]).max().unstack("algorithm")
-                .reset_index())
+    per_host = (counted.groupby(["hosts", "ranks_per_host", "algorithm", "bytes",
+                                 "host"])["bytes_sent_inter_host"].sum().groupby([
+                                     "hosts", "ranks_per_host", "algorithm",
+                                     "bytes"]).max().unstack("algorithm").reset_index())
     per_host.columns.name = None
     per_host = per_host.rename(columns={"hierarchical": "hierarchical_B_per_host", "ring": "ring_B_per_host"})
     n = per_host["hosts"] * per_host["ranks_per_host"]
@@ -98,8 +100,9 @@ def report(frame: pd.DataFrame, counted: pd.DataFrame, scale: pd.DataFrame, info
     times = times_table(frame)
     largest = int(frame["bytes"].max())
     big = times[times["bytes"] == largest]
-    wins = ", ".join(f"{h}x{l}: {r:.2f}x" for h, l, r in big[["hosts", "ranks_per_host", "ring_over_hierarchical"]]
-                     .itertuples(index=False))
+    wins = ", ".join(
+        f"{h}x{l}: {r:.2f}x"
+        for h, l, r in big[["hosts", "ranks_per_host", "ring_over_hierarchical"]].itertuples(index=False))
     gbit = float(frame["link_gbit"].iloc[0])
     return "\n".join([
         "## Many ranks per host: hierarchical allreduce", "",
@@ -109,22 +112,23 @@ def report(frame: pd.DataFrame, counted: pd.DataFrame, scale: pd.DataFrame, info
         "allgathers inside; `ring` is the flat ring over all N = H·L ranks, laid out host by host; gloo runs "
         f"over TCP everywhere. Machine: {info['cpu']}, {info['cores']} cores; commit {info['commit']}; "
         f"{info['date']}. Medians of the slowest rank; noisy (a shared machine).", "",
-        f"At {largest >> 20} MB, ring time / hierarchical time: {wins}.", "",
-        "### Time per call (µs)", "", markdown(times), "",
+        f"At {largest >> 20} MB, ring time / hierarchical time: {wins}.", "", "### Time per call (µs)", "",
+        markdown(times), "",
         "### Bytes that crossed each host's link (counters, `bytes_sent_inter_host` summed per host)", "",
         "The model: hierarchical 2T(H-1)/H per host link with a ring across hosts (shards of 64 KiB and "
         "more; smaller shards cross by recursive doubling, which moves more bytes in fewer steps), flat ring "
-        "2T(N-1)/N (only each host's last rank sends across).", "", markdown(per_host_bytes(counted)), "",
+        "2T(N-1)/N (only each host's last rank sends across).", "",
+        markdown(per_host_bytes(counted)), "",
         f"### Predicted at {SIM_HOSTS} hosts x {SIM_RANKS_PER_HOST} ranks (lab.sim)", "",
         f"`lab.sim.Network(alpha_us={SIM_NETWORK['alpha_us']:g}, gbit={gbit:g}, ranks_per_host={SIM_RANKS_PER_HOST}, "
         f"intra_alpha_us={SIM_NETWORK['intra_alpha_us']:g}, intra_gbit={SIM_NETWORK['intra_gbit']:g})`; every "
         "message holds its host's link for α + n·β, so the L shards crossing at once queue on the link.", "",
         markdown(scale), "",
-        "Regenerate: `python -m lab results --hosts 2 4 --ranks-per-host 2 --link-gbit 1`.", "",
-    ])
+        "Regenerate: `python -m lab results --hosts 2 4 --ranks-per-host 2 --link-gbit 1`.", ""])
 
 
-def main(out_dir: str, host_counts: list[int], per_host: int, gbit: float, sizes: list[int] | None = None) -> int:
+def main(out_dir: str, host_counts: list[int], per_host: int, gbit: float,
+         sizes: list[int] | None = None) -> int:
     """``python -m lab results --hosts 2 4 --ranks-per-host 2``: writes ``<out>/hosts/hierarchical*.csv``
     and the section "Many ranks per host" into ``<out>/REPORT.md``."""
     check_link_gbit(gbit)

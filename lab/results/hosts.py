@@ -104,8 +104,8 @@ def sweep(host_counts: list[int], gbits: list[float], sizes: list[int]) -> tuple
     with tqdm(total=len(host_counts) * len(gbits) * len(cases), unit="case") as bar:
         for hosts, gbit in itertools.product(host_counts, gbits):
             with lab.launch(hosts, hosts=hosts, link_gbit=gbit, transport="tcp") as cluster:
-                counted += [{"hosts": hosts, "rank": rank, "algorithm": a, "bytes": PROBE_BYTES,
-                             "bytes_sent": s}
+                counted += [{
+                    "hosts": hosts, "rank": rank, "algorithm": a, "bytes": PROBE_BYTES, "bytes_sent": s}
                             for rank, sent in enumerate(cluster.run(bytes_sent, PROBE_BYTES, algorithms))
                             for a, (s, _) in sent.items()]
                 for impl, algorithm, nbytes in cases:
@@ -154,8 +154,9 @@ def models(frame: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for (hosts, gbit, algorithm), group in frame.groupby(["hosts", "link_gbit", "algorithm"]):
         alpha, beta, r2 = fit_medians(group)
-        rows.append({"hosts": hosts, "link_gbit": gbit, "algorithm": algorithm, "alpha_us": alpha,
-                     "beta_us_per_byte": beta, "bandwidth_GBps": bandwidth_gbps(beta), "r2": r2})
+        rows.append({
+            "hosts": hosts, "link_gbit": gbit, "algorithm": algorithm, "alpha_us": alpha,
+            "beta_us_per_byte": beta, "bandwidth_GBps": bandwidth_gbps(beta), "r2": r2})
     table = pd.DataFrame(rows)
     table["crossover_predicted_bytes"] = pd.NA
     table["crossover_measured_bytes"] = pd.NA
@@ -183,8 +184,9 @@ def claims(frame: pd.DataFrame, model: pd.DataFrame, counted: pd.DataFrame) -> p
 def claim_row(hosts: Any, gbit: float, claim: str, predicted: Any, measured: Any, ratio: float, verdict: str,
               note: str) -> dict:
     """One row of ``claims.csv``."""
-    return {"hosts": hosts, "link_gbit": gbit, "claim": claim, "predicted": predicted, "measured": measured,
-            "ratio": ratio, "verdict": verdict, "note": note}
+    return {
+        "hosts": hosts, "link_gbit": gbit, "claim": claim, "predicted": predicted, "measured": measured,
+        "ratio": ratio, "verdict": verdict, "note": note}
 
 
 def checked(hosts: Any, gbit: float, claim: str, predicted: float, measured: float,
@@ -193,8 +195,8 @@ def checked(hosts: Any, gbit: float, claim: str, predicted: float, measured: flo
     a ``cpu_bound`` case is neither (the cores, not the link, set its time: rerun at a lower rate)."""
     ratio = measured / predicted if predicted else np.nan
     low, high = bounds
-    verdict = ("CPU-bound: rerun at a lower --link-gbit" if cpu_bound
-               else "confirmed" if low <= ratio <= high else "refuted")
+    verdict = ("CPU-bound: rerun at a lower --link-gbit"
+               if cpu_bound else "confirmed" if low <= ratio <= high else "refuted")
     return claim_row(hosts, gbit, claim, predicted, measured, ratio, verdict, note)
 
 
@@ -207,22 +209,25 @@ def setting_claims(hosts: int, gbit: float, largest: int, at: pd.DataFrame, fits
     cpu_bound = at["cpu_busy"].max() >= CPU_BOUND_BUSY and at.loc["ring", "link_use"] < LINK_FULL
     ring_bytes = counted[counted["algorithm"] == "ring"]
     probe = int(ring_bytes["bytes"].iloc[0])
-    rows = [checked(hosts, gbit, "ring sends 2T(N-1)/N per rank (bytes, T = 1 MB)", 2 * probe * (n - 1) / n,
-                    float(ring_bytes["bytes_sent"].max()), (1.0, 1.0),
-                    "payload bytes counted by mesh.stats()")]
+    rows = [
+        checked(hosts, gbit, "ring sends 2T(N-1)/N per rank (bytes, T = 1 MB)", 2 * probe * (n - 1) / n,
+                float(ring_bytes["bytes_sent"].max()), (1.0, 1.0), "payload bytes counted by mesh.stats()")]
     for algorithm, claim in [("ring", "ring's time is 2T(N-1)/N·β: the link bound"),
                              ("naive", "naive's root link carries (N-1)·T each way: 2(N-1)·T·β"),
                              ("tree", "tree's depth is log2 N: 2·⌈log2 N⌉·T·β")]:
-        rows.append(checked(hosts, gbit, f"{claim} (T = {largest >> 20} MB, µs)",
-                            float(at.loc[algorithm, "link_model_us"]), float(at.loc[algorithm, "median_us"]),
-                            (0.9, 1.5), "measured / link model within [0.9, 1.5]", cpu_bound))
+        rows.append(
+            checked(hosts, gbit, f"{claim} (T = {largest >> 20} MB, µs)",
+                    float(at.loc[algorithm, "link_model_us"]), float(at.loc[algorithm, "median_us"]),
+                    (0.9, 1.5), "measured / link model within [0.9, 1.5]", cpu_bound))
     predicted, measured = fits["crossover_predicted_bytes"], fits["crossover_measured_bytes"]
     if pd.isna(predicted) or pd.isna(measured):
-        rows.append(claim_row(hosts, gbit, CROSSOVER_CLAIM, predicted, measured, np.nan, "refuted",
-                              "no crossover " + ("predicted" if pd.isna(predicted) else "measured")))
+        rows.append(
+            claim_row(hosts, gbit, CROSSOVER_CLAIM, predicted, measured, np.nan, "refuted",
+                      "no crossover " + ("predicted" if pd.isna(predicted) else "measured")))
     else:
-        rows.append(checked(hosts, gbit, CROSSOVER_CLAIM, float(predicted), float(measured), (0.25, 4.0),
-                            "within one size step (x4) of the prediction", cpu_bound))
+        rows.append(
+            checked(hosts, gbit, CROSSOVER_CLAIM, float(predicted), float(measured), (0.25, 4.0),
+                    "within one size step (x4) of the prediction", cpu_bound))
     return rows
 
 
@@ -236,11 +241,12 @@ def growth_claims(at_largest: pd.DataFrame) -> list[dict]:
         a, b = counts[0], counts[-1]
         t = data.set_index(["hosts", "algorithm"])["median_us"]
         for algorithm, claim, factor in [
-                ("ring", f"ring's time stays flat from {a} to {b} hosts", (2 * (b - 1) / b) / (2 * (a - 1) / a)),
-                ("naive", f"naive's time grows with N from {a} to {b} hosts", (b - 1) / (a - 1))]:
+            ("ring", f"ring's time stays flat from {a} to {b} hosts", (2 * (b - 1) / b) / (2 * (a - 1) / a)),
+            ("naive", f"naive's time grows with N from {a} to {b} hosts", (b - 1) / (a - 1))]:
             measured = float(t[(b, algorithm)] / t[(a, algorithm)])
-            rows.append(checked(f"{a}->{b}", gbit, claim + " (time ratio)", factor, measured, (0.75, 1.33),
-                                "ratio within [0.75, 1.33]"))
+            rows.append(
+                checked(f"{a}->{b}", gbit, claim + " (time ratio)", factor, measured, (0.75, 1.33),
+                        "ratio within [0.75, 1.33]"))
     return rows
 
 
@@ -250,10 +256,12 @@ def growth_claims(at_largest: pd.DataFrame) -> list[dict]:
 def report(frame: pd.DataFrame, model: pd.DataFrame, verdicts: pd.DataFrame, info: dict) -> str:
     """The section "Across hosts": the claims, busbw at the largest size, the fits and crossovers."""
     largest = int(frame["bytes"].max())
-    big = frame[frame["bytes"] == largest][["hosts", "link_gbit", "algorithm", "median_us", "busbw_GBps",
-                                            "link_use", "link_model_us", "cpu_busy", "ranks_cpu"]]
-    fits = model[["hosts", "link_gbit", "algorithm", "alpha_us", "bandwidth_GBps", "r2",
-                  "crossover_predicted_bytes", "crossover_measured_bytes"]]
+    big = frame[frame["bytes"] == largest][[
+        "hosts", "link_gbit", "algorithm", "median_us", "busbw_GBps", "link_use", "link_model_us", "cpu_busy",
+        "ranks_cpu"]]
+    fits = model[[
+        "hosts", "link_gbit", "algorithm", "alpha_us", "bandwidth_GBps", "r2", "crossover_predicted_bytes",
+        "crossover_measured_bytes"]]
     confirmed = int((verdicts["verdict"] == "confirmed").sum())
     return "\n".join([
         "## Across hosts", "",
@@ -267,20 +275,16 @@ def report(frame: pd.DataFrame, model: pd.DataFrame, verdicts: pd.DataFrame, inf
         "tree 2·⌈log2 N⌉·T·β, recursive doubling ⌈log2 N⌉·T·β (`claims.csv`). A case where the cores were "
         f"≥ {CPU_BOUND_BUSY:.0%} busy and the ring used < {LINK_FULL:.0%} of the link is CPU-bound, not a link "
         "result, and is marked so.", "",
-        markdown(verdicts), "",
-        f"### {largest >> 20} MB: busbw against the link cap", "",
+        markdown(verdicts), "", f"### {largest >> 20} MB: busbw against the link cap", "",
         "`link_use` is busbw (allreduce: algbw·2(N-1)/N) over the cap: 1.0 is a full link; "
         "`cpu_busy` the share of all cores busy during the case (anything running on the machine, the "
         "switch's packet forwarding included), `ranks_cpu` the share the rank processes used.", "",
-        markdown(big), "",
-        "### α-β fits and the ring/tree crossover", "",
+        markdown(big), "", "### α-β fits and the ring/tree crossover", "",
         "t(n) = α + β·n fitted per algorithm (`model.csv`); the predicted crossover is where the ring and tree "
         "lines meet, the measured one the smallest size where ring's median beat tree's.", "",
-        markdown(fits), "",
-        "![latency](allreduce_latency.png)", "", "![busbw](allreduce_busbw.png)", "",
+        markdown(fits), "", "![latency](allreduce_latency.png)", "", "![busbw](allreduce_busbw.png)", "",
         "Regenerate: `python -m lab results --hosts 4 8 --link-gbit 1` (add `--link-gbit 0.5` where the CPU binds).",
-        "",
-    ])
+        ""])
 
 
 def main(out_dir: str, host_counts: list[int], gbits: list[float], sizes: list[int] | None = None) -> int:

@@ -105,8 +105,9 @@ def training(path: Path, bucketing: pd.DataFrame, overlap: pd.DataFrame) -> None
     """Bars: gradient sync one by one against bucketed; backward alone, then averaging, then overlapped."""
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4))
     left.bar(bucketing["mode"], bucketing["median_ms"], color=["tab:red", "tab:green"])
-    left.set(title=f"gradient sync, {bucketing['tensors'].iloc[0]} tensors "
-                   f"({bucketing['bytes'].iloc[0] / 2**20:.0f} MiB)", ylabel="median ms (slowest rank)")
+    left.set(
+        title=f"gradient sync, {bucketing['tensors'].iloc[0]} tensors "
+        f"({bucketing['bytes'].iloc[0] / 2**20:.0f} MiB)", ylabel="median ms (slowest rank)")
     right.bar(overlap["mode"], overlap["median_ms"], color=["tab:gray", "tab:red", "tab:green"])
     right.set(title="MLP backward + gradient averaging", ylabel="median ms (slowest rank)")
     save(fig, path)

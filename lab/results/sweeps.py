@@ -41,7 +41,6 @@ OTHER_COLLECTIVES = tuple(c for c in registry.COLLECTIVES if c != "allreduce")
 
 class Progress:
     """A one-line progress bar on stderr: ``[#######.............]  12/80  allreduce ring 1MB shm``."""
-
     def __init__(self, total: int) -> None:
         self.total, self.done, self.started = total, 0, time.monotonic()
 
@@ -97,7 +96,8 @@ class Measurements:
         return cases[cases["impl"] == "lab"]
 
 
-def measure_all(world_size: int, transports: list[str], sizes: list[int], rounds: int = ROUNDS) -> Measurements:
+def measure_all(world_size: int, transports: list[str], sizes: list[int],
+                rounds: int = ROUNDS) -> Measurements:
     """Every sweep of ``python -m lab results``, in order, saying on stderr which one runs."""
     info = machine()
     print(f"Sweeping {len(sizes)} sizes on {world_size} ranks over {', '.join(transports)} and gloo",
@@ -126,16 +126,16 @@ def sweep_cases(transports: list[str], sizes: list[int]) -> list[tuple[str, str,
 
     cases = []
     for transport in transports:
-        cases += [(transport, "allreduce", "lab", a, s)
-                  for a in (*registry.names("allreduce"), "auto") for s in sizes]
-        cases += [(transport, c, "lab", a, s)
-                  for c in OTHER_COLLECTIVES for a in registry.names(c) for s in sized(c)]
+        cases += [(transport, "allreduce", "lab", a, s) for a in (*registry.names("allreduce"), "auto")
+                  for s in sizes]
+        cases += [(transport, c, "lab", a, s) for c in OTHER_COLLECTIVES for a in registry.names(c)
+                  for s in sized(c)]
     cases += [(transports[0], c, "gloo", "gloo", s) for c in registry.COLLECTIVES for s in sized(c)]
     return cases
 
 
-def sweep(world_size: int, transports: list[str], sizes: list[int], rounds: int = ROUNDS
-          ) -> tuple[pd.DataFrame, pd.DataFrame]:
+def sweep(world_size: int, transports: list[str], sizes: list[int],
+          rounds: int = ROUNDS) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every collective, algorithm and transport at every size, with gloo in the same pools, and
     MPICH's allreduce (``mpiexec``, between the pools) when the ``peers`` extra is installed:
     ``rounds`` rounds of every case, each case's least (:func:`least_of_rounds`).
@@ -210,13 +210,15 @@ def training_patterns(world_size: int) -> tuple[pd.DataFrame, pd.DataFrame]:
     with lab.launch(world_size) as cluster:
         for mode in ("one by one", "bucketed"):
             slowest = slowest_ms(cluster.run(time_bucketing, mode == "bucketed"))
-            bucket_rows.append({"mode": mode, "tensors": len(grads), "bytes": total, "world": world_size,
-                                "median_ms": float(np.median(slowest)), "min_ms": float(slowest.min())})
+            bucket_rows.append({
+                "mode": mode, "tensors": len(grads), "bytes": total, "world": world_size,
+                "median_ms": float(np.median(slowest)), "min_ms": float(slowest.min())})
             progress.step(f"bucketing: {mode}")
         for mode in ("compute", "sequential", "overlap"):
             slowest = slowest_ms(cluster.run(time_overlap, mode))
-            overlap_rows.append({"mode": mode, "world": world_size, "median_ms": float(np.median(slowest)),
-                                 "min_ms": float(slowest.min())})
+            overlap_rows.append({
+                "mode": mode, "world": world_size, "median_ms": float(np.median(slowest)),
+                "min_ms": float(slowest.min())})
             progress.step(f"overlap: {mode}")
     overlap = pd.DataFrame(overlap_rows)
     compute = overlap.loc[overlap["mode"] == "compute", "median_ms"].iloc[0]
@@ -236,7 +238,8 @@ def kernel_sweep() -> pd.DataFrame:
     for impl, inputs, nbytes in cases:
         result = time_kernel(impl, nbytes, inputs)
         variant = {2: "dst += src", 4: "dst += a + b + c" if impl == "numba" else "3 chained np.add"}[inputs]
-        rows.append({"impl": impl, "op": f"sum, {inputs} inputs", "variant": variant, "bytes": nbytes, **result})
+        rows.append({
+            "impl": impl, "op": f"sum, {inputs} inputs", "variant": variant, "bytes": nbytes, **result})
         progress.step(f"kernel {impl} {inputs} inputs {size_label(nbytes)}")
     return pd.DataFrame(rows)
 
@@ -262,17 +265,18 @@ def commit() -> str:
 def machine() -> dict[str, str]:
     """What the report names as the source of its figures: date, CPU, cores, memory, last-level cache
     (the simulator's calibration reads it), versions, commit."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown")
-    memory_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                      if line.startswith("MemTotal"))
+    cpu = next((line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+               platform.processor() or "unknown")
+    memory_kib = next(
+        int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal"))
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "cpu": cpu, "cores": str(os.cpu_count()), "memory": f"{memory_kib / 2**20:.1f} GiB",
-        "last_level_cache_bytes": str(last_level_cache_bytes() or 0),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "cores": str(os.cpu_count()),
+        "memory": f"{memory_kib / 2**20:.1f} GiB", "last_level_cache_bytes": str(last_level_cache_bytes() or
+                                                                                 0),
         "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "numba": numba.__version__, "numpy": np.__version__, "pandas": pd.__version__, "commit": commit(),
-    }
+        "numba": numba.__version__, "numpy": np.__version__, "pandas": pd.__version__, "commit": commit()}
 
 
 def load(out: Path) -> Measurements:
@@ -280,9 +284,9 @@ def load(out: Path) -> Measurements:
     def table(name: str) -> pd.DataFrame:
         return pd.read_csv(out / f"{name}.csv")
 
-    return Measurements(json.loads((out / "machine.json").read_text()), table("allreduce"), table("collectives"),
-                        table("latency_floor"), table("bucketing"), table("overlap"), table("kernels"),
-                        table("gloo_check"))
+    return Measurements(json.loads((out / "machine.json").read_text()), table("allreduce"),
+                        table("collectives"), table("latency_floor"), table("bucketing"), table("overlap"),
+                        table("kernels"), table("gloo_check"))
 
 
 def save_machine(out: Path, info: dict[str, str]) -> None:

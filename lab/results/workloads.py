@@ -30,10 +30,11 @@ def accuracy_table(table: pd.DataFrame) -> str:
         error = f"{row.error:+.1%}".replace("-", "−")
         scaled = (f"{row.cores_scaled_ms:,.1f} ms ({row.cores_scaled_error:+.1%})".replace("-", "−")
                   if row.cores_scaled_ms != row.replayed_ms else "")
-        lines.append(f"| {'DDP' if row.parallelism == 'ddp' else 'FSDP2'} | {row.model} (batch {row.batch}) | "
-                     f"{row.comparison.replace('recorded size', f'{row.recorded_hosts} hosts')} | "
-                     f"{row.measured_ms:,.1f} ms | {row.replayed_ms:,.1f} ms ({row.compute_ms:,.1f}) | "
-                     f"{error if row.meets else f'**{error}**'} | {row.target:.0%}: {verdict} | {scaled} |")
+        lines.append(
+            f"| {'DDP' if row.parallelism == 'ddp' else 'FSDP2'} | {row.model} (batch {row.batch}) | "
+            f"{row.comparison.replace('recorded size', f'{row.recorded_hosts} hosts')} | "
+            f"{row.measured_ms:,.1f} ms | {row.replayed_ms:,.1f} ms ({row.compute_ms:,.1f}) | "
+            f"{error if row.meets else f'**{error}**'} | {row.target:.0%}: {verdict} | {scaled} |")
     return "\n".join(lines)
 
 
@@ -51,20 +52,18 @@ def section(folder: Path) -> str:
         "the lab fitted for those hosts (`lab.sim.calibrated(\"tcp\", hosts=H, link_gbit=1.0)`) at the "
         "recorded size, and recorded on 2 hosts, replayed on 4. Measured: the median of the slowest rank's "
         "step after the warm-up steps. Targets: within 10 % at the recorded size, within 20 % from 2 hosts "
-        "to 4."
-    )
+        "to 4.")
     verdict = (
         f"{meets} of {len(table)} cases meet their target. Emulated hosts share this machine's cores: the "
         "last column replays with the compute scaled as the shared cores scale it, which a recording made "
-        "on fewer hosts cannot know (docs/workloads.md says which cases miss and why)."
-    )
+        "on fewer hosts cannot know (docs/workloads.md says which cases miss and why).")
     scale = (
         f"- Replay of `{timing['recording']}` on {int(timing['ranks']):,} ranks: {timing['seconds']:.1f} s "
         f"({int(timing['operations'])} operations, the last step {timing['step_ms']:,.1f} ms; target: under "
-        "a minute)."
-    )
-    return "\n".join(["## Workloads: a recorded step replayed against the measured one", "", method, "",
-                      accuracy_table(table), "", verdict, "", scale, ""])
+        "a minute).")
+    return "\n".join([
+        "## Workloads: a recorded step replayed against the measured one", "", method, "",
+        accuracy_table(table), "", verdict, "", scale, ""])
 
 
 def splice_section(results_dir: Path) -> bool:

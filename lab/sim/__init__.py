@@ -33,9 +33,10 @@ from lab.sim.network import Network
 from lab.sim.schedule import algorithms
 
 #: What reads and fits clusters' logs, with pandas: loaded on first use (``lab.sim.fit_cluster``).
-_ON_FIRST_USE = {"FitReport": "lab.sim.cluster", "ClusterPrediction": "lab.sim.cluster", "fit_cluster": "lab.sim.cluster",
-                 "fit_cluster_report": "lab.sim.cluster", "predict": "lab.sim.cluster",
-                 "read_nccl_tests": "lab.sim.logs", "read_osu": "lab.sim.logs"}
+_ON_FIRST_USE = {
+    "FitReport": "lab.sim.cluster", "ClusterPrediction": "lab.sim.cluster", "fit_cluster": "lab.sim.cluster",
+    "fit_cluster_report": "lab.sim.cluster", "predict": "lab.sim.cluster", "read_nccl_tests": "lab.sim.logs",
+    "read_osu": "lab.sim.logs"}
 
 
 def __getattr__(name: str) -> object:
@@ -43,27 +44,9 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
     raise AttributeError(f"module 'lab.sim' has no attribute {name!r}")
 
+
 __all__ = [
-    "DEFAULT_MAX_SECONDS",
-    "DEFAULT_MAX_STEPS",
-    "ClusterPrediction",
-    "Estimate",
-    "FitReport",
-    "Message",
-    "Network",
-    "ScheduleError",
-    "SimResult",
-    "SimulationTooLarge",
-    "SimulationUnsupported",
-    "algorithms",
-    "best_algorithm",
-    "calibrated",
-    "compare",
-    "estimate",
-    "fit_cluster",
-    "fit_cluster_report",
-    "predict",
-    "read_nccl_tests",
-    "read_osu",
-    "simulate",
-]
+    "DEFAULT_MAX_SECONDS", "DEFAULT_MAX_STEPS", "ClusterPrediction", "Estimate", "FitReport", "Message",
+    "Network", "ScheduleError", "SimResult", "SimulationTooLarge", "SimulationUnsupported", "algorithms",
+    "best_algorithm", "calibrated", "compare", "estimate", "fit_cluster", "fit_cluster_report", "predict",
+    "read_nccl_tests", "read_osu", "simulate"]

@@ -30,8 +30,8 @@ def simulated_input(collective: str, nbytes: int, world_size: int) -> int:
     return CATALOG[collective].input_bytes(nbytes, world_size)
 
 
-def advise(collective: str, nbytes: int, world_size: int, network: dict
-           ) -> tuple[dict[str, AlgorithmTime], dict[str, str]] | None:
+def advise(collective: str, nbytes: int, world_size: int,
+           network: dict) -> tuple[dict[str, AlgorithmTime], dict[str, str]] | None:
     """Each ``auto`` candidate simulated on ``Network(**network)``, and those left out with why
     (the recorder cannot run it, or it records more than :data:`SIMULATION_MAX_STEPS` steps);
     None where ``Network`` does not take ``network`` (written by another version of the lab)."""
@@ -54,5 +54,5 @@ def advise(collective: str, nbytes: int, world_size: int, network: dict
         steps = len(result.critical_path)
         path_bytes = sum(m.nbytes for m in result.critical_path)
         out[algorithm] = AlgorithmTime(algorithm, result.time_us, "simulator", steps, path_bytes,
-                                    steps * net.alpha_us, path_bytes * net.beta_us_per_byte)
+                                       steps * net.alpha_us, path_bytes * net.beta_us_per_byte)
     return out, left_out

@@ -130,24 +130,29 @@ def measured(results_dir: Path) -> pd.DataFrame:
             if kind == "hosts":
                 per_host = frame["ranks_per_host"] if "ranks_per_host" in frame else pd.Series(1, frame.index)
                 frame["ranks_per_host"] = per_host.astype(int)
-                frame["setting"] = [f"{h} hosts, {g:g} Gbit/s" if L == 1 else f"{h} hosts × {L} ranks, {g:g} Gbit/s"
-                                    for h, L, g in zip(frame["hosts"], frame["ranks_per_host"], frame["link_gbit"])]
+                frame["setting"] = [
+                    f"{h} hosts, {g:g} Gbit/s" if L == 1 else f"{h} hosts × {L} ranks, {g:g} Gbit/s"
+                    for h, L, g in zip(frame["hosts"], frame["ranks_per_host"], frame["link_gbit"])]
             else:
                 frame["ranks_per_host"] = 1
                 frame["setting"] = frame["transport"]
             frame["cores"], frame["cache_bytes"] = _cores(path), _cache_bytes(path)
             frame["source"], frame["kind"] = path.relative_to(results_dir).as_posix(), kind
-            frames.append(frame[["setting", "collective", "algorithm", "world", "bytes", "median_us",
-                                 "ranks_per_host", "cores", "cache_bytes", "source", "kind"]])
-    columns = ["setting", "collective", "algorithm", "world", "bytes", "median_us", "ranks_per_host", "cores",
-               "cache_bytes", "source", "kind", "sim_bytes", "role"]
+            frames.append(frame[[
+                "setting", "collective", "algorithm", "world", "bytes", "median_us", "ranks_per_host",
+                "cores", "cache_bytes", "source", "kind"]])
+    columns = [
+        "setting", "collective", "algorithm", "world", "bytes", "median_us", "ranks_per_host", "cores",
+        "cache_bytes", "source", "kind", "sim_bytes", "role"]
     if not frames:
         return pd.DataFrame(columns=columns)
     frame = pd.concat(frames, ignore_index=True)
-    frame["sim_bytes"] = [_input_bytes(c, b, w) for c, b, w in zip(frame["collective"], frame["bytes"], frame["world"])]
+    frame["sim_bytes"] = [
+        _input_bytes(c, b, w) for c, b, w in zip(frame["collective"], frame["bytes"], frame["world"])]
     largest = frame.groupby("setting")["bytes"].transform("max")
-    frame["role"] = ["calibration" if calibrates(int(w), int(b), int(top)) else "validation"
-                     for w, b, top in zip(frame["world"], frame["bytes"], largest)]
+    frame["role"] = [
+        "calibration" if calibrates(int(w), int(b), int(top)) else "validation"
+        for w, b, top in zip(frame["world"], frame["bytes"], largest)]
     return frame[columns]
 
 
@@ -183,10 +188,10 @@ class _Cases:
     ``ranks_per_host`` is how the cases' ranks were laid out on hosts; None: every case's ranks on
     one machine, one host (so hierarchical allreduce records as it ran there: inside one host).
     """
-
     def __init__(self, rows: pd.DataFrame, ranks_per_host: int | None) -> None:
-        self.schedules = [benchmark_schedule(row.collective, row.algorithm, int(row.world), int(row.sim_bytes),
-                                             ranks_per_host or int(row.world)) for row in rows.itertuples(index=False)]
+        self.schedules = [
+            benchmark_schedule(row.collective, row.algorithm, int(row.world), int(row.sim_bytes),
+                               ranks_per_host or int(row.world)) for row in rows.itertuples(index=False)]
         self.measured_us = rows["median_us"].to_numpy(dtype=float)
 
     def subset(self, keep: np.ndarray) -> _Cases:
@@ -214,7 +219,8 @@ def _network(base: Network, x: np.ndarray) -> Network:
     return replace(base, **values)
 
 
-def least_absolute(residuals: Callable[[np.ndarray], np.ndarray], x: np.ndarray, low: np.ndarray, high: np.ndarray,
+def least_absolute(residuals: Callable[[np.ndarray],
+                                       np.ndarray], x: np.ndarray, low: np.ndarray, high: np.ndarray,
                    iterations: int = ITERATIONS, step: float = 1e-3) -> tuple[np.ndarray, float, int]:
     """Minimise the mean of ``|residuals(x)|`` from ``x``, each x inside [low, high]: (x, that mean, evaluations).
 
@@ -235,8 +241,9 @@ def least_absolute(residuals: Callable[[np.ndarray], np.ndarray], x: np.ndarray,
         gradient = jacobian.T @ (weight * r)
         # Damp until a step lowers the error; stop when no damping does.
         while damping < 1e8:
-            candidate = np.clip(x + np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -gradient),
-                                low, high)
+            candidate = np.clip(
+                x + np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -gradient), low,
+                high)
             r_candidate = residuals(candidate)
             evaluations += 1
             if np.abs(r_candidate).mean() < np.abs(r).mean():
@@ -264,7 +271,8 @@ def fit(cases: _Cases, base: Network) -> Fit:
     # α for the wake-up). So the least-squares steps start from the usual start and from the
     # SCREENED_STARTS best of SCREENED points drawn around it (the same every time), each with
     # Jacobians of two difference steps (one can point into a kink); the best fit is kept.
-    drawn = np.clip(start + np.random.default_rng(0).uniform(-SPREAD, SPREAD, (SCREENED, len(start))), low, high)
+    drawn = np.clip(start + np.random.default_rng(0).uniform(-SPREAD, SPREAD, (SCREENED, len(start))), low,
+                    high)
     screened = sorted(drawn, key=lambda point: float(np.abs(residuals(point)).mean()))[:SCREENED_STARTS]
     x, best, evaluations = start, math.inf, SCREENED
     for origin in (start, *screened):
@@ -296,7 +304,8 @@ def fit(cases: _Cases, base: Network) -> Fit:
     determined = {}
     for name, _, _, _ in PARAMETERS:
         value = getattr(network, name)
-        rises = [cases.error(replace(network, **{name: value * factor})) / best - 1.0 for factor in (0.8, 1.2)]
+        rises = [
+            cases.error(replace(network, **{name: value * factor})) / best - 1.0 for factor in (0.8, 1.2)]
         determined[name] = min(rises)
     return Fit(network, best, determined, evaluations)
 
@@ -311,8 +320,8 @@ def calibrate(results_dir: Path) -> tuple[dict[str, Fit], pd.DataFrame]:
     for setting in settings:
         rows = frame[frame["setting"] == setting].copy()
         per_host = int(rows["ranks_per_host"].iloc[0])
-        base = Network(ranks_per_host=per_host, cores=int(rows["cores"].iloc[0]), ranks_per_cpu=MAX_RANKS_PER_HOST,
-                       cache_bytes=int(rows["cache_bytes"].iloc[0]) or None)
+        base = Network(ranks_per_host=per_host, cores=int(rows["cores"].iloc[0]),
+                       ranks_per_cpu=MAX_RANKS_PER_HOST, cache_bytes=int(rows["cache_bytes"].iloc[0]) or None)
         if per_host > 1 and "shm" in fits:
             inside = fits["shm"].network
             base = replace(base, intra_alpha_us=inside.alpha_us, intra_gbit=inside.gbit)

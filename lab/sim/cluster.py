@@ -160,10 +160,11 @@ def _terms(cases: list[Case], network: Network, fitted: list[tuple], chosen: lis
     rows = []
     for term, meaning, _, _ in [*TERMS, *(t for t in chosen if t in CPU_TERMS)]:
         is_fitted = any(term == name for name, *_ in fitted)
-        rise = ({log: _rise([c for c in cases if c.log == log], network, term) for log in logs}
-                if is_fitted else {})
-        rows.append({"term": term, "meaning": meaning, "value": _value(network, term), "fitted": is_fitted,
-                     "determined_by": [log for log, r in rise.items() if r >= DETERMINED], "rise": rise})
+        rise = ({log: _rise([c for c in cases if c.log == log], network, term)
+                 for log in logs} if is_fitted else {})
+        rows.append({
+            "term": term, "meaning": meaning, "value": _value(network, term), "fitted": is_fitted,
+            "determined_by": [log for log, r in rise.items() if r >= DETERMINED], "rise": rise})
     return pd.DataFrame(rows)
 
 
@@ -171,9 +172,10 @@ def _cases_frame(cases: list[Case], network: Network) -> pd.DataFrame:
     rows = []
     for case in cases:
         time_us, algorithm = case.best(network)
-        rows.append({"log": case.log, "collective": case.collective, "hosts": case.hosts, "ranks": case.ranks,
-                     "bytes": case.size, "measured_us": case.measured_us, "predicted_us": time_us,
-                     "algorithm": algorithm, "ratio": time_us / case.measured_us})
+        rows.append({
+            "log": case.log, "collective": case.collective, "hosts": case.hosts, "ranks": case.ranks,
+            "bytes": case.size, "measured_us": case.measured_us, "predicted_us": time_us,
+            "algorithm": algorithm, "ratio": time_us / case.measured_us})
     return pd.DataFrame(rows)
 
 
@@ -229,7 +231,8 @@ def fit_cluster_report(logs: list[pd.DataFrame], network: Network | None = None,
         x, _, _ = least_absolute(residuals, x, bounds[:, 0], bounds[:, 1])
     result = _with(base, fitted, x)
     table = _cases_frame(cases, result)
-    return FitReport(result, _error(cases, result), _terms(cases, result, fitted, chosen), table, bands(table))
+    return FitReport(result, _error(cases, result), _terms(cases, result, fitted, chosen), table,
+                     bands(table))
 
 
 def fit_cluster(logs: list[pd.DataFrame], network: Network | None = None, *,
@@ -243,7 +246,8 @@ def fit_cluster(logs: list[pd.DataFrame], network: Network | None = None, *,
 
 
 def predict_hosts(network: Network, collective: str, *, hosts: int, nbytes: int,
-                  ranks_per_host: int | None = None, candidates: list[str] | None = None) -> ClusterPrediction:
+                  ranks_per_host: int | None = None,
+                  candidates: list[str] | None = None) -> ClusterPrediction:
     """The best algorithm's simulated time for ``collective`` on ``hosts`` hosts of
     ``ranks_per_host`` ranks (default: the network's), ``nbytes`` as nccl-tests counts a size
     (allgather's is the whole output); the least over the algorithms (or ``candidates``), as
@@ -314,8 +318,9 @@ def predict_table(network: Network, collective: str, hosts: int, sizes: list[int
         # No time, no rate: one rank moves nothing (nccl-tests would time its local copy)
         algbw = size / best.time_us / 1e3 if best.time_us > 0 else math.nan
         busbw = algbw * CATALOG[collective].bus_factor(world)
-        rows.append({"bytes": int(size), "time_us": best.time_us, "algbw": algbw, "busbw": busbw,
-                     "algorithm": best.algorithm})
+        rows.append({
+            "bytes": int(size), "time_us": best.time_us, "algbw": algbw, "busbw": busbw,
+            "algorithm": best.algorithm})
     return pd.DataFrame(rows, columns=["bytes", "time_us", "algbw", "busbw", "algorithm"])
 
 
@@ -334,5 +339,6 @@ def predict(cluster: Any, *args: Any, **kwargs: Any) -> Any:
     from lab.sim.nccl.model import NcclModel, predict_nccl  # (here: lab.sim.nccl imports this module)
     if isinstance(cluster, NcclModel):
         return predict_nccl(cluster, *args, **kwargs)
-    raise TypeError(f"cluster must be a lab.sim.Network or a lab.sim.nccl.NcclModel; got {type(cluster).__name__} "
-                    "(every algorithm's time at N ranks: lab.sim.compare(collective, world_size, nbytes, network))")
+    raise TypeError(
+        f"cluster must be a lab.sim.Network or a lab.sim.nccl.NcclModel; got {type(cluster).__name__} "
+        "(every algorithm's time at N ranks: lab.sim.compare(collective, world_size, nbytes, network))")

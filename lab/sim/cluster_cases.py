@@ -97,8 +97,9 @@ class Case:
     def times(self, network: Network) -> dict[str, float]:
         """Each algorithm's simulated time on ``network`` laid out on this case's hosts."""
         network = replace(network, ranks_per_host=self.ranks_per_host)
-        return {name: float(finish_times(s, match, network)[0].max(initial=0.0))
-                for name, (s, match) in self.schedules.items()}
+        return {
+            name: float(finish_times(s, match, network)[0].max(initial=0.0))
+            for name, (s, match) in self.schedules.items()}
 
     def best(self, network: Network) -> tuple[float, str]:
         times = self.times(network)
@@ -133,8 +134,9 @@ def log_cases(logs: list[pd.DataFrame], candidates: list[str] | None = None) -> 
             nbytes = input_bytes(collective, int(size), ranks)
             if nbytes > 0 and np.isfinite(time_us) and time_us > 0:
                 schedules = _schedules(collective, ranks, ranks // hosts, nbytes, names)
-                cases.append(Case(_log_name(df, index), collective, ranks, hosts, int(size), float(time_us),
-                                  schedules))
+                cases.append(
+                    Case(_log_name(df, index), collective, ranks, hosts, int(size), float(time_us),
+                         schedules))
         if not any(case.log == _log_name(df, index) for case in cases):
             raise ValueError(f"{_log_name(df, index)}: no row with a positive out-of-place time to fit")
     return cases

@@ -49,18 +49,20 @@ def _sizes(logs: list[pd.DataFrame], collective: str) -> list[int]:
 def predictions(report: FitReport, logs: list[pd.DataFrame], hosts: list[int]) -> list[dict]:
     """Per collective of the logs and per host count: the predicted nccl-tests table."""
     collectives = list(dict.fromkeys(df.attrs["collective"] for df in logs))
-    return [{"collective": collective, "hosts": count, "ranks": count * report.network.ranks_per_host,
-             "table": predict_table(report.network, collective, count, _sizes(logs, collective))}
+    return [{
+        "collective": collective, "hosts": count, "ranks": count * report.network.ranks_per_host,
+        "table": predict_table(report.network, collective, count, _sizes(logs, collective))}
             for collective in collectives for count in hosts]
 
 
 def as_json(report: FitReport, predicted: list[dict]) -> dict:
     """The fit and the predictions as one JSON-ready object."""
-    return {"network": dataclasses.asdict(report.network), "describe": report.network.describe(),
-            "error": report.error, "terms": report.terms.to_dict(orient="records"),
-            "bands": report.bands.astype({"band": str}).to_dict(orient="records"),
-            "cases": report.cases.to_dict(orient="records"),
-            "predictions": [{**p, "table": p["table"].to_dict(orient="records")} for p in predicted]}
+    return {
+        "network": dataclasses.asdict(report.network), "describe": report.network.describe(),
+        "error": report.error, "terms": report.terms.to_dict(orient="records"),
+        "bands": report.bands.astype({"band": str}).to_dict(orient="records"),
+        "cases": report.cases.to_dict(orient="records"),
+        "predictions": [{**p, "table": p["table"].to_dict(orient="records")} for p in predicted]}
 
 
 def _name(log: str) -> str:
@@ -92,10 +94,11 @@ def text(report: FitReport, predicted: list[dict]) -> str:
     bands = report.bands.assign(log=report.bands["log"].map(_name),
                                 mean_error=report.bands["mean_error"].map(percent),
                                 max_error=report.bands["max_error"].map(percent))
-    parts = [f"Fitted network: {report.network.describe()}",
-             f"Mean |log(predicted / measured)| over {len(report.cases)} rows: {report.error:.4f}\n",
-             "Terms:", _terms_text(report), "",
-             "Fit error per log and size band (|predicted / measured - 1|):", bands.to_string(index=False)]
+    parts = [
+        f"Fitted network: {report.network.describe()}",
+        f"Mean |log(predicted / measured)| over {len(report.cases)} rows: {report.error:.4f}\n", "Terms:",
+        _terms_text(report), "", "Fit error per log and size band (|predicted / measured - 1|):",
+        bands.to_string(index=False)]
     for p in predicted:
         title = f"Predicted {p['collective']} at {p['hosts']} hosts ({p['ranks']} ranks):"
         parts += ["", title, nccl_table(p["table"], p["collective"], p["ranks"])]
@@ -133,8 +136,9 @@ def run(args: argparse.Namespace) -> int:
         predicted = predictions(report, logs, args.predict_hosts)
     except (ValueError, SimulationUnsupported) as exc:
         args.parser.error(f"argument --predict-hosts: {exc}")
-    print(json.dumps(finite_json(as_json(report, predicted)), allow_nan=False) if args.json
-          else text(report, predicted))
+    print(
+        json.dumps(finite_json(as_json(report, predicted)), allow_nan=False) if args.
+        json else text(report, predicted))
     return 0
 
 
@@ -144,9 +148,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     fit = actions.add_parser("fit", help="fit the network's terms to nccl-tests logs; predict H hosts")
     fit.add_argument("logs", nargs="+", help="nccl-tests logs (all_reduce_perf, ...), of 1 or 2 hosts say")
-    fit.add_argument("--collective", choices=COLLECTIVES,
-                     help="the collective every log measured (default: what each log, its file's name or its "
-                          "numbers say)")
+    fit.add_argument(
+        "--collective", choices=COLLECTIVES,
+        help="the collective every log measured (default: what each log, its file's name or its "
+        "numbers say)")
     fit.add_argument("--predict-hosts", type=whole(1, MAX_WORLD_SIZE), nargs="+", default=[], metavar="H",
                      help="host counts to predict an nccl-tests table at")
     fit.add_argument("--nics-per-host", type=network_term("nics_per_host", whole(1)), default=1,

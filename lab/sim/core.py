@@ -57,8 +57,10 @@ class SimResult:
 
     def stats(self, rank: int) -> dict[str, int]:
         """Rank ``rank``'s counters, with the keys of ``mesh.stats()``."""
-        return {"bytes_sent": int(self.bytes_sent[rank]), "bytes_received": int(self.bytes_received[rank]),
-                "messages_sent": int(self.messages_sent[rank]), "messages_received": int(self.messages_received[rank])}
+        return {
+            "bytes_sent": int(self.bytes_sent[rank]), "bytes_received": int(self.bytes_received[rank]),
+            "messages_sent": int(self.messages_sent[rank]),
+            "messages_received": int(self.messages_received[rank])}
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
@@ -83,7 +85,8 @@ def check_limits(max_steps: Any, max_seconds: Any) -> tuple[int | None, float | 
     return max_steps, max_seconds
 
 
-def _check(collective: Any, world_size: Any, nbytes: Any, root: Any, network: Any) -> tuple[str, int, int, int, Network]:
+def _check(collective: Any, world_size: Any, nbytes: Any, root: Any,
+           network: Any) -> tuple[str, int, int, int, Network]:
     table = algorithms()
     if collective not in table:
         raise ValueError(f"collective must be one of {', '.join(map(repr, table))}; got {collective!r}")
@@ -92,7 +95,7 @@ def _check(collective: Any, world_size: Any, nbytes: Any, root: Any, network: An
     nbytes = _check_int("nbytes", nbytes, 0, MAX_NBYTES)
     if nbytes % 4:
         raise ValueError(f"nbytes must be a multiple of 4 (the input is float32 elements); got {nbytes}")
-    if world_size * nbytes >= 2 ** 62:  # allgather's output is N·T bytes: numpy's sizes and our counters are int64
+    if world_size * nbytes >= 2**62:  # allgather's output is N·T bytes: numpy's sizes and our counters are int64
         raise ValueError(f"world_size × nbytes must be below 2**62 (allgather's output, the byte counters); "
                          f"got {world_size:,} × {nbytes:,}")
     root = _check_int(ROOTED.get(collective, "root"), root, 0, world_size - 1) if collective in ROOTED else 0
@@ -111,7 +114,8 @@ def _check_algorithm(collective: str, algorithm: Any) -> None:
                          f"got {algorithm!r}{hint}")
 
 
-def _key(collective: str, algorithm: str, world_size: int, nbytes: int, root: int, ranks_per_host: int) -> tuple:
+def _key(collective: str, algorithm: str, world_size: int, nbytes: int, root: int,
+         ranks_per_host: int) -> tuple:
     return collective, algorithm, world_size, nbytes, root, ranks_per_host
 
 
@@ -139,7 +143,8 @@ def _fits(collective: str, algorithm: str, world_size: int, nbytes: int, root: i
         limits.at_least_one_step_per_rank(case, world_size, max_steps)
         return
     table_algorithm = algorithm if recorder.algorithm_choices(collective) is not None else None
-    recorder.estimate(collective, table_algorithm, world_size, nbytes, root, ranks_per_host, max_steps, max_seconds)
+    recorder.estimate(collective, table_algorithm, world_size, nbytes, root, ranks_per_host, max_steps,
+                      max_seconds)
 
 
 def recorded_schedule(collective: str, algorithm: str, world_size: int, nbytes: int, root: int,
@@ -155,8 +160,8 @@ def recorded_schedule(collective: str, algorithm: str, world_size: int, nbytes: 
     return schedule, True
 
 
-def simulate(collective: str, algorithm: str, world_size: int, nbytes: int, network: Network | None = None,
-             *, root: int = 0, max_steps: int | None = DEFAULT_MAX_STEPS,
+def simulate(collective: str, algorithm: str, world_size: int, nbytes: int, network: Network | None = None, *,
+             root: int = 0, max_steps: int | None = DEFAULT_MAX_STEPS,
              max_seconds: float | None = DEFAULT_MAX_SECONDS) -> SimResult:
     """Run ``collective`` with ``algorithm`` on ``world_size`` virtual ranks and time it on ``network``.
 
@@ -186,16 +191,18 @@ def simulate(collective: str, algorithm: str, world_size: int, nbytes: int, netw
 def _simulate(collective: str, algorithm: str, world_size: int, nbytes: int, network: Network, root: int,
               max_steps: int | None) -> SimResult:
     """:func:`simulate` once checked and estimated."""
-    schedule, fresh = recorded_schedule(collective, algorithm, world_size, nbytes, root, network.ranks_per_host, max_steps)
+    schedule, fresh = recorded_schedule(collective, algorithm, world_size, nbytes, root,
+                                        network.ranks_per_host, max_steps)
     timing = replay(schedule, network)
     sends, recvs = schedule.send_peer >= 0, schedule.recv_peer >= 0
-    return SimResult(
-        collective=collective, algorithm=schedule.algorithm, world_size=world_size, nbytes=nbytes, network=network,
-        time_us=float(timing.finish_us.max()), finish_us=timing.finish_us,
-        bytes_sent=schedule.per_rank(np.where(sends, schedule.send_bytes, 0)),
-        bytes_received=schedule.per_rank(np.where(recvs, schedule.recv_bytes, 0)),
-        messages_sent=schedule.per_rank(sends), messages_received=schedule.per_rank(recvs),
-        critical_path=timing.critical_path, record_s=schedule.record_s if fresh else 0.0, replay_s=timing.replay_s)
+    return SimResult(collective=collective, algorithm=schedule.algorithm, world_size=world_size,
+                     nbytes=nbytes, network=network, time_us=float(timing.finish_us.max()),
+                     finish_us=timing.finish_us,
+                     bytes_sent=schedule.per_rank(np.where(sends, schedule.send_bytes, 0)),
+                     bytes_received=schedule.per_rank(np.where(recvs, schedule.recv_bytes,
+                                                               0)), messages_sent=schedule.per_rank(sends),
+                     messages_received=schedule.per_rank(recvs), critical_path=timing.critical_path,
+                     record_s=schedule.record_s if fresh else 0.0, replay_s=timing.replay_s)
 
 
 def estimate(collective: str, algorithm: str, world_size: int, nbytes: int, *, root: int = 0,
@@ -236,9 +243,8 @@ def compare(collective: str, world_size: int, nbytes: int, network: Network | No
 
 
 def predictable(collective: str, world_size: int, nbytes: int, *, ranks_per_host: int = 1, root: int = 0,
-                candidates: list[str] | tuple[str, ...] | None = None,
-                max_steps: int | None = DEFAULT_MAX_STEPS,
-                max_seconds: float | None = DEFAULT_MAX_SECONDS) -> list[str]:
+                candidates: list[str] | tuple[str, ...] | None = None, max_steps: int
+                | None = DEFAULT_MAX_STEPS, max_seconds: float | None = DEFAULT_MAX_SECONDS) -> list[str]:
     """The algorithms :func:`compare` would simulate (those the recorder can run), from the
     estimates alone: a case past the limits raises :class:`SimulationTooLarge` as :func:`compare`
     would, before anything is recorded in full (``python -m lab cluster fit`` checks its host
@@ -263,8 +269,9 @@ def _runnable(collective: str, world_size: int, nbytes: int, root: int, ranks_pe
     names = algorithms()[collective] if candidates is None else tuple(candidates)
     for name in names:
         _check_algorithm(collective, name)
-    return [name for name in names if _runs(names, name, _fits, collective, name, world_size, nbytes, root,
-                                            ranks_per_host, max_steps, max_seconds)], names
+    return [
+        name for name in names if _runs(names, name, _fits, collective, name, world_size, nbytes, root,
+                                        ranks_per_host, max_steps, max_seconds)], names
 
 
 def _runs(names: tuple[str, ...], name: str, step: Any, *args: Any) -> Any:
@@ -281,8 +288,8 @@ def _runs(names: tuple[str, ...], name: str, step: Any, *args: Any) -> Any:
 
 
 def best_algorithm(collective: str, world_size: int, nbytes: int, network: Network | None = None, *,
-                   root: int = 0, candidates: list[str] | tuple[str, ...] | None = None,
-                   max_steps: int | None = DEFAULT_MAX_STEPS, max_seconds: float | None = DEFAULT_MAX_SECONDS) -> str:
+                   root: int = 0, candidates: list[str] | tuple[str, ...] | None = None, max_steps: int
+                   | None = DEFAULT_MAX_STEPS, max_seconds: float | None = DEFAULT_MAX_SECONDS) -> str:
     """The algorithm with the least simulated time (ties: the first in the lab's table); limits
     as in :func:`compare`.
 

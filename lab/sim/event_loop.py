@@ -79,15 +79,17 @@ def match_messages(s: Schedule) -> np.ndarray:
         for key, got in zip(rkeys.tolist(), received.tolist()):
             count[key] = count.get(key, 0) - got
         key = next(k for k, c in sorted(count.items()) if c)
-        raise ScheduleError(f"{s.collective} ({s.algorithm}) on {n} ranks: rank {key // n} sends rank {key % n} "
-                            f"{count[key]:+d} more messages than it receives")
+        raise ScheduleError(
+            f"{s.collective} ({s.algorithm}) on {n} ranks: rank {key // n} sends rank {key % n} "
+            f"{count[key]:+d} more messages than it receives")
     match = np.full(s.steps, -1, dtype=np.int64)
     match[sends[send_order]] = recvs[recv_order]
     wrong = s.send_bytes[sends] != s.recv_bytes[match[sends]]
     if wrong.any():
         k = sends[np.argmax(wrong)]
-        raise ScheduleError(f"{s.collective} ({s.algorithm}): rank {rank_of_step[k]} sends {s.send_bytes[k]} bytes "
-                            f"to rank {s.send_peer[k]}, which receives {s.recv_bytes[match[k]]}")
+        raise ScheduleError(
+            f"{s.collective} ({s.algorithm}): rank {rank_of_step[k]} sends {s.send_bytes[k]} bytes "
+            f"to rank {s.send_peer[k]}, which receives {s.recv_bytes[match[k]]}")
     return match
 
 
@@ -115,7 +117,8 @@ def _pop(heap_t, heap_r, size):
         if child >= size:
             break
         other = child + 1
-        if other < size and (heap_t[other] < heap_t[child] or (heap_t[other] == heap_t[child] and heap_r[other] < heap_r[child])):
+        if other < size and (heap_t[other] < heap_t[child] or
+                             (heap_t[other] == heap_t[child] and heap_r[other] < heap_r[child])):
             child = other
         if last_t < heap_t[child] or (last_t == heap_t[child] and last_r < heap_r[child]):
             break
@@ -140,10 +143,9 @@ def _cpu(t, work, group, message, core_free, core_holder):
 
 
 @numba.njit(cache=True)
-def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, passes, match,
-            alpha, beta, intra_alpha, intra_beta, gamma, ranks_per_host,
-            send_overhead, recv_overhead, copy, cores, ranks_per_cpu, eager_bytes, gap, intra_gap, wake,
-            nic_of, nics, bus, tier_beta, hosts_per_leaf):
+def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, passes, match, alpha, beta,
+            intra_alpha, intra_beta, gamma, ranks_per_host, send_overhead, recv_overhead, copy, cores,
+            ranks_per_cpu, eager_bytes, gap, intra_gap, wake, nic_of, nics, bus, tier_beta, hosts_per_leaf):
     n = len(step_ptr) - 1
     steps = len(send_peer)
     hosts = (n + ranks_per_host - 1) // ranks_per_host
@@ -204,17 +206,17 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
             arrived[j] = k
             if posted[dst] and cur[dst] == j:
                 posted[dst] = False
-                size = _receive(dst, j, t + wake, k, k, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu,
-                                core_free, core_holder, sent_t, sent_cause, held, received_t, received_cause,
-                                step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size,
-                                steps, n)
+                size = _receive(dst, j, t + wake, k, k, recv_bytes, reduces, recv_overhead, copy, gamma,
+                                ranks_per_cpu, core_free, core_holder, sent_t, sent_cause, held, received_t,
+                                received_cause, step_ptr, cur, start_cause, finish, finish_cause, completed,
+                                heap_t, heap_c, size, steps, n)
             # A held send's step whose receive was done completes with its send.
             r = rank_of[k]
             if cur[r] == k and received_t[r] >= 0:
                 done, cause = (t, k) if t >= received_t[r] else (received_t[r], received_cause[r])
                 received_t[r] = -1.0
-                size = _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, completed,
-                                 heap_t, heap_c, size, steps, n)
+                size = _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause,
+                                 completed, heap_t, heap_c, size, steps, n)
             continue
         if code < steps + n:
             # A step's CPU work is done: its message (if any) takes the ports and goes on the wire.
@@ -240,9 +242,10 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
             sent_t[r], sent_cause[r] = t, start_cause[r]
         else:
             if send_bytes[k] <= eager_bytes or posted_step[send_peer[k]] == match[k]:
-                size = _wire(r, k, t, start_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
-                             gap, intra_gap, ranks_per_host, send_free, send_holder, recv_free, recv_holder,
-                             links, msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t, heap_c, size)
+                size = _wire(r, k, t, start_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha,
+                             intra_beta, gap, intra_gap, ranks_per_host, send_free, send_holder, recv_free,
+                             recv_holder, links, msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t,
+                             heap_c, size)
             else:
                 held[r] = k  # its receiver has not posted the receive yet
         # The rank posts its receive (or, without one, its step completes when its send has).
@@ -250,22 +253,23 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
             if held[r] == k:
                 received_t[r], received_cause[r] = t, start_cause[r]
             else:
-                size = _complete(r, k, sent_t[r], sent_cause[r], step_ptr, cur, start_cause, finish, finish_cause,
-                                 completed, heap_t, heap_c, size, steps, n)
+                size = _complete(r, k, sent_t[r], sent_cause[r], step_ptr, cur, start_cause, finish,
+                                 finish_cause, completed, heap_t, heap_c, size, steps, n)
             continue
         posted_step[r] = k
         m = sender_step[k]
         src = rank_of[m]
         if held[src] == m:  # the sender waited for this receive: its message leaves now
             held[src] = -1
-            size = _wire(src, m, t, posted_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta,
-                         gap, intra_gap, ranks_per_host, send_free, send_holder, recv_free, recv_holder,
-                         links, msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t, heap_c, size)
+            size = _wire(src, m, t, posted_cause[r], send_peer, send_bytes, alpha, beta, intra_alpha,
+                         intra_beta, gap, intra_gap, ranks_per_host, send_free, send_holder, recv_free,
+                         recv_holder, links, msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t,
+                         heap_c, size)
         if arrived[k] >= 0:
-            size = _receive(r, k, t, start_cause[r], arrived[k], recv_bytes, reduces, recv_overhead, copy, gamma,
-                            ranks_per_cpu, core_free, core_holder, sent_t, sent_cause, held, received_t,
-                            received_cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c,
-                            size, steps, n)
+            size = _receive(r, k, t, start_cause[r], arrived[k], recv_bytes, reduces, recv_overhead, copy,
+                            gamma, ranks_per_cpu, core_free, core_holder, sent_t, sent_cause, held,
+                            received_t, received_cause, step_ptr, cur, start_cause, finish, finish_cause,
+                            completed, heap_t, heap_c, size, steps, n)
         else:
             posted[r] = True
     return finish, finish_cause, msg_start, msg_end, msg_cause, cur, completed
@@ -273,8 +277,8 @@ def _replay(step_ptr, send_peer, send_bytes, recv_peer, recv_bytes, reduces, pas
 
 @numba.njit(cache=True)
 def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra_beta, gap, intra_gap,
-          ranks_per_host, send_free, send_holder, recv_free, recv_holder, links,
-          msg_start, msg_end, msg_cause, sent_t, sent_cause, heap_t, heap_c, size):
+          ranks_per_host, send_free, send_holder, recv_free, recv_holder, links, msg_start, msg_end,
+          msg_cause, sent_t, sent_cause, heap_t, heap_c, size):
     """Rank r's message of step k takes the ports at t (first come first served) and goes on the wire.
     ``links``: each rank's NIC, the NICs' up- and downlinks, whether a host's ranks share a bus, the
     buses, β between leaf switches and the hosts per leaf."""
@@ -317,8 +321,8 @@ def _wire(r, k, t, cause, send_peer, send_bytes, alpha, beta, intra_alpha, intra
 
 @numba.njit(cache=True)
 def _receive(r, k, t, t_cause, m, recv_bytes, reduces, recv_overhead, copy, gamma, ranks_per_cpu, core_free,
-             core_holder, sent_t, sent_cause, held, received_t, received_cause, step_ptr, cur, start_cause, finish,
-             finish_cause, completed, heap_t, heap_c, size, steps, n):
+             core_holder, sent_t, sent_cause, held, received_t, received_cause, step_ptr, cur, start_cause,
+             finish, finish_cause, completed, heap_t, heap_c, size, steps, n):
     """Rank r's receive of step k (message m, arrived) starts its CPU work at t, which ``t_cause``
     set (the message's arrival, or what started the step); the step then completes, or, while
     its own send waits for its receiver (rendezvous), completes when that send arrives."""
@@ -331,13 +335,13 @@ def _receive(r, k, t, t_cause, m, recv_bytes, reduces, recv_overhead, copy, gamm
         return size
     if sent_t[r] > done:
         done, cause = sent_t[r], sent_cause[r]
-    return _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c,
-                     size, steps, n)
+    return _complete(r, k, done, cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t,
+                     heap_c, size, steps, n)
 
 
 @numba.njit(cache=True)
-def _complete(r, k, t, cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c, size,
-              steps, n):
+def _complete(r, k, t, cause, step_ptr, cur, start_cause, finish, finish_cause, completed, heap_t, heap_c,
+              size, steps, n):
     """Step k of rank r completed at t: start the next one then, or record the finish."""
     cur[r] = k + 1
     completed[k] = t
@@ -356,8 +360,8 @@ def nic_of_rank(network: Network, world_size: int) -> np.ndarray:
     """
     host, local = np.divmod(np.arange(world_size, dtype=np.int64), network.ranks_per_host)
     nics = network.nics_per_host
-    nic = (np.asarray(network.nic_map, dtype=np.int64)[local] if network.nic_map is not None
-           else local * nics // network.ranks_per_host)
+    nic = (np.asarray(network.nic_map, dtype=np.int64)[local] if network.nic_map is not None else local *
+           nics // network.ranks_per_host)
     return host * nics + nic
 
 
@@ -367,15 +371,15 @@ def finish_times(s: Schedule, match: np.ndarray, network: Network) -> tuple[np.n
     stopped at, and per step when it completed. A calibration calls this many times on one
     schedule, pairing its messages once. A byte copied costs what the case's working set makes it
     (:meth:`Network.copy_cost`)."""
-    return _replay(s.step_ptr, s.send_peer, s.send_bytes, s.recv_peer, s.recv_bytes, s.reduces, s.pass_bytes, match,
-                   float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha,
+    return _replay(s.step_ptr, s.send_peer, s.send_bytes, s.recv_peer, s.recv_bytes, s.reduces, s.pass_bytes,
+                   match, float(network.alpha_us), network.beta_us_per_byte, network.intra_alpha,
                    network.intra_beta_us_per_byte, float(network.gamma_us_per_byte), network.ranks_per_host,
                    float(network.send_overhead_us), float(network.recv_overhead_us),
-                   float(network.copy_cost(s.working_set_bytes)),
-                   network.cores or 0, min(network.cpu_group, max(s.world_size, 1)), network.eager_limit,
-                   network.gap, network.intra_gap, float(network.wake_us), nic_of_rank(network, s.world_size),
-                   network.nics_per_host, network.intra_fabric == "bus", network.tier_beta_us_per_byte,
-                   network.hosts_per_leaf)
+                   float(network.copy_cost(s.working_set_bytes)), network.cores or 0,
+                   min(network.cpu_group, max(s.world_size,
+                                              1)), network.eager_limit, network.gap, network.intra_gap,
+                   float(network.wake_us), nic_of_rank(network, s.world_size), network.nics_per_host,
+                   network.intra_fabric == "bus", network.tier_beta_us_per_byte, network.hosts_per_leaf)
 
 
 def loop_times(s: Schedule, match: np.ndarray, network: Network, calls: int) -> np.ndarray:
@@ -387,7 +391,8 @@ def loop_times(s: Schedule, match: np.ndarray, network: Network, calls: int) -> 
     """
     completed = finish_times(s, match, network)[6]
     per_call = np.diff(s.step_ptr) // calls
-    last = s.step_ptr[:-1, None] + per_call[:, None] * np.arange(1, calls + 1) - 1  # [rank, call]: its last step
+    last = s.step_ptr[:-1,
+                      None] + per_call[:, None] * np.arange(1, calls + 1) - 1  # [rank, call]: its last step
     ends = np.where(per_call[:, None] > 0, completed[np.maximum(last, 0)] if s.steps else 0.0, 0.0)
     return np.diff(ends, axis=1, prepend=0.0).max(axis=0, initial=0.0)
 
@@ -401,8 +406,9 @@ def replay(s: Schedule, network: Network) -> Timing:
     if len(stuck):
         r = int(stuck[0])
         k = cur[r]
-        raise ScheduleError(f"{s.collective} ({s.algorithm}) on {s.world_size} ranks deadlocks: rank {r} waits at its "
-                            f"step {k - s.step_ptr[r]} for a message from rank {s.recv_peer[k]}")
+        raise ScheduleError(
+            f"{s.collective} ({s.algorithm}) on {s.world_size} ranks deadlocks: rank {r} waits at its "
+            f"step {k - s.step_ptr[r]} for a message from rank {s.recv_peer[k]}")
     path: list[Message] = []
     if s.world_size:
         rank = int(np.argmax(finish))  # the first of the ranks that finish last
@@ -411,8 +417,9 @@ def replay(s: Schedule, network: Network) -> Timing:
             if len(path) > s.steps:
                 raise RuntimeError(f"{s.collective} ({s.algorithm}): the critical path loops at message {m}")
             sender = int(np.searchsorted(s.step_ptr, m, side="right")) - 1
-            path.append(Message(sender, int(s.send_peer[m]), int(s.send_bytes[m]),
-                                float(msg_start[m]), float(msg_end[m]), m))
+            path.append(
+                Message(sender, int(s.send_peer[m]), int(s.send_bytes[m]), float(msg_start[m]),
+                        float(msg_end[m]), m))
             m = int(msg_cause[m])
         path.reverse()
     return Timing(finish, path, time.perf_counter() - started)

@@ -104,6 +104,7 @@ def _hosts_network(hosts: int, link_gbit: float, ranks_per_host: int, fitted: di
     inside = fitted.get("shm", {})
     intra = ({"intra_alpha_us": inside.get("alpha_us"), "intra_gbit": inside.get("gbit")}
              if ranks_per_host > 1 and inside else {})
-    return Network(**{name: row[name] for name in FITTED if name != "gbit"}, gbit=link_gbit,
-                   cores=int(row["cores"]), ranks_per_host=ranks_per_host, ranks_per_cpu=MAX_RANKS_PER_HOST,
+    return Network(**{name: row[name]
+                      for name in FITTED if name != "gbit"}, gbit=link_gbit, cores=int(row["cores"]),
+                   ranks_per_host=ranks_per_host, ranks_per_cpu=MAX_RANKS_PER_HOST,
                    cache_bytes=fitted["tcp"].get("cache_bytes"), **intra)

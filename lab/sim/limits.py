@@ -49,7 +49,7 @@ class SimulationTooLarge(SimulationUnsupported):
 def _round_up(value: float) -> int:
     """Two significant digits, rounded up (what to suggest as a new limit): 799,960,000 -> 800,000,000."""
     value = max(int(-(-value // 1)), 1)
-    scale = 10 ** max(len(str(value)) - 2, 0)
+    scale = 10**max(len(str(value)) - 2, 0)
     return -(-value // scale) * scale
 
 
@@ -67,7 +67,8 @@ def _raise_it(name: str, needed: float, at_least: bool) -> str:
     return f"Pass {name}={_round_up(needed):_} (or {name}=None for no limit) to simulate it anyway."
 
 
-def too_many_steps(case: str, steps: float, max_steps: int, basis: str, at_least: bool = False) -> SimulationTooLarge:
+def too_many_steps(case: str, steps: float, max_steps: int, basis: str,
+                   at_least: bool = False) -> SimulationTooLarge:
     """The refusal of ``case``, which needs ``steps`` steps (``basis``: how we know), past ``max_steps``.
 
         too_many_steps("allreduce (ring) on 20,000 ranks of 4,096 bytes", 799_960_000, 10_000_000,
@@ -79,11 +80,12 @@ def too_many_steps(case: str, steps: float, max_steps: int, basis: str, at_least
     amount = "at least" if at_least else "about"
     return SimulationTooLarge(
         f"too large to simulate: {case} needs {amount} {steps:,.0f} steps ({basis}; {amount} "
-        f"{_memory(steps * BYTES_PER_STEP)} of memory), past max_steps={max_steps:,}. "
-        + _raise_it("max_steps", steps, at_least))
+        f"{_memory(steps * BYTES_PER_STEP)} of memory), past max_steps={max_steps:,}. " +
+        _raise_it("max_steps", steps, at_least))
 
 
-def too_slow(case: str, seconds: float, max_seconds: float, basis: str, at_least: bool = False) -> SimulationTooLarge:
+def too_slow(case: str, seconds: float, max_seconds: float, basis: str,
+             at_least: bool = False) -> SimulationTooLarge:
     """The refusal of ``case``, whose recording would take ``seconds``, past ``max_seconds``."""
     amount = "at least" if at_least else "about"
     return SimulationTooLarge(
@@ -99,8 +101,8 @@ def describe(collective: str, algorithm: str | None, world_size: int, nbytes: in
 def at_least_one_step_per_rank(case: str, world_size: int, max_steps: int | None) -> None:
     """Every rank sends or receives at least once, so N - 1 > max_steps is refused with no recording."""
     if max_steps is not None and world_size - 1 > max_steps:
-        raise too_many_steps(case, world_size - 1, max_steps, "every rank but one sends or receives at least once",
-                             at_least=True)
+        raise too_many_steps(case, world_size - 1, max_steps,
+                             "every rank but one sends or receives at least once", at_least=True)
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,8 @@ class Meter:
     CHECK_EVERY = 8  # steps
     FINISH_STEPS, FINISH_S = 1_000_000, 10.0
 
-    def __init__(self, mesh: ScheduleRecorder, case: str, sample: list[tuple[int, bool]], max_steps: int | None,
-                 max_seconds: float | None) -> None:
+    def __init__(self, mesh: ScheduleRecorder, case: str, sample: list[tuple[int, bool]],
+                 max_steps: int | None, max_seconds: float | None) -> None:
         self.mesh, self.case, self.sampled = mesh, case, len(sample)
         self.limits = {"max_steps": max_steps, "max_seconds": max_seconds}
         self.world_size = mesh.world_size

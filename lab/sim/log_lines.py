@@ -29,7 +29,6 @@ _TAG = re.compile(r"\[\d+,\d+\]<std(?:out|err)>:|\[default\d+\]:")
 #: Tags that stand only at a line's start: srun ``--label``'s ``0: ``, ``[host:pid] ``.
 _LEAD = re.compile(r" *\d+: |\[[\w.-]+:\d+\] ")
 
-
 #: One logical line of a log: the file's line number where it starts, its text, and whether it
 #: may go on in the next line (its last piece ends the file's widest line, where a terminal
 #: wraps: the next line then holds the rest). A plain tuple: a log has millions.
@@ -63,12 +62,16 @@ def physical_lines(path: Path) -> list[str]:
             total += len(block)
             pieces = (rest + block).split(b"\n")
             if total > MAX_LOG_BYTES:  # in the last piece read: the line that holds the byte past the limit
-                raise error(path, len(lines) + len(pieces), f"the log goes on past {MAX_LOG_BYTES:,} bytes "
-                                                            "(lab.sim.log_lines.MAX_LOG_BYTES)")
+                raise error(
+                    path,
+                    len(lines) + len(pieces), f"the log goes on past {MAX_LOG_BYTES:,} bytes "
+                    "(lab.sim.log_lines.MAX_LOG_BYTES)")
             if max(map(len, pieces)) > MAX_LINE_BYTES:
                 index = next(i for i, piece in enumerate(pieces) if len(piece) > MAX_LINE_BYTES)
-                raise error(path, len(lines) + index + 1, f"a line longer than {MAX_LINE_BYTES:,} bytes "
-                                                          "(lab.sim.log_lines.MAX_LINE_BYTES): not a log's")
+                raise error(
+                    path,
+                    len(lines) + index + 1, f"a line longer than {MAX_LINE_BYTES:,} bytes "
+                    "(lab.sim.log_lines.MAX_LINE_BYTES): not a log's")
             rest = pieces.pop()
             lines += [piece.removesuffix(b"\r").decode(errors="replace") for piece in pieces]
     lines.append(rest.decode(errors="replace"))
@@ -122,8 +125,9 @@ def streams(path: Path) -> dict[str | None, list[Line]]:
     physical = physical_lines(path)
     width = _wrap_width(physical)
     if not _tagged(physical):  # each line its own, but the last: unfinished
-        return {None: [(number, _untagged(text), len(text) == width)
-                       for number, text in enumerate(physical[:-1], 1)]}
+        return {
+            None: [(number, _untagged(text), len(text) == width)
+                   for number, text in enumerate(physical[:-1], 1)]}
     found: dict[str | None, list[Line]] = {}
     unfinished: dict[str | None, tuple[int, list[str]]] = {}
     above = None

@@ -51,8 +51,9 @@ SPLIT = tuple(name for name in COLLECTIVES if CATALOG[name].splits)
 REDUCING = tuple(name for name in COLLECTIVES if CATALOG[name].reduces)
 ROOTED = tuple(name for name in COLLECTIVES if CATALOG[name].rooted)
 #: Bytes per element of nccl-tests' type names (older versions: char, int).
-ITEM_BYTES = {"int8": 1, "uint8": 1, "char": 1, "int32": 4, "uint32": 4, "int": 4, "int64": 8, "uint64": 8,
-              "half": 2, "float": 4, "double": 8, "bfloat16": 2, "f8e4m3": 1, "f8e5m2": 1}
+ITEM_BYTES = {
+    "int8": 1, "uint8": 1, "char": 1, "int32": 4, "uint32": 4, "int": 4, "int64": 8, "uint64": 8, "half": 2,
+    "float": 4, "double": 8, "bfloat16": 2, "f8e4m3": 1, "f8e5m2": 1}
 
 _DEVICE = re.compile(r"#\s*Rank\s+(\d+)\s+(?:Group\s+(\d+)\s+)?Pid\s+(\d+)\s+on\s+(\S+)\s+device\s+\d+\s+"
                      r"\[[^\]]*\]\s*(.*)")
@@ -111,12 +112,13 @@ def devices(path: Path, head: list[Line]) -> list[Device]:
     for device in found:
         if device.rank in first:
             raise error(path, device.line, f"rank {device.rank} listed again (first at line "
-                                           f"{first[device.rank]})")
+                        f"{first[device.rank]})")
         first[device.rank] = device.line
     missing = sorted(set(range(len(found))) - set(first))
     if missing:
-        raise error(path, found[0].line, f"the device lines list {len(found)} ranks but not rank "
-                                         f"{missing[0]} (they go up to {max(first)})")
+        raise error(
+            path, found[0].line, f"the device lines list {len(found)} ranks but not rank "
+            f"{missing[0]} (they go up to {max(first)})")
     return found
 
 
@@ -127,7 +129,7 @@ def _printed(field: str) -> tuple[float, float] | None:
     if not (math.isfinite(value) and value >= 0):
         return None
     exponent = int(decimal.Decimal(field).as_tuple().exponent)
-    return value, 0.5 * 10.0 ** min(max(exponent, -300), 300)
+    return value, 0.5 * 10.0**min(max(exponent, -300), 300)
 
 
 def _ranks_between(least: float, most: float, factor: float) -> tuple[int, float]:
@@ -208,15 +210,17 @@ def _bandwidth_claim(path: Path, rows: list[Row], names: list[str], collective: 
             if not factor:  # busbw = algbw: the row says nothing of N, but may say it is no such collective
                 ratio = _ratio_bounds(fields[algbw], fields[busbw], size, time_us)
                 if ratio is not None and not ratio[0] <= 1 <= ratio[1]:
-                    raise error(path, number, f"busbw {fields[busbw]} / algbw {fields[algbw]} is no "
-                                              f"{collective}'s (busbw = algbw)")
+                    raise error(
+                        path, number, f"busbw {fields[busbw]} / algbw {fields[algbw]} is no "
+                        f"{collective}'s (busbw = algbw)")
                 continue
             span = bandwidth_ranks(fields[algbw], fields[busbw], factor, size, time_us)
             if span is None:
                 continue
             if span[0] > span[1]:
-                raise error(path, number, f"busbw {fields[busbw]} / algbw {fields[algbw]} fits no rank count "
-                                          f"of {collective} (busbw = algbw × {factor:g}·(N-1)/N)")
+                raise error(
+                    path, number, f"busbw {fields[busbw]} / algbw {fields[algbw]} fits no rank count "
+                    f"of {collective} (busbw = algbw × {factor:g}·(N-1)/N)")
             if span[1] < low or span[0] > high:
                 other = low_line if span[1] < low else high_line
                 said, kept = Claim("", number, *span).says(), Claim("", other, low, high).says()
@@ -244,16 +248,18 @@ def _count_claim(path: Path, rows: list[Row], names: list[str], collective: str)
             continue
         if collective not in SPLIT:
             if size != count * item:
-                raise error(path, number, f"size {size} is not count {count} × {item} bytes "
-                                          f"({fields[at_type]}): no {collective}'s row")
+                raise error(
+                    path, number, f"size {size} is not count {count} × {item} bytes "
+                    f"({fields[at_type]}): no {collective}'s row")
             continue
         n, left = divmod(size, count * item)
         if left:
-            raise error(path, number, f"size {size} is not count {count} × {item} bytes "
-                                      f"({fields[at_type]}) × a whole number of ranks")
+            raise error(
+                path, number, f"size {size} is not count {count} × {item} bytes "
+                f"({fields[at_type]}) × a whole number of ranks")
         if claim and n != claim.low:
             raise error(path, number, f"size / count says {n} ranks here and {claim.low} at line "
-                                      f"{claim.line}")
+                        f"{claim.line}")
         claim = claim or Claim("count", number, n, n)
     return claim
 
@@ -278,8 +284,9 @@ def _check_processes(path: Path, found: list[Device], per_process: int, line: in
         processes.setdefault((device.host, device.pid), []).append(device)
     for (host, pid), held in processes.items():
         if len(held) != per_process:
-            raise error(path, held[0].line, f"process {pid} on {host} has {len(held)} device lines; "
-                                            f"nThread x nGpus (line {line}) gives each process {per_process}")
+            raise error(
+                path, held[0].line, f"process {pid} on {host} has {len(held)} device lines; "
+                f"nThread x nGpus (line {line}) gives each process {per_process}")
 
 
 def ranks_and_hosts(path: Path, found: list[Device], params: tuple[int, dict[str, int]], rows: list[Row],
@@ -299,18 +306,21 @@ def ranks_and_hosts(path: Path, found: list[Device], params: tuple[int, dict[str
         _check_processes(path, found, per_process, line)
         if per_process > 1:  # a multiple of 1 says nothing
             claims.append(Claim("nThread x nGpus", line, per_process, math.inf, per_process))
-    claims += [c for c in (_count_claim(path, rows, names, collective),
-                           _bandwidth_claim(path, rows, names, collective, wall_time)) if c]
+    claims += [
+        c for c in (_count_claim(path, rows, names, collective),
+                    _bandwidth_claim(path, rows, names, collective, wall_time)) if c]
     ranks = _agreed(path, claims)
     exact = [c.source for c in claims if c.low == c.high]
     host_ranks: dict[str, int] = {}
     for device in ours:
         host_ranks[device.host] = host_ranks.get(device.host, 0) + 1
     ranks_from = (exact[0] if exact else " and ".join(c.source for c in claims)) if ranks else None
-    return {"ranks": ranks, "ranks_from": ranks_from, "hosts": len(host_ranks) or None,
-            "host_names": list(host_ranks), "host_ranks": list(host_ranks.values()),
-            "groups": len({d.group for d in found}) or None, "ranks_per_process": per_process,
-            "devices": list(dict.fromkeys(d.name for d in found if d.name))}
+    return {
+        "ranks": ranks, "ranks_from": ranks_from, "hosts": len(host_ranks) or None,
+        "host_names": list(host_ranks), "host_ranks": list(host_ranks.values()),
+        "groups": len({d.group
+                       for d in found}) or None, "ranks_per_process": per_process,
+        "devices": list(dict.fromkeys(d.name for d in found if d.name))}
 
 
 def _column_says(rows: list[Row], names: list[str], column: str, none: str) -> bool | None:

@@ -46,8 +46,9 @@ _LOG_AFTER_HOST = re.compile(r":\d+:\d+ \[\d+\] (?:\S+:\d+ )?NCCL [A-Z]+\b")
 _FAILURE_AFTER_HOST = re.compile(r": Test (?:\w+ )?(?:failure|timeout)\b")
 #: Words of a line that says why a run stopped (``CXI alloc failed on cxi0: request exceeds ACs
 #: limits``, ``srun: error: ...``, ``Segmentation fault``), outside NCCL's INFO lines.
-_TROUBLE = re.compile(r"\b(?:errors?|fail(?:s|ed|ure)?|abort(?:s|ed)?|exceed(?:s|ed)?|killed|fault|denied"
-                      r"|cannot|unable)\b", re.IGNORECASE)
+_TROUBLE = re.compile(
+    r"\b(?:errors?|fail(?:s|ed|ure)?|abort(?:s|ed)?|exceed(?:s|ed)?|killed|fault|denied"
+    r"|cannot|unable)\b", re.IGNORECASE)
 #: A comment: ``# Using devices``, ``#``; not a wrapped line's tail that starts ``#wrong ...``.
 _COMMENT = re.compile(r"\s*#(?:\s|$)")
 _INT = re.compile(r"[-+]?\d+")
@@ -59,39 +60,41 @@ _KINDS = {int: (_INT, "an integer"), float: (_NUMBER, "a number"), str: (_NAME, 
 _MAX_HEADER = 4096
 
 _NCCL_HEADER = re.compile(r"#\s*size\s+count\s")
-_NCCL_COLUMNS = {"size": "bytes", "type": "dtype", "#wrong": "wrong", "time": "time_us", "cputime": "time_us",
-                 "i_min": "i_min_us", "i_max": "i_max_us", "i_p99": "i_p99_us", "i_cv%": "i_cv_pct"}
+_NCCL_COLUMNS = {
+    "size": "bytes", "type": "dtype", "#wrong": "wrong", "time": "time_us", "cputime": "time_us",
+    "i_min": "i_min_us", "i_max": "i_max_us", "i_p99": "i_p99_us", "i_cv%": "i_cv_pct"}
 #: Columns that are no floats (``algorithm``: the lab's predicted tables, :func:`lab.perf.table.predicted`).
-_NCCL_KINDS = {"bytes": int, "count": int, "root": int, "dtype": str, "redop": str, "timestamp": str,
-               "algorithm": str}
+_NCCL_KINDS = {
+    "bytes": int, "count": int, "root": int, "dtype": str, "redop": str, "timestamp": str, "algorithm": str}
 _PARAMS = re.compile(r"#\s*nThread\s")
 #: A parameter's value, after its name: ``8``, ``4(factor)``.
 _PARAM_VALUE = re.compile(r"(?<!\S)(\d+)(?:\((\w+)\))?")
 _WORD = re.compile(r"[A-Za-z]+")
 _PROGRAM = re.compile(rf"\b(?:{'|'.join(CATALOG[name].program for name in COLLECTIVES)})")
 #: A collective in a program's or a file's name; the first match wins (reduce_scatter before reduce).
-_NAMED = [(re.compile(pattern), name) for pattern, name in (
-    (r"all_?reduce", "allreduce"), (r"all_?gather", "allgather"), (r"reduce_?scatter", "reduce_scatter"),
-    (r"broadcast|bcast", "broadcast"), (r"all_?to_?all", "all_to_all"), (r"reduce", "reduce"),
-    (r"gather", "gather"), (r"scatter", "scatter"))]
+_NAMED = [(re.compile(pattern), name) for pattern, name in {
+    r"all_?reduce": "allreduce", r"all_?gather": "allgather", r"reduce_?scatter": "reduce_scatter",
+    r"broadcast|bcast": "broadcast", r"all_?to_?all": "all_to_all", r"reduce": "reduce", r"gather": "gather",
+    r"scatter": "scatter"}.items()]
 #: What a log says outside its table: the words its line holds, the pattern, the value's type.
-_SAYS = {"avg_busbw": ("Avg bus bandwidth", re.compile(r"#\s*Avg bus bandwidth\s*:\s*(\S+)"), float),
-         "out_of_bounds": ("Out of bounds", re.compile(r"#\s*Out of bounds values\s*:\s*(\d+)"), int),
-         "program": ("Collective test", re.compile(r"#\s*Collective test starting:\s*(\S+)"), str),
-         "nccl_tests_version": ("nccl-tests version", re.compile(r"#\s*nccl-tests version (\S+)"), str),
-         "nccl_version": ("NCCL version", re.compile(r"NCCL version (\S+)"), str)}
+_SAYS = dict(avg_busbw=("Avg bus bandwidth", re.compile(r"#\s*Avg bus bandwidth\s*:\s*(\S+)"), float),
+             out_of_bounds=("Out of bounds", re.compile(r"#\s*Out of bounds values\s*:\s*(\d+)"), int),
+             program=("Collective test", re.compile(r"#\s*Collective test starting:\s*(\S+)"), str),
+             nccl_tests_version=("nccl-tests version", re.compile(r"#\s*nccl-tests version (\S+)"), str),
+             nccl_version=("NCCL version", re.compile(r"NCCL version (\S+)"), str))
 
-_OSU_START = re.compile(r"#\s*OSU\s+\S")   # the title's start: a wrap may have cut the rest off
+_OSU_START = re.compile(r"#\s*OSU\s+\S")  # the title's start: a wrap may have cut the rest off
 _OSU_LIBRARY = re.compile(r"([A-Za-z]+)(?:-(\w+))?")
-_OSU_COLUMNS = {"Size": "bytes", "Avg Latency(us)": "avg_us", "Latency (us)": "avg_us",
-                "Min Latency(us)": "min_us", "Max Latency(us)": "max_us", "P50 Tail Lat(us)": "p50_us",
-                "P90 Tail Lat(us)": "p90_us", "P99 Tail Lat(us)": "p99_us", "Bandwidth (MB/s)": "mb_per_s"}
-_OSU_COLLECTIVES = {"Allreduce": "allreduce", "Broadcast": "broadcast", "Allgather": "allgather",
-                    "Allgatherv": "allgather", "Reduce_scatter": "reduce_scatter",
-                    "Reduce_scatter_block": "reduce_scatter", "Reduce": "reduce", "Gather": "gather",
-                    "All-to-All Personalized Exchange": "all_to_all", "Gatherv": "gather",
-                    "All-to-Allv Personalized Exchange": "all_to_all", "Scatter": "scatter",
-                    "Scatterv": "scatter", "Barrier": "barrier"}
+_OSU_COLUMNS = {
+    "Size": "bytes", "Avg Latency(us)": "avg_us", "Latency (us)": "avg_us", "Min Latency(us)": "min_us",
+    "Max Latency(us)": "max_us", "P50 Tail Lat(us)": "p50_us", "P90 Tail Lat(us)": "p90_us",
+    "P99 Tail Lat(us)": "p99_us", "Bandwidth (MB/s)": "mb_per_s"}
+_OSU_COLLECTIVES = {
+    "Allreduce": "allreduce", "Broadcast": "broadcast", "Allgather": "allgather", "Allgatherv": "allgather",
+    "Reduce_scatter": "reduce_scatter", "Reduce_scatter_block": "reduce_scatter", "Reduce": "reduce",
+    "Gather": "gather", "All-to-All Personalized Exchange": "all_to_all", "Gatherv": "gather",
+    "All-to-Allv Personalized Exchange": "all_to_all", "Scatter": "scatter", "Scatterv": "scatter",
+    "Barrier": "barrier"}
 _DATATYPE = re.compile(r"#\s*Datatype:\s*(\w+)")
 
 
@@ -112,8 +115,8 @@ def _without_log(text: str, hosts: list[str] | None) -> tuple[str, bool]:
         return text, False
     for after in _LOG_AFTER_HOST.finditer(text):
         end = after.start()
-        start = (next((end - len(host) for host in hosts if text.endswith(host, 0, end)), None) if hosts
-                 else _name_start(text, end))
+        named = (end - len(host) for host in hosts or () if text.endswith(host, 0, end))
+        start = next(named, None) if hosts else _name_start(text, end)
         if start is not None:
             return text[:start], True
     return text, False
@@ -163,7 +166,7 @@ def _run(path: Path, header: re.Pattern, what: str) -> tuple[list[Line], int]:
         raise error(path, end, f"no {what} table in the log (read to its end){stopped}")
     if len(found) > 1:
         raise error(path, found[1][0], f"a second {what} table (the first is at line {found[0][0]}): "
-                                       "one run per log")
+                    "one run per log")
     _, key, index = found[0]
     return found_streams[key], index
 
@@ -238,7 +241,7 @@ def _rows(path: Path, lines: list[Line], width: int, hosts: list[str] | None) ->
         fields += new
         if len(fields) > width:
             raise error(path, start, f"{len(fields)} fields where the header has {width}: "
-                                     f"{excerpt(' '.join(fields))}")
+                        f"{excerpt(' '.join(fields))}")
         if len(fields) == width:
             rows.append((start, fields))
             fields = []
@@ -363,8 +366,9 @@ def read_nccl_tests(path: str | Path, collective: str | None = None) -> pd.DataF
     rows, failure = _rows(path, lines[body:], width, hosts)
     if not rows:
         why = _why_stopped(lines[body:])
-        raise error(path, number, "a column header with no rows under it"
-                                  + (f": the run stopped before its first size ({why})" if why else ""))
+        raise error(
+            path, number, "a column header with no rows under it" +
+            (f": the run stopped before its first size ({why})" if why else ""))
     if "timestamp" in fields:
         rows = [(start, row[:-2] + [" ".join(row[-2:])]) for start, row in rows]
     names = _nccl_columns(fields)
@@ -376,10 +380,9 @@ def read_nccl_tests(path: str | Path, collective: str | None = None) -> pd.DataF
         name, counted = log_ranks.inferred(path, devices, params, rows, names, wall_time)
     else:
         counted = log_ranks.ranks_and_hosts(path, devices, params, rows, names, name, wall_time)
-    df.attrs.update({"path": str(path), "format": "nccl-tests", "collective": name,
-                     "collective_from": named_by, **counted,
-                     "params": params[1], "cputime": "cputime" in fields,
-                     "complete": says["avg_busbw"] is not None, "failure": failure, **says})
+    df.attrs.update(path=str(path), format="nccl-tests", collective=name, collective_from=named_by, **counted,
+                    params=params[1], cputime="cputime" in fields, complete=says["avg_busbw"] is not None,
+                    failure=failure, **says)
     return df
 
 
@@ -402,8 +405,8 @@ def _osu_title(text: str) -> tuple[str, str | None, str, str] | None:
     Latency Test v7.4``: the benchmark's name is the words up to the first ``Test v...``."""
     words = text.strip().removeprefix("#").split()
     library = _OSU_LIBRARY.fullmatch(words[1]) if len(words) > 1 and words[0] == "OSU" else None
-    test = next((i for i in range(3, len(words) - 1)
-                 if words[i] == "Test" and words[i + 1].startswith("v") and len(words[i + 1]) > 1), None)
+    tests = (i for i in range(3, len(words) - 1) if words[i] == "Test" and re.fullmatch(r"v.+", words[i + 1]))
+    test = next(tests, None)
     if library is None or test is None:
         return None
     return library.group(1), library.group(2), " ".join(words[2:test]), words[test + 1][1:]
@@ -440,8 +443,8 @@ def read_osu(path: str | Path) -> pd.DataFrame:
     df = _frame(path, rows, names, {"bytes": int, "iterations": int, "validation": str})
     library, accelerator, benchmark, version = title
     datatype = next((m.group(1) for _, line, _ in lines[at:] if (m := _DATATYPE.match(line.strip()))), None)
-    df.attrs.update({"path": str(path), "format": "osu", "benchmark": benchmark, "version": version,
-                     "collective": _OSU_COLLECTIVES.get(re.sub(r"^Non-blocking |\s+Latency$", "", benchmark)),
-                     "library": library, "accelerator": accelerator, "datatype": datatype,
-                     "ranks": None, "hosts": None})
+    df.attrs.update({
+        "path": str(path), "format": "osu", "benchmark": benchmark, "version": version,
+        "collective": _OSU_COLLECTIVES.get(re.sub(r"^Non-blocking |\s+Latency$", "", benchmark)),
+        "library": library, "accelerator": accelerator, "datatype": datatype, "ranks": None, "hosts": None})
     return df

@@ -65,7 +65,8 @@ def _check_count(name: str, value: object, high: int, unless_none: str) -> int |
     if value is None:
         return None
     if not checks.is_int(value) or not 1 <= value <= high:
-        raise ValueError(f"{name} must be an integer from 1 to {high:,} or None ({unless_none}); got {value!r}")
+        raise ValueError(
+            f"{name} must be an integer from 1 to {high:,} or None ({unless_none}); got {value!r}")
     return int(value)
 
 
@@ -99,11 +100,12 @@ def _check_topology(network: Network) -> dict:
         raise ValueError(f"intra_fabric must be one of {INTRA_FABRICS}; got {network.intra_fabric!r}")
     per_host = _check_int("ranks_per_host", network.ranks_per_host)
     nics = _check_int("nics_per_host", network.nics_per_host)
-    return {"ranks_per_host": per_host, "nics_per_host": nics,
-            "hosts_per_leaf": _check_int("hosts_per_leaf", network.hosts_per_leaf),
-            "nic_map": _check_nic_map(network.nic_map, per_host, nics),
-            "oversubscription": _check_number("oversubscription", network.oversubscription, OVERSUBSCRIPTION,
-                                              "(1: full bisection)")}
+    return {
+        "ranks_per_host": per_host, "nics_per_host": nics,
+        "hosts_per_leaf": _check_int("hosts_per_leaf", network.hosts_per_leaf),
+        "nic_map": _check_nic_map(network.nic_map, per_host, nics),
+        "oversubscription": _check_number("oversubscription", network.oversubscription, OVERSUBSCRIPTION,
+                                          "(1: full bisection)")}
 
 
 @dataclass(frozen=True)
@@ -218,10 +220,11 @@ class Network:
         for name, value in _check_topology(self).items():
             object.__setattr__(self, name, value)
         object.__setattr__(self, "cores", _check_count("cores", self.cores, MAX_CORES, "a core per rank"))
-        object.__setattr__(self, "ranks_per_cpu", _check_count("ranks_per_cpu", self.ranks_per_cpu,
-                                                               MAX_RANKS_PER_HOST, "ranks_per_host"))
-        object.__setattr__(self, "cache_bytes", _check_count("cache_bytes", self.cache_bytes, MAX_CACHE_BYTES,
-                                                             "no cache limit"))
+        object.__setattr__(
+            self, "ranks_per_cpu",
+            _check_count("ranks_per_cpu", self.ranks_per_cpu, MAX_RANKS_PER_HOST, "ranks_per_host"))
+        object.__setattr__(self, "cache_bytes",
+                           _check_count("cache_bytes", self.cache_bytes, MAX_CACHE_BYTES, "no cache limit"))
         if self.eager_bytes is not None and (not checks.is_int(self.eager_bytes) or self.eager_bytes < 0):
             raise ValueError(f"eager_bytes must be a non-negative integer, or None (every message eager); "
                              f"got {self.eager_bytes!r}")

@@ -85,13 +85,14 @@ def arrows(schedule: Schedule, critical_path: list[Message]) -> list[Arrow]:
     critical = {message.step for message in critical_path}
     for message in critical_path:
         k = message.step
-        if not (0 <= k < len(match) and match[k] >= 0 and rank_of[k] == message.src
-                and schedule.send_peer[k] == message.dst and schedule.send_bytes[k] == message.nbytes):
-            raise ScheduleError(f"the critical path's message {message.src} -> {message.dst} ({message.nbytes} "
-                                f"bytes) is not send {k} of {schedule.algorithm}'s schedule: another recording?")
-    return [Arrow(int(rank_of[k]), int(schedule.send_peer[k]), int(schedule.send_bytes[k]), int(start[k]),
-                  int(end[match[k]]), bool(schedule.reduces[match[k]]), k in critical)
-            for k in sends.tolist()]
+        if not (0 <= k < len(match) and match[k] >= 0 and rank_of[k] == message.src and
+                schedule.send_peer[k] == message.dst and schedule.send_bytes[k] == message.nbytes):
+            raise ScheduleError(
+                f"the critical path's message {message.src} -> {message.dst} ({message.nbytes} "
+                f"bytes) is not send {k} of {schedule.algorithm}'s schedule: another recording?")
+    return [
+        Arrow(int(rank_of[k]), int(schedule.send_peer[k]), int(schedule.send_bytes[k]), int(start[k]),
+              int(end[match[k]]), bool(schedule.reduces[match[k]]), k in critical) for k in sends.tolist()]
 
 
 def _bytes_label(nbytes: int) -> str:
@@ -125,25 +126,29 @@ def draw(schedule: Schedule, critical_path: list[Message], path: str | Path, tit
         if arrow.critical:
             ax.annotate("", (x1, arrow.dst), (x0, arrow.src), zorder=2,
                         arrowprops={"arrowstyle": "-", "color": "red", "lw": 5, "alpha": 0.35})
-        ax.annotate("", (x1, arrow.dst), (x0, arrow.src), zorder=3,
-                    arrowprops={"arrowstyle": "-|>", "color": color, "lw": 1.8 if arrow.critical else 1.0,
-                                    "shrinkA": 0, "shrinkB": 2, "mutation_scale": 9})
+        ax.annotate(
+            "", (x1, arrow.dst), (x0, arrow.src), zorder=3, arrowprops={
+                "arrowstyle": "-|>", "color": color, "lw": 1.8 if arrow.critical else 1.0, "shrinkA": 0,
+                "shrinkB": 2, "mutation_scale": 9})
         ax.text((x0 + x1) / 2, (arrow.src + arrow.dst) / 2, _bytes_label(arrow.nbytes), fontsize=label_size,
-                ha="center", va="center", zorder=4, bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none",
-                                                               "alpha": 0.8})
+                ha="center", va="center", zorder=4,
+                bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8})
     ax.set_ylim(n - 0.5, -0.5)  # rank 0 on top
     ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
     ax.set_xlim(0, columns)
     step_ticks = range(columns) if columns <= 40 else range(0, columns, max(1, columns // 20))
     ax.set_xticks([c + 0.5 for c in step_ticks], [str(c) for c in step_ticks])
-    ax.set_xlabel("step (a message leaves when its sender's step starts and lands by the end of its receiver's)")
+    ax.set_xlabel(
+        "step (a message leaves when its sender's step starts and lands by the end of its receiver's)")
     # The title's lines wrap to the figure's width (about 12 characters an inch at 10 points).
     width = int(fig.get_size_inches()[0] * 12)
     ax.set_title("\n".join(textwrap.fill(line, width) for line in title.splitlines()), fontsize=10)
-    ax.legend(handles=[Line2D([], [], color="tab:orange", lw=1.5, label="reduce: added into the receiver's chunk"),
-                       Line2D([], [], color="tab:blue", lw=1.5, label="copy: stored as received"),
-                       Line2D([], [], color="red", lw=5, alpha=0.35, label="critical path")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(n, 1)), ncol=3, fontsize=8, frameon=False)
+    ax.legend(
+        handles=[
+            Line2D([], [], color="tab:orange", lw=1.5, label="reduce: added into the receiver's chunk"),
+            Line2D([], [], color="tab:blue", lw=1.5, label="copy: stored as received"),
+            Line2D([], [], color="red", lw=5, alpha=0.35, label="critical path")], loc="upper center",
+        bbox_to_anchor=(0.5, -0.12 - 0.3 / max(n, 1)), ncol=3, fontsize=8, frameon=False)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
     fig.tight_layout()

@@ -61,6 +61,7 @@ ROOTED = {name: record.root for name, record in CATALOG.items() if record.root}
 #: Collectives whose call takes a reduction op (recorded with "sum": the op changes no message).
 REDUCING = tuple(name for name, record in CATALOG.items() if record.reduces)
 
+
 class RecordingMesh:
     """What the public collectives and the algorithms use of a :class:`lab.Mesh`
     (:class:`lab.comm.protocols.CallMesh` and :class:`lab.algorithms.peers.Peers`), with no
@@ -88,7 +89,8 @@ class RecordingMesh:
         # The limits: once len(steps) reaches check_at, check() runs (it raises, or moves check_at on).
         self.check_at = sys.maxsize
         self.check: Callable[[], None] = lambda: None
-        self.templates: dict = {}  # the public calls' checks and choices (lab.collectives.prepared.remembered)
+        self.templates: dict = {
+        }  # the public calls' checks and choices (lab.collectives.prepared.remembered)
 
     @property
     def rank(self) -> int:
@@ -110,7 +112,8 @@ class RecordingMesh:
 
     @property
     def issue_queue(self) -> Any:
-        raise SimulationUnsupported("a recording mesh has no issue order: plans and compiled calls are not simulated")
+        raise SimulationUnsupported(
+            "a recording mesh has no issue order: plans and compiled calls are not simulated")
 
     def refused(self) -> None:
         pass  # nothing is in flight, so nothing is ever refused
@@ -161,7 +164,8 @@ class RecordingMesh:
     def recv_buffer(self, src: int, out: np.ndarray, reduction: Any = None) -> None:
         self._step((-1, 0, src, out.nbytes, reduction is not None))
 
-    def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray, reduction: Any = None) -> None:
+    def sendrecv_buffer(self, dst: int, data: np.ndarray, src: int, out: np.ndarray,
+                        reduction: Any = None) -> None:
         self._step((dst, data.nbytes, src, out.nbytes, reduction is not None))
 
     def host_of(self, rank: int) -> int:
@@ -184,7 +188,8 @@ class RecordingMesh:
             "mesh runs one rank at a time (simulate the flat algorithms with Network(ranks_per_host=...))")
 
     def stats(self) -> dict[str, int]:
-        raise SimulationUnsupported("a recording mesh has no counters: read them from lab.sim.simulate's result")
+        raise SimulationUnsupported(
+            "a recording mesh has no counters: read them from lab.sim.simulate's result")
 
     def close(self) -> None:
         pass
@@ -232,9 +237,10 @@ class Schedule:
         spans = [np.tile(np.arange(a, b), calls) for a, b in zip(self.step_ptr[:-1], self.step_ptr[1:])]
         index = np.concatenate([np.zeros(0, np.int64), *spans])
         return Schedule(self.collective, self.algorithm, self.world_size, self.nbytes,
-                        np.concatenate(([0], np.cumsum(np.diff(self.step_ptr) * calls))), self.send_peer[index],
-                        self.send_bytes[index], self.recv_peer[index], self.recv_bytes[index], self.reduces[index],
-                        self.record_s, self.pass_bytes[index], self.calls * calls)
+                        np.concatenate(
+                            ([0], np.cumsum(np.diff(self.step_ptr) * calls))), self.send_peer[index],
+                        self.send_bytes[index], self.recv_peer[index], self.recv_bytes[index],
+                        self.reduces[index], self.record_s, self.pass_bytes[index], self.calls * calls)
 
     def per_rank(self, values: np.ndarray) -> np.ndarray:
         """Sum a per-step integer array over each rank's steps (exact)."""
@@ -279,7 +285,8 @@ def _call(collective: str, mesh: RecordingMesh, x: np.ndarray, algorithm: str | 
 
 
 def estimate(collective: str, algorithm: str | None, world_size: int, nbytes: int, root: int = 0,
-             ranks_per_host: int = 1, max_steps: int | None = None, max_seconds: float | None = None) -> Estimate:
+             ranks_per_host: int = 1, max_steps: int | None = None,
+             max_seconds: float | None = None) -> Estimate:
     """The steps, time and memory of simulating a case, from recording a sample of its ranks
     (arguments already validated; :func:`lab.sim.estimate` is the checked call).
 
@@ -321,8 +328,10 @@ def _record(collective: str, algorithm: str | None, world_size: int, nbytes: int
         mesh.check_at = (max_steps + 1) * STEP_FIELDS
 
         def passed() -> None:
-            raise too_many_steps(case, max_steps + 1, max_steps, f"reached while recording rank {mesh.rank:,} "
+            raise too_many_steps(case, max_steps + 1, max_steps,
+                                 f"reached while recording rank {mesh.rank:,} "
                                  f"of {world_size:,}", at_least=True)
+
         mesh.check = passed
     x = mapped_input(nbytes // 4)  # never written: the same input serves every rank
     step_ptr = np.zeros(world_size + 1, dtype=np.int64)
@@ -339,9 +348,10 @@ def _check_counters(case: str, steps: np.ndarray) -> None:
     """The per-rank byte counts are int64 sums: refuse a case whose bytes would overflow them."""
     for column, what in [(1, "sent"), (3, "received")]:
         total = float(steps[:, column].sum(dtype=np.float64))
-        if total >= 2.0 ** 62:
-            raise SimulationTooLarge(f"too large to simulate: {case} has its ranks {what} {total:,.0f} bytes in all, "
-                                     "more than int64 byte counters hold; use a smaller nbytes")
+        if total >= 2.0**62:
+            raise SimulationTooLarge(
+                f"too large to simulate: {case} has its ranks {what} {total:,.0f} bytes in all, "
+                "more than int64 byte counters hold; use a smaller nbytes")
 
 
 def record(collective: str, algorithm: str, world_size: int, nbytes: int, root: int = 0,
@@ -355,12 +365,13 @@ def record(collective: str, algorithm: str, world_size: int, nbytes: int, root: 
     """
     started = time.perf_counter()
     table = algorithm_choices(collective)
-    mesh, ran, step_ptr = _record(collective, algorithm if table is not None else None, world_size, nbytes, root,
-                                  ranks_per_host, max_steps)
+    mesh, ran, step_ptr = _record(collective, algorithm if table is not None else None, world_size, nbytes,
+                                  root, ranks_per_host, max_steps)
     steps = np.frombuffer(mesh.steps, dtype=np.int64).reshape(-1, STEP_FIELDS)
     _check_counters(describe(collective, ran or algorithm, world_size, nbytes), steps)
-    return Schedule(
-        collective=collective, algorithm=ran or algorithm, world_size=world_size, nbytes=nbytes,
-        step_ptr=step_ptr, send_peer=steps[:, 0].copy(), send_bytes=steps[:, 1].copy(),
-        recv_peer=steps[:, 2].copy(), recv_bytes=steps[:, 3].copy(), reduces=steps[:, 4].astype(bool),
-        record_s=time.perf_counter() - started, passes=steps[:, 5].copy())
+    return Schedule(collective=collective, algorithm=ran or algorithm, world_size=world_size, nbytes=nbytes,
+                    step_ptr=step_ptr, send_peer=steps[:, 0].copy(), send_bytes=steps[:, 1].copy(),
+                    recv_peer=steps[:, 2].copy(), recv_bytes=steps[:,
+                                                                   3].copy(), reduces=steps[:,
+                                                                                            4].astype(bool),
+                    record_s=time.perf_counter() - started, passes=steps[:, 5].copy())

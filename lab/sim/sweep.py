@@ -73,7 +73,8 @@ def label(nbytes: int) -> str:
 
 
 def sweep(world_sizes: list[int], sizes: list[int], network: Network, collectives: list[str],
-          max_steps: int | None = DEFAULT_MAX_STEPS, max_seconds: float | None = DEFAULT_MAX_SECONDS) -> pd.DataFrame:
+          max_steps: int | None = DEFAULT_MAX_STEPS,
+          max_seconds: float | None = DEFAULT_MAX_SECONDS) -> pd.DataFrame:
     """One row per (collective, algorithm, N, size): simulated time, bandwidths, counters, costs.
     A case past ``max_steps``/``max_seconds`` (or that the recorder cannot run) gets a note instead."""
     table = algorithms()
@@ -85,29 +86,33 @@ def sweep(world_sizes: list[int], sizes: list[int], network: Network, collective
                          f"{collective} {algorithm} N={n} {label(nbytes):<8}")
         row = {"collective": collective, "algorithm": algorithm, "world": n, "bytes": nbytes}
         try:
-            r = simulate(collective, algorithm, n, nbytes, network, max_steps=max_steps, max_seconds=max_seconds)
+            r = simulate(collective, algorithm, n, nbytes, network, max_steps=max_steps,
+                         max_seconds=max_seconds)
         except SimulationUnsupported as why:
             rows.append({**row, "note": str(why).split(":")[0]})
             continue
-        rows.append({**row, "time_us": r.time_us, "algbw_GBps": nbytes / r.time_us / 1e3 if r.time_us else np.nan,
-                     "messages": r.messages, "max_bytes_sent": int(r.bytes_sent.max(initial=0)),
-                     "max_bytes_received": int(r.bytes_received.max(initial=0)),
-                     "critical_path_messages": len(r.critical_path), "record_s": r.record_s,
-                     "replay_s": r.replay_s, "note": ""})
+        rows.append({
+            **row, "time_us": r.time_us, "algbw_GBps": nbytes / r.time_us / 1e3 if r.time_us else np.nan,
+            "messages": r.messages, "max_bytes_sent": int(r.bytes_sent.max(initial=0)),
+            "max_bytes_received": int(r.bytes_received.max(initial=0)),
+            "critical_path_messages": len(r.critical_path), "record_s": r.record_s, "replay_s": r.replay_s,
+            "note": ""})
     sys.stderr.write("\n")
     return pd.DataFrame(rows)
 
 
 def best(frame: pd.DataFrame) -> pd.DataFrame:
     """The fastest algorithm per (collective, N, size), and how much it beats the runner-up by."""
-    timed = frame.dropna(subset=["time_us"]).sort_values(["collective", "world", "bytes", "time_us"], kind="stable")
+    timed = frame.dropna(subset=["time_us"]).sort_values(["collective", "world", "bytes", "time_us"],
+                                                         kind="stable")
     rows = []
     for (collective, n, nbytes), group in timed.groupby(["collective", "world", "bytes"], sort=True):
         first = group.iloc[0]
         second = group.iloc[1] if len(group) > 1 else None
-        rows.append({"collective": collective, "world": n, "bytes": nbytes, "best": first["algorithm"],
-                     "time_us": first["time_us"], "runner_up": None if second is None else second["algorithm"],
-                     "margin": np.nan if second is None else second["time_us"] / first["time_us"]})
+        rows.append({
+            "collective": collective, "world": n, "bytes": nbytes, "best": first["algorithm"],
+            "time_us": first["time_us"], "runner_up": None if second is None else second["algorithm"],
+            "margin": np.nan if second is None else second["time_us"] / first["time_us"]})
     return pd.DataFrame(rows)
 
 
@@ -123,8 +128,8 @@ def crossover(frame: pd.DataFrame, network: Network) -> pd.DataFrame:
     """Per N: the size from which ring allreduce beats tree, interpolated between the swept sizes
     (both times are affine in T between two sizes, when N divides the element count)."""
     rows = []
-    timed = frame[(frame["collective"] == "allreduce") & frame["algorithm"].isin(["ring", "tree"])].dropna(
-        subset=["time_us"])
+    timed = frame[(frame["collective"] == "allreduce")
+                  & frame["algorithm"].isin(["ring", "tree"])].dropna(subset=["time_us"])
     for n, group in timed.groupby("world"):
         wide = group.pivot_table(index="bytes", columns="algorithm", values="time_us").dropna()
         if not {"ring", "tree"} <= set(wide.columns) or n < 2:
@@ -177,8 +182,10 @@ def plot_crossover(cross: pd.DataFrame, network: Network, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(cross["world"], cross["crossover_bytes"], "o-", label="simulated (interpolated between swept sizes)")
-    ax.plot(cross["world"], cross["closed_form_bytes"], "--", label="closed form: 2(N-1)(α+Tβ/N) = 2·log2N·(α+Tβ)")
+    ax.plot(cross["world"], cross["crossover_bytes"], "o-",
+            label="simulated (interpolated between swept sizes)")
+    ax.plot(cross["world"], cross["closed_form_bytes"], "--",
+            label="closed form: 2(N-1)(α+Tβ/N) = 2·log2N·(α+Tβ)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("ranks (N)")
@@ -192,7 +199,8 @@ def plot_crossover(cross: pd.DataFrame, network: Network, path: Path) -> None:
 
 def _table_md(frame: pd.DataFrame) -> str:
     header = "| " + " | ".join(frame.columns) + " |\n| " + " | ".join("---" for _ in frame.columns) + " |\n"
-    return header + "".join("| " + " | ".join(str(v) for v in row) + " |\n" for row in frame.itertuples(index=False))
+    return header + "".join("| " + " | ".join(str(v) for v in row) + " |\n"
+                            for row in frame.itertuples(index=False))
 
 
 def at_scale(frame: pd.DataFrame, best_frame: pd.DataFrame, cross: pd.DataFrame, network: Network,
@@ -203,10 +211,11 @@ def at_scale(frame: pd.DataFrame, best_frame: pd.DataFrame, cross: pd.DataFrame,
         return ""
     n = int(allreduce["world"].max())
     at_n = allreduce[allreduce["world"] == n]
-    lines = [f"## At scale (simulated, N up to {n})\n",
-             f"Network: {network.describe()}. Every number below comes from `python -m lab simulate`, which runs "
-             "the lab's own algorithm functions on virtual ranks (no processes, no data) and times their "
-             "messages on that network: see docs/simulation.md.\n"]
+    lines = [
+        f"## At scale (simulated, N up to {n})\n",
+        f"Network: {network.describe()}. Every number below comes from `python -m lab simulate`, which runs "
+        "the lab's own algorithm functions on virtual ranks (no processes, no data) and times their "
+        "messages on that network: see docs/simulation.md.\n"]
     grid = at_n.pivot_table(index="bytes", columns="algorithm", values="time_us")
     shown = grid.copy()
     shown.index = [label(int(b)) for b in shown.index]
@@ -216,42 +225,52 @@ def at_scale(frame: pd.DataFrame, best_frame: pd.DataFrame, cross: pd.DataFrame,
     ring = at_n[at_n["algorithm"] == "ring"]
     if not ring.empty:
         row = ring.iloc[-1]
-        lines.append(f"\n- **Ring's traffic per rank is 2T(N-1)/N**: at N = {n}, T = {label(int(row['bytes']))}, "
-                     f"each rank sends {int(row['max_bytes_sent']):,} bytes = "
-                     f"{row['max_bytes_sent'] / row['bytes']:.4f}·T (2(N-1)/N = {2 * (n - 1) / n:.4f}).")
+        lines.append(
+            f"\n- **Ring's traffic per rank is 2T(N-1)/N**: at N = {n}, T = {label(int(row['bytes']))}, "
+            f"each rank sends {int(row['max_bytes_sent']):,} bytes = "
+            f"{row['max_bytes_sent'] / row['bytes']:.4f}·T (2(N-1)/N = {2 * (n - 1) / n:.4f}).")
     naive = at_n[at_n["algorithm"] == "naive"]
     if not naive.empty and not ring.empty:
         big = naive.iloc[-1]
         ring_big = ring[ring["bytes"] == big["bytes"]]
         if not ring_big.empty:
-            lines.append(f"- **Naive is O(N)**: rank 0 sends {int(big['max_bytes_sent']):,} bytes "
-                         f"((N-1)·T) and takes {big['time_us'] / ring_big.iloc[0]['time_us']:,.0f}× ring's time "
-                         f"at {label(int(big['bytes']))}.")
+            lines.append(
+                f"- **Naive is O(N)**: rank 0 sends {int(big['max_bytes_sent']):,} bytes "
+                f"((N-1)·T) and takes {big['time_us'] / ring_big.iloc[0]['time_us']:,.0f}× ring's time "
+                f"at {label(int(big['bytes']))}.")
     c = cross[cross["world"] == n]
     if not c.empty:
         found, exact = c.iloc[0]["crossover_bytes"], c.iloc[0]["closed_form_bytes"]
         small = cross.iloc[0]
-        lines.append(f"- **Where ring beats tree moves up with N**: from about {label_float(small['crossover_bytes'])} "
-                     f"at N = {int(small['world'])} to about {label_float(found)} at N = {n} "
-                     f"(closed form {label_float(exact)}). Ring pays 2(N-1)·α, which grows linearly with N; "
-                     "tree pays 2·log2N·α but moves T per step instead of T/N, so ring needs ever larger "
-                     "tensors to win back its latency.")
+        lines.append(
+            f"- **Where ring beats tree moves up with N**: from about {label_float(small['crossover_bytes'])} "
+            f"at N = {int(small['world'])} to about {label_float(found)} at N = {n} "
+            f"(closed form {label_float(exact)}). Ring pays 2(N-1)·α, which grows linearly with N; "
+            "tree pays 2·log2N·α but moves T per step instead of T/N, so ring needs ever larger "
+            "tensors to win back its latency.")
     double = _double_tree_line(grid, n)
     if double:
         lines.append(double)
-    winners = best_frame[(best_frame["collective"] == "allreduce") & (best_frame["world"] == n)]
-    if not winners.empty:
-        runs = []
-        for _, row in winners.iterrows():
-            if runs and runs[-1][0] == row["best"]:
-                runs[-1][2] = row["bytes"]
-            else:
-                runs.append([row["best"], row["bytes"], row["bytes"]])
-        text = "; ".join(f"{a} from {label(int(lo))} to {label(int(hi))}" if lo != hi else f"{a} at {label(int(lo))}"
-                         for a, lo, hi in runs)
-        lines.append(f"- **Fastest of all algorithms at N = {n}**: {text}.")
+    fastest = _fastest_line(best_frame, n)
+    if fastest:
+        lines.append(fastest)
     lines.append(f"\n![best algorithm]({images}/best_allreduce.png)  ![crossover]({images}/crossover.png)\n")
     return "\n".join(lines) + "\n"
+
+
+def _fastest_line(best_frame: pd.DataFrame, n: int) -> str:
+    """The fastest allreduce at ``n`` ranks, size range by size range, or "" where none was swept."""
+    winners = best_frame[(best_frame["collective"] == "allreduce") & (best_frame["world"] == n)]
+    runs: list[list] = []
+    for _, row in winners.iterrows():
+        if runs and runs[-1][0] == row["best"]:
+            runs[-1][2] = row["bytes"]
+        else:
+            runs.append([row["best"], row["bytes"], row["bytes"]])
+    text = "; ".join(
+        f"{a} from {label(int(lo))} to {label(int(hi))}" if lo != hi else f"{a} at {label(int(lo))}"
+        for a, lo, hi in runs)
+    return f"- **Fastest of all algorithms at N = {n}**: {text}." if runs else ""
 
 
 def _double_tree_line(grid: pd.DataFrame, n: int) -> str:
@@ -260,11 +279,12 @@ def _double_tree_line(grid: pd.DataFrame, n: int) -> str:
     if not {"double_tree", "ring", "tree"} <= set(grid.columns) or grid.empty:
         return ""
     small, large = grid.index.min(), grid.index.max()
-    return (f"- **Double tree: the ring's bandwidth at the tree's latency**: at N = {n} it takes "
-            f"{grid.at[large, 'double_tree'] / grid.at[large, 'ring']:.2f}× the ring's time at "
-            f"{label(int(large))} and {grid.at[small, 'double_tree'] / grid.at[small, 'tree']:.2f}× the tree's "
-            f"at {label(int(small))}: each rank works in both trees at once, its sends of one tree overlapping "
-            "the other's (the network's gap, not the whole of α, holds a port).")
+    return (
+        f"- **Double tree: the ring's bandwidth at the tree's latency**: at N = {n} it takes "
+        f"{grid.at[large, 'double_tree'] / grid.at[large, 'ring']:.2f}× the ring's time at "
+        f"{label(int(large))} and {grid.at[small, 'double_tree'] / grid.at[small, 'tree']:.2f}× the tree's "
+        f"at {label(int(small))}: each rank works in both trees at once, its sends of one tree overlapping "
+        "the other's (the network's gap, not the whole of α, holds a port).")
 
 
 def label_float(nbytes: float) -> str:
@@ -285,8 +305,7 @@ def _check_sizes(text: str) -> None:
 def main(args: argparse.Namespace) -> int:
     try:  # each term is checked by its option's type: what is left is the gap against α
         network = Network(alpha_us=args.alpha_us, gbit=args.gbit, ranks_per_host=args.ranks_per_host,
-                          intra_alpha_us=args.intra_alpha_us, intra_gbit=args.intra_gbit,
-                          gap_us=args.gap_us)
+                          intra_alpha_us=args.intra_alpha_us, intra_gbit=args.intra_gbit, gap_us=args.gap_us)
     except ValueError as exc:
         args.parser.error(f"argument --gap-us: {exc}")
     sizes = parse_sizes(args.sizes)
@@ -298,7 +317,8 @@ def main(args: argparse.Namespace) -> int:
     if not os.access(out, os.W_OK):  # before the sweep, not at its end
         args.parser.error(f"argument --out: {out} cannot be written to")
     started = time.monotonic()
-    frame = sweep(sorted(set(args.world_sizes)), sizes, network, args.collectives, args.max_steps, args.max_seconds)
+    frame = sweep(sorted(set(args.world_sizes)), sizes, network, args.collectives, args.max_steps,
+                  args.max_seconds)
     best_frame = best(frame)
     cross = crossover(frame, network)
     frame.to_csv(out / "sim.csv", index=False, float_format="%.6g")
@@ -317,7 +337,9 @@ def main(args: argparse.Namespace) -> int:
     (out / "report.md").write_text(text)
     splice(out.parent / "REPORT.md", text, "simulation")
     skipped = int(frame["time_us"].isna().sum()) if "time_us" in frame else len(frame)
-    print(f"{len(frame) - skipped} simulations ({skipped} skipped) in {time.monotonic() - started:.0f} s -> {out}/")
+    print(
+        f"{len(frame) - skipped} simulations ({skipped} skipped) in {time.monotonic() - started:.0f} s -> {out}/"
+    )
     if skipped:
         print(f"skipped: {', '.join(sorted(set(frame.loc[frame['time_us'].isna(), 'note'])))}")
     return 0
@@ -325,19 +347,22 @@ def main(args: argparse.Namespace) -> int:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """The ``simulate`` subcommand of ``python -m lab``."""
-    cmd = commands.add_parser("simulate", help="simulate every algorithm at scale on a network model (results/sim/)")
+    cmd = commands.add_parser("simulate",
+                              help="simulate every algorithm at scale on a network model (results/sim/)")
     cmd.add_argument("--world-sizes", nargs="+", type=whole(1, MAX_WORLD_SIZE),
-                     default=[2 ** k for k in range(1, 11)], metavar="N")
-    cmd.add_argument("--sizes", nargs="+", default=["1KB..1GB"], type=checked(str, _check_sizes),
-                     help="sizes per rank (4096, 64KB, 16MB) or ranges A..B in powers of 4 (default 1KB..1GB)")
+                     default=[2**k for k in range(1, 11)], metavar="N")
+    cmd.add_argument(
+        "--sizes", nargs="+", default=["1KB..1GB"], type=checked(str, _check_sizes),
+        help="sizes per rank (4096, 64KB, 16MB) or ranges A..B in powers of 4 (default 1KB..1GB)")
     cmd.add_argument("--gbit", type=network_term("gbit"), default=100.0,
                      help="link bandwidth, Gbit/s each way (default 100)")
     cmd.add_argument("--alpha-us", type=network_term("alpha_us"), default=5.0,
                      help="per-message latency, µs (default 5)")
-    cmd.add_argument("--gap-us", type=number, default=None,
-                     help="the part of α a message holds its port for (LogP's g; the rest of α is flight time; "
-                          "default: all of α, as lab.sim.Network's gap_us=None; 0.5: a NIC taking a message "
-                          "every 0.5 µs)")
+    cmd.add_argument(
+        "--gap-us", type=number, default=None,
+        help="the part of α a message holds its port for (LogP's g; the rest of α is flight time; "
+        "default: all of α, as lab.sim.Network's gap_us=None; 0.5: a NIC taking a message "
+        "every 0.5 µs)")
     cmd.add_argument("--ranks-per-host", type=network_term("ranks_per_host", whole(1)), default=1,
                      help="ranks sharing one host link (default 1)")
     cmd.add_argument("--intra-alpha-us", type=network_term("intra_alpha_us"), default=None,
@@ -346,16 +371,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="bandwidth inside a host (default: --gbit)")
     cmd.add_argument("--collectives", nargs="+", default=["allreduce"], choices=COLLECTIVES, metavar="NAME",
                      help=f"which collectives (default allreduce; any of {', '.join(COLLECTIVES)})")
-    cmd.add_argument("--max-steps", type=whole(1), default=DEFAULT_MAX_STEPS,
-                     help="skip a case whose recording would pass this many steps, as a sample of its ranks shows "
-                          "(about 170 MB and 1-4 s per million; default 10 million)")
-    cmd.add_argument("--max-seconds", type=checked(number, lambda seconds: check_limits(None, seconds)),
-                     default=DEFAULT_MAX_SECONDS,
-                     help="skip a case whose recording would take longer, as a sample of its ranks shows "
-                          "(default 300)")
+    cmd.add_argument(
+        "--max-steps", type=whole(1), default=DEFAULT_MAX_STEPS,
+        help="skip a case whose recording would pass this many steps, as a sample of its ranks shows "
+        "(about 170 MB and 1-4 s per million; default 10 million)")
+    cmd.add_argument(
+        "--max-seconds", type=checked(number, lambda seconds: check_limits(None, seconds)),
+        default=DEFAULT_MAX_SECONDS,
+        help="skip a case whose recording would take longer, as a sample of its ranks shows "
+        "(default 300)")
     cmd.add_argument("--measured", default="results", metavar="DIR",
                      help="measured results to compare with (allreduce.csv, collectives.csv); '' to skip")
     cmd.add_argument("--out", default="results/sim")
     cmd.set_defaults(run=main, parser=cmd)
-
-

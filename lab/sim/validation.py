@@ -40,10 +40,11 @@ def best_agreement(table: pd.DataFrame) -> pd.DataFrame:
         ordered = group.sort_values("median_us", kind="stable")
         measured_best = ordered["algorithm"].iloc[0]
         predicted_best = group.loc[group["predicted_us"].idxmin(), "algorithm"]
-        rows.append(dict(zip(["setting", "collective", "world", "bytes"], key), role=group["role"].iloc[0],
-                         measured_best=measured_best, predicted_best=predicted_best,
-                         margin=ordered["median_us"].iloc[1] / ordered["median_us"].iloc[0] - 1.0,
-                         agree=measured_best == predicted_best))
+        rows.append(
+            dict(zip(["setting", "collective", "world", "bytes"], key), role=group["role"].iloc[0],
+                 measured_best=measured_best, predicted_best=predicted_best,
+                 margin=ordered["median_us"].iloc[1] / ordered["median_us"].iloc[0] - 1.0,
+                 agree=measured_best == predicted_best))
     return pd.DataFrame(rows)
 
 
@@ -55,10 +56,10 @@ def scores(rows: pd.DataFrame, agreement: pd.DataFrame) -> dict[str, float]:
     """The validation's three numbers on ``rows`` (and their best-algorithm groups in ``agreement``)."""
     large = rows[rows["bytes"] >= NEAR_FROM_BYTES]
     decisive = agreement[agreement["margin"] > DECISIVE_MARGIN]
-    return {"cases": len(rows),
-            "near": ((large["ratio"] - 1).abs() <= NEAR).mean() if len(large) else np.nan,
-            "within_2x": ((rows["ratio"] <= 2) & (rows["ratio"] >= 0.5)).mean() if len(rows) else np.nan,
-            "decisive": len(decisive), "best": decisive["agree"].mean() if len(decisive) else np.nan}
+    return {
+        "cases": len(rows), "near": ((large["ratio"] - 1).abs() <= NEAR).mean() if len(large) else np.nan,
+        "within_2x": ((rows["ratio"] <= 2) & (rows["ratio"] >= 0.5)).mean() if len(rows) else np.nan,
+        "decisive": len(decisive), "best": decisive["agree"].mean() if len(decisive) else np.nan}
 
 
 def _percent(value: float, target: float) -> str:
@@ -81,8 +82,9 @@ def repeatability(results_dir: Path) -> pd.DataFrame:
         ratio = (again / first).dropna()
         for setting, r in ratio.groupby(level="setting"):
             large = r[r.index.get_level_values("bytes") >= NEAR_FROM_BYTES]
-            rows.append({"setting": setting, "cases": len(r), "near": ((large - 1).abs() <= NEAR).mean(),
-                         "within_2x": ((r <= 2) & (r >= 0.5)).mean()})
+            rows.append({
+                "setting": setting, "cases": len(r), "near": ((large - 1).abs() <= NEAR).mean(),
+                "within_2x": ((r <= 2) & (r >= 0.5)).mean()})
     return pd.DataFrame(rows)
 
 
@@ -111,7 +113,8 @@ def interpolated(table: pd.DataFrame) -> pd.DataFrame:
             at_world = [(w, _between(case.bytes, g["bytes"].to_numpy(float), g["median_us"].to_numpy(float)))
                         for w, g in near.groupby("world")]
             at_world = [(w, y) for w, y in at_world if y is not None]
-            read = _between(case.world, np.array([w for w, _ in at_world], float), np.array([y for _, y in at_world]))
+            read = _between(case.world, np.array([w for w, _ in at_world], float),
+                            np.array([y for _, y in at_world]))
             if read is not None:
                 rows.append({**case._asdict(), "read_us": read})
     return pd.DataFrame(rows, columns=[*table.columns, "read_us"])
@@ -125,16 +128,20 @@ def validation_section(results_dir: Path, out: Path) -> str:
         return ""
     agreement = best_agreement(table)
     _write_tables(fits, table, agreement, out)
-    lines = ["## Simulator vs measurement\n", *_fitted_lines(fits), *_target_lines(fits, table, agreement),
-             *_repeat_lines(results_dir), *_smoothness_lines(fits, table), *_grid_lines(fits, table),
-             *_world_lines(fits, table), *_source_lines(results_dir, table, agreement)]
+    lines = [
+        "## Simulator vs measurement\n", *_fitted_lines(fits), *_target_lines(fits, table, agreement),
+        *_repeat_lines(results_dir), *_smoothness_lines(fits, table), *_grid_lines(fits, table),
+        *_world_lines(fits, table), *_source_lines(results_dir, table, agreement)]
     return "\n".join(lines) + "\n"
 
 
 def _write_tables(fits: dict, table: pd.DataFrame, agreement: pd.DataFrame, out: Path) -> None:
-    pd.DataFrame([{"setting": s, **{name: getattr(f.network, name) for name, *_ in PARAMETERS},
-                   "cores": f.network.cores, "ranks_per_host": f.network.ranks_per_host, "fit_error": f.error,
-                   "evaluations": f.evaluations, **{f"determined_{k}": v for k, v in f.determined.items()}}
+    pd.DataFrame([{
+        "setting": s, **{name: getattr(f.network, name)
+                         for name, *_ in PARAMETERS}, "cores": f.network.cores,
+        "ranks_per_host": f.network.ranks_per_host, "fit_error": f.error, "evaluations": f.evaluations,
+        **{f"determined_{k}": v
+           for k, v in f.determined.items()}}
                   for s, f in fits.items()]).to_csv(out / "calibration.csv", index=False, float_format="%.6g")
     table.to_csv(out / "validation.csv", index=False, float_format="%.6g")
     agreement.to_csv(out / "best_agreement.csv", index=False, float_format="%.6g")
@@ -144,43 +151,47 @@ def _fitted_lines(fits: dict) -> list[str]:
     """The model, the calibration cases, and each setting's fitted parameters and how well the
     measurements determine them."""
     worlds = ", ".join(map(str, CALIBRATION_WORLDS))
-    lines = [("Each setting's network has link terms (α, bandwidth) and CPU terms: LogGP's per-message overhead on "
-             "the sender and on the receiver (o_send, o_recv), a per-byte copy on each side (into and out of "
-             "shared memory, the socket, a frame's MAC), the reduction's γ, the wake-up of a receiver that "
-             "waits asleep for its message, and what a byte copied costs more (memory) on the share of a case's "
-             "working set (inputs and received bytes) beyond the machine's last-level cache, on the machine's "
-             "cores, which all its ranks share, first come first served (`lab.sim.Network`). Each case is "
-             "replayed as the benchmark ran it: calls back to back, each rank timing its own "
-             "(`lab.sim.calibrate.benchmark_us`). The eight are fitted per setting to "
-             f"the **calibration** cases (N = {worlds} at 1 KB, 16 KB, 256 KB, 4 MB, 64 MB and at the largest "
-             "size the setting measured: 16 MB on one machine), minimising the mean |log(predicted / measured)| "
-             "(`lab.sim.calibrate`); every other case (N = 3, 5, 6, 7 at every size, and the sizes between: "
-             "4 KB, 64 KB, 1 MB, and 16 MB across hosts) is **validation**, never seen by the fit. Ratio = "
-             "predicted / measured.\n"),
-             ("Fitted parameters (copy, γ and memory per KB), the machine's cores and last-level cache, and the "
-             "fit error (mean |log ratio| on the calibration cases):\n"),
-             "| setting | " + " | ".join(label for *_, label in PARAMETERS) + " | cores | cache (MiB) | fit error |",
-             "| --- " * (len(PARAMETERS) + 4) + "|"]
+    lines = [
+        ("Each setting's network has link terms (α, bandwidth) and CPU terms: LogGP's per-message overhead on "
+         "the sender and on the receiver (o_send, o_recv), a per-byte copy on each side (into and out of "
+         "shared memory, the socket, a frame's MAC), the reduction's γ, the wake-up of a receiver that "
+         "waits asleep for its message, and what a byte copied costs more (memory) on the share of a case's "
+         "working set (inputs and received bytes) beyond the machine's last-level cache, on the machine's "
+         "cores, which all its ranks share, first come first served (`lab.sim.Network`). Each case is "
+         "replayed as the benchmark ran it: calls back to back, each rank timing its own "
+         "(`lab.sim.calibrate.benchmark_us`). The eight are fitted per setting to "
+         f"the **calibration** cases (N = {worlds} at 1 KB, 16 KB, 256 KB, 4 MB, 64 MB and at the largest "
+         "size the setting measured: 16 MB on one machine), minimising the mean |log(predicted / measured)| "
+         "(`lab.sim.calibrate`); every other case (N = 3, 5, 6, 7 at every size, and the sizes between: "
+         "4 KB, 64 KB, 1 MB, and 16 MB across hosts) is **validation**, never seen by the fit. Ratio = "
+         "predicted / measured.\n"),
+        ("Fitted parameters (copy, γ and memory per KB), the machine's cores and last-level cache, and the "
+         "fit error (mean |log ratio| on the calibration cases):\n"),
+        "| setting | " + " | ".join(label
+                                    for *_, label in PARAMETERS) + " | cores | cache (MiB) | fit error |",
+        "| --- " * (len(PARAMETERS) + 4) + "|"]
     for setting, f in fits.items():
         cache = f"{f.network.cache_bytes / 2**20:g}" if f.network.cache_bytes else "-"
-        lines.append(f"| {setting} | " + " | ".join(_parameter(name, getattr(f.network, name))
-                                                    for name, *_ in PARAMETERS)
-                     + f" | {f.network.cores} | {cache} | {f.error:.3f} |")
+        lines.append(f"| {setting} | " +
+                     " | ".join(_parameter(name, getattr(f.network, name)) for name, *_ in PARAMETERS) +
+                     f" | {f.network.cores} | {cache} | {f.error:.3f} |")
     lines += [("\nHow well each parameter is determined: the fit error's rise when it alone moves ±20 % (the "
-              "smaller rise; under 1 % means the measurements hardly constrain it):\n"),
+               "smaller rise; under 1 % means the measurements hardly constrain it):\n"),
               "| setting | " + " | ".join(label.split(" (")[0] for *_, label in PARAMETERS) + " |",
               "| --- " * (len(PARAMETERS) + 1) + "|"]
     for setting, f in fits.items():
-        lines.append(f"| {setting} | " + " | ".join(f"{f.determined[name]:+.1%}" for name, *_ in PARAMETERS) + " |")
+        lines.append(f"| {setting} | " + " | ".join(f"{f.determined[name]:+.1%}"
+                                                    for name, *_ in PARAMETERS) + " |")
     return lines
 
 
 def _target_lines(fits: dict, table: pd.DataFrame, agreement: pd.DataFrame) -> list[str]:
     """Each setting's validation and calibration cases against the targets."""
-    lines = [(f"\nValidation against the targets (✓: met): within 25 % from 64 KB up (target "
-              f"{NEAR_TARGET:.0%}), within 2× at every size (target {WITHIN_2X_TARGET:.0%}), and where the measured "
-              f"best algorithm beats the second by more than {DECISIVE_MARGIN:.0%}, the predicted best is it "
-              f"(target {BEST_TARGET:.0%}). Calibration cases for comparison:\n"),
+    lines = [(
+        f"\nValidation against the targets (✓: met): within 25 % from 64 KB up (target "
+        f"{NEAR_TARGET:.0%}), within 2× at every size (target {WITHIN_2X_TARGET:.0%}), and where the measured "
+        f"best algorithm beats the second by more than {DECISIVE_MARGIN:.0%}, the predicted best is it "
+        f"(target {BEST_TARGET:.0%}). Calibration cases for comparison:\n"),
              ("| setting | validation cases | within 25 % (≥ 64 KB) | within 2× | best named (clear wins) | "
               "calibration cases | within 25 % (≥ 64 KB) | within 2× | best named (clear wins) |"),
              "| --- " * 9 + "|"]
@@ -193,8 +204,10 @@ def _target_lines(fits: dict, table: pd.DataFrame, agreement: pd.DataFrame) -> l
                 rows, groups = rows[rows["setting"] == setting], groups[groups["setting"] == setting]
             s = scores(rows, groups)
             best = f"{_percent(s['best'], BEST_TARGET)} of {s['decisive']}" if s["decisive"] else "-"
-            cells += [str(s["cases"]), _percent(s["near"], NEAR_TARGET), _percent(s["within_2x"], WITHIN_2X_TARGET),
-                      best]
+            cells += [
+                str(s["cases"]),
+                _percent(s["near"], NEAR_TARGET),
+                _percent(s["within_2x"], WITHIN_2X_TARGET), best]
         lines.append(f"| {'**all**' if setting == 'all' else setting} | " + " | ".join(cells) + " |")
     return lines
 
@@ -204,11 +217,12 @@ def _repeat_lines(results_dir: Path) -> list[str]:
     again = repeatability(results_dir)
     if not len(again):
         return []
-    return [("\nHow well the measurement itself repeats: the cases measured a second time (`"
-             f"{REPEATS}`, later, by the same command) against their first measurement, by the same two "
-             "tests. A model cannot agree with one run much more often than two runs agree with each other:\n"),
-            "| setting | cases measured twice | within 25 % (≥ 64 KB) | within 2× |", "| --- | --- | --- | --- |",
-            *(f"| {r.setting} | {r.cases} | {r.near:.0%} | {r.within_2x:.0%} |" for r in again.itertuples())]
+    return [
+        ("\nHow well the measurement itself repeats: the cases measured a second time (`"
+         f"{REPEATS}`, later, by the same command) against their first measurement, by the same two "
+         "tests. A model cannot agree with one run much more often than two runs agree with each other:\n"),
+        "| setting | cases measured twice | within 25 % (≥ 64 KB) | within 2× |", "| --- | --- | --- | --- |",
+        *(f"| {r.setting} | {r.cases} | {r.near:.0%} | {r.within_2x:.0%} |" for r in again.itertuples())]
 
 
 def _smoothness_lines(fits: dict, table: pd.DataFrame) -> list[str]:
@@ -216,12 +230,13 @@ def _smoothness_lines(fits: dict, table: pd.DataFrame) -> list[str]:
     read = interpolated(table)
     if read.empty:
         return []
-    lines = [("\nHow regular the measurements are: each validation case read off the calibration measurements "
-              "of its own collective and algorithm around it (interpolated linearly in size, then in N; no model: "
-              "`lab.sim.validation.interpolated`), against the model on the same cases. Where the measured "
-              "neighbours of a case do not predict it, a model that is smooth in size and N will not either:\n"),
-             "| setting | cases read | read off: within 25 % (≥ 64 KB) | within 2× | model: within 25 % (≥ 64 KB) "
-             "| within 2× |", "| --- " * 6 + "|"]
+    lines = [
+        ("\nHow regular the measurements are: each validation case read off the calibration measurements "
+         "of its own collective and algorithm around it (interpolated linearly in size, then in N; no model: "
+         "`lab.sim.validation.interpolated`), against the model on the same cases. Where the measured "
+         "neighbours of a case do not predict it, a model that is smooth in size and N will not either:\n"),
+        "| setting | cases read | read off: within 25 % (≥ 64 KB) | within 2× | model: within 25 % (≥ 64 KB) "
+        "| within 2× |", "| --- " * 6 + "|"]
     for setting in [*fits, "all"]:
         rows = read if setting == "all" else read[read["setting"] == setting]
         if rows.empty:
@@ -248,17 +263,19 @@ def _grid_lines(fits: dict, table: pd.DataFrame) -> list[str]:
         lines.append(f"\nAllreduce on {setting}, N = {world}, predicted / measured ((v): validation):\n")
         lines.append("| size | " + " | ".join(grid.columns) + " |")
         lines.append("| --- | " + " | ".join("---" for _ in grid.columns) + " |")
-        lines += [f"| {size} | " + " | ".join(f"{v:.2f}" for v in values) + " |" for size, values in grid.iterrows()]
+        lines += [
+            f"| {size} | " + " | ".join(f"{v:.2f}" for v in values) + " |"
+            for size, values in grid.iterrows()]
     return lines
 
 
 def _world_lines(fits: dict, table: pd.DataFrame) -> list[str]:
     """Within 2x per setting and world size."""
     measured_worlds = sorted(table["world"].unique())
-    lines = ["\nWithin 2× by world size (every case, calibration and validation), and where each N was "
-             "measured:\n",
-             "| setting | " + " | ".join(f"N = {w}" for w in measured_worlds) + " |",
-             "| --- " * (len(measured_worlds) + 1) + "|"]
+    lines = [
+        "\nWithin 2× by world size (every case, calibration and validation), and where each N was "
+        "measured:\n", "| setting | " + " | ".join(f"N = {w}" for w in measured_worlds) + " |",
+        "| --- " * (len(measured_worlds) + 1) + "|"]
     for setting in fits:
         rows = table[table["setting"] == setting]
         cells = []
@@ -272,14 +289,16 @@ def _world_lines(fits: dict, table: pd.DataFrame) -> list[str]:
 def _source_lines(results_dir: Path, table: pd.DataFrame, agreement: pd.DataFrame) -> list[str]:
     """Where each world size was measured, and the clear wins the simulator names wrongly."""
     sources = table.groupby("source")["world"].unique()
-    lines = ["\nMeasured: " + "; ".join(f"`{source}` (N = {', '.join(map(str, sorted(w)))}, "
-                                        f"{measured_on(results_dir, source)})" for source, w in sources.items())
-             + "."]
+    lines = [
+        "\nMeasured: " + "; ".join(f"`{source}` (N = {', '.join(map(str, sorted(w)))}, "
+                                   f"{measured_on(results_dir, source)})"
+                                   for source, w in sources.items()) + "."]
     misses = agreement[(agreement["margin"] > DECISIVE_MARGIN) & ~agreement["agree"]]
     if len(misses):
-        lines.append(f"\nClear wins (by more than {DECISIVE_MARGIN:.0%}) where the predicted best is not the measured "
-                     f"best ({len(misses)} of {int((agreement['margin'] > DECISIVE_MARGIN).sum())}): "
-                     + "; ".join(f"{r.setting} {r.collective} N={r.world} {_size(int(r.bytes))}: measured "
-                                 f"{r.measured_best} (by {r.margin:.0%}), predicted {r.predicted_best}"
-                                 for r in misses.head(12).itertuples()) + ".")
+        lines.append(
+            f"\nClear wins (by more than {DECISIVE_MARGIN:.0%}) where the predicted best is not the measured "
+            f"best ({len(misses)} of {int((agreement['margin'] > DECISIVE_MARGIN).sum())}): " +
+            "; ".join(f"{r.setting} {r.collective} N={r.world} {_size(int(r.bytes))}: measured "
+                      f"{r.measured_best} (by {r.margin:.0%}), predicted {r.predicted_best}"
+                      for r in misses.head(12).itertuples()) + ".")
     return lines

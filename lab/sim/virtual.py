@@ -34,7 +34,6 @@ class VirtualArray(np.ndarray):
     Inside :func:`counting_passes`, the bytes each copy and write would move (a pass over memory
     that is not a message: Bruck's rotations, reduce_scatter's work copy) go to its counter.
     """
-
     def __setitem__(self, key: Any, value: Any) -> None:
         _passed(np.ndarray.__getitem__(self, key).nbytes)  # values never matter to a schedule; bytes do
 
@@ -107,9 +106,9 @@ def _virtual_copyto(dst: Any, *args: Any, **kwargs: Any) -> None:
 #: What numpy's functions return for a VirtualArray (the rest are numpy's own).
 _VIRTUAL_RESULTS: dict[Any, Callable[..., Any]] = {
     np.copy: _virtual_copy, np.empty_like: _virtual_like, np.zeros_like: _virtual_like,
-    np.ones_like: _virtual_like, np.full_like: lambda a, fill_value, dtype=None, *x, **k: _virtual_like(a, dtype),
-    np.concatenate: _virtual_concatenate, np.copyto: _virtual_copyto,
-}
+    np.ones_like: _virtual_like,
+    np.full_like: lambda a, fill_value, dtype=None, *x, **k: _virtual_like(a, dtype),
+    np.concatenate: _virtual_concatenate, np.copyto: _virtual_copyto}
 
 #: MAP_NORESERVE: map the input without reserving memory for it (it is never written).
 _NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
@@ -123,6 +122,7 @@ def mapped_input(numel: int) -> VirtualArray:
     try:
         mapping = mmap.mmap(-1, numel * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
     except (OSError, OverflowError) as exc:
-        raise SimulationTooLarge(f"too large to simulate: cannot map an input of {numel * 4:,} bytes here ({exc}); "
-                                 "use a smaller nbytes") from exc
+        raise SimulationTooLarge(
+            f"too large to simulate: cannot map an input of {numel * 4:,} bytes here ({exc}); "
+            "use a smaller nbytes") from exc
     return np.frombuffer(mapping, np.float32).view(VirtualArray)

@@ -76,6 +76,7 @@ def locked(method: Callable) -> Callable:
     def run(self, *args, **kwargs):
         with self._lock:
             return method(self, *args, **kwargs)
+
     return run
 
 
@@ -131,8 +132,7 @@ NOTICE_GRACE_PART, NOTICE_GRACE_S = 0.25, 0.5
 _TOLD = {
     "CollectiveMismatchError": (CollectiveMismatchError, "rank {origin} found a mismatch: {message}"),
     "DeadlineError": (DeadlineError, "{silent} silent: {message}"),
-    "PeerLostError": (PeerLostError, "rank {origin} lost a peer: {message}"),
-}
+    "PeerLostError": (PeerLostError, "rank {origin} lost a peer: {message}")}
 
 
 @dataclass(frozen=True)
@@ -238,7 +238,6 @@ class Recv:
 
 class TagMismatch(Exception):
     """A message from ``src`` carried ``got`` where the receiver expected ``expected``."""
-
     def __init__(self, src: int, expected: bytes, got: bytes) -> None:
         super().__init__(src, expected, got)
         self.src, self.expected, self.got = src, expected, got
@@ -251,9 +250,8 @@ class Transport(ABC):
     world_size: int
 
     @abstractmethod
-    def exchange(
-        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
-    ) -> None:
+    def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float,
+                 where: object) -> None:
         """Complete every send and receive, or raise.
 
         ``timeout_s``: the longest silence (no progress from any awaited peer) before a wait
@@ -330,13 +328,11 @@ class Transport(ABC):
 
 class SharedFd:
     """A file descriptor that travels to a child process when the process starts."""
-
     def __init__(self, fd: int) -> None:
         self.fd = fd
 
     def __reduce__(self):
         return _rebuild_shared_fd, (reduction.DupFd(self.fd),)
-
 
     def close(self) -> None:
         if self.fd >= 0:

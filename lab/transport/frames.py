@@ -72,20 +72,8 @@ class Job:
     """One frame in flight: header and its MAC, payload, MAC; sent or received a piece at a time.
     A receive's ``mac`` is made when its header arrives (``None`` until then)."""
 
-    __slots__ = (
-        "array",
-        "bytes",
-        "combine",
-        "filled",
-        "header",
-        "header_done",
-        "mac",
-        "offset",
-        "peer",
-        "scratch",
-        "trailer",
-        "trailer_done",
-    )
+    __slots__ = ("array", "bytes", "combine", "filled", "header", "header_done", "mac", "offset", "peer",
+                 "scratch", "trailer", "trailer_done")
 
     def __init__(self, peer: int, array: np.ndarray, mac, combine=None) -> None:
         self.peer, self.array, self.combine, self.mac = peer, array, combine, mac
@@ -146,7 +134,8 @@ class Job:
         return True
 
 
-def judge(link: Link, rank: int, peer: int, head_bytes: bytes, where: object) -> tuple[int, bytes, int, blake3.blake3]:
+def judge(link: Link, rank: int, peer: int, head_bytes: bytes,
+          where: object) -> tuple[int, bytes, int, blake3.blake3]:
     """(kind, tag, payload bytes, the frame's running MAC) of the next frame's header from
     ``peer`` on ``link`` (``head_bytes``: header and MAC), MAC first: nothing in it is believed
     before. A forged or malformed header closes the connection and raises PeerLostError."""

@@ -78,7 +78,8 @@ def _serve_host(store, key: str, host: int, local_world_size: int, secret: bytes
             ep.close_in_parent()
 
 
-def _take_endpoints(stored_name: bytes, local_rank: int, local_world_size: int, secret: bytes) -> ShmTransport:
+def _take_endpoints(stored_name: bytes, local_rank: int, local_world_size: int,
+                    secret: bytes) -> ShmTransport:
     """Any other local rank: connect to local rank 0's hand-out, prove itself, receive its end."""
     name = b"\0" + stored_name
     deadline = time.monotonic() + SHARE_TIMEOUT_S
@@ -87,8 +88,9 @@ def _take_endpoints(stored_name: bytes, local_rank: int, local_world_size: int, 
         # named it is unauthenticated: take descriptors only from a process of this user.
         pid, uid = _peer(sock)
         if uid != os.getuid():
-            raise LabError(f"local rank {local_rank}: the shm hand-out socket named in the store belongs to uid "
-                           f"{uid}, not this user; refusing its descriptors")
+            raise LabError(
+                f"local rank {local_rank}: the shm hand-out socket named in the store belongs to uid "
+                f"{uid}, not this user; refusing its descriptors")
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             # Closed already (local rank 0 gave up): the reason it sent, if any, is still to be read.
@@ -96,24 +98,30 @@ def _take_endpoints(stored_name: bytes, local_rank: int, local_world_size: int, 
         try:
             message, fds, _, _ = socket.recv_fds(sock, 1 << 16, 253)
         except TimeoutError:
-            raise DeadlineError(f"local rank {local_rank}: local rank 0 (pid {pid}) did not hand out this rank's "
-                                f"shm endpoints within {SHARE_TIMEOUT_S:g} s") from None
+            raise DeadlineError(
+                f"local rank {local_rank}: local rank 0 (pid {pid}) did not hand out this rank's "
+                f"shm endpoints within {SHARE_TIMEOUT_S:g} s") from None
         except OSError:
             message, fds = b"", []
     try:
-        reply = json.loads(message) if message else {"error": f"local rank 0 (pid {pid}) closed the shm hand-out "
-                                                              "without this rank's descriptors: it failed or "
-                                                              "ended (see its error)"}
+        reply = json.loads(message) if message else {
+            "error": f"local rank 0 (pid {pid}) closed the shm hand-out "
+            "without this rank's descriptors: it failed or "
+            "ended (see its error)"}
         if "error" in reply:
             raise LabError(f"local rank {local_rank}: {reply['error']}")
         shared, fds = [SharedFd(fd) for fd in fds], []
         try:
-            return ShmTransport(ShmEndpoints(
-                rank=local_rank, world_size=local_world_size, segment_bytes=reply["segment_bytes"],
-                slots=reply["slots"], inbox={int(p): shared[i] for p, i in reply["inbox"].items()},
-                outbox={int(p): shared[i] for p, i in reply["outbox"].items()},
-                segments=[shared[i] for i in reply["segments"]],
-                mailbox=None if reply["mailbox"] is None else shared[reply["mailbox"]], **reply["extra"]))
+            return ShmTransport(
+                ShmEndpoints(rank=local_rank, world_size=local_world_size,
+                             segment_bytes=reply["segment_bytes"], slots=reply["slots"],
+                             inbox={int(p): shared[i]
+                                    for p, i in reply["inbox"].items()
+                                    }, outbox={int(p): shared[i]
+                                               for p, i in reply["outbox"].items()
+                                               }, segments=[shared[i] for i in reply["segments"]],
+                             mailbox=None if reply["mailbox"] is None else shared[reply["mailbox"]],
+                             **reply["extra"]))
         except BaseException:
             for descriptor in shared:  # (a segment the transport has mapped is closed already: no-op)
                 descriptor.close()
@@ -140,8 +148,9 @@ def connect_hand_out(name: bytes, deadline: float, local_rank: int) -> socket.so
             sock.close()
         except (ConnectionRefusedError, FileNotFoundError):
             sock.close()
-            raise LabError(f"local rank {local_rank}: nothing listens at local rank 0's shm hand-out socket any "
-                           "more: local rank 0 failed or ended (see its error)") from None
+            raise LabError(
+                f"local rank {local_rank}: nothing listens at local rank 0's shm hand-out socket any "
+                "more: local rank 0 failed or ended (see its error)") from None
         except BaseException:
             sock.close()
             raise
@@ -161,7 +170,8 @@ def _proof(secret: bytes, name: bytes, local_rank: int) -> bytes:
 
 def _peer(sock: socket.socket) -> tuple[int, int]:
     """The pid and uid of the process at the other end of a Unix socket (``SO_PEERCRED``)."""
-    pid, uid, _ = _SO_PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _SO_PEERCRED.size))
+    pid, uid, _ = _SO_PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _SO_PEERCRED.size))
     return pid, uid
 
 
@@ -175,13 +185,13 @@ class _HandOut:
     for ends the hand-out: that rank is told the secrets differ, every other waiting connection is
     told why it ends, and the ``LabError`` is raised here.
     """
-
     def __init__(self, listener: socket.socket, endpoints: list[ShmEndpoints], name: bytes, secret: bytes,
                  host: int) -> None:
         self._listener, self._endpoints, self._name, self._secret = listener, endpoints, name, secret
         self._host = host
         self._waiting = set(range(1, len(endpoints)))
-        self._pending: dict[socket.socket, tuple[float, bytearray]] = {}  # connection -> (accepted at, hello so far)
+        self._pending: dict[socket.socket, tuple[float,
+                                                 bytearray]] = {}  # connection -> (accepted at, hello so far)
         self._selector = selectors.DefaultSelector()
 
     def run(self) -> None:
@@ -194,8 +204,9 @@ class _HandOut:
                 for sock in [s for s, (at, _) in self._pending.items() if now - at > HELLO_TIMEOUT_S]:
                     self._drop(sock)
                 if now >= deadline:
-                    raise DeadlineError(f"local ranks {sorted(self._waiting)} did not take their shm endpoints "
-                                        f"within {SHARE_TIMEOUT_S:g} s", peers=sorted(self._waiting))
+                    raise DeadlineError(
+                        f"local ranks {sorted(self._waiting)} did not take their shm endpoints "
+                        f"within {SHARE_TIMEOUT_S:g} s", peers=sorted(self._waiting))
                 wake = min([deadline, *(at + HELLO_TIMEOUT_S for at, _ in self._pending.values())])
                 for key, _ in self._selector.select(max(wake - now, 0.001)):
                     if key.fileobj is self._listener:
@@ -204,7 +215,8 @@ class _HandOut:
                         self._read(key.fileobj)
         except LabError as exc:
             for sock in list(self._pending):  # all of this user's: tell them why instead of a bare close
-                self._reply(sock, {"error": f"local rank 0 of host {self._host} gave up the shm hand-out: {exc}"})
+                self._reply(sock,
+                            {"error": f"local rank 0 of host {self._host} gave up the shm hand-out: {exc}"})
             raise
         finally:
             for sock in list(self._pending):
@@ -244,30 +256,40 @@ class _HandOut:
             return
         if not hmac.compare_digest(proof, _proof(self._secret, self._name, rank)):
             pid, _ = _peer(sock)
-            self._reply(sock, {"error": f"local rank 0 (pid {os.getpid()}) refused this rank's proof: the job "
-                                        "secret does not match between them (LAB_TCP_SECRET differs; set the same "
-                                        "value on every rank)"})
+            self._reply(
+                sock, {
+                    "error": f"local rank 0 (pid {os.getpid()}) refused this rank's proof: the job "
+                    "secret does not match between them (LAB_TCP_SECRET differs; set the same "
+                    "value on every rank)"})
             self._drop(sock)
-            raise LabError(f"local rank 0: local rank {rank} (pid {pid}) proved another job secret: the secret does "
-                           "not match between them (LAB_TCP_SECRET differs; set the same value on every rank)")
+            raise LabError(
+                f"local rank 0: local rank {rank} (pid {pid}) proved another job secret: the secret does "
+                "not match between them (LAB_TCP_SECRET differs; set the same value on every rank)")
         self._give(sock, rank)
 
     def _give(self, sock: socket.socket, rank: int) -> None:
         ep = self._endpoints[rank]
-        fds = [*(f.fd for f in ep.inbox.values()), *(f.fd for f in ep.outbox.values()), *(f.fd for f in ep.segments)]
+        fds = [
+            *(f.fd for f in ep.inbox.values()), *(f.fd for f in ep.outbox.values()),
+            *(f.fd for f in ep.segments)]
         n_in, n_out = len(ep.inbox), len(ep.outbox)
-        layout = {"segment_bytes": ep.segment_bytes, "slots": ep.slots,
-                  "inbox": {p: i for i, p in enumerate(ep.inbox)},
-                  "outbox": {p: n_in + i for i, p in enumerate(ep.outbox)},
-                  "segments": list(range(n_in + n_out, n_in + n_out + len(ep.segments))),
-                  "mailbox": None,
-                  "extra": {k: getattr(ep, k) for k in ("eager_bytes", "mailbox_slot_bytes", "mailbox_depth",
-                                                        "scratch_slot_bytes", "scratch_arena_bytes")}}
+        layout = {
+            "segment_bytes": ep.segment_bytes, "slots": ep.slots,
+            "inbox": {p: i
+                      for i, p in enumerate(ep.inbox)},
+            "outbox": {p: n_in + i
+                       for i, p in enumerate(ep.outbox)},
+            "segments": list(range(n_in + n_out,
+                                   n_in + n_out + len(ep.segments))), "mailbox": None, "extra": {
+                                       k: getattr(ep, k)
+                                       for k in ("eager_bytes", "mailbox_slot_bytes", "mailbox_depth",
+                                                 "scratch_slot_bytes", "scratch_arena_bytes")}}
         if ep.mailbox is not None:  # the compiled plane's mailboxes (lab.compiled.plane), shared by the host's ranks
             layout["mailbox"] = len(fds)
             fds.append(ep.mailbox.fd)
         try:
-            sock.settimeout(HELLO_TIMEOUT_S)  # a few KB into an empty buffer: only a stopped peer could block it
+            sock.settimeout(
+                HELLO_TIMEOUT_S)  # a few KB into an empty buffer: only a stopped peer could block it
             socket.send_fds(sock, [json.dumps(layout).encode()], fds)
         except OSError:
             self._drop(sock)  # that rank fails on its side (end of file); the others go on

@@ -157,8 +157,9 @@ def _handshake_with(rank: int, peer: int, address: str, secret: bytes, deadline:
                            "authentication (a different job secret?)")
     except TimeoutError:
         sock.close()
-        raise DeadlineError(f"rank {rank}: rank {peer} at {address} did not complete the handshake "
-                            f"within {CONNECT_TIMEOUT_S:g} s", peers=(peer,)) from None
+        raise DeadlineError(
+            f"rank {rank}: rank {peer} at {address} did not complete the handshake "
+            f"within {CONNECT_TIMEOUT_S:g} s", peers=(peer,)) from None
     except (ConnectionError, OSError) as exc:
         sock.close()
         raise _Dropped(str(exc)) from None
@@ -202,7 +203,6 @@ class _Handshake:
 class _Listener:
     """The accepting side of one rank: handshakes every connection to ``listener`` at once, and
     adds a :class:`Link` to ``links`` for each awaited (``expected``) rank that proves itself."""
-
     def __init__(self, listener: socket.socket, rank: int, expected: set[int], secret: bytes,
                  links: dict[int, Link]) -> None:
         self.listener, self.rank, self.expected = listener, rank, expected
@@ -222,8 +222,9 @@ class _Listener:
                     self._drop(sock)
                 if now >= deadline:
                     missing = sorted(self._missing())
-                    raise DeadlineError(f"rank {self.rank}: ranks {missing} did not connect within "
-                                        f"{CONNECT_TIMEOUT_S:g} s", peers=missing)
+                    raise DeadlineError(
+                        f"rank {self.rank}: ranks {missing} did not connect within "
+                        f"{CONNECT_TIMEOUT_S:g} s", peers=missing)
                 wake = min([deadline, *(h.started + HANDSHAKE_TIMEOUT_S for h in self.pending.values())])
                 for key, _ in self.selector.select(max(wake - now, 0.001)):
                     if key.fileobj is self.listener:

@@ -46,7 +46,6 @@ class MixedEndpoints:
 class MixedTransport(Transport):
     """``local``: the shm transport of this host's ranks ``[first, first + L)``; ``remote``: a TCP
     transport over every rank (only its connections to other hosts carry messages)."""
-
     def __init__(self, rank: int, world_size: int, first_local: int, local: ShmTransport,
                  remote: TcpTransport | None) -> None:
         self.rank, self.world_size = rank, world_size
@@ -57,9 +56,8 @@ class MixedTransport(Transport):
     def _is_local(self, peer: int) -> bool:
         return 0 <= peer - self._first < self._count
 
-    def exchange(
-        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
-    ) -> None:
+    def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float,
+                 where: object) -> None:
         first = self._first
         local_sends = [Send(s.dst - first, s.data) for s in sends if self._is_local(s.dst)]
         local_recvs = [Recv(r.src - first, r.out, r.combine) for r in recvs if self._is_local(r.src)]
@@ -133,8 +131,9 @@ class MixedTransport(Transport):
         spent on whichever side the awaited ranks are."""
         awaited = list(awaited)
         local_awaited = [peer - self._first for peer in awaited if self._is_local(peer)]
-        heard = [dataclasses.replace(notice, via=notice.via + self._first)
-                 for notice in self._local.notices(local_awaited, grace_s if local_awaited else 0.0)]
+        heard = [
+            dataclasses.replace(notice, via=notice.via + self._first)
+            for notice in self._local.notices(local_awaited, grace_s if local_awaited else 0.0)]
         if self._remote is not None:
             remote_awaited = [peer for peer in awaited if not self._is_local(peer)]
             heard += self._remote.notices(remote_awaited, grace_s if remote_awaited and not heard else 0.0)

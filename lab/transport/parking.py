@@ -54,15 +54,15 @@ def check_arrival(rank: int, peer: int, tag: bytes, got_tag: bytes, expected_byt
     if got_tag != tag:
         raise TagMismatch(peer, tag, got_tag)
     if nbytes != expected_bytes:
-        raise CollectiveMismatchError(f"rank {rank} expected {expected_bytes} bytes from rank {peer} in {where}, "
-                                      f"got {what or nbytes}")
+        raise CollectiveMismatchError(
+            f"rank {rank} expected {expected_bytes} bytes from rank {peer} in {where}, "
+            f"got {what or nbytes}")
 
 
 class Parking:
     """What rank ``rank`` holds of other contexts, per peer, in arrival order (see the module's
     docstring). ``entry`` is whatever the transport keeps of a message (a copy of its payload,
     with the transport's own fields); the parking counts only its ``nbytes``."""
-
     def __init__(self, rank: int, peers: Iterable[int]) -> None:
         self.rank = rank
         self._held: dict[int, list[tuple[bytes, int, Any]]] = {p: [] for p in peers}
@@ -126,7 +126,8 @@ class Parking:
         return {peer: [got for got, _, _ in held] for peer, held in self._held.items() if held}
 
 
-def raise_if_behind(rank: int, pending: Mapping[int, list[bytes]], tag: bytes, queue: str, where: object) -> None:
+def raise_if_behind(rank: int, pending: Mapping[int, list[bytes]], tag: bytes, queue: str,
+                    where: object) -> None:
     """Raise CollectiveMismatchError if ``pending`` (tags of messages waiting, by sender) holds one
     of this mesh's collectives not later than ``tag``'s on ``queue``, the other queue than the one
     rank ``rank`` waits on (a message that will never be received where it is)."""
@@ -136,7 +137,8 @@ def raise_if_behind(rank: int, pending: Mapping[int, list[bytes]], tag: bytes, q
             got_context, p2p_tag, got_seq, collective = fingerprint.FINGERPRINT.unpack_from(got)[:4]
             if got_context == context and collective and not p2p_tag and got_seq <= seq:
                 why = (": the ranks disagree on which path it takes (LAB_COMPILED_MAX_BYTES?)"
-                       if got[:fingerprint.FINGERPRINT.size] == tag[:fingerprint.FINGERPRINT.size] else ", which this rank never received" if got_seq < seq else "")
+                       if got[:fingerprint.FINGERPRINT.size] == tag[:fingerprint.FINGERPRINT.size] else
+                       ", which this rank never received" if got_seq < seq else "")
                 raise CollectiveMismatchError(
                     f"rank {rank} is in {fingerprint.describe(tag)} ({where}); rank {peer} sent "
                     f"{fingerprint.describe(got)} through {queue}{why}")

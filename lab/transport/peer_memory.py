@@ -70,7 +70,8 @@ def _bytes_from_env(name: str, default: int) -> int:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long)
 
 
 def unmap(mapping: mmap.mmap, file: tuple[int, int], keep: list[tuple[int, int]] = ()) -> None:
@@ -90,7 +91,8 @@ def unmap(mapping: mmap.mmap, file: tuple[int, int], keep: list[tuple[int, int]]
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
     placed = _libc.mmap(address, len(mapping), mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
     if placed != address:
-        raise OSError(ctypes.get_errno(), f"replacing a closed mesh's shared mapping: {os.strerror(ctypes.get_errno())}")
+        raise OSError(ctypes.get_errno(),
+                      f"replacing a closed mesh's shared mapping: {os.strerror(ctypes.get_errno())}")
     for offset, data in kept:
         ctypes.memmove(address + offset, data, len(data))
     # The mmap object holds its own duplicate of the memfd until the views go: point that
@@ -134,7 +136,6 @@ def schedule_counts(count: int, itemsize: int, rank: int, world_size: int) -> Mo
 
 class SharedScratch:
     """One rank's view of the scratch region (see the module docstring)."""
-
     def __init__(self, region: np.ndarray, rank: int, world_size: int, slot_bytes: int, arena_bytes: int,
                  liveness_fds: np.ndarray) -> None:
         self.region, self.rank, self.world_size = region, rank, world_size
@@ -167,8 +168,9 @@ class SharedScratch:
                 weakref.finalize(array, self._release, offset, size)
                 return array
         used = self.arena_bytes - sum(free for _, free in self._free)
-        raise LabError(f"rank {self.rank}: lab.empty cannot place {nbytes} bytes: {used} of this rank's "
-                       f"{self.arena_bytes} registered bytes are in use (LAB_SHM_REGISTERED_BYTES sets the size)")
+        raise LabError(
+            f"rank {self.rank}: lab.empty cannot place {nbytes} bytes: {used} of this rank's "
+            f"{self.arena_bytes} registered bytes are in use (LAB_SHM_REGISTERED_BYTES sets the size)")
 
     def in_use(self) -> list[tuple[int, int]]:
         """This rank's registered blocks still handed out, as ``(offset in the region, bytes)``."""
@@ -202,8 +204,8 @@ class SharedScratch:
 
     # -- the two-shot allreduce ----------------------------------------------------------------
 
-    def allreduce(self, buf: np.ndarray, reduction: Reduction, tag: bytes, timeout_s: float,
-                  where: object, one_shot: bool = False, source: np.ndarray | None = None) -> Moved:
+    def allreduce(self, buf: np.ndarray, reduction: Reduction, tag: bytes, timeout_s: float, where: object,
+                  one_shot: bool = False, source: np.ndarray | None = None) -> Moved:
         """Reduce ``buf`` (flat, contiguous) in place with every rank's, round by round (see the
         module docstring); every rank calls it with the same ``tag`` and size. Raises
         TagMismatch, CollectiveMismatchError, DeadlineError or PeerLostError naming the peer.
@@ -217,7 +219,8 @@ class SharedScratch:
         registered = self.registered_offset(buf)
         data = buf.view(np.uint8)
         per_round = max(1, self.slot_bytes // itemsize)
-        for lo in range(0, max(buf.size, 1), per_round):  # an empty tensor: one empty round (fingerprints still meet)
+        for lo in range(0, max(buf.size, 1),
+                        per_round):  # an empty tensor: one empty round (fingerprints still meet)
             hi = min(buf.size, lo + per_round)
             goal = self.rounds + 1
             # Steps 1-3: our slot free, our input published, every rank's input in the same collective.
@@ -234,7 +237,8 @@ class SharedScratch:
                 self._wait_one(owner, flags.REDUCED, goal, deadline_ns, where)
                 first, last = bounds[owner]
                 at = sources[owner] + first * itemsize
-                data[(lo + first) * itemsize:(lo + last) * itemsize] = self.region[at:at + (last - first) * itemsize]
+                data[(lo + first) * itemsize:(lo + last) * itemsize] = self.region[at:at +
+                                                                                   (last - first) * itemsize]
             flags.publish(self.region, self.rank, n, flags.DONE, goal)
             self.rounds = goal
         if registered >= 0:
@@ -278,7 +282,8 @@ class SharedScratch:
         registered = -1 if source is buf else self.registered_offset(source)
         data = source.view(np.uint8)
         per_round = max(1, self.slot_bytes // itemsize)
-        for lo in range(0, max(buf.size, 1), per_round):  # an empty tensor: one empty round (fingerprints still meet)
+        for lo in range(0, max(buf.size, 1),
+                        per_round):  # an empty tensor: one empty round (fingerprints still meet)
             hi = min(buf.size, lo + per_round)
             goal = self.rounds + 1
             # Steps 1-3 (two-shot's): the one synchronisation, every rank's input in the same collective.
@@ -294,7 +299,8 @@ class SharedScratch:
         moved = (n - 1) * buf.nbytes
         return Moved(moved, moved, n - 1)
 
-    def _write_header(self, fingerprint: np.ndarray, message_bytes: int, source: int, round_bytes: int) -> None:
+    def _write_header(self, fingerprint: np.ndarray, message_bytes: int, source: int,
+                      round_bytes: int) -> None:
         header = (self.rank * flags.AREA_BYTES + flags.HEADER) // 8
         self._words[header:header + 4] = fingerprint
         self._words[header + flags.MESSAGE_WORD] = message_bytes
@@ -331,7 +337,8 @@ class SharedScratch:
             acc = accumulator[:count]
             acc[:] = self.region[sources[0] + offset:sources[0] + offset + nbytes].view(dtype)
             for peer in range(1, self.world_size):
-                reduction.combine(acc, self.region[sources[peer] + offset:sources[peer] + offset + nbytes].view(dtype))
+                reduction.combine(
+                    acc, self.region[sources[peer] + offset:sources[peer] + offset + nbytes].view(dtype))
             reduction.finalize(acc, self.world_size)
             buf[lo + first:lo + last] = acc
             if copy_back:

@@ -33,7 +33,6 @@ class PipePoller:
     waiting thread holds and lets go of while it waits (other threads' calls go on meanwhile:
     :mod:`lab.transport.base`'s Threads); ``waiters``: who to wake when a thread drained what
     another waits for (:mod:`lab.transport.waiters`)."""
-
     def __init__(self, read_fd: Mapping[int, int], lock: threading.RLock) -> None:
         self._read_fd, self._lock, self.waiters = read_fd, lock, Waiters()
         self._peer_of_fd = {fd: peer for peer, fd in read_fd.items()}
@@ -69,7 +68,6 @@ class PipePoller:
 
 class _ThreadPollers(threading.local):
     """A thread's ``poll`` objects, by the set of peers they wait for."""
-
     def __init__(self) -> None:
         self.by_peers: dict[frozenset[int], select.poll] = {}
 

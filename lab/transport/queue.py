@@ -32,16 +32,7 @@ import numpy as np
 
 from lab import fingerprint
 from lab.errors import PeerLostError
-from lab.transport.base import (
-    Recv,
-    Send,
-    SharedFd,
-    Silence,
-    Transport,
-    locked,
-    same_context,
-    silence_error,
-)
+from lab.transport.base import Recv, Send, SharedFd, Silence, Transport, locked, same_context, silence_error
 from lab.transport.parking import Parking, check_arrival
 
 #: How often a rank waiting on a queue checks that the peer is still alive.
@@ -94,7 +85,6 @@ def create_endpoints(context, world_size: int) -> list[QueueEndpoints]:
 
 class QueueTransport(Transport):
     """A rank's end of the queue mesh."""
-
     def __init__(self, endpoints: QueueEndpoints) -> None:
         self.rank = endpoints.rank
         self.world_size = endpoints.world_size
@@ -117,9 +107,8 @@ class QueueTransport(Transport):
         self._reading = {src: threading.Lock() for src in self._inbox}  # (one taker a queue: _get)
 
     @locked
-    def exchange(
-        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
-    ) -> None:
+    def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float,
+                 where: object) -> None:
         # Post every send first (they never block), then take each receive in turn.
         for send in sends:
             self._counts[0, self.rank, send.dst] += 1  # (first: counted before it can arrive)

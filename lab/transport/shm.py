@@ -88,9 +88,10 @@ from lab.transport.shm_endpoints import (
 _DRAIN_BYTES = 64 * 1024  # a whole pipe per read
 
 #: Also lab.transport.shm_endpoints' public names, re-exported: tests and older imports take them from here.
-__all__ = ["DEFAULT_EAGER_BYTES", "DEFAULT_SEGMENT_BYTES", "DEFAULT_SLOTS", "DEFAULT_SPIN", "EAGER_CREDITS",
-           "MAILBOX_BUDGET_BYTES", "MAILBOX_DEPTH", "MAX_EAGER_BYTES", "Mailbox", "ShmEndpoints", "ShmTransport",
-           "create_endpoints", "mailbox_slot_bytes"]
+__all__ = [
+    "DEFAULT_EAGER_BYTES", "DEFAULT_SEGMENT_BYTES", "DEFAULT_SLOTS", "DEFAULT_SPIN", "EAGER_CREDITS",
+    "MAILBOX_BUDGET_BYTES", "MAILBOX_DEPTH", "MAX_EAGER_BYTES", "Mailbox", "ShmEndpoints", "ShmTransport",
+    "create_endpoints", "mailbox_slot_bytes"]
 
 
 class _Job:
@@ -98,7 +99,8 @@ class _Job:
 
     __slots__ = ("array", "bytes", "combine", "eager", "offset", "peer", "segments_left")
 
-    def __init__(self, peer: int, array: np.ndarray, segment_bytes: int, eager_bytes: int, combine=None) -> None:
+    def __init__(self, peer: int, array: np.ndarray, segment_bytes: int, eager_bytes: int,
+                 combine=None) -> None:
         self.peer = peer
         self.array = array
         self.bytes = array.view(np.uint8)
@@ -110,7 +112,6 @@ class _Job:
 
 class ShmTransport(PipeNotices, PipeUnread, Transport):
     """A rank's end of the shm mesh (built inside the rank's process from its endpoints)."""
-
     def __init__(self, endpoints: ShmEndpoints) -> None:
         self.rank = endpoints.rank
         self.world_size = endpoints.world_size
@@ -134,7 +135,8 @@ class ShmTransport(PipeNotices, PipeUnread, Transport):
         self._eager_unreturned = {p: 0 for p in peers}  # eager messages consumed, credit not yet returned
         self._next_slot = {p: 0 for p in peers}
         self._arrived: dict[int, deque] = {p: deque() for p in peers}  # descriptors not yet consumed
-        self.parking = Parking(self.rank, peers)  # other contexts' messages, copied out: (kind, slot, nbytes, payload)
+        self.parking = Parking(self.rank,
+                               peers)  # other contexts' messages, copied out: (kind, slot, nbytes, payload)
         self._partial = {p: b"" for p in peers}  # the start of a frame whose rest is still in the pipe
         self._notices: list[AbortNotice] = []  # what failing peers told this rank, in arrival order
         self._closed = False
@@ -142,9 +144,8 @@ class ShmTransport(PipeNotices, PipeUnread, Transport):
     # -- the exchange loop -------------------------------------------------------------------
 
     @locked
-    def exchange(
-        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
-    ) -> None:
+    def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float,
+                 where: object) -> None:
         tag = tag.ljust(TAG_BYTES, b"\0")
         segment_bytes, eager_bytes = self.segment_bytes, self.eager_bytes
         sending = []
@@ -153,7 +154,8 @@ class ShmTransport(PipeNotices, PipeUnread, Transport):
             if not sending and data.nbytes <= eager_bytes and self._eager_credits[send.dst]:
                 # The common small send, at once: one write, no progress record (nothing queued
                 # before it to this peer, so the pipe's order is the issue order).
-                self._write(send.dst, DESCRIPTOR.pack(EAGER, 0, data.nbytes, tag) + data.tobytes(), "sending", where)
+                self._write(send.dst,
+                            DESCRIPTOR.pack(EAGER, 0, data.nbytes, tag) + data.tobytes(), "sending", where)
                 self._eager_credits[send.dst] -= 1
             else:
                 sending.append(_Job(send.dst, data, segment_bytes, eager_bytes))
@@ -177,12 +179,12 @@ class ShmTransport(PipeNotices, PipeUnread, Transport):
                 silence.progress()
             if not any(self._can_send(job) for job in sending):
                 # Wait for the peers that hold us up: senders out of credit, receivers with nothing queued.
-                awaited = frozenset([job.peer for job in sending] + [job.peer for job in receiving
-                                                                    if not self._arrived[job.peer]])
+                awaited = frozenset([job.peer for job in sending] +
+                                    [job.peer for job in receiving if not self._arrived[job.peer]])
                 try:
                     if awaited and not self._wait(silence, where, awaited):
-                        raise_if_behind(self.rank, self._shared.pending_fingerprints(), tag, "the shared memory",
-                                        where)
+                        raise_if_behind(self.rank, self._shared.pending_fingerprints(), tag,
+                                        "the shared memory", where)
                 except PeerLostError:  # (what it sent before it went may be here: drained by another thread)
                     if not any(self._ready(job.peer, tag, where) for job in receiving):
                         raise
@@ -201,7 +203,7 @@ class ShmTransport(PipeNotices, PipeUnread, Transport):
         # Copy the next piece into our next free slot for this peer, then tell the peer where it is.
         nbytes = min(self.segment_bytes, job.bytes.size - job.offset)
         slot = self._next_slot[job.peer]
-        self._shared.slot(self.rank, job.peer, slot)[:nbytes] = job.bytes[job.offset : job.offset + nbytes]
+        self._shared.slot(self.rank, job.peer, slot)[:nbytes] = job.bytes[job.offset:job.offset + nbytes]
         self._write(job.peer, DESCRIPTOR.pack(DATA, slot, nbytes, tag), "sending", where)
         self._credits[job.peer] -= 1
         self._next_slot[job.peer] = (slot + 1) % self.slots
@@ -267,10 +269,10 @@ class ShmTransport(PipeNotices, PipeUnread, Transport):
             incoming = np.frombuffer(payload, dtype=job.array.dtype)
             target = job.array
         else:
-            incoming = (self._shared.slot(job.peer, self.rank, slot)[:nbytes] if payload is None
-                        else np.frombuffer(payload, np.uint8)).view(job.array.dtype)
+            incoming = (self._shared.slot(job.peer, self.rank, slot)[:nbytes]
+                        if payload is None else np.frombuffer(payload, np.uint8)).view(job.array.dtype)
             itemsize = job.array.itemsize
-            target = job.array[job.offset // itemsize : (job.offset + nbytes) // itemsize]
+            target = job.array[job.offset // itemsize:(job.offset + nbytes) // itemsize]
         if job.combine is None:
             target[:] = incoming
         else:

@@ -105,7 +105,8 @@ def create_endpoints(world_size: int, segment_bytes: int, slots: int,
         raise ValueError(f"slots must be >= 1; got {slots}")
     if not 0 <= eager_bytes <= MAX_EAGER_BYTES:
         raise ValueError(f"eager_bytes must be in [0, {MAX_EAGER_BYTES}]; got {eager_bytes}")
-    endpoints = [ShmEndpoints(r, world_size, segment_bytes, slots, eager_bytes, {}, {}) for r in range(world_size)]
+    endpoints = [
+        ShmEndpoints(r, world_size, segment_bytes, slots, eager_bytes, {}, {}) for r in range(world_size)]
     segments: list[SharedFd] = []
     mailbox: SharedFd | None = None
     try:
@@ -125,8 +126,10 @@ def create_endpoints(world_size: int, segment_bytes: int, slots: int,
             slot_bytes = mailbox_slot_bytes(world_size)
             scratch_slot, arena = peer_memory.slot_bytes_from_env(), peer_memory.arena_bytes_from_env()
             mailbox = SharedFd(os.memfd_create("lab-mailboxes", os.MFD_CLOEXEC))
-            os.ftruncate(mailbox.fd, _scratch_offset(world_size, slot_bytes)
-                         + peer_memory.region_bytes(world_size, scratch_slot, arena))
+            os.ftruncate(
+                mailbox.fd,
+                _scratch_offset(world_size, slot_bytes) +
+                peer_memory.region_bytes(world_size, scratch_slot, arena))
     except BaseException:
         for ep in endpoints:
             ep.close_in_parent()
@@ -153,7 +156,6 @@ class ShmMappings:
     region, the pipes' counters (:mod:`kernels.mailbox_layout`): each data frame this rank writes
     to a peer's pipe is counted there (:meth:`sent`), and each it consumes of a peer's
     (:meth:`taken`), so that :meth:`unread` sees a message not received without a system call."""
-
     def __init__(self, endpoints: ShmEndpoints, liveness_fds: np.ndarray) -> None:
         self.world_size = endpoints.world_size
         self.slots = endpoints.slots
@@ -176,8 +178,8 @@ class ShmMappings:
         if endpoints.scratch_slot_bytes:
             start = self._scratch_start = _scratch_offset(self.world_size, endpoints.mailbox_slot_bytes)
             self.scratch = peer_memory.SharedScratch(region[start:], endpoints.rank, self.world_size,
-                                                        endpoints.scratch_slot_bytes, endpoints.scratch_arena_bytes,
-                                                        liveness_fds)
+                                                     endpoints.scratch_slot_bytes,
+                                                     endpoints.scratch_arena_bytes, liveness_fds)
         self.mailbox = box = Mailbox(region, endpoints.rank, self.world_size, endpoints.mailbox_slot_bytes,
                                      endpoints.mailbox_depth, liveness_fds)
         self._words = region.view(np.int64)
@@ -201,7 +203,7 @@ class ShmMappings:
         """Slot ``slot`` of the region in ``owner``'s segment that carries data to ``dst``."""
         region = (dst - owner - 1) % self.world_size
         start = (region * self.slots + slot) * self.segment_bytes
-        return self.segments[owner][start : start + self.segment_bytes]
+        return self.segments[owner][start:start + self.segment_bytes]
 
     def sent(self, peer: int) -> None:
         """Count a data frame written to ``peer``'s pipe."""
@@ -228,7 +230,8 @@ class ShmMappings:
         tags: dict[int, list[bytes]] = {}
         if self.mailbox is not None:
             box = self.mailbox
-            pending = mailbox_layout.pending_fingerprints(box.region, box.rank, box.world_size, box.slot_bytes, box.depth)
+            pending = mailbox_layout.pending_fingerprints(box.region, box.rank, box.world_size,
+                                                          box.slot_bytes, box.depth)
             for peer, tag in pending.items():
                 tags.setdefault(peer, []).append(tag)
         if self.scratch is not None:
@@ -261,7 +264,8 @@ def parse_frames(data: bytearray) -> tuple[list[tuple[int, int, int, bytes, memo
             end = position + header + nbytes
             if end > size:
                 break
-            frames.append((kind, 0 if kind == EAGER else slot, nbytes, tag, memoryview(data)[position + header:end]))
+            frames.append(
+                (kind, 0 if kind == EAGER else slot, nbytes, tag, memoryview(data)[position + header:end]))
             position = end
         else:
             frames.append((kind, slot, nbytes, tag, None))

@@ -84,7 +84,6 @@ class TcpEndpoints:
 
 class TcpTransport(Turns, Transport):
     """A rank's end of the TCP mesh. ``secret``: the job's shared secret (bytes, never sent)."""
-
     def __init__(self, rank: int, world_size: int, store, secret: bytes, host: str = "127.0.0.1",
                  prefix: str = "lab/tcp") -> None:
         if not secret:
@@ -106,9 +105,8 @@ class TcpTransport(Turns, Transport):
     # -- the exchange loop -------------------------------------------------------------------
 
     @locked
-    def exchange(
-        self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float, where: object
-    ) -> None:
+    def exchange(self, sends: Sequence[Send], recvs: Sequence[Recv], tag: bytes, timeout_s: float,
+                 where: object) -> None:
         tag = tag.ljust(TAG_BYTES, b"\0")
         sending, receiving = {}, {}
         for send in sends:  # (its sequence number, so its MAC, taken when its first byte goes)
@@ -128,7 +126,8 @@ class TcpTransport(Turns, Transport):
     def _open(self, job: Job, tag: bytes, where: object) -> None:
         """Judge the header ``job`` has just read (:meth:`_judge`). A frame of another context is
         parked, and ``job`` waits for the next header; one that is not what ``job`` expects raises."""
-        kind, got_tag, nbytes, mac = judge(self._links[job.peer], self.rank, job.peer, bytes(job.header), where)
+        kind, got_tag, nbytes, mac = judge(self._links[job.peer], self.rank, job.peer, bytes(job.header),
+                                           where)
         self._links[job.peer].received += 1
         if kind == ABORT:
             self._take_notice(job.peer, nbytes, mac, where)
@@ -155,8 +154,9 @@ class TcpTransport(Turns, Transport):
         try:
             payload = self._read_rest(peer, nbytes, mac, self._local.silence_s)
         except TimeoutError:
-            raise DeadlineError(f"rank {self.rank} timed out receiving a frame of another mesh from rank {peer} "
-                                f"in {where}", peers=(peer,)) from None
+            raise DeadlineError(
+                f"rank {self.rank} timed out receiving a frame of another mesh from rank {peer} "
+                f"in {where}", peers=(peer,)) from None
         if payload is None:
             forged(self._links[peer], self.rank, peer, "frame", where)
         self.parking.park(peer, got_tag, nbytes, payload, where)
@@ -248,7 +248,8 @@ class TcpTransport(Turns, Transport):
             except OSError as exc:
                 raise PeerLostError(f"rank {self.rank}: rank {peer} is gone ({exc}) in {where}") from None
             if not data:
-                raise PeerLostError(f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})")
+                raise PeerLostError(
+                    f"rank {self.rank}: rank {peer} closed its connection (waiting in {where})")
             if len(data) < HEAD_BYTES:
                 return None
             kind, got_tag, nbytes, mac = judge(self._links[peer], self.rank, peer, data, where)

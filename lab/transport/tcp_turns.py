@@ -169,7 +169,6 @@ class Turns:
 class _ThreadWait(threading.local):
     """What one thread waits with: its selector (made at its first wait), the events it watches
     by peer, and how long parking a frame may wait for its rest (its call's silence limit)."""
-
     def __init__(self) -> None:
         self.selector: selectors.BaseSelector | None = None
         self.watched: dict[int, int] = {}

@@ -24,7 +24,6 @@ import threading
 
 class Waiters:
     """The threads waiting in one transport now, each with its eventfd."""
-
     def __init__(self) -> None:
         self._waiting: dict[int, int] = {}  # thread ident -> its eventfd, while it waits
         self._own = _ThreadEventFd()
@@ -58,7 +57,6 @@ class Waiters:
 
 class _ThreadEventFd(threading.local):
     """Each thread's eventfd (``fd``), made at its first use."""
-
     def __init__(self) -> None:
         self.own = _EventFd()
 
@@ -69,7 +67,6 @@ class _ThreadEventFd(threading.local):
 
 class _EventFd:
     """An eventfd, closed when this goes (a thread's, when the thread ends and its locals go)."""
-
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 

@@ -20,5 +20,6 @@ from lab.workload.format import Event, Gradients, Workload, load
 from lab.workload.record import mark_step, record_gradients
 from lab.workload.replay import ReplayResult
 
-__all__ = ["Event", "Gradients", "ReplayResult", "Workload", "load", "mark_step", "network_named",
-           "record_gradients", "replay"]
+__all__ = [
+    "Event", "Gradients", "ReplayResult", "Workload", "load", "mark_step", "network_named",
+    "record_gradients", "replay"]

@@ -26,30 +26,18 @@ def network_named(network: Any) -> Network:
         return network
     if not isinstance(network, str):
         raise ValueError(
-            f"network must be a lab.sim.Network or the name of a fitted transport; got {network!r}"
-        )
+            f"network must be a lab.sim.Network or the name of a fitted transport; got {network!r}")
     try:
         return calibrated(network)
     except ValueError as exc:
         raise ValueError(f"network {network!r}: {exc}") from None
 
 
-def replay(
-    workload: Workload,
-    world_size: int | None = None,
-    network: Any = None,
-    *,
-    algorithms: dict[str, str] | None = None,
-    compute_scale: float = 1.0,
-    stragglers: dict[int, float] | None = None,
-    jitter: float = 0.0,
-    seed: int = 0,
-    dims: dict[str, int] | None = None,
-    shard: str = "strong",
-    timeline: bool = True,
-    bucket_mb: float | None = None,
-    max_events: int | None = DEFAULT_MAX_EVENTS,
-) -> ReplayResult:
+def replay(workload: Workload, world_size: int | None = None, network: Any = None, *,
+           algorithms: dict[str, str] | None = None, compute_scale: float = 1.0,
+           stragglers: dict[int, float] | None = None, jitter: float = 0.0, seed: int = 0,
+           dims: dict[str, int] | None = None, shard: str = "strong", timeline: bool = True,
+           bucket_mb: float | None = None, max_events: int | None = DEFAULT_MAX_EVENTS) -> ReplayResult:
     """Replay ``workload``'s whole steps on ``world_size`` ranks (or the mesh ``dims``; default:
     as recorded) over ``network`` (default: ``Network()``'s).
 
@@ -76,8 +64,7 @@ def replay(
     if workload.steps == 0:
         raise ValueError(
             f"{workload.path or 'the workload'} has no whole step: call lab.workload.mark_step() "
-            "after each optimizer.step() while recording"
-        )
+            "after each optimizer.step() while recording")
     if bucket_mb is not None:
         workload = rebucket(workload, bucket_mb)
     layout = Layout.of(workload, world_size, dims, shard)
@@ -87,8 +74,7 @@ def replay(
         if name not in (*registry_names(collective), "auto"):
             raise ValueError(
                 f"algorithms[{collective!r}] must be one of {', '.join(registry_names(collective))} or auto; "
-                f"got {name!r}"
-            )
+                f"got {name!r}")
     factors = _factors(layout.world_size, compute_scale, stragglers, jitter, seed)
     prepare(workload, layout, net, algorithms, max_events, timeline)
     run = Replay(workload, layout, net, algorithms, factors, timeline)
@@ -103,9 +89,8 @@ def registry_names(collective: str) -> tuple[str, ...]:
     return tuple(registry.names(collective))
 
 
-def _factors(
-    world_size: int, compute_scale: float, stragglers: dict[int, float] | None, jitter: float, seed: int
-) -> np.ndarray:
+def _factors(world_size: int, compute_scale: float, stragglers: dict[int, float] | None, jitter: float,
+             seed: int) -> np.ndarray:
     """Each rank's compute factor."""
     for name, value in (("compute_scale", compute_scale), ("jitter", jitter)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):

@@ -76,8 +76,9 @@ READS = (1, 2)
 COLLECTIVES = tuple(CATALOG)
 POINT_TO_POINT = ("send", "recv")
 KINDS = ("op", "wait", "step")  # the events; a "gradients" line is none
-DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2,
-               "int32": 4, "int64": 8, "bool": 1, "complex64": 8, "complex128": 16}
+DTYPE_BYTES = {
+    "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int16": 2, "int32": 4,
+    "int64": 8, "bool": 1, "complex64": 8, "complex128": 16}
 #: The most :func:`load` reads: a file of 1 GiB (some 3 million events: a replay needs a few
 #: steps, not a whole training run) and a line of 16 MiB (a gradients line lists every gradient).
 #: Past either, a ValueError naming the file and the limit, before more is read.
@@ -218,10 +219,8 @@ def _header(row: Any, where: str) -> tuple[int, dict | None, dict]:
                          f"{', '.join(map(str, READS))}")
     world_size = _integer(row, "world_size", where, 1, MAX_WORLD_SIZE)
     dims = _optional(row, "dims", dict, where)
-    if dims is not None and (
-        not all(_elements(v, 1) and 1 <= v <= world_size for v in dims.values())
-        or math.prod(dims.values()) != world_size
-    ):
+    if dims is not None and (not all(_elements(v, 1) and 1 <= v <= world_size
+                                     for v in dims.values()) or math.prod(dims.values()) != world_size):
         raise ValueError(f"{where}: field 'dims' must map names to sizes whose product is world_size "
                          f"({world_size}); got {_shown(dims)}")
     return world_size, dims, _optional(row, "recorded", dict, where) or {}
@@ -278,12 +277,9 @@ def _operation(row: dict, event: Event, world_size: int, where: str) -> None:
 
 def _group(row: dict, rank: int, world_size: int, where: str) -> tuple[int, ...]:
     group = _need(row, "group", list, where)
-    if (
-        not group
-        or not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g < world_size for g in group)
-        or len(set(group)) != len(group)
-        or rank not in group
-    ):
+    if (not group or
+            not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g < world_size for g in group) or
+            len(set(group)) != len(group) or rank not in group):
         raise ValueError(f"{where}: field 'group' must list distinct ranks in [0, {world_size}) that include "
                          f"rank {rank}; got {_shown(group)}")
     return tuple(group)
@@ -294,9 +290,8 @@ def _split_sizes(row: dict, group_size: int, where: str) -> dict | None:
     torch's empty list: even), or null."""
     sizes = _optional(row, "split_sizes", dict, where)
     if sizes is not None and not all(
-        isinstance(sizes.get(way), list) and len(sizes[way]) in (0, group_size)
-        and all(_elements(rows, 1) for rows in sizes[way]) for way in ("in", "out")
-    ):
+            isinstance(sizes.get(way), list) and len(sizes[way]) in
+        (0, group_size) and all(_elements(rows, 1) for rows in sizes[way]) for way in ("in", "out")):
         raise ValueError(f'{where}: field \'split_sizes\' must be {{"in": [...], "out": [...]}}, each '
                          f"empty or {group_size} integers in [0, {MAX_NBYTES:,}]; got {_shown(sizes)}")
     return sizes
@@ -352,7 +347,6 @@ def _no_constant(name: str) -> float:
 class _Reader:
     """What :func:`load` keeps as it reads the events: the workload so far, each rank's
     operations issued and steps marked, and the sends and receives not yet paired."""
-
     def __init__(self, workload: Workload) -> None:
         self.workload = workload
         self.issued: dict[int, int] = {}

@@ -34,7 +34,6 @@ from lab.workload.retarget import Layout
 
 class _Rank:
     """One rank's GOAL lines, with its labels and what the next operation requires."""
-
     def __init__(self, rank: int) -> None:
         self.rank, self.lines, self.count = rank, [f"rank {rank} {{"], 0
         self.after: list[int] = []  # what the next compute requires
@@ -48,13 +47,8 @@ class _Rank:
         return self.count
 
 
-def _members(
-    layout: Layout,
-    rank: int,
-    event: fmt.Event,
-    spans: tuple[bool, ...] | None,
-    groups: dict[tuple, list[int]],
-) -> list[int]:
+def _members(layout: Layout, rank: int, event: fmt.Event, spans: tuple[bool, ...] | None,
+             groups: dict[tuple, list[int]]) -> list[int]:
     """The target group's global ranks, in group-rank order (each group listed once, in ``groups``)."""
     if spans is None:
         return list(event.group)
@@ -65,18 +59,10 @@ def _members(
     return groups[spans, key]
 
 
-def export_goal(
-    workload: fmt.Workload,
-    path: str | Path,
-    world_size: int | None = None,
-    *,
-    dims: dict[str, int] | None = None,
-    network: Network | None = None,
-    algorithms: dict[str, str] | None = None,
-    shard: str = "strong",
-    bucket_mb: float | None = None,
-    max_events: int | None = DEFAULT_MAX_EVENTS,
-) -> int:
+def export_goal(workload: fmt.Workload, path: str | Path, world_size: int | None = None, *,
+                dims: dict[str, int] | None = None, network: Network | None = None,
+                algorithms: dict[str, str] | None = None, shard: str = "strong",
+                bucket_mb: float | None = None, max_events: int | None = DEFAULT_MAX_EVENTS) -> int:
     """Write ``workload``'s whole steps, re-targeted (and re-bucketed, ``bucket_mb``) as
     :func:`lab.workload.replay` does, as GOAL at ``path``; returns the number of operations
     written. ``network`` only chooses the algorithm where neither ``algorithms`` nor the recording
@@ -113,17 +99,8 @@ def export_goal(
     return written
 
 
-def _operation(
-    goal: _Rank,
-    layout: Layout,
-    rank: int,
-    event: fmt.Event,
-    seen: dict,
-    tags: dict[tuple, int],
-    groups: dict[tuple, list[int]],
-    network: Network,
-    algorithms: dict[str, str],
-) -> list[int]:
+def _operation(goal: _Rank, layout: Layout, rank: int, event: fmt.Event, seen: dict, tags: dict[tuple, int],
+               groups: dict[tuple, list[int]], network: Network, algorithms: dict[str, str]) -> list[int]:
     """Write one operation's messages; return its last labels (what a wait on it requires)."""
     start = goal.after + goal.comm
     if event.op in fmt.POINT_TO_POINT:
@@ -132,9 +109,8 @@ def _operation(
         key = ("p2p", src, dst, event.tag)
         seen[key] = seen.get(key, -1) + 1
         tag = tags.setdefault((*key, seen[key]), len(tags) + 1)
-        text = (
-            f"send {event.nbytes}b to {peer}" if event.op == "send" else f"recv {event.nbytes}b from {peer}"
-        )
+        text = (f"send {event.nbytes}b to {peer}"
+                if event.op == "send" else f"recv {event.nbytes}b from {peer}")
         return [goal.add(f"{text} tag {tag}", start)]
     spans = layout.spanned(event)
     members = _members(layout, rank, event, spans, groups)
@@ -156,15 +132,11 @@ def _operation(
             labels.append(
                 goal.add(
                     f"send {schedule.send_bytes[step]}b to {members[schedule.send_peer[step]]} tag {tag}",
-                    previous,
-                )
-            )
+                    previous))
         if schedule.recv_peer[step] >= 0:
             labels.append(
                 goal.add(
                     f"recv {schedule.recv_bytes[step]}b from {members[schedule.recv_peer[step]]} tag {tag}",
-                    previous,
-                )
-            )
+                    previous))
         previous = labels or previous
     return previous

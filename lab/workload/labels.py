@@ -15,16 +15,19 @@ def read_labels(row: dict, event: Any, where: str, transfer: bool) -> None:
     (``transfer``: whether it is a send or receive): what :func:`lab.workload.load` reads where a
     line has any (a ``ValueError`` naming the field)."""
     if not transfer:
-        raise ValueError(f"{where}: field {next(n for n in PIPELINE_LABELS if row.get(n) is not None)!r} labels a pipeline's "
-                         f"send or receive, not a {event.op}")
+        raise ValueError(
+            f"{where}: field {next(n for n in PIPELINE_LABELS if row.get(n) is not None)!r} labels a pipeline's "
+            f"send or receive, not a {event.op}")
     missing = [name for name in PIPELINE_LABELS if row.get(name) is None]
     if missing:
-        raise ValueError(f"{where}: field {missing[0]!r} must come with the others of {', '.join(PIPELINE_LABELS)} "
-                         "(a pipeline's transfer names its stage, its peer's stage and its micro-batch)")
+        raise ValueError(
+            f"{where}: field {missing[0]!r} must come with the others of {', '.join(PIPELINE_LABELS)} "
+            "(a pipeline's transfer names its stage, its peer's stage and its micro-batch)")
     for name in PIPELINE_LABELS:
         value = row[name]
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LABEL:
-            raise ValueError(f"{where}: field {name!r} must be an integer in [0, {MAX_LABEL:,}]; got {value!r:.80}")
+            raise ValueError(
+                f"{where}: field {name!r} must be an integer in [0, {MAX_LABEL:,}]; got {value!r:.80}")
     event.stage, event.peer_stage, event.microbatch = (row[name] for name in PIPELINE_LABELS)
     if event.stage == event.peer_stage:
         raise ValueError(f"{where}: field 'peer_stage' must be another stage than {event.stage}; "
@@ -37,8 +40,9 @@ def check_pair(event: Any, paired: Any, where: str, there: str) -> None:
     send, receive = (event, paired) if event.op == "send" else (paired, event)
     sent = (send.stage, send.peer_stage, send.microbatch)
     if sent != (receive.peer_stage, receive.stage, receive.microbatch):
-        raise ValueError(f"{where}: fields 'stage', 'peer_stage', 'microbatch': this {event.op} (rank {send.rank} to "
-                         f"rank {receive.rank}, tag {event.tag}) pairs with the {paired.op} at {there}, but the send "
-                         f"is stage {send.stage}'s to stage {send.peer_stage} of micro-batch {send.microbatch} and "
-                         f"the receive stage {receive.stage}'s from stage {receive.peer_stage} of micro-batch "
-                         f"{receive.microbatch}")
+        raise ValueError(
+            f"{where}: fields 'stage', 'peer_stage', 'microbatch': this {event.op} (rank {send.rank} to "
+            f"rank {receive.rank}, tag {event.tag}) pairs with the {paired.op} at {there}, but the send "
+            f"is stage {send.stage}'s to stage {send.peer_stage} of micro-batch {send.microbatch} and "
+            f"the receive stage {receive.stage}'s from stage {receive.peer_stage} of micro-batch "
+            f"{receive.microbatch}")

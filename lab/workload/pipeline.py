@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 #: The stage's makers of transfers: name, whether it sends, and the stage its transfers go to or
 #: come from (one after the stage on the forward pass, one before on the backward).
-MAKERS = (("get_fwd_recv_ops", "recv", -1), ("get_bwd_recv_ops", "recv", 1),
-          ("get_fwd_send_ops", "send", 1), ("get_bwd_send_ops", "send", -1))
+MAKERS = (("get_fwd_recv_ops", "recv", -1), ("get_bwd_recv_ops", "recv", 1), ("get_fwd_send_ops", "send", 1),
+          ("get_bwd_send_ops", "send", -1))
 #: The columns of a per-stage breakdown (:func:`stages`, :func:`measured_stages`).
 COLUMNS = ["step", "rank", "stages", "step_us", "compute_us", "exposed_us", "bubble_us", "bubble_share"]
 
@@ -72,13 +72,12 @@ def label_pipelines() -> None:
 
 def _labelling(make: Any, op: str, step: int) -> Any:
     """``make`` (a stage's maker of transfers for one micro-batch), its transfers labelled."""
-
     @functools.wraps(make)
     def labelled(self: Any, microbatch: int, *args: Any, **kwargs: Any) -> list:
         transfers = make(self, microbatch, *args, **kwargs)
         for p2p in transfers:
-            p2p.lab_label = (op, p2p.peer, {"stage": self.stage_index, "peer_stage": self.stage_index + step,
-                                            "microbatch": microbatch})
+            p2p.lab_label = (op, p2p.peer, {
+                "stage": self.stage_index, "peer_stage": self.stage_index + step, "microbatch": microbatch})
         return transfers
 
     return labelled
@@ -97,7 +96,8 @@ def measured_stages(workload: Workload, step_us: Sequence[float]) -> pd.DataFram
     import pandas as pd
 
     if len(step_us) != workload.steps:
-        raise ValueError(f"step_us must hold one time per recorded step ({workload.steps}); got {len(step_us)}")
+        raise ValueError(
+            f"step_us must hold one time per recorded step ({workload.steps}); got {len(step_us)}")
     rows = []
     for rank in sorted(workload.events):
         compute, exposed = [0.0] * workload.steps, [0.0] * workload.steps
@@ -121,15 +121,18 @@ def measured_stages(workload: Workload, step_us: Sequence[float]) -> pd.DataFram
 
 def _row(step: int, rank: int, own: tuple[int, ...], step_us: float, compute: float, exposed: float) -> dict:
     bubble = max(step_us - compute - exposed, 0.0)
-    return {"step": step, "rank": rank, "stages": own, "step_us": step_us, "compute_us": compute,
-            "exposed_us": exposed, "bubble_us": bubble, "bubble_share": bubble / step_us if step_us else 0.0}
+    return {
+        "step": step, "rank": rank, "stages": own, "step_us": step_us, "compute_us": compute,
+        "exposed_us": exposed, "bubble_us": bubble, "bubble_share": bubble / step_us if step_us else 0.0}
 
 
-def stages(step_us: Sequence[float], compute: Any, exposed: Any, own: dict[int, tuple[int, ...]]) -> pd.DataFrame:
+def stages(step_us: Sequence[float], compute: Any, exposed: Any, own: dict[int, tuple[int,
+                                                                                      ...]]) -> pd.DataFrame:
     """The replay's per-stage breakdown: ``compute`` and ``exposed`` (arrays by rank and step) of
     each rank in ``own`` (a rank: the stages it holds) against the steps ``step_us``."""
     import pandas as pd
 
-    rows = [_row(step, rank, own[rank], float(total), float(compute[rank, step]), float(exposed[rank, step]))
-            for rank in sorted(own) for step, total in enumerate(step_us)]
+    rows = [
+        _row(step, rank, own[rank], float(total), float(compute[rank, step]), float(exposed[rank, step]))
+        for rank in sorted(own) for step, total in enumerate(step_us)]
     return pd.DataFrame(rows, columns=COLUMNS)

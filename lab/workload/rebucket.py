@@ -70,10 +70,8 @@ def rebucket(workload: Workload, bucket_mb: float) -> Workload:
     if cap < 1:
         raise ValueError(f"bucket_mb must be at least one byte (1 / 2**20); got {bucket_mb!r}")
     if not workload.gradients:
-        raise ValueError(
-            f"bucket_mb: {workload.path or 'the workload'} knows no gradients: call "
-            "lab.workload.record_gradients(ddp_model) on every rank while recording"
-        )
+        raise ValueError(f"bucket_mb: {workload.path or 'the workload'} knows no gradients: call "
+                         "lab.workload.record_gradients(ddp_model) on every rank while recording")
     events = {}
     for rank, recorded in workload.events.items():
         gradients = workload.gradients.get(rank)
@@ -141,8 +139,8 @@ def _buckets(events: list[Event], run: list[int], waits: list[int], positions: l
     for j, end in enumerate(ddp_buckets(gradients.sizes, [cap])):
         ready = ends[end - 1]  # the bucket's last gradient is ready once this many bytes are
         k = next(k for k, bound in enumerate(bounds) if ready <= bound)
-        at = (max(floor, issued[0] - (bounds[0] - ready) * rate) if k == 0 else
-              issued[k - 1] + (issued[k] - issued[k - 1]) * (ready - bounds[k - 1]) / (bounds[k] - bounds[k - 1]))
+        at = (max(floor, issued[0] - (bounds[0] - ready) * rate) if k == 0 else issued[k - 1] +
+              (issued[k] - issued[k - 1]) * (ready - bounds[k - 1]) / (bounds[k] - bounds[k - 1]))
         count = (ready - start) // itemsize
         op = dataclasses.replace(template, count=count, out_count=count, algorithm=None)
         placed += [((at, run[k], j), op, None),
@@ -154,8 +152,9 @@ def _buckets(events: list[Event], run: list[int], waits: list[int], positions: l
 def _gradient_run(events: list[Event], gradients: Gradients, sizes: list[int]) -> list[int] | None:
     """Where the step's gradient allreduces are (their positions in ``events``), or None where
     the step's allreduces on the gradients' group carry fewer bytes than the gradients."""
-    candidates = [i for i, event in enumerate(events) if event.kind == "op" and event.op == "allreduce"
-                  and event.group == gradients.group and event.dtype == gradients.dtype]
+    candidates = [
+        i for i, event in enumerate(events) if event.kind == "op" and event.op == "allreduce" and
+        event.group == gradients.group and event.dtype == gradients.dtype]
     bounds, total = set(itertools.accumulate(sizes)), sum(sizes)
     for first in range(len(candidates)):
         held = 0
@@ -171,8 +170,7 @@ def _gradient_run(events: list[Event], gradients: Gradients, sizes: list[int]) -
     raise ValueError(
         f"bucket_mb: step {step} of rank {events[0].rank} has allreduces on the gradients' group that do not "
         f"split its {len(sizes)} gradients ({total:,} bytes) at their boundaries in the order recorded (DDP "
-        "reduced them in another order than its parameters' reversed?)"
-    )
+        "reduced them in another order than its parameters' reversed?)")
 
 
 def _numbered(pairs: list[tuple[Event, Event | None]]) -> list[Event]:

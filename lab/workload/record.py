@@ -57,24 +57,18 @@ MAX_HELD = 1024
 WOKEN_NS = 1_000_000
 
 
-def write_header(
-    path: str | Path, world_size: int, dims: dict[str, int] | None = None, recorded: dict | None = None
-) -> None:
+def write_header(path: str | Path, world_size: int, dims: dict[str, int] | None = None,
+                 recorded: dict | None = None) -> None:
     """Start the workload file at ``path`` (truncating it): its header line. One process does it,
     before any rank records (the pool's parent, or rank 0 under a launcher, before the others)."""
     header = {
-        "format": FORMAT,
-        "version": VERSION,
-        "world_size": world_size,
-        "dims": dims,
-        "recorded": recorded or {},
-    }
+        "format": FORMAT, "version": VERSION, "world_size": world_size, "dims": dims, "recorded": recorded or
+        {}}
     Path(path).write_text(json.dumps(header) + "\n")
 
 
 class Recorder:
     """One rank's recording into ``path`` (see the module's docstring)."""
-
     def __init__(self, path: str | Path, rank: int, world_size: int, clock=time.perf_counter_ns) -> None:
         self.path, self.rank, self.world_size, self._clock = str(path), rank, world_size, clock
         self._lock = threading.Lock()  # (program threads issue, the communication thread completes)
@@ -122,8 +116,9 @@ class Recorder:
             if self._done_unwaited >= MAX_HELD:
                 self._infer_waits()
             index, self.issued = self.issued, self.issued + 1
-            row = {"kind": "op", "step": self.step, "index": index, "what": what, "async": is_async,
-                   "compute_us": self._compute_us(now), "issued_us": self._now_us(now)}
+            row = {
+                "kind": "op", "step": self.step, "index": index, "what": what, "async": is_async,
+                "compute_us": self._compute_us(now), "issued_us": self._now_us(now)}
             if self._labels and what.op in POINT_TO_POINT:
                 op, peer, label = self._labels.pop(0) or (None, None, None)
                 if (op, peer) == (what.op, what.peer):  # (else not the transfer labelled: none)
@@ -161,8 +156,9 @@ class Recorder:
                     self._done_unwaited -= 1
                     if self._returned < done and now - done <= WOKEN_NS:  # woken by its completion:
                         self._returned = done  # blocked on it where the lab cannot see
-                self._rows.append({"kind": "wait", "step": self.step, "index": index,
-                                   "waited_us": self._now_us(now), "compute_us": self._compute_us(now)})
+                self._rows.append({
+                    "kind": "wait", "step": self.step, "index": index, "waited_us": self._now_us(now),
+                    "compute_us": self._compute_us(now)})
                 self._write_held()
             self._inside += 1
 
@@ -205,8 +201,9 @@ class Recorder:
         self._done_unwaited = 0
         for index, _ in done:
             del self._open[index]
-            self._rows.append({"kind": "wait", "step": self.step, "index": index, "inferred": True,
-                               "waited_us": self._now_us(self._returned), "compute_us": 0.0})
+            self._rows.append({
+                "kind": "wait", "step": self.step, "index": index, "inferred": True,
+                "waited_us": self._now_us(self._returned), "compute_us": 0.0})
         if done:
             self._returned = max(self._returned, max(at for _, at in done))
 
@@ -225,7 +222,8 @@ class Recorder:
             return f'{head},"index":{row["index"]},"waited_us":{row["waited_us"]:.3f},{compute}{inferred}}}\n'
         completed = f',"completed_us":{row["completed_us"]:.3f}' if "completed_us" in row else ""
         is_async = "true" if row["async"] else "false"
-        label = "".join(f',"{name}":{value}' for name, value in row["label"].items()) if "label" in row else ""
+        label = "".join(f',"{name}":{value}'
+                        for name, value in row["label"].items()) if "label" in row else ""
         return (f'{head},"index":{row["index"]},{self._fixed_of(row)}{label},"async":{is_async},{compute},'
                 f'"issued_us":{row["issued_us"]:.3f}{completed}}}\n')
 
@@ -277,8 +275,9 @@ def _fixed_json(what: Operation, learned: dict | None) -> str:
     """The fields of ``what``'s line that do not change from call to call, as the inside of a JSON
     object; ``learned``: what its result told (a receive's source, dtype and size)."""
     dtype, count, out_count = _in_format(what.dtype, what.itemsize, what.count, what.out_count)
-    fields = {"op": what.op, "group": list(what.group), "dim": what.dim, "dtype": dtype, "count": count,
-              "out_count": out_count, "reduce_op": what.reduce_op, "root": what.root}
+    fields = {
+        "op": what.op, "group": list(what.group), "dim": what.dim, "dtype": dtype, "count": count,
+        "out_count": out_count, "reduce_op": what.reduce_op, "root": what.root}
     if what.op in POINT_TO_POINT:
         fields.update(peer=what.peer, tag=what.tag)  # (from any source: the peer comes as it completes)
     if what.split_sizes is not None:
@@ -338,14 +337,16 @@ def record_gradients(model: Any) -> bool:
     import torch.distributed as dist
 
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(f"model must be a torch.nn.parallel.DistributedDataParallel; got {type(model).__name__}")
+        raise TypeError(
+            f"model must be a torch.nn.parallel.DistributedDataParallel; got {type(model).__name__}")
     recorder = recording.current()
     if not isinstance(recorder, Recorder):
         return False
     ignored, seen, parameters = getattr(model, "parameters_to_ignore", set()), set(), []
     for module_name, module in model.module.named_modules():  # (as DDP lists what it reduces)
         for name, parameter in module.named_parameters(recurse=False):
-            if parameter.requires_grad and f"{module_name}.{name}" not in ignored and id(parameter) not in seen:
+            if parameter.requires_grad and f"{module_name}.{name}" not in ignored and id(
+                    parameter) not in seen:
                 seen.add(id(parameter))
                 parameters.append(parameter)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in parameters})
@@ -357,9 +358,8 @@ def record_gradients(model: Any) -> bool:
     first = config.first_bucket_bytes_cap if config is not None else \
         min(dist._DEFAULT_FIRST_BUCKET_BYTES, cap) if getattr(model, "bucket_bytes_cap_default", False) else cap
     sized = [_in_format(dtypes[0], p.element_size(), p.numel(), p.numel())[:2] for p in reversed(parameters)]
-    recorder.gradients({"group": dist.get_process_group_ranks(model.process_group), "dtype": sized[0][0],
-                        "counts": [count for _, count in sized], "bucket_cap_bytes": cap,
-                        "first_bucket_cap_bytes": int(first)})
+    recorder.gradients({
+        "group": dist.get_process_group_ranks(model.process_group), "dtype": sized[0][0],
+        "counts": [count for _, count in sized], "bucket_cap_bytes": cap,
+        "first_bucket_cap_bytes": int(first)})
     return True
-
-

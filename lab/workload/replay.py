@@ -54,30 +54,20 @@ BYTES_PER_EVENT, BYTES_PER_SLICE, BYTES_PER_RANK, S_PER_EVENT = 200, 400, 500, 5
 
 
 @functools.lru_cache(maxsize=4096)
-def collective_us(
-    collective: str, algorithm: str | None, group_size: int, nbytes: int, root: int, network: Network
-) -> tuple[float, str]:
+def collective_us(collective: str, algorithm: str | None, group_size: int, nbytes: int, root: int,
+                  network: Network) -> tuple[float, str]:
     """µs of one ``collective`` of ``nbytes`` per rank on ``group_size`` ranks, and the algorithm
     timed: ``algorithm``, or (None) the least simulated of the registry's ``auto`` candidates."""
     if group_size == 1:
         return 0.0, algorithm or "none"
     if algorithm is not None:
-        return simulate(
-            collective, algorithm, group_size, nbytes, network, root=root, max_seconds=None
-        ).time_us, algorithm
+        return simulate(collective, algorithm, group_size, nbytes, network, root=root,
+                        max_seconds=None).time_us, algorithm
     best: tuple[float, str] | None = None
     for candidate in registry.auto_candidates(collective):
         try:
-            time_us = simulate(
-                collective,
-                candidate,
-                group_size,
-                nbytes,
-                network,
-                root=root,
-                max_steps=CHOICE_MAX_STEPS,
-                max_seconds=None,
-            ).time_us
+            time_us = simulate(collective, candidate, group_size, nbytes, network, root=root,
+                               max_steps=CHOICE_MAX_STEPS, max_seconds=None).time_us
         except (SimulationTooLarge, SimulationUnsupported):
             continue
         if best is None or time_us < best[0]:
@@ -85,8 +75,7 @@ def collective_us(
     if best is None:
         raise ValueError(
             f"no algorithm of {collective} can be simulated at {group_size} ranks and {nbytes} bytes "
-            f"within {CHOICE_MAX_STEPS:,} steps: name one in algorithms="
-        )
+            f"within {CHOICE_MAX_STEPS:,} steps: name one in algorithms=")
     return best
 
 
@@ -153,8 +142,9 @@ class ReplayResult:
         tracks = {}
         for rank in sorted({s["rank"] for s in self.slices}):
             tracks.update({2 * rank: f"rank {rank}", 2 * rank + 1: f"rank {rank} comm"})
-        slices = [{"name": s["name"], "cat": s["cat"], "tid": 2 * s["rank"] + (s["cat"] != "compute"),
-                   "ts": s["start_us"], "dur": max(s["end_us"] - s["start_us"], 0.0)} for s in self.slices]
+        slices = [{
+            "name": s["name"], "cat": s["cat"], "tid": 2 * s["rank"] + (s["cat"] != "compute"),
+            "ts": s["start_us"], "dur": max(s["end_us"] - s["start_us"], 0.0)} for s in self.slices]
         Path(path).write_text(json.dumps(trace_events(tracks, slices)))
 
 
@@ -211,22 +201,14 @@ def whole_steps(events: list[Event], steps: int) -> list[Event]:
     for i, event in enumerate(events):
         seen += event.kind == "step"
         if seen == steps:
-            return events[: i + 1]
+            return events[:i + 1]
     return []
 
 
 class Replay:
     """The event loop of one replay (see the module's docstring)."""
-
-    def __init__(
-        self,
-        workload: Workload,
-        layout: Layout,
-        network: Network,
-        algorithms: dict[str, str],
-        factors: np.ndarray,
-        record_slices: bool,
-    ) -> None:
+    def __init__(self, workload: Workload, layout: Layout, network: Network, algorithms: dict[str, str],
+                 factors: np.ndarray, record_slices: bool) -> None:
         self.workload, self.layout, self.network, self.algorithms = workload, layout, network, algorithms
         n = layout.world_size
         self.factors, self.record_slices = factors, record_slices
@@ -247,8 +229,7 @@ class Replay:
         self.spans: dict[tuple[int, int], tuple[bool, ...]] = {}
         self.events = {
             template: whole_steps(workload.events[template], workload.steps)
-            for template in set(self.templates)
-        }
+            for template in set(self.templates)}
 
     def run(self) -> None:
         ranks = range(self.layout.world_size)
@@ -264,8 +245,7 @@ class Replay:
             raise ValueError(
                 f"the replay cannot go on: rank {rank} waits on its {event.kind} of step {event.step} "
                 f"(operation {event.index}), which some member of its group never issues "
-                f"({len(stuck)} ranks stuck)"
-            )
+                f"({len(stuck)} ranks stuck)")
 
     def _events(self, rank: int) -> list[Event]:
         return self.events[self.templates[rank]]
@@ -277,15 +257,9 @@ class Replay:
         self.charged[rank] = self.pos[rank]
         compute = event.compute_us * self.factors[rank]
         if self.record_slices and compute > 0:
-            self.slices.append(
-                {
-                    "rank": rank,
-                    "cat": "compute",
-                    "name": "compute",
-                    "start_us": self.clock[rank],
-                    "end_us": self.clock[rank] + compute,
-                }
-            )
+            self.slices.append({
+                "rank": rank, "cat": "compute", "name": "compute", "start_us": self.clock[rank],
+                "end_us": self.clock[rank] + compute})
         self.clock[rank] += compute
         if event.step < self.step_compute.shape[1]:
             self.step_compute[rank, event.step] += compute
@@ -364,8 +338,7 @@ class Replay:
         if (a.op, a.count, a.dtype) != (b.op, b.count, b.dtype) and b.op not in POINT_TO_POINT:
             raise ValueError(
                 f"the recording's ranks disagree: one calls {a.op} of {a.count} {a.dtype} where rank "
-                f"{op.rank} (recorded rank {b.rank}) calls {b.op} of {b.count} {b.dtype} on the same group"
-            )
+                f"{op.rank} (recorded rank {b.rank}) calls {b.op} of {b.count} {b.dtype} on the same group")
 
     def _transfer(self, op: _Op) -> None:
         """A send or receive ready: a send leaves now (eager); a receive completes once its send's
@@ -386,7 +359,8 @@ class Replay:
         first = instance[0]
         event = first.event
         start = max(op.ready for op in instance)
-        duration, algorithm = collective_us(*timed(event, first.size, self.layout, self.algorithms), self.network)
+        duration, algorithm = collective_us(*timed(event, first.size, self.layout, self.algorithms),
+                                            self.network)
         for op in instance:
             self._finish(op, start, start + duration, algorithm, duration)
 
@@ -394,27 +368,18 @@ class Replay:
         """``op`` ran from ``start`` to ``done``: its row, its slice, and its rank's next operation ready."""
         event = op.event
         row = self.rows.setdefault(
-            (event.step, event.index),
-            {
-                "step": event.step,
-                "index": event.index,
-                "op": event.op,
-                "group_size": op.size,
+            (event.step, event.index), {
+                "step": event.step, "index": event.index, "op": event.op, "group_size": op.size,
                 "dim": event.dim,
-                "nbytes": event.nbytes
-                if event.op in POINT_TO_POINT
-                else self.layout.nbytes(event, op.size),
-                "algorithm": algorithm,
-                "recorded_algorithm": event.algorithm,
-                "async": event.is_async,
-                "predicted_us": duration,
-            },
-        )
+                "nbytes": event.nbytes if event.op in POINT_TO_POINT else self.layout.nbytes(event, op.size),
+                "algorithm": algorithm, "recorded_algorithm": event.algorithm, "async": event.is_async,
+                "predicted_us": duration})
         row["predicted_us"] = max(row["predicted_us"], duration)
         op.start, op.done = start, done
         if self.record_slices:
-            self.slices.append({"rank": op.rank, "cat": "communication", "name": f"{event.op} {algorithm}",
-                                "start_us": start, "end_us": done})
+            self.slices.append({
+                "rank": op.rank, "cat": "communication", "name": f"{event.op} {algorithm}", "start_us": start,
+                "end_us": done})
         ops = self.ops[op.rank]
         if op.position + 1 < len(ops) and ops[op.position + 1].ready is None:
             self.arriving.append(ops[op.position + 1])
@@ -432,12 +397,12 @@ class Replay:
         frame = pd.DataFrame(sorted(self.rows.values(), key=lambda r: (r["step"], r["index"])))
         if not frame.empty:
             frame["exposed_us"] = [
-                self.exposed.get((s, i), 0.0) for s, i in zip(frame["step"], frame["index"])
-            ]
+                self.exposed.get((s, i), 0.0) for s, i in zip(frame["step"], frame["index"])]
             frame["share"] = frame["exposed_us"] / frame["step"].map(dict(enumerate(step_us)))
         held = {template: stage_of(self.workload, template) for template in set(self.templates)}
         own = {rank: held[template] for rank, template in enumerate(self.templates)}
         per_stage = stages(step_us, self.step_compute, self.step_exposed,
-                           {rank: mine for rank, mine in own.items() if mine})
-        return ReplayResult(self.layout.world_size, self.network, step_us, compute, exposed, frame, self.slices,
-                            per_stage)
+                           {rank: mine
+                            for rank, mine in own.items() if mine})
+        return ReplayResult(self.layout.world_size, self.network, step_us, compute, exposed, frame,
+                            self.slices, per_stage)

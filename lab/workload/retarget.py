@@ -46,13 +46,8 @@ class Layout:
     shard: str = "strong"
 
     @classmethod
-    def of(
-        cls,
-        workload: Workload,
-        world_size: int | None = None,
-        dims: dict[str, int] | None = None,
-        shard: str = "strong",
-    ) -> Layout:
+    def of(cls, workload: Workload, world_size: int | None = None, dims: dict[str, int] | None = None,
+           shard: str = "strong") -> Layout:
         """The layout for replaying ``workload`` on ``world_size`` ranks or on the mesh ``dims``
         (``ValueError`` naming the argument where neither fits the recording)."""
         if shard not in SHARDING:
@@ -69,17 +64,12 @@ class Layout:
             else:
                 raise ValueError(
                     f"the recording is a {len(recorded)}-D mesh {recorded}: give dims= with a size for "
-                    f"each of {', '.join(recorded)}, not world_size"
-                )
-        if (
-            not isinstance(dims, dict)
-            or list(dims) != list(recorded)
-            or not all(is_int(v) and v >= 1 for v in dims.values())
-        ):
+                    f"each of {', '.join(recorded)}, not world_size")
+        if (not isinstance(dims, dict) or list(dims) != list(recorded) or
+                not all(is_int(v) and v >= 1 for v in dims.values())):
             raise ValueError(
                 f"dims must give a size >= 1 to each of the recording's dimensions {list(recorded)}, "
-                f"in that order; got {dims!r}"
-            )
+                f"in that order; got {dims!r}")
         if math.prod(dims.values()) > MAX_WORLD_SIZE:
             raise ValueError(f"dims={dims} make {math.prod(dims.values()):,} ranks, more than the "
                              f"simulator's {MAX_WORLD_SIZE:,}")
@@ -120,8 +110,7 @@ class Layout:
             raise ValueError(
                 f"rank {event.rank}'s {event.op} (operation {event.index}) ran on {list(event.group)}, "
                 f"which is no slice of the mesh {dict(zip(self.names, self.recorded))}: it cannot "
-                "be re-targeted"
-            )
+                "be re-targeted")
         return spans
 
     def group_of(self, rank: int, event: Event, spans: tuple[bool, ...] | None) -> tuple[tuple, int]:
@@ -141,14 +130,11 @@ class Layout:
 
     def peer_of(self, rank: int, event: Event) -> int:
         """A send's or receive's target peer: the recorded peer's offset in coordinates, kept."""
-        mine, theirs = (
-            self.coordinates(event.rank, self.recorded),
-            self.coordinates(event.peer, self.recorded),
-        )
+        mine, theirs = (self.coordinates(event.rank,
+                                         self.recorded), self.coordinates(event.peer, self.recorded))
         here = self.coordinates(rank, self.target)
         return self.rank_at(
-            tuple((h + t - m) % size for h, t, m, size in zip(here, theirs, mine, self.target)), self.target
-        )
+            tuple((h + t - m) % size for h, t, m, size in zip(here, theirs, mine, self.target)), self.target)
 
     def nbytes(self, event: Event, group_size: int) -> int:
         """Each rank's input bytes of ``event`` on a target group of ``group_size`` (module docstring):

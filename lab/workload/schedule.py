@@ -30,8 +30,9 @@ def stage_costs(workload: Workload) -> tuple[list[float], int, int]:
     ranks = sorted(workload.events)
     held = [{e.stage for e in workload.events[r] if e.stage is not None} for r in ranks]
     if not all(held) or any(stages != {rank} for stages, rank in zip(held, ranks)):
-        raise ValueError(f"{workload.path or 'the workload'}: a pipeline of one stage a rank, stage r on rank r, is "
-                         f"re-targeted; its ranks hold stages {[sorted(s) for s in held]}")
+        raise ValueError(
+            f"{workload.path or 'the workload'}: a pipeline of one stage a rank, stage r on rank r, is "
+            f"re-targeted; its ranks hold stages {[sorted(s) for s in held]}")
     first = 1 if workload.steps > 1 else 0
     compute, microbatches, nbytes = [], set(), 0
     for rank in ranks:
@@ -72,7 +73,8 @@ def pipeline_workload(schedule: str, per_microbatch_us: list[float], microbatche
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
     n = len(per_microbatch_us)
-    workload = Workload(n, None, {"schedule": schedule}, {}, f"{schedule} of {n} stages, {microbatches} micro-batches")
+    workload = Workload(n, None, {"schedule": schedule}, {},
+                        f"{schedule} of {n} stages, {microbatches} micro-batches")
     for stage, cost in enumerate(per_microbatch_us):
         events: list[Event] = []
         for step in range(steps):
@@ -92,8 +94,8 @@ def _order(schedule: str, stage: int, n: int, microbatches: int) -> list[tuple[s
     return order + [("backward", m) for m in range(microbatches - warmup, microbatches)]
 
 
-def _stage_step(events: list[Event], stage: int, n: int, step: int, order: list[tuple[str, int]],
-                cost: float, nbytes: int) -> None:
+def _stage_step(events: list[Event], stage: int, n: int, step: int, order: list[tuple[str, int]], cost: float,
+                nbytes: int) -> None:
     """One step of ``stage``'s passes in ``order``, onto ``events``."""
     carried, sends = 0.0, []
     index = sum(e.kind == "op" for e in events)
@@ -116,6 +118,6 @@ def _stage_step(events: list[Event], stage: int, n: int, step: int, order: list[
 def _transfer(stage: int, step: int, index: int, op: str, peer: int, microbatch: int, count: int,
               compute_us: float, is_async: bool) -> Event:
     """A transfer of ``count`` bytes between ``stage`` and ``peer`` (their ranks)."""
-    return Event(stage, step, "op", compute_us, index=index, op=op, group=(min(stage, peer), max(stage, peer)),
-                 dtype="uint8", count=count, out_count=count, peer=peer, is_async=is_async, stage=stage,
-                 peer_stage=peer, microbatch=microbatch)
+    return Event(stage, step, "op", compute_us, index=index, op=op,
+                 group=(min(stage, peer), max(stage, peer)), dtype="uint8", count=count, out_count=count,
+                 peer=peer, is_async=is_async, stage=stage, peer_stage=peer, microbatch=microbatch)

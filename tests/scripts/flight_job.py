@@ -46,7 +46,8 @@ def _dump(backend: str, out: str, rank: int) -> None:
 
 def _wait_for_dumps(out: str, ranks: list[int]) -> None:
     deadline = time.monotonic() + 60
-    while not all(os.path.exists(os.path.join(out, f"rank_{r}")) for r in ranks) and time.monotonic() < deadline:
+    while not all(os.path.exists(os.path.join(out, f"rank_{r}"))
+                  for r in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -91,7 +92,8 @@ def run_job(backend: str, case: str, out: str) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     try:
-        mp.start_processes(rank_main, args=(backend, case, out, port), nprocs=WORLD_SIZE, start_method="spawn")
+        mp.start_processes(rank_main, args=(backend, case, out, port), nprocs=WORLD_SIZE,
+                           start_method="spawn")
     except mp.ProcessExitedException:  # gloo aborts every process on a size mismatch
         pass
     missing = [r for r in range(WORLD_SIZE) if not os.path.exists(os.path.join(out, f"rank_{r}"))]

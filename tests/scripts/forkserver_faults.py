@@ -29,7 +29,9 @@ if __name__ == "__main__":
     try:
         lab.spawn(sum_ranks, 2)
     except lab.LabError as error:
-        print(f"stopped: {str(error).split('(pid ')[1].split(')', 1)[1].strip()} after {time.monotonic() - started:.1f} s")
+        print(
+            f"stopped: {str(error).split('(pid ')[1].split(')', 1)[1].strip()} after {time.monotonic() - started:.1f} s"
+        )
     os.kill(server, signal.SIGCONT)
     with lab.launch(3) as cluster:
         os.kill(forkserver_pid(), signal.SIGKILL)  # the ranks die with it

@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("lab_hosts", Path(__file__).parents[2] / "lab" / "hosts" / "emulated.py")
+spec = importlib.util.spec_from_file_location("lab_hosts",
+                                              Path(__file__).parents[2] / "lab" / "hosts" / "emulated.py")
 hosts_module = importlib.util.module_from_spec(spec)
 sys.modules["lab_hosts"] = hosts_module
 spec.loader.exec_module(hosts_module)

@@ -21,6 +21,5 @@ if __name__ == "__main__":
         paths = [hosts.switch_netns] + [h.netns for h in hosts.hosts]
         print(json.dumps({
             "pids": hosts.pids + cluster.pids,
-            "inodes": [os.stat(p).st_ino for p in paths],
-        }), flush=True)
+            "inodes": [os.stat(p).st_ino for p in paths],}), flush=True)
         cluster.run(sleep, 60.0)

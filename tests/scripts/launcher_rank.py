@@ -82,7 +82,8 @@ def main() -> None:
         wait_before_joining(os.environ["LAB_TEST_GO"])
     before = signal.getsignal(signal.SIGTERM)
     try:
-        mesh = lab.Mesh.from_env(recv_timeout_ms=60_000, transport=os.environ.get("LAB_TEST_TRANSPORT", "auto"))
+        mesh = lab.Mesh.from_env(recv_timeout_ms=60_000,
+                                 transport=os.environ.get("LAB_TEST_TRANSPORT", "auto"))
         kept = "same" if signal.getsignal(signal.SIGTERM) == before else "changed"
         say(f"JOINED {time.monotonic()!r} sigterm {kept}")
         done = work(mesh) if os.environ.get("LAB_TEST_WORK", "allreduce") == "allreduce" else "no work"

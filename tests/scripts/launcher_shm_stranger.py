@@ -35,7 +35,8 @@ for _ in range(count):
         continue
     connected.append(sock)
     opened[sock] = time.monotonic()
-print("CONNECTED " + json.dumps({"connected": len(connected), "errors": errors, "at": time.monotonic()}), flush=True)
+print("CONNECTED " + json.dumps({"connected": len(connected), "errors": errors, "at": time.monotonic()}),
+      flush=True)
 
 selector = selectors.DefaultSelector()
 for sock in connected:
@@ -50,5 +51,7 @@ while len(dropped) < len(connected) and time.monotonic() < deadline:
         if not data:  # dropped by the listener (anything it sent before closing is ignored)
             dropped.append(time.monotonic() - opened[key.fileobj])
             selector.unregister(key.fileobj)
-print("DROPPED " + json.dumps({"after_s": dropped, "open": len(connected) - len(dropped), "at": time.monotonic()}),
-      flush=True)
+print(
+    "DROPPED " +
+    json.dumps({"after_s": dropped, "open": len(connected) - len(dropped), "at": time.monotonic()}),
+    flush=True)

@@ -39,8 +39,7 @@ checks = {
     "allreduce ring": (lab.allreduce(mesh, x.clone(), algorithm="ring"), n * base + 1000 * n * (n - 1) // 2),
     "allreduce tree": (lab.allreduce(mesh, x.clone(), algorithm="tree"), n * base + 1000 * n * (n - 1) // 2),
     "broadcast": (lab.broadcast(mesh, x.clone(), src=n - 1), base + 1000 * (n - 1)),
-    "allgather": (lab.allgather(mesh, x), torch.cat([base + 1000 * r for r in range(n)])),
-}
+    "allgather": (lab.allgather(mesh, x), torch.cat([base + 1000 * r for r in range(n)]))}
 wrong = [name for name, (got, want) in checks.items() if not torch.equal(got, want)]
 if wrong:
     sys.exit(f"rank {rank}: wrong results: {wrong}")

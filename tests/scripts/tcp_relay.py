@@ -95,8 +95,9 @@ while True:
                 if mode == "inject":
                     upstream.sendall(header(TAG, 4096) + b"\0" * (4096 + TRAILER))
                 if mode == "forge-tag":
-                    upstream.sendall(header(TAG[:4] + b"other collective".ljust(28, b"\0"), 4096)
-                                     + b"\0" * (4096 + TRAILER))
+                    upstream.sendall(
+                        header(TAG[:4] + b"other collective".ljust(28, b"\0"), 4096) + b"\0" *
+                        (4096 + TRAILER))
         pending += data
         for frame in frames(pending):
             seen += 1

@@ -23,7 +23,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-store_host, store_port, key, idle, trickle = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+store_host, store_port, key, idle, trickle = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(
+    sys.argv[4]), int(sys.argv[5])
 ready_key = sys.argv[6] if len(sys.argv) > 6 else None
 store = dist.TCPStore(store_host, store_port, is_master=False, timeout=timedelta(seconds=60))
 host, port = store.get(key).decode().rsplit(":", 1)

@@ -15,12 +15,14 @@ n, rank = mesh.world_size, mesh.rank
 assert (rank, n) == (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 x = torch.arange(1001, dtype=torch.float32) * 3 + rank
 checks = {
-    "allreduce ring": (lab.allreduce(mesh, x.clone(), algorithm="ring"), gloo_collective(mesh, "allreduce", x.clone())),
-    "allreduce tree": (lab.allreduce(mesh, x.clone(), algorithm="tree"), gloo_collective(mesh, "allreduce", x.clone())),
-    "broadcast": (lab.broadcast(mesh, x.clone(), src=n - 1), gloo_collective(mesh, "broadcast", x.clone(), src=n - 1)),
+    "allreduce ring": (lab.allreduce(mesh, x.clone(),
+                                     algorithm="ring"), gloo_collective(mesh, "allreduce", x.clone())),
+    "allreduce tree": (lab.allreduce(mesh, x.clone(),
+                                     algorithm="tree"), gloo_collective(mesh, "allreduce", x.clone())),
+    "broadcast": (lab.broadcast(mesh, x.clone(),
+                                src=n - 1), gloo_collective(mesh, "broadcast", x.clone(), src=n - 1)),
     "allgather": (lab.allgather(mesh, x), gloo_collective(mesh, "allgather", x)),
-    "reduce_scatter": (lab.reduce_scatter(mesh, x), gloo_collective(mesh, "reduce_scatter", x)),
-}
+    "reduce_scatter": (lab.reduce_scatter(mesh, x), gloo_collective(mesh, "reduce_scatter", x))}
 wrong = [name for name, (got, want) in checks.items() if not torch.equal(got, want)]
 if wrong:
     sys.exit(f"rank {rank}: differs from gloo: {wrong}")

@@ -16,20 +16,22 @@ arithmetic operations, at any node count.
 """
 
 from lab.sim.nccl import (
-           tuner_file,  # (validation: imported by name; it reads lab.sim.cluster, which imports this)
+    tuner_file,  # (validation: imported by name; it reads lab.sim.cluster, which imports this)
 )
 from lab.sim.nccl.fitting import NcclFitReport, fit
 from lab.sim.nccl.model import (
-           COLLECTIVES,
-           PAIRS,
-           NcclModel,
-           NcclPrediction,
-           PairTerms,
-           predict_nccl,
-           shipped,
-           tree_depth,
+    COLLECTIVES,
+    PAIRS,
+    NcclModel,
+    NcclPrediction,
+    PairTerms,
+    predict_nccl,
+    shipped,
+    tree_depth,
 )
 from lab.sim.nccl.topology import ClusterTopology, Dragonfly, FatTree, Graph, nominal_graph
 
-__all__ = ["COLLECTIVES", "PAIRS", "ClusterTopology", "Dragonfly", "FatTree", "Graph", "NcclFitReport", "NcclModel",
-           "NcclPrediction", "PairTerms", "fit", "nominal_graph", "predict_nccl", "shipped", "tree_depth", "tuner_file"]
+__all__ = [
+    "COLLECTIVES", "PAIRS", "ClusterTopology", "Dragonfly", "FatTree", "Graph", "NcclFitReport", "NcclModel",
+    "NcclPrediction", "PairTerms", "fit", "nominal_graph", "predict_nccl", "shipped", "tree_depth",
+    "tuner_file"]

@@ -35,8 +35,9 @@ from lab.sim.nccl.topology import CPUS, NIC_PATHS, ClusterTopology, Dragonfly, F
 MODELS = ("simulator", "nccl")
 FABRIC_FORMS = ("fat-tree:NODES_PER_LEAF:OVERSUBSCRIPTION[:SPINE_HOP_US] or "
                 "dragonfly:NODES_PER_GROUP:GLOBAL_LINK_SHARE[:GLOBAL_HOP_US]")
-FABRICS = {"fat-tree": (FatTree, ("nodes_per_leaf", "oversubscription", "spine_hop_us")),
-           "dragonfly": (Dragonfly, ("nodes_per_group", "global_link_share", "global_hop_us"))}
+FABRICS = {
+    "fat-tree": (FatTree, ("nodes_per_leaf", "oversubscription", "spine_hop_us")),
+    "dragonfly": (Dragonfly, ("nodes_per_group", "global_link_share", "global_hop_us"))}
 #: The options only NCCL's model takes (None: not given).
 NCCL_OPTIONS = ("gpus_per_node", "nics_per_node", "nic_gbit", "nic_path", "cpu", "fabric", "tuner_file",
                 "nccl_version")
@@ -63,21 +64,23 @@ def fabric(text: str) -> FatTree | Dragonfly:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model`` and the options of NCCL's model on ``python -m lab cluster fit``."""
-    parser.add_argument("--model", choices=MODELS, default="simulator",
-                        help="the simulator's algorithms on a fitted Network (default), or NCCL's own cost "
-                             "model (its tuner's closed forms: logs of 2+ nodes, any node count, seconds)")
+    parser.add_argument(
+        "--model", choices=MODELS, default="simulator",
+        help="the simulator's algorithms on a fitted Network (default), or NCCL's own cost "
+        "model (its tuner's closed forms: logs of 2+ nodes, any node count, seconds)")
     nccl = parser.add_argument_group("the cluster as built, for --model nccl")
     nccl.add_argument("--gpus-per-node", type=whole(1), help="default: the logs' ranks over their hosts")
     nccl.add_argument("--nics-per-node", type=whole(1), help="default: one a GPU")
     nccl.add_argument("--nic-gbit", type=checked(number, lambda v: positive(v, "nic_gbit")),
                       help="each NIC's speed, Gbit/s (required with --model nccl)")
     nccl.add_argument("--nic-path", choices=NIC_PATHS, help="a NIC's path to its GPUs, as NCCL names it "
-                                                            "(default pxb)")
+                      "(default pxb)")
     nccl.add_argument("--cpu", choices=CPUS, help="the CPU's vendor (default intel)")
     nccl.add_argument("--fabric", type=fabric, help=f"{FABRIC_FORMS} (given as built: no log sees it)")
-    nccl.add_argument("--nccl-version", choices=VERSIONS,
-                      help="the NCCL release that ran the logs (default 2.21): its tuner picks each size's "
-                           "algorithm and protocol and gives the terms no log sees")
+    nccl.add_argument(
+        "--nccl-version", choices=VERSIONS,
+        help="the NCCL release that ran the logs (default 2.21): its tuner picks each size's "
+        "algorithm and protocol and gives the terms no log sees")
     nccl.add_argument("--tuner-file", metavar="PATH",
                       help="write NCCL's example tuner plugin's file for the --predict-hosts node counts")
 
@@ -107,15 +110,17 @@ def _gpus_per_node(args: argparse.Namespace, logs: list[pd.DataFrame]) -> int:
     if len(per_node) != 1:
         args.parser.error("argument --gpus-per-node: required where the logs do not say their hosts"
                           if not per_node else f"argument --gpus-per-node: the logs have {sorted(per_node)} "
-                                               "ranks a host; give the cluster's")
+                          "ranks a host; give the cluster's")
     return per_node.pop()
 
 
 def topology_of(args: argparse.Namespace, logs: list[pd.DataFrame]) -> ClusterTopology:
     """The cluster as the options state it."""
     gpus = _gpus_per_node(args, logs)
-    stated = {name: value for name, value in (("nic_path", args.nic_path), ("cpu", args.cpu),
-                                              ("fabric", args.fabric)) if value is not None}
+    stated = {
+        name: value
+        for name, value in (("nic_path", args.nic_path), ("cpu", args.cpu), ("fabric", args.fabric))
+        if value is not None}
     try:
         return ClusterTopology(gpus_per_node=gpus, nics_per_node=args.nics_per_node or gpus,
                                nic_gbit=args.nic_gbit, **stated)
@@ -128,12 +133,15 @@ def predictions(report: NcclFitReport, logs: list[pd.DataFrame], hosts: list[int
     collectives = list(dict.fromkeys(collective_name(df.attrs["collective"]) for df in logs))
     out = []
     for collective in collectives:
-        sizes = sorted({int(size) for df in logs if collective_name(df.attrs["collective"]) == collective
-                        for size in df["bytes"] if size > 0})
+        sizes = sorted({
+            int(size)
+            for df in logs if collective_name(df.attrs["collective"]) == collective for size in df["bytes"]
+            if size > 0})
         for nodes in hosts:
-            out.append({"collective": collective, "hosts": nodes,
-                        "ranks": nodes * report.model.topology.gpus_per_node,
-                        "table": report.model.table(collective, nodes, sizes)})
+            out.append({
+                "collective": collective, "hosts": nodes,
+                "ranks": nodes * report.model.topology.gpus_per_node,
+                "table": report.model.table(collective, nodes, sizes)})
     return out
 
 
@@ -162,13 +170,14 @@ def run(args: argparse.Namespace, logs: list[pd.DataFrame]) -> int:
         tuner_file.write(args.tuner_file, tuner_file.rules(report.model, args.predict_hosts, collectives),
                          comment=f"fitted by python -m lab cluster fit --model nccl on {len(logs)} logs")
     if args.json:
-        out = {"model": report.model.name, "topology": dataclasses.asdict(topology),
-               "fabric": None if topology.fabric is None else type(topology.fabric).__name__,
-               "error": report.error, "terms": report.terms.to_dict(orient="records"),
-               "graphs": report.graphs.to_dict(orient="records"),
-               "samples": report.samples.to_dict(orient="records"),
-               "predictions": [{**p, "table": p["table"].to_dict(orient="records")} for p in predicted],
-               "tuner_file": args.tuner_file}
+        out = {
+            "model": report.model.name, "topology": dataclasses.asdict(topology),
+            "fabric": None if topology.fabric is None else type(topology.fabric).__name__,
+            "error": report.error, "terms": report.terms.to_dict(orient="records"),
+            "graphs": report.graphs.to_dict(orient="records"),
+            "samples": report.samples.to_dict(orient="records"),
+            "predictions": [{**p, "table": p["table"].to_dict(orient="records")}
+                            for p in predicted], "tuner_file": args.tuner_file}
         print(json.dumps(finite_json(out), allow_nan=False))
         return 0
     head = (f"NCCL's cost model (NCCL {args.nccl_version or '2.21'}'s tuner, fitted to the logs) on "
@@ -176,10 +185,11 @@ def run(args: argparse.Namespace, logs: list[pd.DataFrame]) -> int:
     parts = [head, report.text()]
     for p in predicted:
         title = f"Predicted {p['collective']} at {p['hosts']} nodes ({p['ranks']} ranks):"
-        parts += ["", title, predicted_table(p["collective"], p["ranks"], p["table"].itertuples(index=False),
-                                             extra=("algorithm", "protocol", "channels"))]
+        parts += [
+            "", title,
+            predicted_table(p["collective"], p["ranks"], p["table"].itertuples(index=False),
+                            extra=("algorithm", "protocol", "channels"))]
     if args.tuner_file is not None:
         parts += ["", f"Wrote NCCL's example tuner file: {args.tuner_file}"]
     print("\n".join(parts))
     return 0
-

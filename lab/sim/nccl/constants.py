@@ -17,23 +17,20 @@ LINKS = ("nvlink", "pci", "net")
 
 #: baseLat[algorithm][protocol]: what every call of the pair pays once.
 BASE_LATENCY_US = {
-    "tree": {"ll": 6.8, "ll128": 14.0, "simple": 0.0},
-    "ring": {"ll": 6.6, "ll128": 14.0, "simple": 8.4},
-    "collnet_direct": {"ll": 0.0, "ll128": 0.0, "simple": 0.0},
-    "collnet_chain": {"ll": 0.0, "ll128": 0.0, "simple": 0.0},
-    "nvls": {"ll": 0.0, "ll128": 0.0, "simple": 0.0},
-    "nvls_tree": {"ll": 0.0, "ll128": 0.0, "simple": 0.0},
-}
+    "tree": {"ll": 6.8, "ll128": 14.0, "simple": 0.0}, "ring": {"ll": 6.6, "ll128": 14.0, "simple": 8.4},
+    "collnet_direct": {"ll": 0.0, "ll128": 0.0,
+                       "simple": 0.0}, "collnet_chain": {"ll": 0.0, "ll128": 0.0, "simple": 0.0},
+    "nvls": {"ll": 0.0, "ll128": 0.0, "simple": 0.0}, "nvls_tree": {"ll": 0.0, "ll128": 0.0, "simple": 0.0}}
 
 #: hwLat[link][algorithm][protocol]: one hop over NVLink, PCI or the network.
 HOP_LATENCY_US = {
-    "nvlink": {"tree": (0.6, 1.25, 28.0), "ring": (0.6, 1.9, 3.4), "collnet_direct": (0.0, 0.0, 3.7),
-               "collnet_chain": (0.0, 0.0, 2.8), "nvls": (0.0, 0.0, 25.0), "nvls_tree": (0.0, 0.0, 25.0)},
-    "pci": {"tree": (1.0, 1.9, 28.0), "ring": (1.0, 2.5, 5.7), "collnet_direct": (0.0, 0.0, 3.7),
-            "collnet_chain": (0.0, 0.0, 2.8), "nvls": (0.0, 0.0, 0.0), "nvls_tree": (0.0, 0.0, 0.0)},
-    "net": {"tree": (5.0, 8.5, 28.0), "ring": (2.7, 4.0, 14.0), "collnet_direct": (0.0, 0.0, 31.0),
-            "collnet_chain": (0.0, 0.0, 30.0), "nvls": (0.0, 0.0, 18.0), "nvls_tree": (0.0, 0.0, 14.0)},
-}
+    "nvlink": {
+        "tree": (0.6, 1.25, 28.0), "ring": (0.6, 1.9, 3.4), "collnet_direct": (0.0, 0.0, 3.7),
+        "collnet_chain": (0.0, 0.0, 2.8), "nvls": (0.0, 0.0, 25.0), "nvls_tree": (0.0, 0.0, 25.0)}, "pci": {
+            "tree": (1.0, 1.9, 28.0), "ring": (1.0, 2.5, 5.7), "collnet_direct": (0.0, 0.0, 3.7),
+            "collnet_chain": (0.0, 0.0, 2.8), "nvls": (0.0, 0.0, 0.0), "nvls_tree": (0.0, 0.0, 0.0)}, "net": {
+                "tree": (5.0, 8.5, 28.0), "ring": (2.7, 4.0, 14.0), "collnet_direct": (0.0, 0.0, 31.0),
+                "collnet_chain": (0.0, 0.0, 30.0), "nvls": (0.0, 0.0, 18.0), "nvls_tree": (0.0, 0.0, 14.0)}}
 
 #: GPU generations the per-channel tables are indexed by (compute capability 70, 80, 90).
 GENERATIONS = ("volta", "ampere", "hopper")
@@ -59,11 +56,9 @@ RING_PLATEAU_BEFORE_AMPERE = 1.9
 #: where NCCL found trees slower than their model at medium sizes.
 TREE_CORRECTION = {
     "ll": (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0,
-           1.0),
-    "ll128": (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0,
-              1.0),
-    "simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9),
-}
+           1.0), "ll128": (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9,
+                           .9, .9, 1.0, 1.0),
+    "simple": (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9)}
 
 #: Bus bandwidth efficiencies of the protocols (tuning.cc's "model refinements"): LL moves 8 bytes
 #: of data in 16 on the wire; LL128 120 in 128; trees reach 92 % of the graph's bandwidth, LL on a

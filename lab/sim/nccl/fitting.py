@@ -35,16 +35,7 @@ import numpy as np
 import pandas as pd
 
 from lab.sim.nccl import constants as C
-from lab.sim.nccl.model import (
-    NODE_CLASSES,
-    PAIRS,
-    NcclModel,
-    Pair,
-    node_class,
-    shipped,
-    steps,
-    tree_depth,
-)
+from lab.sim.nccl.model import NODE_CLASSES, PAIRS, NcclModel, Pair, node_class, shipped, steps, tree_depth
 from lab.sim.nccl.samples import Sample, knees, samples_of
 from lab.sim.nccl.topology import ClusterTopology, Graph, nominal_graph
 
@@ -78,15 +69,16 @@ class NcclFitReport:
 
     def text(self) -> str:
         chosen = self.graphs.iloc[0]
-        lines = [f"fit of {len(self.samples)} sizes from {self.samples['log'].nunique()} logs: mean |error| "
-                 f"{self.error:.1%}; graph {chosen['channels']} channels x {chosen['gbyte']:g} GB/s "
-                 f"(nominal {chosen['nominal']})",
-                 self.terms.to_string(index=False, float_format=lambda v: f"{v:.4g}")]
+        lines = [
+            f"fit of {len(self.samples)} sizes from {self.samples['log'].nunique()} logs: mean |error| "
+            f"{self.error:.1%}; graph {chosen['channels']} channels x {chosen['gbyte']:g} GB/s "
+            f"(nominal {chosen['nominal']})",
+            self.terms.to_string(index=False, float_format=lambda v: f"{v:.4g}")]
         return "\n".join(lines)
 
 
-def _row(model: NcclModel, sample: Sample, pair: Pair, wire_bound: bool | None = None
-         ) -> tuple[np.ndarray, float, int]:
+def _row(model: NcclModel, sample: Sample, pair: Pair,
+         wire_bound: bool | None = None) -> tuple[np.ndarray, float, int]:
     """The row's coefficients on the pair's unknowns (:data:`TERMS`; ``overhead_us`` stands for a
     ring step inside a node across nodes, max(intra hop, overhead)), the time the pinned hop
     inside a node and the fabric's given terms take, and the call's channels. A pipelined ring's
@@ -188,8 +180,9 @@ def _solve(pair: Pair, index: list[int], rows: list[tuple[np.ndarray, float, int
         solution, *_ = np.linalg.lstsq(design, target, rcond=None)
         # a latency below 0, a step inside a node cheaper than its hop, a bandwidth at or past
         # infinity: NCCL's default instead
-        negative = [j for j, v in zip(free, solution) if v < 0 or v == 0 and TERMS[j].startswith("bus")
-                    or TERMS[j] == "overhead_us" and v < intra_hop_us]
+        negative = [
+            j for j, v in zip(free, solution) if v < 0 or v == 0 and TERMS[j].startswith("bus") or
+            TERMS[j] == "overhead_us" and v < intra_hop_us]
         if negative:
             free.remove(negative[0])
             continue
@@ -237,8 +230,8 @@ def _fitted_model(base: NcclModel, blocks: dict[Pair, _Block], chooser: NcclMode
                               overhead_us=block.values[inside] if inside in block.free else terms.overhead_us,
                               channel_hop_us=block.values[TERMS.index("channel_hop_us")],
                               efficiency=tuple(efficiency), cap_gbyte=tuple(cap))
-    return replace(base, pairs=pairs, channel_gbyte=tuple(channel_gbyte), ring_plateau=1.0,
-                   chooser=chooser, name="fitted")
+    return replace(base, pairs=pairs, channel_gbyte=tuple(channel_gbyte), ring_plateau=1.0, chooser=chooser,
+                   name="fitted")
 
 
 def _fit_pair(base: NcclModel, blocks: dict[Pair, _Block], chooser: NcclModel, samples: Sequence[Sample],
@@ -251,8 +244,9 @@ def _fit_pair(base: NcclModel, blocks: dict[Pair, _Block], chooser: NcclModel, s
     pipelined = pair[0] == "ring" and base.pipelined_ring
 
     def sides(current: NcclModel) -> list[bool | None]:
-        return [current.wire_bound(samples[i].collective, pair, samples[i].nodes, samples[i].nbytes)
-                if pipelined else None for i in index]
+        return [
+            current.wire_bound(samples[i].collective, pair, samples[i].nodes, samples[i].nbytes)
+            if pipelined else None for i in index]
 
     side = sides(model)
     for _ in range(ROUNDS):
@@ -324,33 +318,38 @@ def _term_rows(model: NcclModel, blocks: dict[Pair, _Block], samples: Sequence[S
             if name == "overhead_us" and pair[0] != "ring":
                 continue
             value = getattr(terms, name)
-            rows.append(_term(label, name, value, "µs", block, TERMS.index(name), samples, predicted,
-                              unseen))
-        rows.append(_row_of(label, "intra_hop_us", terms.intra_hop_us, "µs", "NCCL default",
-                            "the logs' nodes have the same GPUs: a hop inside moves with the base"))
+            rows.append(_term(label, name, value, "µs", block, TERMS.index(name), samples, predicted, unseen))
+        rows.append(
+            _row_of(label, "intra_hop_us", terms.intra_hop_us, "µs", "NCCL default",
+                    "the logs' nodes have the same GPUs: a hop inside moves with the base"))
         for k in (1, 2):
             value = model.bus_gbyte(pair, 2 if k == 1 else 3)
-            rows.append(_term(label, f"bus_gbyte[{NODE_CLASSES[k]}]", value, "GB/s", block,
-                              TERMS.index(f"bus_{k + 1}"), samples, predicted, unseen))
+            rows.append(
+                _term(label, f"bus_gbyte[{NODE_CLASSES[k]}]", value, "GB/s", block,
+                      TERMS.index(f"bus_{k + 1}"), samples, predicted, unseen))
     ring = blocks.get(("ring", "simple"))
     for k in (1, 2):
         fitted = ring is not None and TERMS.index(f"bus_{k + 1}") in ring.free
-        rows.append(_row_of("graph", f"channel_gbyte[{NODE_CLASSES[k]}]", model.channel_gbyte[k], "GB/s",
-                            "fitted" if fitted else "the other class's, or nominal",
-                            "ring/simple's bus bandwidth over the channels"))
-        rows.append(_row_of("graph", f"channels[{NODE_CLASSES[k]}]", model.channels[k], "", "fitted (knees)",
-                            "the graph whose switch points fit the logs best"))
+        rows.append(
+            _row_of("graph", f"channel_gbyte[{NODE_CLASSES[k]}]", model.channel_gbyte[k], "GB/s",
+                    "fitted" if fitted else "the other class's, or nominal",
+                    "ring/simple's bus bandwidth over the channels"))
+        rows.append(
+            _row_of("graph", f"channels[{NODE_CLASSES[k]}]", model.channels[k], "", "fitted (knees)",
+                    "the graph whose switch points fit the logs best"))
     fabric = model.topology.fabric
     if fabric is not None:
         for name in ("nodes_per_group", "uplink_share", "crossing_hop_us"):
-            rows.append(_row_of("fabric", name, float(getattr(fabric, name)), "", "given",
-                                "as built: no log inside one group crosses the fabric"))
+            rows.append(
+                _row_of("fabric", name, float(getattr(fabric, name)), "", "given",
+                        "as built: no log inside one group crosses the fabric"))
     return rows
 
 
 def _row_of(pair: str, term: str, value: float, unit: str, source: str, rows: str) -> dict[str, Any]:
-    return {"pair": pair, "term": term, "value": value, "unit": unit, "source": source, "rows": rows,
-            "error": math.nan, "std_error": math.nan}
+    return {
+        "pair": pair, "term": term, "value": value, "unit": unit, "source": source, "rows": rows,
+        "error": math.nan, "std_error": math.nan}
 
 
 def _term(pair: str, name: str, value: float, unit: str, block: _Block | None, j: int,
@@ -359,9 +358,10 @@ def _term(pair: str, name: str, value: float, unit: str, block: _Block | None, j
         return _row_of(pair, name, value, unit, "NCCL default", unseen)
     index = [i for row, i in zip(block.a, block.index) if row[j] != 0]
     measured = np.array([samples[i].time_us for i in index])
-    return {"pair": pair, "term": name, "value": value, "unit": unit, "source": "fitted",
-            "rows": _sizes(samples, index), "error": float(np.mean(np.abs(predicted[index] / measured - 1))),
-            "std_error": float(block.errors[j])}
+    return {
+        "pair": pair, "term": name, "value": value, "unit": unit, "source": "fitted",
+        "rows": _sizes(samples, index), "error": float(np.mean(np.abs(predicted[index] / measured - 1))),
+        "std_error": float(block.errors[j])}
 
 
 def fit(topology: ClusterTopology, logs: Iterable[pd.DataFrame], version: str = "2.21") -> NcclFitReport:
@@ -380,16 +380,17 @@ def fit(topology: ClusterTopology, logs: Iterable[pd.DataFrame], version: str = 
     for graphs in _candidate_graphs(topology):
         model, blocks, picks, predicted = _fit_graph(topology, samples, graphs, version)
         score = float(np.mean(np.abs(np.log(predicted / measured))))
-        tried.append({"channels": graphs[1].channels, "gbyte": graphs[1].inter_gbyte, "log_error": score,
-                      "nominal": graphs[1] == nominal})
+        tried.append({
+            "channels": graphs[1].channels, "gbyte": graphs[1].inter_gbyte, "log_error": score,
+            "nominal": graphs[1] == nominal})
         if best is None or score < best[0] - 1e-9:
             best = (score, model, blocks, picks, predicted)
     _, model, blocks, picks, predicted = best
     terms = pd.DataFrame(_term_rows(model, blocks, samples, predicted))
-    table = pd.DataFrame([{"log": s.log, "collective": s.collective, "nodes": s.nodes, "bytes": s.nbytes,
-                           "measured_us": s.time_us, "predicted_us": p, "algorithm": pair[0],
-                           "protocol": pair[1],
-                           "error": p / s.time_us - 1} for s, p, pair in zip(samples, predicted, picks)])
+    table = pd.DataFrame([{
+        "log": s.log, "collective": s.collective, "nodes": s.nodes, "bytes": s.nbytes,
+        "measured_us": s.time_us, "predicted_us": p, "algorithm": pair[0], "protocol": pair[1],
+        "error": p / s.time_us - 1} for s, p, pair in zip(samples, predicted, picks)])
     graphs = pd.DataFrame(tried).sort_values("log_error", kind="stable", ignore_index=True)
     return NcclFitReport(model=model, terms=terms, samples=table, graphs=graphs,
-                     knees=knees(samples, model.chooser))
+                         knees=knees(samples, model.chooser))

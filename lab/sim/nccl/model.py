@@ -152,8 +152,9 @@ class NcclModel:
         _, protocol = pair
         ranks = nodes * self.topology.gpus_per_node
         threads = C.MAX_THREADS[protocol]
-        if pair == ("ring", "simple") and self.channels[node_class(nodes)] * self.channel_gbyte[
-                node_class(nodes)] <= C.PCI_GBYTE:
+        if pair == (
+                "ring", "simple"
+        ) and self.channels[node_class(nodes)] * self.channel_gbyte[node_class(nodes)] <= C.PCI_GBYTE:
             threads = 256
         threshold = C.THREAD_THRESHOLD[protocol] * (ranks if pair == ("ring", "ll") else 1)
         used = self.comm_channels(nodes)
@@ -170,14 +171,14 @@ class NcclModel:
         if pair[0] == "ring":
             total, net = steps(collective, ranks, nodes)
             inside = max(terms.intra_hop_us, terms.overhead_us) if nodes > 1 else terms.intra_hop_us
-            return (terms.base_us + (total - net) * inside + net * terms.net_hop_us
-                    + total * (extra_channels * terms.channel_hop_us + crossing))
+            return (terms.base_us + (total - net) * inside + net * terms.net_hop_us + total *
+                    (extra_channels * terms.channel_hop_us + crossing))
         depth = tree_depth(nodes)
         group = nodes if crossing == 0 else min(nodes, self.topology.fabric.nodes_per_group)
         levels_across = depth - tree_depth(group)
-        return terms.base_us + 2 * ((gpus - 1) * terms.intra_hop_us
-                                    + depth * (terms.net_hop_us + extra_channels * terms.channel_hop_us)
-                                    + levels_across * crossing)
+        return terms.base_us + 2 * (
+            (gpus - 1) * terms.intra_hop_us + depth *
+            (terms.net_hop_us + extra_channels * terms.channel_hop_us) + levels_across * crossing)
 
     def bus_gbyte(self, pair: Pair, nodes: int) -> float:
         """The pair's bus bandwidth (GB/s): its share of the graph's, under NCCL's ceiling and the
@@ -220,8 +221,8 @@ class NcclModel:
         bandwidth = self.algorithm_gbyte(collective, pair, nodes)
         bandwidth *= self.tree_factor(pair, nbytes)
         ranks = nodes * self.topology.gpus_per_node
-        if (pair == ("ring", "simple") and collective == "allreduce" and nodes > 1
-                and nbytes // (self.comm_channels(nodes) * ranks) >= 64):
+        if (pair == ("ring", "simple") and collective == "allreduce" and nodes > 1 and
+                nbytes // (self.comm_channels(nodes) * ranks) >= 64):
             latency *= self.ring_plateau
         return latency, nbytes / (1000.0 * bandwidth)
 
@@ -230,8 +231,9 @@ class NcclModel:
         collective = collective_name(collective)
         nodes = self.topology.nodes(nodes)
         nbytes = byte_count(nbytes)
-        return {pair: self.time_us(collective, pair, nodes, nbytes) for pair in PAIRS
-                if self.enabled(pair, collective, nodes)}
+        return {
+            pair: self.time_us(collective, pair, nodes, nbytes)
+            for pair in PAIRS if self.enabled(pair, collective, nodes)}
 
     def pick(self, collective: Any, nodes: Any, nbytes: Any) -> Pair:
         """The pair this model finds cheapest (NCCL: the first of equal times, in its order)."""
@@ -250,14 +252,15 @@ class NcclModel:
             raise ValueError(f"the chooser's pick {pair} has no terms in {self.name}")
         name = collective_name(collective)
         return NcclPrediction(name, int(nodes), int(nbytes), float(times[pair]), pair[0], pair[1],
-                          self.channels_used(pair, int(nbytes), int(nodes)))
+                              self.channels_used(pair, int(nbytes), int(nodes)))
 
     def table(self, collective: Any, nodes: Any, sizes: Iterable[Any], choose: str = "nccl") -> pd.DataFrame:
         """A row per size: bytes, time_us, algorithm, protocol, channels, algbw and busbw (GB/s,
         nccl-tests' definitions)."""
         rows = [self.predict(collective, nodes, size, choose) for size in sizes]
-        frame = pd.DataFrame([{"bytes": r.nbytes, "time_us": r.time_us, "algorithm": r.algorithm,
-                               "protocol": r.protocol, "channels": r.channels} for r in rows])
+        frame = pd.DataFrame([{
+            "bytes": r.nbytes, "time_us": r.time_us, "algorithm": r.algorithm, "protocol": r.protocol,
+            "channels": r.channels} for r in rows])
         if rows:
             ranks = rows[0].nodes * self.topology.gpus_per_node
             factor = 2 * (ranks - 1) / ranks if rows[0].collective == "allreduce" else (ranks - 1) / ranks
@@ -315,10 +318,9 @@ def _shipped_pair(topology: ClusterTopology, pair: Pair, channels: tuple[int, in
     hops = {link: C.HOP_LATENCY_US[link][algorithm][index] for link in C.LINKS}
     if version == "2.18" and pair == ("tree", "simple"):
         hops = C.TREE_SIMPLE_HOP_LATENCY_US_2_18
-    return PairTerms(base_us=C.BASE_LATENCY_US[algorithm][protocol],
-                     intra_hop_us=hops[topology.intra_link], net_hop_us=hops["net"],
-                     overhead_us=overhead if algorithm == "ring" else 0.0, channel_hop_us=0.0,
-                     efficiency=tuple(efficiency), cap_gbyte=tuple(cap))
+    return PairTerms(base_us=C.BASE_LATENCY_US[algorithm][protocol], intra_hop_us=hops[topology.intra_link],
+                     net_hop_us=hops["net"], overhead_us=overhead if algorithm == "ring" else 0.0,
+                     channel_hop_us=0.0, efficiency=tuple(efficiency), cap_gbyte=tuple(cap))
 
 
 def graphs_by_class(topology: ClusterTopology) -> tuple[Graph, Graph, Graph]:
@@ -347,12 +349,5 @@ def shipped(topology: ClusterTopology, graphs: tuple[Graph, Graph, Graph] | None
 
 
 __all__ = [
-    "COLLECTIVES",
-    "PAIRS",
-    "NcclModel",
-    "NcclPrediction",
-    "PairTerms",
-    "predict_nccl",
-    "shipped",
-    "tree_depth",
-]
+    "COLLECTIVES", "PAIRS", "NcclModel", "NcclPrediction", "PairTerms", "predict_nccl", "shipped",
+    "tree_depth"]

@@ -65,11 +65,12 @@ def knees(samples: Sequence[Sample], chooser: NcclModel) -> pd.DataFrame:
             new = chooser.pick(after.collective, after.nodes, after.nbytes)
             rise = after.time_us / before.time_us
             knee = rise >= 1.5 and (earlier is None or rise >= 1.5 * before.time_us / earlier.time_us)
-            channels = [chooser.channels_used(pair, s.nbytes, s.nodes) for pair, s in ((old, before),
-                                                                                         (new, after))]
+            channels = [
+                chooser.channels_used(pair, s.nbytes, s.nodes) for pair, s in ((old, before), (new, after))]
             if knee or old != new:
-                rows.append({"log": log, "nodes": after.nodes, "bytes": after.nbytes, "knee": knee,
-                             "time_before_us": before.time_us, "time_us": after.time_us,
-                             "switch": f"{'/'.join(old)} -> {'/'.join(new)}" if old != new else "",
-                             "channels": f"{channels[0]} -> {channels[1]}" if len(set(channels)) > 1 else ""})
+                rows.append({
+                    "log": log, "nodes": after.nodes, "bytes": after.nbytes, "knee": knee,
+                    "time_before_us": before.time_us, "time_us": after.time_us,
+                    "switch": f"{'/'.join(old)} -> {'/'.join(new)}" if old != new else "",
+                    "channels": f"{channels[0]} -> {channels[1]}" if len(set(channels)) > 1 else ""})
     return pd.DataFrame(rows)

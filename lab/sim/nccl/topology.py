@@ -232,8 +232,8 @@ def nominal_graph(topology: ClusterTopology, nodes: int) -> Graph:
         speed = _speed(path, C.SPEEDS_INTER)
         channels = topology.nics_per_node * max(1, int(topology.nic_gbyte // speed))
     else:
-        link = topology.intra_gbyte if topology.intra_link == "nvlink" else min(topology.intra_gbyte,
-                                                                                 topology.pci_gbyte)
+        link = topology.intra_gbyte if topology.intra_link == "nvlink" else min(
+            topology.intra_gbyte, topology.pci_gbyte)
         speed = _speed(link, C.SPEEDS_INTRA)
         channels = max(1, int(link // speed))
     if speed >= C.DUPLICATE_CHANNELS_GBYTE:

@@ -44,13 +44,13 @@ class TunerRule:
     reg_buff: int = -1
 
     def line(self) -> str:
-        return ",".join(str(v) for v in (self.collective, self.min_bytes, self.max_bytes, self.algorithm,
-                                         self.protocol, self.channels, self.nodes, self.ranks, self.pipe_ops,
-                                         self.reg_buff))
+        return ",".join(
+            str(v) for v in (self.collective, self.min_bytes, self.max_bytes, self.algorithm, self.protocol,
+                             self.channels, self.nodes, self.ranks, self.pipe_ops, self.reg_buff))
 
 
-def _switch(model: NcclModel, collective: str, nodes: int, low: int, high: int,
-            pair_low: tuple[str, str]) -> int:
+def _switch(model: NcclModel, collective: str, nodes: int, low: int, high: int, pair_low: tuple[str,
+                                                                                                str]) -> int:
     """The first size in (low, high] whose fastest pair is no longer ``pair_low`` (bisection: the
     times are affine in the size between the channel count's steps, so a few pairs alternate at most)."""
     while high - low > 1:
@@ -138,8 +138,8 @@ def read(path: str | Path) -> list[TunerRule]:
         if not 8 <= len(fields) <= 10:
             raise ValueError(f"{where}: {len(fields)} fields; a rule has 8 to 10 ({HEADER})")
         for value, field, options in ((fields[0], "collective_type", COLLECTIVE_TYPES),
-                                      (fields[3], "algorithm", ALGORITHM_NAMES),
-                                      (fields[4], "protocol", PROTOCOL_NAMES)):
+                                      (fields[3], "algorithm", ALGORITHM_NAMES), (fields[4], "protocol",
+                                                                                  PROTOCOL_NAMES)):
             if value not in options:
                 raise ValueError(f"{where}: {field} must be one of {', '.join(options)}; got {value!r}")
         low = _number(fields[1], where, "min_bytes", 0, SIZE_MAX)

@@ -54,11 +54,11 @@ def cases(fitted: NcclModel, nccl: NcclModel, logs: Iterable[pd.DataFrame]) -> p
                 continue
             ours = fitted.predict(collective, nodes, int(nbytes))
             theirs = nccl.predict(collective, nodes, int(nbytes))
-            rows.append({"log": name, "collective": collective, "nodes": nodes, "bytes": int(nbytes),
-                         "band": band_of(int(nbytes)), "measured_us": float(measured),
-                         "predicted_us": ours.time_us, "algorithm": ours.algorithm, "protocol": ours.protocol,
-                         "error": ours.time_us / measured - 1, "nccl_us": theirs.time_us,
-                         "nccl_error": theirs.time_us / measured - 1})
+            rows.append({
+                "log": name, "collective": collective, "nodes": nodes, "bytes": int(nbytes),
+                "band": band_of(int(nbytes)), "measured_us": float(measured), "predicted_us": ours.time_us,
+                "algorithm": ours.algorithm, "protocol": ours.protocol, "error": ours.time_us / measured - 1,
+                "nccl_us": theirs.time_us, "nccl_error": theirs.time_us / measured - 1})
     return pd.DataFrame(rows)
 
 
@@ -79,8 +79,9 @@ def bands(table: pd.DataFrame) -> pd.DataFrame:
     order = [name for name, _ in BANDS]
     for (nodes, band), group in table.groupby(["nodes", "band"]):
         goal = target(band, nodes)
-        row = {"nodes": nodes, "band": band, "sizes": len(group),
-               "target": "none" if goal is None else f"{goal[0]:g}-{goal[1]:g}x for {goal[2]:.0%}"}
+        row = {
+            "nodes": nodes, "band": band, "sizes": len(group),
+            "target": "none" if goal is None else f"{goal[0]:g}-{goal[1]:g}x for {goal[2]:.0%}"}
         for label, column in (("fitted", "error"), ("nccl", "nccl_error")):
             errors = group[column]
             row[f"{label}_within"] = _within(errors, goal)
