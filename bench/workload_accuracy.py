@@ -88,7 +88,9 @@ def lab_algorithms(w: lab.workload.Workload, world_size: int) -> dict[str, str]:
     (tcp), at each call's total (what :func:`lab.collectives.choice.pick` weighs): the recording
     says what ran on its own hosts, not on ``world_size``, and the replay's own choice elsewhere is
     the least simulated."""
-    hosts = SimpleNamespace(world_size=world_size, transport="tcp", host_count=world_size)
+    # (tcp has no mailboxes, so no compiled path: compiled_max_bytes 0, as its meshes report)
+    hosts = SimpleNamespace(world_size=world_size, transport="tcp", host_count=world_size,
+                            compiled_max_bytes=0)
     picks: dict[str, set[str]] = {}
     for event in w.events[0]:
         if event.kind == "op":

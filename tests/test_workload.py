@@ -113,6 +113,57 @@ def test_operations_of_one_rank_run_one_after_another(tmp_path):
     assert r.step_us.tolist() == pytest.approx([2 * ring_us(2, 8000)])
 
 
+def test_the_hand_off_back_to_the_program_after_each_wait_is_the_rank_s(tmp_path):
+    """FSDP2's step on CPU: each collective issued and waited on at once, and the program back
+    some µs after it completed (the communication thread hands it over: rank 0 6 µs then 3, rank 1
+    2 then 5; read from the clocks: the next event's time less its compute). The replay charges
+    each rank its hand-offs: the second collective starts when the later one is back."""
+    lags = {0: (6.0, 3.0), 1: (2.0, 5.0)}
+    rows = [header(2)]
+    for rank, (first, second) in lags.items():
+        issued = 130.0 + first + 40.0  # op 0 completed at 130 (the rank's clock), back at 130 + first
+        rows += [
+            op(rank, 0, "allreduce", [0, 1], 2000, 100.0, True, issued_us=100.0,
+               completed_us=130.0), {**wait(rank, 0, 1.0), "waited_us": 101.0},
+            op(rank, 1, "allreduce", [0, 1], 2000, 40.0, True, issued_us=issued, completed_us=issued + 30),
+            {**wait(rank, 1, 1.0), "waited_us": issued + 1},
+            step_end(rank, 10.0),
+            op(rank, 2, "barrier", [0, 1], 0, 7.0, step=1, issued_us=issued + 30 + second + 10 + 7)]
+    w = written(tmp_path, rows)
+    assert [[e.held_us for e in w.events[rank][:4]] for rank in lags] == [[0, 6, 0, 3], [0, 2, 0, 5]]
+    r = workload.replay(w, network=NET, algorithms={"allreduce": "ring"})
+    comm = ring_us(2, 8000)  # 28 µs: op 0 from 100 to 128, rank 0 back at 134 and rank 1 at 130
+    second = 128 + max(6, 2) + 40  # op 1 starts when rank 0 issues it, 40 µs after it is back
+    assert r.step_us.tolist() == pytest.approx([second + comm + max(3, 5) + 10])  # 217 (without: 206)
+    assert r.compute_us.tolist() == pytest.approx([152.0])
+    # exposed: the longest a rank waited on each, its hand-off included (rank 1 waits on op 1 from 171)
+    assert r.breakdown["exposed_us"].tolist() == pytest.approx([comm - 1 + 6, second + comm + 5 - 171])
+    from lab.workload.goal import export_goal
+
+    export_goal(w, tmp_path / "s.goal", network=NET, algorithms={"allreduce": "ring"})
+    rank0 = (tmp_path / "s.goal").read_text().split("rank 1 {")[0]
+    assert "calc 6000\n" in rank0 and "calc 3000\n" in rank0  # (the GOAL schedule holds them too)
+
+
+def test_held_times_leave_out_what_the_clocks_do_not_say(tmp_path):
+    """A synchronous call's return after its completion is held; an inferred wait's time is the
+    program's last return, not a call (none); before a wait the recorder found woken by its
+    completion, the program's return is not known (none); a file without clocks holds nothing."""
+    rows = [
+        header(1),
+        op(0, 0, "allreduce", [0], 4, 10.0, issued_us=10.0, completed_us=40.0),  # back at 50 - 7
+        op(0, 1, "allreduce", [0], 4, 7.0, True, issued_us=50.0, completed_us=500.0),
+        {**wait(0, 1, 0.4), "waited_us": 500.4},  # woken: compute from the completion; back at 501
+        op(0, 2, "allreduce", [0], 4, 2.0, True, issued_us=503.0, completed_us=520.0),
+        {**wait(0, 2, 0.0), "waited_us": 503.5, "inferred": True},  # (back at 503.5, the inferred wait's)
+        step_end(0, 30.0),
+        op(0, 3, "allreduce", [0], 4, 5.0, step=1, issued_us=560.0)]  # the step ended at 555
+    w = written(tmp_path, rows)
+    assert [e.held_us for e in w.events[0]] == pytest.approx([3.0, 0.0, 0.6, 0.5, 0.0, 0.0, 0.0])
+    plain = written(tmp_path, ddp_like(2), "plain.jsonl")
+    assert all(e.held_us == 0 for events in plain.events.values() for e in events)
+
+
 def test_replay_retargets_an_allreduce_keeping_its_bytes(tmp_path):
     w = written(tmp_path, ddp_like(4))
     r = workload.replay(w, world_size=16, network=NET, algorithms={"allreduce": "ring"})
@@ -301,8 +352,9 @@ def test_goal_export_retargets_like_the_replay(tmp_path):
 
 
 def test_a_recording_counts_the_compute_between_calls_and_replays(tmp_path):
-    """A fake clock (ns): 100 µs of compute, an async allreduce, 50 µs, its wait (blocked 30 µs),
-    20 µs, the step's end; the replay at the recorded size reproduces the compute."""
+    """A fake clock (ns): 100 µs of compute, an async allreduce whose issue holds the program 5 µs,
+    50 µs, its wait (blocked 30 µs), 20 µs, the step's end; the replay at the recorded size
+    reproduces the compute, and the issue's 5 µs are the rank's (lab.workload.held)."""
     from lab.workload.record import Recorder, write_header
 
     path = tmp_path / "rec.jsonl"
@@ -327,8 +379,10 @@ def test_a_recording_counts_the_compute_between_calls_and_replays(tmp_path):
     assert w.steps == 1 and [e.compute_us for e in w.events[0]] == [100.0, 50.0, 20.0, 0.0]
     r = workload.replay(w, network=NET, algorithms={"allreduce": "ring"})
     assert r.compute_us.tolist() == pytest.approx([170.0])
-    assert ring_us(2, 8000) < 50  # done at 128: the wait at 150 finds it done, the step is its compute
-    assert r.step_us.tolist() == pytest.approx([170.0]) and r.exposed_comm_us.tolist() == pytest.approx([0.0])
+    assert [e.held_us for e in w.events[0]] == [5.0, 0.0, 0.0,
+                                                0.0]  # (no completion recorded: the wait's unknown)
+    assert ring_us(2, 8000) < 50  # done at 128: the wait at 155 finds it done, the step is its compute
+    assert r.step_us.tolist() == pytest.approx([175.0]) and r.exposed_comm_us.tolist() == pytest.approx([5.0])
 
 
 @pytest.mark.slow  # a real 2-D DeviceMesh recording: 4 ranks under torch

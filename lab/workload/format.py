@@ -21,8 +21,9 @@ the order that rank issued it::
   ``{"in": [...], "out": [...]}`` for an uneven all_to_all; ``algorithm`` the one the lab ran
   (``auto``'s pick resolved; absent for a send or receive); ``async`` whether the call returned a
   Work at once. ``issued_us``, ``waited_us`` and ``completed_us`` are measured on the rank's clock
-  from the start of the recording (informative; the replay does not read them, the per-stage
-  breakdown of a recording does: :func:`lab.workload.pipeline.measured_stages`).
+  from the start of the recording (optional: the replay reads them only for the time a call held
+  the program past its operation, :mod:`lab.workload.held`; the per-stage breakdown of a recording
+  reads them: :func:`lab.workload.pipeline.measured_stages`).
 - A pipeline's transfers may carry ``stage``, ``peer_stage`` and ``microbatch`` (all three or
   none; :mod:`lab.workload.pipeline` says what they mean): a reader that ignores them replays the same.
 - ``kind`` ``"wait"``: the program waited on its operation ``index`` (``Work.wait()``).
@@ -68,6 +69,7 @@ from typing import Any, BinaryIO
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE
 from lab.workload.dims import mesh_dims
+from lab.workload.held import derive_held
 from lab.workload.labels import PIPELINE_LABELS, check_pair, read_labels
 
 FORMAT, VERSION = "lab-workload", 2
@@ -117,6 +119,8 @@ class Event:
     issued_us: float | None = None  # the rank's clocks (informative)
     waited_us: float | None = None
     completed_us: float | None = None
+    inferred: bool = False  # a wait the recorder inferred at a step's end
+    held_us: float = 0.0  # the call's time that is the rank's own, from the clocks (lab.workload.held)
 
     @property
     def nbytes(self) -> int:
@@ -238,7 +242,7 @@ def _event(row: Any, world_size: int, where: str) -> Event:
         if name in row:
             setattr(event, name, _time_us(row, name, where))
     if "inferred" in row:
-        _need(row, "inferred", bool, where)
+        event.inferred = _need(row, "inferred", bool, where)
     if kind == "step":
         return event
     event.index = _need(row, "index", int, where)  # (the reader checks it against the rank's operations)
@@ -423,6 +427,8 @@ def load(path: str | Path) -> Workload:
         for where, row in lines:
             reader.add(row, where)
     workload = reader.workload
+    for events in workload.events.values():
+        derive_held(events)
     if workload.dims is None:
         workload.dims = mesh_dims(workload)
     return workload

@@ -1,6 +1,7 @@
 """A re-targeted workload as GOAL, the text schedule LogGOPSim and ATLAHS replay.
 
-Per rank, in issue order: ``calc <ns>`` for the compute before each event, and each collective
+Per rank, in issue order: ``calc <ns>`` for the compute before each event (and for a call's own
+time after it, where the recording measured one: :mod:`lab.workload.held`), and each collective
 as the messages of the lab's own algorithm at the target group's size and bytes (re-recorded by
 :mod:`lab.sim.schedule`, its ranks mapped to the group's global ranks): a step's send and receive
 both require the step before; an operation's first step requires its issue point and the rank's
@@ -88,13 +89,15 @@ def export_goal(workload: fmt.Workload, path: str | Path, world_size: int | None
                     goal.after = [goal.add(f"calc {compute}", goal.after)]
                 if event.kind == "wait":
                     goal.after = goal.after + goal.last_of.get(event.index, [])
-                if event.kind != "op":
-                    continue
-                last = _operation(goal, layout, rank, event, seen, tags, groups, network, algorithms)
-                goal.comm = goal.last_of[event.index] = last
-                if not event.is_async:
-                    goal.after = goal.after + last
-                written += 1
+                elif event.kind == "op":
+                    last = _operation(goal, layout, rank, event, seen, tags, groups, network, algorithms)
+                    goal.comm = goal.last_of[event.index] = last
+                    if not event.is_async:
+                        goal.after = goal.after + last
+                    written += 1
+                held = round(event.held_us * 1000)  # (the call's own time after it: lab.workload.held)
+                if held:
+                    goal.after = [goal.add(f"calc {held}", goal.after)]
             out.write("\n".join(goal.lines) + "\n}\n\n")
     return written
 

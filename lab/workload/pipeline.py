@@ -109,6 +109,8 @@ def measured_stages(workload: Workload, step_us: Sequence[float]) -> pd.DataFram
             if event.kind == "op":
                 operations[event.index] = event
             op = operations.get(event.index) if event.kind == "wait" else event
+            if event.kind != "step" and op.op not in POINT_TO_POINT:
+                exposed[event.step] += event.held_us  # (the call's own time: the replay's exposed too)
             since = event.waited_us if event.kind == "wait" else event.issued_us
             if event.kind == "step" or event.kind == "op" and event.is_async or op.op in POINT_TO_POINT:
                 continue

@@ -3,7 +3,9 @@
 Each target rank runs its template rank's events in order (:mod:`lab.workload.retarget`):
 compute for its ``compute_us`` (times ``compute_scale`` and its straggler factor), then the
 event. A synchronous operation blocks the rank until it completes; an asynchronous one runs
-beside the rank's compute until a ``wait`` on it. A rank's operations run one after another, in
+beside the rank's compute until a ``wait`` on it. A call's own time that the recording measured
+(``held_us``, :mod:`lab.workload.held`: an issue's return, and the hand-off back to the program
+after a blocking call's operation completed) holds the rank after it, as it held the program. A rank's operations run one after another, in
 issue order (the lab's one issue order per mesh, NCCL's stream): an operation is ready on a rank
 once issued and once the rank's previous operation completed. A collective starts when its last
 member is ready and ends, on every member, after the simulator's time for the lab's own
@@ -275,7 +277,7 @@ class Replay:
             if event.kind in ("op", "wait"):
                 op = self.ops[rank][event.index]
                 if event.kind == "op" and event.is_async:
-                    pass
+                    self._hold(rank, event, op, self.clock[rank], self.clock[rank])  # (its issue's return)
                 elif op.done is None:
                     if self.blocked_since[rank] is None:
                         self.blocked_since[rank] = self.clock[rank]
@@ -290,12 +292,18 @@ class Replay:
 
     def _unblock(self, rank: int, event: Event, op: _Op) -> None:
         since = self.clock[rank] if self.blocked_since[rank] is None else self.blocked_since[rank]
-        self.clock[rank] = max(self.clock[rank], op.done)
+        self._hold(rank, event, op, since, max(self.clock[rank], op.done))
+        self.blocked_since[rank] = None
+
+    def _hold(self, rank: int, event: Event, op: _Op, since: float, until: float) -> None:
+        """The rank's call (``event``) on ``op`` held it from ``since`` until ``until`` (its operation's
+        end, or the issue) and then for the call's own time recorded (``event.held_us``: an issue's
+        return, the hand-off back to the program; :mod:`lab.workload.held`): exposed time of ``op``."""
+        self.clock[rank] = until + event.held_us
         row = (op.event.step, op.event.index)
         self.exposed[row] = max(self.exposed.get(row, 0.0), self.clock[rank] - since)
         if op.event.op not in POINT_TO_POINT:
             self.step_exposed[rank, event.step] += self.clock[rank] - since
-        self.blocked_since[rank] = None
 
     def _issue(self, rank: int, event: Event) -> None:
         if event.op in POINT_TO_POINT:
