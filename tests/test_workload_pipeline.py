@@ -316,3 +316,62 @@ def test_a_recording_retargeted_to_more_microbatches_and_stages(tmp_path: Path) 
             retarget(w, **bad)
     with pytest.raises(ValueError, match="schedule"):
         retarget(w, schedule="zb")
+
+
+# -- what a transfer held its rank's communication thread (lab.workload.thread_time) --------------
+
+
+def _hop_and_back() -> list[dict]:
+    """Stage 0 sends a micro-batch on to stage 1 and receives its gradient back, with the clocks a
+    recording keeps: each send held its rank's thread 500 µs (rank 0) and 300 µs (rank 1) past its
+    start; no call held the program past its operation (``held_us`` 0 everywhere)."""
+    def op(rank: int, index: int, op: str, compute: float, issued: float, completed: float) -> dict:
+        row = _transfer(rank, 0, index, op, 1 - rank, rank, 1 - rank, 0, compute, True)
+        return {**row, "issued_us": issued, "completed_us": completed}
+
+    def wait(rank: int, index: int, compute: float, waited: float) -> dict:
+        return {
+            "rank": rank, "step": 0, "kind": "wait", "index": index, "compute_us": compute,
+            "waited_us": waited}
+
+    return [
+        op(0, 0, "send", 100.0, 100.0, 600.0),
+        op(0, 1, "recv", 50.0, 150.0, 1900.0),
+        wait(0, 1, 10.0, 160.0),
+        wait(0, 0, 0.0, 1900.0), {"rank": 0, "step": 0, "kind": "step", "compute_us": 0.0},
+        op(1, 0, "recv", 20.0, 20.0, 900.0),
+        wait(1, 0, 10.0, 30.0),
+        op(1, 1, "send", 200.0, 1100.0, 1400.0),
+        wait(1, 1, 0.0, 1100.0), {"rank": 1, "step": 0, "kind": "step", "compute_us": 0.0}]
+
+
+def test_a_transfers_thread_time_is_read_from_the_clocks(tmp_path: Path) -> None:
+    w = load(write(tmp_path / "hop.jsonl", 2, _hop_and_back()))
+    ops = {(e.rank, e.index): e for events in w.events.values() for e in events if e.kind == "op"}
+    # a send's: its completion less its start (its issue; rank 1's send: after its receive, done at 900)
+    assert ops[0, 0].thread_us == pytest.approx(500.0) and ops[1, 1].thread_us == pytest.approx(300.0)
+    # a receive's: its rank's sends of the same bytes (the median)
+    assert ops[0, 1].thread_us == pytest.approx(500.0) and ops[1, 0].thread_us == pytest.approx(300.0)
+    assert all(e.held_us == 0.0 for events in w.events.values() for e in events)
+    bare = load(write(tmp_path / "bare.jsonl", 4, gpipe(4, 2, 1)))  # (no clocks: none)
+    assert all(e.thread_us == 0.0 for events in bare.events.values() for e in events)
+
+
+@pytest.mark.parametrize(
+    "alpha_us, step_us",
+    [
+        # rank 0's send holds its thread 100 -> 600; rank 1's receive completes 300 after: 900, its
+        # send leaves after 200 of compute, 1100 -> 1400; rank 0's receive completes 500 after: 1900
+        (0.0, 1900.0),
+        # a network slower than the thread: a message takes α (1000), the receive's thread time follows
+        # it: 100 -> 1100, + 300 = 1400; + 200 = 1600 -> 2600; + 500 = 3100
+        (1000.0, 3100.0)])
+def test_a_transfer_holds_its_ranks_thread_as_recorded(tmp_path: Path, alpha_us: float,
+                                                       step_us: float) -> None:
+    w = load(write(tmp_path / "hop.jsonl", 2, _hop_and_back()))
+    result = lab.workload.replay(w, network=Network(alpha_us=alpha_us, gbit=1e9))
+    np.testing.assert_allclose(result.step_us, [step_us], rtol=1e-9)
+    compute = {0: 160.0, 1: 230.0}
+    for row in result.stages.itertuples():
+        assert row.compute_us == pytest.approx(compute[row.rank])
+        assert row.bubble_us == pytest.approx(step_us - compute[row.rank])

@@ -71,6 +71,7 @@ from lab.sim.limits import MAX_NBYTES, MAX_WORLD_SIZE
 from lab.workload.dims import mesh_dims
 from lab.workload.held import derive_held
 from lab.workload.labels import PIPELINE_LABELS, check_pair, read_labels
+from lab.workload.thread_time import derive_thread_time
 
 FORMAT, VERSION = "lab-workload", 2
 #: The versions :func:`load` reads (see the module's docstring).
@@ -121,6 +122,7 @@ class Event:
     completed_us: float | None = None
     inferred: bool = False  # a wait the recorder inferred at a step's end
     held_us: float = 0.0  # the call's time that is the rank's own, from the clocks (lab.workload.held)
+    thread_us: float = 0.0  # a transfer's time on the communication thread (lab.workload.thread_time)
 
     @property
     def nbytes(self) -> int:
@@ -429,6 +431,7 @@ def load(path: str | Path) -> Workload:
     workload = reader.workload
     for events in workload.events.values():
         derive_held(events)
+        derive_thread_time(events)
     if workload.dims is None:
         workload.dims = mesh_dims(workload)
     return workload

@@ -12,7 +12,10 @@ member is ready and ends, on every member, after the simulator's time for the la
 algorithm at the group's size and bytes (:func:`lab.sim.simulate`, cached per collective,
 algorithm, group size, bytes and root). A send is eager, as the lab's are: it takes one message's
 α + n·β from when it is ready, whether its receive is posted or not, and the receive completes once
-it is ready and that message has arrived (a pipeline's stage issues its sends and goes on).
+it is ready and that message has arrived (a pipeline's stage issues its sends and goes on). Each
+transfer also holds its rank's communication thread for the time the recording saw it take there
+(``thread_us``, :mod:`lab.workload.thread_time`): a send for that time where it is longer than
+α + n·β, a receive for that time after its message arrived.
 
 What it does not model: contention between collectives of different groups that run at once
 (each is timed as if alone on the network), compute slowed by communication, and anything the
@@ -349,11 +352,13 @@ class Replay:
                 f"{op.rank} (recorded rank {b.rank}) calls {b.op} of {b.count} {b.dtype} on the same group")
 
     def _transfer(self, op: _Op) -> None:
-        """A send or receive ready: a send leaves now (eager); a receive completes once its send's
-        message has arrived, the one that left first where it has not."""
+        """A send or receive ready: a send leaves now (eager) and holds its rank's thread for the
+        network's time or its recorded ``thread_us``, the longer; a receive completes its own
+        ``thread_us`` after its send's message has arrived, the one that left first where it has not."""
         waiting = self.instances.setdefault(op.key, [])
-        if op.event.op == "send":
-            duration = self.network.alpha_us + op.event.nbytes * self.network.beta_us_per_byte
+        if op.event.op == "send":  # (its thread's time holds the rank's next operation: lab.workload.thread_time)
+            duration = max(self.network.alpha_us + op.event.nbytes * self.network.beta_us_per_byte,
+                           op.event.thread_us)
             self._finish(op, op.ready, op.ready + duration, "message", duration)
         if not waiting:  # (the other end is not ready yet: it finds this one)
             waiting.append(op)
@@ -361,7 +366,9 @@ class Replay:
         other = waiting.pop()
         del self.instances[op.key]
         send, receive = (op, other) if op.event.op == "send" else (other, op)
-        self._finish(receive, receive.ready, max(receive.ready, send.done), "message", send.done - send.start)
+        done = max(receive.ready, send.done) + receive.event.thread_us  # (its thread's work once it arrived)
+        self._finish(receive, receive.ready, done, "message",
+                     send.done - send.start + receive.event.thread_us)
 
     def _resolve(self, instance: list[_Op]) -> None:
         first = instance[0]
