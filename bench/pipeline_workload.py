@@ -11,7 +11,7 @@ a host), every rank recording (``workload=``). Measured: the median over the ste
 its recorded compute and its time blocked on collectives: :func:`lab.workload.pipeline.measured_stages`;
 averaged over the stages). Replayed: each recording on the network the lab fitted for where it ran
 (``lab.sim.calibrated("shm")``; ``calibrated("tcp", hosts=4, link_gbit=...)``), and the one-host
-recording re-targeted onto the 4 hosts' network, against the 4 hosts' measurement (target: the
+recording re-targeted onto the 4 hosts' network (``recorded_network=`` the one host's), against the 4 hosts' measurement (target: the
 step and the bubble's share within 15 %). Predicted: the 4 hosts' recording formed again as 1F1B
 at 2 and 4 times the micro-batches and at twice the stages (:mod:`lab.workload.schedule`). The emulated hosts are namespaces of one machine: the
 stages share its cores. Writes ``pipeline.csv``, ``stages.csv``, ``formed.csv`` and ``timeline.png`` (the 4-host
@@ -85,9 +85,11 @@ def summary(per_stage: pd.DataFrame, warmup: int) -> tuple[float, float]:
     return float(statistics.median(steps)) / 1e3, float(statistics.median(shares))
 
 
-def compare(label: str, path: Path, network: lab.sim.Network, measured: pd.DataFrame, warmup: int) -> dict:
-    """The replay of ``path`` on ``network`` against the ``measured`` per-stage breakdown."""
-    result = lab.workload.replay(lab.workload.load(path), network=network)
+def compare(label: str, path: Path, network: lab.sim.Network, recorded: lab.sim.Network,
+            measured: pd.DataFrame, warmup: int) -> dict:
+    """The replay of ``path`` (recorded on ``recorded``) on ``network`` against the ``measured``
+    per-stage breakdown."""
+    result = lab.workload.replay(lab.workload.load(path), network=network, recorded_network=recorded)
     (step, bubble), (real_step, real_bubble) = summary(result.stages, warmup), summary(measured, warmup)
     row = {
         "case": label, "measured_ms": real_step, "replayed_ms": step, "step_error": step / real_step - 1,
@@ -186,11 +188,11 @@ def main() -> None:
         for name, path, steps in (("one", one_host, one_steps), ("hosts", hosts, hosts_steps))}
     shm, tcp = lab.sim.calibrated("shm"), lab.sim.calibrated("tcp", hosts=STAGES, link_gbit=args.link_gbit)
     rows, results = [], {}
-    for label, path, network, against in (("one host, replayed there", one_host, shm,
-                                           "one"), (f"{STAGES} hosts, replayed there", hosts, tcp, "hosts"),
-                                          (f"one host re-targeted to {STAGES} hosts", one_host, tcp,
-                                           "hosts")):
-        row, results[label] = compare(label, path, network, measured[against], args.warmup)
+    for label, path, network, recorded, against in (("one host, replayed there", one_host, shm, shm, "one"),
+                                                    (f"{STAGES} hosts, replayed there", hosts, tcp, tcp,
+                                                     "hosts"), (f"one host re-targeted to {STAGES} hosts",
+                                                                one_host, tcp, shm, "hosts")):
+        row, results[label] = compare(label, path, network, recorded, measured[against], args.warmup)
         rows.append(row)
     table = pd.DataFrame(rows)
     table.to_csv(out / "pipeline.csv", index=False, float_format="%.6g")

@@ -375,3 +375,16 @@ def test_a_transfer_holds_its_ranks_thread_as_recorded(tmp_path: Path, alpha_us:
     for row in result.stages.itertuples():
         assert row.compute_us == pytest.approx(compute[row.rank])
         assert row.bubble_us == pytest.approx(step_us - compute[row.rank])
+
+
+def test_a_send_recorded_on_another_network_keeps_only_its_threads_own_time(tmp_path: Path) -> None:
+    w = load(write(tmp_path / "hop.jsonl", 2, _hop_and_back()))
+    # recorded where a message took α = 200: a send's thread time less 200 is its own (rank 0's
+    # 300, rank 1's 100), then the replay's α = 1000: 100 -> 1400, + 300 = 1700; + 200 = 1900 ->
+    # 3000; + 500 = 3500 (the receives' thread times are kept as recorded)
+    result = lab.workload.replay(w, network=Network(alpha_us=1000.0, gbit=1e9),
+                                 recorded_network=Network(alpha_us=200.0, gbit=1e9))
+    np.testing.assert_allclose(result.step_us, [3500.0], rtol=1e-9)
+    same = lab.workload.replay(w, network=Network(alpha_us=1000.0, gbit=1e9),
+                               recorded_network=Network(alpha_us=1000.0, gbit=1e9))
+    np.testing.assert_allclose(same.step_us, [3100.0], rtol=1e-9)  # (as without it)

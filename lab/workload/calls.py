@@ -37,7 +37,8 @@ def replay(workload: Workload, world_size: int | None = None, network: Any = Non
            algorithms: dict[str, str] | None = None, compute_scale: float = 1.0,
            stragglers: dict[int, float] | None = None, jitter: float = 0.0, seed: int = 0,
            dims: dict[str, int] | None = None, shard: str = "strong", timeline: bool = True,
-           bucket_mb: float | None = None, max_events: int | None = DEFAULT_MAX_EVENTS) -> ReplayResult:
+           bucket_mb: float | None = None, max_events: int | None = DEFAULT_MAX_EVENTS,
+           recorded_network: Any = None) -> ReplayResult:
     """Replay ``workload``'s whole steps on ``world_size`` ranks (or the mesh ``dims``; default:
     as recorded) over ``network`` (default: ``Network()``'s).
 
@@ -50,6 +51,9 @@ def replay(workload: Workload, world_size: int | None = None, network: Any = Non
     compute; ``stragglers={rank: factor}`` multiplies one rank's more; ``jitter`` draws every
     rank's factor from ``1 + jitter * |N(0, 1)|`` (``seed``). ``shard``: ``"strong"`` keeps a sharded
     group's model total, ``"weak"`` its per-rank bytes (:mod:`lab.workload.retarget`).
+    ``recorded_network``: the network the recording ran on (default: ``network``), where a send's
+    recorded time on its rank's thread (:mod:`lab.workload.thread_time`) holds its α + n·β there,
+    which the replay takes out before it adds ``network``'s.
 
     Limits, checked before the replay starts (:func:`lab.workload.replay.prepare`): ``world_size`` up
     to 2**24, the simulator's; ``max_events`` events, every target rank's together (default 5 million:
@@ -69,6 +73,7 @@ def replay(workload: Workload, world_size: int | None = None, network: Any = Non
         workload = rebucket(workload, bucket_mb)
     layout = Layout.of(workload, world_size, dims, shard)
     net = Network() if network is None else network_named(network)
+    recorded = None if recorded_network is None else network_named(recorded_network)
     algorithms = dict(algorithms or {})
     for collective, name in algorithms.items():
         if name not in (*registry_names(collective), "auto"):
@@ -77,7 +82,7 @@ def replay(workload: Workload, world_size: int | None = None, network: Any = Non
                 f"got {name!r}")
     factors = _factors(layout.world_size, compute_scale, stragglers, jitter, seed)
     prepare(workload, layout, net, algorithms, max_events, timeline)
-    run = Replay(workload, layout, net, algorithms, factors, timeline)
+    run = Replay(workload, layout, net, algorithms, factors, timeline, recorded)
     run.run()
     return run.result()
 

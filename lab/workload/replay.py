@@ -14,8 +14,10 @@ algorithm, group size, bytes and root). A send is eager, as the lab's are: it ta
 α + n·β from when it is ready, whether its receive is posted or not, and the receive completes once
 it is ready and that message has arrived (a pipeline's stage issues its sends and goes on). Each
 transfer also holds its rank's communication thread for the time the recording saw it take there
-(``thread_us``, :mod:`lab.workload.thread_time`): a send for that time where it is longer than
-α + n·β, a receive for that time after its message arrived.
+(``thread_us``, :mod:`lab.workload.thread_time`): a send for that time less the α + n·β of the
+network it was recorded on (``recorded_network``; default: the replay's) and then the replay's
+α + n·β (so, on the recorded network, that time where it is longer than α + n·β), a receive for
+that time after its message arrived.
 
 What it does not model: contention between collectives of different groups that run at once
 (each is timed as if alone on the network), compute slowed by communication, and anything the
@@ -213,8 +215,9 @@ def whole_steps(events: list[Event], steps: int) -> list[Event]:
 class Replay:
     """The event loop of one replay (see the module's docstring)."""
     def __init__(self, workload: Workload, layout: Layout, network: Network, algorithms: dict[str, str],
-                 factors: np.ndarray, record_slices: bool) -> None:
+                 factors: np.ndarray, record_slices: bool, recorded_network: Network | None = None) -> None:
         self.workload, self.layout, self.network, self.algorithms = workload, layout, network, algorithms
+        self.recorded_network = network if recorded_network is None else recorded_network
         n = layout.world_size
         self.factors, self.record_slices = factors, record_slices
         self.templates = [layout.template(r) for r in range(n)]
@@ -353,12 +356,14 @@ class Replay:
 
     def _transfer(self, op: _Op) -> None:
         """A send or receive ready: a send leaves now (eager) and holds its rank's thread for the
-        network's time or its recorded ``thread_us``, the longer; a receive completes its own
-        ``thread_us`` after its send's message has arrived, the one that left first where it has not."""
+        network's α + n·β and its recorded ``thread_us`` less the recorded network's; a receive
+        completes its own ``thread_us`` after its send's message has arrived, the one that left
+        first where it has not."""
         waiting = self.instances.setdefault(op.key, [])
         if op.event.op == "send":  # (its thread's time holds the rank's next operation: lab.workload.thread_time)
-            duration = max(self.network.alpha_us + op.event.nbytes * self.network.beta_us_per_byte,
-                           op.event.thread_us)
+            recorded = self.recorded_network.alpha_us + op.event.nbytes * self.recorded_network.beta_us_per_byte
+            duration = max(op.event.thread_us - recorded, 0.0) + self.network.alpha_us + \
+                op.event.nbytes * self.network.beta_us_per_byte
             self._finish(op, op.ready, op.ready + duration, "message", duration)
         if not waiting:  # (the other end is not ready yet: it finds this one)
             waiting.append(op)
