@@ -14,7 +14,7 @@ averaged over the stages). Replayed: each recording on the network the lab fitte
 recording re-targeted onto the 4 hosts' network (``recorded_network=`` the one host's), against the 4 hosts' measurement (target: the
 step and the bubble's share within 15 %). Predicted: the 4 hosts' recording formed again as 1F1B
 at 2 and 4 times the micro-batches and at twice the stages (:mod:`lab.workload.schedule`). The emulated hosts are namespaces of one machine: the
-stages share its cores. Writes ``pipeline.csv``, ``stages.csv``, ``formed.csv`` and ``timeline.png`` (the 4-host
+stages share its cores. Writes ``machine.json``, ``pipeline.csv``, ``stages.csv``, ``formed.csv`` and ``timeline.png`` (the 4-host
 step's stages, measured above replayed) into ``--out`` and prints the table as markdown.
 """
 
@@ -32,6 +32,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import lab
 from lab.comm import operations as recording
+from lab.results.sweeps import machine, save_machine
 from lab.workload.pipeline import measured_stages
 from lab.workload.schedule import retarget
 
@@ -180,6 +181,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    save_machine(out, machine())  # (the machine and versions beside the figures)
     one_host, one_steps, _ = record("one_host", args, transport="shm")
     hosts, hosts_steps, origins = record("hosts", args, transport="tcp", hosts=STAGES,
                                          link_gbit=args.link_gbit)
