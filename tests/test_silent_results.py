@@ -238,13 +238,11 @@ def bits_agree(mesh: lab.Mesh, world: int, seed: int) -> list[tuple]:
                     out.append(((dtype, count, op, algorithm), digest(got)))
                 # the reference, from every rank's input, on this rank: min/max are exact
                 if op in ("min", "max"):
-                    stack = lab.allgather(sub, mine.reshape(1, -1))
-                    out.append(((dtype, count, op, "reference"), reference_digest(stack, op)))
-                    out.append(
-                        ((dtype, count, op, "recursive_doubling vs reference"),
-                         digest(lab.allreduce(sub, mine.clone(), op=op,
-                                              algorithm="recursive_doubling")) == reference_digest(stack,
-                                                                                                   op)))
+                    reference = reference_digest(lab.allgather(sub, mine.reshape(1, -1)), op)
+                    out.append(((dtype, count, op, "reference"), reference))
+                    out.append(((dtype, count, op, "recursive_doubling vs reference"),
+                                digest(lab.allreduce(sub, mine.clone(), op=op,
+                                                     algorithm="recursive_doubling")) == reference))
     return out
 
 
@@ -256,17 +254,17 @@ def reference_digest(stack: torch.Tensor, op: str) -> str:
     if stack.dtype in (torch.int32, torch.int64):
         return digest(stack.amin(0) if op == "min" else stack.amax(0))
     wide = stack.double()
-    # -0.0 below +0.0: order by (value, sign) with the sign bit breaking ties
-    ties = -torch.signbit(wide).double()
-    key = torch.stack([wide, ties], -1)
+    # -0.0 below +0.0: order by (value, sign) with the sign bit breaking ties (as Python floats,
+    # read once: the same keys as each element's .item(), without a tensor per element)
+    keys = torch.stack([wide, -torch.signbit(wide).double()], -1).tolist()
+    has_nan = stack.isnan().any(0).tolist()
     result = []
     for column in range(stack.shape[1]):
-        values, keys = stack[:, column], key[:, column]
-        if values.isnan().any():
+        if has_nan[column]:
             result.append(torch.tensor(float("nan"), dtype=stack.dtype))
             continue
-        order = sorted(range(len(values)), key=lambda r: (keys[r, 0].item(), keys[r, 1].item()))
-        result.append(values[order[0] if op == "min" else order[-1]])
+        order = sorted(range(len(stack)), key=lambda r: (keys[r][column][0], keys[r][column][1]))
+        result.append(stack[order[0] if op == "min" else order[-1], column])
     return digest(torch.stack(result) if result else stack[0])
 
 
