@@ -13,6 +13,7 @@ torchrun keeps at least one real torchrun launch.
 from __future__ import annotations
 
 import os
+import runpy
 import signal
 import sys
 from collections.abc import Callable
@@ -51,6 +52,14 @@ def _rank(target: Callable[..., object], args: tuple, env: dict[str, str], log: 
     target(*args)
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def run_script(path: str, argv: list[str]) -> None:
+    """In a rank: the script at ``path`` as ``python path *argv`` runs it (as ``__main__``, its folder
+    first on ``sys.path``)."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))
+    runpy.run_path(path, run_name="__main__")
 
 
 def start_forked(target: Callable[..., object], args: tuple, env: dict[str, str], log: Path,
