@@ -1,9 +1,11 @@
 """The "lab" torch.distributed backend (lab.backend): torch programs, unmodified, on the lab.
 
-Every operation runs under torchrun at 2, 3 and 4 ranks (tests/backend_job.py: one launch per
-world size, each rank checks its own output against a formula or a gloo group over the same
-ranks); DDP and FSDP2 against one process training on the whole batch. The failures (a
-mismatch, a killed peer, a silent one) run as plain processes meeting through ``tcp://``, and
+Every operation runs at 2, 3 and 4 ranks (tests/backend_job.py: one job per world size, under
+torchrun at 3 ranks, with torchrun's environment in ranks forked from the lab's forkserver at the
+others, tests/torch_ranks.py; each rank checks its own output against a formula or a gloo group
+over the same ranks); DDP and FSDP2 against one process training on the whole batch. The
+failures (a mismatch, a killed peer, a silent one) run as plain processes (tests/backend_faults.py,
+forked likewise) meeting through ``tcp://``, and
 every surviving rank's call must end in ``DistBackendError`` naming what happened, within the
 timeout, with no process left behind.
 """
@@ -16,11 +18,14 @@ import re
 import socket
 import subprocess
 import sys
-import textwrap
+import tempfile
+from pathlib import Path
 
+import backend_faults
 import backend_job
 import pytest
 import torch.distributed as dist
+import torch_ranks
 
 import lab
 
@@ -30,6 +35,8 @@ CHILD_ENV = {
     **os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE),
                                                  os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
 WORLD_SIZES = (2, 3, 4)
+#: The world size launched by torchrun itself (the others: tests/torch_ranks.py).
+TORCHRUN_SIZE = 3
 
 
 def free_port() -> int:
@@ -40,21 +47,28 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, list[dict[str, str]]]:
-    """Each world size's per-rank results, from one torchrun launch each."""
+    """Each world size's per-rank results: a real torchrun launch at :data:`TORCHRUN_SIZE`, the
+    other sizes' ranks forked with torchrun's environment (tests/torch_ranks.py: the same job,
+    without an agent and a torch import per rank)."""
     outcomes = {}
     for n in WORLD_SIZES:
         out = tmp_path_factory.mktemp(f"backend{n}")
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            os.path.join(HERE, "backend_job.py"),
-            str(out)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=CHILD_ENV)
+        if n == TORCHRUN_SIZE:
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                os.path.join(HERE, "backend_job.py"),
+                str(out)]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=CHILD_ENV)
+            reports = [f"exit {done.returncode}:\n{done.stderr[-4000:]}"] * n
+        else:
+            exits, logs = torch_ranks.run_like_torchrun(backend_job.main, n, (str(out),), out, CHILD_ENV, 600)
+            reports = [f"exit {code}:\n{log[-4000:]}" for code, log in zip(exits, logs, strict=True)]
         ranks = []
         for rank in range(n):
             path = out / f"rank{rank}.json"
             ranks.append(
-                json.loads(path.read_text()) if path.exists() else {
-                    "launch": f"rank {rank} wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"})
+                json.loads(path.read_text()) if path.exists(
+                ) else {"launch": f"rank {rank} wrote nothing: {reports[rank]}"})
         outcomes[n] = ranks
     return outcomes
 
@@ -81,71 +95,26 @@ def test_import_lab_registers_the_backend():
 
 # -- failures: plain processes meeting through tcp:// (torchrun would stop the others at once) --
 
-FAULTY = textwrap.dedent("""
-    import os, signal, sys, time
-    from datetime import timedelta
-    import torch, torch.distributed as dist
-    import lab
-
-    rank, n, init, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    # the store waits as long as a loaded machine needs to start three torch processes; the lab's
-    # silence deadline (pg_options wins over timeout=) is 2 s where a silent rank must be timed out,
-    # and 60 s elsewhere: a death or a mismatch is seen without it, and ranks a loaded machine holds
-    # up between init and the fault (DDP's constructor) must not time each other out before it
-    deadline_ms = 2000 if how == "silent" else 60_000
-    dist.init_process_group("lab", init_method=init, rank=rank, world_size=n, timeout=timedelta(seconds=120),
-                            pg_options=lab.backend.Options(recv_timeout_ms=deadline_ms))
-    odd = rank == n - 1
-    start = time.monotonic()
-    try:
-        if how == "ok":
-            x = torch.arange(4.0) + rank
-            dist.all_reduce(x)
-            print("RESULT ok", x.tolist(), flush=True)
-            sys.exit(0)
-        if how == "mismatch":
-            dist.all_reduce(torch.ones(11 if odd else 10))
-        elif how in ("killed", "ddp-killed"):
-            model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4)) if how == "ddp-killed" else None
-            if odd:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if model is None:
-                dist.all_reduce(torch.ones(10))
-            else:
-                model(torch.ones(2, 8)).sum().backward()
-        elif how == "silent":
-            if odd:  # silent far past the deadline: the others must end with DeadlineError, not see it go
-                time.sleep(60)
-                os._exit(0)
-            dist.all_reduce(torch.ones(10))
-        print("RESULT no error", flush=True)
-    except Exception as exc:
-        text = str(exc).replace(chr(10), " | ")
-        print(f"RESULT {type(exc).__name__} after {time.monotonic() - start:.1f} s: {text}", flush=True)
-        os._exit(0)  # a peer may be gone: skip the process group's teardown
-""")
-
 
 def run_ranks(n: int, how: str, init: str | None = None) -> list[str]:
+    """Each rank's ``RESULT`` line of tests/backend_faults.py's ``how`` (or its exit and output),
+    its ``n`` ranks forked from the forkserver that imported torch and the lab."""
     init = init or f"tcp://127.0.0.1:{free_port()}"
-    processes = [
-        subprocess.Popen([sys.executable, "-c", FAULTY,
-                          str(rank), str(n), init, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=CHILD_ENV) for rank in range(n)]
-    outputs = []
-    for rank, process in enumerate(processes):
-        if how == "silent" and rank == n - 1:
-            process.kill()  # the others have ended (they were waiting for it): no need to wait out its sleep
-        try:
-            stdout, stderr = process.communicate(
-                timeout=300)  # a hang guard: three torch starts on a loaded machine
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            raise
-        lines = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
-        outputs.append(lines[0] if lines else f"exit {process.returncode}: {stderr[-2000:]}")
-    return outputs
+    with tempfile.TemporaryDirectory() as logs:
+        paths = [Path(logs) / f"rank{rank}.log" for rank in range(n)]
+        processes = [
+            torch_ranks.start_forked(backend_faults.faulty_rank, (rank, n, init, how), CHILD_ENV, paths[rank],
+                                     f"faulty{rank}") for rank in range(n)]
+        if how == "silent":  # the others end first (they were waiting for it): its sleep is not waited out
+            torch_ranks.end(processes[:-1], timeout_s=300)  # a hang guard: three ranks on a loaded machine
+            processes[-1].kill()
+        torch_ranks.end(processes, timeout_s=300)
+        outputs = []
+        for process, path in zip(processes, paths, strict=True):
+            text = path.read_text() if path.exists() else ""
+            lines = [line[len("RESULT "):] for line in text.splitlines() if line.startswith("RESULT ")]
+            outputs.append(lines[0] if lines else f"exit {process.exitcode}: {text[-2000:]}")
+        return outputs
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@ The backend's checks run under torchrun, this file its job (``python -m torch.di
 --standalone --nproc-per-node N tests/test_backend_under_torchrun.py OUT TRANSPORT``): each rank makes the
 world twice (``destroy_process_group()`` between: item 11), runs every check of :data:`CHECKS` in
 each incarnation on its own data (``index * stride + rank``), checks its own output and writes
-``OUT/rank<r>.json``.
+``OUT/rank<r>.json``. One launch per module run is torchrun's own (:data:`TORCHRUN_LAUNCH`); the
+others fork the same job's ranks from the lab's forkserver with torchrun's environment and an
+agent store (tests/torch_ranks.py), as does the DDP case with a dead peer.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch_ranks
 from helpers import free_port, pool
 
 import lab
@@ -270,6 +273,8 @@ def main(out: str, transport: str) -> None:
 # -- the tests ---------------------------------------------------------------------------------
 
 LAUNCHES = [(2, "auto"), (3, "auto"), (2, "tcp"), (3, "tcp")]  # "auto" is shm on one host
+#: The launch made by torchrun itself (the others: tests/torch_ranks.py).
+TORCHRUN_LAUNCH = (3, "auto")
 LAUNCH_TIMEOUT_S = 300  # a launch takes 10-30 s; each check's collectives end within the 60 s deadline
 
 
@@ -281,26 +286,35 @@ def job_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[tuple[int, str], list[dict[str, str]]]:
-    """Each launch's per-rank results (one torchrun launch each)."""
+    """Each launch's per-rank results: :data:`TORCHRUN_LAUNCH` a real torchrun launch, the others'
+    ranks forked with torchrun's environment and an agent store of this process's
+    (tests/torch_ranks.py: the same job, without a torch import per rank)."""
     env = job_env()
     outcomes = {}
     for n, transport in LAUNCHES:
         out = tmp_path_factory.mktemp(f"backend{n}{transport}")
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            os.path.abspath(__file__),
-            str(out), transport]
-        # its own session: a launch that hangs is killed with its ranks, and its log still reported
-        launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                  start_new_session=True)
-        try:
-            _, log = launch.communicate(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(launch.pid, signal.SIGKILL)
-            _, log = launch.communicate()
+        if (n, transport) != TORCHRUN_LAUNCH:
+            exits, logs = torch_ranks.run_like_torchrun(main, n, (str(out), transport), out, env,
+                                                        LAUNCH_TIMEOUT_S)
+            reports = [f"exit {code}:\n{log[-4000:]}" for code, log in zip(exits, logs, strict=True)]
+        else:
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                os.path.abspath(__file__),
+                str(out), transport]
+            # its own session: a launch that hangs is killed with its ranks, and its log still reported
+            launch = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=env, start_new_session=True)
+            try:
+                _, log = launch.communicate(timeout=LAUNCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(launch.pid, signal.SIGKILL)
+                _, log = launch.communicate()
+            reports = [f"exit {launch.returncode}:\n{log[-4000:]}"] * n
         outcomes[n, transport] = [
-            json.loads((out / f"rank{rank}.json").read_text()) if (out / f"rank{rank}.json").exists() else {
-                "launch": f"rank {rank} wrote nothing (exit {launch.returncode}):\n{log[-4000:]}"}
+            json.loads((out / f"rank{rank}.json").read_text()) if
+            (out /
+             f"rank{rank}.json").exists() else {"launch": f"rank {rank} wrote nothing: {reports[rank]}"}
             for rank in range(n)]
     return outcomes
 
@@ -331,29 +345,24 @@ def test_lab_collectives_refuse_read_only_memory(n, transport):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3])
-def test_ddp_backward_with_a_dead_peer_raises_what_the_docs_say_to_catch(n):
+def test_ddp_backward_with_a_dead_peer_raises_what_the_docs_say_to_catch(n, tmp_path):
     """docs/backend.md: DDP's backward raises a RuntimeError whose message carries the
     DistBackendError and the lab's error (torch's C++ reducer converts it)."""
     init = f"tcp://127.0.0.1:{free_port()}"
-    job = [sys.executable, os.path.abspath(__file__), "ddp-dead-peer"]
+    paths = [tmp_path / f"rank{rank}.log" for rank in range(n)]
     processes = [
-        subprocess.Popen([*job, str(rank), str(n), init], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=job_env()) for rank in range(n)]
-    try:
-        outputs = [process.communicate(timeout=300) for process in processes]  # a hang guard (torch starts)
-    finally:
-        for process in processes:
-            process.kill()
-    assert processes[-1].returncode == -9, outputs[-1][1][-2000:]  # the victim
-    for stdout, stderr in outputs[:-1]:
-        results = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        assert results, stderr[-2000:]
+        torch_ranks.start_forked(ddp_with_a_dead_peer, (rank, n, init), job_env(), paths[rank], f"ddp{rank}")
+        for rank in range(n)]
+    torch_ranks.end(processes, timeout_s=300)  # a hang guard (three ranks on a loaded machine)
+    outputs = [path.read_text() if path.exists() else "" for path in paths]
+    assert processes[-1].exitcode == -9, outputs[-1][-2000:]  # the victim
+    for output in outputs[:-1]:
+        results = [line for line in output.splitlines() if line.startswith("RESULT ")]
+        assert results, output[-2000:]
         caught = "RESULT RuntimeError: Cannot extract tensors from value: DistBackendError: "
         assert results[0].startswith(caught), results
         assert "PeerLostError" in results[0] or "DeadlineError" in results[0], results
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "ddp-dead-peer":
-        ddp_with_a_dead_peer(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
     main(*sys.argv[1:])

@@ -6,9 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch_ranks
 from helpers import require_hosts
 
 import lab
@@ -17,6 +19,8 @@ import lab
 pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+#: The torch example launched by torchrun itself (the others: tests/torch_ranks.py).
+TORCHRUN_EXAMPLE = "ddp_backend.py"
 
 
 def run_example(name: str, *args: str) -> str:
@@ -49,7 +53,17 @@ def test_ddp_hook():
 
 
 def run_under_torchrun(name: str, ranks: int, *args: str) -> str:
+    """What the example printed under torchrun (:data:`TORCHRUN_EXAMPLE` under torchrun itself; the
+    others' ranks forked from the lab's forkserver with torchrun's environment, tests/torch_ranks.py:
+    the same script, without an agent and a torch import per rank)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    if name != TORCHRUN_EXAMPLE:
+        with tempfile.TemporaryDirectory() as logs:
+            exits, outputs = torch_ranks.run_like_torchrun(torch_ranks.run_script,
+                                                           ranks, (str(EXAMPLES / name), list(args)),
+                                                           Path(logs), env)
+        assert exits == [0] * ranks, f"{name}: exits {exits}\n" + "\n".join(o[-3000:] for o in outputs)
+        return "\n".join(outputs)
     # A session of its own: on a timeout torchrun and its ranks end together (SIGKILL to torchrun
     # alone would leave the ranks running).
     with subprocess.Popen([

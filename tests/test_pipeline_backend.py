@@ -3,7 +3,8 @@
 losses, outputs and gradients bit-equal to the same pipeline on gloo; and what pipelining asks of
 the backend (objects, batched sends and receives with tags) with asynchronous work in flight.
 
-One torchrun launch per world size runs tests/pipeline_job.py, whose every rank compares its own
+One job per world size (a torchrun launch at 2 ranks; at 4, ranks forked from the lab's forkserver
+with torchrun's environment, tests/torch_ranks.py) runs tests/pipeline_job.py, whose every rank compares its own
 stages against their gloo twins and writes what it found. The fix behind it, every operation
 writing into a leaf tensor that requires grad, is checked directly under ``lab.spawn``.
 """
@@ -20,6 +21,7 @@ import pipeline_job
 import pytest
 import torch
 import torch.distributed as dist
+import torch_ranks
 
 import lab
 
@@ -29,26 +31,36 @@ CHILD_ENV = {
     **os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE),
                                                  os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
 WORLD_SIZES = (2, 4)
+#: The world size launched by torchrun itself (the other: tests/torch_ranks.py).
+TORCHRUN_SIZE = 2
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> Callable:
-    """Each world size's per-rank results, from one torchrun launch each, made when first asked."""
+    """Each world size's per-rank results, made when first asked: a real torchrun launch at
+    :data:`TORCHRUN_SIZE`, the other size's ranks forked with torchrun's environment
+    (tests/torch_ranks.py: the same job, without an agent and a torch import per rank)."""
     launched: dict[int, list[dict[str, str]]] = {}
 
     def of(n: int) -> list[dict[str, str]]:
         if n not in launched:
             out = tmp_path_factory.mktemp(f"pipeline{n}")
-            command = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                os.path.join(HERE, "pipeline_job.py"),
-                str(out)]
-            done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900,
-                                  env=CHILD_ENV)
+            if n == TORCHRUN_SIZE:
+                command = [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                    os.path.join(HERE, "pipeline_job.py"),
+                    str(out)]
+                done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900,
+                                      env=CHILD_ENV)
+                reports = [f"exit {done.returncode}:\n{done.stderr[-4000:]}"] * n
+            else:
+                exits, logs = torch_ranks.run_like_torchrun(pipeline_job.main, n, (str(out),), out, CHILD_ENV,
+                                                            900)
+                reports = [f"exit {code}:\n{log[-4000:]}" for code, log in zip(exits, logs, strict=True)]
             launched[n] = [
                 json.loads((out / f"rank{rank}.json").read_text()) if
-                (out / f"rank{rank}.json").exists() else {
-                    "launch": f"rank {rank} wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}"}
+                (out /
+                 f"rank{rank}.json").exists() else {"launch": f"rank {rank} wrote nothing: {reports[rank]}"}
                 for rank in range(n)]
         return launched[n]
 

@@ -2,8 +2,9 @@
 ``RowwiseParallel`` and ``SequenceParallel`` over the "tp" dimension of
 ``init_device_mesh("cpu", (n / 2, 2))`` with FSDP2 (``fully_shard``) over its "dp" dimension,
 unmodified, at 2 ranks (1 x 2) and 4 ranks (2 x 2): every rank's losses, gradients and parameters
-bit-equal to the same mesh of gloo groups. One torchrun launch per world size runs
-tests/tensor_parallel_job.py, whose every rank compares its own shards and writes what it found.
+bit-equal to the same mesh of gloo groups. One job per world size (a torchrun launch at 2 ranks;
+at 4, ranks forked from the lab's forkserver with torchrun's environment, tests/torch_ranks.py)
+runs tests/tensor_parallel_job.py, whose every rank compares its own shards and writes what it found.
 """
 
 from __future__ import annotations
@@ -14,28 +15,38 @@ import subprocess
 import sys
 
 import pytest
+import tensor_parallel_job
+import torch_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Child processes import the lab under test (this checkout), not another installed copy.
 CHILD_ENV = {
     **os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE),
                                                  os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+#: The world size launched by torchrun itself (the other's ranks: tests/torch_ranks.py).
+TORCHRUN_SIZE = 2
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_tensor_parallel_and_fsdp2_on_a_2d_mesh_are_bit_equal_to_gloo(n, tmp_path):
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-        os.path.join(HERE, "tensor_parallel_job.py"),
-        str(tmp_path)]
-    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=CHILD_ENV)
+    if n == TORCHRUN_SIZE:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+            os.path.join(HERE, "tensor_parallel_job.py"),
+            str(tmp_path)]
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900,
+                              env=CHILD_ENV)
+        exits, logs = [done.returncode] * n, [done.stderr[-4000:]] * n
+    else:
+        exits, logs = torch_ranks.run_like_torchrun(tensor_parallel_job.main, n, (str(tmp_path),), tmp_path,
+                                                    CHILD_ENV, 900)
     failures = {}
     for rank in range(n):
         path = tmp_path / f"rank{rank}.json"
         outcome = (json.loads(path.read_text()).get("tensor_and_fsdp2_on_a_2d_mesh", "not run")
-                   if path.exists() else f"wrote nothing (exit {done.returncode}):\n{done.stderr[-4000:]}")
+                   if path.exists() else f"wrote nothing (exit {exits[rank]}):\n{logs[rank][-4000:]}")
         if outcome != "ok":
             failures[rank] = outcome
     assert not failures, "\n".join(f"rank {rank}: {outcome}" for rank, outcome in failures.items())
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert exits == [0] * n, (exits, [log[-4000:] for log in logs])

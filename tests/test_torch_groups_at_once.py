@@ -11,15 +11,18 @@ shm, tcp, queue). Under it, ``lab.Mesh.sub_mesh(own_order=True)`` and its issue 
 
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
-import textwrap
+import tempfile
 import threading
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch_ranks
 from helpers import child_env, free_port
 
 import lab
@@ -99,17 +102,10 @@ def two_threads(rank: int, n: int, rounds: int = 12) -> str:
 
 # -- the backend's own world, through tcp:// ---------------------------------------------------
 
-#: A rank of a world made by init_process_group("lab"); argv: rank, n, init, how, transport, nodes.
-#: "silent"/"dead": A = [0, 1] is healthy; B = [0, 2], whose rank 2 never enters it (alive, or gone).
-RANK = textwrap.dedent("""
-    import os, sys, time
-    from datetime import timedelta
-    import torch, torch.distributed as dist
-    import lab
-    from test_torch_groups_at_once import opposite_orders, pattern, two_threads
 
-    rank, n, init, how, transport, nodes = sys.argv[1:]
-    rank, n, nodes = int(rank), int(n), int(nodes)
+def world_rank(rank: int, n: int, init: str, how: str, transport: str, nodes: int) -> None:
+    """A rank of a world made by init_process_group("lab"), printing its ``RESULT`` line.
+    "silent"/"dead": A = [0, 1] is healthy; B = [0, 2], whose rank 2 never enters it (alive, or gone)."""
     if nodes > 1:  # as torchrun describes ranks on `nodes` machines (shm inside one, TCP between)
         per_node = n // nodes
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK=str(rank % per_node),
@@ -132,46 +128,46 @@ RANK = textwrap.dedent("""
         try:
             dist.all_reduce(x, group=a, async_op=True).wait()
             on_a = "ok" if torch.equal(x, pattern(5, 0) + pattern(5, 1)) else f"wrong {x.tolist()}"
-        except Exception as exc:  # (a dead peer's loss, told by rank 0, may end it)
+        except Exception as exc:  # noqa: BLE001 - a dead peer's loss, told by rank 0, may end it
             on_a = type(exc).__name__
         b_pending, b_ended = on_b is not None and not on_b.is_completed(), "-"
         if on_b is not None:
             try:
                 on_b.wait()
                 b_ended = "no error"
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - what ended it is the result
                 text = str(exc)
                 b_ended = f"{type(exc).__name__} {'DeadlineError' in text} {'PeerLostError' in text}"
         took = time.monotonic() - start
         print(f"RESULT A {on_a} B pending after A {b_pending} B {b_ended} after {took:.1f} s", flush=True)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - reported as this rank's result
         print("RESULT", type(exc).__name__, str(exc).replace(chr(10), " | ")[:3000], flush=True)
     os._exit(0)  # (a peer may be gone or stuck: no teardown)
-""")
 
 
 def run_world(n: int, how: str, transport: str, nodes: int = 1) -> list[str]:
-    """Each rank's RESULT line of ``RANK`` run as ``how`` in a world of ``n`` ranks."""
+    """Each rank's RESULT line of :func:`world_rank` run as ``how`` in a world of ``n`` ranks (forked
+    from the lab's forkserver, which imported torch and the lab: tests/torch_ranks.py)."""
     init = f"tcp://127.0.0.1:{free_port()}"
     env = child_env(OMP_NUM_THREADS="1", LAB_TCP_SECRET="b" * 64)
-    argv = [[sys.executable, "-c", RANK, *map(str, (r, n, init, how, transport, nodes))] for r in range(n)]
-    processes = [
-        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        for command in argv]
-    outputs = []
-    for rank, process in enumerate(processes):
-        if how == "silent" and rank == 2:
-            process.kill()  # the others have ended: no need to wait out its sleep
+    with tempfile.TemporaryDirectory() as logs:
+        paths = [Path(logs) / f"rank{rank}.log" for rank in range(n)]
+        processes = [
+            torch_ranks.start_forked(world_rank, (rank, n, init, how, transport, nodes), env, paths[rank],
+                                     f"world{rank}") for rank in range(n)]
         try:
-            stdout, stderr = process.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for other in processes:
-                other.kill()
-            stdout, stderr = process.communicate()
-            stderr = f"(killed after 180 s) {stderr}"
-        lines = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
-        outputs.append(lines[0] if lines else f"exit {process.returncode}: {stderr[-3000:]}")
-    return outputs
+            if how == "silent":  # the others end first: its sleep is not waited out
+                torch_ranks.end(processes[:2], timeout_s=180)
+                processes[2].kill()
+            torch_ranks.end(processes, timeout_s=180)
+        except TimeoutError as exc:
+            return [f"{exc}: rank {rank}: {path.read_text()[-3000:]}" for rank, path in enumerate(paths)]
+        outputs = []
+        for process, path in zip(processes, paths, strict=True):
+            text = path.read_text() if path.exists() else ""
+            lines = [line[len("RESULT "):] for line in text.splitlines() if line.startswith("RESULT ")]
+            outputs.append(lines[0] if lines else f"exit {process.exitcode}: {text[-3000:]}")
+        return outputs
 
 
 WORLDS = [("tcp", 2, 1), ("tcp", 3, 1), ("auto", 2, 1), ("auto", 3, 1), ("auto", 4, 2)]
