@@ -113,6 +113,7 @@ class LabWork(dist._Work):
 
     def _source_rank(self) -> int:
         self.wait()
+        self._future.wait()  # (the completion callback notes the sender: it may run after wait returns)
         return self._source
 
     def source_rank(self) -> int:
