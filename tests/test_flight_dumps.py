@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import wait_until
 from scripts import flight_job
 
 import lab
@@ -269,6 +270,9 @@ def _written(mesh: lab.Mesh, prefix: str) -> dict:
             dist.all_reduce(torch.ones(4, dtype=torch.int64), group=pair)
         path = flight_dumps.write_fr_trace(prefix + "asked_")
         written = pickle.loads(flight_dumps.dump_fr_trace())
+        # every rank's sub-group call done first: the mismatch, told to all, would fail it otherwise
+        wait_until(lambda: all(os.path.exists(f"{prefix}asked_{r}") for r in range(mesh.world_size)),
+                   "every rank's asked dump")
         try:
             dist.all_reduce(torch.ones(7 if mesh.rank == mesh.world_size - 1 else 6))
         except dist.DistBackendError:
