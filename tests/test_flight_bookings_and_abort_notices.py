@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 import tracemalloc
+from multiprocessing.process import BaseProcess as Process
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,7 @@ from helpers import child_env, free_port
 import lab
 from lab.collectives.prepared import MAX_REMEMBERED
 from lab.flight import FLIGHT_RECORDER_SIZE
+from lab.launch.forkserver import start_context
 
 # -- 14: the flight recorder's bookings -----------------------------------------------------------
 
@@ -102,8 +103,6 @@ def test_a_freed_plan_releases_its_booking(world_size):
 LAUNCHER_TRANSPORTS = ["tcp", "auto"]
 #: The silent rank's peers' deadline (item 23: 2 s).
 STOPPED_DEADLINE_MS = 2000
-#: What a rank process runs (this module is importable there: the tests' folder is on its path).
-RANK_PROGRAM = "import test_flight_bookings_and_abort_notices; test_flight_bookings_and_abort_notices.rank_program()"
 
 
 def rank_program() -> None:
@@ -133,33 +132,48 @@ def rank_program() -> None:
     mesh.close()
 
 
-def launched(scenario: str, transport: str, world_size: int, xdg: Path) -> list[subprocess.Popen]:
-    """The job's ranks, each with torchrun's variables, on one host; its secret files under ``xdg``."""
-    port, ranks = free_port(), []
+def run_rank(env: dict[str, str], output: str) -> None:
+    """One rank process, forked from the forkserver that has imported torch and lab (a fresh
+    interpreter per rank would import them again): torchrun's variables in its environment,
+    its output to the file ``output``, then :func:`rank_program`."""
+    os.environ.clear()
+    os.environ.update(env)
+    with open(output, "w") as file:
+        os.dup2(file.fileno(), 1)
+        os.dup2(file.fileno(), 2)
+    rank_program()
+
+
+def launched(scenario: str, transport: str, world_size: int, xdg: Path) -> list[tuple[Process, Path]]:
+    """The job's ranks, each with torchrun's variables, on one host; its secret files under ``xdg``;
+    each rank's process and the file of its output."""
+    port, ranks, context = free_port(), [], start_context()
     for rank in range(world_size):
         env = child_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(port), XDG_RUNTIME_DIR=str(xdg), LAB_TEST_SCENARIO=scenario,
                         LAB_TEST_TRANSPORT=transport)
         env.pop("LAB_TCP_SECRET", None)
-        ranks.append(
-            subprocess.Popen([sys.executable, "-c", RANK_PROGRAM], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True))
+        output = xdg / f"rank{rank}.out"
+        process = context.Process(target=run_rank, args=(env, str(output)), name=f"launched-rank-{rank}")
+        process.start()
+        ranks.append((process, output))
     return ranks
 
 
-def outcomes(ranks: list[subprocess.Popen], timeout: float = 120) -> list[str]:
+def outcomes(ranks: list[tuple[Process, Path]], timeout: float = 120) -> list[str]:
     """Each rank's last line of output (a rank still running at ``timeout`` is a hang: killed)."""
     lines = []
-    for rank, proc in enumerate(ranks):
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in ranks:
+    for rank, (process, output) in enumerate(ranks):
+        process.join(timeout)
+        if process.exitcode is None:
+            for other, _ in ranks:
                 other.kill()
-            raise AssertionError(f"rank {rank} hung") from None
-        last = out.strip().splitlines()[-1:]
-        lines.append(last[0] if last else f"exit {proc.returncode}: {err[-2000:]}")
+                other.join()
+            raise AssertionError(f"rank {rank} hung")
+        text = output.read_text()
+        last = [line for line in text.strip().splitlines() if line.startswith(("OK ", "FAILED "))][-1:]
+        lines.append(last[0] if last else f"exit {process.exitcode}: {text[-2000:]}")
     return lines
 
 
@@ -185,8 +199,8 @@ def test_every_survivor_names_the_stopped_rank_not_the_one_between(transport, wo
     try:
         lines = outcomes(ranks[:-1])
     finally:
-        ranks[-1].kill()  # (stopped: SIGKILL ends it all the same)
-        ranks[-1].communicate()
+        ranks[-1][0].kill()  # (stopped: SIGKILL ends it all the same)
+        ranks[-1][0].join()
     stopped = world_size - 1
     for line in lines:
         assert line.startswith("FAILED DeadlineError"), lines

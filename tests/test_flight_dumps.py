@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import wait_until
+from scripts import flight_job
 
 import lab
 import lab.backend
@@ -26,7 +28,6 @@ from lab.backend.flight_verdict import divergences, read_dump, read_dumps, repor
 
 HERE = os.path.dirname(__file__)
 FIXTURES = os.path.join(HERE, "data", "flight")
-JOB = os.path.join(HERE, "scripts", "flight_job.py")
 CASES = ("skip", "size", "hang")
 #: (collective number, kind, odd ranks) of each job: what fr_trace says of gloo's dumps.
 EXPECTED = {"skip": (4, "missing", [1]), "size": (3, "size", [1]), "hang": (3, "missing", [1])}
@@ -105,10 +106,10 @@ def test_lab_dumps_give_gloos_verdict(case: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_jobs_that_part(backend: str, case: str, tmp_path) -> None:
     """The jobs themselves, run now (4 ranks, a 3 s timeout each): gloo's dumps read as fr_trace
-    reads them; the lab's failing ranks dump by themselves (the job asks only the others)."""
+    reads them; the lab's failing ranks dump by themselves (the job asks only the others). Its
+    ranks fork from the forkserver that started this module's lab ranks (torch and lab imported)."""
     out = str(tmp_path / "dumps")
-    subprocess.run([sys.executable, JOB, backend, case, out], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    flight_job.run_job(backend, case, out, start_method="forkserver")
     assert verdict(out) == EXPECTED[case], report(read_dumps(out))
     if backend == "gloo":
         assert fr_trace_verdict(out, str(tmp_path / "copy")) == EXPECTED[case]
@@ -233,7 +234,9 @@ def test_files_that_are_no_dump_are_refused(tmp_path) -> None:
         read_dumps(str(tmp_path), prefix="nccl_")
 
 
-def test_the_command(tmp_path) -> None:
+def test_the_command(tmp_path, capsys) -> None:
+    """``python -m lab flight`` in a process of its own once; its --json and its refusal through
+    the same ``main`` in this process (a new process costs an import of lab and torch)."""
     directory = os.path.join(FIXTURES, "gloo", "size")
     text = subprocess.run([sys.executable, "-m", "lab", "flight", directory], capture_output=True, text=True,
                           check=True).stdout
@@ -241,14 +244,15 @@ def test_the_command(tmp_path) -> None:
     assert "rank 1: gloo:all_reduce #3 [[9]] Float" in text
     import json
 
-    listed = json.loads(
-        subprocess.run([sys.executable, "-m", "lab", "flight", directory, "--json"], capture_output=True,
-                       text=True, check=True).stdout)
+    from lab.__main__ import main
+
+    capsys.readouterr()
+    assert main(["flight", directory, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
     assert listed["ranks"] == [0, 1, 2, 3] and listed["divergences"][0]["culprits"] == [1]
-    refused = subprocess.run(
-        [sys.executable, "-m", "lab", "flight", str(tmp_path / "none")], capture_output=True, text=True,
-        check=False)
-    assert refused.returncode == 2 and "is no folder" in refused.stderr
+    with pytest.raises(SystemExit) as refused:
+        main(["flight", str(tmp_path / "none")])
+    assert refused.value.code == 2 and "is no folder" in capsys.readouterr().err
 
 
 # -- the lab's own dumps, written ---------------------------------------------------------------
@@ -266,6 +270,9 @@ def _written(mesh: lab.Mesh, prefix: str) -> dict:
             dist.all_reduce(torch.ones(4, dtype=torch.int64), group=pair)
         path = flight_dumps.write_fr_trace(prefix + "asked_")
         written = pickle.loads(flight_dumps.dump_fr_trace())
+        # every rank's sub-group call done first: the mismatch, told to all, would fail it otherwise
+        wait_until(lambda: all(os.path.exists(f"{prefix}asked_{r}") for r in range(mesh.world_size)),
+                   "every rank's asked dump")
         try:
             dist.all_reduce(torch.ones(7 if mesh.rank == mesh.world_size - 1 else 6))
         except dist.DistBackendError:

@@ -14,16 +14,15 @@ gather with each rank naming the next one (every rank only sends to its "root").
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import rooted
 
 import lab
+from lab.launch.forkserver import start_context
 
 STRIDE = 3
 TRANSPORTS = ("shm", "tcp", "queue")
@@ -135,38 +134,39 @@ def test_close_raises_for_a_point_to_point_message_never_received(transport):
         "point-to-point message #1 of tag 5"]
 
 
-DESTROY = textwrap.dedent("""
-    import sys
-    from datetime import timedelta
-    import torch, torch.distributed as dist
-    import lab
-
-    rank, init = int(sys.argv[1]), sys.argv[2]
+def destroy_rank(rank: int, init: str, output: str) -> None:
+    """One torch rank of the lab backend, in a process forked from lab's forkserver (torch and lab
+    imported): a broadcast each rank roots itself, then ``destroy_process_group``; what it raised
+    goes to the file ``output``."""
     dist.init_process_group("lab", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     dist.broadcast(torch.arange(8.0) + rank, src=rank)  # every rank its own root: each only sends
     dist.send(torch.zeros(1), 1 - rank, tag=7)  # each then has every message the other sent before
     dist.recv(torch.zeros(1), 1 - rank, tag=7)
     try:
         dist.destroy_process_group()
-        print("RESULT no error", flush=True)
+        result = "no error"
     except lab.LabError as exc:
-        print(f"RESULT {type(exc).__name__}: {exc}", flush=True)
-""")
+        result = f"{type(exc).__name__}: {exc}"
+    with open(output, "w") as file:
+        file.write(result)
 
 
 @pytest.mark.slow  # two torch processes
 def test_destroy_process_group_raises_for_a_message_never_received(tmp_path):
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    init = f"file://{tmp_path / 'store'}"
+    init, context = f"file://{tmp_path / 'store'}", start_context()
     processes = [
-        subprocess.Popen([sys.executable, "-c", DESTROY, str(rank), init], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env) for rank in range(2)]
-    outputs = [process.communicate(timeout=300) for process in processes]
-    results = [
-        next((line[7:] for line in out.splitlines() if line.startswith("RESULT ")), err[-2000:])
-        for out, err in outputs]
+        context.Process(target=destroy_rank, args=(rank, init, str(tmp_path / f"result{rank}")),
+                        name=f"torch-rank-{rank}") for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(300)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+    results = [(tmp_path / f"result{rank}").read_text() if
+               (tmp_path / f"result{rank}").exists() else f"exit {process.exitcode}"
+               for rank, process in enumerate(processes)]
     for rank, result in enumerate(results):
         assert result.startswith(f"CollectiveMismatchError: rank {rank} closed the mesh with a message it "
                                  f"never received: rank {1 - rank} sent broadcast #1 float32[8] "

@@ -52,6 +52,9 @@ def _wait_for_dumps(out: str, ranks: list[int]) -> None:
 
 
 def rank_main(rank: int, backend: str, case: str, out: str, port: int) -> None:
+    # torch reads both when the rank's first group is made (a forkserver's rank has the server's environment)
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(out, "rank_")
     if backend == "lab":
         import lab  # noqa: F401 - registers the "lab" backend
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
@@ -83,17 +86,16 @@ def rank_main(rank: int, backend: str, case: str, out: str, port: int) -> None:
         _wait_for_dumps(out, others)
 
 
-def run_job(backend: str, case: str, out: str) -> None:
-    """Run the job of ``case`` on ``backend``; its dumps land in ``out`` (made if missing)."""
+def run_job(backend: str, case: str, out: str, start_method: str = "spawn") -> None:
+    """Run the job of ``case`` on ``backend``; its dumps land in ``out`` (made if missing). The
+    tests start its ranks from the forkserver that has imported torch and lab already."""
     os.makedirs(out, exist_ok=True)
-    os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
-    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(out, "rank_")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     try:
         mp.start_processes(rank_main, args=(backend, case, out, port), nprocs=WORLD_SIZE,
-                           start_method="spawn")
+                           start_method=start_method)
     except mp.ProcessExitedException:  # gloo aborts every process on a size mismatch
         pass
     missing = [r for r in range(WORLD_SIZE) if not os.path.exists(os.path.join(out, f"rank_{r}"))]
