@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import child_env, free_port
+from torch_ranks import start_forked
 
 import lab
 from lab.collectives.prepared import MAX_REMEMBERED
 from lab.flight import FLIGHT_RECORDER_SIZE
-from lab.launch.forkserver import start_context
 
 # -- 14: the flight recorder's bookings -----------------------------------------------------------
 
@@ -132,22 +132,10 @@ def rank_program() -> None:
     mesh.close()
 
 
-def run_rank(env: dict[str, str], output: str) -> None:
-    """One rank process, forked from the forkserver that has imported torch and lab (a fresh
-    interpreter per rank would import them again): torchrun's variables in its environment,
-    its output to the file ``output``, then :func:`rank_program`."""
-    os.environ.clear()
-    os.environ.update(env)
-    with open(output, "w") as file:
-        os.dup2(file.fileno(), 1)
-        os.dup2(file.fileno(), 2)
-    rank_program()
-
-
 def launched(scenario: str, transport: str, world_size: int, xdg: Path) -> list[tuple[Process, Path]]:
     """The job's ranks, each with torchrun's variables, on one host; its secret files under ``xdg``;
     each rank's process and the file of its output."""
-    port, ranks, context = free_port(), [], start_context()
+    port, ranks = free_port(), []
     for rank in range(world_size):
         env = child_env(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -155,9 +143,8 @@ def launched(scenario: str, transport: str, world_size: int, xdg: Path) -> list[
                         LAB_TEST_TRANSPORT=transport)
         env.pop("LAB_TCP_SECRET", None)
         output = xdg / f"rank{rank}.out"
-        process = context.Process(target=run_rank, args=(env, str(output)), name=f"launched-rank-{rank}")
-        process.start()
-        ranks.append((process, output))
+        # forked from the forkserver that imported torch and lab (a fresh interpreter imports them again)
+        ranks.append((start_forked(rank_program, (), env, output, f"launched-rank-{rank}"), output))
     return ranks
 
 
