@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import secrets
 import shutil
 import signal
@@ -26,7 +25,6 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -36,7 +34,6 @@ from helpers import child_env, free_port
 from lab.errors import DeadlineError, LabError
 from lab.hosts.job_secret import SecretFile, job_secret, sweep_stale_secret_files
 from lab.hosts.rendezvous import LaunchEnv, agree_hosts, host_block, placement_problems
-from lab.launch.forkserver import start_context
 from lab.transport.hand_out import HELLO_TIMEOUT_S, connect_hand_out
 
 # Slow, the whole module: jobs launched as torchrun does, one process per rank.
@@ -52,7 +49,7 @@ as_root = pytest.mark.skipif(os.getuid() != 0,
 
 def start_rank(rank: int, world_size: int, port: int, xdg: Path, *, group: int | None = 0,
                local: int | None = None, local_world: int | None = None,
-               **variables: str | None) -> ForkedRank:
+               **variables: str | None) -> subprocess.Popen:
     """One rank with torchrun's variables (``None`` leaves one unset). Every job of these tests
     keeps its secret files under ``xdg`` (``XDG_RUNTIME_DIR``), apart from other jobs'."""
     env = child_env(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -62,57 +59,11 @@ def start_rank(rank: int, world_size: int, port: int, xdg: Path, *, group: int |
         "GROUP_RANK": group, "LOCAL_RANK": rank if local is None and group == 0 else local,
         "LOCAL_WORLD_SIZE": world_size if local_world is None and group == 0 else local_world, **variables}
     env.update({name: str(value) for name, value in given.items() if value is not None})
-    return ForkedRank(env)
+    return subprocess.Popen([sys.executable, str(RANK)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
-def run_rank_script(env: dict[str, str], output: Connection) -> None:
-    """In the rank's process: the environment a launcher gives it, its output to ``output``,
-    then ``launcher_rank.py`` as ``python launcher_rank.py`` runs it."""
-    os.environ.clear()
-    os.environ.update(env)
-    os.dup2(output.fileno(), 1)
-    os.dup2(output.fileno(), 2)
-    output.close()
-    runpy.run_path(str(RANK), run_name="__main__")
-
-
-class ForkedRank:
-    """A rank process forked from lab's forkserver, which has imported torch and lab (a fresh
-    interpreter per rank would import them again), used as a ``Popen`` is: its output (stdout and
-    stderr together) on ``stdout``, its exit status (minus the signal that ended it) from ``wait``."""
-    def __init__(self, env: dict[str, str]) -> None:
-        context = start_context()
-        reader, writer = context.Pipe(duplex=False)
-        self.process = context.Process(target=run_rank_script, args=(env, writer), name="launched-rank")
-        self.process.start()
-        writer.close()
-        self.stdout = os.fdopen(os.dup(reader.fileno()), "r")
-        reader.close()
-
-    def poll(self) -> int | None:
-        return self.process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self.process.join(timeout)
-        if self.process.exitcode is None:
-            raise subprocess.TimeoutExpired(str(RANK), timeout)
-        return self.process.exitcode
-
-    def send_signal(self, signum: int) -> None:
-        os.kill(self.process.pid, signum)
-
-    def kill(self) -> None:
-        self.process.kill()
-
-    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """Its output once it exits (a few lines: the pipe's buffer holds them while it runs)."""
-        self.wait(timeout)
-        out = "" if self.stdout.closed else self.stdout.read()
-        self.stdout.close()
-        return out, ""
-
-
-def finish(procs: list, timeout: float = 150) -> list[str]:
+def finish(procs: list[subprocess.Popen], timeout: float = 150) -> list[str]:
     """Every rank's output once it exits; a rank still running at ``timeout`` is a hang: killed."""
     outputs, hung = [], []
     for rank, proc in enumerate(procs):
@@ -127,7 +78,7 @@ def finish(procs: list, timeout: float = 150) -> list[str]:
     return outputs
 
 
-def kill_all(procs: list) -> None:
+def kill_all(procs: list[subprocess.Popen]) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
@@ -168,7 +119,7 @@ def report(proc: subprocess.Popen, prefix: str) -> dict:
     return json.loads(text[len(prefix):])
 
 
-def three_ranks_at_the_door(tmp_path: Path) -> tuple[list[ForkedRank], Path, str]:
+def three_ranks_at_the_door(tmp_path: Path) -> tuple[list[subprocess.Popen], Path, str]:
     """A one-host job of 3 ranks (``auto``) whose local ranks 1 and 2 stop right before they
     connect to local rank 0's hand-out; returns the ranks, the file that lets them go on, and the
     hand-out socket's name (read from the store, as anyone on this host can)."""
