@@ -109,12 +109,7 @@ def run_ranks(n: int, how: str, init: str | None = None) -> list[str]:
             torch_ranks.end(processes[:-1], timeout_s=300)  # a hang guard: three ranks on a loaded machine
             processes[-1].kill()
         torch_ranks.end(processes, timeout_s=300)
-        outputs = []
-        for process, path in zip(processes, paths, strict=True):
-            text = path.read_text() if path.exists() else ""
-            lines = [line[len("RESULT "):] for line in text.splitlines() if line.startswith("RESULT ")]
-            outputs.append(lines[0] if lines else f"exit {process.exitcode}: {text[-2000:]}")
-        return outputs
+        return torch_ranks.result_lines(processes, paths, 2000)
 
 
 @pytest.mark.slow

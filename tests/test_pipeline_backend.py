@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 
 import pipeline_job
@@ -45,18 +43,9 @@ def results(tmp_path_factory) -> Callable:
     def of(n: int) -> list[dict[str, str]]:
         if n not in launched:
             out = tmp_path_factory.mktemp(f"pipeline{n}")
-            if n == TORCHRUN_SIZE:
-                command = [
-                    sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                    os.path.join(HERE, "pipeline_job.py"),
-                    str(out)]
-                done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900,
-                                      env=CHILD_ENV)
-                reports = [f"exit {done.returncode}:\n{done.stderr[-4000:]}"] * n
-            else:
-                exits, logs = torch_ranks.run_like_torchrun(pipeline_job.main, n, (str(out),), out, CHILD_ENV,
-                                                            900)
-                reports = [f"exit {code}:\n{log[-4000:]}" for code, log in zip(exits, logs, strict=True)]
+            exits, logs = torch_ranks.launch(os.path.join(HERE, "pipeline_job.py"), pipeline_job.main, n, out,
+                                             CHILD_ENV, torchrun=n == TORCHRUN_SIZE)
+            reports = [f"exit {code}:\n{log}" for code, log in zip(exits, logs, strict=True)]
             launched[n] = [
                 json.loads((out / f"rank{rank}.json").read_text()) if
                 (out /

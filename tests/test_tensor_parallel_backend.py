@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import tensor_parallel_job
@@ -30,23 +28,14 @@ TORCHRUN_SIZE = 2
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_tensor_parallel_and_fsdp2_on_a_2d_mesh_are_bit_equal_to_gloo(n, tmp_path):
-    if n == TORCHRUN_SIZE:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-            os.path.join(HERE, "tensor_parallel_job.py"),
-            str(tmp_path)]
-        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900,
-                              env=CHILD_ENV)
-        exits, logs = [done.returncode] * n, [done.stderr[-4000:]] * n
-    else:
-        exits, logs = torch_ranks.run_like_torchrun(tensor_parallel_job.main, n, (str(tmp_path),), tmp_path,
-                                                    CHILD_ENV, 900)
+    exits, logs = torch_ranks.launch(os.path.join(HERE, "tensor_parallel_job.py"), tensor_parallel_job.main,
+                                     n, tmp_path, CHILD_ENV, torchrun=n == TORCHRUN_SIZE)
     failures = {}
     for rank in range(n):
         path = tmp_path / f"rank{rank}.json"
         outcome = (json.loads(path.read_text()).get("tensor_and_fsdp2_on_a_2d_mesh", "not run")
-                   if path.exists() else f"wrote nothing (exit {exits[rank]}):\n{logs[rank][-4000:]}")
+                   if path.exists() else f"wrote nothing (exit {exits[rank]}):\n{logs[rank]}")
         if outcome != "ok":
             failures[rank] = outcome
     assert not failures, "\n".join(f"rank {rank}: {outcome}" for rank, outcome in failures.items())
-    assert exits == [0] * n, (exits, [log[-4000:] for log in logs])
+    assert exits == [0] * n, (exits, logs)

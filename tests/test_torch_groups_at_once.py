@@ -162,12 +162,7 @@ def run_world(n: int, how: str, transport: str, nodes: int = 1) -> list[str]:
             torch_ranks.end(processes, timeout_s=180)
         except TimeoutError as exc:
             return [f"{exc}: rank {rank}: {path.read_text()[-3000:]}" for rank, path in enumerate(paths)]
-        outputs = []
-        for process, path in zip(processes, paths, strict=True):
-            text = path.read_text() if path.exists() else ""
-            lines = [line[len("RESULT "):] for line in text.splitlines() if line.startswith("RESULT ")]
-            outputs.append(lines[0] if lines else f"exit {process.exitcode}: {text[-3000:]}")
-        return outputs
+        return torch_ranks.result_lines(processes, paths, 3000)
 
 
 WORLDS = [("tcp", 2, 1), ("tcp", 3, 1), ("auto", 2, 1), ("auto", 3, 1), ("auto", 4, 2)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import runpy
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -103,3 +104,29 @@ def run_like_torchrun(target: Callable[..., object], world_size: int, args: tupl
         del store
     return [process.exitcode
             for process in processes], [path.read_text() if path.exists() else "" for path in paths]
+
+
+def launch(script: str, main: Callable[..., object], n: int, out: Path, env: dict[str, str], torchrun: bool,
+           timeout_s: float = 900.0) -> tuple[list[int | None], list[str]]:
+    """The job ``python script OUT`` (its ``main(OUT)``) in ``n`` ranks: under a real torchrun launch
+    (``torchrun``: each rank's exit is torchrun's, its output torchrun's stderr) or forked as
+    :func:`run_like_torchrun` forks them; each rank's exit code and the end of its output."""
+    if not torchrun:
+        exits, logs = run_like_torchrun(main, n, (str(out),), out, env, timeout_s)
+        return exits, [log[-4000:] for log in logs]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", script,
+        str(out)]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout_s, env=env)
+    return [done.returncode] * n, [done.stderr[-4000:]] * n
+
+
+def result_lines(processes: list[BaseProcess], paths: list[Path], tail: int) -> list[str]:
+    """Each rank's first ``RESULT`` line (the words after it), or, where it wrote none, its exit code
+    and the last ``tail`` characters of its output."""
+    outputs = []
+    for process, path in zip(processes, paths, strict=True):
+        text = path.read_text() if path.exists() else ""
+        lines = [line[len("RESULT "):] for line in text.splitlines() if line.startswith("RESULT ")]
+        outputs.append(lines[0] if lines else f"exit {process.exitcode}: {text[-tail:]}")
+    return outputs
