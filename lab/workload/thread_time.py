@@ -60,7 +60,10 @@ def derive_thread_time(events: Sequence[Timed]) -> None:
         start = event.issued_us if before is None else max(event.issued_us, before)
         event.thread_us = max(event.completed_us - start, 0.0)
         sends.setdefault(event.nbytes, []).append(event.thread_us)
-    every = [t for times in sends.values() for t in times]
+    if not sends:
+        return
+    medians = {nbytes: statistics.median(times) for nbytes, times in sends.items()}  # (once, not per receive)
+    overall = statistics.median([t for times in sends.values() for t in times])
     for event in events:
-        if event.kind == "op" and event.op == "recv" and event.completed_us is not None and every:
-            event.thread_us = statistics.median(sends.get(event.nbytes, every))
+        if event.kind == "op" and event.op == "recv" and event.completed_us is not None:
+            event.thread_us = medians.get(event.nbytes, overall)
