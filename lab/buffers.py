@@ -14,6 +14,7 @@ import ctypes
 import errno
 import functools
 import mmap
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,9 +120,11 @@ def check_writable(tensor: torch.Tensor, name: str) -> None:
     Only memory torch did not allocate can be read-only (``from_numpy``, ``frombuffer``: a storage
     that cannot resize); of that, the pages of its first and last element are asked. A read-only
     Python object on writable memory (``torch.frombuffer(bytes)``, which torch warns of) cannot be
-    told from a writable one."""
+    told from a writable one. A tensor found writable is remembered while it lives and its memory is
+    the same (``set_`` can move it): asking costs two madvise calls, several µs a collective, and
+    a storage numpy has viewed (a collective's tensor, after its first call) no longer resizes."""
     madvise = _madvise()
-    if madvise is None or tensor.numel() == 0 or tensor.untyped_storage().resizable():
+    if madvise is None or tensor.numel() == 0 or known_writable(tensor):
         return
     shape, strides = tensor.shape, tensor.stride()
     last_element = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
@@ -131,6 +134,23 @@ def check_writable(tensor: torch.Tensor, name: str) -> None:
                 and ctypes.get_errno() in (errno.EFAULT, errno.EINVAL):
             raise ValueError(f"{name} is over read-only memory (a read-only np.memmap or mmap?); collectives "
                              "write their result into it: pass a writable copy (.clone())")
+    key = id(tensor)
+    _known_writable[key] = (weakref.ref(tensor,
+                                        lambda _, key=key: _known_writable.pop(key, None)), tensor.data_ptr())
+
+
+#: Tensors :func:`check_writable` found writable, by ``id``, while they live: (the tensor, its address).
+_known_writable: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def known_writable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is known to be over writable memory without asking the kernel: torch
+    allocated it (its storage can resize), or :func:`check_writable` found it so and it still lives
+    over the same memory."""
+    known = _known_writable.get(id(tensor))
+    if known is not None and known[0]() is tensor and known[1] == tensor.data_ptr():
+        return True
+    return tensor.untyped_storage().resizable()
 
 
 def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffer:

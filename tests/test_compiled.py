@@ -184,6 +184,13 @@ def lanes(mesh: lab.Mesh) -> list[str]:
     count = 5
     total = torch.arange(count, dtype=torch.float32) * STRIDE * n + sum(range(n))
     lab.allreduce(mesh, pattern(count, rank, torch.float32))  # (the lane for the tensors below)
+    again = pattern(count, rank, torch.float32)
+    again.numpy()  # (numpy viewed it, as the full path does: its storage no longer resizes)
+    for call in range(2):  # the full path asks whether its memory is writable, once; then its lane
+        lane = find_lane(mesh, "allreduce", again, "sum", "auto")
+        lab.allreduce(mesh, again)
+        if (lane is None) != (call == 0 or n == 1) or not torch.equal(again, total * n**call):
+            wrong.append(f"rank {rank} call {call} of a tensor numpy viewed: lane {lane}, {again.tolist()}")
     whole = torch.cat([pattern(count, rank, torch.float32), pattern(count, rank, torch.float32)])
     strided = pattern(2 * count, rank, torch.float32)
     shapes = {

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from lab import checks
+from lab.buffers import known_writable
 from lab.collectives.choice import lab_algo
 from lab.comm.operations import Operation
 from lab.fingerprint import Signature
@@ -121,8 +122,8 @@ def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
 def find_lane(mesh: CallMesh, collective: str, tensor: Any, *arguments: Any) -> Lane | None:
     """The :class:`Lane` that a plain call of ``collective`` on ``tensor`` with ``arguments`` may
     take, or None (the full path: its first call, a numpy array, a subclass, a view whose memory
-    is not its elements in order, memory torch did not allocate (it may be read-only: the full
-    path asks), an argument that is wrong or unhashable)."""
+    is not its elements in order, memory not yet known writable (:func:`lab.buffers.known_writable`:
+    the full path asks), an argument that is wrong or unhashable)."""
     if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_nested:
         return None
     try:
@@ -130,7 +131,7 @@ def find_lane(mesh: CallMesh, collective: str, tensor: Any, *arguments: Any) -> 
     except TypeError:
         return None
     if lane is None or not tensor.is_contiguous() or not tensor.is_cpu or tensor.is_conj() \
-            or tensor.is_neg() or not tensor.untyped_storage().resizable():
+            or tensor.is_neg() or not known_writable(tensor):
         return None
     return lane
 
