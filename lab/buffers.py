@@ -124,17 +124,18 @@ def check_writable(tensor: torch.Tensor, name: str) -> None:
     the same (``set_`` can move it): asking costs two madvise calls, several µs a collective, and
     a storage numpy has viewed (a collective's tensor, after its first call) no longer resizes."""
     madvise = _madvise()
-    if madvise is None or tensor.numel() == 0 or known_writable(tensor):
+    if madvise is None or tensor.numel() == 0 or _remembered(tensor):
         return
-    shape, strides = tensor.shape, tensor.stride()
-    last_element = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
-    last = tensor.data_ptr() + last_element * tensor.element_size()
-    for address in {tensor.data_ptr(), last}:
-        if madvise(address & -mmap.PAGESIZE, mmap.PAGESIZE, _MADV_POPULATE_WRITE) != 0 \
-                and ctypes.get_errno() in (errno.EFAULT, errno.EINVAL):
-            raise ValueError(f"{name} is over read-only memory (a read-only np.memmap or mmap?); collectives "
-                             "write their result into it: pass a writable copy (.clone())")
-    key = id(tensor)
+    if not tensor.untyped_storage().resizable():
+        shape, strides = tensor.shape, tensor.stride()
+        last_element = sum((size - 1) * stride for size, stride in zip(shape, strides, strict=True))
+        last = tensor.data_ptr() + last_element * tensor.element_size()
+        for address in {tensor.data_ptr(), last}:
+            if madvise(address & -mmap.PAGESIZE, mmap.PAGESIZE, _MADV_POPULATE_WRITE) != 0 \
+                    and ctypes.get_errno() in (errno.EFAULT, errno.EINVAL):
+                raise ValueError(f"{name} is over read-only memory (a read-only np.memmap or mmap?); "
+                                 "collectives write their result into it: pass a writable copy (.clone())")
+    key = id(tensor)  # (torch's own memory too: once numpy viewed it, its storage no longer resizes)
     _known_writable[key] = (weakref.ref(tensor,
                                         lambda _, key=key: _known_writable.pop(key, None)), tensor.data_ptr())
 
@@ -147,10 +148,12 @@ def known_writable(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is known to be over writable memory without asking the kernel: torch
     allocated it (its storage can resize), or :func:`check_writable` found it so and it still lives
     over the same memory."""
+    return _remembered(tensor) or tensor.untyped_storage().resizable()
+
+
+def _remembered(tensor: torch.Tensor) -> bool:
     known = _known_writable.get(id(tensor))
-    if known is not None and known[0]() is tensor and known[1] == tensor.data_ptr():
-        return True
-    return tensor.untyped_storage().resizable()
+    return known is not None and known[0]() is tensor and known[1] == tensor.data_ptr()
 
 
 def as_buffer(tensor: Any, name: str = "tensor", writable: bool = True) -> Buffer:

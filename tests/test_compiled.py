@@ -184,13 +184,18 @@ def lanes(mesh: lab.Mesh) -> list[str]:
     count = 5
     total = torch.arange(count, dtype=torch.float32) * STRIDE * n + sum(range(n))
     lab.allreduce(mesh, pattern(count, rank, torch.float32))  # (the lane for the tensors below)
-    again = pattern(count, rank, torch.float32)
-    again.numpy()  # (numpy viewed it, as the full path does: its storage no longer resizes)
-    for call in range(2):  # the full path asks whether its memory is writable, once; then its lane
-        lane = find_lane(mesh, "allreduce", again, "sum", "auto")
-        lab.allreduce(mesh, again)
-        if (lane is None) != (call == 0 or n == 1) or not torch.equal(again, total * n**call):
-            wrong.append(f"rank {rank} call {call} of a tensor numpy viewed: lane {lane}, {again.tolist()}")
+    viewed = pattern(count, rank, torch.float32)
+    viewed.numpy()  # (numpy viewed it, as the full path does: its storage no longer resizes)
+    again = {
+        "a tensor numpy viewed": (viewed, total),
+        "a tensor of a size not seen before": (pattern(count + 1, rank, torch.float32), None)}
+    for what, (x, want) in again.items():
+        want = want if want is not None else sum(pattern(count + 1, r, torch.float32) for r in range(n))
+        for call in range(3):  # the full path, which finds its memory writable; then its lane
+            lane = find_lane(mesh, "allreduce", x, "sum", "auto")
+            lab.allreduce(mesh, x)
+            if (lane is None) != (call == 0 or n == 1) or not torch.equal(x, want * n**call):
+                wrong.append(f"rank {rank} call {call} of {what}: lane {lane}, {x.tolist()}")
     whole = torch.cat([pattern(count, rank, torch.float32), pattern(count, rank, torch.float32)])
     strided = pattern(2 * count, rank, torch.float32)
     shapes = {
