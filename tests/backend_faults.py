@@ -3,7 +3,8 @@ stop the others at once) meeting through ``tcp://`` or ``file://``; each prints 
 ``RESULT <what happened>``.
 
 ``how``: "ok" (an all_reduce), "mismatch" (the last rank's tensor is longer), "killed" and
-"ddp-killed" (the last rank SIGKILLs itself before an all_reduce or DDP's backward), "silent" (the
+"ddp-killed" (the last rank SIGKILLs itself before an all_reduce or DDP's backward), "lane-killed"
+(the same before an all_reduce like one before, which runs from its lane), "silent" (the
 last rank sleeps far past the others' 2 s deadline).
 """
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import lab
+from lab.collectives.prepared import find_lane
 
 
 def faulty_rank(rank: int, n: int, init: str, how: str) -> None:
@@ -47,6 +49,16 @@ def faulty_rank(rank: int, n: int, init: str, how: str) -> None:
                 dist.all_reduce(torch.ones(10))
             else:
                 model(torch.ones(2, 8)).sum().backward()
+        elif how == "lane-killed":  # the call after the death runs from the lane the first one made
+            x = torch.ones(10)
+            dist.all_reduce(x)
+            dist.barrier()
+            if odd:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if find_lane(dist.group.WORLD.mesh, "allreduce", x, "sum", "auto") is None:
+                print("RESULT no lane for the second all_reduce", flush=True)
+                return
+            dist.all_reduce(x)
         elif how == "silent":
             if odd:  # silent far past the deadline: the others must end with DeadlineError, not see it go
                 time.sleep(60)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 import lab  # registers the "lab" backend
+from lab.backend.work import DoneWork
 
 STRIDE = 3
 COUNTS = (0, 1, 2, 7, 1000)  # zero, one, fewer than ranks (at 3-4), not divisible, large-ish
@@ -150,6 +151,37 @@ def small_all_reduce_on_one_host_runs_compiled(rank: int, n: int, gloo: dist.Pro
     y = pattern(100_003, rank)
     lab.allreduce(mesh, y, algorithm="two_shot")
     expect_equal(y, sum(pattern(100_003, r) for r in range(n)), "two_shot allreduce")
+
+
+@check
+def a_call_like_one_before_runs_from_its_lane(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
+    # the same small tensor again: its all_reduce or broadcast runs from the lane its first call
+    # made (complete before the call returns: a DoneWork), on the world and on a group of its own;
+    # called as dist.all_reduce calls the group (synchronous: other groups of this job are open)
+    group, opts = dist.new_group(list(range(n))), dist.AllreduceOptions()
+    opts.asyncOp = False
+    for dtype in (torch.float32, torch.float64, torch.int64):  # 1 KB each: auto's pick compiles
+        count = 1024 // dtype.itemsize
+        x, total = pattern(count, rank, dtype), sum(pattern(count, r, dtype) for r in range(n))
+        for call in range(3):
+            work = dist.group.WORLD.allreduce([x], opts)
+            work.wait()
+            expect_equal(x, total * n**call, f"all_reduce {dtype} call {call}")
+            if call and (type(work) is not DoneWork or work.get_future().wait()[0] is not x):
+                raise AssertionError(f"all_reduce {dtype} call {call} did not run from its lane: {work}")
+        for root in range(n):
+            options = dist.BroadcastOptions()
+            options.rootRank, options.asyncOp = root, False
+            for call in range(2):
+                x.copy_(pattern(count, rank, dtype))
+                work = dist.group.WORLD.broadcast([x], options)
+                work.wait()
+                expect_equal(x, pattern(count, root, dtype), f"broadcast {dtype} from {root} call {call}")
+                if call and type(work) is not DoneWork:
+                    raise AssertionError(f"broadcast {dtype} from {root} did not run from its lane: {work}")
+                x.copy_(pattern(count, rank, dtype))
+                dist.broadcast(x, src=root, group=group)
+                expect_equal(x, pattern(count, root, dtype), f"broadcast {dtype} from {root} on a new group")
 
 
 @check

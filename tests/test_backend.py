@@ -130,7 +130,7 @@ def test_a_mismatch_ends_every_rank_s_call_with_the_lab_s_error():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["killed", "ddp-killed"])
+@pytest.mark.parametrize("how", ["killed", "ddp-killed", "lane-killed"])
 def test_a_dead_peer_ends_every_surviving_call(how):
     outputs = run_ranks(3, how)
     assert outputs[2].startswith("exit -9"), outputs  # the victim

@@ -34,4 +34,4 @@ class Group:
 
 def test_source_rank_waits_for_the_callback_that_notes_the_sender():
     for _ in range(20):  # the callback's thread races wait()'s return: every time, the sender
-        assert LabWork(Group(), lambda: None, [], p2p="recv").source_rank() == 3
+        assert LabWork.issued(Group(), lambda: None, [], p2p="recv").source_rank() == 3

@@ -83,6 +83,18 @@ def one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
 # -- checks (before anything is sent: torch raises these in the caller)
 
 
+def check_gather_lists(output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                       world_size: int) -> None:
+    """``all_gather_coalesced``'s outputs: ``output_lists[r][i]`` like ``inputs[i]``, for each rank r."""
+    check_count(output_lists, world_size, "output_tensor_lists")
+    for r, outputs in enumerate(output_lists):
+        if len(outputs) != len(inputs):
+            raise ValueError(f"output_tensor_lists[{r}] must hold one tensor per input ({len(inputs)}); "
+                             f"got {len(outputs)}")
+        for i, (output, tensor) in enumerate(zip(outputs, inputs, strict=True)):
+            check_like(output, tensor.numel(), tensor.dtype, f"output_tensor_lists[{r}][{i}]")
+
+
 def output_bytes(outputs: list) -> int:
     """The bytes of a list of tensors, or of lists of them (an allgather's output lists)."""
     return sum(output_bytes(t) if isinstance(t, list) else t.numel() * t.element_size() for t in outputs)

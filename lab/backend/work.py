@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -57,16 +58,22 @@ class Failed:
 
 class LabWork(dist._Work):
     """A lab collective issued for torch: ``wait()``, ``is_completed()``, ``get_future()``."""
-    def __init__(self, group: Issuer, run: Callable[[], Any], outputs: list[torch.Tensor], now: bool = False,
-                 p2p: str = "", what: Operation | None = None) -> None:
+    def __init__(self, group: Issuer, work: Work, outputs: list[torch.Tensor]) -> None:
         super().__init__()
         self._group, self._outputs = group, outputs
         self._future: torch.futures.Future = torch.futures.Future()
         self._error: BaseException | None = None
         self._converting = threading.Lock()
         self._source = -1
-        self._work = group.issue(run, now, p2p, what)  # (what: noted where the rank records)
+        self._work = work
         self._work.add_done_callback(self._complete)
+
+    @classmethod
+    def issued(cls, group: Issuer, run: Callable[[], Any], outputs: list[torch.Tensor], now: bool = False,
+               p2p: str = "", what: Operation | None = None) -> LabWork:
+        """The Work of ``run`` issued on ``group`` (``now``: on this thread if nothing is in flight;
+        ``what``: noted where the rank records)."""
+        return cls(group, group.issue(run, now, p2p, what), outputs)
 
     def _torch_error(self, exc: BaseException) -> BaseException:
         """``exc`` as torch's error, converted once (by the waiter or the completing thread)."""
@@ -118,3 +125,44 @@ class LabWork(dist._Work):
 
     def source_rank(self) -> int:
         return self._source_rank()
+
+
+class DoneWork(dist._Work):
+    """A collective that completed before its call returned, from its lane
+    (:func:`run_lane_now`): no thread, no future until one is asked for."""
+    def __init__(self, outputs: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._outputs = outputs
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            self._future = torch.futures.Future()
+            self._future.set_result(self._outputs)
+        return self._future
+
+
+def run_lane_now(group: Issuer, lane: Callable[[torch.Tensor], None], tensor: torch.Tensor,
+                 outputs: list[torch.Tensor]) -> dist._Work:
+    """Run a plain call's ``lane`` (``lab.collectives.prepared.Lane``: the compiled collective an
+    earlier call like this one made) on ``tensor`` now, on this thread: a complete Work, or on
+    failure a :class:`LabWork` that raises it as every other path's does."""
+    try:
+        lane(tensor)
+    except BaseException as exc:  # noqa: BLE001 - the Work carries it to wait(), as issue_now's does
+        failed: Future = Future()
+        failed.set_exception(exc)
+        return LabWork(group, Work(failed), outputs)
+    return DoneWork(outputs)
