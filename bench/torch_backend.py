@@ -1,7 +1,7 @@
 """The torch.distributed backend's cost: dist.all_reduce on "lab" vs lab.allreduce vs gloo, and a DDP step.
 
-    python bench/torch_backend.py                 # 4 ranks under torchrun; prints the table
-    python bench/torch_backend.py --ranks 8 --steps 20 --out /tmp/backend
+    python bench/torch_backend.py                 # 2 and 4 ranks under torchrun; prints the table
+    python bench/torch_backend.py --ranks 2 --steps 20 --out /tmp/backend
 
 The measurement is lab.results.backend's (what ``python -m lab results --backend`` commits to
 results/backend.csv and REPORT.md): every time is taken inside the ranks, the slowest rank's per
@@ -17,7 +17,7 @@ from lab.results import backend
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=10, help="DDP steps timed (after two warm-up steps)")
     parser.add_argument("--rounds", type=int, default=7, help="rounds of calls per size")
     parser.add_argument("--out", help="where to write backend.csv (default: a temporary directory)")

@@ -120,7 +120,7 @@ def results(args: argparse.Namespace) -> int:
     if args.backend:  # the torch.distributed backend against lab.allreduce and gloo: OUT/backend.csv
         from lab.results import backend
 
-        return backend.main(args.out, args.ranks)
+        return backend.main(args.out, sorted({2, args.ranks}))
     if args.hosts:  # across emulated hosts: results/hosts/ (lab/results/hosts.py, hierarchy.py)
         from lab.results import hierarchy, hosts
 
@@ -197,7 +197,7 @@ def add_results(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument(
         "--backend", action="store_true",
         help="instead: dist.all_reduce on the \"lab\" backend vs lab.allreduce vs gloo, and a DDP "
-        "step on each, under torchrun with --ranks ranks (OUT/backend.csv, REPORT.md's section)")
+        "step on each, under torchrun at 2 ranks and at --ranks (OUT/backend.csv, REPORT.md's section)")
     sweep.add_argument(
         "--data-plane", nargs="*", type=whole(1), metavar="N",
         help="instead: allreduce 1 KB to 16 MB on shm at N ranks (default 2 4 8): plain call, plan, "

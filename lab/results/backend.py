@@ -1,14 +1,15 @@
 """What the torch.distributed backend costs: ``python -m lab results --backend``.
 
 Two measurements, each in the same rank processes (started by torchrun), each against gloo in
-the same run:
+the same run, at 2 ranks (each its own core on a 2-core machine) and at ``--ranks`` (default 4):
 
-- the per-call cost of ``dist.all_reduce`` on the ``"lab"`` process group against
-  ``lab.allreduce`` on the same mesh directly, and against gloo, at 1 KB and 16 MB: rounds of
-  calls, each timed inside every rank, the slowest rank's per-call time per round, the median over
-  rounds (algbw and busbw as nccl-tests reports them);
-- a DDP training step (a ~10 M-parameter MLP, 4 ranks by default) on the lab against its twin on
-  gloo: the same model, data and optimizer, steps alternating between the two, median step time.
+- the per-call cost of torch's call on the ``"lab"`` process group against the lab's own call on
+  the same mesh and against gloo: ``all_reduce`` at 1 KB and 16 MB, ``broadcast``,
+  ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` at 1 KB (of output, of input): rounds
+  of calls, each timed inside every rank, the slowest rank's per-call time per round, the median
+  over rounds (algbw and busbw as nccl-tests reports them);
+- a DDP training step (a ~10 M-parameter MLP) on the lab against its twin on gloo: the same
+  model, data and optimizer, steps alternating between the two, median step time.
 
 Writes ``OUT/backend.csv`` and splices the section "torch.distributed on the lab" into
 ``OUT/REPORT.md``.
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -34,6 +36,14 @@ from lab.report_sections import splice
 
 SIZES = (1024, 16 * 1024 * 1024)
 MARKER = "backend"
+#: torch's collectives as the lab's catalog names them (their bus factors).
+LAB_NAMES = {
+    "all_reduce": "allreduce", "broadcast": "broadcast", "all_gather_into_tensor": "allgather",
+    "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def _bus_factor(collective: str, world_size: int) -> float:
+    return CATALOG[LAB_NAMES[collective]].bus_factor(world_size)
 
 
 def _slowest(seconds: float, gloo: dist.ProcessGroup) -> float:
@@ -62,6 +72,31 @@ def _mlp() -> torch.nn.Module:
                                torch.nn.Linear(1024, 512))
 
 
+def _calls(mesh: object, gloo: dist.ProcessGroup, nbytes: int) -> dict[str, tuple[str, Callable]]:
+    """Each collective's three calls on ``nbytes`` (torch's on the lab, the lab's own, torch's on
+    gloo), by collective; a call's tensors are made once, as a training loop's are."""
+    n = dist.get_world_size()
+    x, block = torch.ones(nbytes // 4), torch.ones(max(nbytes // 4 // n, 1))
+    whole = torch.empty(block.numel() * n)
+    calls = {
+        "all_reduce": {
+            "dist (lab)": lambda: dist.all_reduce(x), "lab": lambda: lab.allreduce(mesh, x),
+            "dist (gloo)": lambda: dist.all_reduce(x, group=gloo)}}
+    if nbytes < 65536:  # (the small collectives: the backend's own cost is what shows)
+        calls["broadcast"] = {
+            "dist (lab)": lambda: dist.broadcast(x, 0), "lab": lambda: lab.broadcast(mesh, x, 0),
+            "dist (gloo)": lambda: dist.broadcast(x, 0, group=gloo)}
+        calls["all_gather_into_tensor"] = {
+            "dist (lab)": lambda: dist.all_gather_into_tensor(whole, block),
+            "lab": lambda: lab.allgather(mesh, block),
+            "dist (gloo)": lambda: dist.all_gather_into_tensor(whole, block, group=gloo)}
+        calls["reduce_scatter_tensor"] = {
+            "dist (lab)": lambda: dist.reduce_scatter_tensor(block, whole),
+            "lab": lambda: lab.reduce_scatter(mesh, whole),
+            "dist (gloo)": lambda: dist.reduce_scatter_tensor(block, whole, group=gloo)}
+    return calls
+
+
 def measure(out: str, steps: int, rounds: int) -> None:
     """One rank's part (under torchrun); rank 0 writes ``out/backend.json``."""
     dist.init_process_group("lab")
@@ -70,18 +105,13 @@ def measure(out: str, steps: int, rounds: int) -> None:
     mesh = dist.distributed_c10d._get_default_group().mesh  # the lab group's own mesh
     rows = []
     for nbytes in SIZES:
-        x = torch.ones(nbytes // 4)
-        calls = 200 if nbytes < 65536 else 5
-        impls = {
-            "dist.all_reduce (lab)": lambda x=x: dist.all_reduce(x),
-            "lab.allreduce": lambda x=x: lab.allreduce(mesh, x),
-            "dist.all_reduce (gloo)": lambda x=x: dist.all_reduce(x, group=gloo)}
-        for impl, run in impls.items():
-            seconds = _per_call(run, calls, rounds, gloo)
-            rows.append({
-                "part": "per call", "what": impl, "ranks": n, "bytes": nbytes, "median_us": seconds * 1e6,
-                "algbw_GBps": nbytes / seconds / 1e9,
-                "busbw_GBps": nbytes / seconds / 1e9 * CATALOG["allreduce"].bus_factor(n)})
+        for collective, impls in _calls(mesh, gloo, nbytes).items():
+            for impl, run in impls.items():
+                seconds = _per_call(run, 200 if nbytes < 65536 else 5, rounds, gloo)
+                rows.append({
+                    "part": "per call", "collective": collective, "what": impl, "ranks": n, "bytes": nbytes,
+                    "median_us": seconds * 1e6, "algbw_GBps": nbytes / seconds / 1e9,
+                    "busbw_GBps": nbytes / seconds / 1e9 * _bus_factor(collective, n)})
     models = {
         "lab": torch.nn.parallel.DistributedDataParallel(_mlp()),
         "gloo": torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=gloo)}
@@ -101,8 +131,8 @@ def measure(out: str, steps: int, rounds: int) -> None:
     parameters = sum(p.numel() for p in models["lab"].parameters())
     for name, times in step_times.items():
         rows.append({
-            "part": "DDP step", "what": f"DDP on {name}", "ranks": n, "bytes": parameters * 4,
-            "median_us": statistics.median(times) * 1e6, "algbw_GBps": float("nan"),
+            "part": "DDP step", "collective": "DDP", "what": f"DDP on {name}", "ranks": n,
+            "bytes": parameters * 4, "median_us": statistics.median(times) * 1e6, "algbw_GBps": float("nan"),
             "busbw_GBps": float("nan")})
     if rank == 0:
         Path(out, "backend.json").write_text(json.dumps(rows))
@@ -116,40 +146,50 @@ def section(table: pd.DataFrame) -> str:
     lines = [
         "## torch.distributed on the lab", "",
         "`dist.init_process_group(\"lab\")` (`python -m lab results --backend`, `backend.csv`): the per-call "
-        "cost of `dist.all_reduce` through the backend against `lab.allreduce` on the same mesh and against "
+        "cost of torch's call through the backend against the lab's own call on the same mesh and against "
         "gloo, and a DDP step of a ~10 M-parameter MLP on each, in the same ranks (median of the slowest "
         f"rank's time), measured at load average {table['load_average'].iloc[0]} on "
         f"{table['cores'].iloc[0]} cores.", ""]
-    calls = table[table["part"] == "per call"].copy()
-    calls["size"] = calls["bytes"].map(lambda b: f"{b // 1024} KB" if b < 2**20 else f"{b // 2**20} MB")
-    gloo = calls[calls["what"] == "dist.all_reduce (gloo)"].set_index("bytes")["median_us"]
-    calls["vs gloo"] = calls.apply(lambda row: row["median_us"] / gloo[row["bytes"]], axis=1)
-    lines += [markdown(calls[["ranks", "size", "what", "median_us", "vs gloo", "busbw_GBps"]].round(3)), ""]
-    steps = table[table["part"] == "DDP step"].set_index("what")["median_us"]
-    ratio = steps["DDP on lab"] / steps["DDP on gloo"]
-    lines += [
-        f"- DDP step ({int(table[table['part'] == 'DDP step']['bytes'].iloc[0]) // 4:,} parameters, "
-        f"{int(table['ranks'].iloc[0])} ranks): lab {steps['DDP on lab'] / 1e3:.1f} ms, gloo "
-        f"{steps['DDP on gloo'] / 1e3:.1f} ms ({ratio:.2f}x gloo's).", ""]
-    return "\n".join(lines)
+    calls = table[table["part"] == "per call"].set_index(["ranks", "collective", "bytes",
+                                                          "what"])["median_us"]
+    wide = calls.unstack("what").reset_index()
+    wide["size"] = wide["bytes"].map(lambda b: f"{b // 1024} KB" if b < 2**20 else f"{b // 2**20} MB")
+    wide["lab backend / lab"] = wide["dist (lab)"] / wide["lab"]
+    wide["gloo / lab backend"] = wide["dist (gloo)"] / wide["dist (lab)"]
+    columns = [
+        "ranks", "collective", "size", "dist (lab)", "lab", "dist (gloo)", "lab backend / lab",
+        "gloo / lab backend"]
+    lines += [markdown(wide[columns].round(2)), ""]
+    steps = table[table["part"] == "DDP step"].set_index(["ranks", "what"])["median_us"].unstack("what")
+    for ranks, step in steps.iterrows():
+        lines.append(
+            f"- DDP step ({int(table[table['part'] == 'DDP step']['bytes'].iloc[0]) // 4:,} parameters, "
+            f"{ranks} ranks): lab {step['DDP on lab'] / 1e3:.1f} ms, gloo {step['DDP on gloo'] / 1e3:.1f} "
+            f"ms (the lab {step['DDP on gloo'] / step['DDP on lab']:.2f}x gloo's speed).")
+    return "\n".join([*lines, ""])
 
 
-def main(out_dir: str = "results", ranks: int = 4, steps: int = 10, rounds: int = 7) -> int:
-    """Launch the ranks under torchrun, write ``backend.csv``, splice the report's section."""
+def main(out_dir: str = "results", ranks: Sequence[int] = (2, 4), steps: int = 10, rounds: int = 7) -> int:
+    """Launch the ranks under torchrun at each of ``ranks``, write ``backend.csv``, splice the
+    report's section."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m",
-        "lab.results.backend",
-        str(out),
-        str(steps),
-        str(rounds)]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
-    if done.returncode:
-        return done.returncode
-    table = pd.DataFrame(json.loads((out / "backend.json").read_text()))
-    table["load_average"], table["cores"] = round(os.getloadavg()[0], 1), os.cpu_count()  # noise context
-    (out / "backend.json").unlink()
+    tables = []
+    for n in ranks:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m",
+            "lab.results.backend",
+            str(out),
+            str(steps),
+            str(rounds)]
+        done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+        if done.returncode:
+            return done.returncode
+        table = pd.DataFrame(json.loads((out / "backend.json").read_text()))
+        table["load_average"], table["cores"] = round(os.getloadavg()[0], 1), os.cpu_count()  # noise context
+        (out / "backend.json").unlink()
+        tables.append(table)
+    table = pd.concat(tables, ignore_index=True)
     table.to_csv(out / "backend.csv", index=False)
     print(table.to_string(index=False))
     splice(out / "REPORT.md", section(table), MARKER)
