@@ -87,6 +87,7 @@ import argparse
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -460,6 +461,15 @@ PARTS = {
                {**_TWO_WAYS, "burn": 1, "compiled_wait": ["default", "spin", "yield", "sleep"]})}
 
 
+def _wait_policy(text: str) -> str:
+    """A ``--compiled-wait`` value: ``SPIN,YIELD`` or a name of :data:`WAIT_POLICIES` or ``default``."""
+    if text in WAIT_POLICIES or text == "default" or re.fullmatch(r"\d+,\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"SPIN,YIELD (two counts) or one of default, {', '.join(WAIT_POLICIES)}; "
+        f"got {text!r}")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -479,7 +489,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="LAB_COMPILED_MAX_BYTES of the lab and plan pools (default: lab's)")
     parser.add_argument("--spin", nargs="+", default=[None], help="LAB_SHM_SPIN values to compare")
     parser.add_argument(
-        "--compiled-wait", nargs="+", default=[None], metavar="SPIN,YIELD",
+        "--compiled-wait", nargs="+", default=[None], metavar="SPIN,YIELD", type=_wait_policy,
         help="compiled waiting policies to compare (LAB_COMPILED_SPIN,LAB_COMPILED_YIELD, "
         "or default, spin, yield, sleep)")
     parser.add_argument("--eager-bytes", type=int, nargs="+", default=[None],

@@ -48,8 +48,10 @@ def test_the_timing_part_prints_both_timings_of_every_case_beside_mpich():
     for cells in rows.values():  # back to back, ratio, after a barrier, ratio, own time: all measured
         assert len(cells) == 5 and float(cells[0]) > 0 and float(cells[2]) > 0 and float(cells[4]) > 0, cells
         assert (cells[1] == "-") == (cells[3] == "-") == (reason is not None), cells
+        # last start to last return never exceeds the longest own time (which holds the barrier's exit skew)
+        assert float(cells[2]) <= float(cells[4]), cells
     # the after-barrier rows: every call compiled once (the barrier's own compiled calls not counted)
-    after = out[out.index("each call after a barrier"):].splitlines()
+    after = out[out.index("# 2 ranks, each call after a barrier"):].splitlines()
     plan = next(line for line in after if line.split()[2:4] == ["plan", "auto"])
     assert plan.split()[10] == "1.00", plan
 
