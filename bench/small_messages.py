@@ -16,6 +16,37 @@
 Per case: the median over calls of the slowest rank's time per call (like lab.benchmark), and the
 context switches (voluntary + involuntary, from /proc/self/status) per call, averaged over ranks.
 
+Configurations (``--spin``: ``LAB_SHM_SPIN``, polls before a Python-path wait blocks;
+``--compiled-wait S,Y``: ``LAB_COMPILED_SPIN=S LAB_COMPILED_YIELD=Y``, the compiled path's spins
+and yields before it naps; ``--eager-bytes``) each get
+a pool, and rounds alternate between them: timings on shared cores are noisy, and alternating
+spreads the noise over all of them alike.
+
+``--impls`` (default ``lab``) picks what runs, each case in every round:
+
+- ``lab``: the plain call ``lab.allreduce(mesh, x, algorithm=A)`` for each of ``--algorithms``, in a
+  pool whose ranks take ``LAB_COMPILED_MAX_BYTES=--compiled-max-bytes`` (default: lab's, 64 KiB):
+  the compiled data plane where the algorithm is compilable and the tensor small enough;
+- ``python``: the same call with the compiled path off (``LAB_COMPILED_MAX_BYTES=0``, a pool of
+  its own), for each of ``--python-algorithms`` (default: ``--algorithms``); the summary takes the
+  fastest of them as "python best";
+- ``plan``: ``plan = lab.allreduce_init(mesh, x, algorithm=A)`` once, then ``plan()`` per call,
+  in the ``lab`` pool;
+- ``symm``: ``lab.symm_mem.one_shot_all_reduce_out(buf, "sum", mesh, out)`` from a buffer of
+  ``lab.symm_mem.empty`` (read in place by the peers, the sum written into ``out``), in the ``lab``
+  pool (its algorithm is one_shot whatever ``--algorithms`` says);
+- ``gloo``: ``torch.distributed.all_reduce`` with the gloo backend, in the same rank processes;
+- ``mpich``: ``comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)`` through mpi4py under ``mpiexec`` (the
+  ``peers`` extra; MPICH's ranks are new processes each round, started with numpy and mpi4py only,
+  and time every size and timing of the round in one launch).
+
+``compiled/call`` says how many collectives per call took the compiled path
+(``mesh.stats()["collectives_compiled"]``, less the barriers' after a barrier): 1 for a compiled
+call, 0 for the Python path. Each case checks its result once against the exact sum before timing
+(any mismatch stops the run).
+With several impls a summary follows: per ranks and size, each one's median as a ratio to
+MPICH's and to gloo's medians in the same run, and the compiled call against the best Python path.
+
 ``--timing`` (default ``back-to-back``) says how a call is timed:
 
 - ``back-to-back``: the calls in a loop, each timed on each rank; per call the longest of the
@@ -40,35 +71,6 @@ a core. ``--compiled-wait`` takes names: ``spin`` (10^12 spins: never yields), `
 The compiled waiting policy governs the compiled plane's waits (plain call, plan, ``lab.barrier``);
 ``LAB_SHM_SPIN`` (``--spin``) the Python path's (``python``); the one-shot's waits (on two-shot's
 counters, ``kernels/two_shot.py``) read neither and spin, yield, then nap with fixed counts.
-Configurations (``--spin``: ``LAB_SHM_SPIN``, polls before a Python-path wait blocks;
-``--compiled-wait S,Y``: ``LAB_COMPILED_SPIN=S LAB_COMPILED_YIELD=Y``, the compiled path's spins
-and yields before it naps; ``--eager-bytes``) each get
-a pool, and rounds alternate between them: timings on shared cores are noisy, and alternating
-spreads the noise over all of them alike.
-
-``--impls`` (default ``lab``) picks what runs, each case in every round:
-
-- ``lab``: the plain call ``lab.allreduce(mesh, x, algorithm=A)`` for each of ``--algorithms``, in a
-  pool whose ranks take ``LAB_COMPILED_MAX_BYTES=--compiled-max-bytes`` (default: lab's, 64 KiB):
-  the compiled data plane where the algorithm is compilable and the tensor small enough;
-- ``python``: the same call with the compiled path off (``LAB_COMPILED_MAX_BYTES=0``, a pool of
-  its own), for each of ``--python-algorithms`` (default: ``--algorithms``); the summary takes the
-  fastest of them as "python best";
-- ``plan``: ``plan = lab.allreduce_init(mesh, x, algorithm=A)`` once, then ``plan()`` per call,
-  in the ``lab`` pool;
-- ``symm``: ``lab.symm_mem.one_shot_all_reduce_out(buf, "sum", mesh, out)`` from a buffer of
-  ``lab.symm_mem.empty`` (read in place by the peers, the sum written into ``out``), in the ``lab``
-  pool (its algorithm is one_shot whatever ``--algorithms`` says);
-- ``gloo``: ``torch.distributed.all_reduce`` with the gloo backend, in the same rank processes;
-- ``mpich``: ``comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)`` through mpi4py under ``mpiexec`` (the
-  ``peers`` extra; MPICH's ranks are new processes each round, started with numpy and mpi4py only,
-  and time every size of the round in one launch).
-
-``compiled/call`` says how many collectives per call took the compiled path
-(``mesh.stats()["collectives_compiled"]``): 1 for a compiled call, 0 for the Python path. Each
-case checks its result once against the exact sum before timing (any mismatch stops the run).
-With several impls a summary follows: per ranks and size, each one's median as a ratio to
-MPICH's and to gloo's medians in the same run, and the compiled call against the best Python path.
 
 ``--compare`` runs the comparison of docs/compiled.md in four parts (``--parts``): ``head``, at 2,
 4 and 8 ranks a 1 KB allreduce through ``lab`` (``auto``), ``python`` (``auto``,
