@@ -1,7 +1,8 @@
 """bench/small_messages.py's timing modes run end to end at a few calls and print their table:
 each call after a barrier beside back to back (``--compare --parts timing``), and the same with a
 busy loop taking a core under named waiting policies (``--burn``, ``--compiled-wait``). No timing
-is asserted: the figures are the lead's, measured on a quiet machine (docs/compiled.md)."""
+is asserted: the figures are docs/compiled.md's, measured on a quiet machine. Each runs a script
+that starts its own pools and MPICH: slow, so the fast loop leaves them to CI."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def table_rows(out: str) -> dict[tuple[str, str, str], list[str]]:
     return {tuple(cells[:3]): cells[3:] for cells in rows[1:] if not cells[0].startswith("---")}
 
 
+@pytest.mark.slow
 def test_the_timing_part_prints_both_timings_of_every_case_beside_mpich():
     out = run_script("--compare", "--parts", "timing", "--calls", "5", "--rounds", "1")
     rows = table_rows(out)
@@ -56,6 +58,7 @@ def test_the_timing_part_prints_both_timings_of_every_case_beside_mpich():
     assert plan.split()[10] == "1.00", plan
 
 
+@pytest.mark.slow
 def test_a_busy_loop_runs_beside_each_named_waiting_policy():
     out = run_script("--ranks", "2", "--impls", "plan", "--algorithms", "auto", "--timing", "back-to-back",
                      "after-barrier", "--burn", "1", "--compiled-wait", "spin", "sleep", "--calls", "5",
