@@ -4,11 +4,15 @@ processes per worker; /dev/shm once the whole session, every pytest-xdist worker
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
+import os
+from pathlib import Path
 
 import pytest
 from helpers import shm_entries
 
 import lab
+from lab.launch.forkserver import start_context
 
 _SHM_BEFORE = pytest.StashKey[set]()
 
@@ -37,6 +41,32 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         writer.line()
         writer.line(f"/dev/shm segments left behind: {sorted(leaked)}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Before the first test of a session that starts ranks: the forkserver that starts them, with
+    this module's ``helpers`` imported besides ``lab``. Every rank unpickles functions of helpers
+    (and of the test modules, which import it); a forkserver that imported only ``lab`` left each
+    rank to import helpers and pytest itself (0.3 CPU s a rank). The lab's own forkserver stays as it
+    is for users: this one is started first, so the lab's ``start_context`` finds it running (one
+    that dies is restarted by the lab, with ``lab`` alone)."""
+    if session.config.option.collectonly or all(
+            item.get_closest_marker("no_ranks") for item in session.items):
+        return
+    if start_context().get_start_method() != "forkserver":
+        return
+    # Python 3.11's forkserver imports its preload on the environment's path, not the one it is
+    # handed: this folder goes on PYTHONPATH while it starts
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *filter(None, [path])])
+    try:
+        multiprocessing.forkserver.set_forkserver_preload(["lab", "helpers"])
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if path is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = path
 
 
 @pytest.fixture(autouse=True)

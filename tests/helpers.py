@@ -33,7 +33,6 @@ import torch
 
 import lab
 import lab.lesson
-from lab.__main__ import main as lab_main
 from lab.hosts.emulated import Hosts
 from lab.reference import gloo_collective, tolerance
 
@@ -639,6 +638,9 @@ def line_of(text: str, needle: str) -> int:
 
 def refusal(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
     """``python -m lab ARGV``'s error line, once it exited with status 2 (and printed no traceback)."""
+    # imported here: the command line imports pandas, which the ranks that import helpers must not
+    from lab.__main__ import main as lab_main
+
     with pytest.raises(SystemExit) as exited:
         lab_main(argv)
     err = capsys.readouterr().err

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch_ranks
 from helpers import (
     assert_no_failures,
     check_all_to_all,
@@ -356,14 +357,13 @@ TORCHRUN_SCRIPT = Path(__file__).parent / "scripts" / "torchrun_groups.py"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes, per_node", [(2, 2), (1, 3)], ids=["2-nodes-x2", "1-node-x3"])
-def test_torchrun_nodes_with_auto_transport(nodes, per_node):
+def test_torchrun_nodes_with_auto_transport():
     """Two torchrun processes with --nnodes 2 (a node each) as two machines would run them: shm
-    inside a node, TCP between (with the LAB_TCP_SECRET that several hosts need); one node alone
-    needs no secret and uses no TCP."""
+    inside a node, TCP between (with the LAB_TCP_SECRET that several hosts need)."""
+    nodes, per_node = 2, 2
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     port = free_port()
-    env = child_env(**({"LAB_TCP_SECRET": secrets.token_hex(32)} if nodes > 1 else {}))
+    env = child_env(LAB_TCP_SECRET=secrets.token_hex(32))
     jobs = [
         subprocess.Popen([
             torchrun, "--nnodes",
@@ -379,6 +379,17 @@ def test_torchrun_nodes_with_auto_transport(nodes, per_node):
     lines = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("OK"))
     assert lines == [
         f"OK rank {r} of {nodes * per_node} on node {r // per_node}: auto" for r in range(nodes * per_node)]
+
+
+@pytest.mark.slow
+def test_one_torchrun_node_with_auto_transport(tmp_path):
+    """The same script on one node of 3 ranks, needing no secret and no TCP: its ranks forked with
+    torchrun's environment (tests/torch_ranks.py; the test above keeps the real torchrun)."""
+    exits, logs = torch_ranks.run_like_torchrun(torch_ranks.run_script, 3, (str(TORCHRUN_SCRIPT), []),
+                                                tmp_path, child_env(), 180)
+    assert exits == [0] * 3, "\n".join(log[-3000:] for log in logs)
+    lines = sorted(line for log in logs for line in log.splitlines() if line.startswith("OK"))
+    assert lines == [f"OK rank {r} of 3 on node 0: auto" for r in range(3)]
 
 
 def uneven_hierarchical(mesh: lab.Mesh, count: int) -> bool:
