@@ -65,7 +65,8 @@ AREA_BYTES = 6 * LINE
 MESSAGE_WORD, SOURCE_WORD, ROUND_WORD = 4, 5, 6
 
 
-def control_bytes(world_size: int) -> int:
+@njit(cache=True, nogil=True)
+def control_bytes(world_size):
     """Bytes of the control areas of ``world_size`` ranks, rounded up to a 4 KiB page (what follows
     starts page-aligned)."""
     return -(-world_size * AREA_BYTES // 4096) * 4096
