@@ -83,8 +83,9 @@ def exact_and_compiled(mesh: lab.Mesh) -> list[str]:
                 same = [same_bits(got, two) for got in results]
                 should = 6 if compiles(mesh, op) else 0  # 3 plain calls, 2 plan runs, symm_mem
                 if not (exact and all(same) and ran == should):
-                    wrong.append(f"rank {mesh.rank} {name}[{count}] {op}: two-shot {'ok' if exact else 'WRONG'}, "
-                                 f"plain/lane/plan/symm_mem same as two-shot {same}, compiled {ran} of {should}")
+                    wrong.append(
+                        f"rank {mesh.rank} {name}[{count}] {op}: two-shot {'ok' if exact else 'WRONG'}, "
+                        f"plain/lane/plan/symm_mem same as two-shot {same}, compiled {ran} of {should}")
     return wrong
 
 
@@ -107,8 +108,9 @@ def random_floats(mesh: lab.Mesh, count: int) -> list[bytes]:
         python = lab.allreduce(mesh, big, algorithm="one_shot")[:count]
         assert compiled_count(mesh) - before == (mesh.world_size > 1)  # (that one ran in Python)
         two = lab.allreduce(mesh, x.clone(), algorithm="two_shot")
-        outputs.append(b"".join(t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy().tobytes()
-                                for t in (compiled, python, two)))
+        outputs.append(b"".join(
+            t.view(torch.int16 if dtype == torch.bfloat16 else torch.int32).numpy().tobytes()
+            for t in (compiled, python, two)))
     return outputs
 
 
