@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels.doorbell import INVALID, MISMATCH, OK
+from kernels.mailbox_layout import FINGERPRINT_BYTES
 from kernels.one_shot import one_shot
 from kernels.two_shot import AREA_BYTES, HEADER, MESSAGE_WORD
 from lab.algorithms.peers import Peers
@@ -31,7 +32,7 @@ def compiled_one_shot(peers, buf, reduction, source=None):
         peers.status, peers.failed_peer = status, peer
         if status == MISMATCH:  # what the peer's header says it is in
             header = peer * AREA_BYTES + HEADER
-            peers.peer_fingerprint[:] = scratch[header:header + 32]
+            peers.peer_fingerprint[:] = scratch[header:header + FINGERPRINT_BYTES]
             peers.peer_bytes = scratch.view(np.int64)[(header >> 3) + MESSAGE_WORD]
         return
     for other in range(n):
@@ -53,7 +54,9 @@ def allreduce_one_shot(peers: Peers, buf: np.ndarray, reduction: Reduction,
     (``peers.shared_allreduce``, :mod:`lab.transport.peer_memory`): copy the input into our slot
     (not at all for a registered ``source`` out of place, :mod:`lab.symm_mem`), one flag wait
     until every rank's input is there, then reduce all N of them. In rounds of S bytes
-    (``LAB_SHM_SCRATCH_BYTES``), one synchronisation each (two-shot: three).
+    (``LAB_SHM_SCRATCH_BYTES``), one synchronisation each (two-shot: three). Up to
+    ``LAB_COMPILED_MAX_BYTES`` the compiled plane runs the same rounds in one Numba call
+    (:func:`compiled_one_shot`, this function's compiled face).
     Cost: ⌈T/S⌉·α + about (N+2)T/B, B the copy bandwidth of one core (T in, N·T read, T out),
     against two-shot's 3⌈T/S⌉·α + 4T/B: fewer waits, more reading, so it wins on small tensors.
 
