@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit
 
 from kernels.doorbell import MISMATCH, OK
-from kernels.libc import address_of
+from kernels.libc import address_of, memcpy
 from kernels.two_shot import (
     AREA_BYTES,
     DONE,
@@ -106,7 +106,7 @@ def one_shot(scratch, rank, world_size, slot_bytes, out, source, reduction, fing
         at = registered + lo
         if registered < 0:
             at = slot
-            scratch[slot:slot + hi - lo] = source[lo:hi]
+            memcpy(address_of(scratch) + slot, address_of(source) + lo, hi - lo)
         words[own_header:own_header + 4] = fingerprint_words
         words[own_header + MESSAGE_WORD], words[own_header + SOURCE_WORD] = nbytes, at
         words[own_header + ROUND_WORD] = hi - lo
@@ -119,8 +119,8 @@ def one_shot(scratch, rank, world_size, slot_bytes, out, source, reduction, fing
         if peer >= 0:
             return MISMATCH, peer
         # Step 4: the fold in rank order 0..N-1, the Python path's, into out; DONE.
+        memcpy(address_of(out) + lo, address_of(scratch) + sources[0], hi - lo)  # (libc's: no temporary)
         round_out = out[lo:hi]
-        round_out[:] = scratch[sources[0]:sources[0] + hi - lo]
         for peer in range(1, n):
             reduction.combine(round_out, scratch[sources[peer]:sources[peer] + hi - lo])
         reduction.finalize(round_out, n)
