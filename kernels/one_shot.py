@@ -22,7 +22,7 @@ path's state crosses over. ``out`` and ``source`` are bytes; ``reduction`` is an
 ``combine`` and ``finalize`` on bytes (:func:`kernels.coded.coded_reduction`).
 
     status, peer = one_shot(scratch, rank, world_size, slot_bytes, out, source, reduction,
-                            fingerprint, deadline_ns, liveness_fds, hook)
+                            fingerprint, deadline_ns, liveness_fds, hook, spin_limit, yield_limit)
     # OK: out holds the reduction; SILENCE or PEER_LOST: ``peer`` fell silent or died;
     # MISMATCH: ``peer``'s header (kernels.two_shot.HEADER of its area) is another collective's
 
@@ -80,10 +80,11 @@ def _headers_match(words, world_size, fingerprint_words, message_bytes, round_by
 
 @njit(cache=True, nogil=True)
 def one_shot(scratch, rank, world_size, slot_bytes, out, source, reduction, fingerprint, deadline_ns,
-             liveness_fds, hook):
+             liveness_fds, hook, spin_limit, yield_limit):
     """``out`` = every rank's ``source`` reduced in rank order (see the module docstring); ``source``
     may be ``out`` (in place: always copied in). Returns ``(status, peer)``: ``(OK, -1)`` or the
-    peer that fell silent (SILENCE), died (PEER_LOST) or is in another collective (MISMATCH)."""
+    peer that fell silent (SILENCE), died (PEER_LOST) or is in another collective (MISMATCH).
+    The waits spin ``spin_limit`` times, then yield ``yield_limit`` times, then nap."""
     n, nbytes = world_size, out.size
     words = scratch.view(np.int64)
     fingerprint_words = fingerprint.view(np.int64)
@@ -99,7 +100,7 @@ def one_shot(scratch, rank, world_size, slot_bytes, out, source, reduction, fing
         goal = rounds + 1
         # Step 1: our slot is free once every rank is done with the last round.
         status, peer = wait_all(scratch, rank, n, DONE, goal - 1, deadline_ns, liveness_fds, hook,
-                                fingerprint)
+                                fingerprint, spin_limit, yield_limit)
         if status != OK:
             return status, peer
         # Step 2: our input where the peers read it, our header, FILLED.
@@ -112,7 +113,8 @@ def one_shot(scratch, rank, world_size, slot_bytes, out, source, reduction, fing
         words[own_header + ROUND_WORD] = hi - lo
         publish(scratch, rank, n, FILLED, goal)
         # Step 3: the one synchronisation: every rank's input of this round, of this collective.
-        status, peer = wait_all(scratch, rank, n, FILLED, goal, deadline_ns, liveness_fds, hook, fingerprint)
+        status, peer = wait_all(scratch, rank, n, FILLED, goal, deadline_ns, liveness_fds, hook, fingerprint,
+                                spin_limit, yield_limit)
         if status != OK:
             return status, peer
         peer = _headers_match(words, n, fingerprint_words, nbytes, hi - lo, sources)
@@ -129,5 +131,6 @@ def one_shot(scratch, rank, world_size, slot_bytes, out, source, reduction, fing
         if lo >= nbytes:
             break
     if registered >= 0:  # the caller may write its input next: wait until no peer reads it
-        return wait_all(scratch, rank, n, DONE, rounds, deadline_ns, liveness_fds, hook, fingerprint)
+        return wait_all(scratch, rank, n, DONE, rounds, deadline_ns, liveness_fds, hook, fingerprint,
+                        spin_limit, yield_limit)
     return OK, -1

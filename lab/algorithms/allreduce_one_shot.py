@@ -17,8 +17,9 @@ def compiled_one_shot(peers, buf, reduction, source=None):
     """:func:`allreduce_one_shot` as the compiled plane runs it (:mod:`lab.compiled.plane`: one
     Numba call, ``peers`` the mailboxes, ``buf`` and ``source`` bytes, ``reduction`` coded): the
     same rounds, waits, headers and fold on the same shared scratch, read through the mailboxes'
-    view of it (:mod:`kernels.one_shot`); a failure goes into the mailboxes' status, as a
-    transfer's does, and the counts are the message form's."""
+    view of it (:mod:`kernels.one_shot`), waiting as the mailboxes do (``LAB_COMPILED_SPIN``,
+    ``LAB_COMPILED_YIELD``); a failure goes into the mailboxes' status, as a transfer's does,
+    and the counts are the message form's."""
     if peers.status != OK:  # (look_back found an earlier collective's message unread)
         return
     if peers.scratch_slot_bytes == 0:
@@ -27,7 +28,8 @@ def compiled_one_shot(peers, buf, reduction, source=None):
     data = buf if source is None else source
     n, rank, scratch = peers.world_size, peers.rank, peers.scratch
     status, peer = one_shot(scratch, rank, n, peers.scratch_slot_bytes, buf, data, reduction,
-                            peers.fingerprint, peers.deadline_ns, peers.liveness_fds, peers.hook)
+                            peers.fingerprint, peers.deadline_ns, peers.liveness_fds, peers.hook,
+                            peers.spin_limit, peers.yield_limit)
     if status != OK:
         peers.status, peers.failed_peer = status, peer
         if status == MISMATCH:  # what the peer's header says it is in
