@@ -6,6 +6,7 @@
     python bench/small_messages.py --ranks 2 4 8 --spin 0 50   # Python-path wait strategies, alternating rounds
     python bench/small_messages.py --ranks 4 --impls plan --algorithms auto --compiled-wait 500,8 0,0 50,100000
     python bench/small_messages.py --ranks 4 --impls lab python plan mpich gloo --algorithms auto
+    python bench/small_messages.py --ranks 2 --impls lab plan --algorithms one_shot two_shot auto  # one-shot's compiled call
     python bench/small_messages.py --compare --calls 300    # what docs/compiled.md "Measured" shows
     python bench/small_messages.py --compare --parts sweep --ranks 8  # one part of it, on 8 ranks
     python bench/small_messages.py --compare --parts timing   # 2 ranks, back to back and after a barrier

@@ -112,7 +112,9 @@ _FIELDS = [
     ("yield_limit", types.int64),
     ("rings", types.int64[:, ::1]),
     ("waiting", types.int64[::1]),
-    ("hook", types.int64)]
+    ("hook", types.int64),
+    ("scratch", types.uint8[::1]),  # the shared scratch after the mailboxes (kernels.one_shot; empty: none)
+    ("scratch_slot_bytes", types.int64)]
 
 
 @structref.register
@@ -181,6 +183,7 @@ def open_mailbox(region, rank, world_size, slot_bytes, depth, liveness_fds):
     peers.rings = ends
     peers.waiting = np.zeros(4, np.int64)
     peers.hook = 0
+    peers.scratch, peers.scratch_slot_bytes = region[:0], 0
     return peers
 
 

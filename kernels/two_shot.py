@@ -65,7 +65,8 @@ AREA_BYTES = 6 * LINE
 MESSAGE_WORD, SOURCE_WORD, ROUND_WORD = 4, 5, 6
 
 
-def control_bytes(world_size: int) -> int:
+@njit(cache=True, nogil=True)
+def control_bytes(world_size):
     """Bytes of the control areas of ``world_size`` ranks, rounded up to a 4 KiB page (what follows
     starts page-aligned)."""
     return -(-world_size * AREA_BYTES // 4096) * 4096
@@ -99,27 +100,30 @@ def _sleep(words, doorbells, rank, index, target):
 
 
 @njit(cache=True, nogil=True)
-def _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds, hook, fingerprint):
+def _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds, hook, fingerprint,
+          spin_limit=DEFAULT_SPIN_LIMIT, yield_limit=DEFAULT_YIELD_LIMIT):
     """Wait until ``peer``'s counter ``field`` is at least ``target``: OK, SILENCE or PEER_LOST."""
     return _wait_at(words, doorbells, rank, peer, (peer * AREA_BYTES + field) >> 3, target, deadline_ns,
-                    liveness_fds, hook, fingerprint)
+                    liveness_fds, hook, fingerprint, spin_limit, yield_limit)
 
 
 @njit(cache=True, nogil=True)
-def _wait_at(words, doorbells, rank, peer, index, target, deadline_ns, liveness_fds, hook, fingerprint):
+def _wait_at(words, doorbells, rank, peer, index, target, deadline_ns, liveness_fds, hook, fingerprint,
+             spin_limit=DEFAULT_SPIN_LIMIT, yield_limit=DEFAULT_YIELD_LIMIT):
     """Wait until int64 word ``index`` of the region, which ``peer`` writes, is at least ``target``:
     OK, SILENCE or PEER_LOST. Every millisecond it polls ``peer``'s liveness pipe and, where due,
     calls ``hook`` with ``fingerprint`` (:func:`kernels.hook.call_hook`: it drains
-    ``liveness_fds``, the pipes)."""
+    ``liveness_fds``, the pipes). It spins ``spin_limit`` times, then yields ``yield_limit``
+    times, then naps (the compiled one-shot passes the compiled plane's policy)."""
     rounds = 0
     started = checked = hooked = monotonic_ns()
     while load_acquire(words, index) < target:
         rounds += 1
-        if rounds <= DEFAULT_SPIN_LIMIT:
+        if rounds <= spin_limit:
             cpu_relax()
             if rounds % CLOCK_EVERY_SPINS != 0:
                 continue
-        elif rounds <= DEFAULT_SPIN_LIMIT + DEFAULT_YIELD_LIMIT:
+        elif rounds <= spin_limit + yield_limit:
             sched_yield()
         else:
             _sleep(words, doorbells, rank, index, target)
@@ -137,16 +141,17 @@ def _wait_at(words, doorbells, rank, peer, index, target, deadline_ns, liveness_
 
 
 @njit(cache=True, nogil=True)
-def wait_all(region, rank, world_size, field, target, deadline_ns, liveness_fds, hook, fingerprint):
+def wait_all(region, rank, world_size, field, target, deadline_ns, liveness_fds, hook, fingerprint,
+             spin_limit=DEFAULT_SPIN_LIMIT, yield_limit=DEFAULT_YIELD_LIMIT):
     """Wait until every other rank's counter ``field`` is at least ``target`` (``deadline_ns``
-    without progress per peer, 0: never; ``liveness_fds[r]``: rank r's pipe; ``hook``: see
-    :func:`_wait`). Returns ``(status, peer)``: ``(OK, -1)``, or the first peer that fell silent
-    (SILENCE) or died (PEER_LOST)."""
+    without progress per peer, 0: never; ``liveness_fds[r]``: rank r's pipe; ``hook``, the
+    limits: see :func:`_wait_at`). Returns ``(status, peer)``: ``(OK, -1)``, or the first peer
+    that fell silent (SILENCE) or died (PEER_LOST)."""
     words, doorbells = region.view(np.int64), region.view(np.int32)
     for step in range(1, world_size):
         peer = (rank + step) % world_size
         status = _wait(words, doorbells, rank, peer, field, target, deadline_ns, liveness_fds, hook,
-                       fingerprint)
+                       fingerprint, spin_limit, yield_limit)
         if status != OK:
             return status, peer
     return OK, -1

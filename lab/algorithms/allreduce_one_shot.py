@@ -4,10 +4,48 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.doorbell import INVALID, MISMATCH, OK
+from kernels.mailbox_layout import FINGERPRINT_BYTES
+from kernels.one_shot import one_shot
+from kernels.two_shot import AREA_BYTES, HEADER, MESSAGE_WORD
 from lab.algorithms.peers import Peers
+from lab.compiled import compiled_as
 from lab.ops import Reduction
 
 
+def compiled_one_shot(peers, buf, reduction, source=None):
+    """:func:`allreduce_one_shot` as the compiled plane runs it (:mod:`lab.compiled.plane`: one
+    Numba call, ``peers`` the mailboxes, ``buf`` and ``source`` bytes, ``reduction`` coded): the
+    same rounds, waits, headers and fold on the same shared scratch, read through the mailboxes'
+    view of it (:mod:`kernels.one_shot`), waiting as the mailboxes do (``LAB_COMPILED_SPIN``,
+    ``LAB_COMPILED_YIELD``); a failure goes into the mailboxes' status, as a transfer's does,
+    and the counts are the message form's."""
+    if peers.status != OK:  # (look_back found an earlier collective's message unread)
+        return
+    if peers.scratch_slot_bytes == 0:
+        peers.status = INVALID
+        return
+    data = buf if source is None else source
+    n, rank, scratch = peers.world_size, peers.rank, peers.scratch
+    status, peer = one_shot(scratch, rank, n, peers.scratch_slot_bytes, buf, data, reduction,
+                            peers.fingerprint, peers.deadline_ns, peers.liveness_fds, peers.hook,
+                            peers.spin_limit, peers.yield_limit)
+    if status != OK:
+        peers.status, peers.failed_peer = status, peer
+        if status == MISMATCH:  # what the peer's header says it is in
+            header = peer * AREA_BYTES + HEADER
+            peers.peer_fingerprint[:] = scratch[header:header + FINGERPRINT_BYTES]
+            peers.peer_bytes = scratch.view(np.int64)[(header >> 3) + MESSAGE_WORD]
+        return
+    for other in range(n):
+        if other != rank:
+            peers.bytes_sent[other] += buf.size
+            peers.bytes_received[other] += buf.size
+            peers.messages_sent[other] += 1
+            peers.messages_received[other] += 1
+
+
+@compiled_as(compiled_one_shot)
 def allreduce_one_shot(peers: Peers, buf: np.ndarray, reduction: Reduction,
                        source: np.ndarray | None = None) -> None:
     """Reduce every rank's ``source`` (default ``buf``, in place) into ``buf``: each rank folds the
@@ -18,7 +56,9 @@ def allreduce_one_shot(peers: Peers, buf: np.ndarray, reduction: Reduction,
     (``peers.shared_allreduce``, :mod:`lab.transport.peer_memory`): copy the input into our slot
     (not at all for a registered ``source`` out of place, :mod:`lab.symm_mem`), one flag wait
     until every rank's input is there, then reduce all N of them. In rounds of S bytes
-    (``LAB_SHM_SCRATCH_BYTES``), one synchronisation each (two-shot: three).
+    (``LAB_SHM_SCRATCH_BYTES``), one synchronisation each (two-shot: three). Up to
+    ``LAB_COMPILED_MAX_BYTES`` the compiled plane runs the same rounds in one Numba call
+    (:func:`compiled_one_shot`, this function's compiled face).
     Cost: ⌈T/S⌉·α + about (N+2)T/B, B the copy bandwidth of one core (T in, N·T read, T out),
     against two-shot's 3⌈T/S⌉·α + 4T/B: fewer waits, more reading, so it wins on small tensors.
 

@@ -37,9 +37,11 @@ from numba.extending import typeof_impl
 
 
 class Compilable:
-    """A function with a Python run (calling it) and a compiled run (``.compiled``)."""
-    def __init__(self, function: Callable[..., Any]) -> None:
+    """A function with a Python run (calling it) and a compiled run (``.compiled``: the same
+    source, or ``twin``'s where the compiled run differs, :func:`compiled_as`)."""
+    def __init__(self, function: Callable[..., Any], twin: Callable[..., Any] | None = None) -> None:
         self.py_func = function
+        self.twin = function if twin is None else twin
         functools.update_wrapper(self, function)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -48,7 +50,7 @@ class Compilable:
     @functools.cached_property
     def compiled(self):
         """The Numba dispatcher (compiled on first use per argument types; cached on disk)."""
-        return njit(cache=True)(self.py_func)
+        return njit(cache=True)(self.twin)
 
     def __repr__(self) -> str:
         return f"<compilable {self.py_func.__module__}.{self.py_func.__qualname__}>"
@@ -66,6 +68,14 @@ def _named(module: str, qualname: str) -> Compilable:
 def compilable(function: Callable[..., Any]) -> Compilable:
     """Mark ``function`` as written in the subset Numba compiles (see the module docstring)."""
     return Compilable(function)
+
+
+def compiled_as(twin: Callable[..., Any]) -> Callable[[Callable[..., Any]], Compilable]:
+    """Mark a function whose compiled run is ``twin`` (same arguments, the subset Numba compiles)
+    rather than its own source: the one-shot allreduce, whose Python run reads the peers'
+    memory through ``peers.shared_allreduce`` and whose compiled run reads it through the
+    mailboxes' view of the same memory (``kernels.one_shot``)."""
+    return lambda function: Compilable(function, twin)
 
 
 @typeof_impl.register(Compilable)

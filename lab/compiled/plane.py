@@ -72,7 +72,9 @@ FINGERPRINT, PEER_FINGERPRINT = 16, 20  # 4 words each: ours (in), the failed pe
 SPIN_LIMIT, YIELD_LIMIT = 24, 25  # the waiting policy (in; kernels.mailbox)
 BOOKS, RECORD = 26, 27  # in: whether the call keeps its own books in the ledger, and under which record
 HOOK = 28  # in: the Python hook a long wait calls (kernels.hook.register_hook; 0: none)
-LIVENESS = 29  # one pipe descriptor per rank (-1: none)
+#: In: where the shared scratch starts in the region and its slots' bytes (0: no scratch; kernels.one_shot).
+SCRATCH, SCRATCH_SLOT_BYTES = 29, 30
+LIVENESS = 31  # one pipe descriptor per rank (-1: none)
 #: Deadlines past this many nanoseconds (292 years: what int64 holds) are no deadline.
 MAX_DEADLINE_NS = 2**63 - 1
 
@@ -108,6 +110,7 @@ class CompiledPlane:
                      DEPTH]] = mailbox.rank, n, mailbox.slot_bytes, mailbox.depth
         self.config[[SPIN_LIMIT, YIELD_LIMIT]] = waiting_policy_from_env(n)
         self.config[HOOK] = hook
+        self.config[[SCRATCH, SCRATCH_SLOT_BYTES]] = mailbox.scratch_start, mailbox.scratch_slot_bytes
         self.config[LIVENESS:] = mailbox.liveness_fds
         self.max_bytes = max_bytes_from_env()
         #: The books of the mesh this plane serves (see SEQ, BOOKED, RING).
@@ -287,6 +290,8 @@ def _open(region, config):
                             config[LIVENESS:LIVENESS + n].astype(np.int32))
     peers.begin(config[FINGERPRINT:FINGERPRINT + 4].view(np.uint8), config[DEADLINE_NS])
     peers.spin_limit, peers.yield_limit, peers.hook = config[SPIN_LIMIT], config[YIELD_LIMIT], config[HOOK]
+    if config[SCRATCH_SLOT_BYTES] > 0:
+        peers.scratch, peers.scratch_slot_bytes = region[config[SCRATCH]:], config[SCRATCH_SLOT_BYTES]
     rings.look_back(peers)
     return peers
 

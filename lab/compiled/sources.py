@@ -14,10 +14,10 @@ from pathlib import Path
 from kernels import cache
 
 ROOT = Path(__file__).resolve().parents[2]
-_ALGORITHMS = ("all_to_all_pairwise", "allgather_recursive_doubling", "allreduce_recursive_doubling",
-               "allreduce_tree", "barrier_dissemination", "broadcast_binomial", "fold", "gather_binomial",
-               "gather_linear", "reduce_binomial", "reduce_scatter_recursive_halving", "scatter_binomial",
-               "scatter_linear")
+_ALGORITHMS = ("all_to_all_pairwise", "allgather_recursive_doubling", "allreduce_one_shot",
+               "allreduce_recursive_doubling", "allreduce_tree", "barrier_dissemination",
+               "broadcast_binomial", "fold", "gather_binomial", "gather_linear", "reduce_binomial",
+               "reduce_scatter_recursive_halving", "scatter_binomial", "scatter_linear")
 #: Relative to the repository's root, sorted.
 SOURCES = tuple(
     sorted([

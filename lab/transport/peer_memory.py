@@ -147,10 +147,15 @@ class SharedScratch:
         self._mine = self._arenas + rank * arena_bytes  # this rank's arena, in region offsets
         self._free = [(0, arena_bytes)]  # (offset in the arena, bytes): first fit
         self._block = np.empty(BLOCK_BYTES, np.uint8)
-        self.rounds = 0  # two-shot rounds this rank has completed (every rank agrees)
         #: What a long wait calls to drain the pipes and let signal handlers run (kernels.hook.call_hook; 0: none).
         self.hook = 0
         self.closed = False
+
+    @property
+    def rounds(self) -> int:
+        """The rounds this rank has completed (every rank agrees): its DONE counter, which the
+        compiled one-shot (:mod:`kernels.one_shot`) moves too."""
+        return flags.counter(self.region, self.rank, flags.DONE)
 
     # -- registered buffers --------------------------------------------------------------------
 
@@ -240,7 +245,6 @@ class SharedScratch:
                 data[(lo + first) * itemsize:(lo + last) * itemsize] = self.region[at:at +
                                                                                    (last - first) * itemsize]
             flags.publish(self.region, self.rank, n, flags.DONE, goal)
-            self.rounds = goal
         if registered >= 0:
             # The caller may write its tensor as soon as we return: wait until no peer reads it.
             self._wait_all(flags.DONE, self.rounds, deadline_ns, where)
@@ -292,7 +296,6 @@ class SharedScratch:
             # Step 4: reduce the whole round from the N inputs, in rank order, into buf.
             self._reduce(buf, lo, 0, hi - lo, sources, False, reduction)
             flags.publish(self.region, self.rank, n, flags.DONE, goal)
-            self.rounds = goal
         if registered >= 0:
             # The caller may write its input as soon as we return: wait until no peer reads it.
             self._wait_all(flags.DONE, self.rounds, deadline_ns, where)

@@ -86,6 +86,8 @@ class Mailbox:
     slot_bytes: int
     depth: int
     liveness_fds: np.ndarray  # per rank: the pipe it writes to us (POLLHUP once it died); -1 for us
+    scratch_start: int = 0  # where the shared scratch starts in region (lab.transport.peer_memory)
+    scratch_slot_bytes: int = 0  # its slots' bytes (0: no scratch)
 
 
 def mailbox_slot_bytes(world_size: int) -> int:
@@ -182,6 +184,8 @@ class ShmMappings:
                                                      endpoints.scratch_arena_bytes, liveness_fds)
         self.mailbox = box = Mailbox(region, endpoints.rank, self.world_size, endpoints.mailbox_slot_bytes,
                                      endpoints.mailbox_depth, liveness_fds)
+        if self.scratch is not None:  # (the compiled one-shot's: kernels.one_shot)
+            box.scratch_start, box.scratch_slot_bytes = self._scratch_start, endpoints.scratch_slot_bytes
         self._words = region.view(np.int64)
         self._stride = mailbox_layout.slot_stride(box.slot_bytes)
         self._in_channels = np.full(self.world_size, -1, np.int64)  # where each channel peer -> us starts
