@@ -11,6 +11,7 @@ Failures name the rank: another size or op, a stopped rank, a killed one.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import signal
 import time
@@ -237,6 +238,7 @@ def stalled(mesh: lab.Mesh, how: str, out: str) -> str:
 @pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_a_silent_or_dead_peer_is_named(how, tmp_path):
     deadline_ms = 1000 if how == "stopped" else 60_000  # a death is seen at once, not at the deadline
+    gc.collect()  # (an earlier test's objects, freed during this one, would close their descriptors)
     fds = len(os.listdir("/proc/self/fd"))
     with lab.launch(3, recv_timeout_ms=deadline_ms) as cluster:
         if how == "killed":
