@@ -35,19 +35,23 @@ _REDUCE_OPS = {
     dist.ReduceOp.RedOpType.AVG: "avg", dist.ReduceOp.RedOpType.PREMUL_SUM: "sum",
     dist.ReduceOp.RedOpType.BAND: "band", dist.ReduceOp.RedOpType.BOR: "bor",
     dist.ReduceOp.RedOpType.BXOR: "bxor"}
+_OP_NAMES = {kind.value: name for kind, name in _REDUCE_OPS.items()}
+_PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM.value
 
 
 def lab_op(reduce_op: Any) -> tuple[str, float | None]:
     """torch's ReduceOp as the lab's op name, and PREMUL_SUM's factor (None otherwise)."""
     kind = reduce_op.op if isinstance(reduce_op, dist.ReduceOp) else reduce_op
-    if kind not in _REDUCE_OPS:
+    # (by the enum's value: hashing torch's enum itself costs a microsecond, a per-call cost)
+    name = _OP_NAMES.get(kind.value) if type(kind) is dist.ReduceOp.RedOpType else None
+    if name is None:
         raise ValueError(f"reduce op {kind} is not supported by the lab backend; supported: "
                          f"{', '.join(str(k).split('.')[-1] for k in _REDUCE_OPS)}")
     factor = None
-    if kind == dist.ReduceOp.RedOpType.PREMUL_SUM:
+    if kind.value == _PREMUL_SUM:
         factor = reduce_op.factor
         factor = factor.item() if isinstance(factor, torch.Tensor) else float(factor)
-    return _REDUCE_OPS[kind], factor
+    return name, factor
 
 
 def flatten_into(flat: torch.Tensor, tensors: list[torch.Tensor], factor: float | None = None) -> None:
@@ -75,7 +79,7 @@ def one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"the lab backend takes one tensor per call ({what}); got {len(tensors)}")
     tensor = tensors[0]
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise ValueError(f"the lab backend moves CPU tensors; got one on {tensor.device}")
     return tensor
 
@@ -143,7 +147,7 @@ def check_like(tensor: torch.Tensor, numel: int | None, dtype: torch.dtype, name
     """``tensor`` is a CPU tensor of ``dtype`` with ``numel`` elements (None: any number), or a
     ``ValueError`` naming ``name`` (gloo's "invalid tensor size" and "type"): a copy into or out of
     it would convert or drop elements silently."""
-    if tensor.device.type != "cpu":
+    if not tensor.is_cpu:
         raise ValueError(f"{name} must be a CPU tensor (the lab backend moves CPU tensors); got one on "
                          f"{tensor.device}")
     if tensor.dtype != dtype:

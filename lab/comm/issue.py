@@ -276,12 +276,12 @@ class IssueQueue:
     def alone(self) -> bool:
         """True while no open order of its own shares this one's channels (:meth:`own_order`): a
         call that holds up its caller until its peers join then waits on no other order's calls."""
-        return not any(not order.closed for order in self._orders)
+        return not self._orders or not any(not order.closed for order in self._orders)
 
     @property
     def in_flight(self) -> bool:
         """True while an asynchronous call has not completed."""
-        return any(not work.is_completed() for work in self._pending)
+        return bool(self._pending) and any(not work.is_completed() for work in self._pending)
 
     def wait_all(self, recorded: bool = False) -> None:
         """Wait for every asynchronous call issued so far; raise the first failure the program
