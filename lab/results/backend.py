@@ -9,6 +9,8 @@ the same run, at 2 ranks (each its own core on a 2-core machine) and at ``--rank
   ``all_gather_into_tensor`` and ``reduce_scatter_tensor``) at 1 KB (of output, of input): rounds
   of calls, each timed inside every rank, the slowest rank's per-call time per round, the median
   over rounds (algbw and busbw as nccl-tests reports them);
+- torch's own layer: ``all_reduce`` and ``broadcast`` at 1 KB on a process group whose backend
+  does nothing (returns a completed Work at once), the floor under any backend's call;
 - a DDP training step (a ~10 M-parameter MLP) on the lab against its twin on gloo: the same
   model, data and optimizer, steps alternating between the two, median step time; and a third
   twin whose communication hook communicates nothing (the compute alone, under both).
@@ -20,6 +22,7 @@ Writes ``OUT/backend.csv`` and splices the section "torch.distributed on the lab
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import lab
+from lab.backend.work import DoneWork
 from lab.catalog import COLLECTIVES as CATALOG
 from lab.report_sections import splice
 
@@ -54,16 +58,28 @@ def _slowest(seconds: float, gloo: dist.ProcessGroup) -> float:
     return float(value)
 
 
+#: How long a timed round lasts at least: a round of microsecond calls much shorter than this is
+#: one timer tick or preemption away from doubling.
+ROUND_SECONDS = 0.05
+
+
 def _per_call(run, calls: int, rounds: int, gloo: dist.ProcessGroup) -> float:
-    """The median over rounds of the slowest rank's time per call (after one warm-up round)."""
+    """The median over rounds of the slowest rank's time per call, after one warm-up round of
+    ``calls`` calls; each timed round makes at least ``calls`` calls and lasts about
+    :data:`ROUND_SECONDS` (every rank makes the same number: the slowest rank's warm-up decides)."""
+    dist.barrier(group=gloo)
+    start = time.perf_counter()
+    for _ in range(calls):  # (warms up Numba, buffers, connections)
+        run()
+    warm = _slowest((time.perf_counter() - start) / calls, gloo)
+    calls = max(calls, min(math.ceil(ROUND_SECONDS / warm), 100 * calls))
     times = []
-    for round_ in range(rounds + 1):
+    for _ in range(rounds):
         dist.barrier(group=gloo)
         start = time.perf_counter()
         for _ in range(calls):
             run()
-        if round_:  # the first round warms up (Numba, buffers, connections)
-            times.append(_slowest((time.perf_counter() - start) / calls, gloo))
+        times.append(_slowest((time.perf_counter() - start) / calls, gloo))
     return statistics.median(times)
 
 
@@ -74,9 +90,32 @@ def _mlp() -> torch.nn.Module:
                                torch.nn.Linear(1024, 512))
 
 
-def _calls(mesh: object, gloo: dist.ProcessGroup, nbytes: int) -> dict[str, tuple[str, Callable]]:
-    """Each collective's three calls on ``nbytes`` (torch's on the lab, the lab's own, torch's on
-    gloo), by collective; a call's tensors are made once, as a training loop's are."""
+class _DoingNothing(dist.ProcessGroup):
+    """A backend whose calls do nothing and return a completed Work: what torch's own layer (its
+    Python call, the dispatch to the backend, the Work) costs, under any backend's call."""
+    def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist._Work:
+        return DoneWork(tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: object = None) -> dist._Work:
+        return DoneWork(tensors)
+
+    def getBackendName(self) -> str:
+        return "nothing"
+
+
+def _nothing_group() -> dist.ProcessGroup:
+    """A process group of every rank on :class:`_DoingNothing`."""
+    if "nothing" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("nothing", lambda store, rank, size, timeout: _DoingNothing(rank, size),
+                                      devices=["cpu"])
+    return dist.new_group(backend="nothing")
+
+
+def _calls(mesh: object, gloo: dist.ProcessGroup, nothing: dist.ProcessGroup,
+           nbytes: int) -> dict[str, tuple[str, Callable]]:
+    """Each collective's calls on ``nbytes`` (torch's on the lab, the lab's own, torch's on gloo;
+    at 1 KB, torch's on ``nothing`` for all_reduce and broadcast), by collective; a call's tensors
+    are made once, as a training loop's are."""
     n = dist.get_world_size()
     x, block = torch.ones(nbytes // 4), torch.ones(max(nbytes // 4 // n, 1))
     whole = torch.empty(block.numel() * n)
@@ -85,9 +124,11 @@ def _calls(mesh: object, gloo: dist.ProcessGroup, nbytes: int) -> dict[str, tupl
             "dist (lab)": lambda: dist.all_reduce(x), "lab": lambda: lab.allreduce(mesh, x),
             "dist (gloo)": lambda: dist.all_reduce(x, group=gloo)}}
     if nbytes < 65536:  # (the small collectives: the backend's own cost is what shows)
+        calls["all_reduce"]["dist (nothing)"] = lambda: dist.all_reduce(x, group=nothing)
         calls["broadcast"] = {
             "dist (lab)": lambda: dist.broadcast(x, 0), "lab": lambda: lab.broadcast(mesh, x, 0),
-            "dist (gloo)": lambda: dist.broadcast(x, 0, group=gloo)}
+            "dist (gloo)": lambda: dist.broadcast(x, 0, group=gloo),
+            "dist (nothing)": lambda: dist.broadcast(x, 0, group=nothing)}
         calls["all_gather_single"] = {
             "dist (lab)": lambda: dist.all_gather_single(whole, block),
             "lab": lambda: lab.allgather(mesh, block),
@@ -111,11 +152,11 @@ def measure(out: str, steps: int, rounds: int) -> None:
     """One rank's part (under torchrun); rank 0 writes ``out/backend.json``."""
     dist.init_process_group("lab")
     rank, n = dist.get_rank(), dist.get_world_size()
-    gloo = dist.new_group(backend="gloo")
+    gloo, nothing = dist.new_group(backend="gloo"), _nothing_group()
     mesh = dist.distributed_c10d._get_default_group().mesh  # the lab group's own mesh
     rows = []
     for nbytes in SIZES:
-        for collective, impls in _calls(mesh, gloo, nbytes).items():
+        for collective, impls in _calls(mesh, gloo, nothing, nbytes).items():
             for impl, run in impls.items():
                 seconds = _per_call(run, 200 if nbytes < 65536 else 5, rounds, gloo)
                 rows.append({
@@ -160,7 +201,8 @@ def section(table: pd.DataFrame) -> str:
         "`dist.init_process_group(\"lab\")` (`python -m lab results --backend`, `backend.csv`): the per-call "
         "cost of torch's call through the backend against the lab's own call on the same mesh and against "
         "gloo, and a DDP step of a ~10 M-parameter MLP on each, in the same ranks (median of the slowest "
-        f"rank's time), measured at load average {table['load_average'].iloc[0]} on "
+        "rank's time); `dist (nothing)`: torch's call on a backend that does nothing (torch's own layer, "
+        f"the floor under any backend's call), measured at load average {table['load_average'].iloc[0]} on "
         f"{table['cores'].iloc[0]} cores.", ""]
     calls = table[table["part"] == "per call"].set_index(["ranks", "collective", "bytes",
                                                           "what"])["median_us"]
@@ -168,9 +210,11 @@ def section(table: pd.DataFrame) -> str:
     wide["size"] = wide["bytes"].map(lambda b: f"{b // 1024} KB" if b < 2**20 else f"{b // 2**20} MB")
     wide["lab backend / lab"] = wide["dist (lab)"] / wide["lab"]
     wide["gloo / lab backend"] = wide["dist (gloo)"] / wide["dist (lab)"]
+    wide["(lab + nothing) / lab"] = (wide["lab"] +
+                                     wide["dist (nothing)"]) / wide["lab"]  # the best ratio torch allows
     columns = [
-        "ranks", "collective", "size", "dist (lab)", "lab", "dist (gloo)", "lab backend / lab",
-        "gloo / lab backend"]
+        "ranks", "collective", "size", "dist (lab)", "lab", "dist (gloo)", "dist (nothing)",
+        "lab backend / lab", "(lab + nothing) / lab", "gloo / lab backend"]
     lines += [markdown(wide[columns].round(2)), ""]
     steps = table[table["part"] == "DDP step"].set_index(["ranks", "what"])["median_us"].unstack("what")
     for ranks, step in steps.iterrows():
@@ -178,7 +222,8 @@ def section(table: pd.DataFrame) -> str:
             f"- DDP step ({int(table[table['part'] == 'DDP step']['bytes'].iloc[0]) // 4:,} parameters, "
             f"{ranks} ranks): lab {step['DDP on lab'] / 1e3:.1f} ms, gloo {step['DDP on gloo'] / 1e3:.1f} "
             f"ms (the lab {step['DDP on gloo'] / step['DDP on lab']:.2f}x gloo's speed); the same step "
-            f"communicating nothing {step['DDP on no communication'] / 1e3:.1f} ms.")
+            f"communicating nothing {step['DDP on no communication'] / 1e3:.1f} ms (at most "
+            f"{step['DDP on gloo'] / step['DDP on no communication']:.2f}x gloo's speed).")
     return "\n".join([*lines, ""])
 
 
