@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._C._distributed_c10d import AllgatherOptions  # (torch.distributed does not export it)
 
 import lab  # registers the "lab" backend
 from lab.backend.work import DoneWork
@@ -155,7 +156,7 @@ def small_all_reduce_on_one_host_runs_compiled(rank: int, n: int, gloo: dist.Pro
 
 @check
 def a_call_like_one_before_runs_from_its_lane(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
-    # the same small tensor again: its all_reduce or broadcast runs from the lane its first call
+    # the same small tensor again: its all_reduce, broadcast or all_gather_single runs from the lane its first call
     # made (complete before the call returns: a DoneWork), on the world and on a group of its own;
     # called as dist.all_reduce calls the group (synchronous: other groups of this job are open)
     group, opts = dist.new_group(list(range(n))), dist.AllreduceOptions()
@@ -182,6 +183,18 @@ def a_call_like_one_before_runs_from_its_lane(rank: int, n: int, gloo: dist.Proc
                 x.copy_(pattern(count, rank, dtype))
                 dist.broadcast(x, src=root, group=group)
                 expect_equal(x, pattern(count, root, dtype), f"broadcast {dtype} from {root} on a new group")
+        # all_gather_single: the lane writes the output, the input copied into its block first
+        gathered, gather_options = torch.empty(count * n, dtype=dtype), AllgatherOptions()
+        gather_options.asyncOp = False
+        for call in range(3):
+            gathered.zero_()
+            work = dist.group.WORLD.all_gather_single(gathered, pattern(count, rank, dtype), gather_options)
+            work.wait()
+            expect_equal(gathered, torch.cat([pattern(count, r, dtype) for r in range(n)]),
+                         f"all_gather_single {dtype} call {call}")
+            if call and type(work) is not DoneWork:
+                raise AssertionError(
+                    f"all_gather_single {dtype} call {call} did not run from its lane: {work}")
 
 
 @check

@@ -8,6 +8,7 @@ Python path, on the same ranks. Every rank checks its own output; inputs are
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -26,7 +27,7 @@ from lab.compiled.plane import (
     OVERSUBSCRIBED_SPIN_LIMIT,
     waiting_policy_from_env,
 )
-from lab.ops import REDUCE_DTYPES
+from lab.ops import DTYPES, REDUCE_DTYPES
 
 STRIDE = 3
 MAX_BYTES = 4096  # the compiled path's threshold in these pools (LAB_COMPILED_MAX_BYTES): sizes around it stay small
@@ -229,6 +230,53 @@ def lanes(mesh: lab.Mesh) -> list[str]:
 
 def test_a_plain_call_like_one_before_takes_its_lane_with_the_python_paths_bits(cluster):
     assert not [w for per_rank in cluster.run(lanes) for w in per_rank]
+
+
+def byte_pattern(shape: tuple[int, ...], rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """``index * stride + rank`` in every byte (mod 251; a bool's 0 or 1): any dtype's bits."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = (torch.arange(math.prod(shape) * itemsize) * STRIDE + rank) % (2 if dtype is torch.bool else 251)
+    return raw.to(torch.uint8).view(dtype).reshape(shape)
+
+
+def allgather_lanes(mesh: lab.Mesh) -> list[str]:
+    """A plain allgather like one before, of an exact contiguous CPU torch tensor, takes its lane:
+    a new result tensor with the caller's block copied in, gathered by the compiled call at its
+    address, with the sub-mesh's (Python path's) bits, for every dtype, 0-d to 2-d; a numpy input,
+    and a call while an asynchronous one is in flight (the input is read in issue order), take the
+    full path and are as right."""
+    everyone = mesh.split(color=0)
+    n, rank, wrong = mesh.world_size, mesh.rank, []
+    for name, dtype in DTYPES.items():
+        for shape in ((), (0,), (1,), (2 * n + 1,), (3, 2)):
+            x = byte_pattern(shape, rank, dtype.torch_dtype)
+            expected = lab.allgather(everyone, x)
+            before = mesh.stats()["collectives_compiled"]
+            results = [lab.allgather(mesh, x) for _ in range(3)]  # the first makes the lane
+            compiled = mesh.stats()["collectives_compiled"] - before
+            lane = find_lane(mesh, "allgather", x, "auto", writes=False)
+            if any(got is x or not (same_bits(got, expected) if got.numel() else got.shape == expected.shape)
+                   for got in results) \
+                    or results[1] is results[2]:
+                wrong.append(
+                    f"rank {rank} allgather {name}{list(shape)}: {results[-1].reshape(-1)[:4].tolist()} "
+                    f"!= {expected.reshape(-1)[:4].tolist()}")
+            if compiled != 3 * (n > 1) or (lane is None) != (n == 1):  # (one rank: no mailboxes)
+                wrong.append(f"rank {rank} allgather {name}{list(shape)}: lane {lane}, {compiled} compiled")
+    x = pattern(5, rank, torch.float32)
+    want = torch.cat([pattern(5, r, torch.float32) for r in range(n)])
+    if not torch.equal(torch.as_tensor(lab.allgather(mesh, x.numpy())), want):
+        wrong.append(f"rank {rank} allgather of a numpy array")
+    work = lab.allreduce(mesh, x, async_op=True)  # (x becomes the sum: the allgather must see it)
+    got = lab.allgather(mesh, x)
+    work.wait()
+    if not torch.equal(got, torch.cat([sum(pattern(5, r, torch.float32) for r in range(n))] * n)):
+        wrong.append(f"rank {rank} allgather after an asynchronous allreduce of its input: {got.tolist()}")
+    return wrong
+
+
+def test_a_plain_allgather_like_one_before_takes_its_lane_with_the_python_paths_bits(cluster):
+    assert not [w for per_rank in cluster.run(allgather_lanes) for w in per_rank]
 
 
 def soak(mesh: lab.Mesh, calls: int, seed: int) -> list[str]:

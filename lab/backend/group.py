@@ -35,7 +35,9 @@ from lab.backend.args import (
 )
 from lab.backend.send_recv import SendRecv
 from lab.backend.work import LabWork, run_lane_now
+from lab.buffers import known_writable
 from lab.collectives import calls as collectives
+from lab.collectives.calls import gather_into
 from lab.collectives.prepared import find_lane
 from lab.comm.issue import Work
 from lab.comm.operations import Operation
@@ -105,16 +107,20 @@ class LabProcessGroup(SendRecv, NamedGroup):
         checked = replicas.checked(self, op, torch.no_grad()(run), outputs)
         return LabWork.issued(self, checked, outputs, now, p2p, what)
 
-    def _from_lane(self, opts: Any, collective: str, tensor: torch.Tensor, *arguments: Any) -> Any:
+    def _from_lane(self, opts: Any, collective: str, tensor: torch.Tensor, *arguments: Any,
+                   into: torch.Tensor | None = None) -> Any:
         """The Work of a call like an earlier one, run from its lane before this returns
         (``lab.collectives.prepared.find_lane``: the lab's plain call's path, ~5 µs less than
-        issuing it), or None: where :meth:`_work` would run it now, nothing is in flight and
-        nothing records or checks replicas."""
+        issuing it), or None: where :meth:`_work` would run it now, nothing is in flight and nothing
+        records or checks replicas. ``into``: an allgather's output, ``tensor`` copied in first."""
         mesh = self.mesh
         if mesh.recording or self.options.check_replicas or mesh.closed or mesh.issue_queue.in_flight \
                 or not (mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False):
             return None
-        lane = find_lane(mesh, collective, tensor, *arguments)
+        lane = find_lane(mesh, collective, tensor, *arguments, writes=into is None)
+        if lane is not None and into is not None:
+            gather_into(into, tensor, mesh.rank)
+            tensor = into
         return None if lane is None else run_lane_now(self, lane, tensor, [tensor])
 
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
@@ -186,9 +192,14 @@ class LabProcessGroup(SendRecv, NamedGroup):
         return self._work(run, output_lists, "allgather", inputs, ran=prepared, opts=opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
-        return self.allgather_into_tensor_coalesced([output], [input], opts)
+        return self.all_gather_single(output, input, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
+        if type(output) is torch.Tensor and output.dtype == input.dtype and output.is_contiguous() \
+                and output.numel() == input.numel() * self.mesh.world_size and known_writable(output):
+            done = self._from_lane(opts, "allgather", input, self._algorithm("allgather"), into=output)
+            if done is not None:
+                return done
         return self.allgather_into_tensor_coalesced([output], [input], opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],

@@ -93,8 +93,8 @@ def compiled_run(mesh: CallMesh, signature: Signature, algorithm: Any, args: tup
 
 
 class Lane:
-    """A plain allreduce's or broadcast's shortest way, made by its first call (a broadcast's once
-    that call went through) and kept with its template: a later call with the
+    """A plain allreduce's, broadcast's or allgather's shortest way, made by its first call (a
+    broadcast's once that call went through) and kept with its template: a later call with the
     same arguments on an exact ``torch.Tensor`` of the same dtype and size, contiguous and on the
     CPU, runs the compiled call on the tensor's memory by its address (no checks repeated, no
     buffer wrapped, no numpy view made, nothing of the tensor kept), in issue order as a plan's
@@ -119,11 +119,13 @@ def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
     return (collective, tensor.dtype, tensor.numel(), lab_algo(), *arguments, *map(type, arguments))
 
 
-def find_lane(mesh: CallMesh, collective: str, tensor: Any, *arguments: Any) -> Lane | None:
+def find_lane(mesh: CallMesh, collective: str, tensor: Any, *arguments: Any,
+              writes: bool = True) -> Lane | None:
     """The :class:`Lane` that a plain call of ``collective`` on ``tensor`` with ``arguments`` may
     take, or None (the full path: its first call, a numpy array, a subclass, a view whose memory
     is not its elements in order, memory not yet known writable (:func:`lab.buffers.known_writable`:
-    the full path asks), an argument that is wrong or unhashable)."""
+    the full path asks), an argument that is wrong or unhashable). ``writes`` False: the lane
+    writes another tensor (an allgather's result), so ``tensor`` is only read."""
     if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_nested:
         return None
     try:
@@ -131,22 +133,25 @@ def find_lane(mesh: CallMesh, collective: str, tensor: Any, *arguments: Any) -> 
     except TypeError:
         return None
     if lane is None or not tensor.is_contiguous() or not tensor.is_cpu or tensor.is_conj() \
-            or tensor.is_neg() or not known_writable(tensor):
+            or tensor.is_neg() or (writes and not known_writable(tensor)):
         return None
     return lane
 
 
-def make_lane(mesh: CallMesh, key: tuple, signature: Signature, algorithm: Any, args: tuple) -> None:
+def make_lane(mesh: CallMesh, key: tuple, signature: Signature, algorithm: Any, args: tuple,
+              world_count: bool = False) -> None:
     """Keep a :class:`Lane` under ``key`` (:func:`lane_key`) for the compiled call of ``signature``
-    running ``algorithm`` on arguments like ``args``, whose first is the tensor's buffer."""
+    running ``algorithm`` on arguments like ``args``, whose first is the buffer the lane is given
+    (``world_count``: it holds N times ``signature.count`` elements, an allgather's result)."""
     if key not in mesh.templates:
         run = mesh.compiled_call(signature, algorithm, args, at=True)
         if run is not None:  # (the operands after the buffer, as the compiled call takes them)
-            nbytes = signature.count * signature.dtype.storage.itemsize
+            count = signature.count * (mesh.world_size if world_count else 1)
             # (made once, whether the rank records now or not: it may start later)
             root = None if signature.root < 0 else signature.root
-            what = mesh.describe(signature.collective, signature.dtype, signature.count, signature.count,
+            what = mesh.describe(signature.collective, signature.dtype, signature.count, count,
                                  reduce_op=signature.op or None, root=root, algorithm=signature.algorithm)
+            nbytes = count * signature.dtype.storage.itemsize
             remembered(mesh, key, lambda: Lane(mesh, run, nbytes, run.operands(args)[1:], what))
 
 
