@@ -20,7 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch._C._distributed_c10d import AllgatherOptions  # (torch.distributed does not export it)
+from torch._C._distributed_c10d import (  # (torch.distributed does not export them)
+    AllgatherOptions, ReduceScatterOptions,
+)
 
 import lab  # registers the "lab" backend
 from lab.backend.work import DoneWork
@@ -156,7 +158,7 @@ def small_all_reduce_on_one_host_runs_compiled(rank: int, n: int, gloo: dist.Pro
 
 @check
 def a_call_like_one_before_runs_from_its_lane(rank: int, n: int, gloo: dist.ProcessGroup) -> None:
-    # the same small tensor again: its all_reduce, broadcast or all_gather_single runs from the lane its first call
+    # the same small tensor again: its all_reduce, broadcast, all_gather_single or reduce_scatter_single runs from its lane
     # made (complete before the call returns: a DoneWork), on the world and on a group of its own;
     # called as dist.all_reduce calls the group (synchronous: other groups of this job are open)
     group, opts = dist.new_group(list(range(n))), dist.AllreduceOptions()
@@ -195,6 +197,20 @@ def a_call_like_one_before_runs_from_its_lane(rank: int, n: int, gloo: dist.Proc
             if call and type(work) is not DoneWork:
                 raise AssertionError(
                     f"all_gather_single {dtype} call {call} did not run from its lane: {work}")
+        # reduce_scatter_single: the lane reduces a copy of the input, its block copied into the output
+        block, scatter_options = torch.empty(count, dtype=dtype), ReduceScatterOptions()
+        scatter_options.asyncOp = False
+        whole = torch.cat([pattern(count, rank, dtype)] * n)
+        for call in range(3):
+            block.zero_()
+            work = dist.group.WORLD.reduce_scatter_single(block, whole, scatter_options)
+            work.wait()
+            expect_equal(block, total,
+                         f"reduce_scatter_single {dtype} call {call}")  # (block r: rank r's input)
+            expect_equal(whole, torch.cat([pattern(count, rank, dtype)] * n), "reduce_scatter_single's input")
+            if call and type(work) is not DoneWork:
+                raise AssertionError(
+                    f"reduce_scatter_single {dtype} call {call} did not run from its lane: {work}")
 
 
 @check

@@ -279,6 +279,47 @@ def test_a_plain_allgather_like_one_before_takes_its_lane_with_the_python_paths_
     assert not [w for per_rank in cluster.run(allgather_lanes) for w in per_rank]
 
 
+def reduce_scatter_lanes(mesh: lab.Mesh) -> list[str]:
+    """A plain reduce_scatter like one before, of an exact contiguous CPU torch tensor, takes its
+    lane (a copy reduced at its address, this rank's rows returned) with the sub-mesh's bits, for
+    every dtype and op the compiled plane reduces; tensors of one size and different rows each
+    get their own blocks; the caller's tensor stays as it was."""
+    everyone = mesh.split(color=0)
+    n, rank, wrong = mesh.world_size, mesh.rank, []
+    for name, dtype in REDUCE_DTYPES.items():
+        for op in OPS:
+            if op == "avg" and not dtype.is_floating:
+                continue
+            for shape in ((0,), (1,), (2 * n + 1,), (6,), (3, 2), (2, 3)):
+                x = pattern(math.prod(shape), rank, dtype.torch_dtype).reshape(shape)
+                kept = x.clone()
+                expected = lab.reduce_scatter(everyone, x, op=op)
+                results = [lab.reduce_scatter(mesh, x, op=op) for _ in range(3)]  # the first makes the lane
+                lane = find_lane(mesh, "reduce_scatter", x, op, "auto", shape[0], writes=False)
+                if any(not (same_bits(got, expected) if got.numel() else got.shape == expected.shape)
+                       for got in results) or not same_bits(x, kept):
+                    wrong.append(
+                        f"rank {rank} reduce_scatter {name}{list(shape)} {op}: "
+                        f"{results[-1].reshape(-1)[:4].tolist()} != {expected.reshape(-1)[:4].tolist()}")
+                # (no lane on one rank, nor for a half type's avg: it divides before the exchange)
+                no_lane = n == 1 or (op == "avg" and dtype.family in ("float16", "bfloat16"))
+                if (lane is None) != no_lane:
+                    wrong.append(f"rank {rank} reduce_scatter {name}{list(shape)} {op}: lane {lane}")
+    x = pattern(2 * n, rank, torch.float32)
+    work = lab.allreduce(mesh, x, async_op=True)  # (x becomes the sum: the reduce_scatter must see it)
+    got = lab.reduce_scatter(mesh, x)
+    work.wait()
+    total = sum(pattern(2 * n, r, torch.float32) for r in range(n)) * n
+    if not torch.equal(got, total[2 * rank:2 * rank + 2]):
+        wrong.append(
+            f"rank {rank} reduce_scatter after an asynchronous allreduce of its input: {got.tolist()}")
+    return wrong
+
+
+def test_a_plain_reduce_scatter_like_one_before_takes_its_lane_with_the_python_paths_bits(cluster):
+    assert not [w for per_rank in cluster.run(reduce_scatter_lanes) for w in per_rank]
+
+
 def soak(mesh: lab.Mesh, calls: int, seed: int) -> list[str]:
     """Random collectives of random sizes across the threshold, random algorithms, random ops."""
     rng = random.Random(seed)  # the same sequence on every rank

@@ -34,11 +34,8 @@ from lab.backend.args import (
     unflatten_into,
 )
 from lab.backend.send_recv import SendRecv
-from lab.backend.work import LabWork, run_lane_now
-from lab.buffers import known_writable
+from lab.backend.work import LabWork, fits, from_lane
 from lab.collectives import calls as collectives
-from lab.collectives.calls import gather_into
-from lab.collectives.prepared import find_lane
 from lab.comm.issue import Work
 from lab.comm.operations import Operation
 from lab.comm.protocols import BackendMesh
@@ -107,29 +104,13 @@ class LabProcessGroup(SendRecv, NamedGroup):
         checked = replicas.checked(self, op, torch.no_grad()(run), outputs)
         return LabWork.issued(self, checked, outputs, now, p2p, what)
 
-    def _from_lane(self, opts: Any, collective: str, tensor: torch.Tensor, *arguments: Any,
-                   into: torch.Tensor | None = None) -> Any:
-        """The Work of a call like an earlier one, run from its lane before this returns
-        (``lab.collectives.prepared.find_lane``: the lab's plain call's path, ~5 µs less than
-        issuing it), or None: where :meth:`_work` would run it now, nothing is in flight and nothing
-        records or checks replicas. ``into``: an allgather's output, ``tensor`` copied in first."""
-        mesh = self.mesh
-        if mesh.recording or self.options.check_replicas or mesh.closed or mesh.issue_queue.in_flight \
-                or not (mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False):
-            return None
-        lane = find_lane(mesh, collective, tensor, *arguments, writes=into is None)
-        if lane is not None and into is not None:
-            gather_into(into, tensor, mesh.rank)
-            tensor = into
-        return None if lane is None else run_lane_now(self, lane, tensor, [tensor])
-
     # -- collectives: checked here, in the caller (``collectives.prepare_*``); run in issue order
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(tensors, "allreduce")
         op, factor = lab_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        done = None if factor is not None else self._from_lane(opts, "allreduce", tensor, op,
-                                                               self._algorithm("allreduce"))
+        done = None if factor is not None else from_lane(self, opts, "allreduce", tensor, op,
+                                                         self._algorithm("allreduce"))
         if done is not None:
             return done
         prepared = collectives.prepare_allreduce(self.mesh, tensor, op, self._algorithm("allreduce"))
@@ -156,7 +137,7 @@ class LabProcessGroup(SendRecv, NamedGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> LabWork:
         tensor = one(tensors, "broadcast")
-        done = self._from_lane(opts, "broadcast", tensor, opts.rootRank, self._algorithm("broadcast"))
+        done = from_lane(self, opts, "broadcast", tensor, opts.rootRank, self._algorithm("broadcast"))
         if done is not None:
             return done
         prepared = collectives.prepare_broadcast(self.mesh, tensor, opts.rootRank,
@@ -195,9 +176,8 @@ class LabProcessGroup(SendRecv, NamedGroup):
         return self.all_gather_single(output, input, opts)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
-        if type(output) is torch.Tensor and output.dtype == input.dtype and output.is_contiguous() \
-                and output.numel() == input.numel() * self.mesh.world_size and known_writable(output):
-            done = self._from_lane(opts, "allgather", input, self._algorithm("allgather"), into=output)
+        if fits(input, output, self.mesh.world_size, output):
+            done = from_lane(self, opts, "allgather", input, self._algorithm("allgather"), into=output)
             if done is not None:
                 return done
         return self.allgather_into_tensor_coalesced([output], [input], opts)
@@ -245,9 +225,16 @@ class LabProcessGroup(SendRecv, NamedGroup):
         return self._work(run, outputs, "reduce_scatter", input_lists, ran=prepared, opts=opts, reduce_op=op)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
-        return self.reduce_scatter_tensor_coalesced([output], [input], opts)
+        return self.reduce_scatter_single(output, input, opts)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> LabWork:
+        op, factor = lab_op(opts.reduceOp)
+        if factor is None and fits(output, input, self.mesh.world_size, output):
+            flat = input.view(-1)
+            done = from_lane(self, opts, "reduce_scatter", flat, op, self._algorithm("reduce_scatter"),
+                             flat.numel(), into=output)
+            if done is not None:
+                return done
         return self.reduce_scatter_tensor_coalesced([output], [input], opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from lab.backend import flight_dumps
+from lab.buffers import check_writable, known_writable
+from lab.collectives.prepared import copied, find_lane, gather_into, scatter_through
 from lab.comm.issue import Work
 from lab.comm.operations import Operation
 
@@ -166,3 +168,45 @@ def run_lane_now(group: Issuer, lane: Callable[[torch.Tensor], None], tensor: to
         failed.set_exception(exc)
         return LabWork(group, Work(failed), outputs)
     return DoneWork(outputs)
+
+
+def from_lane(group: Any, opts: Any, collective: str, tensor: torch.Tensor, *arguments: Any,
+              into: torch.Tensor | None = None) -> dist._Work | None:
+    """The Work of ``group``'s call like an earlier one, run from its lane before this returns
+    (``lab.collectives.prepared.find_lane``: the lab's plain call's path, ~5 µs less than issuing
+    it), or None: where ``group`` would run it now, nothing is in flight and nothing records or
+    checks replicas. ``into``: the output of an allgather (``tensor`` copied into its block, then
+    gathered there) or of a reduce_scatter (``tensor`` reduced on a copy, its block copied out)."""
+    mesh = group.mesh
+    if mesh.recording or group.options.check_replicas or mesh.closed or mesh.issue_queue.in_flight \
+            or not (mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False):
+        return None
+    lane = find_lane(mesh, collective, tensor, *arguments, writes=into is None)
+    if lane is None:
+        return None
+    if collective == "reduce_scatter":
+        return run_lane_now(group, scatter_through(lane, into, mesh.rank), copied(tensor), [into])
+    if into is not None:
+        gather_into(into, tensor, mesh.rank)
+        tensor = into
+    return run_lane_now(group, lane, tensor, [tensor])
+
+
+def fits(block: torch.Tensor, whole: torch.Tensor, world_size: int, output: torch.Tensor) -> bool:
+    """Whether an allgather's or reduce_scatter's input and ``output`` (``whole`` or ``block``)
+    can take a lane: one dtype, contiguous, ``whole`` N blocks, ``output`` known writable."""
+    return type(block) is torch.Tensor and type(whole) is torch.Tensor and block.dtype == whole.dtype \
+        and block.is_contiguous() and whole.is_contiguous() and whole.numel() == block.numel() * world_size \
+        and _writable(output)
+
+
+def _writable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory takes writes (known, or asked once and remembered: a tensor numpy
+    viewed, read by an earlier collective, is no longer known by its storage)."""
+    if known_writable(tensor):
+        return True
+    try:
+        check_writable(tensor, "output")
+    except ValueError:
+        return False
+    return True

@@ -8,7 +8,6 @@ not, complete in issue order.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import math
 from collections.abc import Callable
@@ -29,12 +28,14 @@ from lab.collectives.prepared import (
     compiled_run,
     describe,
     find_lane,
+    gathered_by_lane,
     issue,
     lane_key,
     make_lane,
     parse_op,
     recording,
     remembered,
+    scattered_by_lane,
 )
 from lab.ops import DTYPES, ReduceOp, check_reduces
 
@@ -176,21 +177,9 @@ def allgather(mesh: CallMesh, tensor: Any, algorithm: str = "auto", async_op: bo
     """
     if async_op is False:
         lane = find_lane(mesh, "allgather", tensor, algorithm, writes=False)
-        # (a call like one before: its lane writes a new tensor, the result; the tensor is read
-        # before the lane's turn in the issue order, so not while an earlier call is in flight)
-        if lane is not None and not mesh.issue_queue.in_flight:
-            out = torch.empty((mesh.world_size * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else
-                              (mesh.world_size,), dtype=tensor.dtype)
-            gather_into(out, tensor, mesh.rank)
-            lane(out)
-            return out
+        if lane is not None and not mesh.issue_queue.in_flight:  # (see gathered_by_lane)
+            return gathered_by_lane(mesh, lane, tensor)
     return issue(mesh, prepare_allgather(mesh, tensor, algorithm), async_op)
-
-
-def gather_into(out: torch.Tensor, tensor: torch.Tensor, rank: int) -> None:
-    """Copy ``tensor`` into block ``rank`` of ``out`` (an allgather's result, before its lane runs)."""
-    nbytes = tensor.numel() * tensor.element_size()  # (both contiguous, one dtype: torch's slicing costs 10 µs)
-    ctypes.memmove(out.data_ptr() + rank * nbytes, tensor.data_ptr(), nbytes)
 
 
 def prepare_allgather(mesh: CallMesh, tensor: Any, algorithm: str = "auto") -> Prepared:
@@ -234,6 +223,10 @@ def reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str 
         x = torch.arange(4.0) + mesh.rank          # rank 0: [0, 1, 2, 3]  rank 1: [1, 2, 3, 4]
         lab.reduce_scatter(mesh, x)                # rank 0: [1, 3]        rank 1: [5, 7]
     """
+    if async_op is False and type(tensor) is torch.Tensor and tensor.dim():
+        lane = find_lane(mesh, "reduce_scatter", tensor, op, algorithm, tensor.shape[0], writes=False)
+        if lane is not None and not mesh.issue_queue.in_flight:  # (see scattered_by_lane)
+            return scattered_by_lane(mesh, lane, tensor)
     return issue(mesh, prepare_reduce_scatter(mesh, tensor, op, algorithm), async_op)
 
 
@@ -253,6 +246,8 @@ def prepare_reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorit
     start, stop = bounds[mesh.rank]
     rows = split_bounds(shape[0], mesh.world_size)[mesh.rank]
     signature = Signature("reduce_scatter", chosen, dtype, math.prod(shape), reduce_op.value)
+    lane_under = lane_key("reduce_scatter", tensor, op, algorithm, shape[0]) \
+        if type(tensor) is torch.Tensor and not kernels.prescales else None
 
     def run() -> Any:
         work = buffer.load().copy(
@@ -260,6 +255,9 @@ def prepare_reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorit
         with mesh.collective(*signature):
             kernels.prepare(work, mesh.world_size)
             mesh.run(ALGORITHMS["reduce_scatter"][chosen], work, kernels, bounds)
+        if lane_under is not None:  # (on a copy: a later call's is a new torch tensor)
+            make_lane(mesh, lane_under, signature, ALGORITHMS["reduce_scatter"][chosen],
+                      (work, kernels, bounds))
         return to_caller_type(work[start:stop].copy(), dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
 
     what = describe(mesh, "reduce_scatter", dtype, math.prod(shape), stop - start, reduce_op=reduce_op.value)

@@ -7,6 +7,7 @@ every rank must agree on.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -14,6 +15,7 @@ import torch
 
 from lab import checks
 from lab.buffers import known_writable
+from lab.chunking import split_bounds
 from lab.collectives.choice import lab_algo
 from lab.comm.operations import Operation
 from lab.fingerprint import Signature
@@ -153,6 +155,52 @@ def make_lane(mesh: CallMesh, key: tuple, signature: Signature, algorithm: Any, 
                                  reduce_op=signature.op or None, root=root, algorithm=signature.algorithm)
             nbytes = count * signature.dtype.storage.itemsize
             remembered(mesh, key, lambda: Lane(mesh, run, nbytes, run.operands(args)[1:], what))
+
+
+def gathered_by_lane(mesh: CallMesh, lane: Lane, tensor: torch.Tensor) -> torch.Tensor:
+    """A plain allgather of ``tensor`` through its ``lane``: a new result, ``tensor`` copied into
+    this rank's block, gathered at its address. ``tensor`` is read now, before the lane's turn in
+    the issue order: the caller makes sure no earlier call is in flight."""
+    n = mesh.world_size
+    out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (n,), dtype=tensor.dtype)
+    gather_into(out, tensor, mesh.rank)
+    lane(out)
+    return out
+
+
+def gather_into(out: torch.Tensor, tensor: torch.Tensor, rank: int) -> None:
+    """Copy ``tensor`` into block ``rank`` of ``out`` (an allgather's result, before its lane runs)."""
+    nbytes = tensor.numel() * tensor.element_size(
+    )  # (both contiguous, one dtype: torch's slicing costs 10 µs)
+    ctypes.memmove(out.data_ptr() + rank * nbytes, tensor.data_ptr(), nbytes)
+
+
+def scattered_by_lane(mesh: CallMesh, lane: Lane, tensor: torch.Tensor) -> torch.Tensor:
+    """A plain reduce_scatter of ``tensor`` through its ``lane`` (keyed by the row count too: the
+    blocks are rows): a copy reduced at its address, this rank's rows of it returned. Read now,
+    as :func:`gathered_by_lane`'s."""
+    work = copied(tensor)
+    lane(work)
+    first, last = split_bounds(tensor.shape[0], mesh.world_size)[mesh.rank]
+    return work[first:last].clone()
+
+
+def copied(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a contiguous ``tensor`` (by memmove: torch's ``clone`` costs microseconds more)."""
+    work = torch.empty(tensor.shape, dtype=tensor.dtype)
+    ctypes.memmove(work.data_ptr(), tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    return work
+
+
+def scatter_through(lane: Lane, out: torch.Tensor, rank: int) -> Callable[[torch.Tensor], None]:
+    """A reduce_scatter's ``lane`` run on a copy of the input, then the copy's block ``rank``
+    copied into ``out`` (a flat input of equal blocks: torch's reduce_scatter_tensor)."""
+    def run(work: torch.Tensor) -> None:
+        lane(work)
+        nbytes = out.numel() * out.element_size()
+        ctypes.memmove(out.data_ptr(), work.data_ptr() + rank * nbytes, nbytes)
+
+    return run
 
 
 #: Kept per mesh at most (a program's distinct shapes of call are few; past this, start over).
