@@ -20,9 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch._C._distributed_c10d import (  # (torch.distributed does not export them)
-    AllgatherOptions, ReduceScatterOptions,
-)
+
+# (torch.distributed does not export these)
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 import lab  # registers the "lab" backend
 from lab.backend.work import DoneWork
