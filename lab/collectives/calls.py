@@ -257,7 +257,7 @@ def prepare_reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorit
             mesh.run(ALGORITHMS["reduce_scatter"][chosen], work, kernels, bounds)
         if lane_under is not None:  # (on a copy: a later call's is a new torch tensor)
             make_lane(mesh, lane_under, signature, ALGORITHMS["reduce_scatter"][chosen],
-                      (work, kernels, bounds))
+                      (work, kernels, bounds), out_count=stop - start)
         return to_caller_type(work[start:stop].copy(), dtype, (rows[1] - rows[0], *shape[1:]), like=tensor)
 
     what = describe(mesh, "reduce_scatter", dtype, math.prod(shape), stop - start, reduce_op=reduce_op.value)

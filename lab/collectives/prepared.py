@@ -141,18 +141,20 @@ def find_lane(mesh: CallMesh, collective: str, tensor: Any, *arguments: Any,
 
 
 def make_lane(mesh: CallMesh, key: tuple, signature: Signature, algorithm: Any, args: tuple,
-              world_count: bool = False) -> None:
+              world_count: bool = False, out_count: int | None = None) -> None:
     """Keep a :class:`Lane` under ``key`` (:func:`lane_key`) for the compiled call of ``signature``
     running ``algorithm`` on arguments like ``args``, whose first is the buffer the lane is given
-    (``world_count``: it holds N times ``signature.count`` elements, an allgather's result)."""
+    (``world_count``: it holds N times ``signature.count`` elements, an allgather's result);
+    ``out_count``: the elements a call returns, as a recording notes it (default: the buffer's)."""
     if key not in mesh.templates:
         run = mesh.compiled_call(signature, algorithm, args, at=True)
         if run is not None:  # (the operands after the buffer, as the compiled call takes them)
             count = signature.count * (mesh.world_size if world_count else 1)
             # (made once, whether the rank records now or not: it may start later)
             root = None if signature.root < 0 else signature.root
-            what = mesh.describe(signature.collective, signature.dtype, signature.count, count,
-                                 reduce_op=signature.op or None, root=root, algorithm=signature.algorithm)
+            what = mesh.describe(signature.collective, signature.dtype, signature.count,
+                                 count if out_count is None else out_count, reduce_op=signature.op or None,
+                                 root=root, algorithm=signature.algorithm)
             nbytes = count * signature.dtype.storage.itemsize
             remembered(mesh, key, lambda: Lane(mesh, run, nbytes, run.operands(args)[1:], what))
 
