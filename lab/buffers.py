@@ -151,6 +151,19 @@ def known_writable(tensor: torch.Tensor) -> bool:
     return _remembered(tensor) or tensor.untyped_storage().resizable()
 
 
+def writable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory takes writes: :func:`known_writable`, or else asked once by
+    :func:`check_writable` and remembered (a tensor numpy viewed, read by an earlier collective,
+    is no longer known by its storage)."""
+    if known_writable(tensor):
+        return True
+    try:
+        check_writable(tensor, "tensor")
+    except ValueError:
+        return False
+    return True
+
+
 def _remembered(tensor: torch.Tensor) -> bool:
     known = _known_writable.get(id(tensor))
     return known is not None and known[0]() is tensor and known[1] == tensor.data_ptr()

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lab.backend import flight_dumps
-from lab.buffers import check_writable, known_writable
+from lab.buffers import writable
 from lab.collectives.prepared import copied, find_lane, gather_into, scatter_through
 from lab.comm.issue import Work
 from lab.comm.operations import Operation
@@ -197,16 +197,4 @@ def fits(block: torch.Tensor, whole: torch.Tensor, world_size: int, output: torc
     can take a lane: one dtype, contiguous, ``whole`` N blocks, ``output`` known writable."""
     return type(block) is torch.Tensor and type(whole) is torch.Tensor and block.dtype == whole.dtype \
         and block.is_contiguous() and whole.is_contiguous() and whole.numel() == block.numel() * world_size \
-        and _writable(output)
-
-
-def _writable(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s memory takes writes (known, or asked once and remembered: a tensor numpy
-    viewed, read by an earlier collective, is no longer known by its storage)."""
-    if known_writable(tensor):
-        return True
-    try:
-        check_writable(tensor, "output")
-    except ValueError:
-        return False
-    return True
+        and writable(output)
