@@ -22,6 +22,7 @@ from helpers import child_env, free_port, require_hosts
 
 import lab
 from lab import workload
+from lab.collectives.prepared import find_lane
 from lab.comm import operations as recording
 from lab.hosts.rendezvous import pool_store
 from lab.workload import record
@@ -215,6 +216,31 @@ def test_lab_workload_records_a_mesh_s_calls_their_waits_and_peers(tmp_path, mon
         # what each collective ran: the full path's, the lane's, the plan's; a send says none
         assert [r.get("algorithm") for r in mine if r["kind"] == "op"] == [*ran[:3], None, ran[3]]
     assert workload.load(path).steps == 1
+
+
+def gathers_and_scatters(mesh: lab.Mesh) -> tuple[bool, list[int]]:
+    """Two plain allgathers and two plain reduce_scatters of one tensor of 7 rows (the second of
+    each runs from its lane); whether both lanes were made, and the rows each call returned."""
+    x = torch.arange(7.0)
+    returned = []
+    for _ in range(2):
+        returned += [len(lab.allgather(mesh, x)), len(lab.reduce_scatter(mesh, x))]
+    lanes = (find_lane(mesh, "allgather", x, "auto",
+                       writes=False), find_lane(mesh, "reduce_scatter", x, "sum", "auto", 7, writes=False))
+    lab.workload.mark_step()
+    return all(lane is not None for lane in lanes), returned
+
+
+def test_a_lane_s_call_is_recorded_as_the_full_path_s_with_what_it_returns(tmp_path, monkeypatch):
+    path = tmp_path / "lanes.jsonl"
+    monkeypatch.setenv("LAB_WORKLOAD", str(path))
+    results = lab.spawn(gathers_and_scatters, 2)
+    _, rows = lines(path)
+    for rank, (lanes, returned) in enumerate(results):
+        assert lanes and returned == [14, 4 - rank] * 2  # (7 rows in blocks of 4 and 3)
+        ops = [(r["op"], r["count"], r["out_count"], r["reduce_op"] if r["op"] == "reduce_scatter" else None)
+               for r in of(rows, rank) if r["kind"] == "op"]
+        assert ops == [("allgather", 7, 14, None), ("reduce_scatter", 7, 4 - rank, "sum")] * 2
 
 
 TORCHRUN_RANK = """
