@@ -10,6 +10,7 @@ future completes with a :class:`Failed` value that raises that same error when a
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from lab.backend import flight_dumps
 from lab.buffers import writable
-from lab.collectives.prepared import copied, find_lane, gather_into, scatter_through
+from lab.collectives.prepared import find_lane, gather_into, scatter_through
 from lab.comm.issue import Work
 from lab.comm.operations import Operation
 
@@ -156,13 +157,12 @@ class DoneWork(dist._Work):
         return self._future
 
 
-def run_lane_now(group: Issuer, lane: Callable[[torch.Tensor], None], tensor: torch.Tensor,
-                 outputs: list[torch.Tensor]) -> dist._Work:
-    """Run a plain call's ``lane`` (``lab.collectives.prepared.Lane``: the compiled collective an
-    earlier call like this one made) on ``tensor`` now, on this thread: a complete Work, or on
-    failure a :class:`LabWork` that raises it as every other path's does."""
+def run_lane_now(group: Issuer, run: Callable[[], None], outputs: list[torch.Tensor]) -> dist._Work:
+    """``run()``, a plain call's lane (``lab.collectives.prepared.Lane``: the compiled collective
+    an earlier call like this one made), now, on this thread: a complete Work, or on failure a
+    :class:`LabWork` that raises it as every other path's does."""
     try:
-        lane(tensor)
+        run()
     except BaseException as exc:  # noqa: BLE001 - the Work carries it to wait(), as issue_now's does
         failed: Future = Future()
         failed.set_exception(exc)
@@ -175,8 +175,9 @@ def from_lane(group: Any, opts: Any, collective: str, tensor: torch.Tensor, *arg
     """The Work of ``group``'s call like an earlier one, run from its lane before this returns
     (``lab.collectives.prepared.find_lane``: the lab's plain call's path, ~5 µs less than issuing
     it), or None: where ``group`` would run it now, nothing is in flight and nothing records or
-    checks replicas. ``into``: the output of an allgather (``tensor`` copied into its block, then
-    gathered there) or of a reduce_scatter (``tensor`` reduced on a copy, its block copied out)."""
+    checks replicas. ``into``: the output of an allgather (``tensor`` copied into its block at the
+    lane's turn, then gathered there) or of a reduce_scatter (``tensor`` reduced on a copy, its
+    block copied out)."""
     mesh = group.mesh
     if mesh.recording or group.options.check_replicas or mesh.closed or mesh.issue_queue.in_flight \
             or not (mesh.issue_queue.alone or getattr(opts, "asyncOp", True) is False):
@@ -185,11 +186,13 @@ def from_lane(group: Any, opts: Any, collective: str, tensor: torch.Tensor, *arg
     if lane is None:
         return None
     if collective == "reduce_scatter":
-        return run_lane_now(group, scatter_through(lane, into, mesh.rank), copied(tensor), [into])
-    if into is not None:
-        gather_into(into, tensor, mesh.rank)
-        tensor = into
-    return run_lane_now(group, lane, tensor, [tensor])
+        run = functools.partial(scatter_through, lane, tensor, into,
+                                mesh.rank * into.numel() * into.element_size())
+    elif into is not None:
+        run = functools.partial(lane.through, into, functools.partial(gather_into, into, tensor, mesh.rank))
+    else:
+        run = functools.partial(lane, tensor)
+    return run_lane_now(group, run, [tensor if into is None else into])
 
 
 def fits(block: torch.Tensor, whole: torch.Tensor, world_size: int, output: torch.Tensor) -> bool:

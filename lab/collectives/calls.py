@@ -177,7 +177,7 @@ def allgather(mesh: CallMesh, tensor: Any, algorithm: str = "auto", async_op: bo
     """
     if async_op is False:
         lane = find_lane(mesh, "allgather", tensor, algorithm, writes=False)
-        if lane is not None and not mesh.issue_queue.in_flight:  # (see gathered_by_lane)
+        if lane is not None:  # (a call like one before: see gathered_by_lane)
             return gathered_by_lane(mesh, lane, tensor)
     return issue(mesh, prepare_allgather(mesh, tensor, algorithm), async_op)
 
@@ -225,7 +225,7 @@ def reduce_scatter(mesh: CallMesh, tensor: Any, op: Any = "sum", algorithm: str 
     """
     if async_op is False and type(tensor) is torch.Tensor and tensor.dim():
         lane = find_lane(mesh, "reduce_scatter", tensor, op, algorithm, tensor.shape[0], writes=False)
-        if lane is not None and not mesh.issue_queue.in_flight:  # (see scattered_by_lane)
+        if lane is not None:  # (a call like one before: see scattered_by_lane)
             return scattered_by_lane(mesh, lane, tensor)
     return issue(mesh, prepare_reduce_scatter(mesh, tensor, op, algorithm), async_op)
 

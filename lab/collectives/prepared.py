@@ -8,6 +8,8 @@ every rank must agree on.
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -113,6 +115,18 @@ class Lane:
         self._run_alone(self._run, (tensor.data_ptr(), self._nbytes, *self._rest), refused=self._refused,
                         what=self._what)
 
+    def through(self, work: torch.Tensor, copy_in: Callable[[], Any]) -> None:
+        """Run on ``work`` after ``copy_in()`` fills it, both at the lane's turn in the issue order:
+        an input read any sooner could miss the write of a call issued before (by another thread,
+        too)."""
+        self._run_alone(_in_turn, copy_in, self._run, (work.data_ptr(), self._nbytes, *self._rest),
+                        refused=self._refused, what=self._what)
+
+
+def _in_turn(copy_in: Callable[[], Any], run: PlannedRun, operands: tuple) -> None:
+    copy_in()
+    run(operands)
+
 
 def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
     """Where the :class:`Lane` of a plain call of ``collective`` on ``tensor`` with ``arguments``
@@ -161,12 +175,10 @@ def make_lane(mesh: CallMesh, key: tuple, signature: Signature, algorithm: Any, 
 
 def gathered_by_lane(mesh: CallMesh, lane: Lane, tensor: torch.Tensor) -> torch.Tensor:
     """A plain allgather of ``tensor`` through its ``lane``: a new result, ``tensor`` copied into
-    this rank's block, gathered at its address. ``tensor`` is read now, before the lane's turn in
-    the issue order: the caller makes sure no earlier call is in flight."""
+    this rank's block at the lane's turn, gathered at its address."""
     n = mesh.world_size
     out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else (n,), dtype=tensor.dtype)
-    gather_into(out, tensor, mesh.rank)
-    lane(out)
+    lane.through(out, functools.partial(gather_into, out, tensor, mesh.rank))
     return out
 
 
@@ -179,30 +191,22 @@ def gather_into(out: torch.Tensor, tensor: torch.Tensor, rank: int) -> None:
 
 def scattered_by_lane(mesh: CallMesh, lane: Lane, tensor: torch.Tensor) -> torch.Tensor:
     """A plain reduce_scatter of ``tensor`` through its ``lane`` (keyed by the row count too: the
-    blocks are rows): a copy reduced at its address, this rank's rows of it returned. Read now,
-    as :func:`gathered_by_lane`'s."""
-    work = copied(tensor)
-    lane(work)
+    blocks are rows): this rank's rows of :func:`scatter_through`'s reduced copy, a new tensor."""
     first, last = split_bounds(tensor.shape[0], mesh.world_size)[mesh.rank]
-    return work[first:last].clone()
+    out = torch.empty((last - first, *tensor.shape[1:]), dtype=tensor.dtype)
+    scatter_through(lane, tensor, out, first * math.prod(tensor.shape[1:]) * tensor.element_size())
+    return out
 
 
-def copied(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of a contiguous ``tensor`` (by memmove: torch's ``clone`` costs microseconds more)."""
-    work = torch.empty(tensor.shape, dtype=tensor.dtype)
-    ctypes.memmove(work.data_ptr(), tensor.data_ptr(), tensor.numel() * tensor.element_size())
-    return work
-
-
-def scatter_through(lane: Lane, out: torch.Tensor, rank: int) -> Callable[[torch.Tensor], None]:
-    """A reduce_scatter's ``lane`` run on a copy of the input, then the copy's block ``rank``
-    copied into ``out`` (a flat input of equal blocks: torch's reduce_scatter_tensor)."""
-    def run(work: torch.Tensor) -> None:
-        lane(work)
-        nbytes = out.numel() * out.element_size()
-        ctypes.memmove(out.data_ptr(), work.data_ptr() + rank * nbytes, nbytes)
-
-    return run
+def scatter_through(lane: Lane, tensor: torch.Tensor, out: torch.Tensor, offset: int) -> None:
+    """A reduce_scatter's ``lane`` run on a copy of ``tensor`` (made at its turn: the caller's
+    tensor stays as it was), then ``out`` filled from the copy's bytes at ``offset``."""
+    work = torch.empty(tensor.shape, dtype=tensor.dtype)  # (memmove: torch's clone costs microseconds more)
+    lane.through(
+        work,
+        functools.partial(ctypes.memmove, work.data_ptr(), tensor.data_ptr(),
+                          tensor.numel() * tensor.element_size()))
+    ctypes.memmove(out.data_ptr(), work.data_ptr() + offset, out.numel() * out.element_size())
 
 
 #: Kept per mesh at most (a program's distinct shapes of call are few; past this, start over).
