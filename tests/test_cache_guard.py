@@ -61,7 +61,8 @@ def program(folder: Path, value: int) -> None:
     (folder / "run.py").write_text(RUN)
 
 
-def test_an_edit_in_a_helper_file_recompiles_what_calls_it(tmp_path):
+def test_an_edit_in_a_helper_file_recompiles_what_calls_it(tmp_path, monkeypatch):
+    monkeypatch.setattr("numba.config.CACHE_DIR", "")  # where the programs cache (run's NUMBA_CACHE_DIR="")
     stale, guarded = tmp_path / "stale", tmp_path / "guarded"
     for folder in (stale, guarded):
         folder.mkdir()
