@@ -12,6 +12,7 @@ import math
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -272,6 +273,21 @@ def allgather_lanes(mesh: lab.Mesh) -> list[str]:
     work.wait()
     if not torch.equal(got, torch.cat([sum(pattern(5, r, torch.float32) for r in range(n))] * n)):
         wrong.append(f"rank {rank} allgather after an asynchronous allreduce of its input: {got.tolist()}")
+    # Another thread's asynchronous allreduce of the input, still in flight (the other ranks join
+    # it late): this thread's allgather, from its lane, reads the input at its turn, after the sum.
+    y, works = pattern(5, rank, torch.float32), []
+    if rank:
+        time.sleep(0.05)
+    thread = threading.Thread(target=lambda: works.append(lab.allreduce(mesh, y, async_op=True)))
+    thread.start()
+    thread.join()  # (issued: its Work returned)
+    lane = find_lane(mesh, "allgather", y, "auto", writes=False)
+    got = lab.allgather(mesh, y)
+    works[0].wait()
+    if (lane is None) != (n == 1) \
+            or not torch.equal(got, torch.cat([sum(pattern(5, r, torch.float32) for r in range(n))] * n)):
+        wrong.append(f"rank {rank} allgather (lane {lane}) after another thread's asynchronous allreduce of "
+                     f"its input: {got.tolist()}")
     return wrong
 
 
@@ -313,6 +329,19 @@ def reduce_scatter_lanes(mesh: lab.Mesh) -> list[str]:
     if not torch.equal(got, total[2 * rank:2 * rank + 2]):
         wrong.append(
             f"rank {rank} reduce_scatter after an asynchronous allreduce of its input: {got.tolist()}")
+    # the same with the allreduce issued by another thread, still in flight (the others join it late)
+    y, works = pattern(2 * n, rank, torch.float32), []
+    if rank:
+        time.sleep(0.05)
+    thread = threading.Thread(target=lambda: works.append(lab.allreduce(mesh, y, async_op=True)))
+    thread.start()
+    thread.join()
+    lane = find_lane(mesh, "reduce_scatter", y, "sum", "auto", 2 * n, writes=False)
+    got = lab.reduce_scatter(mesh, y)
+    works[0].wait()
+    if (lane is None) != (n == 1) or not torch.equal(got, total[2 * rank:2 * rank + 2]):
+        wrong.append(f"rank {rank} reduce_scatter (lane {lane}) after another thread's asynchronous "
+                     f"allreduce of its input: {got.tolist()}")
     return wrong
 
 
