@@ -336,10 +336,11 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
     call = remembered(mesh, ("symm_mem.one_shot_all_reduce_out", signature),
                       lambda: mesh.compiled_call(signature, one_shot, args))
 
+    if call is not None:  # (in issue order as a plan's run: at once where nothing is pending)
+        mesh.issue_queue.run_alone(call, call.operands(args), refused=mesh.refused)
+        return out
+
     def run() -> torch.Tensor:
-        if call is not None:
-            call(call.operands(args))
-            return out
         with mesh.collective(*signature):
             mesh.run(one_shot, target.flat, kernels, source=source.flat)
         return out
