@@ -97,13 +97,14 @@ def compiled_run(mesh: CallMesh, signature: Signature, algorithm: Any, args: tup
 
 
 class Lane:
-    """A plain allreduce's, broadcast's or allgather's shortest way, made by its first call (a
-    broadcast's once that call went through) and kept with its template: a later call with the
-    same arguments on an exact ``torch.Tensor`` of the same dtype and size, contiguous and on the
-    CPU, runs the compiled call on the tensor's memory by its address (no checks repeated, no
-    buffer wrapped, no numpy view made, nothing of the tensor kept), in issue order as a plan's
-    run (:meth:`lab.comm.issue.IssueQueue.run_alone`; ``what``, the call as a recording notes it, where
-    the rank records)."""
+    """A plain allreduce's, broadcast's, allgather's or reduce_scatter's shortest way, made by its
+    first call (a broadcast's once that call went through) and kept with its template: a later
+    call with the same arguments on an exact ``torch.Tensor`` of the same dtype and size,
+    contiguous and on the CPU, runs the compiled call on the tensor's memory by its address (no
+    checks repeated, no buffer wrapped, no numpy view made, nothing of the tensor kept), in issue
+    order as a plan's run (:meth:`lab.comm.issue.IssueQueue.run_alone`; ``what``, the call as a
+    recording notes it, where the rank records); an allgather's and a reduce_scatter's on a new
+    tensor the input is copied into at that turn (:meth:`through`)."""
 
     __slots__ = ("_nbytes", "_refused", "_rest", "_run", "_run_alone", "_what")
 
