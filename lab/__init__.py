@@ -12,6 +12,11 @@
 
 import importlib
 
+# The guard of Numba's cache first, before any import compiles or loads compiled code: a first
+# run's kernels would otherwise be cleared once compiled, and compiled again by the next process.
+from lab.compiled import sources as compiled_sources  # noqa: F401
+
+# isort: split
 from lab import backend, bucketing, ddp, symm_mem, tuning
 from lab.collectives.calls import (
     all_to_all,
@@ -39,7 +44,6 @@ from lab.collectives.plans import (
 from lab.comm import operations as recording
 from lab.comm.issue import Work
 from lab.comm.mesh import Mesh
-from lab.compiled import sources as compiled_sources  # noqa: F401  (first: compiled code is never older than its sources)
 from lab.compiled.registered import empty
 from lab.errors import (
     CollectiveMismatchError,

@@ -137,3 +137,23 @@ def test_the_scan_sees_a_compiled_module_and_what_it_imports(tmp_path):
             return LIMIT
     """))
     assert compiled_modules(tmp_path) == {"lab/collectives/planted.py": {"lab/limits.py"}}
+
+
+#: In a fresh process: the reduction kernel sum_into's signatures loaded from the cache, and compiled.
+CACHE_USE = ("import lab, kernels.reduce as r; s = r.sum_into.stats; "
+             "print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))")
+
+
+@pytest.mark.slow  # (the first import compiles every reduction kernel: about 9 CPU seconds)
+def test_what_a_first_import_compiles_the_next_process_loads(tmp_path):
+    """With an empty cache, ``import lab`` compiles the reduction kernels and the next process
+    loads them: the guard runs before any import compiles (it once ran after, cleared what the
+    first run had just compiled, and left the second to compile it all again)."""
+    counts = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", CACHE_USE], capture_output=True, text=True, timeout=300,
+                              env=child_env(NUMBA_CACHE_DIR=str(tmp_path)))
+        assert done.returncode == 0, done.stderr
+        counts.append(tuple(map(int, done.stdout.split()[-2:])))
+    (first_hits, compiled), second = counts
+    assert first_hits == 0 and compiled > 0 and second == (compiled, 0), counts
