@@ -19,7 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rooted
+from helpers import enter_together, rooted
 
 import lab
 from lab.launch.forkserver import start_context
@@ -86,12 +86,16 @@ def test_the_next_collective_finds_it_in_either_medium(transport, world_size):
 # -- close ------------------------------------------------------------------------------------
 
 
-def in_step(mesh: lab.Mesh) -> None:
+def in_step(mesh: lab.Mesh, flags: str | None = None) -> None:
     """Ranks 0 and 1 each send the other a point-to-point token, then receive the other's: each
     then has every message the other sent before (a close with unread data must not cut the
-    other's receive short: on tcp it resets the connection)."""
+    other's receive short: on tcp it resets the connection). With ``flags`` (a folder), each
+    receives only once both tokens are sent: a receive that waits looks for unread collectives and
+    would find the one the test leaves for the close (a loaded machine delays the token)."""
     peer = 1 - mesh.rank
     mesh.send(peer, pattern(1, mesh.rank), tag=7)
+    if flags is not None:
+        enter_together(mesh, flags)
     mesh.recv(peer, tag=7)
 
 
@@ -103,17 +107,18 @@ def closed(mesh: lab.Mesh) -> str:
     return "closed"
 
 
-def close_after_a_disagreement(mesh: lab.Mesh, count: int) -> str:
+def close_after_a_disagreement(mesh: lab.Mesh, count: int, flags: str) -> str:
     """A broadcast whose root each rank takes for itself (each only sends), then close."""
     lab.broadcast(mesh, pattern(count, mesh.rank), src=mesh.rank)
-    in_step(mesh)
+    in_step(mesh, flags)
     return closed(mesh)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_close_raises_for_a_message_never_received(transport):
+def test_close_raises_for_a_message_never_received(transport, tmp_path):
     for count in COUNTS:
-        outputs = lab.spawn(close_after_a_disagreement, 2, args=(count,), transport=transport)
+        (flags := tmp_path / str(count)).mkdir()
+        outputs = lab.spawn(close_after_a_disagreement, 2, args=(count, str(flags)), transport=transport)
         for rank, got in enumerate(outputs):
             assert got.startswith(f"CollectiveMismatchError: rank {rank} closed the mesh with a message it "
                                   f"never received: rank {1 - rank} sent broadcast #1 float32[{count}] "
