@@ -15,11 +15,12 @@ gather with each rank naming the next one (every rank only sends to its "root").
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import enter_together, rooted
+from helpers import enter_together, rooted, wait_until
 
 import lab
 from lab.launch.forkserver import start_context
@@ -146,6 +147,9 @@ def destroy_rank(rank: int, init: str, output: str) -> None:
     dist.init_process_group("lab", init_method=init, rank=rank, world_size=2, timeout=timedelta(seconds=120))
     dist.broadcast(torch.arange(8.0) + rank, src=rank)  # every rank its own root: each only sends
     dist.send(torch.zeros(1), 1 - rank, tag=7)  # each then has every message the other sent before
+    sent = [Path(output).parent / f"sent{r}" for r in range(2)]  # (received once both are sent: see in_step)
+    sent[rank].touch()
+    wait_until(lambda: all(path.exists() for path in sent), "both tokens sent")
     dist.recv(torch.zeros(1), 1 - rank, tag=7)
     try:
         dist.destroy_process_group()
