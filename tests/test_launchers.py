@@ -365,6 +365,7 @@ def outputs_ok(lines: str, world_size: int, launcher: str) -> list[str]:
     return oks
 
 
+@pytest.mark.slow  # (a launch: mpiexec's three ranks each import torch and the lab)
 @pytest.mark.parametrize("transport", ["tcp", "auto"])
 def test_mpiexec_job(transport):
     """``mpiexec -n 3``: launch_env reads Hydra's variables, derives the port from the
