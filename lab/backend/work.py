@@ -174,8 +174,9 @@ def from_lane(group: Any, opts: Any, collective: str, tensor: torch.Tensor, *arg
               into: torch.Tensor | None = None) -> dist._Work | None:
     """The Work of ``group``'s call like an earlier one, run from its lane before this returns
     (``lab.collectives.prepared.find_lane``: the lab's plain call's path, ~5 µs less than issuing
-    it), or None: where ``group`` would run it now, nothing is in flight and nothing records or
-    checks replicas. ``into``: the output of an allgather (``tensor`` copied into its block at the
+    it), or None: where ``group`` would run it now, nothing is in flight (the lane would wait for
+    it, in issue order, where torch expects its Work back at once) and nothing records or checks
+    replicas. ``into``: the output of an allgather (``tensor`` copied into its block at the
     lane's turn, then gathered there) or of a reduce_scatter (``tensor`` reduced on a copy, its
     block copied out)."""
     mesh = group.mesh
