@@ -52,13 +52,15 @@ def cache_is_cold() -> bool:
 
 def _run_each_compilable(mesh: Mesh) -> None:
     x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
-    tensor = torch.ones(4)  # twice: the second call takes the lane the first made
+    # Each tensor twice: the second call takes the lane (lab.collectives.prepared.Lane) the first made.
+    tensor, tensor_rows = torch.ones(4), torch.ones(2 * mesh.world_size)
     calls = {
         "allreduce": lambda a: [collectives.allreduce(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
         "broadcast": lambda a: [collectives.broadcast(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
-        "allgather": lambda a: collectives.allgather(mesh, x, algorithm=a),
-        "reduce_scatter": lambda a: collectives.reduce_scatter(mesh, rows, algorithm=a),
-        "reduce": lambda a: collectives.reduce(mesh, x),
+        "allgather": lambda a: [collectives.allgather(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
+        "reduce_scatter": lambda a: [
+            collectives.reduce_scatter(mesh, t, algorithm=a)
+            for t in (rows, tensor_rows, tensor_rows)], "reduce": lambda a: collectives.reduce(mesh, x),
         "all_to_all": lambda a: collectives.all_to_all(mesh, rows, algorithm=a),
         "barrier": lambda a: collectives.barrier(mesh),
         "gather": lambda a: collectives.gather(mesh, x, algorithm=a),

@@ -101,8 +101,8 @@ def warm_compiled_plane() -> None:
     from lab.warmup import compile_all
 
     ran = lab.spawn(compile_all, 2, transport="shm", env={"LAB_COMPILED_MAX_BYTES": str(DEFAULT_MAX_BYTES)})
-    # one call per compilable algorithm, and allreduce's and broadcast's twice more (a torch tensor: the lane's call)
+    # one call per compilable algorithm, and those of the four with lanes twice more (a torch tensor: the lane's call)
     expected = sum(len(registry.compiled(collective)) for collective in registry.ALGORITHMS) \
-        + 2 * (len(registry.compiled("allreduce")) + len(registry.compiled("broadcast")))
+        + 2 * sum(len(registry.compiled(c)) for c in ("allreduce", "broadcast", "allgather", "reduce_scatter"))
     assert ran == [expected
                    ] * 2, f"the compiled plane's warm-up ran {ran} compiled collectives, expected {expected}"
