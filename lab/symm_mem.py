@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ from kernels import two_shot as flags
 from kernels.doorbell import PEER_LOST, SILENCE
 from lab import checks
 from lab.algorithms.registry import ALGORITHMS
-from lab.buffers import as_buffer
+from lab.buffers import as_buffer, known_writable
 from lab.collectives.calls import allgather, allreduce
 from lab.collectives.prepared import parse_op, remembered
 from lab.compiled.plane import deadline_ns as compiled_deadline_ns
@@ -305,8 +305,12 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
     rank's arena (:func:`empty`, :func:`lab.empty`; out of place: this rank then waits at the end
     until every peer has read it), else from a copy in this rank's slot; in place, and for an
     ``avg`` of float16/bfloat16 (which divides each input first), ``out`` is the copy. Elsewhere
-    the one-shot's message form. Every rank ends with the same bits either way.
+    the one-shot's message form. Every rank ends with the same bits either way. Out of place from
+    a registered input, a call with the dtypes, shapes and op of an earlier one takes that call's
+    compiled run at once, checking only what may have changed (see :func:`_by_lane`).
     """
+    if _by_lane(mesh, tensor, reduce_op, out):
+        return out
     for name, value in (("tensor", tensor), ("out", out)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
@@ -332,12 +336,15 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
     signature = Signature("allreduce", "one_shot", source.dtype, source.numel, op.value)
     one_shot = ALGORITHMS["allreduce"]["one_shot"]
     args = (target.flat, kernels, source.flat)
-    # Small enough for the compiled plane: one Numba call (kernels.one_shot), made once per signature.
+    # Small enough for the compiled plane: one Numba call (kernels.one_shot), made once per
+    # signature, taking out by its address; in issue order as a plan's run.
     call = remembered(mesh, ("symm_mem.one_shot_all_reduce_out", signature),
-                      lambda: mesh.compiled_call(signature, one_shot, args))
-
-    if call is not None:  # (in issue order as a plan's run: at once where nothing is pending)
-        mesh.issue_queue.run_alone(call, call.operands(args), refused=mesh.refused)
+                      lambda: mesh.compiled_call(signature, one_shot, args, at=True))
+    if call is not None:
+        mesh.issue_queue.run_alone(call, (first, nbytes, *call.operands(args)[1:]), refused=mesh.refused)
+        scratch = mesh.exchange.scratch
+        if scratch is not None and scratch.registered_at(other, nbytes) >= 0:
+            remembered(mesh, _lane_key(tensor, reduce_op, out), lambda: _Lane(call, nbytes, scratch))
         return out
 
     def run() -> torch.Tensor:
@@ -346,3 +353,49 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
         return out
 
     return mesh.issue(run, async_op=False)
+
+
+class _Lane(NamedTuple):
+    """A registered out-of-place one-shot's shortest way, kept by its first call: the compiled run
+    (``out`` by its address), the bytes, and the scratch the input lies in."""
+
+    run: Any
+    nbytes: int
+    scratch: Any
+
+
+def _lane_key(tensor: torch.Tensor, reduce_op: Any, out: torch.Tensor) -> tuple:
+    """Where a :class:`_Lane` is kept in ``mesh.templates``: the arguments' dtypes and shapes and
+    the op as given (and its type: ``True`` hashes as ``1``)."""
+    return ("symm_mem.one_shot_all_reduce_out lane", tensor.dtype, tensor.shape, out.dtype, out.shape,
+            reduce_op, type(reduce_op))
+
+
+def _by_lane(mesh: Mesh, tensor: Any, reduce_op: Any, out: Any) -> bool:
+    """Run :func:`one_shot_all_reduce_out` through its lane if a call with these arguments made
+    one and what the lane does not check (neither tensor a view whose memory is not its elements
+    in order, ``out`` writable, apart from ``tensor``, which lies in this rank's arena) holds:
+    the checks of the first call are not repeated, and nothing of either tensor is kept (a
+    buffer a lane held would not return to its arena). Returns whether it ran."""
+    if type(tensor) is not torch.Tensor or type(out) is not torch.Tensor:
+        return False
+    try:
+        lane = mesh.templates.get(_lane_key(tensor, reduce_op, out))
+    except TypeError:  # (an unhashable op: the full path says what is wrong with it)
+        return False
+    if lane is None or not _in_order(tensor) or not _in_order(out) or not known_writable(out):
+        return False
+    first, other, nbytes = out.data_ptr(), tensor.data_ptr(), lane.nbytes
+    registered = lane.scratch.registered_at(other, nbytes)
+    if registered < 0 or (first < other + nbytes and other < first + nbytes):  # (in place, overlaps)
+        return False
+    region = lane.scratch.region
+    mesh.issue_queue.run_alone(lane.run, (first, nbytes, region[registered:registered + nbytes]),
+                               refused=mesh.refused)
+    return True
+
+
+def _in_order(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory is its elements in order, on the CPU (as its lane reads it)."""
+    return tensor.layout is torch.strided and not tensor.is_nested and tensor.is_contiguous() and tensor.is_cpu \
+        and not tensor.is_conj() and not tensor.is_neg()

@@ -126,6 +126,46 @@ def test_one_shot_all_reduce_out_writes_out_or_in_place(cluster):
     assert cluster.run(out_variants) == [[True] * 4] * cluster.world_size
 
 
+def again_and_again(mesh: lab.Mesh) -> list[str]:
+    """one_shot_all_reduce_out on the same registered input again and again (from its second call
+    it takes the lane the first made): each call reduces the input as it is then; what the lane
+    does not check is still refused or sent the full way on every call (out overlapping the input,
+    out not contiguous, in place, an input outside the arena); the buffers return to the arena."""
+    n, rank, wrong = mesh.world_size, mesh.rank, []
+    y = lab.symm_mem.empty(mesh, (10,), torch.float32)
+    x, out = y[:5], torch.empty(5)
+    for i in range(4):
+        x.copy_(pattern(5, rank, torch.float32) + i)
+        lab.symm_mem.one_shot_all_reduce_out(x, "sum", mesh, out)
+        if not same_bits(out, expected("sum", 5, n, torch.float32) + n * i):
+            wrong.append(f"rank {rank} call {i}: {out.tolist()}")
+    # Each twice: the first call's checks remember out's memory as writable, so the second comes
+    # as far as the lane's own.
+    for name, (bad_out, error) in [("overlapping", (y[2:7], "overlaps")),
+                                   ("strided", (torch.empty(10)[::2], "contiguous"))] * 2:
+        try:
+            lab.symm_mem.one_shot_all_reduce_out(x, "sum", mesh, bad_out)
+            wrong.append(f"rank {rank}: out {name}: no error")
+        except ValueError as exc:
+            if error not in str(exc):
+                wrong.append(f"rank {rank}: out {name}: {exc}")
+    plain = pattern(5, rank, torch.float32)
+    for name, tensor, target in (("in place", x, x), ("an ordinary input", plain, out)):
+        x.copy_(pattern(5, rank, torch.float32))
+        got = lab.symm_mem.one_shot_all_reduce_out(tensor, "sum", mesh, target)
+        if not same_bits(got, expected("sum", 5, n, torch.float32)):
+            wrong.append(f"rank {rank} {name}: {got.tolist()}")
+    scratch = mesh.exchange.scratch
+    del x, y
+    if scratch is not None and scratch.in_use():
+        wrong.append(f"rank {rank}: the arena still holds {scratch.in_use()}")
+    return wrong
+
+
+def test_the_same_registered_call_again_and_again(cluster):
+    assert cluster.run(again_and_again) == [[]] * cluster.world_size
+
+
 def other_transport(mesh: lab.Mesh) -> tuple[str, bytes]:
     try:
         lab.symm_mem.empty(mesh, (4,))

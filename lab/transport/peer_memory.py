@@ -142,6 +142,7 @@ class SharedScratch:
         self.slot_bytes, self.arena_bytes = slot_bytes, arena_bytes
         self.liveness_fds = liveness_fds
         self._words = region.view(np.int64)
+        self._address = region.ctypes.data  # (asking numpy each time costs a µs)
         self._slots = flags.control_bytes(world_size)
         self._arenas = self._slots + world_size * slot_bytes
         self._mine = self._arenas + rank * arena_bytes  # this rank's arena, in region offsets
@@ -202,10 +203,15 @@ class SharedScratch:
 
     def registered_offset(self, buf: np.ndarray) -> int:
         """Where ``buf`` starts in the region if it lies in this rank's arena, else -1."""
-        if self.closed or buf.nbytes == 0:
+        return self.registered_at(buf.ctypes.data, buf.nbytes)
+
+    def registered_at(self, address: int, nbytes: int) -> int:
+        """Where the ``nbytes`` at ``address`` start in the region if they lie in this rank's
+        arena, else -1 (none for a closed mesh, nor for no bytes)."""
+        if self.closed or nbytes == 0:
             return -1
-        start = buf.ctypes.data - self.region.ctypes.data - self._mine
-        return self._mine + start if 0 <= start and start + buf.nbytes <= self.arena_bytes else -1
+        start = address - self._address - self._mine
+        return self._mine + start if 0 <= start and start + nbytes <= self.arena_bytes else -1
 
     # -- the two-shot allreduce ----------------------------------------------------------------
 
