@@ -28,7 +28,8 @@ drained), and what the hook raises is all that propagates.
 Per rank, after copying its input into its slot and writing its header::
 
     publish(region, rank, world_size, FILLED, round + 1)
-    status, peer = wait_all(region, rank, world_size, FILLED, round + 1, deadline_ns, liveness_fds, 0, fingerprint)
+    status, peer = wait_all(region, rank, world_size, FILLED, round + 1, deadline_ns, liveness_fds, 0, fingerprint,
+                            DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT)
     # status OK: every rank's input of this round is readable; SILENCE or PEER_LOST: ``peer``'s is not
 
 :func:`wait_word` and :func:`store_word` wait for and store any int64 word of the region the
@@ -142,11 +143,13 @@ def _wait_at(words, doorbells, rank, peer, index, target, deadline_ns, liveness_
 
 @njit(cache=True, nogil=True)
 def wait_all(region, rank, world_size, field, target, deadline_ns, liveness_fds, hook, fingerprint,
-             spin_limit=DEFAULT_SPIN_LIMIT, yield_limit=DEFAULT_YIELD_LIMIT):
+             spin_limit, yield_limit):
     """Wait until every other rank's counter ``field`` is at least ``target`` (``deadline_ns``
     without progress per peer, 0: never; ``liveness_fds[r]``: rank r's pipe; ``hook``, the
     limits: see :func:`_wait_at`). Returns ``(status, peer)``: ``(OK, -1)``, or the first peer
-    that fell silent (SILENCE) or died (PEER_LOST)."""
+    that fell silent (SILENCE) or died (PEER_LOST). Every argument is required: a call from Python
+    that left one to its default would go through Numba's slow dispatch every time (about 100 µs,
+    against 2 µs)."""
     words, doorbells = region.view(np.int64), region.view(np.int32)
     for step in range(1, world_size):
         peer = (rank + step) % world_size

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels import two_shot as flags
-from kernels.doorbell import PEER_LOST, SILENCE
+from kernels.doorbell import DEFAULT_SPIN_LIMIT, DEFAULT_YIELD_LIMIT, PEER_LOST, SILENCE
 from lab import checks
 from lab.chunking import split_bounds
 from lab.compiled.plane import deadline_ns as compiled_deadline_ns
@@ -355,7 +355,8 @@ class SharedScratch:
 
     def _wait_all(self, field: int, target: int, deadline_ns: int, where: object) -> None:
         status, peer = flags.wait_all(self.region, self.rank, self.world_size, field, target, deadline_ns,
-                                      self.liveness_fds, self.hook, self._fingerprint)
+                                      self.liveness_fds, self.hook, self._fingerprint, DEFAULT_SPIN_LIMIT,
+                                      DEFAULT_YIELD_LIMIT)
         self._raise(status, peer, where)
 
     def _wait_one(self, peer: int, field: int, target: int, deadline_ns: int, where: object) -> None:
