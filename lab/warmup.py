@@ -54,17 +54,20 @@ def _run_each_compilable(mesh: Mesh) -> None:
     x, rows = np.ones(4, np.float32), np.ones(2 * mesh.world_size, np.float32)
     # Each tensor twice: the second call takes the lane (lab.collectives.prepared.Lane) the first made.
     tensor, tensor_rows = torch.ones(4), torch.ones(2 * mesh.world_size)
+
+    def each(call, inputs):  # the call on every input in turn, with the algorithm
+        return lambda a: [call(mesh, t, algorithm=a) for t in inputs]
+
     calls = {
-        "allreduce": lambda a: [collectives.allreduce(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
-        "broadcast": lambda a: [collectives.broadcast(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
-        "allgather": lambda a: [collectives.allgather(mesh, t, algorithm=a) for t in (x, tensor, tensor)],
-        "reduce_scatter": lambda a: [
-            collectives.reduce_scatter(mesh, t, algorithm=a)
-            for t in (rows, tensor_rows, tensor_rows)], "reduce": lambda a: collectives.reduce(mesh, x),
-        "all_to_all": lambda a: collectives.all_to_all(mesh, rows, algorithm=a),
+        "allreduce": each(collectives.allreduce, (x, tensor, tensor)),
+        "broadcast": each(collectives.broadcast, (x, tensor, tensor)),
+        "allgather": each(collectives.allgather, (x, tensor, tensor)),
+        "reduce_scatter": each(collectives.reduce_scatter, (rows, tensor_rows, tensor_rows)),
+        "reduce": lambda a: collectives.reduce(mesh, x),
+        "all_to_all": each(collectives.all_to_all, (rows,)),
         "barrier": lambda a: collectives.barrier(mesh),
-        "gather": lambda a: collectives.gather(mesh, x, algorithm=a),
-        "scatter": lambda a: collectives.scatter(mesh, rows, algorithm=a)}
+        "gather": each(collectives.gather, (x,)),
+        "scatter": each(collectives.scatter, (rows,)),}
     for collective in registry.ALGORITHMS:  # a KeyError here: a new collective needs its call above
         for algorithm in registry.compiled(collective):
             calls[collective](algorithm)
