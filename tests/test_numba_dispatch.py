@@ -2,10 +2,11 @@
 Numba's fast dispatch: none reaches ``_compile_for_args``, the slow path a dispatcher takes when
 its compiled overloads do not match the call as made (an argument left to its default, a type
 that must be converted). That path finds the same machine code in the end, so no result shows it;
-it costs about 100 µs a call against 2, which ``kernels.two_shot.wait_all`` cost every Python-path
-two-shot and one-shot until 2026-12-07 (tests/test_layout.py now also refuses the defaults).
+it costs about 100 µs a call against 2 (``kernels.two_shot.wait_all``, called with its waiting
+limits left to their defaults, cost every Python-path two-shot two of them; tests/test_layout.py
+refuses such defaults, this test any other cause).
 
-Each rank counts the slow dispatches of a third round of calls: allreduce by every one-machine
+Each rank counts the slow dispatches of a third round of calls: allreduce by every
 algorithm at a size the compiled plane takes and one it does not, two-shot on a registered
 tensor, every allgather, reduce_scatter and broadcast algorithm, a barrier, symmetric memory's
 signals and one-shot, and a point-to-point message.
@@ -21,15 +22,12 @@ from numba.core import dispatcher
 import lab
 from lab.algorithms import registry
 
-#: Allreduce algorithms for several hosts, which one machine runs as another.
-HOST_ALGORITHMS = ("hierarchical", "ring_channels", "chain_tree")
-
 
 def calls_of_every_kind(mesh: lab.Mesh) -> None:
     n, rank = mesh.world_size, mesh.rank
     for count in (256, 70_000):  # 1 KB (the compiled plane) and 280 KB (over LAB_COMPILED_MAX_BYTES)
         x = torch.arange(count, dtype=torch.float32) * 3 + rank
-        for algorithm in set(registry.ALGORITHMS["allreduce"]) - set(HOST_ALGORITHMS):
+        for algorithm in registry.ALGORITHMS["allreduce"]:
             lab.allreduce(mesh, x.clone(), algorithm=algorithm)
         lab.allreduce(mesh, lab.empty(mesh, (count,)), algorithm="two_shot")
         for algorithm in registry.ALGORITHMS["allgather"]:
