@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,9 +48,9 @@ from kernels import two_shot as flags
 from kernels.doorbell import PEER_LOST, SILENCE
 from lab import checks
 from lab.algorithms.registry import ALGORITHMS
-from lab.buffers import as_buffer, known_writable
+from lab.buffers import as_buffer
 from lab.collectives.calls import allgather, allreduce
-from lab.collectives.prepared import parse_op, remembered
+from lab.collectives.prepared import Lane, dense, find_lane, in_order, lane_key, parse_op, remembered
 from lab.compiled.plane import deadline_ns as compiled_deadline_ns
 from lab.errors import CollectiveMismatchError, LabError, PeerLostError
 from lab.fingerprint import Signature
@@ -338,13 +338,14 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
     args = (target.flat, kernels, source.flat)
     # Small enough for the compiled plane: one Numba call (kernels.one_shot), made once per
     # signature, taking out by its address; in issue order as a plan's run.
-    call = remembered(mesh, ("symm_mem.one_shot_all_reduce_out", signature),
+    call = remembered(mesh, (_LANE, signature),
                       lambda: mesh.compiled_call(signature, one_shot, args, at=True))
     if call is not None:
         mesh.issue_queue.run_alone(call, (first, nbytes, *call.operands(args)[1:]), refused=mesh.refused)
         scratch = mesh.exchange.scratch
         if scratch is not None and scratch.registered_at(other, nbytes) >= 0:
-            remembered(mesh, _lane_key(tensor, reduce_op, out), lambda: _Lane(call, nbytes, scratch))
+            remembered(mesh, lane_key(_LANE, out, *_lane_arguments(tensor, reduce_op, out)),
+                       lambda: Lane(mesh, call, nbytes, (), None))
         return out
 
     def run() -> torch.Tensor:
@@ -355,47 +356,32 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
     return mesh.issue(run, async_op=False)
 
 
-class _Lane(NamedTuple):
-    """A registered out-of-place one-shot's shortest way, kept by its first call: the compiled run
-    (``out`` by its address), the bytes, and the scratch the input lies in."""
-
-    run: Any
-    nbytes: int
-    scratch: Any
+#: The name :func:`one_shot_all_reduce_out`'s compiled call and lanes are kept under.
+_LANE = "symm_mem.one_shot_all_reduce_out"
 
 
-def _lane_key(tensor: torch.Tensor, reduce_op: Any, out: torch.Tensor) -> tuple:
-    """Where a :class:`_Lane` is kept in ``mesh.templates``: the arguments' dtypes and shapes and
-    the op as given (and its type: ``True`` hashes as ``1``)."""
-    return ("symm_mem.one_shot_all_reduce_out lane", tensor.dtype, tensor.shape, out.dtype, out.shape,
-            reduce_op, type(reduce_op))
+def _lane_arguments(tensor: torch.Tensor, reduce_op: Any, out: torch.Tensor) -> tuple:
+    """What a lane is keyed by besides ``out``'s dtype and size (:func:`lane_key`): the op as given,
+    the input's dtype and shape, and ``out``'s shape."""
+    return reduce_op, tensor.dtype, tensor.shape, out.shape
 
 
 def _by_lane(mesh: Mesh, tensor: Any, reduce_op: Any, out: Any) -> bool:
-    """Run :func:`one_shot_all_reduce_out` through its lane if a call with these arguments made
-    one and what the lane does not check (neither tensor a view whose memory is not its elements
-    in order, ``out`` writable, apart from ``tensor``, which lies in this rank's arena) holds:
-    the checks of the first call are not repeated, and nothing of either tensor is kept (a
-    buffer a lane held would not return to its arena). Returns whether it ran."""
-    if type(tensor) is not torch.Tensor or type(out) is not torch.Tensor:
+    """Run :func:`one_shot_all_reduce_out` through the lane (:class:`lab.collectives.prepared.Lane`)
+    an earlier call with these arguments made, where what the lane does not check holds (both
+    tensors' memory their elements in order, ``out`` writable, apart from ``tensor``, which lies
+    in this rank's arena): the first call's checks are not repeated, and the lane keeps nothing of
+    either tensor (a buffer it held would not return to its arena); the input goes in as a slice
+    of the scratch. Returns whether it ran."""
+    if not (dense(tensor) and dense(out) and in_order(tensor)):
         return False
-    try:
-        lane = mesh.templates.get(_lane_key(tensor, reduce_op, out))
-    except TypeError:  # (an unhashable op: the full path says what is wrong with it)
+    lane = find_lane(mesh, _LANE, out, *_lane_arguments(tensor, reduce_op, out))
+    scratch = mesh.exchange.scratch
+    if lane is None or scratch is None:
         return False
-    if lane is None or not _in_order(tensor) or not _in_order(out) or not known_writable(out):
-        return False
-    first, other, nbytes = out.data_ptr(), tensor.data_ptr(), lane.nbytes
-    registered = lane.scratch.registered_at(other, nbytes)
+    first, other, nbytes = out.data_ptr(), tensor.data_ptr(), out.numel() * out.element_size()
+    registered = scratch.registered_at(other, nbytes)
     if registered < 0 or (first < other + nbytes and other < first + nbytes):  # (in place, overlaps)
         return False
-    region = lane.scratch.region
-    mesh.issue_queue.run_alone(lane.run, (first, nbytes, region[registered:registered + nbytes]),
-                               refused=mesh.refused)
+    lane(out, scratch.region[registered:registered + nbytes])
     return True
-
-
-def _in_order(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s memory is its elements in order, on the CPU (as its lane reads it)."""
-    return tensor.layout is torch.strided and not tensor.is_nested and tensor.is_contiguous() and tensor.is_cpu \
-        and not tensor.is_conj() and not tensor.is_neg()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -160,6 +161,33 @@ def again_and_again(mesh: lab.Mesh) -> list[str]:
     if scratch is not None and scratch.in_use():
         wrong.append(f"rank {rank}: the arena still holds {scratch.in_use()}")
     return wrong
+
+
+def behind_another_threads_call(mesh: lab.Mesh) -> list[str]:
+    """Another thread's asynchronous allreduce of the registered input, still in flight (the other
+    ranks join it late), then the same one-shot as before from this thread: from its lane too, it
+    runs in issue order, so it reduces the summed input."""
+    n, rank, wrong = mesh.world_size, mesh.rank, []
+    x, out = lab.symm_mem.empty(mesh, (5,), torch.float32), torch.empty(5)
+    for _ in range(2):  # (the second call takes the lane the first made)
+        x.copy_(pattern(5, rank, torch.float32))
+        lab.symm_mem.one_shot_all_reduce_out(x, "sum", mesh, out)
+    x.copy_(pattern(5, rank, torch.float32))
+    works = []
+    if rank:
+        time.sleep(0.05)
+    thread = threading.Thread(target=lambda: works.append(lab.allreduce(mesh, x, async_op=True)))
+    thread.start()
+    thread.join()  # (issued: its Work returned)
+    lab.symm_mem.one_shot_all_reduce_out(x, "sum", mesh, out)
+    works[0].wait()
+    if not same_bits(out, n * expected("sum", 5, n, torch.float32)):
+        wrong.append(f"rank {rank}: {out.tolist()}, not n times the sum")
+    return wrong
+
+
+def test_a_call_behind_another_threads_async_allreduce_of_its_input_reads_the_sum(cluster):
+    assert cluster.run(behind_another_threads_call) == [[]] * cluster.world_size
 
 
 def test_the_same_registered_call_again_and_again(cluster):

@@ -108,13 +108,16 @@ class Lane:
 
     __slots__ = ("_nbytes", "_refused", "_rest", "_run", "_run_alone", "_what")
 
-    def __init__(self, mesh: CallMesh, run: PlannedRun, nbytes: int, rest: tuple, what: Operation) -> None:
+    def __init__(self, mesh: CallMesh, run: PlannedRun, nbytes: int, rest: tuple,
+                 what: Operation | None) -> None:
         self._run, self._nbytes, self._rest, self._run_alone = run, nbytes, rest, mesh.issue_queue.run_alone
         self._refused, self._what = mesh.refused, what
 
-    def __call__(self, tensor: torch.Tensor) -> None:
-        self._run_alone(self._run, (tensor.data_ptr(), self._nbytes, *self._rest), refused=self._refused,
-                        what=self._what)
+    def __call__(self, tensor: torch.Tensor, *operands: Any) -> None:
+        """Run on ``tensor``; ``operands``: any the call takes after the lane's own (a symmetric
+        one-shot's input, where it lies this time: :mod:`lab.symm_mem`)."""
+        self._run_alone(self._run, (tensor.data_ptr(), self._nbytes, *self._rest, *operands),
+                        refused=self._refused, what=self._what)
 
     def through(self, work: torch.Tensor, copy_in: Callable[[], Any]) -> None:
         """Run on ``work`` after ``copy_in()`` fills it, both at the lane's turn in the issue order:
@@ -143,16 +146,27 @@ def find_lane(mesh: CallMesh, collective: str, tensor: Any, *arguments: Any,
     is not its elements in order, memory not yet known writable (:func:`lab.buffers.known_writable`:
     the full path asks), an argument that is wrong or unhashable). ``writes`` False: the lane
     writes another tensor (an allgather's result), so ``tensor`` is only read."""
-    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_nested:
+    if not dense(tensor):
         return None
     try:
         lane = mesh.templates.get(lane_key(collective, tensor, *arguments))
     except TypeError:
         return None
-    if lane is None or not tensor.is_contiguous() or not tensor.is_cpu or tensor.is_conj() \
-            or tensor.is_neg() or (writes and not known_writable(tensor)):
+    if lane is None or not in_order(tensor) or (writes and not known_writable(tensor)):
         return None
     return lane
+
+
+def dense(tensor: Any) -> bool:
+    """Whether ``tensor`` is an exact ``torch.Tensor``, strided and not nested (a lane's key can be
+    read from it)."""
+    return type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.is_nested
+
+
+def in_order(tensor: torch.Tensor) -> bool:
+    """Whether a dense ``tensor``'s memory is its elements in order, on the CPU (as a lane reads it
+    by its address)."""
+    return tensor.is_contiguous() and tensor.is_cpu and not tensor.is_conj() and not tensor.is_neg()
 
 
 def make_lane(mesh: CallMesh, key: tuple, signature: Signature, algorithm: Any, args: tuple,
