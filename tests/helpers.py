@@ -149,11 +149,29 @@ ALGORITHMS = {
     "reduce_scatter": ["ring", "recursive_halving", "pat",
                        "auto"], "all_to_all": ["pairwise", "bruck", "auto"]}
 
-FIRST_ALGORITHMS = {"ring", "tree", "naive", "binomial", "auto"}  # the full matrix at every N, as always
+FIRST_ALGORITHMS = {"ring", "tree", "naive", "binomial", "auto"}  # the full matrix at N = 1-4
 
-FULL_MATRIX_WORLDS = (3, 6, 8)
+FULL_MATRIX_WORLDS = (3, 4)  # the later algorithms' full matrix: a fold with an extra rank, a power of two
 
 SWEEP_DTYPES = ["float32", "int64", "bfloat16"]
+
+#: The largest world size whose per-rank matrices run every dtype (see :func:`matrix_dtypes`).
+MATRIX_MAX_WORLD = 4
+
+
+def matrix_dtypes(world_size: int, dtypes):
+    """``dtypes`` (names, or a dict by name) whole at N = 1-4; from N = 5 (CI's world sizes,
+    :func:`slow_from_five`) only those of SWEEP_DTYPES, every op each takes.
+
+    A world size changes the schedule: which chunk travels where, how many rounds, the fold of the
+    extra ranks, the fold order; that is the same for every dtype of one width. A dtype and an op
+    change the kernel, which folds the N inputs in one loop whatever N is. So the dtype x op
+    product runs whole where it costs little (N = 1-4, 3 not a power of two), and N = 5-8 (five to
+    eight ranks on this machine's 2 cores) run every op on a 4-, an 8- and a 2-byte dtype: every
+    width and kernel family (float, integer, half), with each world size's schedule."""
+    keep = [name for name in dtypes if world_size <= MATRIX_MAX_WORLD or name in SWEEP_DTYPES]
+    return {name: dtypes[name] for name in keep} if isinstance(dtypes, dict) else keep
+
 
 PROD_VALUES = np.array([-2.0, -1.0, 1.0, 2.0])  # products stay exact powers of two
 
@@ -164,9 +182,10 @@ def counts(world_size: int) -> list[int]:
 
 
 def dtypes_for(world_size: int, algorithm: str, full: bool = True) -> list[str]:
-    """Every dtype, except for the later algorithms away from FULL_MATRIX_WORLDS; the wire set's
-    three widths (SWEEP_DTYPES) with ``full=False`` (see the module's docstring)."""
-    if not full:
+    """Every dtype at N = 1-4, except for the later algorithms away from FULL_MATRIX_WORLDS; the wire
+    set's three widths (SWEEP_DTYPES) with ``full=False`` (see the module's docstring) and from N = 5
+    (:func:`matrix_dtypes`)."""
+    if not full or world_size > MATRIX_MAX_WORLD:
         return SWEEP_DTYPES
     return DTYPES if algorithm in FIRST_ALGORITHMS or world_size in FULL_MATRIX_WORLDS else SWEEP_DTYPES
 
@@ -500,9 +519,6 @@ def digest(t: torch.Tensor) -> str:
         t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()
 
 
-WIRE_DTYPES = ["float32", "int64", "bfloat16"]  # 4, 8 and 2 bytes: the wire set (module docstring)
-
-
 def gloo_ops(dtype: str, full: bool) -> list[str]:
     """Every op the dtype takes; the wire set (``full=False``): every op on float32, sum elsewhere."""
     if not full and dtype != "float32":
@@ -513,7 +529,7 @@ def gloo_ops(dtype: str, full: bool) -> list[str]:
 def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int,
                       full: bool = True) -> tuple[list[str], list[str]]:
     """Run each primitive through the lab and through gloo; return (failures, allreduce digests).
-    ``full``: every dtype and op; otherwise the wire set."""
+    ``full``: every dtype and op (from N = 5, :func:`matrix_dtypes`); otherwise the wire set."""
     failures, digests = [], []
     n, rank = mesh.world_size, mesh.rank
 
@@ -524,7 +540,7 @@ def compare_with_gloo(mesh: lab.Mesh, sizes: list[int], seed: int,
             failures.append(f"rank {rank} {what}: max |lab - gloo| = {worst:.3g} over tolerance")
 
     for count in sizes:
-        for dtype in FLOATS + INTS if full else WIRE_DTYPES:
+        for dtype in matrix_dtypes(n, FLOATS + INTS) if full else SWEEP_DTYPES:
             for op in gloo_ops(dtype, full):
                 stack = random_stack(n, count, dtype, op, seed)
                 mine = stack[rank]

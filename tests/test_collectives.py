@@ -6,12 +6,13 @@ against the exact expected values, counting wrong elements. Values are chosen so
 result is representable in every dtype (half types included), so checks are bit-exact. The
 pools use tiny shm segments (256 bytes, 2 slots) so even small tensors cross many segments and
 exercise flow control, and double tree's pipeline segments are 256 bytes (``LAB_SEGMENT_BYTES``)
-so 2053 elements cross many segments. The algorithms added later (recursive doubling,
-halving-doubling, double tree, ...) run the full dtype x op matrix at N = 3, 6 and 8 (the fold with
-one and two extra ranks, and a power of two) and three dtypes (float32, int64, bfloat16: each
-kernel family) at every other world size, to keep the suite fast.
+so 2053 elements cross many segments. The first algorithms (ring, tree, naive, binomial, auto) run
+the full dtype x op matrix at N = 1-4, the ones added later (recursive doubling, halving-doubling,
+double tree, ...) at N = 3 and 4 (a fold with an extra rank, and a power of two); every other case,
+N = 5-8 included, runs every op on three dtypes (float32, int64, bfloat16: each width and kernel
+family; helpers.matrix_dtypes says why that covers N = 5-8), to keep the suite fast.
 
-The dtype x op matrix runs on shm (every world size, and the forced eager threshold); queue and
+The dtype x op matrix runs on shm (at N = 1-4); queue and
 tcp run the *wire set* (:func:`dtypes_for`, :func:`ops_for` with ``full=False``): every collective,
 algorithm, element count, root and shape at every world size, in float32 with every op and in
 int64 and bfloat16 with sum (4-, 8- and 2-byte elements: each storage width and kernel family).

@@ -3,7 +3,8 @@
 The compiled run of each algorithm must give the bits its Python run gives (the same source, two
 runs): the root mesh of an shm pool takes the compiled path, a sub-mesh of all its ranks the
 Python path, on the same ranks. Every rank checks its own output; inputs are
-``index * stride + rank``; world sizes 1-8 are pools of their own (a sub-mesh never runs compiled).
+``index * stride + rank``; world sizes 1-8 are pools of their own (a sub-mesh never runs compiled),
+every reducing dtype at N = 1-4 and float32, int64 and bfloat16 from 5 (helpers.matrix_dtypes).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 
 import pytest
 import torch
-from helpers import enter_together, pool, slow_from_five
+from helpers import enter_together, matrix_dtypes, pool, slow_from_five
 
 import lab
 from lab.algorithms import registry
@@ -70,7 +71,8 @@ def compiled_equals_python(mesh: lab.Mesh) -> list[str]:
             wrong.append(f"rank {rank} {what}: compiled {torch.as_tensor(fast).view(-1)[:4].tolist()} "
                          f"python {torch.as_tensor(slow).view(-1)[:4].tolist()}")
 
-    for name, dtype in REDUCE_DTYPES.items():  # (the dtypes only moved: tests/test_more_collectives.py)
+    for name, dtype in matrix_dtypes(
+            n, REDUCE_DTYPES).items():  # (the dtypes only moved: tests/test_more_collectives.py)
         for count in counts_around(dtype.storage.itemsize, n):
             small = count * dtype.storage.itemsize <= MAX_BYTES
             x = pattern(count, rank, dtype.torch_dtype)
@@ -144,7 +146,7 @@ def lanes(mesh: lab.Mesh) -> list[str]:
     the full path get it."""
     everyone = mesh.split(color=0)
     n, rank, wrong = mesh.world_size, mesh.rank, []
-    for name, dtype in REDUCE_DTYPES.items():
+    for name, dtype in matrix_dtypes(n, REDUCE_DTYPES).items():
         for count in (0, 1, 2 * n + 1):
             for op in OPS:
                 if op == "avg" and not dtype.is_floating:
@@ -166,7 +168,7 @@ def lanes(mesh: lab.Mesh) -> list[str]:
                     if compiled != 3 * (n > 1) or (lane is None) != no_lane:
                         wrong.append(
                             f"rank {rank} {algorithm} {name}[{count}] {op}: lane {lane}, {compiled} compiled")
-    for name, dtype in REDUCE_DTYPES.items():
+    for name, dtype in matrix_dtypes(n, REDUCE_DTYPES).items():
         for count in (0, 1, 2 * n + 1):
             for root in {0, n - 1}:
                 expected = lab.broadcast(everyone, pattern(count, rank, dtype.torch_dtype), src=root)
@@ -302,7 +304,7 @@ def reduce_scatter_lanes(mesh: lab.Mesh) -> list[str]:
     get their own blocks; the caller's tensor stays as it was."""
     everyone = mesh.split(color=0)
     n, rank, wrong = mesh.world_size, mesh.rank, []
-    for name, dtype in REDUCE_DTYPES.items():
+    for name, dtype in matrix_dtypes(n, REDUCE_DTYPES).items():
         for op in OPS:
             if op == "avg" and not dtype.is_floating:
                 continue

@@ -7,7 +7,8 @@ every rank, for every algorithm (the digests of all ranks are compared). The poo
 default shm segments, and one case is a 4 MB tensor (16 segments per rank and ring phase; 32
 double-tree pipeline segments).
 
-Every dtype and op runs on shm; queue and tcp run the wire set of tests/test_collectives.py
+Every dtype and op runs on shm (at N = 7 every op on float32, int64 and bfloat16: see
+tests/helpers.py's ``matrix_dtypes``); queue and tcp run the wire set of tests/test_collectives.py
 (float32 with every op, int64 and bfloat16 with sum: each element width), every algorithm, size
 and root. How close a result is to gloo's, and whether every rank has the same bits, is fixed by
 the algorithm's order of reduction, which no transport changes: a transport moves bytes and calls

@@ -4,7 +4,8 @@ on sub-meshes, the same fold over messages.
 
 Every rank checks its own output against a fold of ``index * stride + rank`` in rank order, and
 against the message form and two-shot (the same order, so the same bits), at every world size
-1-8 (a pool each), every reducing dtype and op, counts 0, 1, fewer than the ranks, not divisible,
+1-8 (a pool each), every reducing dtype (from N = 5 float32, int64 and bfloat16:
+helpers.matrix_dtypes) and op, counts 0, 1, fewer than the ranks, not divisible,
 and over the scratch slot (several rounds: the pools run with ``LAB_SHM_SCRATCH_BYTES=4096``).
 Failures name the rank: another size, op or algorithm, a stopped rank, a killed one; on the
 compiled path (tests/test_one_shot_compiled.py) and the Python one alike.
@@ -19,7 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import pool, slow_from_five
+from helpers import matrix_dtypes, pool, slow_from_five
 from test_two_shot import OPS, SLOT_BYTES, expected, pattern, same_bits, takes
 
 import lab
@@ -42,7 +43,7 @@ def exact_everywhere(mesh: lab.Mesh) -> list[str]:
     everyone = mesh.split(color=0)
     n, wrong = mesh.world_size, []
     assert n == 1 or mesh.exchange.scratch is not None
-    for name, dtype in REDUCE_DTYPES.items():
+    for name, dtype in matrix_dtypes(n, REDUCE_DTYPES).items():
         for count in counts(n):
             for op in OPS:
                 if not takes(op, dtype):

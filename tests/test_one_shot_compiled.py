@@ -5,7 +5,7 @@ Numba call on the shm root mesh.
 
 Every rank checks its own output against a fold of ``index * stride + rank`` in rank order and
 against two-shot's bits (the Python path, the same fold order), at world sizes 1-8, every
-reducing dtype and op, counts 0, 1, fewer than the ranks, not divisible and 16,384 elements (up to
+reducing dtype (from N = 5 float32, int64 and bfloat16: helpers.matrix_dtypes) and op, counts 0, 1, fewer than the ranks, not divisible and 16,384 elements (up to
 16 rounds of the pools' 4 KiB slot), and counts from ``mesh.stats()`` that each call took the compiled path
 where it should (every op but the bitwise ones, which have no compiled kernels and stay in
 Python). Random floats give the same bits on every rank as two-shot
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import pool, slow_from_five
+from helpers import matrix_dtypes, pool, slow_from_five
 from test_two_shot import OPS, SLOT_BYTES, expected, pattern, same_bits, takes
 
 import lab
@@ -67,7 +67,7 @@ def four_ways(mesh: lab.Mesh, x: torch.Tensor, op: str) -> tuple[list[torch.Tens
 
 def exact_and_compiled(mesh: lab.Mesh) -> list[str]:
     n, wrong = mesh.world_size, []
-    for name, dtype in REDUCE_DTYPES.items():
+    for name, dtype in matrix_dtypes(n, REDUCE_DTYPES).items():
         itemsize = torch.empty(0, dtype=dtype.torch_dtype).element_size()
         # The last: 64 KiB, or 32 KiB of a half type (where the pattern's avg stays finite).
         for count in sorted({0, 1, max(n - 1, 1), 2 * n + 1, min(LARGEST // itemsize, 16_384)}):

@@ -2,7 +2,8 @@
 place (lab.transport.peer_memory); elsewhere, and on sub-meshes, the same schedule over messages.
 
 Every rank checks its own output against a fold of ``index * stride + rank`` in rank order (the
-order the owner reduces in), at every world size 1-8 (a pool each), every reducing dtype and op,
+order the owner reduces in), at every world size 1-8 (a pool each), every reducing dtype (from N = 5
+float32, int64 and bfloat16: helpers.matrix_dtypes) and op,
 counts 0, 1, fewer than the ranks, not divisible, and over the scratch slot (several rounds:
 the pools run with ``LAB_SHM_SCRATCH_BYTES=4096``). ``lab.empty`` tensors go in and come out.
 Failures name the rank: another size or op, a stopped rank, a killed one.
@@ -19,7 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import enter_together, pool, slow_from_five
+from helpers import enter_together, matrix_dtypes, pool, slow_from_five
 
 import lab
 from lab.ops import REDUCE_DTYPES
@@ -70,7 +71,7 @@ def exact_everywhere(mesh: lab.Mesh) -> list[str]:
     everyone = mesh.split(color=0)
     n, wrong = mesh.world_size, []
     assert n == 1 or mesh.exchange.scratch is not None
-    for name, dtype in REDUCE_DTYPES.items():
+    for name, dtype in matrix_dtypes(n, REDUCE_DTYPES).items():
         for count in counts(n):
             for op in OPS:
                 if not takes(op, dtype):
