@@ -16,7 +16,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-from helpers import pool, slow_from_five
+from helpers import matrix_dtypes, pool, slow_from_five
 
 import lab
 from lab.collectives.choice import ALGORITHMS
@@ -223,12 +223,13 @@ def digest(t: torch.Tensor) -> str:
 
 def bits_agree(mesh: lab.Mesh, world: int, seed: int) -> list[tuple]:
     """Allreduce awkward values on a sub-mesh of ``world`` ranks with every algorithm, op and
-    dtype; return (case, digest) pairs for the driver to compare across ranks."""
+    dtype (from N = 5 float32, int64 and bfloat16: helpers.matrix_dtypes); return (case, digest)
+    pairs for the driver to compare across ranks."""
     sub = mesh.split(color=0 if mesh.rank < world else None)
     if sub is None:
         return []
     out = []
-    for dtype in ("float32", "float64", "float16", "bfloat16", "int32", "int64"):
+    for dtype in matrix_dtypes(world, ["float32", "float64", "float16", "bfloat16", "int32", "int64"]):
         ops = ["sum", "prod", "min", "max"] + (["avg"] if dtype not in ("int32", "int64") else [])
         for count in (1, world + 1, 67):
             for op in ops:
