@@ -311,16 +311,7 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
     """
     if _by_lane(mesh, tensor, reduce_op, out):
         return out
-    for name, value in (("tensor", tensor), ("out", out)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
-    source = as_buffer(tensor, "tensor", writable=False)
-    if out.shape != tensor.shape or out.dtype != tensor.dtype:
-        raise ValueError(f"out must have tensor's shape and dtype {tuple(tensor.shape)} {tensor.dtype}; "
-                         f"got {tuple(out.shape)} {out.dtype}")
-    if not out.is_contiguous():
-        raise ValueError("out must be contiguous (the reduction is written into its memory)")
-    target = as_buffer(out, "out")
+    source, target = _checked_buffers(tensor, out)
     op = parse_op(reduce_op)
     check_reduces(source.dtype, "allreduce")
     kernels = mesh.kernels(op, source.dtype)
@@ -336,16 +327,21 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
     signature = Signature("allreduce", "one_shot", source.dtype, source.numel, op.value)
     one_shot = ALGORITHMS["allreduce"]["one_shot"]
     args = (target.flat, kernels, source.flat)
+    # As a recording notes it, the allreduce it is (made where the rank does not record too: a lane
+    # made now keeps it for later calls, when it may).
+    what = mesh.describe("allreduce", source.dtype, source.numel, source.numel, reduce_op=op.value,
+                         algorithm="one_shot")
     # Small enough for the compiled plane: one Numba call (kernels.one_shot), made once per
     # signature, taking out by its address; in issue order as a plan's run.
     call = remembered(mesh, (_LANE, signature),
                       lambda: mesh.compiled_call(signature, one_shot, args, at=True))
     if call is not None:
-        mesh.issue_queue.run_alone(call, (first, nbytes, *call.operands(args)[1:]), refused=mesh.refused)
+        mesh.issue_queue.run_alone(call, (first, nbytes, *call.operands(args)[1:]), refused=mesh.refused,
+                                   what=what)
         scratch = mesh.exchange.scratch
         if scratch is not None and scratch.registered_at(other, nbytes) >= 0:
             remembered(mesh, lane_key(_LANE, out, *_lane_arguments(tensor, reduce_op, out)),
-                       lambda: Lane(mesh, call, nbytes, (), None))
+                       lambda: Lane(mesh, call, nbytes, (), what))
         return out
 
     def run() -> torch.Tensor:
@@ -353,7 +349,22 @@ def one_shot_all_reduce_out(tensor: torch.Tensor, reduce_op: Any, mesh: Mesh,
             mesh.run(one_shot, target.flat, kernels, source=source.flat)
         return out
 
-    return mesh.issue(run, async_op=False)
+    return mesh.issue(run, async_op=False, what=what)
+
+
+def _checked_buffers(tensor: Any, out: Any) -> tuple[Any, Any]:
+    """:func:`one_shot_all_reduce_out`'s ``tensor`` and ``out`` as buffers, or the error naming
+    the parameter that is wrong."""
+    for name, value in (("tensor", tensor), ("out", out)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+    source = as_buffer(tensor, "tensor", writable=False)
+    if out.shape != tensor.shape or out.dtype != tensor.dtype:
+        raise ValueError(f"out must have tensor's shape and dtype {tuple(tensor.shape)} {tensor.dtype}; "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous (the reduction is written into its memory)")
+    return source, as_buffer(out, "out")
 
 
 #: The name :func:`one_shot_all_reduce_out`'s compiled call and lanes are kept under.

@@ -243,6 +243,31 @@ def test_a_lane_s_call_is_recorded_as_the_full_path_s_with_what_it_returns(tmp_p
         assert ops == [("allgather", 7, 14, None), ("reduce_scatter", 7, 4 - rank, "sum")] * 2
 
 
+def symmetric_calls(mesh: lab.Mesh) -> list[tuple[str, str]]:
+    """lab.symm_mem's one-shot out of place from a registered input: its first call, again (from
+    its lane) and one over the compiled plane's threshold (its Python path); a step's end. And the
+    algorithm each ran with (its flight records)."""
+    for count in (16, 16, 40_000):
+        source = lab.symm_mem.empty(mesh, (count,), torch.float32)
+        source.fill_(mesh.rank + 1)
+        lab.symm_mem.one_shot_all_reduce_out(source, "max", mesh, torch.empty(count))
+    lab.workload.mark_step()
+    return [r.algorithm for r in mesh.flight_records() if r.collective == "allreduce"]
+
+
+def test_symmetric_memory_s_one_shot_is_recorded_as_the_allreduce_it_is(tmp_path, monkeypatch):
+    path = tmp_path / "symm.jsonl"
+    monkeypatch.setenv("LAB_WORKLOAD", str(path))
+    results = lab.spawn(symmetric_calls, 2)
+    _, rows = lines(path)
+    for rank, ran in enumerate(results):
+        ops = [(r["op"], r["count"], r["out_count"], r["reduce_op"], r["algorithm"]) for r in of(rows, rank)
+               if r["kind"] == "op" and r["op"] == "allreduce"]
+        assert ran[-3:] == ["one_shot"] * 3
+        assert ops == [("allreduce", 16, 16, "max", "one_shot")] * 2 + [
+            ("allreduce", 40_000, 40_000, "max", "one_shot")]
+
+
 TORCHRUN_RANK = """
 import lab, torch
 mesh = lab.Mesh.from_env(recv_timeout_ms=60_000)
