@@ -72,8 +72,8 @@ def compiled_equals_python(mesh: lab.Mesh) -> list[str]:
             wrong.append(f"rank {rank} {what}: compiled {torch.as_tensor(fast).view(-1)[:4].tolist()} "
                          f"python {torch.as_tensor(slow).view(-1)[:4].tolist()}")
 
-    for name, dtype in matrix_dtypes(
-            n, REDUCE_DTYPES).items():  # (the dtypes only moved: tests/test_more_collectives.py)
+    # (the dtypes only moved: tests/test_more_collectives.py)
+    for name, dtype in matrix_dtypes(n, REDUCE_DTYPES).items():
         for count in counts_around(dtype.storage.itemsize, n):
             small = count * dtype.storage.itemsize <= MAX_BYTES
             x = pattern(count, rank, dtype.torch_dtype)
@@ -508,7 +508,7 @@ def test_each_compiled_collective_names_a_stopped_dead_or_mismatched_rank(compil
     CollectiveMismatchError naming the other side); a rank that waits on one of those gets a
     DeadlineError naming whom it waited on; a rank that never depends on it finishes; nobody hangs."""
     # What the survivors see is asked here, not how long the pool waits for them after rank 1's
-    # death (1 s, then it ends them): on a loaded machine one was ended before it wrote (CI, -n 3).
+    # death (1 s, then it ends them): on a loaded machine both were ended before they wrote (-n 3).
     monkeypatch.setattr(pool_module, "FAILURE_GRACE_S", 30.0)
     deadline_ms = 3000 if how == "killed" else 1000
     with lab.launch(3, recv_timeout_ms=deadline_ms) as cluster:
