@@ -20,7 +20,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import assert_no_failures, pool, slow_from_five
+from helpers import assert_no_failures, matrix_dtypes, pool, slow_from_five
 
 import lab
 from lab.compiled.plane import DEFAULT_MAX_BYTES
@@ -427,13 +427,14 @@ def against_gloo(mesh: lab.Mesh) -> list[str]:
 
 
 def bitwise_ops(mesh: lab.Mesh) -> list[str]:
-    """band, bor and bxor (torch's BAND, BOR, BXOR) on int32 and int64, every count and allreduce
-    algorithm, and reduce and reduce_scatter; an exact reference; a float is a TypeError before any
-    message. Small tensors on shm take the Python path: compiled code has no bitwise reduction."""
+    """band, bor and bxor (torch's BAND, BOR, BXOR) on int32 and int64 (from N = 5 int64:
+    helpers.matrix_dtypes), every count and allreduce algorithm, and reduce and reduce_scatter; an
+    exact reference; a float is a TypeError before any message. Small tensors on shm take the
+    Python path: compiled code has no bitwise reduction."""
     n, rank, failures = mesh.world_size, mesh.rank, []
     combine = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
     for op, function in combine.items():
-        for dtype in (torch.int32, torch.int64):
+        for dtype in (getattr(torch, name) for name in matrix_dtypes(n, ["int32", "int64"])):
             for count in counts(n):
                 inputs = [torch.arange(count, dtype=torch.int64) * STRIDE * 7 + r for r in range(n)]
                 want = torch.from_numpy(function.reduce(np.stack([i.numpy() for i in inputs]))).to(dtype) \
