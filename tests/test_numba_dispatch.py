@@ -9,7 +9,7 @@ refuses such defaults, this test any other cause).
 Each rank counts the slow dispatches of a third round of calls: allreduce by every
 algorithm at a size the compiled plane takes and one it does not, two-shot on a registered
 tensor, every allgather, reduce_scatter and broadcast algorithm, a barrier, symmetric memory's
-signals and one-shot, and a point-to-point message.
+signals and one-shot (in place, and out of place from its lane), and a point-to-point message.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def calls_of_every_kind(mesh: lab.Mesh) -> None:
         handle.put_signal((rank + 1) % n)
         handle.wait_signal((rank - 1) % n)
         lab.symm_mem.one_shot_all_reduce(buf, "sum", mesh)
+        lab.symm_mem.one_shot_all_reduce_out(buf, "sum", mesh, torch.empty(count))  # (from its lane)
         if rank == 0:
             mesh.send(1, x)
         elif rank == 1:
