@@ -17,6 +17,7 @@ import functools
 import ipaddress
 import os
 import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -94,6 +95,7 @@ def agree_hosts(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> list[int]:
         places.append((group, local, size))
     problems = placement_problems(places)
     if problems:
+        _read_by_all(store, env, f"{prefix}/place-read")
         raise LabError(f"rank {env.rank}: the ranks disagree about where they run (GROUP_RANK, LOCAL_RANK, "
                        f"LOCAL_WORLD_SIZE, as their launchers set them): {'; '.join(problems)}")
     return [group for group, _, _ in places]
@@ -125,6 +127,17 @@ def learn_host_index(store: dist.TCPStore, env: LaunchEnv, prefix: str) -> Launc
     names = [value.decode() for value in _exchange(store, env, f"{prefix}/hostname", socket.gethostname())]
     order = list(dict.fromkeys(names))
     return dataclasses.replace(env, group_rank=order.index(names[env.rank]))
+
+
+def _read_by_all(store: dist.TCPStore, env: LaunchEnv, key: str, limit_s: float = 10.0) -> None:
+    """Before every rank fails on what it read from the store: rank 0, which may host the store
+    (it ends with rank 0's process), waits until each rank has read (``limit_s`` at most), so each
+    fails naming the problem, not with the store's broken pipe."""
+    key = f"{key}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    done, deadline = store.add(key, 1), time.monotonic() + limit_s
+    while env.rank == 0 and done < env.world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
+        done = store.add(key, 0)
 
 
 def _exchange(store: dist.TCPStore, env: LaunchEnv, key: str, value: str) -> list[bytes]:
