@@ -1,6 +1,9 @@
 """Issue 17, found from outside: jobs under torchrun, or started by hand with the variables torchrun
 sets (``tests/scripts/launcher_rank.py``: one process per rank, each with its own output), meeting
-through ``Mesh.from_env``.
+through ``Mesh.from_env``. A rank started by hand is forked from the forkserver that already
+imported torch and the lab (``tests/torch_ranks.py``'s ``ForkedScript``: the script as ``python``
+would run it, with only the environment it is given), not a new interpreter that imports them
+again (3 CPU s a rank); two torchrun launches stay real.
 
 7. the shm descriptor hand-out of ``transport="auto"`` against strangers (a second process that
    becomes ``nobody``), silent connections of this user, and a full listen queue;
@@ -30,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from helpers import child_env, free_port
+from torch_ranks import ForkedScript
 
 from lab.errors import DeadlineError, LabError
 from lab.hosts.job_secret import SecretFile, job_secret, sweep_stale_secret_files
@@ -49,9 +53,10 @@ as_root = pytest.mark.skipif(os.getuid() != 0,
 
 def start_rank(rank: int, world_size: int, port: int, xdg: Path, *, group: int | None = 0,
                local: int | None = None, local_world: int | None = None,
-               **variables: str | None) -> subprocess.Popen:
+               **variables: str | None) -> ForkedScript:
     """One rank with torchrun's variables (``None`` leaves one unset). Every job of these tests
-    keeps its secret files under ``xdg`` (``XDG_RUNTIME_DIR``), apart from other jobs'."""
+    keeps its secret files under ``xdg`` (``XDG_RUNTIME_DIR``), apart from other jobs', and its
+    ranks' output beside them."""
     env = child_env(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(port), XDG_RUNTIME_DIR=str(xdg))
     env.pop("LAB_TCP_SECRET", None)
@@ -59,11 +64,10 @@ def start_rank(rank: int, world_size: int, port: int, xdg: Path, *, group: int |
         "GROUP_RANK": group, "LOCAL_RANK": rank if local is None and group == 0 else local,
         "LOCAL_WORLD_SIZE": world_size if local_world is None and group == 0 else local_world, **variables}
     env.update({name: str(value) for name, value in given.items() if value is not None})
-    return subprocess.Popen([sys.executable, str(RANK)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return ForkedScript(RANK, env, xdg / f"rank{rank}-{secrets.token_hex(4)}.log")
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = 150) -> list[str]:
+def finish(procs: list[subprocess.Popen | ForkedScript], timeout: float = 150) -> list[str]:
     """Every rank's output once it exits; a rank still running at ``timeout`` is a hang: killed."""
     outputs, hung = [], []
     for rank, proc in enumerate(procs):
@@ -78,7 +82,7 @@ def finish(procs: list[subprocess.Popen], timeout: float = 150) -> list[str]:
     return outputs
 
 
-def kill_all(procs: list[subprocess.Popen]) -> None:
+def kill_all(procs: list[ForkedScript]) -> None:
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
@@ -119,7 +123,7 @@ def report(proc: subprocess.Popen, prefix: str) -> dict:
     return json.loads(text[len(prefix):])
 
 
-def three_ranks_at_the_door(tmp_path: Path) -> tuple[list[subprocess.Popen], Path, str]:
+def three_ranks_at_the_door(tmp_path: Path) -> tuple[list[ForkedScript], Path, str]:
     """A one-host job of 3 ranks (``auto``) whose local ranks 1 and 2 stop right before they
     connect to local rank 0's hand-out; returns the ranks, the file that lets them go on, and the
     hand-out socket's name (read from the store, as anyone on this host can)."""

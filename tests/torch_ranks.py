@@ -17,6 +17,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -130,3 +131,50 @@ def result_lines(processes: list[BaseProcess], paths: list[Path], tail: int) -> 
         lines = [line[len("RESULT "):] for line in text.splitlines() if line.startswith("RESULT ")]
         outputs.append(lines[0] if lines else f"exit {process.exitcode}: {text[-tail:]}")
     return outputs
+
+
+class ForkedScript:
+    """``python script`` in one process forked from the forkserver (:func:`start_forked`) with the
+    environment ``env``, behind the part of :class:`subprocess.Popen`'s interface that tests which
+    start ranks one by one use (``stdout.readline``, ``communicate``, ``wait``, ``poll``,
+    ``send_signal``, ``kill``). Its stdout and stderr go to one file, ``log``: ``communicate``
+    returns them together as stdout (less the lines ``stdout.readline`` took) and ``""`` as stderr.
+    """
+    def __init__(self, script: Path, env: dict[str, str], log: Path):
+        self.log, self.taken = log, 0
+        self.process = start_forked(run_script, (str(script), []), env, log, log.stem)
+        self.stdout = self
+
+    def readline(self, timeout_s: float = 150.0) -> str:
+        """The next whole line it wrote; what is left once it ended, or after ``timeout_s`` (a hang
+        guard): ``""`` where it wrote nothing more."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ended = not self.process.is_alive()  # before the read: all it wrote is then in the file
+            text = self.log.read_text()[self.taken:] if self.log.exists() else ""
+            if "\n" in text or ended or time.monotonic() > deadline:
+                line = text[:text.index("\n") + 1] if "\n" in text else text
+                self.taken += len(line)
+                return line
+            time.sleep(0.01)
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit code (``-signal`` for a signal's death), as Popen's; TimeoutExpired while it runs."""
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.log), timeout)
+        return self.process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.log.read_text()[self.taken:] if self.log.exists() else "", ""
+
+    def send_signal(self, signum: int) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.process.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
