@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from helpers import matrix_dtypes, pool, slow_from_five
+from helpers import matrix_dtypes, pool, slow_from_five, wait_until
 from test_two_shot import OPS, SLOT_BYTES, expected, pattern, same_bits, takes
 
 import lab
@@ -159,7 +159,12 @@ def again_and_again(mesh: lab.Mesh) -> list[str]:
             wrong.append(f"rank {rank} {name}: {got.tolist()}")
     scratch = mesh.exchange.scratch
     del x, y
-    if scratch is not None and scratch.in_use():
+    # Every block returns: at once, or moments later where an asynchronous call just completed
+    # (an earlier test's): the communication thread (a ThreadPoolExecutor) drops its work item, and
+    # the tensors in it, after it sets the Work's Future. A block still held after 30 s is a leak.
+    try:
+        wait_until(lambda: scratch is None or not scratch.in_use(), "every block back in the arena", 30)
+    except TimeoutError:
         wrong.append(f"rank {rank}: the arena still holds {scratch.in_use()}")
     return wrong
 
