@@ -27,7 +27,7 @@ def train(mesh, steps=20):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return loss.item(), float(sum(p.sum() for p in model.parameters()))
+    return loss.item(), float(sum(p.detach().sum() for p in model.parameters()))
 
 
 if __name__ == "__main__":
