@@ -148,7 +148,7 @@ def known_writable(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is known to be over writable memory without asking the kernel: torch
     allocated it (its storage can resize), or :func:`check_writable` found it so and it still lives
     over the same memory."""
-    return _remembered(tensor) or tensor.untyped_storage().resizable()
+    return tensor.untyped_storage().resizable() or _remembered(tensor)  # (the common case first)
 
 
 def writable(tensor: torch.Tensor) -> bool:

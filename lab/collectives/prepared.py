@@ -136,6 +136,10 @@ def lane_key(collective: str, tensor: torch.Tensor, *arguments: Any) -> tuple:
     """Where the :class:`Lane` of a plain call of ``collective`` on ``tensor`` with ``arguments``
     (as the caller passed them) is kept in ``mesh.templates``. Keyed by their types too: ``True``,
     ``1.0`` and ``1+0j`` hash as ``1`` does, and a call with one of them must meet its checks."""
+    if len(arguments) == 2:  # (an op or a root, and an algorithm: the same key 0.17 µs sooner)
+        first, second = arguments
+        return (collective, tensor.dtype, tensor.numel(), lab_algo(), first, second, type(first),
+                type(second))
     return (collective, tensor.dtype, tensor.numel(), lab_algo(), *arguments, *map(type, arguments))
 
 
