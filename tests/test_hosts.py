@@ -403,7 +403,7 @@ def gone_before_the_run(pid: int) -> None:
             with open(f"/proc/{pid}/stat") as stat:
                 if stat.read().rsplit(")", 1)[1].split()[0] in "ZX":
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between it and the read
             return
         time.sleep(0.01)
     raise AssertionError(f"pid {pid} outlived SIGKILL by 10 s")
