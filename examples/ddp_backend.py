@@ -8,7 +8,6 @@ same data, so each step prints both losses. They agree to float32 rounding: summ
 """
 
 import argparse
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,21 +21,16 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", default="lab", choices=["lab", "gloo"],
-                        help="the default process group's")
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
-    dist.init_process_group(args.backend)
+def train(backend: str, steps: int) -> None:
+    """Both twins, step by step, each step's losses printed by rank 0."""
     rank = dist.get_rank()
-    other = "gloo" if args.backend == "lab" else "lab"
+    other = "gloo" if backend == "lab" else "lab"
     twins = {
-        args.backend: DistributedDataParallel(model()),
+        backend: DistributedDataParallel(model()),
         other: DistributedDataParallel(model(), process_group=dist.new_group(backend=other))}
     optimizers = {name: torch.optim.SGD(ddp.parameters(), lr=0.01) for name, ddp in twins.items()}
     data = torch.Generator().manual_seed(rank)  # each rank its own shard of every batch
-    for step in range(args.steps):
+    for step in range(steps):
         x = torch.randn(64, 32, generator=data)
         losses = {}
         for name, ddp in twins.items():
@@ -47,11 +41,21 @@ def main() -> None:
             losses[name] = loss.item()
         if rank == 0:
             print(f"step {step}: loss on lab {losses['lab']:.6f}   on gloo {losses['gloo']:.6f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="lab", choices=["lab", "gloo"],
+                        help="the default process group's")
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    dist.init_process_group(args.backend)
+    # The twins live in train() and go with it, while the process groups still live: a DDP Reducer
+    # is freed holding the GIL, and had it held a gloo group's last reference, the group's end would
+    # join gloo's worker threads while one of them, freeing a finished work, waits for the GIL
+    # (torch 2.13 hung so at exit, seen with py-spy). destroy_process_group ends them without it.
+    train(args.backend, args.steps)
     dist.destroy_process_group()
-    # torch 2.13 can hang at exit when the twins free the gloo group: its destructor joins gloo's
-    # worker threads holding the GIL while a worker, still dropping a finished work, waits for the
-    # GIL (seen with py-spy under load). Let the workers finish first: sleeping releases the GIL.
-    time.sleep(0.5)
 
 
 if __name__ == "__main__":

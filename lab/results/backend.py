@@ -163,6 +163,20 @@ def measure(out: str, steps: int, rounds: int) -> None:
                     "part": "per call", "collective": collective, "what": impl, "ranks": n, "bytes": nbytes,
                     "median_us": seconds * 1e6, "algbw_GBps": nbytes / seconds / 1e9,
                     "busbw_GBps": nbytes / seconds / 1e9 * _bus_factor(collective, n)})
+    # The DDP models live in _ddp_steps and go with it, while the groups still live: a Reducer is freed
+    # holding the GIL, and had it held a gloo group's last reference, the group's end would join
+    # gloo's threads while one of them, freeing a finished work, waits for the GIL (a rank hung so at
+    # exit, torch 2.13). destroy_process_group ends the groups without the GIL.
+    rows += _ddp_steps(gloo, steps)
+    if rank == 0:
+        Path(out, "backend.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _ddp_steps(gloo: dist.ProcessGroup, steps: int) -> list[dict]:
+    """The DDP step on the lab, on gloo and communicating nothing, alternating, ``steps`` each after
+    two warm-up steps: one row each, the median of the slowest rank's step."""
+    rank, n, rows = dist.get_rank(), dist.get_world_size(), []
     models = {
         "lab": torch.nn.parallel.DistributedDataParallel(_mlp()),
         "gloo": torch.nn.parallel.DistributedDataParallel(_mlp(), process_group=gloo),
@@ -187,9 +201,7 @@ def measure(out: str, steps: int, rounds: int) -> None:
             "part": "DDP step", "collective": "DDP", "what": f"DDP on {name}", "ranks": n,
             "bytes": parameters * 4, "median_us": statistics.median(times) * 1e6, "algbw_GBps": float("nan"),
             "busbw_GBps": float("nan")})
-    if rank == 0:
-        Path(out, "backend.json").write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    return rows
 
 
 def section(table: pd.DataFrame) -> str:
