@@ -47,12 +47,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Before the first test of a session that starts ranks: the forkserver that starts them, with
     this module's ``helpers`` imported besides ``lab``. Every rank unpickles functions of helpers
     (and of the test modules, which import it); a forkserver that imported only ``lab`` left each
-    rank to import helpers and pytest itself (0.3 CPU s a rank). It imports ``torch._dynamo`` too,
-    which torch imports in a rank that builds a DistributedDataParallel or a pipeline stage, or
-    imports torch's own distributed tests (1.1 CPU s a rank: the backend, DDP and pipeline modules
-    took 232-250 busy CPU s without it, 152-174 with it). The lab's own forkserver stays as it is
-    for users: this one is started first, so the lab's ``start_context`` finds it running (one that
-    dies is restarted by the lab, with ``lab`` alone)."""
+    rank to import helpers and pytest itself (0.3 CPU s a rank). The lab's own forkserver stays as it
+    is for users: this one is started first, so the lab's ``start_context`` finds it running (one
+    that dies is restarted by the lab, with ``lab`` alone)."""
     if session.config.option.collectonly or all(
             item.get_closest_marker("no_ranks") for item in session.items):
         return
@@ -63,7 +60,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *filter(None, [path])])
     try:
-        multiprocessing.forkserver.set_forkserver_preload(["lab", "helpers", "torch._dynamo"])
+        multiprocessing.forkserver.set_forkserver_preload(["lab", "helpers"])
         multiprocessing.forkserver.ensure_running()
     finally:
         if path is None:
